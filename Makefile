@@ -1,0 +1,29 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Each bootstraps a local virtual environment (.venv) from nothing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test gpu-test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot,torch]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rtmem demo --out out/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+gpu-test: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+bench: $(STAMP)
+	$(PY) bench/simulate.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

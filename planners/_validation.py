@@ -1,0 +1,62 @@
+"""Small shared checks that turn user input into validated numpy arrays.
+
+Each check names the argument (and the first bad index) in its error, in the style
+of Hypothesis' ``check_valid_*`` helpers, so Chain, Platform and the testing API
+report bad input the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rtmem.errors import ChainError
+
+
+def as_vector(name: str, values, n: int | None, *, integral: bool) -> np.ndarray:
+    """Return ``values`` as a 1-D finite, non-negative float64 or int64 array.
+
+    ``n`` is the required length (``None``: any length >= 1). Sizes
+    (``integral=True``) are rounded up to whole bytes; times stay float64.
+    """
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ChainError(f"{name} must be a sequence of numbers, got {values!r}",
+                         field=name) from e
+    if arr.ndim != 1:
+        raise ChainError(f"{name} must be one-dimensional (one value per stage), "
+                         f"got shape {arr.shape}", field=name)
+    if n is not None and arr.shape[0] != n:
+        raise ChainError(f"{name} has {arr.shape[0]} entries but the chain has {n} stages "
+                         "(u_f fixes the number of stages); give one value per stage",
+                         field=name)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        i = int(bad[0])
+        raise ChainError(f"{name}[{i}] = {arr[i]} is not finite; every value must be a "
+                         "finite number", field=name, index=i)
+    bad = np.flatnonzero(arr < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ChainError(f"{name}[{i}] = {arr[i]} is negative; times (s) and sizes (bytes) "
+                         "must be >= 0", field=name, index=i)
+    if integral:
+        if arr.size and arr.max() >= 2.0**62:
+            i = int(np.argmax(arr))
+            raise ChainError(f"{name}[{i}] = {arr[i]:.3g} bytes is too large (limit 2**62)",
+                             field=name, index=i)
+        return np.ceil(arr).astype(np.int64)
+    return arr.copy()
+
+
+def as_scalar(name: str, value, *, integral: bool):
+    """Validate one finite non-negative number (bytes rounded up when ``integral``)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as e:
+        raise ChainError(f"{name} must be a number, got {value!r}", field=name) from e
+    if not math.isfinite(v) or v < 0:
+        raise ChainError(f"{name} = {value!r} must be finite and >= 0", field=name)
+    return int(math.ceil(v)) if integral else v

@@ -1,0 +1,218 @@
+"""The chain model shared by every planner.
+
+NOTE [ Chain notation ]
+A chain has ``n`` stages (0-based here, 1-based in the thesis: our stage ``i`` is
+the thesis' layer ``i+1``), followed by a loss. Stage ``i`` reads activation ``i``
+and writes activation ``i+1``; activation 0 is the chain input.
+
+- ``u_f[i]``, ``u_b[i]`` (seconds): forward / backward time of stage ``i``
+  (u_{F_l}, u_{B_l} in thesis-remat.md §3.1).
+- ``x[i]`` (bytes): size of the stage output a_{i+1}; also the size of the gradient
+  delta_{i+1} flowing back into it (erratum 13 of thesis-remat.md: delta = a is
+  assumed by every recurrence).
+- ``xbar[i]`` (bytes): everything the stage's backward needs from its forward,
+  output included (abar_{i+1}); ``xbar >= x``.
+- ``x0`` (bytes): the chain input a_0 (abar_0 = a_0 by convention).
+- ``w[i]`` (bytes): weights of the stage; its weight gradient has the same size.
+- ``o_f[i]``, ``o_b[i]`` (bytes): temporary memory of forward / backward.
+- ``u_loss`` (s), ``o_loss`` (bytes): time and overhead of the loss (forward and
+  backward together); the loss turns a_n into delta_n, whose size is ``x[-1]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rtmem.errors import ChainError
+
+from ._validation import as_scalar, as_vector
+
+__all__ = ["Chain"]
+
+_FORMAT = "rtmem.chain"
+_VERSION = 1
+_ARRAYS = ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")
+_SIZES = frozenset({"x", "xbar", "w", "o_f", "o_b"})
+
+
+@dataclass(frozen=True, eq=False)
+class Chain:
+    """A sequential network as the planners see it: per-stage times and sizes.
+
+    Parameters
+    ----------
+    u_f, u_b:
+        Forward and backward time of each stage, seconds (>= 0, finite).
+    x:
+        Size of each stage's output activation, bytes.
+    xbar:
+        Size of everything each stage saves for its backward (output included),
+        bytes; must be >= ``x`` stage by stage.
+    w:
+        Weight bytes per stage (default 0). Weight gradients are the same size.
+    x0:
+        Size of the chain input, bytes (default 0).
+    o_f, o_b:
+        Temporary memory of each forward / backward, bytes (default 0).
+    u_loss, o_loss:
+        Loss time (s) and temporary memory (bytes), default 0.
+    name:
+        Free-form label used in tables and plots.
+
+    All arrays are validated on construction: same length, at least one stage,
+    finite and non-negative; a :class:`~rtmem.errors.ChainError` names the field and
+    the first bad index. Byte sizes are stored as int64 (rounded up), times as
+    float64. See ``NOTE [ Chain notation ]`` in this module for the mapping to the
+    thesis' notation.
+    """
+
+    u_f: np.ndarray
+    u_b: np.ndarray
+    x: np.ndarray
+    xbar: np.ndarray
+    w: np.ndarray = None
+    x0: int = 0
+    o_f: np.ndarray = None
+    o_b: np.ndarray = None
+    u_loss: float = 0.0
+    o_loss: int = 0
+    name: str = field(default="")
+
+    def __post_init__(self):
+        u_f = as_vector("u_f", self.u_f, None, integral=False)
+        n = u_f.shape[0]
+        if n == 0:
+            raise ChainError("a chain needs at least one stage; u_f is empty", field="u_f")
+        values = {"u_f": u_f}
+        for name in _ARRAYS[1:]:
+            raw = getattr(self, name)
+            if raw is None:
+                if name in ("u_b", "x", "xbar"):
+                    raise ChainError(f"{name} is required", field=name)
+                raw = np.zeros(n)
+            values[name] = as_vector(name, raw, n, integral=name in _SIZES)
+        bad = np.flatnonzero(values["xbar"] < values["x"])
+        if bad.size:
+            i = int(bad[0])
+            raise ChainError(
+                f"xbar[{i}] = {values['xbar'][i]} < x[{i}] = {values['x'][i]}: what a stage "
+                "saves for backward includes its output, so xbar must be >= x",
+                field="xbar", index=i)
+        for name, arr in values.items():
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+        object.__setattr__(self, "x0", as_scalar("x0", self.x0, integral=True))
+        object.__setattr__(self, "u_loss", as_scalar("u_loss", self.u_loss, integral=False))
+        object.__setattr__(self, "o_loss", as_scalar("o_loss", self.o_loss, integral=True))
+        object.__setattr__(self, "name", str(self.name))
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def n(self) -> int:
+        """Number of stages (the loss not included)."""
+        return int(self.u_f.shape[0])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __repr__(self) -> str:
+        label = f" {self.name!r}" if self.name else ""
+        return (f"<Chain{label}: {self.n} stages, compute {self.compute_time:.4g} s, "
+                f"sum(xbar) {int(self.xbar.sum())} B, weights {int(self.w.sum())} B>")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Chain):
+            return NotImplemented
+        return (all(np.array_equal(getattr(self, a), getattr(other, a)) for a in _ARRAYS)
+                and (self.x0, self.u_loss, self.o_loss, self.name)
+                == (other.x0, other.u_loss, other.o_loss, other.name))
+
+    __hash__ = None
+
+    @property
+    def compute_time(self) -> float:
+        """Sum of all forward and backward times plus the loss, seconds: the
+        makespan of training without recomputation or waiting."""
+        return float(self.u_f.sum() + self.u_b.sum() + self.u_loss)
+
+    def activation_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sizes (bytes) of a_k and abar_k for k = 0..n (index 0 is the input)."""
+        a = np.concatenate(([self.x0], self.x)).astype(np.int64)
+        abar = np.concatenate(([self.x0], self.xbar)).astype(np.int64)
+        return a, abar
+
+    # ----------------------------------------------------------- constructors
+    @classmethod
+    def homogeneous(cls, n: int, *, u_f: float = 1.0, u_b: float = 1.0, x: int = 1,
+                    xbar: int | None = None, x0: int | None = None, w: int = 0,
+                    u_loss: float = 0.0, name: str = "") -> "Chain":
+        """A chain of ``n`` identical stages (the Revolve setting).
+
+        ``xbar`` defaults to ``x`` and ``x0`` to ``x`` (unit sizes everywhere).
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ChainError(f"n must be an integer >= 1, got {n!r}", field="n")
+        xbar = x if xbar is None else xbar
+        x0 = x if x0 is None else x0
+        return cls(u_f=[u_f] * n, u_b=[u_b] * n, x=[x] * n, xbar=[xbar] * n, w=[w] * n,
+                   x0=x0, u_loss=u_loss, name=name or f"homogeneous-{n}")
+
+    # ------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        """Plain-Python form (lists and numbers) used by :meth:`to_json`."""
+        d = {"format": _FORMAT, "version": _VERSION, "name": self.name, "n": self.n,
+             "x0": self.x0, "u_loss": self.u_loss, "o_loss": self.o_loss}
+        for a in _ARRAYS:
+            d[a] = getattr(self, a).tolist()
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Serialize to a JSON string; :meth:`from_json` reads it back exactly."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d) -> "Chain":
+        """Build a chain from :meth:`to_dict` output. Unknown keys are an error."""
+        if not isinstance(d, dict):
+            raise ChainError(f"a chain document must be a JSON object, got {type(d).__name__}")
+        if d.get("format", _FORMAT) != _FORMAT:
+            raise ChainError(f"not a chain document: format is {d.get('format')!r}, "
+                             f"expected {_FORMAT!r}")
+        if d.get("version", _VERSION) != _VERSION:
+            raise ChainError(f"chain document version {d.get('version')!r} is not supported "
+                             f"(this rtmem reads version {_VERSION})")
+        known = set(_ARRAYS) | {"format", "version", "name", "n", "x0", "u_loss", "o_loss"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ChainError(f"unknown chain field(s) {unknown}; known fields are "
+                             f"{sorted(known)}")
+        kwargs = {k: d[k] for k in known - {"format", "version", "n"} if k in d}
+        chain = cls(**kwargs)
+        if "n" in d and d["n"] != chain.n:
+            raise ChainError(f"chain document says n = {d['n']} but its arrays have "
+                             f"{chain.n} stages", field="n")
+        return chain
+
+    @classmethod
+    def from_json(cls, text: str) -> "Chain":
+        """Parse a chain from a JSON string (see :meth:`to_json`)."""
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ChainError(f"malformed chain JSON: {e}") from e
+        return cls.from_dict(d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the chain as JSON to ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json(indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Chain":
+        """Read a chain saved by :meth:`save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())

@@ -1,0 +1,70 @@
+"""The machine a schedule runs on, as the simulator and planners model it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rtmem.errors import PlatformError, UnitError
+from rtmem.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
+
+__all__ = ["Platform", "CHANNELS"]
+
+#: Channel models: ``"shared"`` is one link used by one transfer at a time in
+#: either direction (assumption O.1 of thesis-offload.md); ``"duplex"`` has one
+#: link per direction, each at the full bandwidth (weight-offloading.md §1.1).
+CHANNELS = ("shared", "duplex")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Device memory, host link bandwidth and channel model.
+
+    Parameters
+    ----------
+    memory:
+        Device memory available to the schedule, in bytes (> 0). Everything the
+        simulator tracks counts against it: activations, weights, weight
+        gradients, temporaries. ``math.inf`` means unlimited. Strings such as
+        ``"12GiB"`` are accepted.
+    bandwidth:
+        Host<->device bandwidth in bytes/s (> 0, default ``inf``: transfers take
+        no time). Strings such as ``"12 GB/s"`` are accepted.
+    channel:
+        ``"shared"`` (one transfer at a time, either direction) or ``"duplex"``
+        (one transfer per direction at a time).
+    """
+
+    memory: float
+    bandwidth: float = math.inf
+    channel: str = "shared"
+
+    def __post_init__(self):
+        mem = self.memory
+        if isinstance(mem, str) and mem.strip().lower() in ("inf", "unlimited"):
+            mem = math.inf
+        if not (isinstance(mem, float) and math.isinf(mem) and mem > 0):
+            try:
+                mem = parse_bytes(mem)
+            except UnitError as e:
+                raise PlatformError(f"invalid memory {self.memory!r}: {e}") from e
+            if mem <= 0:
+                raise PlatformError(f"memory must be > 0 bytes, got {self.memory!r}; give "
+                                    "the device memory budget, e.g. Platform('12GiB')")
+        try:
+            bw = parse_bandwidth(self.bandwidth)
+        except UnitError as e:
+            raise PlatformError(f"invalid bandwidth {self.bandwidth!r}: {e}") from e
+        if self.channel not in CHANNELS:
+            raise PlatformError(f"channel must be one of {CHANNELS}, got {self.channel!r}")
+        object.__setattr__(self, "memory", mem)
+        object.__setattr__(self, "bandwidth", bw)
+
+    @property
+    def memory_limit(self) -> int:
+        """Memory limit as an int64-safe integer (``2**62`` stands for unlimited)."""
+        return 2**62 if math.isinf(self.memory) else int(self.memory)
+
+    def __str__(self) -> str:
+        return (f"{format_bytes(self.memory)} device memory, "
+                f"{format_bandwidth(self.bandwidth)} {self.channel} channel")

@@ -1,0 +1,608 @@
+"""The schedule simulator: the one oracle every planner is checked against.
+
+NOTE [ Simulator semantics ]
+The compute operations (F_none, F_ck, F_all, L, B) follow Table 2.1 of the thesis
+exactly (thesis-remat.md §3.1 and Appendix A.1): no implicit deletes, F_none reads
+only a plain a_i (erratum 12), B i needs delta_{i+1}, abar_{i+1} and a_i or abar_i
+and consumes delta_{i+1}, abar_{i+1} and a plain a_i. Backward steps must come in
+the order L, B n-1, ..., B 0, each exactly once. The memory an operation needs is
+everything resident + its output + its overhead (Rule 1 below).
+
+Rules (numbered so code can point at them):
+
+1. Memory is every byte resident on the device: activations, gradients
+   delta_k (delta_{n+1} has size 0, delta_k has the size of a_k), weights, weight
+   gradients (created by B i, w[i] bytes), and, while a compute op runs, its output
+   and temporary overhead. It must never exceed ``Platform.memory``.
+2. Compute ops run one at a time, in schedule order, on the compute stream. An op
+   starts at the earliest time when (a) the previous compute op has ended, (b) its
+   inputs are on the device (a prefetch has finished) and (c) its memory fits,
+   waiting for in-flight frees (offload completions) if needed (assumption O.3).
+3. A transfer is *issued* when the compute stream reaches it in schedule order,
+   i.e. at the end of the previous compute op (an executor records an event after
+   each compute op and makes the copy wait on it). It starts when its channel is
+   free (``shared``: one channel for both directions, O.1; ``duplex``: one per
+   direction) and its source is ready, and lasts size / bandwidth (O.2).
+   Transfers on one channel run in issue order.
+4. A prefetch reserves its full size when issued (an allocator must hand out the
+   destination before the copy is enqueued); this is at or before the transfer
+   start, so it is at least as strict as O.7. If the reservation does not fit it
+   waits for in-flight frees, blocking the schedule (the host thread) meanwhile.
+5. ``offload`` copies to the host and leaves the device copy in place, so compute
+   ops may keep reading it (the thesis' offload of abar_l runs while F_{l+1} reads
+   it). ``delete`` drops the device copy; the bytes return when every transfer
+   reading it has finished (O.7: an offload frees on completion). A delete of data
+   with no host copy discards it (explicit deletes are outside the thesis' model,
+   erratum 11; the planners never emit them for remat alone).
+6. ``w_offload i`` copies the weights of stage i to the host and frees them on
+   completion; ``w_delete i`` frees them at once (the host holds the master copy);
+   ``w_prefetch i`` brings them back (Rule 4). F i and B i need the weights of
+   stage i. ``g_offload i`` moves the weight gradient made by B i to the host and
+   frees it on completion. All weights start on the device.
+7. The makespan is the end of the last operation, transfers included.
+
+All sizes are int64 bytes and all times float64 seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from rtmem.errors import ScheduleError
+from rtmem.units import format_bytes
+
+from .chain import Chain
+from .platform import Platform
+from .schedule import ACTIVATION_OPS, Op, Schedule
+
+__all__ = ["SimResult", "simulate"]
+
+# Error codes returned by the jitted core; _raise() turns them into messages.
+_OK = 0
+_E_MISSING_INPUT = 1      # a: activation index, b: 1 if a plain copy was required
+_E_BACKWARD_ORDER = 2     # a: stage given (-1: loss), b: stage expected (-1: loss)
+_E_MISSING_ABAR = 3       # a: activation index
+_E_MEMORY = 4             # a: bytes over the limit, b: bytes needed by the op
+_E_INCOMPLETE = 5         # a: next expected backward stage (-1: loss)
+_E_NOT_RESIDENT = 6       # a: activation index, b: kind
+_E_ALREADY_RESIDENT = 7   # a: activation index, b: kind
+_E_NO_HOST_COPY = 8       # a: activation index, b: kind
+_E_HOST_COPY_EXISTS = 9   # a: activation index, b: kind
+_E_WEIGHT_MISSING = 10    # a: stage
+_E_WEIGHT_STATE = 11      # a: stage, b: 1 if the weights were expected on the device
+_E_GRAD_MISSING = 12      # a: stage
+_E_INITIAL_MEMORY = 13    # a: bytes over the limit
+
+_REASONS = {
+    _E_MISSING_INPUT: "missing-input", _E_BACKWARD_ORDER: "backward-order",
+    _E_MISSING_ABAR: "missing-input", _E_MEMORY: "memory-limit",
+    _E_INCOMPLETE: "incomplete", _E_NOT_RESIDENT: "not-resident",
+    _E_ALREADY_RESIDENT: "already-resident", _E_NO_HOST_COPY: "no-host-copy",
+    _E_HOST_COPY_EXISTS: "host-copy-exists", _E_WEIGHT_MISSING: "missing-weights",
+    _E_WEIGHT_STATE: "weight-state", _E_GRAD_MISSING: "missing-gradient",
+    _E_INITIAL_MEMORY: "memory-limit",
+}
+
+_F_NONE, _F_CK, _F_ALL, _LOSS, _B = int(Op.F_NONE), int(Op.F_CK), int(Op.F_ALL), \
+    int(Op.LOSS), int(Op.B)
+_DELETE, _OFFLOAD, _PREFETCH = int(Op.DELETE), int(Op.OFFLOAD), int(Op.PREFETCH)
+_W_OFFLOAD, _W_DELETE, _W_PREFETCH, _G_OFFLOAD = int(Op.W_OFFLOAD), int(Op.W_DELETE), \
+    int(Op.W_PREFETCH), int(Op.G_OFFLOAD)
+
+TIMELINE_DTYPE = np.dtype([("start", np.float64), ("end", np.float64),
+                           ("mem", np.int64), ("mem_after", np.int64)])
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Outcome of :func:`simulate`.
+
+    Attributes
+    ----------
+    makespan:
+        End of the last operation, seconds.
+    peak:
+        Highest device memory in use at any time, bytes.
+    timeline:
+        Structured array, one row per operation: ``start`` and ``end`` (s),
+        ``mem`` (bytes in use while it runs: for compute ops resident data plus
+        output plus overhead; for transfers and frees the usage right after the
+        op was issued) and ``mem_after`` (bytes when the op is over).
+    compute_time:
+        Total busy time of the compute stream, seconds.
+    h2d_bytes, d2h_bytes:
+        Bytes moved host->device and device->host.
+    """
+
+    makespan: float
+    peak: int
+    timeline: np.ndarray
+    compute_time: float
+    h2d_bytes: int
+    d2h_bytes: int
+
+    @property
+    def idle_time(self) -> float:
+        """Makespan minus compute time: seconds lost waiting for transfers or frees."""
+        return self.makespan - self.compute_time
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply_frees(t, mem, pf_t, pf_b, npf):
+    """Apply every pending free due at or before ``t``; return (mem, npf)."""
+    k = 0
+    while k < npf:
+        if pf_t[k] <= t:
+            mem -= pf_b[k]
+            npf -= 1
+            pf_t[k] = pf_t[npf]
+            pf_b[k] = pf_b[npf]
+        else:
+            k += 1
+    return mem, npf
+
+
+@numba.njit(cache=True, nogil=True)
+def _wait_for_memory(t, extra, limit, mem, pf_t, pf_b, npf):
+    """Earliest time >= t at which ``mem + extra <= limit`` (Rule 2c / Rule 4).
+
+    Returns (time, mem, npf, over): ``over`` > 0 means it never fits, by that many
+    bytes even after every pending free.
+    """
+    mem, npf = _apply_frees(t, mem, pf_t, pf_b, npf)
+    while mem + extra > limit and npf > 0:
+        k_min = 0
+        for k in range(1, npf):
+            if pf_t[k] < pf_t[k_min]:
+                k_min = k
+        t = max(t, pf_t[k_min])
+        mem, npf = _apply_frees(t, mem, pf_t, pf_b, npf)
+    over = mem + extra - limit
+    return t, mem, npf, over if over > 0 else 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
+                   u_loss, o_loss, limit, bandwidth, duplex, out, err, stats):
+    """Walk the schedule; fill ``out`` (n_ops x 4: start, end, mem, mem_after).
+
+    Returns (makespan, peak). On a violation ``err`` holds (code, op index, a, b)
+    and the return values are meaningless. Stage ranges are checked by the caller.
+    """
+    n = u_f.shape[0]
+    n_ops = op.shape[0]
+    # device residency and ready time of a_k (kind 0) and abar_k (kind 1), k = 0..n
+    dev = np.zeros((n + 1, 2), np.bool_)
+    ready = np.zeros((n + 1, 2))
+    busy_until = np.zeros((n + 1, 2))     # end of the last transfer reading/writing it
+    host = np.zeros((n + 1, 2), np.bool_)
+    host_ready = np.zeros((n + 1, 2))
+    w_dev = np.ones(n, np.bool_)
+    w_ready = np.zeros(n)
+    w_busy = np.zeros(n)
+    w_host_ready = np.zeros(n)
+    g_dev = np.zeros(n, np.bool_)
+    g_ready = np.zeros(n)
+    pf_t = np.empty(n_ops + 1)
+    pf_b = np.empty(n_ops + 1, np.int64)
+    npf = 0
+    chan_free = np.zeros(2)
+    h2d = 0
+    d2h = 1 if duplex else 0
+    dev[0, 0] = True
+    mem = a_size[0] + w.sum()
+    peak = mem
+    if mem > limit:
+        err[0] = _E_INITIAL_MEMORY
+        err[1] = -1
+        err[2] = mem - limit
+        return 0.0, peak
+    g = n + 1                      # index of the current gradient delta_g
+    cursor = 0.0                   # compute stream free / transfer issue time
+    last_end = 0.0
+    busy = 0.0
+    moved_h2d = 0
+    moved_d2h = 0
+    for j in range(n_ops):
+        code = op[j]
+        s = stage[j]
+        start = cursor
+        end = cursor
+        if code <= _B:
+            # ---------------------------------------------------- compute ops
+            t0 = cursor
+            dur = 0.0
+            need = 0
+            if code == _LOSS:
+                if g != n + 1:
+                    err[0] = _E_BACKWARD_ORDER
+                    err[1] = j
+                    err[2] = -1
+                    err[3] = g - 1
+                    return 0.0, peak
+                if not (dev[n, 0] or dev[n, 1]):
+                    err[0] = _E_MISSING_INPUT
+                    err[1] = j
+                    err[2] = n
+                    return 0.0, peak
+                t_in = 1e300
+                for kind in range(2):
+                    if dev[n, kind]:
+                        t_in = min(t_in, ready[n, kind])
+                t0 = max(t0, t_in)
+                dur = u_loss
+                need = a_size[n] + o_loss
+            else:
+                if not w_dev[s]:
+                    err[0] = _E_WEIGHT_MISSING
+                    err[1] = j
+                    err[2] = s
+                    return 0.0, peak
+                t0 = max(t0, w_ready[s])
+                if code == _B:
+                    if g != s + 1:
+                        err[0] = _E_BACKWARD_ORDER
+                        err[1] = j
+                        err[2] = s
+                        err[3] = -1 if g == n + 1 else g - 1
+                        return 0.0, peak
+                    if not dev[s + 1, 1]:
+                        err[0] = _E_MISSING_ABAR
+                        err[1] = j
+                        err[2] = s + 1
+                        return 0.0, peak
+                    t0 = max(t0, ready[s + 1, 1])
+                    dur = u_b[s]
+                    need = a_size[s] + o_b[s] + w[s]
+                else:
+                    dur = u_f[s]
+                    need = (abar_size[s + 1] if code == _F_ALL else a_size[s + 1]) + o_f[s]
+                if code == _F_NONE:
+                    if not dev[s, 0]:
+                        err[0] = _E_MISSING_INPUT
+                        err[1] = j
+                        err[2] = s
+                        err[3] = 1
+                        return 0.0, peak
+                    t0 = max(t0, ready[s, 0])
+                else:
+                    if not (dev[s, 0] or dev[s, 1]):
+                        err[0] = _E_MISSING_INPUT
+                        err[1] = j
+                        err[2] = s
+                        return 0.0, peak
+                    t_in = 1e300
+                    for kind in range(2):
+                        if dev[s, kind]:
+                            t_in = min(t_in, ready[s, kind])
+                    t0 = max(t0, t_in)
+            start, mem, npf, over = _wait_for_memory(t0, need, limit, mem, pf_t, pf_b, npf)
+            if over > 0:
+                err[0] = _E_MEMORY
+                err[1] = j
+                err[2] = over
+                err[3] = need
+                return 0.0, peak
+            end = start + dur
+            out[j, 2] = mem + need
+            if mem + need > peak:
+                peak = mem + need
+            busy += dur
+            # effects at the end of the op (Table 2.1)
+            if code == _LOSS or code == _B:
+                k_in = n if code == _LOSS else s          # input activation index
+                if code == _B:
+                    mem -= a_size[s + 1]                  # delta_{s+1} consumed
+                    dev[s + 1, 1] = False
+                    t_free = max(end, busy_until[s + 1, 1])
+                    if t_free > end:
+                        pf_t[npf] = t_free
+                        pf_b[npf] = abar_size[s + 1]
+                        npf += 1
+                    else:
+                        mem -= abar_size[s + 1]
+                    g_dev[s] = True
+                    g_ready[s] = end
+                    mem += w[s]
+                if dev[k_in, 0] and not dev[k_in, 1]:
+                    dev[k_in, 0] = False
+                    t_free = max(end, busy_until[k_in, 0])
+                    if t_free > end:
+                        pf_t[npf] = t_free
+                        pf_b[npf] = a_size[k_in]
+                        npf += 1
+                    else:
+                        mem -= a_size[k_in]
+                mem += a_size[k_in]                       # delta_{k_in} produced
+                g = k_in
+            else:
+                if code == _F_NONE:
+                    dev[s, 0] = False
+                    t_free = max(end, busy_until[s, 0])
+                    if t_free > end:
+                        pf_t[npf] = t_free
+                        pf_b[npf] = a_size[s]
+                        npf += 1
+                    else:
+                        mem -= a_size[s]
+                kind = 1 if code == _F_ALL else 0
+                if not dev[s + 1, kind]:
+                    dev[s + 1, kind] = True
+                    ready[s + 1, kind] = end
+                    mem += abar_size[s + 1] if kind == 1 else a_size[s + 1]
+            cursor = end
+        elif code == _DELETE or code == _OFFLOAD or code == _PREFETCH:
+            # ------------------------------------------------ activation moves
+            kind = aux[j]
+            size = abar_size[s] if kind == 1 else a_size[s]
+            if code == _PREFETCH:
+                if dev[s, kind]:
+                    err[0] = _E_ALREADY_RESIDENT
+                    err[1] = j
+                    err[2] = s
+                    err[3] = kind
+                    return 0.0, peak
+                if not host[s, kind]:
+                    err[0] = _E_NO_HOST_COPY
+                    err[1] = j
+                    err[2] = s
+                    err[3] = kind
+                    return 0.0, peak
+                t_issue, mem, npf, over = _wait_for_memory(cursor, size, limit, mem,
+                                                           pf_t, pf_b, npf)
+                if over > 0:
+                    err[0] = _E_MEMORY
+                    err[1] = j
+                    err[2] = over
+                    err[3] = size
+                    return 0.0, peak
+                cursor = t_issue
+                mem += size
+                if mem > peak:
+                    peak = mem
+                start = max(t_issue, host_ready[s, kind], chan_free[h2d])
+                end = start + size / bandwidth
+                chan_free[h2d] = end
+                dev[s, kind] = True
+                ready[s, kind] = end
+                busy_until[s, kind] = end
+                moved_h2d += size
+            else:
+                if not dev[s, kind]:
+                    err[0] = _E_NOT_RESIDENT
+                    err[1] = j
+                    err[2] = s
+                    err[3] = kind
+                    return 0.0, peak
+                if code == _OFFLOAD:
+                    if host[s, kind]:
+                        err[0] = _E_HOST_COPY_EXISTS
+                        err[1] = j
+                        err[2] = s
+                        err[3] = kind
+                        return 0.0, peak
+                    start = max(cursor, ready[s, kind], chan_free[d2h])
+                    end = start + size / bandwidth
+                    chan_free[d2h] = end
+                    host[s, kind] = True
+                    host_ready[s, kind] = end
+                    busy_until[s, kind] = max(busy_until[s, kind], end)
+                    moved_d2h += size
+                else:
+                    dev[s, kind] = False
+                    t_free = max(cursor, busy_until[s, kind])
+                    end = t_free
+                    if t_free > cursor:
+                        pf_t[npf] = t_free
+                        pf_b[npf] = size
+                        npf += 1
+                    else:
+                        mem -= size
+            out[j, 2] = mem
+        elif code == _W_PREFETCH:
+            if w_dev[s]:
+                err[0] = _E_WEIGHT_STATE
+                err[1] = j
+                err[2] = s
+                err[3] = 0
+                return 0.0, peak
+            t_issue, mem, npf, over = _wait_for_memory(cursor, w[s], limit, mem,
+                                                       pf_t, pf_b, npf)
+            if over > 0:
+                err[0] = _E_MEMORY
+                err[1] = j
+                err[2] = over
+                err[3] = w[s]
+                return 0.0, peak
+            cursor = t_issue
+            mem += w[s]
+            if mem > peak:
+                peak = mem
+            start = max(t_issue, w_host_ready[s], chan_free[h2d])
+            end = start + w[s] / bandwidth
+            chan_free[h2d] = end
+            w_dev[s] = True
+            w_ready[s] = end
+            w_busy[s] = end
+            moved_h2d += w[s]
+            out[j, 2] = mem
+        elif code == _W_OFFLOAD or code == _W_DELETE:
+            if not w_dev[s]:
+                err[0] = _E_WEIGHT_STATE
+                err[1] = j
+                err[2] = s
+                err[3] = 1
+                return 0.0, peak
+            w_dev[s] = False
+            if code == _W_OFFLOAD:
+                start = max(cursor, w_ready[s], chan_free[d2h])
+                end = start + w[s] / bandwidth
+                chan_free[d2h] = end
+                w_host_ready[s] = end
+                moved_d2h += w[s]
+            else:
+                end = max(cursor, w_busy[s])
+            if end > cursor:
+                pf_t[npf] = end
+                pf_b[npf] = w[s]
+                npf += 1
+            else:
+                mem -= w[s]
+            out[j, 2] = mem
+        else:  # _G_OFFLOAD
+            if not g_dev[s]:
+                err[0] = _E_GRAD_MISSING
+                err[1] = j
+                err[2] = s
+                return 0.0, peak
+            g_dev[s] = False
+            start = max(cursor, g_ready[s], chan_free[d2h])
+            end = start + w[s] / bandwidth
+            chan_free[d2h] = end
+            moved_d2h += w[s]
+            if end > cursor:
+                pf_t[npf] = end
+                pf_b[npf] = w[s]
+                npf += 1
+            else:
+                mem -= w[s]
+            out[j, 2] = mem
+        out[j, 0] = start
+        out[j, 1] = end
+        if end > last_end:
+            last_end = end
+        # bytes in use once this op is over (frees due by its end applied)
+        after = mem
+        for k in range(npf):
+            if pf_t[k] <= end:
+                after -= pf_b[k]
+        out[j, 3] = after
+    if g != 0:
+        err[0] = _E_INCOMPLETE
+        err[1] = -1
+        err[2] = -1 if g == n + 1 else g - 1
+        return 0.0, peak
+    stats[0] = busy
+    stats[1] = moved_h2d
+    stats[2] = moved_d2h
+    return last_end, peak
+
+
+def _check_ranges(chain: Chain, schedule: Schedule) -> None:
+    n = chain.n
+    is_act = np.isin(schedule.op, [int(o) for o in ACTIVATION_OPS])
+    is_loss = schedule.op == int(Op.LOSS)
+    limit = np.where(is_act, n, n - 1)
+    bad = (~is_loss) & (schedule.stage > limit)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        what = f"activation index {int(schedule.stage[k])} (valid: 0..{n})" if is_act[k] \
+            else f"stage {int(schedule.stage[k])} (valid: 0..{n - 1})"
+        raise ScheduleError(f"op {k} ({schedule.op_text(k)}): {what} is out of range for "
+                            f"a chain of {n} stages", op_index=k, reason="stage-range")
+
+
+def _act(k: int, kind: int) -> str:
+    return f"{'abar' if kind else 'a'}{k}"
+
+
+def _raise(err, schedule: Schedule, chain: Chain, platform: Platform) -> None:
+    code, j, a, b = (int(v) for v in err)
+    where = f"op {j} ({schedule.op_text(j)})" if j >= 0 else "after the last op"
+    if code == _E_MISSING_INPUT:
+        if b == 1:
+            what = (f"needs the plain activation a{a} on the device, but it is not there"
+                    + (f" (only abar{a} is; F_none cannot read abar, use F_ck or F_all)"
+                       if a > 0 else ""))
+        else:
+            what = (f"needs a{a} or abar{a} on the device, but neither is there; compute "
+                    "it again or prefetch it first")
+    elif code == _E_BACKWARD_ORDER:
+        given = "the loss" if a == -1 else f"B {a}"
+        expected = "the loss (L)" if b == -1 else f"B {b}"
+        what = (f"runs {given} but the next backward step must be {expected}; backward "
+                "steps run once each, in the order L, B n-1, ..., B 0")
+    elif code == _E_MISSING_ABAR:
+        what = (f"needs abar{a} (made by F_all {a - 1}) on the device, but it is not "
+                f"there; run F_all {a - 1} (or prefetch abar{a}) before it")
+    elif code == _E_MEMORY:
+        what = (f"needs {b:,} bytes more but memory would exceed the limit of "
+                f"{platform.memory_limit:,} bytes ({format_bytes(platform.memory_limit)}) "
+                f"by {a:,} bytes even after every pending free; give more memory or "
+                "keep less data")
+        if j < 0:
+            what = (f"the chain input and weights alone need {a:,} bytes more than the "
+                    f"limit of {platform.memory_limit:,} bytes")
+    elif code == _E_INITIAL_MEMORY:
+        what = (f"the chain input and weights alone exceed the memory limit of "
+                f"{platform.memory_limit:,} bytes by {a:,} bytes")
+        where = "before the first op"
+    elif code == _E_INCOMPLETE:
+        missing = "the loss (L)" if a == -1 else f"B {a}"
+        what = (f"the schedule ends before the backward pass is complete: {missing} and "
+                "the backward steps after it never run")
+    elif code == _E_NOT_RESIDENT:
+        what = f"{_act(a, b)} is not on the device"
+    elif code == _E_ALREADY_RESIDENT:
+        what = f"{_act(a, b)} is already on the device; prefetch only what was deleted"
+    elif code == _E_NO_HOST_COPY:
+        what = f"{_act(a, b)} has no host copy; offload it before prefetching it"
+    elif code == _E_HOST_COPY_EXISTS:
+        what = (f"{_act(a, b)} already has a host copy (each activation is offloaded at "
+                "most once); delete the device copy instead")
+    elif code == _E_WEIGHT_MISSING:
+        what = (f"needs the weights of stage {a} on the device, but they were offloaded; "
+                f"w_prefetch {a} first")
+    elif code == _E_WEIGHT_STATE:
+        what = (f"the weights of stage {a} are not on the device" if b == 1 else
+                f"the weights of stage {a} are already on the device")
+    elif code == _E_GRAD_MISSING:
+        what = f"stage {a} has no weight gradient on the device (B {a} makes it)"
+    else:  # pragma: no cover - a new code without a message is a bug
+        what = f"internal error code {code}"
+    raise ScheduleError(f"{where}: {what}", op_index=j if j >= 0 else None,
+                        reason=_REASONS.get(code, "internal"),
+                        over_bytes=a if code in (_E_MEMORY, _E_INITIAL_MEMORY) else None)
+
+
+def simulate(chain: Chain, schedule: Schedule, platform: Platform) -> SimResult:
+    """Simulate ``schedule`` on ``chain`` and ``platform``; validate every invariant.
+
+    Returns a :class:`SimResult` (makespan in seconds, peak in bytes, a per-op
+    timeline). Raises :class:`~rtmem.errors.ScheduleError` naming the first
+    violated invariant: the op index, the missing activation or weights, or by
+    how many bytes the memory limit is exceeded. The rules are in
+    ``NOTE [ Simulator semantics ]`` at the top of this module.
+    """
+    if not isinstance(chain, Chain):
+        raise TypeError(f"chain must be a Chain, got {type(chain).__name__}")
+    if isinstance(schedule, str):
+        schedule = Schedule.from_text(schedule)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule or its text, got "
+                        f"{type(schedule).__name__}")
+    if not isinstance(platform, Platform):
+        raise TypeError(f"platform must be a Platform, got {type(platform).__name__}")
+    _check_ranges(chain, schedule)
+    a_size, abar_size = chain.activation_sizes()
+    out = np.zeros((len(schedule), 4))
+    err = np.zeros(4, np.int64)
+    stats = np.zeros(3)
+    makespan, peak = _simulate_core(
+        schedule.op, schedule.stage, schedule.aux, chain.u_f, chain.u_b, a_size, abar_size,
+        chain.w, chain.o_f, chain.o_b, chain.u_loss, chain.o_loss, platform.memory_limit,
+        platform.bandwidth, platform.channel == "duplex", out, err, stats)
+    if err[0] != _OK:
+        _raise(err, schedule, chain, platform)
+    timeline = np.empty(len(schedule), TIMELINE_DTYPE)
+    timeline["start"] = out[:, 0]
+    timeline["end"] = out[:, 1]
+    timeline["mem"] = out[:, 2]
+    timeline["mem_after"] = out[:, 3]
+    return SimResult(makespan=float(makespan), peak=int(peak), timeline=timeline,
+                     compute_time=float(stats[0]), h2d_bytes=int(stats[1]),
+                     d2h_bytes=int(stats[2]))
