@@ -45,7 +45,7 @@ def gpt2(layers: int = 12, hidden: int = 768, heads: int = 12, seq: int = 1024,
     Per block (s = seq, b = batch, h = hidden, a = heads, p = ``act_bytes``):
     the output is ``s*b*h*p`` bytes; what backward needs (xbar) counts LN outputs,
     Q/K/V, softmax output and its dropout mask, context, residual, the 4h MLP
-    tensors and the dropout masks, i.e. ``(17 p + 2) s b h + (2 p + 1) a s^2 b``
+    tensors and the dropout masks, i.e. ``(16 p + 2) s b h + (2 p + 1) a s^2 b``
     bytes (34 sbh + 5 a s^2 b at p = 2, as in Korthikanti et al. 2022). Forward
     FLOPs are ``24 b s h^2 + 4 b s^2 h``, backward twice that; times are
     FLOPs / ``flops`` (FLOP/s). Weights: ``12 h^2 + 13 h`` parameters of
@@ -79,7 +79,7 @@ def gpt2(layers: int = 12, hidden: int = 768, heads: int = 12, seq: int = 1024,
     stage(2 * sbh, sbh * p, sbh * p + sbh, (V * h + s * h) * weight_bytes, 0, sbh * p)
     for _ in range(layers):
         stage(24 * b * s * h * h + 4 * b * s * s * h, sbh * p,
-              (17 * p + 2) * sbh + (2 * p + 1) * attn,
+              (16 * p + 2) * sbh + (2 * p + 1) * attn,
               (12 * h * h + 13 * h) * weight_bytes, attn * p, attn * p + 4 * sbh * p)
     # final LayerNorm + LM head (weights tied to the embedding: not counted twice)
     logits = s * b * V * p

@@ -17,12 +17,14 @@ from rtmem.errors import ScheduleError
 from ..chain import Chain
 from ..platform import Platform
 from ..schedule import Op, Schedule
+from ..simulator import _check_ranges
 
 __all__ = ["reference_simulate"]
 
 
 def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> dict:
     """Return ``{"makespan": s, "peak": bytes, "starts": [...], "ends": [...]}``."""
+    _check_ranges(chain, schedule)   # input validation is shared; semantics are not
     n = chain.n
     a_size, abar_size = chain.activation_sizes()
     size = {("a", k): int(a_size[k]) for k in range(n + 1)}

@@ -1,0 +1,49 @@
+"""Shared helpers of the benchmark scripts: timing, machine facts, JSON results.
+
+Benchmarks report medians over repeats and ratios against a baseline measured in
+the same run; absolute times are only meaningful on the machine that made them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def median_time(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs, seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    """Facts that make a result interpretable: CPU count, Python, library versions."""
+    import numba
+    import numpy
+    return {"python": sys.version.split()[0], "platform": platform.platform(),
+            "cpus": os.cpu_count(), "numpy": numpy.__version__, "numba": numba.__version__,
+            "numba_threads": numba.get_num_threads()}
+
+
+def write_results(name: str, doc: dict) -> str:
+    """Write ``doc`` (plus machine facts and a timestamp) to bench/results/NAME.json."""
+    os.makedirs(RESULTS, exist_ok=True)
+    doc = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": machine(), **doc}
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    return path

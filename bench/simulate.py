@@ -1,0 +1,75 @@
+"""Simulator throughput: the jitted simulator vs the pure-Python reference.
+
+Both run the same ~100k-operation schedule (full activation offload with
+prefetches, gradient flushes) in the same process; the figure of merit is the
+ratio of their operations per second (median over repeats). Target: the jitted
+simulator at >= 1 million ops/s.
+
+    python bench/simulate.py [--ops 100000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import median_time, write_results  # noqa: E402
+
+from rtmem._table import format_table  # noqa: E402
+from rtmem.planners import Chain, Op, Platform, Schedule, simulate  # noqa: E402
+from rtmem.planners.testing import reference_simulate  # noqa: E402
+
+
+def offload_everything(n: int) -> Schedule:
+    """F_all every stage while offloading its input; prefetch each before its B;
+    flush every weight gradient: about 6 operations per stage."""
+    ops = [(Op.F_ALL, 0)]
+    for i in range(1, n):
+        ops += [(Op.OFFLOAD, i, 1), (Op.F_ALL, i), (Op.DELETE, i, 1)]
+    ops.append((Op.LOSS, 0))
+    for i in reversed(range(n)):
+        if i > 0:
+            ops.append((Op.PREFETCH, i, 1))
+        ops += [(Op.B, i), (Op.G_OFFLOAD, i)]
+    return Schedule.from_ops(ops)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", type=int, default=100_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    n = max(2, args.ops // 6)
+    chain = Chain.homogeneous(n, u_f=1e-3, u_b=2e-3, x=2**20, xbar=3 * 2**20, w=2**16,
+                              name=f"homogeneous-{n}")
+    sched = offload_everything(n)
+    platform = Platform("1TiB", "12 GB/s", "duplex")
+    jit_r = simulate(chain, sched, platform)               # compiles (or loads the cache)
+    ref_r = reference_simulate(chain, sched, platform)
+    assert jit_r.peak == ref_r["peak"], "the two simulators disagree"
+    t_jit = median_time(lambda: simulate(chain, sched, platform), args.repeats)
+    t_ref = median_time(lambda: reference_simulate(chain, sched, platform),
+                        max(1, args.repeats // 2), warmup=0)
+    ops = len(sched)
+    rows = [["jitted (rtmem.planners.simulate)", f"{ops / t_jit:,.0f}", f"{t_jit * 1e3:.1f}"],
+            ["pure Python (testing.reference_simulate)", f"{ops / t_ref:,.0f}",
+             f"{t_ref * 1e3:.1f}"]]
+    print(f"schedule: {ops:,} ops on {n:,} stages, makespan {jit_r.makespan:.3f} s, "
+          f"peak {jit_r.peak:,} B\n")
+    print(format_table(["simulator", "ops/s", "median ms"], rows))
+    print(f"\nspeed-up jitted / pure Python: {t_ref / t_jit:.1f}x")
+    path = write_results("simulate", {
+        "ops": ops, "stages": n, "repeats": args.repeats,
+        "jitted": {"median_s": t_jit, "ops_per_s": ops / t_jit},
+        "pure_python": {"median_s": t_ref, "ops_per_s": ops / t_ref},
+        "ratio_jitted_over_python": t_ref / t_jit,
+        "target_ops_per_s": 1e6, "target_met": ops / t_jit >= 1e6})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

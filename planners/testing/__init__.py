@@ -1,0 +1,35 @@
+"""rtmem.planners.testing: hypothesis strategies and oracles for schedules.
+
+Users import this to property-test their own schedules and planners::
+
+    from hypothesis import given
+    from rtmem.planners import simulate
+    from rtmem.planners.testing import simulation_cases
+
+    @given(simulation_cases())
+    def test_my_invariant(case):
+        chain, schedule, platform = case
+        result = simulate(chain, schedule, platform)
+        ...
+
+Strategies
+----------
+:func:`chains`            heterogeneous or homogeneous chains, sizes over many
+                          orders of magnitude (or small integers for oracles)
+:func:`platforms`         memory / bandwidth / channel triples
+:func:`valid_schedules`   random *valid* schedules of a given chain (rematerialization,
+                          offload/prefetch/delete, weight and gradient moves)
+:func:`simulation_cases`  (chain, schedule, platform) triples that simulate cleanly
+
+Oracles
+-------
+:func:`reference_simulate` a plain-Python simulator, independent of the jitted one.
+
+Requires ``hypothesis`` (``pip install rtmem[test]``).
+"""
+
+from .reference import reference_simulate
+from .strategies import chains, platforms, simulation_cases, valid_schedules
+
+__all__ = ["chains", "platforms", "valid_schedules", "simulation_cases",
+           "reference_simulate"]

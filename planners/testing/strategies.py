@@ -1,0 +1,233 @@
+"""Hypothesis strategies for chains, platforms and valid schedules (see
+``rtmem.planners.testing``)."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import strategies as st
+
+from ..chain import Chain
+from ..platform import CHANNELS, Platform
+from ..schedule import Op, Schedule
+from .reference import reference_simulate
+
+__all__ = ["chains", "platforms", "valid_schedules", "simulation_cases"]
+
+
+def _check_range(name, lo, hi):
+    if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 1 or hi < lo:
+        raise ValueError(f"{name}: need integers 1 <= min <= max, got {lo!r}, {hi!r}")
+
+
+@st.composite
+def _spread_ints(draw, max_exponent: int, allow_zero: bool = True):
+    """Non-negative ints whose magnitude spans 10**0 .. 10**max_exponent."""
+    if allow_zero and draw(st.integers(0, 9)) == 0:
+        return 0
+    exponent = draw(st.integers(0, max_exponent))
+    mantissa = draw(st.integers(10, 99))
+    return mantissa * 10**exponent // 10
+
+
+@st.composite
+def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool | None = None,
+           small: bool = False, weights: bool = True, overheads: bool = True):
+    """Strategy for :class:`~rtmem.planners.Chain`.
+
+    Parameters
+    ----------
+    min_stages, max_stages:
+        Range of the number of stages (>= 1).
+    homogeneous:
+        ``True``: all stages identical (the Revolve setting); ``False``: every
+        value drawn per stage; ``None``: either.
+    small:
+        Small integer sizes (0..12 bytes) and integer times (0..10 s), for
+        brute-force oracles; otherwise sizes span 1 B .. ~10 GB and times
+        1 us .. ~1 s.
+    weights, overheads:
+        Whether ``w`` and ``o_f``/``o_b`` may be non-zero.
+    """
+    _check_range("chains", min_stages, max_stages)
+    n = draw(st.integers(min_stages, max_stages))
+    homo = draw(st.booleans()) if homogeneous is None else homogeneous
+    if small:
+        size = st.integers(0, 12)
+        time = st.integers(0, 10).map(float)
+    else:
+        size = _spread_ints(10)
+        time = _spread_ints(6).map(lambda v: v * 1e-6)
+    zero = st.just(0)
+
+    def column(strategy):
+        if homo:
+            return [draw(strategy)] * n
+        return draw(st.lists(strategy, min_size=n, max_size=n))
+
+    x = column(size)
+    extra = column(size)
+    xbar = [a + b for a, b in zip(x, extra)]
+    return Chain(u_f=column(time), u_b=column(time), x=x, xbar=xbar,
+                 w=column(size if weights else zero),
+                 o_f=column(size if overheads else zero),
+                 o_b=column(size if overheads else zero),
+                 x0=draw(size), u_loss=draw(time), o_loss=draw(size if overheads else zero),
+                 name="hypothesis")
+
+
+@st.composite
+def platforms(draw, min_memory: int = 1, max_memory: int = 2**40):
+    """Strategy for :class:`~rtmem.planners.Platform` (memory in bytes, bandwidth in
+    bytes/s from 1 MB/s to 100 GB/s or infinite, either channel model)."""
+    if not 1 <= min_memory <= max_memory:
+        raise ValueError(f"platforms: need 1 <= min_memory <= max_memory, got "
+                         f"{min_memory!r}, {max_memory!r}")
+    memory = draw(st.integers(min_memory, max_memory))
+    bandwidth = draw(st.one_of(st.just(math.inf), _spread_ints(11, allow_zero=False)
+                               .map(lambda v: max(v, 1) * 1e3)))
+    return Platform(memory=memory, bandwidth=bandwidth, channel=draw(st.sampled_from(CHANNELS)))
+
+
+@st.composite
+def _persistent_compute(draw, n: int):
+    """A random persistent rematerialization sequence (thesis-remat.md §3.6 shape):
+    each segment either starts with F_all (case C1) or keeps a_s with F_ck, runs
+    F_none to a random s', solves the tail, then the head (case C2)."""
+    ops = []
+    # explicit stack instead of recursion: hypothesis chains can be long
+    stack = [("solve", 0, n, False)]
+    while stack:
+        item = stack.pop()
+        if item[0] == "emit":
+            ops.append(item[1])
+            continue
+        _, s, t, input_is_bar = item
+        if s == t:
+            if t == n:
+                ops.append((Op.LOSS, 0))
+            else:
+                ops += [(Op.F_ALL, s), (Op.B, s)]
+            continue
+        if draw(st.booleans()):
+            ops.append((Op.F_ALL, s))
+            stack += [("emit", (Op.B, s)), ("solve", s + 1, t, True)]
+        else:
+            s2 = draw(st.integers(s, t - 1))
+            ops.append((Op.F_CK, s))
+            ops += [(Op.F_NONE, i) for i in range(s + 1, s2 + 1)]
+            stack += [("solve", s, s2, input_is_bar), ("solve", s2 + 1, t, False)]
+    return ops
+
+
+def _tensor_events(ops, n):
+    """Replay compute ops; return {instance: (key, [op indices])} where an instance
+    is one residency period of a tensor (key = ("a"|"abar", k)) and the indices
+    are the ops that produce, read or consume it (-1: resident at the start)."""
+    resident = {("a", 0): 0}
+    events = {0: (("a", 0), [-1])}
+    next_id = 1
+
+    def touch(key, j):
+        events[resident[key]][1].append(j)
+
+    def produce(key, j):
+        nonlocal next_id
+        if key in resident:
+            touch(key, j)
+        else:
+            resident[key] = next_id
+            events[next_id] = (key, [j])
+            next_id += 1
+
+    for j, (op, s) in enumerate(ops):
+        if op == Op.LOSS:
+            s = n
+        src = [key for key in (("a", s), ("abar", s)) if key in resident]
+        if op == Op.F_NONE:
+            src = [("a", s)]
+        for key in src:
+            touch(key, j)
+        if op == Op.F_NONE:
+            del resident[("a", s)]
+            produce(("a", s + 1), j)
+        elif op in (Op.F_CK, Op.F_ALL):
+            produce(("abar" if op == Op.F_ALL else "a", s + 1), j)
+        else:
+            if op == Op.B:
+                touch(("abar", s + 1), j)
+                del resident[("abar", s + 1)]
+            if ("a", s) in resident and ("abar", s) not in resident:
+                del resident[("a", s)]
+    return events
+
+
+@st.composite
+def valid_schedules(draw, chain: Chain, *, transfers: bool = True):
+    """Strategy for schedules of ``chain`` that are valid with enough memory.
+
+    The compute part is a random persistent rematerialization sequence; when
+    ``transfers`` is true, random activation offload/delete/prefetch round trips,
+    weight offloads/deletes/prefetches and gradient offloads are woven in, each
+    placed between two uses of its data so that the schedule stays valid (see
+    NOTE [ Simulator semantics ]). Use :func:`simulation_cases` to get a platform
+    on which it fits.
+    """
+    n = chain.n
+    ops = draw(_persistent_compute(n))
+    if not transfers:
+        return Schedule.from_ops(ops)
+    after = [[] for _ in range(len(ops) + 1)]   # slot j+1: right after op j
+    before = [[] for _ in range(len(ops) + 1)]  # slot j: right before op j
+    on_host = set()
+    events = _tensor_events(ops, n)
+    for inst in sorted(events, key=lambda i: events[i][1][0]):
+        (kind, k), idx = events[inst]
+        aux = 1 if kind == "abar" else 0
+        for e1, e2 in zip(idx, idx[1:]):
+            if e2 <= e1 or not draw(st.integers(0, 3)) == 0:
+                continue
+            moves = []
+            if (kind, k) not in on_host:
+                moves.append((Op.OFFLOAD, k, aux))
+                on_host.add((kind, k))
+            after[e1 + 1] += moves + [(Op.DELETE, k, aux)]
+            before[e2].append((Op.PREFETCH, k, aux))
+    uses = {}
+    for j, (op, s) in enumerate(ops):
+        if op != Op.LOSS:
+            uses.setdefault(s, []).append(j)
+    for s, idx in uses.items():
+        for e1, e2 in zip(idx, idx[1:] + [None]):
+            if draw(st.integers(0, 3)) != 0:
+                continue
+            after[e1 + 1].append((draw(st.sampled_from((Op.W_OFFLOAD, Op.W_DELETE))), s, 0))
+            if e2 is None:
+                break
+            before[e2].append((Op.W_PREFETCH, s, 0))
+        b_index = next(j for j in idx if ops[j][0] == Op.B)
+        if draw(st.booleans()):
+            after[b_index + 1].append((Op.G_OFFLOAD, s, 0))
+    woven = []
+    for j, (op, s) in enumerate(ops):
+        woven += after[j] + before[j]
+        woven.append((op, s, 0))
+    woven += after[len(ops)]
+    return Schedule.from_ops(woven)
+
+
+@st.composite
+def simulation_cases(draw, min_stages: int = 1, max_stages: int = 8, *,
+                     transfers: bool = True, small: bool = False):
+    """Strategy for ``(chain, schedule, platform)`` that simulate without error.
+
+    The platform memory is the schedule's peak with unlimited memory plus a random
+    slack (the schedule then never waits for memory, so it stays valid).
+    """
+    chain = draw(chains(min_stages, max_stages, small=small))
+    schedule = draw(valid_schedules(chain, transfers=transfers))
+    probe = draw(platforms())
+    unlimited = Platform(math.inf, probe.bandwidth, probe.channel)
+    peak = reference_simulate(chain, schedule, unlimited)["peak"]
+    slack = draw(st.integers(0, max(1, peak)))
+    return chain, schedule, Platform(max(1, peak + slack), probe.bandwidth, probe.channel)

@@ -1,0 +1,220 @@
+"""The ``rtmem`` command line: chains, simulate, demo (and plan, doctor, ...).
+
+Subcommands owned by other modules register themselves through a
+``register(subparsers)`` function (see ``_PLUGINS``), so this file stays small.
+Every subcommand returns an exit code: 0 success, 1 an rtmem error (message on
+stderr), 2 bad usage (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+
+from rtmem._table import format_table
+from rtmem.errors import RtmemError
+from rtmem.units import format_bandwidth, format_bytes, format_seconds
+
+__all__ = ["main", "load_chain", "load_schedule"]
+
+# modules that add subcommands with register(subparsers)
+_PLUGINS = ("rtmem.cli_plan", "rtmem.doctor")
+
+
+def load_chain(spec: str):
+    """A chain from a path to a chain JSON file, a built-in name or a generator spec
+    (``gpt2:layers=6``)."""
+    from rtmem.planners import Chain, from_spec
+    if os.path.exists(spec):
+        return Chain.load(spec)
+    return from_spec(spec)
+
+
+def load_schedule(spec: str, chain):
+    """A schedule from a file (text or JSON), ``store-all``, ``sequential:K`` (K
+    segments) or literal schedule text."""
+    from rtmem.errors import ScheduleError
+    from rtmem.planners import Schedule, sequential_schedule, store_all_schedule
+    if os.path.exists(spec):
+        return Schedule.load(spec)
+    if spec == "store-all":
+        return store_all_schedule(chain.n)
+    if spec.startswith("sequential:"):
+        k = spec.partition(":")[2]
+        if not k.isdigit():
+            raise ScheduleError(f"sequential:K needs an integer K, got {spec!r}")
+        return sequential_schedule(chain.n, int(k))
+    if "," in spec or spec.strip().split()[0] in ("F_ck", "F_all", "F_none", "L"):
+        return Schedule.from_text(spec)
+    raise ScheduleError(f"no schedule file {spec!r}; give a path, 'store-all', "
+                        "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
+
+
+def _platform(args):
+    from rtmem.planners import Platform
+    return Platform(args.memory, args.bandwidth, args.channel)
+
+
+def _add_platform_args(p, memory_default=None):
+    p.add_argument("--memory", default=memory_default, required=memory_default is None,
+                   help="device memory budget, e.g. 12GiB or inf")
+    p.add_argument("--bandwidth", default="inf", help="host link bandwidth, e.g. '12 GB/s'")
+    p.add_argument("--channel", default="shared", choices=("shared", "duplex"),
+                   help="one link for both directions (shared) or one per direction")
+
+
+# ----------------------------------------------------------------- subcommands
+def _cmd_chains(args) -> int:
+    from rtmem.planners import Platform, builtin, builtin_names, simulate, store_all_schedule
+    rows, docs = [], []
+    for name in builtin_names():
+        c = builtin(name)
+        peak = simulate(c, store_all_schedule(c.n), Platform(math.inf)).peak
+        rows.append([name, c.n, format_seconds(c.compute_time), format_bytes(c.xbar.sum()),
+                     format_bytes(c.w.sum()), format_bytes(peak)])
+        docs.append({"name": name, "stages": c.n, "compute_s": c.compute_time,
+                     "sum_xbar_bytes": int(c.xbar.sum()), "weight_bytes": int(c.w.sum()),
+                     "store_all_peak_bytes": peak})
+    if args.json:
+        print(json.dumps(docs, indent=1))
+    else:
+        print(format_table(["chain", "stages", "compute", "sum(xbar)", "weights",
+                            "no-remat peak"], rows))
+        print("\nAny size: gpt2:layers=..,hidden=..,heads=..,seq=..,batch=.. or "
+              "resnet:depth=..,image=..,batch=..")
+    return 0
+
+
+def _cmd_simulate(args) -> int:
+    from rtmem.planners import simulate
+    chain = load_chain(args.chain)
+    schedule = load_schedule(args.schedule, chain)
+    platform = _platform(args)
+    r = simulate(chain, schedule, platform)
+    doc = {"chain": chain.name, "ops": len(schedule), "makespan_s": r.makespan,
+           "peak_bytes": r.peak, "compute_s": r.compute_time, "idle_s": r.idle_time,
+           "h2d_bytes": r.h2d_bytes, "d2h_bytes": r.d2h_bytes,
+           "memory_bytes": platform.memory_limit, "bandwidth_Bps": platform.bandwidth,
+           "channel": platform.channel}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(format_table(["quantity", "value"], [
+            ["chain", f"{chain.name} ({chain.n} stages)"], ["operations", len(schedule)],
+            ["makespan", format_seconds(r.makespan)], ["peak memory", format_bytes(r.peak)],
+            ["memory limit", format_bytes(platform.memory)],
+            ["compute time", format_seconds(r.compute_time)],
+            ["idle time", format_seconds(r.idle_time)],
+            ["host->device", format_bytes(r.h2d_bytes)],
+            ["device->host", format_bytes(r.d2h_bytes)],
+            ["link", f"{format_bandwidth(platform.bandwidth)} {platform.channel}"]],
+            align="lr"))
+    if args.plot:
+        from rtmem.plot import plot_schedule
+        plot_schedule(chain, schedule, platform, args.plot, result=r)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    """Simulate the classical strategies on a built-in chain, without planning."""
+    from rtmem.errors import ScheduleError
+    from rtmem.planners import Platform, sequential_schedule, simulate, store_all_schedule
+    from rtmem.plot import plot_schedule
+    chain = load_chain(args.chain)
+    unlimited = Platform(math.inf)
+    base = simulate(chain, store_all_schedule(chain.n), unlimited)
+    # default budget: weights and input stay, half of the activation memory goes
+    static = chain.x0 + int(chain.w.sum())
+    budget = Platform(args.memory if args.memory else static + (base.peak - static) // 2)
+    print(f"{chain.name}: {chain.n} stages, no-remat peak {format_bytes(base.peak)}, "
+          f"budget {format_bytes(budget.memory)}\n")
+    candidates = [("store all (plain autograd)", store_all_schedule(chain.n))]
+    for k in sorted({2, max(2, round(math.sqrt(chain.n))), max(2, chain.n // 2)}):
+        if k <= chain.n:
+            candidates.append((f"checkpoint_sequential, {k} segments",
+                               sequential_schedule(chain.n, k)))
+    rows, best = [], None
+    for label, sched in candidates:
+        r = simulate(chain, sched, unlimited)
+        try:
+            simulate(chain, sched, budget)
+            fits = "yes"
+            if best is None or r.makespan < best[1].makespan:
+                best = (label, r, sched)
+        except ScheduleError as e:
+            fits = f"no (op {e.op_index})"
+        rows.append([label, format_seconds(r.makespan),
+                     f"{100 * (r.makespan / base.makespan - 1):.1f}%",
+                     format_bytes(r.peak), fits])
+    print(format_table(["schedule", "makespan", "overhead", "peak", "fits budget"], rows))
+    os.makedirs(args.out, exist_ok=True)
+    paths = [plot_schedule(chain, store_all_schedule(chain.n), unlimited,
+                           os.path.join(args.out, "store_all.png"), result=base)]
+    if best is not None:
+        paths.append(plot_schedule(chain, best[2], budget,
+                                   os.path.join(args.out, "best_under_budget.png"),
+                                   title=f"{chain.name}: {best[0]} under "
+                                   f"{format_bytes(budget.memory)}"))
+        best[2].save(os.path.join(args.out, "best_under_budget.txt"))
+    if best is None:
+        print(f"\nno classical schedule fits {format_bytes(budget.memory)}; a planner "
+              "(rtmem plan remat) may, or give more memory with --memory")
+    print("\nwrote " + ", ".join(paths))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rtmem import __version__
+    parser = argparse.ArgumentParser(
+        prog="rtmem", description="Memory runtime and planners for training DNNs larger "
+        "than GPU memory.")
+    parser.add_argument("--version", action="version", version=f"rtmem {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("chains", help="list the built-in chains")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_chains)
+    p = sub.add_parser("simulate", help="simulate a schedule: makespan, peak, plots")
+    p.add_argument("chain", help="built-in name, generator spec or chain JSON file")
+    p.add_argument("schedule", help="schedule file, 'store-all', 'sequential:K' or text")
+    _add_platform_args(p)
+    p.add_argument("--plot", help="write a Gantt chart + memory plot to this file (.png)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_simulate)
+    p = sub.add_parser("demo", help="the README's main job")
+    p.add_argument("--chain", default="gpt2-small", help="chain to demonstrate on")
+    p.add_argument("--memory", default=None,
+                   help="budget (default: weights + half the no-remat activation memory)")
+    p.add_argument("--out", default="out/demo", help="folder for plots and schedules")
+    p.set_defaults(func=_cmd_demo)
+    for name in _PLUGINS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:      # a plugin that exists but fails to import is a bug
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``rtmem`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except RtmemError as e:
+        print(f"rtmem {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from rtmem.errors import ChainError
+from rtmem.planners import Chain, builtin, builtin_names, from_spec
+from rtmem.planners.profiles import gpt2, resnet
+from rtmem.planners.testing import chains
+
+
+def test_arrays_and_defaults():
+    c = Chain(u_f=[1, 2], u_b=[3, 4], x=[5, 6], xbar=[7, 8.2])
+    assert c.n == len(c) == 2
+    assert c.xbar.dtype == np.int64 and c.xbar.tolist() == [7, 9]  # bytes rounded up
+    assert c.u_f.dtype == np.float64
+    assert c.w.tolist() == [0, 0] and c.o_f.tolist() == [0, 0] and c.x0 == 0
+    assert c.compute_time == 10.0
+    with pytest.raises(ValueError):
+        c.x[0] = 3    # read-only: a chain is a value
+
+
+@pytest.mark.parametrize("kwargs, field, index, fragment", [
+    (dict(u_f=[1, math.nan], u_b=[1, 1], x=[1, 1], xbar=[1, 1]), "u_f", 1, "not finite"),
+    (dict(u_f=[1, 1], u_b=[1, -1], x=[1, 1], xbar=[1, 1]), "u_b", 1, "negative"),
+    (dict(u_f=[1, 1], u_b=[1, 1], x=[1, 1, 1], xbar=[1, 1]), "x", None, "3 entries"),
+    (dict(u_f=[], u_b=[], x=[], xbar=[]), "u_f", None, "at least one stage"),
+    (dict(u_f=[1], u_b=[1], x=[5], xbar=[4]), "xbar", 0, "xbar must be >= x"),
+    (dict(u_f=[1], u_b=[1], x=[1], xbar=[1], w=[math.inf]), "w", 0, "not finite"),
+    (dict(u_f=[[1]], u_b=[1], x=[1], xbar=[1]), "u_f", None, "one-dimensional"),
+    (dict(u_f=["a"], u_b=[1], x=[1], xbar=[1]), "u_f", None, "numbers"),
+    (dict(u_f=[1], u_b=[1], x=[1], xbar=[1], x0=-1), "x0", None, ">= 0"),
+    (dict(u_f=[1], u_b=None, x=[1], xbar=[1]), "u_b", None, "required"),
+])
+def test_bad_chains_name_field_and_index(kwargs, field, index, fragment):
+    with pytest.raises(ChainError) as e:
+        Chain(**kwargs)
+    assert e.value.field == field and e.value.index == index
+    assert fragment in str(e.value)
+
+
+def test_homogeneous():
+    c = Chain.homogeneous(5, u_f=2, x=3)
+    assert c.n == 5 and set(c.xbar.tolist()) == {3} and c.x0 == 3
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ChainError):
+            Chain.homogeneous(bad)
+
+
+@settings(max_examples=50, deadline=None)
+@given(chains())
+def test_json_round_trip(chain):
+    assert Chain.from_json(chain.to_json()) == chain
+
+
+def test_save_load(tmp_path):
+    c = builtin("gpt2-small")
+    c.save(tmp_path / "c.json")
+    assert Chain.load(tmp_path / "c.json") == c
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("{not json", "malformed chain JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"format": "other"}', "not a chain document"),
+    ('{"version": 9, "u_f": [1]}', "version 9"),
+    ('{"u_f": [1], "u_b": [1], "x": [1], "xbar": [1], "bogus": 1}', "bogus"),
+    ('{"u_f": [1], "u_b": [1], "x": [1], "xbar": [1], "n": 3}', "n = 3"),
+])
+def test_malformed_json(text, fragment):
+    with pytest.raises(ChainError, match=fragment):
+        Chain.from_json(text)
+
+
+def test_builtin_profiles_are_heterogeneous_and_realistic():
+    assert {"gpt2-small", "resnet50", "resnet1001"} <= set(builtin_names())
+    for name in builtin_names():
+        c = builtin(name)
+        assert c.name == name and c.compute_time > 0
+        assert len(set(c.xbar.tolist())) > 1
+    small = builtin("gpt2-small")
+    assert small == gpt2(layers=12, hidden=768, heads=12, seq=1024, batch=8,
+                         name="gpt2-small")
+    # GPT-2 small block at seq 1024, batch 8, fp16: 34 sbh + 5 a s^2 b bytes
+    s, b, h, a = 1024, 8, 768, 12
+    assert small.xbar[1] == 34 * s * b * h + 5 * a * s * s * b
+    assert small.w[1] == (12 * h * h + 13 * h) * 2
+    assert builtin("resnet1001").n == 335
+
+
+def test_from_spec():
+    c = from_spec("gpt2:layers=3,hidden=64,heads=4,seq=32,batch=2,vocab=100")
+    assert c.n == 5
+    assert from_spec("resnet:depth=18,image=64,batch=2").n == 10
+    assert from_spec("resnet50") == builtin("resnet50")
+    for bad, fragment in [("nope", "unknown chain"), ("gpt2:layers", "key=value"),
+                          ("gpt2:layers=x", "not a number"), ("gpt2:colour=3", "bad arguments"),
+                          ("resnet:depth=7", "depth must be"), ("gpt2:hidden=10,heads=3",
+                                                                "multiple of heads")]:
+        with pytest.raises(ChainError, match=fragment):
+            from_spec(bad)
+    with pytest.raises(ChainError, match="available"):
+        builtin("gpt5")
+    assert resnet(depth=18, image=32, batch=1).n == 10

@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rtmem.errors import ScheduleError
+from rtmem.planners import Op, Schedule, sequential_schedule, store_all_schedule
+from rtmem.planners.testing import chains, valid_schedules
+
+
+def test_text_form():
+    s = Schedule.from_text("F_ck 0, F_none 1, F_all 2, L, B 2, offload abar2, "
+                           "prefetch a0, delete abar1, w_offload 1, w_delete 0, "
+                           "w_prefetch 1, g_offload 2")
+    assert str(s) == ("F_ck 0, F_none 1, F_all 2, L, B 2, offload abar2, prefetch a0, "
+                      "delete abar1, w_offload 1, w_delete 0, w_prefetch 1, g_offload 2")
+    assert s[5] == (Op.OFFLOAD, 2, 1)
+    assert s.op.dtype == np.int8 and len(s) == 12
+    assert s.count(Op.B) == 1
+    # new lines, comments and thesis spellings
+    t = Schedule.from_text("Fck 0  # keep the input\nF_∅ 1\nLoss\n")
+    assert str(t) == "F_ck 0, F_none 1, L"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_text_and_json_round_trip(data):
+    chain = data.draw(chains(1, 6))
+    sched = data.draw(valid_schedules(chain))
+    assert Schedule.from_text(str(sched)) == sched
+    assert Schedule.from_json(sched.to_json()) == sched
+
+
+def test_save_load_both_forms(tmp_path):
+    s = sequential_schedule(7, 3)
+    for name in ("s.txt", "s.json"):
+        s.save(tmp_path / name)
+        assert Schedule.load(tmp_path / name) == s
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("F_ck 0, X 1", "unknown operation 'X'"),
+    ("F_ck", "cannot read 'F_ck'"),
+    ("B two", "non-negative integer"),
+    ("offload b3", "not an activation"),
+    ("delete abar0", "abar0 does not exist"),
+    ("F_ck 1 2", "cannot read"),
+])
+def test_parse_errors(text, fragment):
+    with pytest.raises(ScheduleError, match=fragment):
+        Schedule.from_text(text)
+
+
+def test_array_validation():
+    with pytest.raises(ScheduleError, match="unknown operation code 99"):
+        Schedule([0, 99], [0, 0])
+    with pytest.raises(ScheduleError, match="negative stage"):
+        Schedule([0], [-1])
+    with pytest.raises(ScheduleError, match="aux"):
+        Schedule([int(Op.B)], [0], [1])
+    with pytest.raises(ScheduleError, match="one length"):
+        Schedule([0, 1], [0])
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("nope", "malformed schedule JSON"),
+    ('{"format": "rtmem.schedule"}', "not a schedule document"),
+    ('{"format": "rtmem.schedule", "version": 2, "ops": ""}', "version 2"),
+    ('{"format": "rtmem.schedule", "version": 1, "ops": "L", "n_ops": 2}', "n_ops = 2"),
+])
+def test_json_errors(text, fragment):
+    with pytest.raises(ScheduleError, match=fragment):
+        Schedule.from_json(text)
+
+
+def test_baseline_builders():
+    assert str(store_all_schedule(2)) == "F_all 0, F_all 1, L, B 1, B 0"
+    # torch's checkpoint_sequential split of 5 stages in 2 segments: [0, 2), [2, 5)
+    assert str(sequential_schedule(5, 2)) == (
+        "F_ck 0, F_none 1, F_all 2, F_all 3, F_all 4, L, B 4, B 3, B 2, "
+        "F_all 0, F_all 1, B 1, B 0")
+    assert sequential_schedule(4, 1) == store_all_schedule(4)
+    from rtmem.errors import ChainError
+    with pytest.raises(ChainError, match="segments must be"):
+        sequential_schedule(3, 4)
+    s = store_all_schedule(3) + Schedule.from_text("g_offload 0")
+    assert len(s) == 8 and len(s[2:4]) == 2

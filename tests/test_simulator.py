@@ -1,0 +1,196 @@
+"""The simulator: each invariant violated once, exact hand-computed values, and
+hypothesis agreement with the independent pure-Python simulator."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from rtmem.errors import ScheduleError
+from rtmem.planners import Chain, Op, Platform, Schedule, simulate, store_all_schedule
+from rtmem.planners.testing import reference_simulate, simulation_cases
+
+BIG = Platform(10**12)
+
+
+@pytest.fixture
+def chain3():
+    return Chain(u_f=[1, 2, 3], u_b=[2, 3, 4], x=[10, 20, 30], xbar=[15, 25, 35], x0=5,
+                 u_loss=1)
+
+
+def test_store_all_exact_values(chain3):
+    r = simulate(chain3, store_all_schedule(3), BIG)
+    # hand computation: F_all 0,1,2 -> 20, 45, 80; L -> +delta_3 = 110; B 2 needs
+    # delta_2 on top -> 130 (the peak); after B 0 only delta_0 (5 bytes) is left.
+    assert r.peak == 130
+    assert r.makespan == 16.0
+    assert r.compute_time == 16.0
+    assert r.idle_time == 0.0
+    assert r.timeline["mem"].tolist() == [20, 45, 80, 110, 130, 75, 35]
+    assert r.timeline["mem_after"].tolist() == [20, 45, 80, 110, 65, 30, 5]
+    assert r.timeline["start"].tolist() == [0, 1, 3, 6, 7, 11, 14]
+
+
+def test_memory_limit_names_op_and_overshoot(chain3):
+    with pytest.raises(ScheduleError) as e:
+        simulate(chain3, store_all_schedule(3), Platform(129))
+    assert e.value.op_index == 4 and e.value.reason == "memory-limit"
+    assert e.value.over_bytes == 1
+    assert "B 2" in str(e.value) and "by 1 bytes" in str(e.value)
+    assert simulate(chain3, store_all_schedule(3), Platform(130)).peak == 130
+
+
+def test_initial_memory_over_limit():
+    chain = Chain(u_f=[1], u_b=[1], x=[1], xbar=[1], x0=100, w=[50])
+    with pytest.raises(ScheduleError) as e:
+        simulate(chain, store_all_schedule(1), Platform(120))
+    assert e.value.reason == "memory-limit" and e.value.over_bytes == 30
+
+
+# Thesis sequences (2.1)-(2.3) for L = 4 (thesis-remat.md §3.1), 0-based stages.
+THESIS_VALID = [
+    "F_ck 0, F_none 1, F_ck 2, F_all 3, L, B 3, F_all 2, B 2, F_all 0, F_all 1, B 1, B 0",
+    "F_ck 0, F_none 1, F_ck 2, F_ck 3, L, F_all 3, B 3, F_all 2, B 2, F_ck 0, F_all 1, B 1,"
+    " F_all 0, B 0",
+    "F_ck 0, F_none 1, F_all 2, F_ck 3, L, F_all 3, B 3, B 2, F_all 0, F_all 1, B 1, B 0",
+]
+
+
+@pytest.mark.parametrize("text", THESIS_VALID)
+def test_thesis_sequences_are_valid(text):
+    chain = Chain(u_f=[1, 2, 3, 4], u_b=[5, 6, 7, 8], x=[1, 2, 3, 4], xbar=[2, 3, 4, 5],
+                  x0=1, u_loss=0.5)
+    sched = Schedule.from_text(text)
+    r = simulate(chain, sched, BIG)
+    expected = sum(chain.u_f[s] if op in (Op.F_NONE, Op.F_CK, Op.F_ALL) else
+                   chain.u_b[s] if op == Op.B else chain.u_loss for op, s, _ in sched)
+    assert r.makespan == pytest.approx(expected)
+    assert r.peak == reference_simulate(chain, sched, BIG)["peak"]
+
+
+def test_thesis_garbled_duplicate_is_invalid():
+    # the seed's garbled copy of (2.2) skips F_all 2 before B 2
+    chain = Chain.homogeneous(4)
+    bad = "F_ck 0, F_none 1, F_ck 2, F_ck 3, L, F_all 3, B 3, B 2, F_ck 0, F_all 1, B 1"
+    with pytest.raises(ScheduleError) as e:
+        simulate(chain, Schedule.from_text(bad), BIG)
+    assert e.value.op_index == 7 and "abar3" in str(e.value)
+
+
+INVALID = [
+    # (schedule text, op index, reason, text expected in the message)
+    ("F_all 1, F_all 2, L, B 2, B 1, B 0", 0, "missing-input", "a1 or abar1"),
+    ("F_all 0, F_none 1, F_all 2, L, B 2, B 1, B 0", 1, "missing-input", "F_none cannot"),
+    ("F_all 0, F_all 1, F_all 2, L, B 1", 4, "backward-order", "must be B 2"),
+    ("F_all 0, B 0", 1, "backward-order", "must be the loss"),
+    ("F_all 0, F_all 1, F_all 2, L, L", 4, "backward-order", "runs the loss"),
+    ("F_ck 0, F_ck 1, F_ck 2, L, B 2", 4, "missing-input", "abar3"),
+    ("F_all 0, F_all 1, F_all 2, L, B 2, B 1", None, "incomplete", "B 0"),
+    ("F_all 0, F_all 1, F_all 2", None, "incomplete", "the loss"),
+    ("F_all 5", 0, "stage-range", "valid: 0..2"),
+    ("delete a9", 0, "stage-range", "valid: 0..3"),
+    ("delete a2", 0, "not-resident", "a2 is not on the device"),
+    ("F_all 0, delete abar1, prefetch abar1", 2, "no-host-copy", "offload it"),
+    ("F_all 0, offload abar1, prefetch abar1", 2, "already-resident", "already on"),
+    ("F_all 0, offload abar1, delete abar1, prefetch abar1, offload abar1", 4,
+     "host-copy-exists", "at most once"),
+    ("w_delete 0, F_all 0", 1, "missing-weights", "w_prefetch 0"),
+    ("w_prefetch 0", 0, "weight-state", "already on the device"),
+    ("w_delete 0, w_offload 0", 1, "weight-state", "not on the device"),
+    ("g_offload 0", 0, "missing-gradient", "B 0 makes it"),
+]
+
+
+@pytest.mark.parametrize("text, index, reason, fragment", INVALID)
+def test_each_invariant_violated_once(chain3, text, index, reason, fragment):
+    with pytest.raises(ScheduleError) as e:
+        simulate(chain3, Schedule.from_text(text), BIG)
+    assert e.value.op_index == index
+    assert e.value.reason == reason
+    assert fragment in str(e.value)
+    with pytest.raises(ScheduleError) as ref:
+        reference_simulate(chain3, Schedule.from_text(text), BIG)
+    assert ref.value.reason == reason
+
+
+def _two_stage(w=(0, 0), x=(10, 10)):
+    return Chain(u_f=[1, 1], u_b=[1, 1], x=list(x), xbar=list(x), w=list(w), x0=0)
+
+
+@pytest.mark.parametrize("channel, makespan", [("shared", 6.0), ("duplex", 5.0)])
+def test_channel_models(channel, makespan):
+    # offload of abar1 [1, 2] and prefetch of w1 want the link at the same time:
+    # a shared link serializes them (prefetch [2, 3]), a duplex one overlaps them.
+    chain = _two_stage(w=(10, 10))
+    sched = Schedule.from_text(
+        "w_delete 1, F_all 0, offload abar1, w_prefetch 1, F_all 1, L, B 1, B 0")
+    r = simulate(chain, sched, Platform(10**6, bandwidth=10, channel=channel))
+    assert r.makespan == makespan
+    assert r.h2d_bytes == 10 and r.d2h_bytes == 10
+    assert r.makespan == pytest.approx(
+        reference_simulate(chain, sched, Platform(10**6, 10, channel))["makespan"])
+
+
+def test_compute_waits_for_offload_to_free_memory():
+    # B 1 leaves 32 bytes (weights 20, grad 10, abar1, delta1); B 0 needs 10 more
+    # for its weight gradient. With 34 bytes it must wait for g_offload 1 (2 s).
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[1, 1], xbar=[1, 1], w=[10, 10], x0=0)
+    sched = Schedule.from_text("F_all 0, F_all 1, L, B 1, g_offload 1, B 0")
+    tight = simulate(chain, sched, Platform(34, bandwidth=5))
+    assert tight.timeline["start"][5] == 5.0 and tight.makespan == 6.0
+    assert tight.peak == 34 and tight.idle_time == 2.0
+    roomy = simulate(chain, sched, Platform(10**6, bandwidth=5))
+    assert roomy.timeline["start"][5] == 3.0
+    assert roomy.makespan == 5.0        # the trailing transfer counts
+    with pytest.raises(ScheduleError) as e:
+        simulate(chain, sched, Platform(31, bandwidth=5))
+    assert e.value.op_index == 3 and e.value.over_bytes == 3
+
+
+def test_delete_frees_only_after_its_offload():
+    chain = _two_stage(x=(10, 1))
+    sched = Schedule.from_text(
+        "F_all 0, offload abar1, F_all 1, delete abar1, L, prefetch abar1, B 1, B 0")
+    r = simulate(chain, sched, Platform(10**6, bandwidth=5))
+    # offload takes 2 s from t = 1; the delete at t = 2 frees at t = 3
+    assert r.timeline["end"][3] == 3.0
+    assert r.timeline["start"][5] == 3.0   # prefetch waits for the host copy
+    assert r.timeline["start"][6] == 5.0   # B 1 reads abar1: waits for the prefetch
+    assert r.timeline["start"][7] == 6.0
+    ref = reference_simulate(chain, sched, Platform(10**6, bandwidth=5))
+    assert ref["starts"] == r.timeline["start"].tolist()
+
+
+def test_bad_arguments():
+    chain = Chain.homogeneous(2)
+    with pytest.raises(TypeError, match="Chain"):
+        simulate("chain", store_all_schedule(2), BIG)
+    with pytest.raises(TypeError, match="Platform"):
+        simulate(chain, store_all_schedule(2), 100)
+    assert simulate(chain, str(store_all_schedule(2)), BIG).makespan == 4.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(simulation_cases())
+def test_agrees_with_reference(case):
+    chain, schedule, platform = case
+    r = simulate(chain, schedule, platform)
+    ref = reference_simulate(chain, schedule, platform)
+    assert r.peak == ref["peak"] <= platform.memory_limit
+    assert math.isclose(r.makespan, ref["makespan"], rel_tol=1e-9, abs_tol=1e-12)
+    assert np.allclose(r.timeline["start"], ref["starts"], rtol=1e-9, atol=1e-12)
+    assert r.makespan >= r.compute_time * (1 - 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(simulation_cases(transfers=False))
+def test_remat_only_makespan_is_sum_of_op_times(case):
+    chain, schedule, platform = case
+    r = simulate(chain, schedule, platform)
+    assert r.idle_time == pytest.approx(0.0, abs=1e-9)
+    assert r.compute_time >= chain.compute_time * (1 - 1e-12)
+    # every B exactly once, in reverse order, after the loss
+    b_stages = [s for op, s, _ in schedule if op == Op.B]
+    assert b_stages == list(reversed(range(chain.n)))

@@ -1,0 +1,55 @@
+import math
+
+import pytest
+
+from rtmem.errors import PlatformError, UnitError
+from rtmem.planners import Platform
+from rtmem.units import (format_bandwidth, format_bytes, format_seconds, parse_bandwidth,
+                         parse_bytes, parse_seconds)
+
+
+@pytest.mark.parametrize("text, value", [
+    ("12GiB", 12 * 2**30), ("12 GB", 12 * 10**9), ("512", 512), ("1.5 KiB", 1536),
+    ("4kB", 4000), (100, 100), (2.5, 3), ("3 bytes", 3), ("1e3", 1000),
+])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["twelve", "-1", "12 XB", "1 GiB/s", True, math.nan, -5])
+def test_parse_bytes_errors(bad):
+    with pytest.raises(UnitError):
+        parse_bytes(bad)
+
+
+def test_bandwidth_and_time():
+    assert parse_bandwidth("12 GB/s") == 12e9
+    assert parse_bandwidth("16GiB/s") == 16 * 2**30
+    assert parse_bandwidth("inf") == math.inf
+    for bad in ("0", "-3 GB/s", "fast"):
+        with pytest.raises(UnitError):
+            parse_bandwidth(bad)
+    assert parse_seconds("3 ms") == pytest.approx(3e-3)
+    with pytest.raises(UnitError):
+        parse_seconds("soon")
+
+
+def test_formatting():
+    assert format_bytes(12 * 2**30) == "12.00 GiB"
+    assert format_bytes(100) == "100 B"
+    assert format_bandwidth(12e9) == "12.00 GB/s"
+    assert format_seconds(0.0123) == "12.300 ms"
+    assert format_bytes(math.inf) == "inf"
+
+
+def test_platform():
+    p = Platform("12GiB", "12 GB/s", "duplex")
+    assert p.memory == 12 * 2**30 and p.bandwidth == 12e9 and p.channel == "duplex"
+    assert "12.00 GiB" in str(p)
+    assert Platform("inf").memory_limit == 2**62
+    for kwargs, fragment in [(dict(memory=0), "> 0 bytes"), (dict(memory=-5), "invalid memory"),
+                             (dict(memory="lots"), "invalid memory"),
+                             (dict(memory=10, bandwidth=0), "invalid bandwidth"),
+                             (dict(memory=10, channel="tri"), "channel must be")]:
+        with pytest.raises(PlatformError, match=fragment):
+            Platform(**kwargs)
