@@ -1,0 +1,378 @@
+"""Replay a schedule in autograd: rematerialization, activation offload, weight and
+gradient moves, on an ``nn.Sequential``.
+
+NOTE [ Executor ]
+Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
+(thesis-remat.md §5.1, Table 2.1; the simulator's NOTE [ Simulator semantics ]):
+
+1. ``F_none i`` / ``F_ck i``: stage i under ``no_grad``; F_none drops its plain
+   input, F_ck keeps it. The output is a plain tensor a_{i+1}.
+2. ``F_all i``: stage i under ``enable_grad`` from a detached copy of its input
+   that requires grad; the recorded graph (its saved tensors) and the output form
+   abar_{i+1}. Saved tensors go through ``saved_tensors_hooks`` so the executor
+   knows their storages (for accounting and offload).
+3. ``L``: the loss on a_n; its gradient is delta_n. ``B i``: backward through the
+   graph of abar_{i+1} with delta_{i+1}; the input's ``.grad`` is delta_i.
+   Parameter gradients accumulate in ``.grad`` as with ``loss.backward()``.
+4. ``offload`` copies the storages of a tensor (abar: output and saved tensors,
+   minus parameters and the stage input) to host memory; ``delete`` frees the
+   device storages with ``untyped_storage().resize_(0)``, which keeps every tensor
+   object (and the autograd graph) intact; ``prefetch`` re-allocates and copies
+   back. Storage-level copies do not bump version counters, so autograd's
+   in-place checks stay quiet.
+5. ``w_offload``/``w_delete``/``w_prefetch`` swap the parameters' ``.data`` with an
+   empty placeholder and back (a host master copy is kept); ``g_offload i`` moves
+   the stage's parameter gradients into host accumulators (:meth:`host_grads`).
+6. Every execution of a stage after its first restores the RNG state of the first
+   (dropout draws the same masks) and the module buffers (batch-norm running
+   statistics are updated once per step, as in plain training).
+
+On a CUDA device, copies run on dedicated H2D / D2H streams into pinned memory and
+the compute stream waits on their events; on the CPU the same code paths run
+synchronously, so the semantics are tested on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rtmem.errors import RtmemError, ScheduleError
+from rtmem.planners import Chain, Op, Platform, Schedule, simulate
+
+__all__ = ["ScheduleExecutor", "ExecutionError"]
+
+
+class ExecutionError(RtmemError):
+    """A schedule could not be executed on a model (wrong length, bad state)."""
+
+
+def _storages(tensors):
+    """Unique untyped storages of ``tensors`` keyed by data pointer (0-byte ones kept
+    by identity so freed storages still count once they come back)."""
+    out = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        out[id(s) if s.nbytes() == 0 else s.data_ptr()] = s
+    return out
+
+
+@dataclass
+class _Stored:
+    """One schedule tensor on the device: a plain a_k or an abar_k (graph + output)."""
+
+    out: torch.Tensor
+    inp: torch.Tensor | None = None          # detached input of F_all (abar only)
+    saved: list = field(default_factory=list)  # tensors saved by autograd (abar only)
+    movable: dict | None = None              # storage key -> device storage to move
+    ready: object = None                     # CUDA event of the last prefetch
+    resident: bool = True                    # False between delete and prefetch
+
+    def all_tensors(self):
+        return [self.out, self.inp, *self.saved]
+
+
+class ScheduleExecutor:
+    """Run training steps of ``model`` following ``schedule``.
+
+    Parameters
+    ----------
+    model:
+        An ``nn.Sequential`` whose children are the chain's stages.
+    schedule:
+        A :class:`~rtmem.planners.Schedule`, or any object with a ``.schedule``
+        (a planner's ``Plan``). It is validated against ``len(model)`` stages
+        first; a plan for another chain length is refused with
+        :class:`ExecutionError`.
+    loss_fn:
+        ``loss_fn(output, target) -> scalar tensor``.
+    preserve_rng_state:
+        Replay recomputations with the RNG state of the first execution (needed
+        for dropout; costs a state copy per stage).
+
+    After :meth:`step`, ``peak_bytes`` is the largest number of activation bytes
+    (unique device storages of stored tensors and gradients, parameters excluded)
+    held between two operations, the quantity the simulator's memory counts for
+    activations.
+    """
+
+    def __init__(self, model: nn.Sequential, schedule, loss_fn, *,
+                 preserve_rng_state: bool = True):
+        if not isinstance(model, nn.Sequential):
+            raise ExecutionError(f"model must be an nn.Sequential of stages, got "
+                                 f"{type(model).__name__}; wrap your blocks in nn.Sequential")
+        schedule = getattr(schedule, "schedule", schedule)
+        if not isinstance(schedule, Schedule):
+            raise ExecutionError(f"schedule must be a Schedule or a Plan, got "
+                                 f"{type(schedule).__name__}")
+        self.n = len(model)
+        try:   # structural check: ranges, order, inputs present, complete backward
+            simulate(Chain.homogeneous(self.n), schedule, Platform(math.inf))
+        except ScheduleError as e:
+            raise ExecutionError(f"the schedule cannot run on this model of {self.n} stages "
+                                 f"(was it planned for another chain?): {e}") from e
+        self.model = model
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.preserve_rng_state = preserve_rng_state
+        self.stages = list(model.children())
+        self.peak_bytes = 0
+        self.resident_bytes: list[int] = []
+        self._w_host: dict = {}
+        self._g_host: dict = {}
+        # (k, aux) -> host copies of the movable storages, in order. Kept across
+        # recomputations of the tensor: a recomputed value equals the offloaded one,
+        # so a later instance may be deleted and prefetched from the same copy
+        # (the simulator's Rule 5 keeps host copies the same way).
+        self._host: dict = {}
+        self._streams = None
+        # If the schedule frees a0, work on a private copy: the caller's batch may share
+        # its storage with other tensors (targets are often a view of the same tokens).
+        self._own_input = any(op == Op.DELETE and k == 0 for op, k, _ in schedule)
+
+    # ------------------------------------------------------------ public API
+    def host_grads(self) -> dict:
+        """Parameter -> host gradient accumulated by ``g_offload`` operations."""
+        return dict(self._g_host)
+
+    def zero_host_grads(self) -> None:
+        """Forget the host gradients (call after the optimizer consumed them)."""
+        self._g_host.clear()
+
+    def step(self, inputs, target) -> torch.Tensor:
+        """One forward + backward pass following the schedule; returns the loss
+        (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``."""
+        device = inputs.device
+        self._device = device
+        if self._own_input or (inputs.untyped_storage().nbytes()
+                               != inputs.numel() * inputs.element_size()):
+            # a compact private copy: its bytes are exactly the chain's x0
+            inputs = inputs.clone(memory_format=torch.contiguous_format)
+        if device.type == "cuda" and self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        self._plain: dict[int, _Stored] = {0: _Stored(out=inputs, movable=_storages([inputs]))}
+        self._bar: dict[int, _Stored] = {}
+        self._delta = None
+        self._first: dict[int, tuple] = {}
+        self._host.clear()
+        self.peak_bytes = 0
+        self.resident_bytes = []
+        loss = None
+        for op, s, aux in self.schedule:
+            if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
+                self._forward(op, s)
+            elif op == Op.LOSS:
+                loss = self._loss(target)
+            elif op == Op.B:
+                self._backward(s)
+            elif op in (Op.OFFLOAD, Op.DELETE, Op.PREFETCH):
+                self._move(op, s, aux)
+            elif op in (Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH):
+                self._weights(op, s)
+            else:
+                self._grads_to_host(s)
+            self._account()
+        self._plain.clear()
+        self._bar.clear()
+        self._delta = None
+        if self._streams is not None:
+            torch.cuda.current_stream(device).wait_stream(self._streams[1])
+        return loss
+
+    # ------------------------------------------------------------- internals
+    def _account(self):
+        tensors = [self._delta]
+        for st in list(self._plain.values()) + list(self._bar.values()):
+            tensors += st.all_tensors()
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()
+                  if p.numel()}
+        nbytes = sum(s.nbytes() for k, s in _storages(tensors).items() if k not in params)
+        self.resident_bytes.append(nbytes)
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def _resident(self, k: int, plain_only: bool = False) -> _Stored:
+        st = self._plain.get(k)
+        if (st is None or not st.resident) and not plain_only:
+            st = self._bar.get(k)
+        if st is None or not st.resident:
+            # the structural check makes this unreachable for valid schedules
+            raise ExecutionError(f"activation a{k} is not on the device")
+        return st
+
+    def _source(self, k: int, plain_only: bool = False) -> torch.Tensor:
+        st = self._resident(k, plain_only)
+        self._wait(st)
+        return st.out.detach()
+
+    def _wait(self, st: _Stored):
+        if st.ready is not None:
+            torch.cuda.current_stream(self._device).wait_event(st.ready)
+            st.ready = None
+
+    def _run_stage(self, i: int, x: torch.Tensor):
+        stage = self.stages[i]
+        first = i not in self._first
+        if first:
+            cpu = torch.get_rng_state() if self.preserve_rng_state else None
+            cuda = (torch.cuda.get_rng_state(self._device)
+                    if self.preserve_rng_state and self._device.type == "cuda" else None)
+            self._first[i] = (cpu, cuda)
+            return stage(x)
+        buffers = [b.detach().clone() for b in stage.buffers()]
+        devices = [self._device] if self._device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state):
+            if self.preserve_rng_state:
+                cpu, cuda = self._first[i]
+                torch.set_rng_state(cpu)
+                if cuda is not None:
+                    torch.cuda.set_rng_state(cuda, self._device)
+            y = stage(x)
+        with torch.no_grad():   # recomputation must not update running statistics again
+            for b, saved in zip(stage.buffers(), buffers):
+                b.copy_(saved)
+        return y
+
+    def _forward(self, op, i: int):
+        x = self._source(i, plain_only=op == Op.F_NONE)
+        if op == Op.F_ALL:
+            if x.is_floating_point():
+                x = x.requires_grad_(True)
+            saved = []
+            params = {p.untyped_storage().data_ptr(): p for p in self.stages[i].parameters()}
+            protect = {x.untyped_storage().data_ptr()} | set(params)
+
+            x_key = x.untyped_storage().data_ptr()
+
+            def pack(t):
+                # A saved view of a weight (linear saves weight.t()) is re-derived from
+                # the parameter at unpack time, so that w_delete / w_offload really free
+                # the weights between F_all i and B i (Rule 6 of the simulator). A saved
+                # view of the input is re-derived from whichever copy of a_i or abar_i
+                # is resident at B i (B i needs one of them, Table 2.1), so deleting
+                # the copy F_all i happened to read does not break the graph.
+                key = t.untyped_storage().data_ptr()
+                if key == x_key:
+                    return (i, t.size(), t.stride(), t.storage_offset())
+                p = params.get(key)
+                if p is not None:
+                    return (p, t.size(), t.stride(), t.storage_offset())
+                saved.append(t)
+                return t
+
+            def unpack(packed):
+                if isinstance(packed, tuple):
+                    base, size, stride, offset = packed
+                    base = self._source(base) if isinstance(base, int) else base.detach()
+                    return base.as_strided(size, stride, offset)
+                return packed
+
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                y = self._run_stage(i, x)
+            movable = {k: s for k, s in _storages([y, *saved]).items() if k not in protect}
+            self._bar[i + 1] = _Stored(out=y, inp=x, saved=saved, movable=movable)
+        else:
+            with torch.no_grad():
+                y = self._run_stage(i, x)
+            if op == Op.F_NONE:
+                del self._plain[i]
+            if i + 1 not in self._plain or not self._plain[i + 1].resident:
+                self._plain[i + 1] = _Stored(out=y, movable=_storages([y]))
+
+    def _loss(self, target):
+        k = self.n
+        src = self._source(k)
+        z = src.requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.loss_fn(z, target)
+        loss.backward()
+        self._delta = z.grad
+        self._consume_plain(k)
+        return loss.detach()
+
+    def _backward(self, i: int):
+        bar = self._bar.pop(i + 1)
+        self._wait(bar)
+        torch.autograd.backward(bar.out, self._delta)
+        self._delta = bar.inp.grad if bar.inp is not None and bar.inp.requires_grad else None
+        self._consume_plain(i)
+
+    def _consume_plain(self, k: int):
+        """B and L consume a resident plain a_k unless abar_k is resident (Table 2.1)."""
+        plain, bar = self._plain.get(k), self._bar.get(k)
+        if plain is not None and plain.resident and not (bar is not None and bar.resident):
+            del self._plain[k]
+
+    def _move(self, op, k: int, aux: int):
+        st = (self._bar if aux else self._plain).get(k)
+        if st is None:
+            raise ExecutionError(
+                f"cannot {op.name.lower()} {'abar' if aux else 'a'}{k}: that tensor was "
+                "consumed; the executor moves a tensor only between its production and "
+                "its consumption (recompute it instead)")
+        cuda = self._device.type == "cuda"
+        storages = list(st.movable.values())
+        if op == Op.OFFLOAD:
+            if cuda:
+                d2h = self._streams[1]
+                d2h.wait_stream(torch.cuda.current_stream(self._device))
+                host = []
+                with torch.cuda.stream(d2h):
+                    for s in storages:
+                        h = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=True)
+                        h.untyped_storage().copy_(s, non_blocking=True)
+                        host.append(h.untyped_storage())
+            else:
+                host = [s.clone() for s in storages]
+            self._host[(k, aux)] = host
+        elif op == Op.DELETE:
+            if cuda:   # the D2H copy may still read these storages
+                torch.cuda.current_stream(self._device).wait_stream(self._streams[1])
+            if (k, aux) not in self._host:   # a discard: nothing will bring it back
+                del (self._bar if aux else self._plain)[k]
+                return
+            for s in storages:
+                s.resize_(0)
+            st.resident = False
+        else:  # PREFETCH
+            st.resident = True
+            host = self._host[(k, aux)]
+            if len(host) != len(storages):
+                raise ExecutionError(f"cannot prefetch {'abar' if aux else 'a'}{k}: its host "
+                                     "copy does not match the tensor on the device")
+            if cuda:
+                h2d = self._streams[0]
+                h2d.wait_stream(torch.cuda.current_stream(self._device))
+                with torch.cuda.stream(h2d):
+                    for s, h in zip(storages, host):
+                        s.resize_(h.nbytes())
+                        s.copy_(h, non_blocking=True)
+                st.ready = h2d.record_event()
+            else:
+                for s, h in zip(storages, host):
+                    s.resize_(h.nbytes())
+                    s.copy_(h)
+
+    def _weights(self, op, i: int):
+        for p in self.stages[i].parameters():
+            if op == Op.W_PREFETCH:
+                p.data = self._w_host[p].to(self._device, non_blocking=True)
+                continue
+            if op == Op.W_OFFLOAD or p not in self._w_host:
+                self._w_host[p] = p.data.to("cpu", copy=True)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _grads_to_host(self, i: int):
+        for p in self.stages[i].parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.to("cpu", copy=True)
+            if p in self._g_host:
+                self._g_host[p] += g
+            else:
+                self._g_host[p] = g
+            p.grad = None
