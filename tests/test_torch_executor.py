@@ -3,6 +3,7 @@ executor's measured activation memory equals the simulator's prediction."""
 
 import copy
 import math
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -75,8 +76,8 @@ def test_offload_weights_and_gradients(setup):
     assert set(ex.host_grads()) == set(m[0].parameters()) | set(m[1].parameters())
 
 
-@settings(max_examples=int(__import__("os").environ.get("RTMEM_EXAMPLES", 25)), deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_valid_schedules(setup, data):
     chain = setup[-1]

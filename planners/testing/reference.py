@@ -123,7 +123,8 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
                 if op == Op.B:
                     used -= dsize(s + 1)
                     del on_device[("abar", s + 1)]
-                    release(size[("abar", s + 1)], max(end, transfer_end.get(("abar", s + 1), 0)), end)
+                    t_free = max(end, transfer_end.get(("abar", s + 1), 0))
+                    release(size[("abar", s + 1)], t_free, end)
                     grads[s] = end
                     used += w[s]
                 if ("a", k_in) in on_device and ("abar", k_in) not in on_device:

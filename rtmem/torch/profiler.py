@@ -15,8 +15,9 @@ output's shape, and:
   GPU (peak minus what is live before and after); 0 on the CPU, where no allocator
   reports a peak;
 - ``w``: bytes of the stage's parameters;
-- ``x0``: bytes of the input (numel x element size: the executor works on a
-  compact copy when the batch is a view into a larger storage); ``u_loss``: loss forward + backward seconds.
+- ``x0``: bytes of the input, numel x element size (the executor works on a
+  compact copy when the batch views a larger storage);
+- ``u_loss``: loss forward + backward seconds.
 
 Byte counts use the same storage accounting as
 :class:`~rtmem.torch.ScheduleExecutor`, so simulated activation memory and the
@@ -149,5 +150,5 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         for p, g in grads.items():
             p.grad = g
         torch.set_rng_state(rng)
-    return Chain(**cols, x0=inputs.numel() * inputs.element_size(), u_loss=statistics.median(loss_times),
-                 name=name or f"profiled-{len(model)}-stages")
+    return Chain(**cols, x0=inputs.numel() * inputs.element_size(),
+                 u_loss=statistics.median(loss_times), name=name or f"profiled-{len(model)}-stages")
