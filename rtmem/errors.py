@@ -17,6 +17,13 @@ __all__ = [
     "InfeasibleError",
     "OutOfMemoryError",
     "UnitError",
+    "BackendError",
+    "DoubleFreeError",
+    "InvalidPointerError",
+    "UseAfterFreeError",
+    "ResidencyError",
+    "OptimizerError",
+    "KernelArgumentError",
 ]
 
 
@@ -124,3 +131,117 @@ class OutOfMemoryError(RtmemError, MemoryError):
 
 def _rebuild_oom(message, requested, stats):
     return OutOfMemoryError(message, requested=requested, stats=stats)
+
+
+class BackendError(RtmemError, RuntimeError):
+    """A memory backend (``cuda`` or ``host``) is unavailable or one of its
+    operations failed (a copy on a host stream thread raised, CuPy is missing,
+    ``RTMEM_BACKEND`` names an unknown backend)."""
+
+
+class DoubleFreeError(RtmemError, ValueError):
+    """A block or buffer was freed twice. The allocator state is unchanged."""
+
+
+class InvalidPointerError(RtmemError, ValueError):
+    """A block or buffer handed to ``free`` does not belong to this allocator or
+    arena (a foreign pointer). The allocator state is unchanged."""
+
+
+class UseAfterFreeError(RtmemError, RuntimeError):
+    """A freed :class:`~rtmem.buffer.Buffer` was used, or (debug mode) freed memory
+    was written after its free: the poison pattern was found overwritten.
+
+    ``offset`` is the first corrupted byte (relative to the slab) when known.
+    """
+
+    def __init__(self, message: str, *, offset: int | None = None):
+        super().__init__(message)
+        self.offset = offset
+
+    def __reduce__(self):
+        return (_rebuild_use_after_free, (self.args[0], self.offset))
+
+
+def _rebuild_use_after_free(message, offset):
+    return UseAfterFreeError(message, offset=offset)
+
+
+class ResidencyError(RtmemError, RuntimeError):
+    """An illegal residency move: prefetching data with no host copy, offloading
+    data already offloaded or in flight, evicting the only copy, ...
+
+    ``state`` is the residency the buffer was in and ``action`` the move refused.
+    """
+
+    def __init__(self, message: str, *, state: str | None = None,
+                 action: str | None = None):
+        super().__init__(message)
+        self.state = state
+        self.action = action
+
+    def __reduce__(self):
+        return (_rebuild_residency, (self.args[0], self.state, self.action))
+
+
+def _rebuild_residency(message, state, action):
+    return ResidencyError(message, state=state, action=action)
+
+
+class OptimizerError(RtmemError, ValueError):
+    """An optimizer or its fused update kernel (CPU Adam) was given invalid
+    arrays or hyperparameters: mismatched shapes or dtypes, non-contiguous or
+    read-only arrays, a negative learning rate, betas outside [0, 1), eps <= 0, ...
+
+    ``argument`` names the offending argument (``"exp_avg"``, ``"lr"``, ...)
+    when the problem is tied to one.
+    """
+
+    def __init__(self, message: str, *, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument
+
+    def __reduce__(self):
+        return (_rebuild_optimizer_error, (self.args[0], self.argument))
+
+
+def _rebuild_optimizer_error(message, argument):
+    return OptimizerError(message, argument=argument)
+
+
+class LayoutError(RtmemError, ValueError):
+    """A static memory layout places two buffers that are live at the same time
+    in overlapping bytes. ``pair`` holds the indices of the first such buffers."""
+
+    def __init__(self, message: str, *, pair: tuple | None = None):
+        super().__init__(message)
+        self.pair = pair
+
+    def __reduce__(self):
+        return (_rebuild_layout_error, (self.args[0], self.pair))
+
+
+def _rebuild_layout_error(message, pair):
+    return LayoutError(message, pair=pair)
+
+
+class KernelArgumentError(RtmemError, ValueError):
+    """A compute kernel of :mod:`rtmem.kernels` (DHA kernels, their CPU twins)
+    was given arrays it cannot use: wrong dtype, shape, layout or memory kind
+    (a numpy array where a device/mapped array is needed, or the reverse), or
+    token ids outside the embedding table.
+
+    ``argument`` names the offending argument (``"weight"``, ``"ids"``, ...)
+    when the problem is tied to one.
+    """
+
+    def __init__(self, message: str, *, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument
+
+    def __reduce__(self):
+        return (_rebuild_kernel_argument_error, (self.args[0], self.argument))
+
+
+def _rebuild_kernel_argument_error(message, argument):
+    return KernelArgumentError(message, argument=argument)

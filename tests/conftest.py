@@ -20,6 +20,10 @@ def _wants_real_gpu(config) -> bool:
 def pytest_configure(config):
     if not _wants_real_gpu(config):
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+        # pytest may have imported numba already (pyproject's filterwarnings names a
+        # numba warning class), so make numba re-read its configuration.
+        from numba.core import config as numba_config
+        numba_config.reload_config()
 
 
 def gpu_available() -> bool:

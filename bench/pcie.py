@@ -1,0 +1,296 @@
+"""PCIe and direct-host-access (DHA) microbenchmarks (MemFerry notes §9.1, B1-B4).
+
+For buffer sizes from 4 KiB to 1 GiB (powers of two) it measures, on one GPU:
+
+* ``h2d_pageable`` / ``d2h_pageable``: cudaMemcpyAsync from/to ordinary (pageable)
+  numpy memory (the driver stages it through its own pinned buffer);
+* ``h2d_pinned`` / ``d2h_pinned``: cudaMemcpyAsync from/to pinned memory (B1);
+* ``bidir_pinned``: an H2D and a D2H copy of the same size at once on two
+  streams (bandwidth = both sizes over the time until both are done);
+* ``dha_read`` / ``dha_write``: the rtmem.kernels.dha streaming kernels on
+  mapped host memory (B2, B3), and ``hbm_read`` as the on-device reference;
+
+then, at one large size, DHA read while an H2D or a D2H copy runs (B4: each
+one's throughput alone and together) and the latency of small transfers.
+
+Bandwidths are bytes/s (decimal GB/s in the table), median over ``--repeats``
+runs timed with CUDA events (pageable copies: host wall clock around the copy and
+a stream synchronize, since the driver's staging happens on the host). Writes
+``bench/results/pcie.json`` (or ``$RTMEM_BENCH_RESULTS/pcie.json``) and a plot
+with one curve per path. Without a GPU it says so and writes nothing.
+
+    python bench/pcie.py [--quick] [--max-size 1GiB] [--repeats 5] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+from _common import write_results  # noqa: E402
+
+from rtmem._table import format_table  # noqa: E402
+from rtmem.units import format_bytes, parse_bytes  # noqa: E402
+
+PATHS = ("h2d_pageable", "d2h_pageable", "h2d_pinned", "d2h_pinned", "bidir_pinned",
+         "dha_read", "dha_write", "hbm_read")
+LATENCY_SIZES = (4, 64, 512, 4096)
+
+
+def find_gpu() -> tuple[str | None, str]:
+    """(device name, "") when a real CUDA GPU and CuPy are usable, else (None, why).
+
+    The CUDA simulator does not count: its timings are meaningless.
+    """
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return None, "NUMBA_ENABLE_CUDASIM=1: the CUDA simulator has no timings"
+    try:
+        import cupy
+    except ImportError:
+        return None, "CuPy is not installed; pip install 'rtmem[cuda12]'"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None, "the CUDA runtime reports 0 devices"
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    except Exception as e:  # noqa: BLE001 - any runtime failure means no usable GPU
+        return None, f"the CUDA runtime failed: {e}"
+    return (name.decode() if isinstance(name, bytes) else str(name)), ""
+
+
+def no_gpu_exit(what: str, why: str) -> int:
+    """The clean exit of a GPU benchmark on a machine without one (code 0)."""
+    print(f"{what}: no CUDA GPU found ({why}); nothing measured, nothing written.")
+    return 0
+
+
+def results_dir_override() -> None:
+    """Honour RTMEM_BENCH_RESULTS (a folder) for where JSON and plots go."""
+    where = os.environ.get("RTMEM_BENCH_RESULTS")
+    if where:
+        _common.RESULTS = where
+
+
+class Timer:
+    """Median time of a stream-ordered operation, measured with CUDA events."""
+
+    def __init__(self, cupy, repeats: int):
+        self.cp, self.repeats = cupy, repeats
+        self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def events(self, fn, stream) -> float:
+        """Seconds between events recorded on ``stream`` around ``fn()``."""
+        fn()                                                   # warm-up
+        stream.synchronize()
+        times = []
+        for _ in range(self.repeats):
+            self.start.record(stream)
+            fn()
+            self.end.record(stream)
+            self.end.synchronize()
+            times.append(self.cp.cuda.get_elapsed_time(self.start, self.end) * 1e-3)
+        return statistics.median(times)
+
+    def wall(self, fn, stream) -> float:
+        """Host seconds for ``fn()`` plus a synchronize of ``stream``."""
+        fn()
+        stream.synchronize()
+        times = []
+        for _ in range(self.repeats):
+            t0 = time.perf_counter()
+            fn()
+            stream.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def _concurrent(cp, first, second, s1, s2):
+    """Run ``first`` on s1 and ``second`` on s2 from a common start; returns
+    (seconds of first, seconds of second, seconds until both finished)."""
+    ev = [cp.cuda.Event() for _ in range(4)]
+    s1.synchronize()
+    s2.synchronize()
+    ev[0].record(s1)
+    s2.wait_event(ev[0])
+    first()
+    ev[1].record(s1)
+    second()
+    ev[2].record(s2)
+    s1.wait_event(ev[2])
+    ev[3].record(s1)
+    ev[3].synchronize()
+    t = [cp.cuda.get_elapsed_time(ev[0], e) * 1e-3 for e in ev[1:]]
+    return t[0], t[1], max(t[2], t[0])
+
+
+def measure(max_size: int, min_size: int, step: int, repeats: int) -> dict:
+    """All measurements; returns the JSON document body (bytes, seconds, bytes/s)."""
+    import cupy as cp
+    import numpy as np
+    from numba import cuda
+
+    from rtmem.kernels import dha
+
+    rt = cp.cuda.runtime
+    h2d, d2h = rt.memcpyHostToDevice, rt.memcpyDeviceToHost
+    s1 = cp.cuda.Stream(non_blocking=True)
+    s2 = cp.cuda.Stream(non_blocking=True)
+    timer = Timer(cp, repeats)
+    dev_a = cp.empty(max_size, dtype=cp.uint8)
+    dev_b = cp.empty(max_size, dtype=cp.uint8)
+    dev_a.fill(1)
+    dev_b.fill(2)
+    pin_a, pin_b = cp.cuda.alloc_pinned_memory(max_size), cp.cuda.alloc_pinned_memory(max_size)
+    for p in (pin_a, pin_b):
+        np.frombuffer(p, dtype=np.uint8, count=max_size)[:] = 3   # fault the pages in
+    pageable = np.full(max_size, 4, dtype=np.uint8)
+    mapped_host = cuda.mapped_array(max_size, dtype=np.uint8)
+    mapped_host[:] = 5
+    mapped = cuda.as_cuda_array(mapped_host)            # device view of the same bytes
+    hbm = cuda.as_cuda_array(dev_b)
+    partials = cuda.device_array(1 << 16, dtype=np.uint64)
+
+    def copy(dst, src, n, kind, stream):
+        return lambda: rt.memcpyAsync(dst, src, n, kind, stream.ptr)
+
+    sizes, n = [], min_size
+    while n <= max_size:
+        sizes.append(n)
+        n *= step
+    curves = {p: [] for p in PATHS}
+    for n in sizes:
+        # Views made outside the timed closures: the events then bracket the
+        # launch itself (numba's dispatch, ~10-30 us, still counts at small sizes).
+        m_n, hbm_n = mapped[:n], hbm[:n]
+        t = {
+            "h2d_pageable": timer.wall(copy(dev_a.data.ptr, pageable.ctypes.data, n, h2d, s1), s1),
+            "d2h_pageable": timer.wall(copy(pageable.ctypes.data, dev_a.data.ptr, n, d2h, s1), s1),
+            "h2d_pinned": timer.events(copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1), s1),
+            "d2h_pinned": timer.events(copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s1), s1),
+            "dha_read": timer.events(lambda: dha.dha_read(m_n, stream=s1, out=partials), s1),
+            "dha_write": timer.events(lambda: dha.dha_write(m_n, 7, stream=s1), s1),
+            "hbm_read": timer.events(lambda: dha.dha_read(hbm_n, stream=s1, out=partials), s1),
+        }
+        both = []
+        for _ in range(repeats + 1):
+            both.append(_concurrent(cp, copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1),
+                                    copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s2), s1, s2)[2])
+        t["bidir_pinned"] = statistics.median(both[1:])
+        for p in PATHS:
+            moved = 2 * n if p == "bidir_pinned" else n
+            curves[p].append({"bytes": n, "seconds": t[p], "bytes_per_s": moved / t[p]})
+        print(f"  {format_bytes(n):>10}: " + "  ".join(
+            f"{p} {curves[p][-1]['bytes_per_s'] / 1e9:.1f}" for p in PATHS), flush=True)
+
+    # B4: DHA read against a copy in each direction, at the largest size.
+    n = max_size
+
+    def dha_read():
+        dha.dha_read(mapped, stream=s1, out=partials)
+
+    alone = {"dha_read": timer.events(dha_read, s1),
+             "h2d_pinned": timer.events(copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s2), s2),
+             "d2h_pinned": timer.events(copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s2), s2)}
+    contention = {"bytes": n, "alone_bytes_per_s": {k: n / v for k, v in alone.items()}}
+    for other, src, dst, kind in (("h2d_pinned", pin_a.ptr, dev_a.data.ptr, h2d),
+                                  ("d2h_pinned", dev_b.data.ptr, pin_b.ptr, d2h)):
+        runs = [_concurrent(cp, dha_read, copy(dst, src, n, kind, s2), s1, s2)
+                for _ in range(repeats + 1)][1:]
+        t_dha = statistics.median(r[0] for r in runs)
+        t_copy = statistics.median(r[1] for r in runs)
+        t_all = statistics.median(r[2] for r in runs)
+        contention[f"dha_read+{other}"] = {
+            "dha_read_bytes_per_s": n / t_dha, f"{other}_bytes_per_s": n / t_copy,
+            "aggregate_bytes_per_s": 2 * n / t_all}
+
+    # Latency of small transfers: issue to completion seen by the host.
+    small = cp.cuda.alloc_pinned_memory(4096)
+    latency = []
+    for n in LATENCY_SIZES:
+        m_n = mapped[:max(n, 8)]              # the probe reads whole 8-byte words
+        latency.append({
+            "bytes": n,
+            "h2d_pinned_s": timer.wall(copy(dev_a.data.ptr, small.ptr, n, h2d, s1), s1),
+            "d2h_pinned_s": timer.wall(copy(small.ptr, dev_a.data.ptr, n, d2h, s1), s1),
+            "h2d_pageable_s": timer.wall(copy(dev_a.data.ptr, pageable.ctypes.data, n, h2d,
+                                              s1), s1),
+            "dha_read_s": timer.wall(lambda: dha.dha_read(m_n, stream=s1, out=partials), s1)})
+    return {"sizes_bytes": sizes, "curves": curves, "contention": contention,
+            "latency": latency}
+
+
+def plot(doc: dict, path: str) -> str | None:
+    """One curve per path, bandwidth (GB/s) against size; None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install 'rtmem[plot]'): no plot")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, points in doc["curves"].items():
+        ax.plot([p["bytes"] for p in points], [p["bytes_per_s"] / 1e9 for p in points],
+                marker="o", ms=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("transfer size (bytes)")
+    ax.set_ylabel("bandwidth (GB/s)")
+    ax.set_title(f"PCIe and DHA bandwidth, {doc['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; returns the exit code (0 also when no GPU is found)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="4 KiB..64 MiB in steps of 4x, 3 repeats (about a minute)")
+    ap.add_argument("--max-size", default=None, help="largest buffer (default 1GiB)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per point")
+    ap.add_argument("--plot", default=None, help="plot path (default next to the JSON)")
+    args = ap.parse_args(argv)
+    device, why = find_gpu()
+    if device is None:
+        return no_gpu_exit("bench pcie", why)
+    results_dir_override()
+    max_size = parse_bytes(args.max_size or ("64MiB" if args.quick else "1GiB"))
+    repeats = args.repeats or (3 if args.quick else 5)
+    print(f"PCIe/DHA microbenchmarks on {device}: 4 KiB..{format_bytes(max_size)}, "
+          f"median of {repeats}, GB/s = 1e9 bytes/s")
+    doc = measure(max_size, 4096, 4 if args.quick else 2, repeats)
+    doc = {"device": device, "repeats": repeats, "units": {"bytes": "B", "seconds": "s",
+           "bytes_per_s": "B/s"}, **doc}
+    rows = []
+    for i, n in enumerate(doc["sizes_bytes"]):
+        c = doc["curves"]
+        rows.append([format_bytes(n)] + [f"{c[p][i]['bytes_per_s'] / 1e9:.2f}" for p in PATHS]
+                    + [f"{c['dha_read'][i]['bytes_per_s'] / c['h2d_pinned'][i]['bytes_per_s']:.2f}"])
+    print(format_table(["size"] + list(PATHS) + ["dha/h2d"], rows))
+    con = doc["contention"]
+    print(f"\ncontention at {format_bytes(con['bytes'])} (GB/s): alone " + ", ".join(
+        f"{k} {v / 1e9:.1f}" for k, v in con["alone_bytes_per_s"].items()))
+    for key, val in con.items():
+        if "+" in key:
+            print(f"  {key}: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in val.items()))
+    print("\nlatency (us): " + format_table(
+        ["bytes", "h2d pinned", "d2h pinned", "h2d pageable", "dha read"],
+        [[r["bytes"]] + [f"{r[k] * 1e6:.1f}" for k in ("h2d_pinned_s", "d2h_pinned_s",
+                                                       "h2d_pageable_s", "dha_read_s")]
+         for r in doc["latency"]]))
+    path = write_results("pcie", doc)
+    image = plot(doc, args.plot or os.path.splitext(path)[0] + ".png")
+    print(f"\nwrote {path}" + (f" and {image}" if image else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Launch configuration and argument checks shared by the DHA kernels and their CPU twins.
+
+Nothing here launches anything: it sizes grids (from the SM count, with a small
+fixed grid under the CUDA simulator), turns user arrays into what numba can launch
+on, and checks shapes and dtypes so that a mistake raises
+:class:`~rtmem.errors.KernelArgumentError` naming the argument, instead of a numba
+typing error or a wild read through a mapped host pointer.
+
+numba.cuda is imported inside the functions that need it, so the CPU twins
+(:mod:`rtmem.kernels.dha_cpu`) never load it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from rtmem.errors import KernelArgumentError
+
+#: Threads per block of the streaming and row kernels (a power of two: the
+#: block reductions halve it). 256 lets 8 blocks be resident per SM on every
+#: architecture since Volta (2048 threads/SM), enough loads in flight to cover
+#: PCIe latency (~1-2 us) with mapped memory.
+THREADS = 256
+
+#: Resident blocks per SM aimed at by :func:`stream_blocks` (2048 / THREADS).
+BLOCKS_PER_SM = 8
+
+#: Grid cap under the CUDA simulator: every simulated thread is a Python thread,
+#: so a few blocks exercise the grid-stride loops without taking minutes.
+SIM_MAX_BLOCKS = 4
+
+_FLOAT = (np.dtype(np.float32),)
+_IDS = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def simulator_active() -> bool:
+    """True when numba.cuda is the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    from numba import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+_SM_COUNT: int | None = None
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (1 under the simulator)."""
+    global _SM_COUNT
+    if simulator_active():
+        return 1
+    if _SM_COUNT is None:
+        from numba import cuda
+        _SM_COUNT = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    return _SM_COUNT
+
+
+def stream_blocks(n_items: int, threads: int = THREADS,
+                  blocks_per_sm: int = BLOCKS_PER_SM) -> int:
+    """Blocks for a grid-stride kernel over ``n_items`` work items.
+
+    As many blocks as the work needs, capped at ``blocks_per_sm`` resident blocks
+    on every SM: more would only queue, fewer would leave SMs (and therefore
+    outstanding PCIe requests) idle. Under the simulator the cap is
+    :data:`SIM_MAX_BLOCKS`. Always at least 1.
+    """
+    need = max(1, math.ceil(n_items / threads))
+    cap = SIM_MAX_BLOCKS if simulator_active() else sm_count() * blocks_per_sm
+    return max(1, min(need, cap))
+
+
+def numba_stream(stream):
+    """A stream numba can launch on: ``0``/``None`` (default stream), a numba
+    stream, or anything with a ``ptr`` attribute (a CuPy stream) wrapped as an
+    external stream."""
+    if stream is None or stream == 0:
+        return 0
+    ptr = getattr(stream, "ptr", None)
+    if ptr is not None and not simulator_active():
+        if not ptr:                              # CuPy's null stream
+            return 0
+        from numba import cuda
+        return cuda.external_stream(ptr)
+    return stream
+
+
+def synchronize(stream) -> None:
+    """Wait for ``stream`` (the default stream when 0) to finish its work."""
+    from numba import cuda
+    if stream == 0:
+        cuda.synchronize()
+    else:
+        stream.synchronize()
+
+
+# --------------------------------------------------------------------- conversion
+
+def as_device(obj, name: str):
+    """A numba device view (zero-copy) of ``obj`` for a kernel launch.
+
+    Accepts numba device and mapped arrays and anything exposing
+    ``__cuda_array_interface__`` (CuPy arrays, rtmem Buffers on a device or
+    mapped arena). Under the simulator only simulator arrays exist
+    (``cuda.to_device``, ``cuda.mapped_array``, ...).
+    """
+    from numba import cuda
+    if simulator_active():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        if isinstance(obj, FakeCUDAArray):
+            return obj
+    else:
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        if type(obj) is DeviceNDArray:         # fast path: no new view per launch
+            return obj
+        if cuda.is_cuda_array(obj):
+            return cuda.as_cuda_array(obj)
+    if isinstance(obj, np.ndarray) or hasattr(obj, "__array_interface__"):
+        raise KernelArgumentError(
+            f"{name} is host memory the GPU cannot address ({type(obj).__name__}); "
+            "allocate it with cuda.mapped_array / HostArena(mapped=True) for direct "
+            "host access, copy it with cuda.to_device, or use the CPU twin in "
+            "rtmem.kernels.dha_cpu", argument=name)
+    raise KernelArgumentError(
+        f"{name} must expose __cuda_array_interface__ (a numba device or mapped "
+        f"array, a CuPy array, an rtmem Buffer); got {type(obj).__name__}",
+        argument=name)
+
+
+def as_host(obj, name: str, writable: bool = False) -> np.ndarray:
+    """A numpy view (zero-copy) of ``obj`` for a CPU twin.
+
+    Accepts numpy arrays and anything exposing ``__array_interface__`` (rtmem
+    Buffers on a host arena, numba mapped/pinned arrays). Device-only arrays are
+    refused: the CPU cannot dereference them.
+    """
+    if not isinstance(obj, np.ndarray):
+        if hasattr(obj, "__array_interface__"):
+            obj = np.asarray(obj)
+        elif hasattr(obj, "__cuda_array_interface__"):
+            raise KernelArgumentError(
+                f"{name} is device memory ({type(obj).__name__}) and the CPU twins "
+                "read host memory; use rtmem.kernels.dha, or copy it to the host "
+                "first", argument=name)
+        else:
+            raise KernelArgumentError(
+                f"{name} must be a numpy array or expose __array_interface__; got "
+                f"{type(obj).__name__}", argument=name)
+    if writable and not obj.flags.writeable:
+        raise KernelArgumentError(f"{name} is read-only but the kernel writes it; "
+                                  "pass a writable array", argument=name)
+    return obj
+
+
+# ------------------------------------------------------------------------ checks
+
+def is_contiguous(a) -> bool:
+    """True when the (numpy, numba or simulator) array ``a`` is C-contiguous."""
+    flags = getattr(a, "flags", None)
+    if flags is not None:
+        try:
+            return bool(flags["C_CONTIGUOUS"])
+        except (KeyError, TypeError):
+            pass
+    return bool(a.is_c_contiguous())
+
+
+def check_array(a, name: str, *, ndim: int, dtypes=_FLOAT, shape=None) -> None:
+    """Raise :class:`KernelArgumentError` unless ``a`` is a C-contiguous array of
+    ``ndim`` dimensions, one of ``dtypes``, and (where an entry of ``shape`` is
+    not None) of that extent."""
+    dt = np.dtype(a.dtype)
+    if dt not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise KernelArgumentError(
+            f"{name} has dtype {dt}; the kernel needs {want} (convert it with "
+            f".astype({want.split()[0]}))", argument=name)
+    if len(a.shape) != ndim:
+        raise KernelArgumentError(
+            f"{name} must be {ndim}-D, got shape {tuple(a.shape)}", argument=name)
+    if shape is not None:
+        for axis, (got, want) in enumerate(zip(a.shape, shape)):
+            if want is not None and got != want:
+                raise KernelArgumentError(
+                    f"{name} has shape {tuple(a.shape)} but axis {axis} must be {want} "
+                    f"(expected {tuple('*' if w is None else w for w in shape)})",
+                    argument=name)
+    if not is_contiguous(a):
+        raise KernelArgumentError(
+            f"{name} must be C-contiguous (row-major); make a contiguous copy",
+            argument=name)
+
+
+def check_ids(ids, name: str = "ids", n_tokens: int | None = None) -> None:
+    """Token ids: a 1-D int32/int64 array (of ``n_tokens`` entries when given)."""
+    check_array(ids, name, ndim=1, dtypes=_IDS, shape=(n_tokens,))
+
+
+def check_eps(eps: float) -> float:
+    """LayerNorm epsilon: a finite number > 0 (it keeps 1/sqrt(var + eps) finite)."""
+    eps = float(eps)
+    if not (eps > 0.0 and math.isfinite(eps)):
+        raise KernelArgumentError(f"eps must be a finite number > 0, got {eps!r}",
+                                  argument="eps")
+    return eps
+
+
+def word_dtype(width: int) -> np.dtype:
+    """Unsigned word type of a streaming probe's access width (4 or 8 bytes)."""
+    if width == 4:
+        return np.dtype(np.uint32)
+    if width == 8:
+        return np.dtype(np.uint64)
+    raise KernelArgumentError(
+        f"width must be 4 or 8 bytes per access, got {width!r} (16-byte vector "
+        "loads cannot be expressed on plain arrays in numba.cuda)", argument="width")
+
+
+def check_words(nbytes: int, width: int, name: str) -> int:
+    """Number of ``width``-byte words in a buffer of ``nbytes`` bytes; the buffer
+    must be a non-empty whole number of words."""
+    if nbytes == 0 or nbytes % width:
+        raise KernelArgumentError(
+            f"{name} holds {nbytes} bytes, not a positive multiple of the access "
+            f"width {width} B; pad it or pass width=4", argument=name)
+    return nbytes // width
+
+
+# ---------------------------------------------------------------- launch helpers
+
+def device_words(buf, width: int, name: str):
+    """(word view, word count) of a C-contiguous device/mapped array, viewed as
+    ``width``-byte unsigned words for the streaming probes."""
+    dev = as_device(buf, name)
+    if not is_contiguous(dev):
+        raise KernelArgumentError(f"{name} must be C-contiguous to be streamed as words",
+                                  argument=name)
+    wdt = word_dtype(width)
+    n = check_words(int(dev.size) * np.dtype(dev.dtype).itemsize, width, name)
+    iface = getattr(dev, "__cuda_array_interface__", None)
+    if iface is not None and iface["data"][0] % width:
+        raise KernelArgumentError(
+            f"{name} starts at address {iface['data'][0]:#x}, not aligned to the "
+            f"{width}-byte access width; pass width=4 or an aligned buffer", argument=name)
+    flat = dev.reshape(dev.size) if len(dev.shape) != 1 else dev
+    return flat.view(wdt), n
+
+
+def grid_size(blocks, n_items: int) -> int:
+    """``blocks`` checked (>= 1), or :func:`stream_blocks` of ``n_items`` when None."""
+    if blocks is None:
+        return stream_blocks(n_items)
+    if int(blocks) < 1:
+        raise KernelArgumentError(f"blocks must be >= 1, got {blocks!r}", argument="blocks")
+    return int(blocks)
+
+
+def row_threads(h: int) -> int:
+    """Threads for a row kernel: a power of two covering ``h`` (32..THREADS)."""
+    t = 32
+    while t < h and t < THREADS:
+        t *= 2
+    return t
+
+
+# ------------------------------------------------------------------ scratch
+
+_SCRATCH: dict = {}
+_SCRATCH_LOCK = threading.Lock()
+_SCRATCH_MAX = 64          # entries kept; the oldest is dropped beyond that
+
+
+def scratch(tag: str, shape, dtype, stream):
+    """A device array for temporary use by one launch sequence on ``stream``.
+
+    Reused by later calls with the same (tag, shape, dtype, stream): work on one
+    stream runs in order, so the previous user has finished before the next
+    kernel touches it. Saves a cudaMalloc per call (tens of microseconds, and a
+    possible device synchronization) in the layer wrappers. Never share the
+    result across streams.
+    """
+    from numba import cuda
+    handle = getattr(stream, "handle", None)
+    if handle is None:                           # the default stream, or the simulator's
+        skey = id(stream)
+    else:                                        # ctypes handle, or a cuda-python CUstream
+        skey = handle.value if hasattr(handle, "value") else int(handle)
+    key = (tag, tuple(int(d) for d in np.atleast_1d(shape)), np.dtype(dtype).str,
+           skey if stream != 0 else 0)
+    with _SCRATCH_LOCK:
+        arr = _SCRATCH.pop(key, None)
+        if arr is None:
+            arr = cuda.device_array(key[1], dtype=dtype)
+        _SCRATCH[key] = arr                       # most recent last
+        while len(_SCRATCH) > _SCRATCH_MAX:
+            _SCRATCH.pop(next(iter(_SCRATCH)))
+    return arr

@@ -1,0 +1,621 @@
+"""Direct-Host-Access (DHA) kernels: numba.cuda kernels that read and write host memory.
+
+A kernel dereferences a pointer into pinned, device-mapped host memory exactly as
+it would one into HBM; every access then crosses PCIe (MemFerry §2.1, reference
+notes ``memferry.md`` §2). These kernels take any array exposing
+``__cuda_array_interface__`` (numba device or mapped arrays, CuPy arrays, rtmem
+Buffers), so the same launch runs with the weight in HBM (on-GPU mode) or in mapped
+host memory (DHA mode), which is how ``bench/dha_layers.py`` compares the modes.
+
+Two families:
+
+* bandwidth probes (:func:`dha_read`, :func:`dha_write`, :func:`dha_rmw`):
+  coalesced, grid-stride, 4 independent loads in flight per thread, on a 4- or
+  8-byte word view of the buffer (benchmarks B2/B3 of §9.1);
+* the paper's parameterized layers, forward and backward: embedding gather,
+  LayerNorm, linear (tiled GEMM). Weights may live in host memory; activations are
+  expected in HBM. Every backward can write the weight gradient straight into
+  host memory (GO-MemFerry, §5), overwriting it or, with ``accumulate=True``,
+  adding to it. Each gradient element is written exactly once per call (no
+  atomics on host memory, which PCIe does not make atomic with respect to the CPU).
+
+NOTE [ Asynchrony and visibility ]
+    Wrappers enqueue on ``stream`` and return without waiting (except the id check
+    of the embedding, see ``check``). Host memory written by a kernel is visible
+    to the CPU only after the stream (or an event recorded after the launch) has
+    completed; the CPU must not update a weight a kernel may still be reading.
+
+NOTE [ Precision ]
+    Layer kernels take float32 data and accumulate in float32, like cuBLAS SGEMM
+    without TF32. Ids are int32 or int64. Results read from mapped memory are
+    bitwise equal to the same launch on HBM copies (same code, same order), except
+    the embedding backward, whose per-row summation order follows the atomic list
+    build and may differ between runs.
+
+NOTE [ PCIe traffic per call ] (bytes crossing the link when the weight is mapped)
+    embedding fwd: T*H*4 (only gathered rows); bwd: V*H*4 written (dense) or
+    rows_touched*H*4 read+written with accumulate.
+    LayerNorm fwd/bwd: 2*H*4 per block (gamma/beta staged in shared memory);
+    parameter grads 2*H*4 written.
+    linear fwd: N*K*4*ceil(T/32) (the GEMM re-reads each weight tile once per
+    32-row tile of x: re-read factor k = ceil(T/32)); bwd grad_x: N*K*4*ceil(T/32);
+    grad_weight: N*K*4 written (twice that with accumulate).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from rtmem.errors import KernelArgumentError
+
+from ._launch import (THREADS, as_device, check_array, check_eps, check_ids, device_words,
+                      grid_size, numba_stream, row_threads, scratch, simulator_active,
+                      stream_blocks, synchronize, word_dtype)
+
+__all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
+           "embedding_forward", "embedding_backward",
+           "layernorm_forward", "layernorm_backward",
+           "linear_forward", "linear_backward", "GEMM_TILE"]
+
+#: Output tile edge of the GEMM (a 32 x 32 tile per block of 32 x 8 threads,
+#: 4 outputs per thread). It sets the weight re-read factor ceil(T / GEMM_TILE).
+GEMM_TILE = 32
+_GEMM_ROWS = 8                       # blockDim.y of the GEMM
+_PER_THREAD = GEMM_TILE // _GEMM_ROWS
+_PARTIAL_ROWS = 64                   # rows per block of the column-sum kernels
+_MAX_SHARED_PARAMS = 48 * 1024       # bytes of gamma/beta staged in shared memory
+
+# =================================================================== kernels
+
+@cuda.jit
+def _read_kernel(words, partials):
+    # XOR, not a sum: the checksum is exact and order-free, and needs no overflow.
+    sm = cuda.shared.array(THREADS, numba.uint64)
+    tid = cuda.threadIdx.x
+    stride = cuda.gridDim.x * cuda.blockDim.x
+    n = words.shape[0]
+    i = cuda.blockIdx.x * cuda.blockDim.x + tid
+    acc = numba.uint64(0)
+    # 4 independent loads before their use: more requests in flight per thread,
+    # which is what hides PCIe latency.
+    while i + 3 * stride < n:
+        a0 = words[i]
+        a1 = words[i + stride]
+        a2 = words[i + 2 * stride]
+        a3 = words[i + 3 * stride]
+        acc ^= numba.uint64(a0) ^ numba.uint64(a1) ^ numba.uint64(a2) ^ numba.uint64(a3)
+        i += 4 * stride
+    while i < n:
+        acc ^= numba.uint64(words[i])
+        i += stride
+    sm[tid] = acc
+    cuda.syncthreads()
+    half = cuda.blockDim.x // 2
+    while half > 0:
+        if tid < half:
+            sm[tid] ^= sm[tid + half]
+        cuda.syncthreads()
+        half //= 2
+    if tid == 0:
+        partials[cuda.blockIdx.x] = sm[0]
+
+
+@cuda.jit
+def _write_kernel(words, value):
+    stride = cuda.gridDim.x * cuda.blockDim.x
+    for i in range(cuda.grid(1), words.shape[0], stride):
+        words[i] = value
+
+
+@cuda.jit
+def _rmw_kernel(words, mask):
+    stride = cuda.gridDim.x * cuda.blockDim.x
+    for i in range(cuda.grid(1), words.shape[0], stride):
+        words[i] ^= mask
+
+
+@cuda.jit(device=True)
+def _block_sum(sm, value):
+    """Sum of ``value`` over the block (blockDim.x a power of two <= THREADS)."""
+    tid = cuda.threadIdx.x
+    cuda.syncthreads()              # sm may still be read by a previous reduction
+    sm[tid] = value
+    cuda.syncthreads()
+    half = cuda.blockDim.x // 2
+    while half > 0:
+        if tid < half:
+            sm[tid] += sm[tid + half]
+        cuda.syncthreads()
+        half //= 2
+    return sm[0]
+
+
+@cuda.jit
+def _embedding_fwd_kernel(weight, ids, out, bad):
+    V, H = weight.shape
+    for t in range(cuda.blockIdx.x, ids.shape[0], cuda.gridDim.x):
+        v = ids[t]
+        if v < 0 or v >= V:
+            # Never dereference a wild row of a mapped pointer: zero the output
+            # row and count the id; the wrapper raises.
+            if cuda.threadIdx.x == 0:
+                cuda.atomic.add(bad, 0, 1)
+            for h in range(cuda.threadIdx.x, H, cuda.blockDim.x):
+                out[t, h] = 0
+        else:
+            for h in range(cuda.threadIdx.x, H, cuda.blockDim.x):
+                out[t, h] = weight[v, h]
+
+
+@cuda.jit
+def _fill_int32_kernel(a, value):
+    for i in range(cuda.grid(1), a.shape[0], cuda.gridDim.x * cuda.blockDim.x):
+        a[i] = value
+
+
+@cuda.jit
+def _embedding_link_kernel(ids, n_rows, head, nxt, bad):
+    # Per vocabulary row, a linked list of the tokens that use it, built in HBM
+    # scratch (V + T int32): the gradient kernel then writes each row of the
+    # host-resident gradient once, with no atomics on host memory.
+    for t in range(cuda.grid(1), ids.shape[0], cuda.gridDim.x * cuda.blockDim.x):
+        v = ids[t]
+        if v < 0 or v >= n_rows:
+            cuda.atomic.add(bad, 0, 1)
+            nxt[t] = -1
+        else:
+            nxt[t] = cuda.atomic.exch(head, v, numba.int32(t))
+
+
+@cuda.jit
+def _embedding_grad_kernel(grad_out, head, nxt, grad_weight, accumulate):
+    V, H = grad_weight.shape
+    for v in range(cuda.blockIdx.x, V, cuda.gridDim.x):
+        first = head[v]
+        if accumulate and first < 0:
+            continue                 # untouched row: no PCIe traffic at all
+        for h in range(cuda.threadIdx.x, H, cuda.blockDim.x):
+            acc = numba.float32(0.0)
+            t = first
+            while t >= 0:
+                acc += grad_out[t, h]
+                t = nxt[t]
+            if accumulate:
+                grad_weight[v, h] += acc
+            else:
+                grad_weight[v, h] = acc
+
+
+@cuda.jit
+def _layernorm_fwd_kernel(x, gamma, beta, out, mean, rstd, eps, staged):
+    T, H = x.shape
+    sm = cuda.shared.array(THREADS, numba.float32)
+    params = cuda.shared.array(0, numba.float32)     # 2*H floats when staged
+    tid = cuda.threadIdx.x
+    if staged:
+        # gamma/beta cross PCIe once per block instead of once per row.
+        for h in range(tid, H, cuda.blockDim.x):
+            params[h] = gamma[h]
+            params[H + h] = beta[h]
+        cuda.syncthreads()
+    inv_h = numba.float32(1.0) / numba.float32(H)
+    for r in range(cuda.blockIdx.x, T, cuda.gridDim.x):
+        s = numba.float32(0.0)
+        for h in range(tid, H, cuda.blockDim.x):
+            s += x[r, h]
+        mu = _block_sum(sm, s) * inv_h
+        # Two passes (mean, then centred squares): no cancellation for rows with
+        # a large mean, unlike E[x^2] - E[x]^2.
+        s = numba.float32(0.0)
+        for h in range(tid, H, cuda.blockDim.x):
+            d = x[r, h] - mu
+            s += d * d
+        rs = numba.float32(1.0) / math.sqrt(_block_sum(sm, s) * inv_h + eps)
+        for h in range(tid, H, cuda.blockDim.x):
+            g = params[h] if staged else gamma[h]
+            b = params[H + h] if staged else beta[h]
+            out[r, h] = (x[r, h] - mu) * rs * g + b
+        if tid == 0:
+            mean[r] = mu
+            rstd[r] = rs
+
+
+@cuda.jit
+def _layernorm_dx_kernel(grad_out, x, mean, rstd, gamma, grad_x, staged):
+    T, H = x.shape
+    sm = cuda.shared.array(THREADS, numba.float32)
+    params = cuda.shared.array(0, numba.float32)     # H floats when staged
+    tid = cuda.threadIdx.x
+    if staged:
+        for h in range(tid, H, cuda.blockDim.x):
+            params[h] = gamma[h]
+        cuda.syncthreads()
+    inv_h = numba.float32(1.0) / numba.float32(H)
+    for r in range(cuda.blockIdx.x, T, cuda.gridDim.x):
+        mu = mean[r]
+        rs = rstd[r]
+        s1 = numba.float32(0.0)
+        s2 = numba.float32(0.0)
+        for h in range(tid, H, cuda.blockDim.x):
+            g = grad_out[r, h] * (params[h] if staged else gamma[h])
+            s1 += g
+            s2 += g * (x[r, h] - mu) * rs
+        m1 = _block_sum(sm, s1) * inv_h
+        m2 = _block_sum(sm, s2) * inv_h
+        for h in range(tid, H, cuda.blockDim.x):
+            g = grad_out[r, h] * (params[h] if staged else gamma[h])
+            grad_x[r, h] = rs * (g - m1 - (x[r, h] - mu) * rs * m2)
+
+
+@cuda.jit
+def _column_partials_kernel(grad_out, x, mean, rstd, partials, with_xhat):
+    # partials[0, c, h] = sum over the rows of chunk c of grad_out[:, h], and when
+    # with_xhat, partials[1, c, h] = sum of grad_out * xhat (LayerNorm's dgamma).
+    # Threads run along h: coalesced reads, no atomics, deterministic order.
+    T, H = grad_out.shape
+    h = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if h >= H:
+        return
+    for c in range(cuda.blockIdx.y, partials.shape[1], cuda.gridDim.y):
+        s0 = numba.float32(0.0)
+        s1 = numba.float32(0.0)
+        for r in range(c * _PARTIAL_ROWS, min(T, (c + 1) * _PARTIAL_ROWS)):
+            g = grad_out[r, h]
+            s0 += g
+            if with_xhat:
+                s1 += g * (x[r, h] - mean[r]) * rstd[r]
+        partials[0, c, h] = s0
+        if with_xhat:
+            partials[1, c, h] = s1
+
+
+@cuda.jit
+def _column_finish_kernel(partials, which, out, accumulate):
+    # One write (or read-add-write) per gradient element into (host) memory.
+    for h in range(cuda.grid(1), out.shape[0], cuda.gridDim.x * cuda.blockDim.x):
+        s = numba.float32(0.0)
+        for c in range(partials.shape[1]):
+            s += partials[which, c, h]
+        if accumulate:
+            out[h] += s
+        else:
+            out[h] = s
+
+
+@cuda.jit
+def _gemm_kernel(a, b, c, bias, trans_a, trans_b, accumulate, has_bias):
+    # c[M, N] (=|+=) op(a) @ op(b) (+ bias[N]); op(a) is [M, K], op(b) is [K, N].
+    # Tiles are loaded so that consecutive threadIdx.x read consecutive addresses
+    # in either layout (coalesced PCIe requests when a or b is mapped).
+    M, N = c.shape
+    K = a.shape[0] if trans_a else a.shape[1]
+    sa = cuda.shared.array((GEMM_TILE, GEMM_TILE + 1), numba.float32)  # [m][k]
+    sb = cuda.shared.array((GEMM_TILE, GEMM_TILE + 1), numba.float32)  # [k][n]
+    acc = cuda.local.array(_PER_THREAD, numba.float32)
+    tx = cuda.threadIdx.x
+    ty = cuda.threadIdx.y
+    tiles_m = (M + GEMM_TILE - 1) // GEMM_TILE
+    tiles_n = (N + GEMM_TILE - 1) // GEMM_TILE
+    for tm in range(cuda.blockIdx.y, tiles_m, cuda.gridDim.y):
+        for tn in range(cuda.blockIdx.x, tiles_n, cuda.gridDim.x):
+            m0 = tm * GEMM_TILE
+            n0 = tn * GEMM_TILE
+            for i in range(_PER_THREAD):
+                acc[i] = 0
+            for k0 in range(0, K, GEMM_TILE):
+                for i in range(_PER_THREAD):
+                    r = ty + i * _GEMM_ROWS
+                    v = numba.float32(0.0)
+                    if trans_a:                      # a stored [K, M]
+                        if k0 + r < K and m0 + tx < M:
+                            v = a[k0 + r, m0 + tx]
+                        sa[tx, r] = v
+                    else:                            # a stored [M, K]
+                        if m0 + r < M and k0 + tx < K:
+                            v = a[m0 + r, k0 + tx]
+                        sa[r, tx] = v
+                    w = numba.float32(0.0)
+                    if trans_b:                      # b stored [N, K]
+                        if n0 + r < N and k0 + tx < K:
+                            w = b[n0 + r, k0 + tx]
+                        sb[tx, r] = w
+                    else:                            # b stored [K, N]
+                        if k0 + r < K and n0 + tx < N:
+                            w = b[k0 + r, n0 + tx]
+                        sb[r, tx] = w
+                cuda.syncthreads()
+                for kk in range(GEMM_TILE):
+                    bv = sb[kk, tx]
+                    for i in range(_PER_THREAD):
+                        acc[i] += sa[ty + i * _GEMM_ROWS, kk] * bv
+                cuda.syncthreads()
+            n = n0 + tx
+            for i in range(_PER_THREAD):
+                m = m0 + ty + i * _GEMM_ROWS
+                if m < M and n < N:
+                    v = acc[i]
+                    if has_bias:
+                        v += bias[n]
+                    if accumulate:
+                        c[m, n] += v
+                    else:
+                        c[m, n] = v
+
+
+# ================================================================= wrappers
+
+def dha_read(src, *, width: int = 8, blocks: int | None = None, stream=0, out=None):
+    """Stream every byte of ``src`` through the SMs (DHA read bandwidth probe).
+
+    ``src``: any C-contiguous device or mapped array, read as ``width``-byte
+    unsigned words (``width`` 4 or 8; its size in bytes must be a multiple).
+    ``blocks``: grid size (default :func:`~rtmem.kernels._launch.stream_blocks`),
+    ``THREADS`` threads each. Returns a device array of ``blocks`` uint64 partial
+    XOR checksums; :func:`xor_checksum` folds them (the result keeps the compiler
+    from dropping the loads). Bytes read: ``src.nbytes``. ``out``: an optional
+    uint64 device array of at least ``blocks`` entries to reuse (a benchmark loop
+    then allocates nothing); the partials are its first ``blocks`` entries.
+    """
+    words, n = device_words(src, width, "src")
+    grid = grid_size(blocks, n)
+    if out is None:
+        out = cuda.device_array(grid, dtype=np.uint64)
+    else:
+        out = as_device(out, "out")
+        check_array(out, "out", ndim=1, dtypes=(np.dtype(np.uint64),))
+        if out.shape[0] < grid:
+            raise KernelArgumentError(f"out holds {out.shape[0]} partials but the grid "
+                                      f"has {grid} blocks; pass blocks= or a longer out",
+                                      argument="out")
+    _read_kernel[grid, THREADS, numba_stream(stream)](words, out)
+    return out[:grid]
+
+
+def xor_checksum(partials) -> int:
+    """Fold the partial checksums of :func:`dha_read` (device or host) to one int:
+    the XOR of every word read (synchronizes when ``partials`` is on the device)."""
+    host = partials.copy_to_host() if hasattr(partials, "copy_to_host") else partials
+    return int(np.bitwise_xor.reduce(np.asarray(host, dtype=np.uint64)))
+
+
+def dha_write(dst, value: int, *, width: int = 8, blocks: int | None = None, stream=0):
+    """Fill ``dst`` with the ``width``-byte word ``value`` (DHA write bandwidth probe).
+
+    Bytes written: ``dst.nbytes`` (``width`` 4 or 8 bytes per store, coalesced).
+    """
+    words, n = device_words(dst, width, "dst")
+    value = word_dtype(width).type(int(value) & ((1 << (8 * width)) - 1))
+    _write_kernel[grid_size(blocks, n), THREADS, numba_stream(stream)](words, value)
+
+
+def dha_rmw(buf, mask: int, *, width: int = 8, blocks: int | None = None, stream=0):
+    """XOR every ``width``-byte word of ``buf`` with ``mask`` in place
+    (read-modify-write probe: ``buf.nbytes`` bytes read, then written)."""
+    words, n = device_words(buf, width, "buf")
+    mask = word_dtype(width).type(int(mask) & ((1 << (8 * width)) - 1))
+    _rmw_kernel[grid_size(blocks, n), THREADS, numba_stream(stream)](words, mask)
+
+
+def _zeroed_counter(s):
+    # Zeroed by a kernel, not cuda.to_device: a copy from pageable memory would
+    # synchronize and distort every timing of the layer.
+    bad = scratch("bad-ids", 1, np.int32, s)
+    _fill_int32_kernel[1, 32, s](bad, 0)
+    return bad
+
+
+def _raise_bad_ids(bad, stream, n_rows):
+    host = bad.copy_to_host(stream=stream)
+    synchronize(stream)
+    if int(host[0]):
+        raise KernelArgumentError(
+            f"{int(host[0])} token id(s) outside [0, {n_rows}); their rows were "
+            "zeroed (forward) or skipped (backward). Clamp or remap the ids",
+            argument="ids")
+
+
+def embedding_forward(weight, ids, out, *, stream=0, check: bool = True) -> None:
+    """Gather rows: ``out[t, :] = weight[ids[t], :]``.
+
+    ``weight`` [V, H] float32 (HBM or mapped host: DHA reads only the T*H*4 bytes
+    of the gathered rows), ``ids`` [T] int32/int64, ``out`` [T, H] float32.
+    Out-of-range ids are never dereferenced; with ``check`` (default) the wrapper
+    waits for the stream and raises :class:`~rtmem.errors.KernelArgumentError` if
+    any was found. Pass ``check=False`` to stay asynchronous.
+    """
+    weight, ids, out = (as_device(weight, "weight"), as_device(ids, "ids"),
+                        as_device(out, "out"))
+    check_array(weight, "weight", ndim=2)
+    V, H = weight.shape
+    check_ids(ids)
+    check_array(out, "out", ndim=2, shape=(ids.shape[0], H))
+    s = numba_stream(stream)
+    bad = _zeroed_counter(s)
+    grid = stream_blocks(ids.shape[0], threads=1, blocks_per_sm=16)
+    _embedding_fwd_kernel[grid, row_threads(H), s](weight, ids, out, bad)
+    if check:
+        _raise_bad_ids(bad, s, V)
+
+
+def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False, stream=0,
+                       check: bool = True) -> None:
+    """Weight gradient of the gather: ``grad_weight[v] (=|+=) sum_{t: ids[t]=v} grad_out[t]``.
+
+    ``grad_out`` [T, H] float32, ``ids`` [T] int32/int64 (T < 2**31),
+    ``grad_weight`` [V, H] float32, in HBM or mapped host memory (GO-MemFerry).
+    ``accumulate=False`` writes every row (the dense V*H*4-byte gradient, zeros
+    for unused rows); ``accumulate=True`` adds into the rows the ids touch and
+    leaves the others untouched. Uses (V + T)*4 bytes of HBM scratch. The
+    embedding backward never reads the weight. ``check`` as in
+    :func:`embedding_forward`.
+    """
+    grad_out, ids, grad_weight = (as_device(grad_out, "grad_out"), as_device(ids, "ids"),
+                                  as_device(grad_weight, "grad_weight"))
+    check_array(grad_weight, "grad_weight", ndim=2)
+    V, H = grad_weight.shape
+    check_ids(ids)
+    T = ids.shape[0]
+    check_array(grad_out, "grad_out", ndim=2, shape=(T, H))
+    if T >= 2**31:
+        raise KernelArgumentError(f"{T} tokens exceed the int32 token lists; split the "
+                                  "batch", argument="ids")
+    s = numba_stream(stream)
+    head = scratch("emb-head", V, np.int32, s)
+    nxt = scratch("emb-next", max(T, 1), np.int32, s)
+    bad = _zeroed_counter(s)
+    _fill_int32_kernel[stream_blocks(V), THREADS, s](head, -1)
+    if T:
+        _embedding_link_kernel[stream_blocks(T), THREADS, s](ids, V, head, nxt, bad)
+    grid = stream_blocks(V, threads=1, blocks_per_sm=16)
+    _embedding_grad_kernel[grid, row_threads(H), s](grad_out, head, nxt, grad_weight,
+                                                      bool(accumulate))
+    if check:
+        _raise_bad_ids(bad, s, V)
+
+
+def _staging(nfloats: int) -> tuple[bool, int]:
+    nbytes = nfloats * 4
+    return (True, nbytes) if nbytes <= _MAX_SHARED_PARAMS else (False, 0)
+
+
+def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,
+                      stream=0) -> None:
+    """``out = (x - mean) * rstd * gamma + beta`` over the last axis.
+
+    ``x``, ``out`` [T, H] float32 (HBM); ``gamma``, ``beta`` [H] float32 (HBM or
+    mapped host, staged once per block in shared memory when 2*H*4 <= 48 KiB);
+    ``mean``, ``rstd`` [T] float32 outputs (saved for the backward;
+    ``rstd = 1/sqrt(var + eps)``, biased variance). ``eps`` > 0.
+    """
+    x, gamma, beta, out, mean, rstd = (as_device(a, n) for a, n in (
+        (x, "x"), (gamma, "gamma"), (beta, "beta"), (out, "out"), (mean, "mean"),
+        (rstd, "rstd")))
+    check_array(x, "x", ndim=2)
+    T, H = x.shape
+    for a, n in ((gamma, "gamma"), (beta, "beta")):
+        check_array(a, n, ndim=1, shape=(H,))
+    check_array(out, "out", ndim=2, shape=(T, H))
+    for a, n in ((mean, "mean"), (rstd, "rstd")):
+        check_array(a, n, ndim=1, shape=(T,))
+    eps = np.float32(check_eps(eps))
+    staged, shared = _staging(2 * H)
+    grid = stream_blocks(T, threads=1, blocks_per_sm=2)
+    _layernorm_fwd_kernel[grid, row_threads(H), numba_stream(stream), shared](
+        x, gamma, beta, out, mean, rstd, eps, staged)
+
+
+def _column_sums(grad_out, saved, outs, accumulate, s):
+    # saved = (x, mean, rstd) for LayerNorm's dgamma, None for a plain column sum.
+    T, H = grad_out.shape
+    chunks = max(1, math.ceil(T / _PARTIAL_ROWS))
+    partials = scratch("col-partials", (2, chunks, H), np.float32, s)
+    if saved is None:
+        unused = scratch("unused", 1, np.float32, s)
+        saved = (grad_out, unused, unused)
+    grid = (max(1, math.ceil(H / THREADS)), min(chunks, 65535))
+    _column_partials_kernel[grid, THREADS, s](grad_out, *saved, partials,
+                                              saved[0] is not grad_out)
+    for which, out in outs:
+        _column_finish_kernel[stream_blocks(H), THREADS, s](partials, which, out,
+                                                             bool(accumulate))
+
+
+def layernorm_backward(grad_out, x, mean, rstd, gamma, grad_x, grad_gamma, grad_beta, *,
+                       accumulate: bool = False, stream=0) -> None:
+    """Backward of :func:`layernorm_forward`.
+
+    With ``xhat = (x - mean) * rstd`` and ``g = grad_out * gamma``:
+    ``grad_x = rstd * (g - mean_h(g) - xhat * mean_h(g * xhat))``,
+    ``grad_gamma = sum_t grad_out * xhat``, ``grad_beta = sum_t grad_out``.
+    Shapes as in the forward (all float32); ``grad_gamma``/``grad_beta`` [H] may
+    be mapped host memory: written once each (``accumulate=True`` adds instead).
+    ``grad_x`` may be None to skip the input gradient. Scratch: 2*ceil(T/64)*H*4
+    bytes of HBM.
+    """
+    grad_out, x, mean, rstd, gamma, grad_gamma, grad_beta = (as_device(a, n) for a, n in (
+        (grad_out, "grad_out"), (x, "x"), (mean, "mean"), (rstd, "rstd"),
+        (gamma, "gamma"), (grad_gamma, "grad_gamma"), (grad_beta, "grad_beta")))
+    check_array(x, "x", ndim=2)
+    T, H = x.shape
+    check_array(grad_out, "grad_out", ndim=2, shape=(T, H))
+    for a, n in ((mean, "mean"), (rstd, "rstd")):
+        check_array(a, n, ndim=1, shape=(T,))
+    for a, n in ((gamma, "gamma"), (grad_gamma, "grad_gamma"), (grad_beta, "grad_beta")):
+        check_array(a, n, ndim=1, shape=(H,))
+    s = numba_stream(stream)
+    if grad_x is not None:
+        grad_x = as_device(grad_x, "grad_x")
+        check_array(grad_x, "grad_x", ndim=2, shape=(T, H))
+        staged, shared = _staging(H)
+        grid = stream_blocks(T, threads=1, blocks_per_sm=2)
+        _layernorm_dx_kernel[grid, row_threads(H), s, shared](
+            grad_out, x, mean, rstd, gamma, grad_x, staged)
+    _column_sums(grad_out, (x, mean, rstd), ((1, grad_gamma), (0, grad_beta)), accumulate, s)
+
+
+def _gemm(a, b, c, bias, trans_a, trans_b, accumulate, s):
+    M, N = c.shape
+    grid = (min(max(1, math.ceil(N / GEMM_TILE)), 65535),
+            min(max(1, math.ceil(M / GEMM_TILE)), 65535))
+    if simulator_active():
+        grid = (min(grid[0], 2), 1)     # few blocks; exercises the grid-stride loops
+    has_bias = bias is not None
+    if not has_bias:
+        bias = scratch("unused", 1, np.float32, s)
+    _gemm_kernel[grid, (GEMM_TILE, _GEMM_ROWS), s](a, b, c, bias, trans_a, trans_b,
+                                                   bool(accumulate), has_bias)
+
+
+def linear_forward(x, weight, bias, out, *, stream=0) -> None:
+    """``out = x @ weight.T + bias`` (PyTorch ``nn.Linear`` layout).
+
+    ``x`` [T, K] float32 (HBM), ``weight`` [N, K] float32 and ``bias`` [N]
+    float32 or None (HBM or mapped host), ``out`` [T, N] float32. In DHA mode the
+    weight crosses PCIe ceil(T/32) times (see the module note).
+    """
+    x, weight, out = as_device(x, "x"), as_device(weight, "weight"), as_device(out, "out")
+    check_array(x, "x", ndim=2)
+    T, K = x.shape
+    check_array(weight, "weight", ndim=2, shape=(None, K))
+    N = weight.shape[0]
+    check_array(out, "out", ndim=2, shape=(T, N))
+    if bias is not None:
+        bias = as_device(bias, "bias")
+        check_array(bias, "bias", ndim=1, shape=(N,))
+    _gemm(x, weight, out, bias, False, True, False, numba_stream(stream))
+
+
+def linear_backward(grad_out, x, weight, grad_x, grad_weight, grad_bias, *,
+                    accumulate: bool = False, stream=0) -> None:
+    """Backward of :func:`linear_forward`:
+    ``grad_x = grad_out @ weight``, ``grad_weight (=|+=) grad_out.T @ x``,
+    ``grad_bias (=|+=) grad_out.sum(0)``.
+
+    ``grad_out`` [T, N], ``x`` [T, K], ``weight`` [N, K], ``grad_x`` [T, K] or
+    None (skip), ``grad_weight`` [N, K], ``grad_bias`` [N] or None, all float32.
+    ``weight``, ``grad_weight`` and ``grad_bias`` may be mapped host memory: each
+    gradient element is written once (read and written once with
+    ``accumulate=True``), so GO-MemFerry needs no HBM gradient buffer.
+    """
+    grad_out, x, weight, grad_weight = (as_device(a, n) for a, n in (
+        (grad_out, "grad_out"), (x, "x"), (weight, "weight"), (grad_weight, "grad_weight")))
+    check_array(x, "x", ndim=2)
+    T, K = x.shape
+    check_array(weight, "weight", ndim=2, shape=(None, K))
+    N = weight.shape[0]
+    check_array(grad_out, "grad_out", ndim=2, shape=(T, N))
+    check_array(grad_weight, "grad_weight", ndim=2, shape=(N, K))
+    s = numba_stream(stream)
+    if grad_x is not None:
+        grad_x = as_device(grad_x, "grad_x")
+        check_array(grad_x, "grad_x", ndim=2, shape=(T, K))
+        _gemm(grad_out, weight, grad_x, None, False, False, False, s)
+    _gemm(grad_out, x, grad_weight, None, True, False, accumulate, s)
+    if grad_bias is not None:
+        grad_bias = as_device(grad_bias, "grad_bias")
+        check_array(grad_bias, "grad_bias", ndim=1, shape=(N,))
+        _column_sums(grad_out, None, ((0, grad_bias),), accumulate, s)

@@ -1,0 +1,84 @@
+"""``rtmem bench pcie`` and ``rtmem bench dha``: the GPU microbenchmarks.
+
+Thin front ends over the scripts ``bench/pcie.py`` (PCIe copy and DHA bandwidth,
+contention, small-transfer latency) and ``bench/dha_layers.py`` (per-layer cost
+of on-GPU vs DHA vs copy-then-compute, the JSON a DHA planner consumes). The
+scripts live in the source tree, not in the installed package, so these commands
+run from a checkout. Each returns the script's exit code: 0 also when no GPU is
+found (nothing is measured or written then, and the message says so).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+__all__ = ["register", "bench_dir"]
+
+
+def bench_dir() -> str:
+    """The ``bench/`` folder of the source tree this rtmem was imported from."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def _load(script: str):
+    path = os.path.join(bench_dir(), script)
+    if not os.path.isfile(path):
+        return None
+    name = f"_rtmem_bench_{os.path.splitext(script)[0]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(script: str, argv: list[str]) -> int:
+    module = _load(script)
+    if module is None:
+        print(f"rtmem bench: {os.path.join(bench_dir(), script)} not found; the benchmarks "
+              "ship with the source tree, so run this from a checkout of rtmem "
+              "(or run the script directly)", file=sys.stderr)
+        return 1
+    return int(module.main(argv) or 0)
+
+
+def _flags(args, names) -> list[str]:
+    argv = ["--quick"] if args.quick else []
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None:
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
+def _cmd_pcie(args) -> int:
+    return _run("pcie.py", _flags(args, ("max-size", "repeats", "plot")))
+
+
+def _cmd_dha(args) -> int:
+    return _run("dha_layers.py", _flags(args, ("model", "tokens", "repeats")))
+
+
+def register(subparsers) -> None:
+    """Add ``bench`` (with ``pcie`` and ``dha``) to an argparse ``subparsers``
+    object; each ``func(args)`` returns the exit code."""
+    p = subparsers.add_parser("bench", help="GPU microbenchmarks: PCIe/DHA bandwidth, "
+                              "per-layer DHA cost", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="bench", metavar="BENCH")
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    q = sub.add_parser("pcie", help="copy (pageable, pinned, both ways) and DHA bandwidth "
+                       "from 4 KiB to 1 GiB, contention, latency; JSON + plot")
+    q.add_argument("--quick", action="store_true", help="up to 64 MiB, 3 repeats")
+    q.add_argument("--max-size", default=None, help="largest buffer, e.g. 256MiB (default 1GiB)")
+    q.add_argument("--repeats", type=int, default=None, help="timed runs per point")
+    q.add_argument("--plot", default=None, help="plot file (default bench/results/pcie.png)")
+    q.set_defaults(func=_cmd_pcie)
+    q = sub.add_parser("dha", help="per-layer forward/backward time on-GPU vs DHA vs "
+                       "copy-then-compute (GPT-2 layers); JSON for the DHA planner")
+    q.add_argument("--quick", action="store_true", help="1024 tokens, 3 repeats")
+    q.add_argument("--model", default=None,
+                   help="gpt2, gpt2-medium, gpt2-large or gpt2-xl (default gpt2)")
+    q.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 4096)")
+    q.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
+    q.set_defaults(func=_cmd_dha)

@@ -1,0 +1,333 @@
+"""DHA kernels (rtmem.kernels.dha) under the CUDA simulator, and their CPU twins.
+
+Every kernel is checked against a float64 numpy reference on fresh random inputs,
+forward and backward (analytic gradients: dW = dy^T x, dx = dy W, ...), with the
+weights and weight gradients in "mapped" memory (``cuda.mapped_array``) and in
+device memory. Sizes are tiny: each simulated thread is a Python thread. The
+same checks run on a real GPU in tests/test_dha_gpu.py (``pytest -m gpu``).
+"""
+
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rtmem.errors import KernelArgumentError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Sim:
+    """Simulated GPU: activations in device memory, parameters in mapped or device memory."""
+    name = "sim"
+
+    def __init__(self, where):
+        from numba import cuda
+        from rtmem.kernels import dha
+        self.cuda, self.k, self.where = cuda, dha, where
+
+    def act(self, a):
+        return self.cuda.to_device(np.ascontiguousarray(a))
+
+    def empty(self, shape, dtype=np.float32):
+        return self.cuda.device_array(shape, dtype=dtype)
+
+    def param(self, a):
+        if self.where == "device":
+            return self.cuda.to_device(np.ascontiguousarray(a))
+        m = self.cuda.mapped_array(a.shape, dtype=a.dtype)
+        m[...] = a
+        return m
+
+    def host(self, d):
+        return d.copy_to_host()
+
+
+class _Cpu:
+    """The host backend: every array is a numpy array."""
+    name = "cpu"
+
+    def __init__(self, where):
+        from rtmem.kernels import dha_cpu
+        self.k, self.where = dha_cpu, where
+
+    def act(self, a):
+        return np.array(a)
+
+    def empty(self, shape, dtype=np.float32):
+        return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 7, dtype=dtype)
+
+    param = act
+
+    def host(self, d):
+        return np.asarray(d)
+
+
+@pytest.fixture(params=[("sim", "mapped"), ("sim", "device"), ("cpu", "host")],
+                ids=lambda p: "-".join(p))
+def be(request):
+    kind, where = request.param
+    return (_Sim if kind == "sim" else _Cpu)(where)
+
+
+def _rand(rng, *shape, scale=1.0):
+    # standard normal shifted away from zero: no all-zero input can hide a bug
+    return (rng.standard_normal(shape) * scale + 0.25).astype(np.float32)
+
+
+# ----------------------------------------------------------------- probes
+
+@pytest.mark.parametrize("width", [4, 8])
+def test_read_probe_checksums_every_word(be, width):
+    rng = np.random.default_rng(11 + width)
+    data = rng.integers(1, 2**31, size=(37, 24), dtype=np.int64).astype(np.float32)
+    partials = be.k.dha_read(be.param(data), width=width, blocks=3 if be.name == "sim" else None)
+    words = data.reshape(-1).view(np.uint32 if width == 4 else np.uint64)
+    assert be.k.xor_checksum(partials) == int(np.bitwise_xor.reduce(words.astype(np.uint64)))
+    if be.name == "sim":
+        assert len(partials) == 3
+
+
+def test_write_and_rmw_probes(be):
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 2**62, size=301, dtype=np.int64).view(np.uint64)
+    buf = be.param(data)
+    mask = int(rng.integers(1, 2**62))
+    be.k.dha_rmw(buf, mask)
+    got = be.host(buf)
+    np.testing.assert_array_equal(got, data ^ np.uint64(mask))
+    value = int(rng.integers(1, 2**31))
+    out = be.param(np.zeros(602, np.float32))
+    be.k.dha_write(out, value, width=4)
+    got = be.host(out)
+    assert np.all(got.view(np.uint32) == value)
+
+
+def test_probe_argument_errors(be):
+    with pytest.raises(KernelArgumentError, match="width"):
+        be.k.dha_read(be.param(np.ones(8, np.float32)), width=16)
+    with pytest.raises(KernelArgumentError, match="multiple"):
+        be.k.dha_read(be.param(np.ones(3, np.float32)), width=8)
+
+
+# -------------------------------------------------------------- embedding
+
+def test_embedding_forward_gathers_rows(be):
+    rng = np.random.default_rng(21)
+    V, H, T = 23, 40, 19
+    w = _rand(rng, V, H)
+    ids = rng.integers(0, V, T).astype(np.int64)
+    ids[:3] = ids[3]                                         # repeated tokens
+    out = be.empty((T, H))
+    be.k.embedding_forward(be.param(w), be.act(ids), out)
+    np.testing.assert_array_equal(be.host(out), w[ids])
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_embedding_backward_scatter_adds(be, accumulate):
+    rng = np.random.default_rng(22 + accumulate)
+    V, H, T = 17, 36, 25
+    ids = rng.integers(0, V - 4, T).astype(np.int32)        # rows V-4.. stay unused
+    ids[:4] = 2
+    dy = _rand(rng, T, H)
+    g0 = _rand(rng, V, H)                                   # garbage or previous gradient
+    gw = be.param(g0)
+    be.k.embedding_backward(be.act(dy), be.act(ids), gw, accumulate=accumulate)
+    ref = np.zeros((V, H))
+    np.add.at(ref, ids, dy.astype(np.float64))
+    if accumulate:
+        ref += g0
+    got = be.host(gw)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    if not accumulate:
+        assert np.all(got[V - 4:] == 0)
+
+
+def test_embedding_rejects_bad_ids_and_shapes(be):
+    rng = np.random.default_rng(23)
+    w = be.param(_rand(rng, 8, 32))
+    with pytest.raises(KernelArgumentError, match=r"outside \[0, 8\)") as e:
+        be.k.embedding_forward(w, be.act(np.array([1, 8, 2], np.int32)), be.empty((3, 32)))
+    assert e.value.argument == "ids"
+    with pytest.raises(KernelArgumentError, match="int32 or int64"):
+        be.k.embedding_forward(w, be.act(np.array([1.0, 2.0])), be.empty((2, 32)))
+    with pytest.raises(KernelArgumentError, match="axis 1 must be 32"):
+        be.k.embedding_forward(w, be.act(np.array([1, 2])), be.empty((2, 31)))
+    g0 = _rand(rng, 8, 32)
+    gw = be.param(g0)
+    with pytest.raises(KernelArgumentError, match="outside"):
+        be.k.embedding_backward(be.act(_rand(rng, 2, 32)), be.act(np.array([-1, 3])), gw)
+    if be.name == "cpu":                                    # refused before any write
+        np.testing.assert_array_equal(gw, g0)
+
+
+# -------------------------------------------------------------- LayerNorm
+
+def _ln_reference(x, gamma, beta, dy, eps):
+    x, dy = x.astype(np.float64), dy.astype(np.float64)
+    mu = x.mean(1, keepdims=True)
+    rstd = 1.0 / np.sqrt(x.var(1, keepdims=True) + eps)
+    xhat = (x - mu) * rstd
+    y = xhat * gamma + beta
+    g = dy * gamma
+    dx = rstd * (g - g.mean(1, keepdims=True) - xhat * (g * xhat).mean(1, keepdims=True))
+    return y, mu[:, 0], rstd[:, 0], dx, (dy * xhat).sum(0), dy.sum(0)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_layernorm_forward_backward(be, accumulate):
+    rng = np.random.default_rng(31 + accumulate)
+    T, H, eps = 5, 24, 1e-5
+    x = _rand(rng, T, H, scale=3.0) + 2.0                  # non-zero mean per row
+    gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
+    y, mu, rstd, dx, dgamma, dbeta = _ln_reference(x, gamma, beta, dy, eps)
+    out, mean, rs = be.empty((T, H)), be.empty(T), be.empty(T)
+    gamma_d, dx_d = be.param(gamma), be.act(x)
+    be.k.layernorm_forward(dx_d, gamma_d, be.param(beta), out, mean, rs, eps=eps)
+    np.testing.assert_allclose(be.host(out), y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(be.host(mean), mu, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-4)
+    g0, b0 = _rand(rng, H), _rand(rng, H)
+    gg, gb, gx = be.param(g0), be.param(b0), be.empty((T, H))
+    be.k.layernorm_backward(be.act(dy), dx_d, mean, rs, gamma_d, gx, gg, gb,
+                            accumulate=accumulate)
+    np.testing.assert_allclose(be.host(gx), dx, rtol=1e-4, atol=1e-5)
+    base = (g0, b0) if accumulate else (0.0, 0.0)
+    np.testing.assert_allclose(be.host(gg),
+                               dgamma + base[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(be.host(gb),
+                               dbeta + base[1], rtol=1e-4, atol=1e-5)
+
+
+def test_layernorm_argument_errors(be):
+    rng = np.random.default_rng(33)
+    x, g = be.act(_rand(rng, 3, 8)), be.param(_rand(rng, 8))
+    with pytest.raises(KernelArgumentError, match="eps"):
+        be.k.layernorm_forward(x, g, g, be.empty((3, 8)), be.empty(3), be.empty(3), eps=0.0)
+    with pytest.raises(KernelArgumentError, match="gamma") as e:
+        be.k.layernorm_forward(x, be.param(_rand(rng, 7)), g, be.empty((3, 8)),
+                               be.empty(3), be.empty(3))
+    assert e.value.argument == "gamma"
+    with pytest.raises(KernelArgumentError, match="float32"):
+        be.k.layernorm_forward(be.act(np.ones((3, 8))), g, g, be.empty((3, 8)),
+                               be.empty(3), be.empty(3))
+
+
+# ----------------------------------------------------------------- linear
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_linear_forward_backward(be, accumulate):
+    # 2 x 2 output tiles on the simulator's 2 x 1 grid: the grid-stride loops run.
+    rng = np.random.default_rng(41 + accumulate)
+    T, K, N = 33, 20, 34
+    x, w, b, dy = _rand(rng, T, K), _rand(rng, N, K), _rand(rng, N), _rand(rng, T, N)
+    x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    w_d, x_d, out = be.param(w), be.act(x), be.empty((T, N))
+    be.k.linear_forward(x_d, w_d, be.param(b), out)
+    np.testing.assert_allclose(be.host(out), x64 @ w64.T + b, rtol=1e-4, atol=1e-4)
+    gw0, gb0 = _rand(rng, N, K), _rand(rng, N)
+    gw, gb, gx = be.param(gw0), be.param(gb0), be.empty((T, K))
+    be.k.linear_backward(be.act(dy), x_d, w_d, gx, gw, gb, accumulate=accumulate)
+    np.testing.assert_allclose(be.host(gx), dy64 @ w64, rtol=1e-4, atol=1e-4)
+    base_w, base_b = (gw0, gb0) if accumulate else (0.0, 0.0)
+    np.testing.assert_allclose(be.host(gw), dy64.T @ x64 + base_w, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(be.host(gb), dy64.sum(0) + base_b, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_without_bias_and_grad_x(be):
+    rng = np.random.default_rng(43)
+    T, K, N = 9, 12, 10
+    x, w, dy = _rand(rng, T, K), _rand(rng, N, K), _rand(rng, T, N)
+    out = be.empty((T, N))
+    be.k.linear_forward(be.act(x), be.param(w), None, out)
+    np.testing.assert_allclose(be.host(out), x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4)
+    gw = be.param(_rand(rng, N, K))
+    be.k.linear_backward(be.act(dy), be.act(x), be.param(w), None, gw, None)
+    got = be.host(gw)
+    np.testing.assert_allclose(got, dy.astype(np.float64).T @ x, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_argument_errors(be):
+    rng = np.random.default_rng(44)
+    x, w = be.act(_rand(rng, 4, 6)), be.param(_rand(rng, 5, 6))
+    with pytest.raises(KernelArgumentError, match="axis 1 must be 6") as e:
+        be.k.linear_forward(x, be.param(_rand(rng, 5, 7)), None, be.empty((4, 5)))
+    assert e.value.argument == "weight"
+    with pytest.raises(KernelArgumentError, match="out"):
+        be.k.linear_forward(x, w, None, be.empty((4, 6)))
+    with pytest.raises(KernelArgumentError, match="grad_weight"):
+        be.k.linear_backward(be.act(_rand(rng, 4, 5)), x, w, None, be.empty((6, 5)), None)
+    with pytest.raises(KernelArgumentError, match="C-contiguous"):
+        be.k.linear_forward(x, w, None, be.empty((5, 4)).T)
+
+
+# ------------------------------------------------- memory kinds, launch, errors
+
+def test_gpu_kernels_refuse_host_arrays():
+    from rtmem.kernels import dha
+    with pytest.raises(KernelArgumentError, match="mapped_array") as e:
+        dha.dha_read(np.ones(8, np.float32))
+    assert e.value.argument == "src"
+    with pytest.raises(KernelArgumentError, match="__cuda_array_interface__"):
+        dha.dha_read([1.0, 2.0])
+
+
+def test_cpu_twins_refuse_device_and_read_only_arrays():
+    from rtmem.kernels import dha_cpu
+
+    class DeviceOnly:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+
+    with pytest.raises(KernelArgumentError, match="device memory"):
+        dha_cpu.dha_read(DeviceOnly())
+    out = np.zeros(4, np.float32)
+    out.flags.writeable = False
+    with pytest.raises(KernelArgumentError, match="read-only"):
+        dha_cpu.dha_write(out, 1, width=4)
+
+
+def test_stream_blocks_is_capped_under_the_simulator():
+    from rtmem.kernels import _launch
+    assert _launch.simulator_active()
+    assert _launch.stream_blocks(1) == 1
+    assert _launch.stream_blocks(10**9) == _launch.SIM_MAX_BLOCKS
+    assert _launch.stream_blocks(3 * _launch.THREADS, blocks_per_sm=1) == 3
+
+
+def test_kernel_argument_error_pickles():
+    e = pickle.loads(pickle.dumps(KernelArgumentError("bad", argument="ids")))
+    assert isinstance(e, ValueError) and e.argument == "ids" and str(e) == "bad"
+
+
+@pytest.mark.parametrize("script", ["pcie.py", "dha_layers.py"])
+def test_benches_exit_cleanly_without_a_gpu(script, tmp_path):
+    # The CPU suite has no GPU (the simulator does not count): a bench must say
+    # so, exit 0 and write no result file.
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["RTMEM_BENCH_RESULTS"] = str(tmp_path)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--quick"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU" in r.stdout + r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_bench_runs_pcie_and_dha(capsys, tmp_path, monkeypatch):
+    import argparse
+    from rtmem import cli_bench
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    parser = argparse.ArgumentParser(prog="rtmem")
+    cli_bench.register(parser.add_subparsers(dest="command"))
+    for name in ("pcie", "dha"):
+        args = parser.parse_args(["bench", name, "--quick", "--repeats", "2"])
+        assert args.quick and args.repeats == 2
+        assert args.func(args) == 0            # the suite has no real GPU
+        assert f"bench {name}: no CUDA GPU found" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    args = parser.parse_args(["bench"])
+    assert args.func(args) == 2                # no benchmark named: usage
