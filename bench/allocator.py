@@ -1,0 +1,339 @@
+"""Allocator benchmark: speed and fragmentation of rtmem's best-fit allocator.
+
+Runs, side by side in one process:
+
+(a) random sizes: a random alloc/free trace (log-uniform 256 B .. 1 MiB, up to
+    ~600 live blocks);
+(b) a GPT-2 trace: buffer lifetimes of ``gpt2-small`` under
+    ``sequential_schedule(n, 4)`` (rtmem.planners.lifetimes), replayed as
+    allocations in op order; plus the static layout of the same lifetimes.
+
+On the host backend the baseline is a plain Python best-fit (a linear scan of an
+address-ordered free list): the floor every allocator must beat. On a GPU the
+same traces also run against CuPy's MemoryPool and torch's caching allocator.
+Then the pinned-arena check: the bytes reserved for a 20.4 GiB pinned request.
+
+Usage::
+
+    python bench/allocator.py [--repeats 5] [--quick]
+
+Prints a table and writes ``bench/results/allocator.json``. Ratios are medians
+over repeats, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from rtmem.adaptors import replay
+from rtmem.allocator import BestFitAllocator, align_up
+from rtmem.backends import cuda_available
+from rtmem.errors import OutOfMemoryError
+from rtmem.layout import plan_layout
+from rtmem.planners import builtin, sequential_schedule
+from rtmem.planners.lifetimes import lifetimes
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                       "allocator.json")
+GIB = 1 << 30
+
+
+class _NaiveBlock:
+    __slots__ = ("offset", "size", "slab")
+
+    def __init__(self, offset, size):
+        self.offset, self.size, self.slab = offset, size, 0
+
+
+class NaiveBestFit:
+    """The floor: best fit by scanning a Python list of free (offset, size) holes
+    in address order; coalescing by list neighbours. Same alignment rules."""
+
+    def __init__(self, nbytes, alignment=256):
+        self.alignment = alignment
+        self.holes = [[0, align_up(nbytes, alignment)]]
+
+    def allocate(self, nbytes, stream=None):
+        size = align_up(max(nbytes, 1), self.alignment)
+        best = -1
+        for i, (_, hsize) in enumerate(self.holes):
+            if hsize >= size and (best < 0 or hsize < self.holes[best][1]):
+                best = i
+        if best < 0:
+            raise OutOfMemoryError(f"naive: cannot allocate {nbytes} bytes",
+                                   requested=nbytes)
+        off, hsize = self.holes[best]
+        if hsize == size:
+            del self.holes[best]
+        else:
+            self.holes[best] = [off + size, hsize - size]
+        return _NaiveBlock(off, size)
+
+    def deallocate(self, block, stream=None, event=None):
+        off, size = block.offset, block.size
+        holes = self.holes
+        i = 0
+        while i < len(holes) and holes[i][0] < off:
+            i += 1
+        if i > 0 and holes[i - 1][0] + holes[i - 1][1] == off:
+            holes[i - 1][1] += size
+            if i < len(holes) and off + size == holes[i][0]:
+                holes[i - 1][1] += holes[i][1]
+                del holes[i]
+        elif i < len(holes) and off + size == holes[i][0]:
+            holes[i][0] = off
+            holes[i][1] += size
+        else:
+            holes.insert(i, [off, size])
+
+
+# ------------------------------------------------------------------ traces
+def random_trace(n_ops, seed=0, max_live=600):
+    """Random alloc/free tuples, sizes log-uniform in 256 B .. 1 MiB: fill up to
+    ``max_live`` blocks, then a steady state of random frees and allocations
+    between ``max_live / 2`` and ``max_live`` live blocks (a long-running pool)."""
+    rng = random.Random(seed)
+    live, trace, nid = [], [], 0
+    filling = True
+    for _ in range(n_ops):
+        if len(live) >= max_live:
+            filling = False
+        if not filling and (len(live) >= max_live or
+                            (len(live) > max_live // 2 and rng.random() < 0.5)):
+            trace.append(("free", live.pop(rng.randrange(len(live))), 0, None))
+        else:
+            size = int(2 ** rng.uniform(8, 20))
+            trace.append(("alloc", nid, size, None))
+            live.append(nid)
+            nid += 1
+    trace += [("free", i, 0, None) for i in live]
+    return trace
+
+
+def gpt2_trace(chain_name="gpt2-small", segments=4):
+    """One training iteration of ``chain_name`` as alloc/free tuples, plus its
+    lifetimes: at each op, buffers created by it are allocated, then buffers
+    released at its end are freed."""
+    chain = builtin(chain_name)
+    lt = lifetimes(chain, sequential_schedule(chain.n, segments))
+    trace = []
+    for t in range(-1, lt.n_ops + 1):
+        trace += [("alloc", int(i), int(lt.nbytes[i]), None)
+                  for i in np.flatnonzero(lt.alloc == t)]
+        trace += [("free", int(i), 0, None) for i in np.flatnonzero(lt.free == t)]
+    return trace, lt
+
+
+def peak_live_aligned(trace, alignment=256):
+    cur = peak = 0
+    sizes = {}
+    for op, bid, nbytes, _ in trace:
+        if op == "alloc":
+            sizes[bid] = align_up(max(nbytes, 1), alignment)
+            cur += sizes[bid]
+            peak = max(peak, cur)
+        elif op == "free":
+            cur -= sizes.pop(bid)
+    return peak
+
+
+# ---------------------------------------------------------------- measuring
+def max_holes(trace, slab_bytes):
+    """Most free holes the naive allocator scans at once on ``trace``: what a
+    linear scan costs, and why it is competitive on traces with few holes."""
+    naive, live, most = NaiveBestFit(slab_bytes), {}, 0
+    for op, bid, nbytes, _ in trace:
+        if op == "alloc":
+            live[bid] = naive.allocate(nbytes)
+        else:
+            naive.deallocate(live.pop(bid))
+        most = max(most, len(naive.holes))
+    return most
+
+
+def time_replays(make, trace, repeats, loops):
+    """Median alloc+free pairs per second over ``repeats`` (``loops`` replays each)."""
+    rates = []
+    for _ in range(repeats):
+        pairs, secs = 0, 0.0
+        for _ in range(loops):
+            res = replay(trace, make())
+            pairs += res.pairs
+            secs += res.seconds
+        rates.append(pairs / secs)
+    return statistics.median(rates)
+
+
+def sampled_fragmentation(trace, slab_bytes, every=500):
+    """Mean and max fragmentation (1 - largest free / free) of rtmem's allocator
+    sampled every ``every`` ops, and the extent (bytes) the trace needed."""
+    a = BestFitAllocator(slab_bytes)
+    live, frags = {}, []
+    extent = 0
+    for k, (op, bid, nbytes, stream) in enumerate(trace):
+        if op == "alloc":
+            b = a.allocate(nbytes, stream)
+            live[bid] = b
+            extent = max(extent, b.offset + b.size)
+        else:
+            a.deallocate(live.pop(bid))
+        if k % every == 0:
+            frags.append(a.stats().fragmentation)
+    return float(np.mean(frags)), float(np.max(frags)), extent
+
+
+def gpu_baselines(trace, repeats):
+    """Pairs/s of CuPy's MemoryPool and torch's caching allocator (GPU only)."""
+    out = {}
+    import cupy
+
+    class CupyPool:
+        def __init__(self):
+            self.pool = cupy.cuda.MemoryPool()
+
+        def allocate(self, nbytes, stream=None):
+            return self.pool.malloc(max(nbytes, 1))
+
+        def deallocate(self, mem, stream=None, event=None):
+            del mem
+    out["cupy_memorypool"] = time_replays(CupyPool, trace, repeats, 1)
+    try:
+        import torch
+        if torch.cuda.is_available():
+            class TorchCaching:
+                def allocate(self, nbytes, stream=None):
+                    return torch.cuda.caching_allocator_alloc(max(nbytes, 1))
+
+                def deallocate(self, ptr, stream=None, event=None):
+                    torch.cuda.caching_allocator_delete(ptr)
+            out["torch_caching"] = time_replays(TorchCaching, trace, repeats, 1)
+    except ImportError:
+        out["torch_caching"] = None
+    return out
+
+
+def pinned_check(request_bytes):
+    """Bytes a HostArena reserves for ``request_bytes`` (real slab on this backend)."""
+    from rtmem.arena import HostArena
+    try:
+        arena = HostArena(request_bytes, pinned=True)
+    except Exception as exc:   # not enough host memory here: report, do not fail
+        return {"error": repr(exc)}
+    st = arena.stats()
+    out = {"backend": arena.backend.name, "requested_bytes": request_bytes,
+           "reserved_bytes": st.reserved_bytes,
+           "overhead_bytes": st.reserved_bytes - request_bytes,
+           "slab_bytes": arena.slabs[0].nbytes}
+    arena.close()
+    # torch's CachingHostAllocator rounds a request to the next power of two
+    # (a policy, computed here; measured only on a GPU machine).
+    out["power_of_two_pool_bytes"] = 1 << (request_bytes - 1).bit_length()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="timing repeats (median)")
+    ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")
+    args = ap.parse_args(argv)
+    repeats = 3 if args.quick else args.repeats
+    results = {"python": sys.version.split()[0], "machine": platform.machine(),
+               "cpus": os.cpu_count(), "repeats": repeats,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    # (a) random sizes
+    rtrace = random_trace(4000 if args.quick else 40000)
+    slab = 2 * GIB
+    rt = time_replays(lambda: BestFitAllocator(slab), rtrace, repeats, 1)
+    nv = time_replays(lambda: NaiveBestFit(slab), rtrace, repeats, 1)
+    mean_f, max_f, extent = sampled_fragmentation(rtrace, slab)
+    peak = peak_live_aligned(rtrace)
+    results["random"] = {
+        "ops": len(rtrace), "pairs": sum(op == "free" for op, *_ in rtrace),
+        "rtmem_pairs_per_s": rt, "naive_pairs_per_s": nv, "speedup_vs_naive": rt / nv,
+        "fragmentation_mean": mean_f, "fragmentation_max": max_f,
+        "extent_bytes": extent, "peak_live_bytes": peak,
+        "reserved_over_peak_live": extent / peak,
+        "naive_max_holes": max_holes(rtrace, slab)}
+
+    # (b) GPT-2 trace
+    gtrace, lt = gpt2_trace()
+    loops = 20 if args.quick else 200
+    rt = time_replays(lambda: BestFitAllocator(64 * GIB), gtrace, repeats, loops)
+    nv = time_replays(lambda: NaiveBestFit(64 * GIB), gtrace, repeats, loops)
+    mean_f, max_f, extent = sampled_fragmentation(gtrace, 64 * GIB, every=10)
+    peak = peak_live_aligned(gtrace)
+    lay = plan_layout(lt.alloc, lt.free, lt.nbytes)
+    lay.verify()
+    results["gpt2"] = {
+        "chain": "gpt2-small", "schedule": "sequential_schedule(n, 4)",
+        "buffers": len(lt), "ops": len(gtrace),
+        "rtmem_pairs_per_s": rt, "naive_pairs_per_s": nv, "speedup_vs_naive": rt / nv,
+        "naive_max_holes": max_holes(gtrace, 64 * GIB),
+        "fragmentation_mean": mean_f, "fragmentation_max": max_f,
+        "peak_live_bytes": peak, "best_fit_reserved_bytes": extent,
+        "best_fit_reserved_over_peak_live": extent / peak,
+        "static_layout_reserved_bytes": lay.reserved_bytes,
+        "static_layout_reserved_over_peak_live": lay.reserved_bytes / lay.peak_live_bytes,
+        "goal_best_fit": 1.05, "goal_static": 1.01}
+
+    if cuda_available():
+        results["gpu"] = {"random": gpu_baselines(rtrace, repeats),
+                          "gpt2": gpu_baselines(gtrace, repeats)}
+    else:
+        results["gpu"] = {"skipped": "no usable CUDA GPU here: CuPy MemoryPool and "
+                                     "torch caching allocator not measured"}
+
+    results["pinned"] = pinned_check(int(20.4 * GIB))
+
+    # ---------------------------------------------------------------- table
+    r, g, p = results["random"], results["gpt2"], results["pinned"]
+    rows = [
+        ("random: rtmem pairs/s", f"{r['rtmem_pairs_per_s']:,.0f}"),
+        ("random: naive best-fit pairs/s", f"{r['naive_pairs_per_s']:,.0f}"),
+        ("random: speedup vs naive", f"{r['speedup_vs_naive']:.1f}x "
+                                     f"(naive scans up to {r['naive_max_holes']} holes)"),
+        ("random: fragmentation mean / max", f"{r['fragmentation_mean']:.3f} / "
+                                             f"{r['fragmentation_max']:.3f}"),
+        ("random: reserved / peak live", f"{r['reserved_over_peak_live']:.3f}"),
+        ("gpt2: rtmem pairs/s", f"{g['rtmem_pairs_per_s']:,.0f}"),
+        ("gpt2: naive best-fit pairs/s", f"{g['naive_pairs_per_s']:,.0f}"),
+        ("gpt2: speedup vs naive", f"{g['speedup_vs_naive']:.1f}x "
+                                   f"(naive scans up to {g['naive_max_holes']} holes)"),
+        ("gpt2: best-fit reserved / peak live (goal <= 1.05)",
+         f"{g['best_fit_reserved_over_peak_live']:.4f}"),
+        ("gpt2: static layout reserved / peak live (goal <= 1.01)",
+         f"{g['static_layout_reserved_over_peak_live']:.4f}"),
+    ]
+    if "error" in p:
+        rows.append(("pinned 20.4 GiB", p["error"]))
+    else:
+        rows += [("pinned 20.4 GiB: reserved bytes", f"{p['reserved_bytes']:,} "
+                  f"(+{p['overhead_bytes']} B, {p['backend']} backend)"),
+                 ("pinned 20.4 GiB: power-of-two pool would take",
+                  f"{p['power_of_two_pool_bytes']:,}")]
+    if "skipped" in results["gpu"]:
+        rows.append(("GPU baselines", results["gpu"]["skipped"]))
+    width = max(len(k) for k, _ in rows)
+    print(f"{'metric':<{width}}  value")
+    print("-" * (width + 30))
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    print(f"\nwrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

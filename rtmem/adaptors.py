@@ -1,0 +1,402 @@
+"""Allocator adaptors: statistics, tracing, budgets, poisoning, trace replay.
+
+Each adaptor wraps an *upstream* allocator (the core or another adaptor), keeps it
+alive in ``.upstream`` and offers the same interface (``allocate``,
+``deallocate``, ``resize``, ``stats``, ...); anything it does not override is
+forwarded. Features are added by stacking, e.g.::
+
+    alloc = LimitAdaptor(StatisticsAdaptor(BestFitAllocator(1 << 30)), 512 << 20)
+
+The core never branches on a feature (RMM's style: adaptors, not flags).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from .errors import OutOfMemoryError, UseAfterFreeError
+from .units import format_bytes
+
+__all__ = ["AllocatorAdaptor", "LimitAdaptor", "PoisonAdaptor", "ReplayResult",
+           "Statistics", "StatisticsAdaptor", "TracingAdaptor", "load_trace", "replay"]
+
+
+class AllocatorAdaptor:
+    """Base of all adaptors: forwards everything to ``upstream``."""
+
+    def __init__(self, upstream):
+        if not callable(getattr(upstream, "allocate", None)):
+            raise TypeError(f"upstream must be an allocator (with allocate/deallocate), "
+                            f"got {upstream!r}")
+        self.upstream = upstream
+
+    def __getattr__(self, name):
+        # Called only for attributes not defined on the adaptor: forward them.
+        if name == "upstream":
+            raise AttributeError(name)
+        return getattr(self.upstream, name)
+
+    def allocate(self, nbytes: int, stream=None):
+        """Allocate ``nbytes`` bytes through the upstream."""
+        return self.upstream.allocate(nbytes, stream)
+
+    def deallocate(self, block, *, stream=None, event=None) -> None:
+        """Free ``block`` through the upstream (stream-ordered when ``event``)."""
+        self.upstream.deallocate(block, stream=stream, event=event)
+
+    def resize(self, block, nbytes: int, stream=None):
+        """Resize ``block`` to ``nbytes`` bytes through the upstream."""
+        return self.upstream.resize(block, nbytes, stream)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} upstream={self.upstream!r}>"
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """Counters of a :class:`StatisticsAdaptor`; bytes are requested bytes.
+
+    ``current_*``: live now; ``peak_*``: highest seen; ``total_*``: ever allocated.
+    """
+
+    current_bytes: int = 0
+    peak_bytes: int = 0
+    total_bytes: int = 0
+    current_count: int = 0
+    peak_count: int = 0
+    total_count: int = 0
+
+
+class StatisticsAdaptor(AllocatorAdaptor):
+    """Counts requested bytes and allocations passing through it.
+
+    NOTE: ``_stats`` (a frozen :class:`Statistics`, replaced on each change) and
+    ``_sizes`` (block -> requested bytes) are guarded by ``_lock``.
+    """
+
+    def __init__(self, upstream):
+        super().__init__(upstream)
+        self._lock = threading.Lock()
+        self._stats = Statistics()
+        self._sizes = {}
+
+    def _add(self, block, nbytes):
+        s = self._stats
+        cb, cc = s.current_bytes + nbytes, s.current_count + 1
+        self._stats = Statistics(cb, max(s.peak_bytes, cb), s.total_bytes + nbytes,
+                                 cc, max(s.peak_count, cc), s.total_count + 1)
+        self._sizes[block] = nbytes
+
+    def allocate(self, nbytes: int, stream=None):
+        """Allocate and count ``nbytes`` bytes."""
+        block = self.upstream.allocate(nbytes, stream)
+        with self._lock:
+            self._add(block, int(nbytes))
+        return block
+
+    def deallocate(self, block, *, stream=None, event=None) -> None:
+        """Free and uncount ``block``."""
+        self.upstream.deallocate(block, stream=stream, event=event)
+        with self._lock:
+            nbytes = self._sizes.pop(block, 0)
+            s = self._stats
+            self._stats = replace(s, current_bytes=s.current_bytes - nbytes,
+                                  current_count=s.current_count - 1)
+
+    def resize(self, block, nbytes: int, stream=None):
+        """Resize, counting the new size (a moved block counts as a new one)."""
+        new = self.upstream.resize(block, nbytes, stream)
+        with self._lock:
+            old = self._sizes.pop(block, 0)
+            s = self._stats
+            self._stats = replace(s, current_bytes=s.current_bytes - old,
+                                  current_count=s.current_count - 1)
+            self._add(new, int(nbytes))
+        return new
+
+    def statistics(self) -> Statistics:
+        """The counters now (a frozen snapshot)."""
+        with self._lock:
+            return self._stats
+
+
+class LimitAdaptor(AllocatorAdaptor):
+    """Refuses allocations that would take its bytes above ``budget_bytes``.
+
+    Counts aligned block sizes (what the upstream really hands out). A refused
+    request raises :class:`~rtmem.errors.OutOfMemoryError` with the upstream
+    stats, leaving everything unchanged. NOTE: ``_used``/``_sizes`` guarded by
+    ``_lock``; a budget check and its allocation happen under it, so concurrent
+    requests cannot overshoot together.
+    """
+
+    def __init__(self, upstream, budget_bytes: int):
+        super().__init__(upstream)
+        budget_bytes = int(budget_bytes)
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._used = 0
+        self._sizes = {}
+
+    @property
+    def used_bytes(self) -> int:
+        """Aligned bytes currently allocated through this adaptor."""
+        return self._used
+
+    def _refuse(self, nbytes, size):
+        raise OutOfMemoryError(
+            f"budget exceeded: allocating {nbytes:,} bytes ({format_bytes(size)} "
+            f"aligned) would bring usage to {self._used + size:,} bytes, above the "
+            f"budget of {self.budget_bytes:,} bytes ({format_bytes(self.budget_bytes)}); "
+            f"free buffers or raise budget_bytes", requested=nbytes,
+            stats=self.upstream.stats())
+
+    def allocate(self, nbytes: int, stream=None):
+        """Allocate ``nbytes`` bytes if the budget allows."""
+        a = self.upstream.alignment
+        size = -(-max(int(nbytes), 1) // a) * a
+        with self._lock:
+            if self._used + size > self.budget_bytes:
+                self._refuse(int(nbytes), size)
+            block = self.upstream.allocate(nbytes, stream)
+            self._used += block.size
+            self._sizes[block] = block.size
+        return block
+
+    def deallocate(self, block, *, stream=None, event=None) -> None:
+        """Free ``block`` and return its bytes to the budget."""
+        self.upstream.deallocate(block, stream=stream, event=event)
+        with self._lock:
+            self._used -= self._sizes.pop(block, 0)
+
+    def resize(self, block, nbytes: int, stream=None):
+        """Resize within the budget."""
+        a = self.upstream.alignment
+        size = -(-max(int(nbytes), 1) // a) * a
+        with self._lock:
+            old = self._sizes.get(block, 0)
+            if self._used - old + size > self.budget_bytes:
+                self._refuse(int(nbytes), size - old)
+            new = self.upstream.resize(block, nbytes, stream)
+            self._used += new.size - self._sizes.pop(block, 0)
+            self._sizes[new] = new.size
+        return new
+
+
+class PoisonAdaptor(AllocatorAdaptor):
+    """Debug aid: fills freed blocks with :attr:`POISON` and checks, on each
+    allocation, that the poison is intact; a mismatch means something wrote to
+    freed memory (a stale view of a freed buffer) and raises
+    :class:`~rtmem.errors.UseAfterFreeError`.
+
+    ``fill(block, value)`` and ``check(block, value) -> first bad byte or -1`` touch
+    the memory (the arena provides them). Every free byte must be poisoned when
+    the adaptor is installed (arenas poison new slabs in debug mode). A free
+    gated by an event waits for the event first: slow, by design.
+    """
+
+    POISON = 0xDB
+
+    def __init__(self, upstream, *, fill, check):
+        super().__init__(upstream)
+        self._fill = fill
+        self._check = check
+
+    def allocate(self, nbytes: int, stream=None):
+        """Allocate, verifying that the block's free bytes were not written."""
+        block = self.upstream.allocate(nbytes, stream)
+        bad = self._check(block, self.POISON)
+        if bad >= 0:
+            self._fill(block, self.POISON)
+            self.upstream.deallocate(block)
+            raise UseAfterFreeError(
+                f"freed memory was written after its free: byte {bad} of the "
+                f"{block.size}-byte block at slab {block.slab} offset {block.offset} "
+                f"lost its poison; a view of a freed buffer is still in use",
+                offset=block.offset + bad)
+        return block
+
+    def deallocate(self, block, *, stream=None, event=None) -> None:
+        """Poison ``block`` (after its event) and free it."""
+        if event is not None:
+            event.synchronize()
+        self._fill(block, self.POISON)
+        self.upstream.deallocate(block)
+
+
+class TracingAdaptor(AllocatorAdaptor):
+    """Records every allocation, free and resize as JSON lines.
+
+    Each line is ``{"t": s, "op": "alloc"|"free"|"resize"|"oom", "id": n,
+    "nbytes": bytes, "stream": k}`` (``t`` in seconds since the adaptor was made,
+    streams numbered by first appearance, None -> null). :func:`load_trace` and
+    :func:`replay` read it back. ``sink`` is a path or a text file object.
+    NOTE: ``_ids``, ``_streams`` and writes are guarded by ``_lock``.
+    """
+
+    def __init__(self, upstream, sink):
+        super().__init__(upstream)
+        if sink is None:
+            raise ValueError("TracingAdaptor needs a sink: pass a path (str or "
+                             "os.PathLike) or a text file object")
+        self._own = isinstance(sink, (str, os.PathLike))
+        self._file = open(sink, "w", encoding="utf-8") if self._own else sink
+        self._lock = threading.Lock()
+        self._ids = {}
+        self._next_id = 0
+        self._streams = {}
+        self._t0 = time.perf_counter()
+
+    def _stream_id(self, stream):
+        if stream is None:
+            return None
+        key = id(stream)
+        if key not in self._streams:
+            self._streams[key] = (len(self._streams), stream)  # keep alive: ids stay unique
+        return self._streams[key][0]
+
+    def _write(self, **rec):
+        rec["t"] = round(time.perf_counter() - self._t0, 9)
+        self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    def allocate(self, nbytes: int, stream=None):
+        """Allocate and record it (a refusal is recorded as ``oom``)."""
+        try:
+            block = self.upstream.allocate(nbytes, stream)
+        except OutOfMemoryError:
+            with self._lock:
+                self._write(op="oom", nbytes=int(nbytes), stream=self._stream_id(stream))
+            raise
+        with self._lock:
+            bid = self._next_id
+            self._next_id += 1
+            self._ids[block] = bid
+            self._write(op="alloc", id=bid, nbytes=int(nbytes),
+                        stream=self._stream_id(stream))
+        return block
+
+    def deallocate(self, block, *, stream=None, event=None) -> None:
+        """Free and record it."""
+        self.upstream.deallocate(block, stream=stream, event=event)
+        with self._lock:
+            self._write(op="free", id=self._ids.pop(block, -1),
+                        stream=self._stream_id(stream))
+
+    def resize(self, block, nbytes: int, stream=None):
+        """Resize and record it (the id follows the block if it moves)."""
+        new = self.upstream.resize(block, nbytes, stream)
+        with self._lock:
+            bid = self._ids.pop(block, -1)
+            self._ids[new] = bid
+            self._write(op="resize", id=bid, nbytes=int(nbytes),
+                        stream=self._stream_id(stream))
+        return new
+
+    def close(self) -> None:
+        """Flush, and close the file if the adaptor opened it."""
+        with self._lock:
+            self._file.flush()
+            if self._own:
+                self._file.close()
+
+
+def load_trace(source) -> list[tuple]:
+    """Read a JSON-lines trace (path, text file, or iterable of dicts/lines) into
+    ``(op, id, nbytes, stream)`` tuples; ``oom`` records are skipped."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, encoding="utf-8") as f:
+            return load_trace(f)
+    out = []
+    for rec in source:
+        if isinstance(rec, str):
+            if not rec.strip():
+                continue
+            rec = json.loads(rec)
+        op = rec["op"]
+        if op == "oom":
+            continue
+        out.append((op, rec["id"], rec.get("nbytes", 0), rec.get("stream")))
+    return out
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Outcome of :func:`replay`.
+
+    ``pairs``: alloc+free pairs run; ``seconds``: wall time of the loop (s);
+    ``peak_live_bytes``: highest sum of requested bytes live; ``extent_bytes``
+    (when measured): highest end offset of any block, summed over slabs - the
+    slab size the trace really needed; ``ooms``: allocations refused.
+    """
+
+    pairs: int
+    seconds: float
+    peak_live_bytes: int
+    extent_bytes: int | None
+    ooms: int
+
+    @property
+    def pairs_per_second(self) -> float:
+        """Alloc+free pairs per second."""
+        return self.pairs / self.seconds if self.seconds > 0 else float("inf")
+
+
+def replay(trace, allocator, *, measure_extent: bool = False,
+           free_leftovers: bool = True) -> ReplayResult:
+    """Run a trace (from :func:`load_trace`, a path, or tuples) against ``allocator``.
+
+    Any object with ``allocate(nbytes, stream)`` and ``deallocate(block)`` works
+    (the naive baseline of ``bench/allocator.py`` too). Streams are replayed as
+    their integer ids. ``measure_extent`` tracks block ends (needs ``offset``,
+    ``size`` and ``slab`` on blocks; slows the loop). Leftover live blocks are
+    freed at the end unless ``free_leftovers`` is False.
+    """
+    if isinstance(trace, (str, os.PathLike, io.IOBase)):
+        trace = load_trace(trace)
+    live = {}
+    alloc, dealloc = allocator.allocate, allocator.deallocate
+    pairs = ooms = cur = peak = 0
+    ends = {}
+    t0 = time.perf_counter()
+    for op, bid, nbytes, stream in trace:
+        if op == "alloc":
+            try:
+                block = alloc(nbytes, stream)
+            except OutOfMemoryError:
+                ooms += 1
+                continue
+            live[bid] = (block, nbytes)
+            cur += nbytes
+            if cur > peak:
+                peak = cur
+            if measure_extent:
+                end = block.offset + block.size
+                if end > ends.get(block.slab, 0):
+                    ends[block.slab] = end
+        elif op == "free":
+            entry = live.pop(bid, None)
+            if entry is not None:
+                dealloc(entry[0])
+                cur -= entry[1]
+                pairs += 1
+        elif op == "resize" and bid in live:
+            block, old = live[bid]
+            block = allocator.resize(block, nbytes, stream)
+            live[bid] = (block, nbytes)
+            cur += nbytes - old
+            peak = max(peak, cur)
+            if measure_extent:
+                ends[block.slab] = max(ends.get(block.slab, 0), block.offset + block.size)
+    seconds = time.perf_counter() - t0
+    if free_leftovers:
+        for block, _ in live.values():
+            dealloc(block)
+    return ReplayResult(pairs, seconds, peak,
+                        sum(ends.values()) if measure_extent else None, ooms)

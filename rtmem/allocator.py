@@ -1,0 +1,632 @@
+"""The allocator core: best-fit sub-allocation of offsets inside slabs.
+
+The core knows nothing about memory: it hands out ``(slab, offset, size)`` triples
+inside slabs obtained from an injected *slab source* (the arenas pass one that
+calls the backend; tests pass none and get virtual slabs). Statistics beyond the
+built-in counters, tracing, budgets and poisoning are adaptors
+(:mod:`rtmem.adaptors`); the core has no optional branch.
+
+NOTE [ Allocator structure ]
+Layers, from small to large: a :class:`Block` is one contiguous range of a slab,
+live or free; a *slab* is one upstream allocation (one ``cudaMalloc``, one numpy
+slab); the :class:`BestFitAllocator` owns slabs and blocks.
+
+Invariants (checked by ``_check_invariants()``; all guarded by ``self._lock``):
+
+1. The blocks of a slab form an address-ordered doubly linked list (``prev``/
+   ``next``) that tiles the slab exactly: each block starts where its ``prev``
+   ends, the first at 0, the last ends at the slab size.
+2. Every block size and offset is a multiple of ``alignment``; a live block's
+   size is exactly ``align_up(max(requested, 1), alignment)``: best fit splits
+   off the whole remainder, so there is no rounding beyond the alignment.
+3. A free block is in exactly one index: ``_ready`` (reusable by any stream) or
+   ``_pending[stream]`` (freed on ``stream`` behind an event that has not been
+   seen complete; reusable by that stream only, since stream order already puts
+   the new use after the old one). Live blocks are in no index (their number is
+   ``_alloc_count - _free_count``); a block merged into a neighbour is dead.
+4. Two adjacent *ready* blocks never coexist: they are merged on entry to
+   ``_ready`` (coalescing), so freeing everything returns each slab to one block.
+5. ``_allocated`` is the sum of live block sizes, ``_requested`` the sum of their
+   requested bytes, ``_reserved`` the sum of slab sizes, ``_pending_bytes`` the
+   sum of pending block sizes.
+
+Index keys are ints ``size << 56 | slab << 40 | offset`` kept sorted in plain
+lists, so best fit is one ``bisect`` and ties go to the lowest address.
+
+Under memory pressure ``allocate`` waits for pending events while holding the
+lock (numba's flush-and-retry): an event must never depend on another
+allocation from the same allocator.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left, insort
+from collections import deque
+from dataclasses import dataclass
+
+from .errors import DoubleFreeError, InvalidPointerError, OutOfMemoryError
+from .units import format_bytes
+
+__all__ = ["AllocatorStats", "Block", "BestFitAllocator", "align_up", "DEFAULT_ALIGNMENT"]
+
+#: Default alignment of every block, bytes (CUDA's cudaMalloc guarantees 256).
+DEFAULT_ALIGNMENT = 256
+
+_OFFSET_BITS = 40          # offsets < 1 TiB per slab
+_SLAB_BITS = 16            # < 65536 slabs
+_SIZE_SHIFT = _OFFSET_BITS + _SLAB_BITS
+_ADDR_MASK = (1 << _SIZE_SHIFT) - 1
+_MAX_SLAB_BYTES = 1 << _OFFSET_BITS
+
+_LIVE, _READY, _PENDING, _DEAD = 0, 1, 2, 3
+_STATE_NAMES = {_LIVE: "live", _READY: "ready", _PENDING: "pending"}
+
+
+def align_up(nbytes: int, alignment: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``alignment`` (both in bytes)."""
+    return -(-int(nbytes) // alignment) * alignment
+
+
+class Block:
+    """A contiguous range ``[offset, offset + size)`` of slab ``slab``, bytes.
+
+    ``requested`` is what the caller asked for (<= ``size``); ``stream`` is the
+    stream the block was last allocated or freed on; ``event`` (pending blocks
+    only) is the event after which any stream may reuse it; ``addr`` packs
+    (slab, offset) and never changes (a block's offset is fixed for its life).
+    Users treat a block as an opaque handle; its fields are guarded by the owning
+    allocator's lock.
+    """
+
+    __slots__ = ("slab", "offset", "size", "requested", "state", "prev", "next",
+                 "stream", "event", "owner", "addr", "__weakref__")
+
+    def __init__(self, slab, offset, size, owner):
+        self.slab = slab
+        self.offset = offset
+        self.size = size
+        self.owner = owner
+        self.addr = (slab << _OFFSET_BITS) | offset
+        self.requested = 0
+        self.state = _READY
+        self.event = None
+
+    @property
+    def end(self) -> int:
+        """First byte after the block, relative to its slab."""
+        return self.offset + self.size
+
+    @property
+    def is_live(self) -> bool:
+        """True while the block is allocated."""
+        return self.state == _LIVE
+
+    def _key(self) -> int:
+        return (self.size << _SIZE_SHIFT) | self.addr
+
+    def __repr__(self) -> str:
+        return (f"<Block slab={self.slab} offset={self.offset} size={self.size} "
+                f"requested={self.requested} {_STATE_NAMES.get(self.state, 'merged')}>")
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """A snapshot of an allocator, all sizes in bytes.
+
+    ``allocated_bytes`` counts aligned block sizes, ``requested_bytes`` what
+    callers asked for (the difference is alignment overhead). ``free_bytes`` =
+    ``reserved_bytes - allocated_bytes`` and includes ``pending_bytes`` (freed but
+    waiting for an event before other streams may reuse them).
+    ``fragmentation`` = 1 - largest free block / free bytes, in [0, 1] (0 when
+    nothing is free). ``peak_bytes`` is the highest ``allocated_bytes`` seen.
+    """
+
+    allocated_bytes: int
+    requested_bytes: int
+    reserved_bytes: int
+    peak_bytes: int
+    free_bytes: int
+    pending_bytes: int
+    largest_free_bytes: int
+    fragmentation: float
+    alloc_count: int
+    free_count: int
+    live_blocks: int
+    slabs: int
+
+    def describe(self) -> str:
+        """One line for error messages and logs."""
+        return (f"{format_bytes(self.allocated_bytes)} allocated "
+                f"({format_bytes(self.requested_bytes)} requested) of "
+                f"{format_bytes(self.reserved_bytes)} reserved in {self.slabs} slab(s); "
+                f"{format_bytes(self.free_bytes)} free, largest free block "
+                f"{format_bytes(self.largest_free_bytes)} "
+                f"(fragmentation {self.fragmentation:.2f}), "
+                f"{format_bytes(self.pending_bytes)} waiting on events")
+
+
+class BestFitAllocator:
+    """Best-fit offset allocator with splitting, coalescing and stream-ordered reuse.
+
+    Parameters
+    ----------
+    initial_bytes:
+        Size of the first slab, bytes (rounded up to ``alignment``; > 0).
+    alignment:
+        Alignment of every offset and size, bytes (power of two, default 256).
+        Sizes are exact multiples of it: no power-of-two rounding.
+    max_bytes:
+        Cap on the total reserved bytes (all slabs), bytes. Default
+        ``initial_bytes``: one slab, no growth.
+    growth_bytes:
+        Size of each extra slab, bytes (default ``initial_bytes``); a request
+        larger than it gets a slab of exactly its aligned size.
+    slab_source:
+        Object with ``add_slab(nbytes) -> handle`` and ``release_slab(handle)``
+        giving the backing memory; ``None`` for virtual slabs (offsets only).
+
+    Thread safety: one lock (``self._lock``) guards every field; all public
+    methods take it, so an allocator may be shared between threads.
+    """
+
+    def __init__(self, initial_bytes: int, *, alignment: int = DEFAULT_ALIGNMENT,
+                 max_bytes: int | None = None, growth_bytes: int | None = None,
+                 slab_source=None):
+        alignment = int(alignment)
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment}")
+        initial_bytes = int(initial_bytes)
+        if initial_bytes <= 0:
+            raise ValueError(f"initial_bytes must be > 0 bytes, got {initial_bytes}; "
+                             f"pass the slab size in bytes (e.g. 1 << 30)")
+        self.alignment = alignment
+        initial = align_up(initial_bytes, alignment)
+        self.max_bytes = initial if max_bytes is None else align_up(int(max_bytes), alignment)
+        if self.max_bytes < initial:
+            raise ValueError(f"max_bytes ({self.max_bytes} B) is below initial_bytes "
+                             f"({initial} B); raise max_bytes or lower initial_bytes")
+        self.growth_bytes = initial if growth_bytes is None else \
+            align_up(int(growth_bytes), alignment)
+        self.slab_source = slab_source
+        self._lock = threading.Lock()
+        self._slabs = {}            # slab id -> (handle, nbytes, first block)
+        self._next_slab = 0
+        self._ready = []            # sorted keys of ready free blocks
+        self._pending = {}          # stream -> sorted keys of pending free blocks
+        self._fifo = {}             # stream -> deque of (event, block) in free order
+        self._free_map = {}         # addr -> free block (ready or pending)
+        self._reserved = 0
+        self._allocated = 0
+        self._requested = 0
+        self._pending_bytes = 0
+        self._peak = 0
+        self._alloc_count = 0
+        self._free_count = 0
+        self._add_slab(initial)
+
+    # ------------------------------------------------------------------ slabs
+    def _add_slab(self, nbytes: int) -> None:
+        if nbytes >= _MAX_SLAB_BYTES:
+            raise ValueError(f"a slab of {nbytes} B exceeds the 1 TiB per-slab limit; "
+                             f"use several smaller slabs (growth_bytes=)")
+        if self._next_slab >= (1 << _SLAB_BITS):
+            raise ValueError("more than 65536 slabs; use a larger growth_bytes")
+        handle = self.slab_source.add_slab(nbytes) if self.slab_source is not None else None
+        sid = self._next_slab
+        self._next_slab += 1
+        block = Block(sid, 0, nbytes, self)
+        block.prev = block.next = None
+        block.stream = None
+        self._slabs[sid] = (handle, nbytes, block)
+        self._reserved += nbytes
+        self._free_map[block.addr] = block
+        insort(self._ready, block._key())
+
+    def slab_handle(self, slab: int):
+        """The slab source's handle of slab ``slab`` (``None`` for virtual slabs)."""
+        return self._slabs[slab][0]
+
+    def trim(self) -> int:
+        """Release every slab except the first that is entirely free and ready.
+
+        Returns the bytes released. Used to give memory back after a peak.
+        """
+        with self._lock:
+            self._poll_pending()
+            released = 0
+            for sid in list(self._slabs):
+                handle, nbytes, first = self._slabs[sid]
+                if sid == 0 or first.state != _READY or first.size != nbytes:
+                    continue
+                self._remove_ready(first)
+                del self._free_map[first.addr]
+                del self._slabs[sid]
+                self._reserved -= nbytes
+                released += nbytes
+                if self.slab_source is not None:
+                    self.slab_source.release_slab(handle)
+            return released
+
+    # ---------------------------------------------------------------- indexes
+    def _remove_ready(self, block: Block) -> None:
+        keys = self._ready
+        del keys[bisect_left(keys, (block.size << _SIZE_SHIFT) | block.addr)]
+
+    def _remove_pending(self, block: Block) -> None:
+        keys = self._pending[block.stream]
+        del keys[bisect_left(keys, (block.size << _SIZE_SHIFT) | block.addr)]
+        self._pending_bytes -= block.size
+
+    def _make_ready(self, block: Block) -> None:
+        """Insert a free block into ``_ready``, merging ready neighbours (Rule 4).
+
+        ``block`` may or may not be in ``_free_map`` already (pending blocks are).
+        """
+        block.state = _READY
+        block.event = None
+        keys = self._ready
+        fmap = self._free_map
+        prev = block.prev
+        if prev is not None and prev.state == _READY:
+            del keys[bisect_left(keys, (prev.size << _SIZE_SHIFT) | prev.addr)]
+            fmap.pop(block.addr, None)
+            prev.size += block.size
+            nxt = block.next
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            block.state = _DEAD
+            block = prev
+        nxt = block.next
+        if nxt is not None and nxt.state == _READY:
+            del keys[bisect_left(keys, (nxt.size << _SIZE_SHIFT) | nxt.addr)]
+            del fmap[nxt.addr]
+            block.size += nxt.size
+            after = nxt.next
+            block.next = after
+            if after is not None:
+                after.prev = block
+            nxt.state = _DEAD
+        fmap[block.addr] = block
+        insort(keys, (block.size << _SIZE_SHIFT) | block.addr)
+
+    def _poll_pending(self) -> None:
+        """Move pending blocks whose event completed into ``_ready``.
+
+        Events on one stream complete in order, so only each FIFO's head is
+        queried; entries for blocks reused or merged since are skipped.
+        """
+        for fifo in self._fifo.values():
+            while fifo:
+                event, block = fifo[0]
+                if block.state != _PENDING or block.event is not event:
+                    fifo.popleft()
+                    continue
+                if not event.query():
+                    break
+                fifo.popleft()
+                self._remove_pending(block)
+                self._make_ready(block)
+        if not self._pending_bytes:
+            self._fifo.clear()      # only stale entries can remain
+            self._pending.clear()
+
+    def _flush_pending(self) -> None:
+        """Wait for every pending event and make all pending blocks ready."""
+        for fifo in self._fifo.values():
+            while fifo:
+                event, block = fifo.popleft()
+                if block.state != _PENDING or block.event is not event:
+                    continue
+                event.synchronize()
+                self._remove_pending(block)
+                self._make_ready(block)
+        self._fifo.clear()
+        self._pending.clear()
+
+    def _best_fit(self, size: int, stream):
+        """Smallest free block of >= ``size`` bytes usable on ``stream``, or None."""
+        probe = size << _SIZE_SHIFT
+        best = None
+        keys = self._ready
+        i = bisect_left(keys, probe)
+        if i < len(keys):
+            best = keys[i]
+        keys = self._pending.get(stream)
+        if keys:
+            i = bisect_left(keys, probe)
+            if i < len(keys) and (best is None or keys[i] < best):
+                best = keys[i]
+        if best is None:
+            return None
+        return self._free_map[best & _ADDR_MASK]
+
+    def _find_slow(self, size: int, nbytes: int, stream) -> Block:
+        """Best fit among ready and same-stream pending blocks; then flush, grow
+        or raise OutOfMemoryError. Returns the block removed from its index."""
+        block = self._best_fit(size, stream)
+        if block is None:
+            self._flush_pending()
+            block = self._best_fit(size, stream)
+        if block is None:
+            grow = max(self.growth_bytes, size)
+            if self._reserved + grow <= self.max_bytes:
+                self._add_slab(grow)
+                block = self._best_fit(size, stream)
+        if block is None:
+            stats = self._stats_locked()
+            raise OutOfMemoryError(
+                f"out of memory: cannot allocate {nbytes:,} bytes "
+                f"({format_bytes(size)} aligned to {self.alignment} B); "
+                f"{stats.describe()}; growth limit max_bytes={self.max_bytes:,} B. "
+                f"Free buffers first, raise the arena size or max_bytes, or plan "
+                f"with a smaller memory budget.", requested=nbytes, stats=stats)
+        if block.state == _READY:
+            self._remove_ready(block)
+        else:
+            self._remove_pending(block)
+        del self._free_map[block.addr]
+        return block
+
+    # ------------------------------------------------------------- public API
+    def allocate(self, nbytes: int, stream=None) -> Block:
+        """Allocate ``nbytes`` bytes (>= 0) for use on ``stream``; return a Block.
+
+        The block's size is ``nbytes`` rounded up to ``alignment``. On failure the
+        allocator waits for every event-gated free, retries once, grows by a slab
+        when ``max_bytes`` allows, and otherwise raises
+        :class:`~rtmem.errors.OutOfMemoryError` (with ``requested`` and ``stats``)
+        leaving every allocation untouched.
+        """
+        if nbytes.__class__ is not int:
+            nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate a negative size ({nbytes} bytes)")
+        a = self.alignment
+        size = (nbytes + a - 1) & -a if nbytes else a
+        # acquire/release in try/finally: measurably cheaper than ``with`` here.
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._pending_bytes:
+                self._poll_pending()
+            keys = self._ready
+            i = bisect_left(keys, size << _SIZE_SHIFT)
+            if i < len(keys) and not self._pending_bytes:
+                # Fast path: no pending block can beat the ready best fit.
+                block = self._free_map.pop(keys.pop(i) & _ADDR_MASK)
+                state = _READY
+            else:
+                block = self._find_slow(size, nbytes, stream)
+                state = block.state
+                i = len(keys)
+            bsize = block.size
+            if bsize > size:
+                # Split: the remainder stays in the same index with the same
+                # event, so a pending block's tail is still gated by its event.
+                rest = Block(block.slab, block.offset + size, bsize - size, self)
+                after = block.next
+                rest.prev = block
+                rest.next = after
+                if after is not None:
+                    after.prev = rest
+                block.next = rest
+                block.size = size
+                self._free_map[rest.addr] = rest
+                if state == _READY:
+                    rest.stream = None
+                    # Smaller than the key just removed at i: insert before i.
+                    key = ((bsize - size) << _SIZE_SHIFT) | rest.addr
+                    keys.insert(bisect_left(keys, key, 0, i), key)
+                else:
+                    rest.state = _PENDING
+                    rest.stream = block.stream
+                    rest.event = block.event
+                    insort(self._pending[rest.stream], rest._key())
+                    self._pending_bytes += rest.size
+                    self._fifo[rest.stream].append((rest.event, rest))
+            if state == _PENDING:
+                block.event = None
+            block.state = _LIVE
+            block.stream = stream
+            block.requested = nbytes
+            self._alloc_count += 1
+            self._requested += nbytes
+            allocated = self._allocated + size
+            self._allocated = allocated
+            if allocated > self._peak:
+                self._peak = allocated
+            return block
+        finally:
+            lock.release()
+
+    def _check_owned_live(self, block) -> None:
+        if type(block) is not Block or block.owner is not self:
+            raise InvalidPointerError(
+                f"{block!r} was not allocated by this allocator (foreign pointer); "
+                f"free it with the allocator or arena that allocated it")
+        if block.state != _LIVE:
+            raise DoubleFreeError(
+                f"{block!r} is not allocated (double free or use of a freed block); "
+                f"each allocation must be freed exactly once")
+
+    def deallocate(self, block: Block, *, stream=None, event=None) -> None:
+        """Free ``block``.
+
+        With ``event`` None the block is reusable at once by any stream (the
+        caller guarantees no pending use). With an event, recorded on ``stream``
+        after the block's last use, the block is reusable at once on ``stream``
+        and on other streams once the event has completed. Double frees raise
+        :class:`~rtmem.errors.DoubleFreeError`, blocks of another allocator
+        :class:`~rtmem.errors.InvalidPointerError`; the state is then unchanged.
+        """
+        lock = self._lock
+        lock.acquire()
+        try:
+            if type(block) is not Block or block.owner is not self \
+                    or block.state != _LIVE:
+                self._check_owned_live(block)
+            self._allocated -= block.size
+            self._requested -= block.requested
+            self._free_count += 1
+            if event is None or event.query():
+                self._make_ready(block)
+                return
+            block.state = _PENDING
+            block.stream = stream
+            block.event = event
+            self._free_map[block.addr] = block
+            if stream not in self._pending:
+                self._pending[stream] = []
+            if stream not in self._fifo:
+                self._fifo[stream] = deque()
+            insort(self._pending[stream], block._key())
+            self._pending_bytes += block.size
+            self._fifo[stream].append((event, block))
+        finally:
+            lock.release()
+
+    def resize(self, block: Block, nbytes: int, stream=None) -> Block:
+        """Resize a live block to ``nbytes`` bytes; return the (possibly new) block.
+
+        Shrinking and growing into a ready free neighbour happen in place (the
+        same Block is returned); otherwise a new block is allocated and the old
+        one freed, and the caller copies the data (``result is not block``).
+        Raises :class:`~rtmem.errors.OutOfMemoryError` with ``block`` still live.
+        """
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"cannot resize to a negative size ({nbytes} bytes)")
+        size = align_up(max(nbytes, 1), self.alignment)
+        with self._lock:
+            self._check_owned_live(block)
+            nxt = block.next
+            if size <= block.size or (nxt is not None and nxt.state == _READY
+                                      and block.size + nxt.size >= size):
+                if size > block.size:
+                    self._remove_ready(nxt)
+                    del self._free_map[nxt.addr]
+                    self._allocated += nxt.size
+                    block.size += nxt.size
+                    block.next = nxt.next
+                    if nxt.next is not None:
+                        nxt.next.prev = block
+                    nxt.state = _DEAD
+                if block.size > size:
+                    rest = Block(block.slab, block.offset + size, block.size - size, self)
+                    rest.prev, rest.next = block, block.next
+                    rest.stream = None
+                    if block.next is not None:
+                        block.next.prev = rest
+                    block.next = rest
+                    self._allocated -= rest.size
+                    block.size = size
+                    self._make_ready(rest)
+                self._requested += nbytes - block.requested
+                block.requested = nbytes
+                if self._allocated > self._peak:
+                    self._peak = self._allocated
+                return block
+        new = self.allocate(nbytes, stream)
+        self.deallocate(block, stream=stream)
+        return new
+
+    def owns(self, block) -> bool:
+        """True if ``block`` is a live block of this allocator."""
+        return type(block) is Block and block.owner is self and block.state == _LIVE
+
+    def flush(self) -> None:
+        """Wait for every event-gated free and make the blocks reusable by all."""
+        with self._lock:
+            self._flush_pending()
+
+    def stats(self) -> AllocatorStats:
+        """A frozen snapshot of the counters (see :class:`AllocatorStats`)."""
+        with self._lock:
+            if self._pending_bytes:
+                self._poll_pending()
+            return self._stats_locked()
+
+    def _stats_locked(self) -> AllocatorStats:
+        largest = (self._ready[-1] >> _SIZE_SHIFT) if self._ready else 0
+        for keys in self._pending.values():
+            if keys:
+                largest = max(largest, keys[-1] >> _SIZE_SHIFT)
+        free = self._reserved - self._allocated
+        return AllocatorStats(
+            allocated_bytes=self._allocated, requested_bytes=self._requested,
+            reserved_bytes=self._reserved, peak_bytes=self._peak, free_bytes=free,
+            pending_bytes=self._pending_bytes, largest_free_bytes=largest,
+            fragmentation=(1.0 - largest / free) if free else 0.0,
+            alloc_count=self._alloc_count, free_count=self._free_count,
+            live_blocks=self._alloc_count - self._free_count, slabs=len(self._slabs))
+
+    def reset_peak(self) -> None:
+        """Set ``peak_bytes`` to the current ``allocated_bytes``."""
+        with self._lock:
+            self._peak = self._allocated
+
+    def _walk(self):
+        for _, _, block in self._slabs.values():
+            while block is not None:
+                yield block
+                block = block.next
+
+    def live_blocks(self) -> list[Block]:
+        """The live blocks, in address order (a new list)."""
+        with self._lock:
+            return [b for b in self._walk() if b.state == _LIVE]
+
+    # ------------------------------------------------------------- invariants
+    def _check_invariants(self) -> None:
+        """Assert NOTE [ Allocator structure ] Rules 1-5; raise AssertionError."""
+        with self._lock:
+            a = self.alignment
+            allocated = requested = reserved = pending = n_live = 0
+            seen_free = set()
+            for sid, (_, nbytes, first) in self._slabs.items():
+                reserved += nbytes
+                assert first.prev is None and first.offset == 0, f"slab {sid} head"
+                block, end = first, 0
+                while block is not None:
+                    assert block.slab == sid and block.owner is self
+                    assert block.addr == (sid << _OFFSET_BITS) | block.offset
+                    assert block.offset == end, f"gap or overlap at {block!r}"
+                    assert block.size > 0 and block.size % a == 0 and block.offset % a == 0
+                    if block.next is not None:
+                        assert block.next.prev is block, f"broken links at {block!r}"
+                    if block.state == _LIVE:
+                        assert block.addr not in self._free_map
+                        assert block.size == align_up(max(block.requested, 1), a), \
+                            f"{block!r} is not exactly sized"
+                        allocated += block.size
+                        requested += block.requested
+                        n_live += 1
+                    else:
+                        assert self._free_map.get(block.addr) is block, f"{block!r} unindexed"
+                        seen_free.add(block.addr)
+                        key = block._key()
+                        if block.state == _READY:
+                            i = bisect_left(self._ready, key)
+                            assert i < len(self._ready) and self._ready[i] == key
+                            nxt = block.next
+                            assert nxt is None or nxt.state != _READY, \
+                                f"adjacent ready blocks not coalesced at {block!r}"
+                        else:
+                            assert block.state == _PENDING and block.event is not None
+                            keys = self._pending[block.stream]
+                            i = bisect_left(keys, key)
+                            assert i < len(keys) and keys[i] == key
+                            pending += block.size
+                    end = block.end
+                    block = block.next
+                assert end == nbytes, f"slab {sid} blocks end at {end}, slab is {nbytes}"
+            assert set(self._free_map) == seen_free, "free map holds stray blocks"
+            n_pending = sum(len(k) for k in self._pending.values())
+            assert len(self._ready) + n_pending == len(seen_free)
+            assert self._ready == sorted(self._ready)
+            assert reserved == self._reserved and allocated == self._allocated
+            assert requested == self._requested and pending == self._pending_bytes
+            assert self._peak >= self._allocated
+            assert self._alloc_count - self._free_count == n_live

@@ -1,0 +1,310 @@
+"""Arenas: slabs from a backend plus an allocator stack, handing out Buffers.
+
+:class:`DeviceArena` holds device memory; :class:`HostArena` holds host memory,
+pinned by default and optionally mapped (the GPU reads and writes it directly
+through its device alias). Both sub-allocate with
+:class:`~rtmem.allocator.BestFitAllocator`, wrapped by the adaptors given in
+``adaptors=`` (and by a poisoning adaptor when ``debug=True``: the convenience
+flag only builds the stack, the core never checks it).
+
+NOTE [ Arena accounting ]
+``_bytes_by_kind[k]`` / ``_requested_by_kind[k]`` / ``_count_by_kind[k]`` sum the
+aligned size / requested bytes / number of this arena's live placements of kind
+``k``; their total equals the allocator's ``allocated_bytes`` (Rule checked by
+``_check_invariants``). Guarded by ``self._lock``; the allocator has its own lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .adaptors import PoisonAdaptor
+from .allocator import DEFAULT_ALIGNMENT, AllocatorStats, BestFitAllocator
+from .backends import Backend, get_backend
+from .buffer import KINDS, Buffer, Placement
+from .errors import DoubleFreeError, InvalidPointerError
+from .units import parse_bytes
+
+__all__ = ["ArenaStats", "DeviceArena", "HostArena"]
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    """Allocator statistics plus per-kind accounting (bytes and counts).
+
+    Every :class:`~rtmem.allocator.AllocatorStats` field is readable directly
+    (``stats.allocated_bytes``). The dicts map each of
+    :data:`~rtmem.buffer.KINDS` to: ``bytes_by_kind`` aligned bytes,
+    ``requested_by_kind`` requested bytes, ``count_by_kind`` live buffers.
+    """
+
+    allocator: AllocatorStats
+    bytes_by_kind: dict
+    requested_by_kind: dict
+    count_by_kind: dict
+
+    def __getattr__(self, name):
+        # Only called for names not found normally: forward the allocator fields
+        # (never dunders, so copy/pickle probing sees plain AttributeErrors).
+        allocator = self.__dict__.get("allocator")
+        if allocator is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(allocator, name)
+
+
+class _Arena:
+    """Common machinery of device and host arenas (see the subclasses)."""
+
+    location = "?"
+
+    def __init__(self, nbytes, *, backend=None, alignment: int = DEFAULT_ALIGNMENT,
+                 max_bytes=None, growth_bytes=None, adaptors=(), debug: bool = False):
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+        self.debug = bool(debug)
+        self._lock = threading.Lock()
+        self._slabs = []
+        self._bytes_by_kind = dict.fromkeys(KINDS, 0)
+        self._requested_by_kind = dict.fromkeys(KINDS, 0)
+        self._count_by_kind = dict.fromkeys(KINDS, 0)
+        self._closed = False
+        nbytes = parse_bytes(nbytes)
+        self.core = BestFitAllocator(
+            nbytes, alignment=alignment,
+            max_bytes=None if max_bytes is None else parse_bytes(max_bytes),
+            growth_bytes=None if growth_bytes is None else parse_bytes(growth_bytes),
+            slab_source=self)
+        allocator = self.core
+        if self.debug:
+            allocator = PoisonAdaptor(allocator, fill=self._fill_block,
+                                      check=self._check_block)
+        for wrap in adaptors:
+            allocator = wrap(allocator)
+        #: Top of the allocator stack (adaptors included); ``.upstream`` walks down.
+        self.allocator = allocator
+
+    # ------------------------------------------------------ slab source API
+    def _new_slab(self, nbytes):
+        raise NotImplementedError
+
+    def add_slab(self, nbytes: int):
+        """Slab-source hook of the allocator core: a new backend slab."""
+        slab = self._new_slab(nbytes)
+        if self.debug:
+            self.backend.fill(slab, 0, nbytes, PoisonAdaptor.POISON)
+        with self._lock:
+            self._slabs.append(slab)
+        return slab
+
+    def release_slab(self, slab) -> None:
+        """Slab-source hook: give a fully free slab back to the backend."""
+        with self._lock:
+            self._slabs.remove(slab)
+        self.backend.release(slab)
+
+    def _slab_of(self, block):
+        return self.core.slab_handle(block.slab)
+
+    def _fill_block(self, block, value):
+        self.backend.fill(self._slab_of(block), block.offset, block.size, value)
+
+    def _check_block(self, block, value) -> int:
+        data = self.backend.read(self._slab_of(block), block.offset, block.size)
+        bad = np.flatnonzero(data != value)
+        return int(bad[0]) if bad.size else -1
+
+    @property
+    def slabs(self) -> tuple:
+        """The backend slabs this arena owns."""
+        with self._lock:
+            return tuple(self._slabs)
+
+    @property
+    def alignment(self) -> int:
+        """Alignment of every buffer, bytes."""
+        return self.core.alignment
+
+    # ------------------------------------------------------------ buffers
+    def alloc(self, nbytes: int | None = None, *, shape=None, dtype=None,
+              kind: str = "activation", stream=None) -> Buffer:
+        """Allocate a buffer of ``nbytes`` bytes, or of ``shape`` x ``dtype``.
+
+        ``dtype`` defaults to uint8 (float32 when only ``shape`` is given); a
+        given ``nbytes`` must cover the shape. ``kind`` is one of
+        :data:`~rtmem.buffer.KINDS`. Raises
+        :class:`~rtmem.errors.OutOfMemoryError` (with ``requested`` bytes and a
+        stats snapshot) when the arena cannot serve it. ``stream``: where the
+        buffer will first be used (default: the compute stream).
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        if shape is None:
+            if nbytes is None:
+                raise ValueError("give nbytes= (bytes) or shape= (and dtype=)")
+            dtype = np.dtype(np.uint8 if dtype is None else dtype)
+            nbytes = parse_bytes(nbytes)
+            if nbytes % dtype.itemsize:
+                raise ValueError(f"nbytes={nbytes} is not a multiple of the {dtype} "
+                                 f"item size ({dtype.itemsize} bytes); pass shape=")
+            shape = (nbytes // dtype.itemsize,)
+        else:
+            shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+            if any(s < 0 for s in shape):
+                raise ValueError(f"shape must be non-negative, got {shape}")
+            dtype = np.dtype(np.float32 if dtype is None else dtype)
+            need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if nbytes is None:
+                nbytes = need
+            else:
+                nbytes = parse_bytes(nbytes)
+                if nbytes < need:
+                    raise ValueError(f"nbytes={nbytes} is smaller than shape {shape} of "
+                                     f"{dtype} needs ({need} bytes)")
+        if stream is None:
+            # Key the block by the compute stream so that blocks freed there are
+            # reusable at once by later allocations on it (stream order).
+            stream = self.backend.current_stream()
+        placement = self._allocate(nbytes, kind, stream)
+        return Buffer(placement, nbytes, dtype, shape, kind)
+
+    def _allocate(self, nbytes: int, kind: str, stream=None) -> Placement:
+        if self._closed:
+            raise InvalidPointerError(f"{self!r} is closed; create a new arena")
+        block = self.allocator.allocate(nbytes, stream)
+        with self._lock:
+            self._bytes_by_kind[kind] += block.size
+            self._requested_by_kind[kind] += block.requested
+            self._count_by_kind[kind] += 1
+        return Placement(self, block)
+
+    def _release(self, placement: Placement, kind: str) -> None:
+        """Free one placement, ordered after its last transfer and compute use."""
+        block = placement.block
+        size, requested = block.size, block.requested
+        backend = self.backend
+        compute = backend.current_stream()
+        event = backend.new_event().record(compute)
+        stream = compute
+        if placement.event is not None and not placement.event.query():
+            # A copy still reads or writes the block: gate the free on the copy
+            # stream, after the compute work enqueued so far (so one event
+            # covers both).
+            stream = placement.stream
+            stream.wait_event(event)
+            event = backend.new_event().record(stream)
+        self.allocator.deallocate(block, stream=stream, event=event)
+        with self._lock:
+            self._bytes_by_kind[kind] -= size
+            self._requested_by_kind[kind] -= requested
+            self._count_by_kind[kind] -= 1
+
+    def free(self, buf: Buffer) -> None:
+        """Free ``buf``: all its placements (in whichever arenas), stream-ordered.
+
+        Raises :class:`~rtmem.errors.DoubleFreeError` if already freed and
+        :class:`~rtmem.errors.InvalidPointerError` if ``buf`` has no placement here.
+        """
+        if not isinstance(buf, Buffer):
+            raise InvalidPointerError(f"{buf!r} is not an rtmem Buffer; free it with "
+                                      f"the library that allocated it")
+        with buf._lock:
+            if buf._freed:
+                raise DoubleFreeError(f"{buf!r} was already freed; free each buffer once")
+            placements = [p for p in (buf._device, buf._host) if p is not None]
+            if not any(p.arena is self for p in placements):
+                raise InvalidPointerError(
+                    f"{buf!r} does not live in {self!r} (foreign pointer); free it with "
+                    f"buf.free() or the arena that allocated it")
+            buf._settle()
+            for p in placements:
+                p.arena._release(p, buf.kind)
+            buf._device = buf._host = None
+            buf._pending = None
+            buf._freed = True
+
+    def stats(self) -> ArenaStats:
+        """Allocator stats (top of the stack) plus per-kind bytes and counts."""
+        st = self.allocator.stats()
+        with self._lock:
+            # Copies: the snapshot never changes with the arena.
+            return ArenaStats(st, dict(self._bytes_by_kind),
+                              dict(self._requested_by_kind), dict(self._count_by_kind))
+
+    def _check_invariants(self) -> None:
+        """Check the allocator core and NOTE [ Arena accounting ]."""
+        self.core._check_invariants()
+        st = self.core.stats()
+        with self._lock:
+            assert sum(self._bytes_by_kind.values()) == st.allocated_bytes
+            assert sum(self._requested_by_kind.values()) == st.requested_bytes
+            assert sum(self._count_by_kind.values()) == st.live_blocks
+            assert len(self._slabs) == st.slabs
+
+    def close(self) -> None:
+        """Release every slab. Buffers still live become invalid; call only once
+        all work using the arena is done (``rtmem.transfers.synchronize()``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            slabs, self._slabs = self._slabs, []
+        self.backend.synchronize()
+        for slab in slabs:
+            self.backend.release(slab)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        st = self.core.stats()
+        return (f"<{type(self).__name__} {self.backend.name} "
+                f"{st.allocated_bytes:,}/{st.reserved_bytes:,} B>")
+
+
+class DeviceArena(_Arena):
+    """Device memory: slabs from the backend (cudaMalloc, or numpy on ``host``).
+
+    Parameters
+    ----------
+    nbytes:
+        First slab size, bytes (int or a string such as ``"2GiB"``).
+    backend:
+        ``"cuda"``, ``"host"``, a Backend, or None for :func:`~rtmem.backends.get_backend`.
+    alignment:
+        Buffer alignment, bytes (power of two, default 256).
+    max_bytes, growth_bytes:
+        Growth by extra slabs up to ``max_bytes`` total (default: no growth).
+    adaptors:
+        Callables ``upstream -> allocator`` applied in order (e.g.
+        ``lambda up: LimitAdaptor(up, budget_bytes)``).
+    debug:
+        Poison freed memory and detect writes after free (slow; for tests).
+    """
+
+    location = "device"
+
+    def _new_slab(self, nbytes):
+        return self.backend.device_slab(nbytes)
+
+
+class HostArena(_Arena):
+    """Host memory: pinned by default, ``mapped=True`` for memory the GPU can
+    address directly (its buffers expose ``__cuda_array_interface__`` with the
+    device alias). Reserves exactly ``nbytes`` rounded up to ``alignment``: no
+    power-of-two pools. Other parameters as :class:`DeviceArena`.
+    """
+
+    location = "host"
+
+    def __init__(self, nbytes, *, pinned: bool = True, mapped: bool = False, **kwargs):
+        self.pinned = bool(pinned or mapped)
+        self.mapped = bool(mapped)
+        super().__init__(nbytes, **kwargs)
+
+    def _new_slab(self, nbytes):
+        return self.backend.host_slab(nbytes, pinned=self.pinned, mapped=self.mapped)

@@ -1,0 +1,180 @@
+"""Memory backends: where slabs come from and how copies run.
+
+Two backends implement one interface (:class:`Backend`):
+
+- ``cuda`` (:mod:`rtmem.backends.cuda`): cudaMalloc slabs, cudaHostAlloc pinned /
+  mapped slabs, CUDA streams and events, ``cudaMemcpyAsync``; needs CuPy.
+- ``host`` (:mod:`rtmem.backends.host`): page-aligned numpy slabs, one copy
+  thread per stream, events built on ``threading.Event``. It is the faithful twin
+  of the cuda backend: the same ordering rules, so a missing wait fails on CPU.
+
+Selection (:func:`get_backend`): ``RTMEM_BACKEND=cuda|host``, else ``cuda`` when a
+GPU is usable through CuPy, else ``host``.
+
+NOTE [ Stream and event semantics ]
+Both backends follow CUDA's rules:
+
+1. Work enqueued on one stream runs in enqueue order; different streams may run
+   concurrently.
+2. ``event.record(stream)`` captures the work enqueued on ``stream`` so far;
+   ``event.query()`` is True once that work is done (and for a never-recorded
+   event); ``event.synchronize()`` blocks the calling thread until then.
+3. ``stream.wait_event(event)`` makes work enqueued later on ``stream`` wait for
+   the event's captured work; it does not block the caller.
+4. The *compute* stream (``backend.current_stream()``) is where user work runs.
+   On the host backend it is synchronous: work runs in the calling thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+
+from ..errors import BackendError
+
+__all__ = ["Backend", "Slab", "BACKENDS", "backend_name", "cuda_available",
+           "get_backend"]
+
+#: Names accepted by ``RTMEM_BACKEND`` and :func:`get_backend`.
+BACKENDS = ("cuda", "host")
+
+
+class Slab:
+    """One upstream allocation: a contiguous range of ``nbytes`` bytes.
+
+    ``location`` is ``"device"`` or ``"host"``. ``ptr`` is its address in its own
+    address space (device address for device slabs). ``device_ptr`` is the
+    address kernels use (device slabs: ``ptr``; mapped host slabs: the device
+    alias; ``None`` for host memory the device cannot address). ``host_array`` is
+    a numpy ``uint8`` view of the whole slab when the host can address it, else
+    ``None``. ``owner`` keeps the underlying memory alive.
+    """
+
+    __slots__ = ("backend", "nbytes", "ptr", "device_ptr", "host_array", "location",
+                 "pinned", "mapped", "owner", "__weakref__")
+
+    def __init__(self, backend, nbytes, ptr, *, location, device_ptr=None,
+                 host_array=None, pinned=False, mapped=False, owner=None):
+        self.backend = backend
+        self.nbytes = int(nbytes)
+        self.ptr = int(ptr)
+        self.device_ptr = None if device_ptr is None else int(device_ptr)
+        self.host_array = host_array
+        self.location = location
+        self.pinned = pinned
+        self.mapped = mapped
+        self.owner = owner
+
+    def __repr__(self) -> str:
+        extra = " pinned" if self.pinned else ""
+        extra += " mapped" if self.mapped else ""
+        return (f"<Slab {self.backend.name}:{self.location}{extra} "
+                f"{self.nbytes} B at 0x{self.ptr:x}>")
+
+
+class Backend(abc.ABC):
+    """Interface of a memory backend. All sizes and offsets are in bytes.
+
+    Streams expose ``wait_event(event)``, ``synchronize()`` and
+    ``launch_host_func(fn)`` (run ``fn()`` on the host once earlier work on the
+    stream is done); events expose ``record(stream=None)``, ``query()`` and
+    ``synchronize()`` (NOTE [ Stream and event semantics ]).
+    """
+
+    name: str = "?"
+
+    @abc.abstractmethod
+    def device_slab(self, nbytes: int) -> Slab:
+        """Allocate ``nbytes`` bytes of device memory."""
+
+    @abc.abstractmethod
+    def host_slab(self, nbytes: int, *, pinned: bool = True, mapped: bool = False) -> Slab:
+        """Allocate ``nbytes`` bytes of host memory, page-locked when ``pinned``,
+        also addressable by the device when ``mapped``."""
+
+    @abc.abstractmethod
+    def release(self, slab: Slab) -> None:
+        """Give ``slab`` back to the system (no copy may still use it)."""
+
+    @abc.abstractmethod
+    def new_stream(self):
+        """A new stream, independent of the compute stream."""
+
+    @abc.abstractmethod
+    def new_event(self):
+        """A new event (complete until first recorded)."""
+
+    @abc.abstractmethod
+    def current_stream(self):
+        """The compute stream user work runs on."""
+
+    @abc.abstractmethod
+    def copy_async(self, dst: Slab, dst_offset: int, src: Slab, src_offset: int,
+                   nbytes: int, stream) -> None:
+        """Enqueue a copy of ``nbytes`` bytes on ``stream``; both slabs are kept
+        alive by the caller until the copy's event completed."""
+
+    @abc.abstractmethod
+    def fill(self, slab: Slab, offset: int, nbytes: int, value: int) -> None:
+        """Set ``nbytes`` bytes to ``value`` (0..255), synchronously."""
+
+    @abc.abstractmethod
+    def read(self, slab: Slab, offset: int, nbytes: int):
+        """Copy ``nbytes`` bytes to a new numpy ``uint8`` array, synchronously."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all work on all streams of this backend."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict:
+        """What was found (device, driver, libraries, limits), for ``rtmem doctor``."""
+
+
+_lock = threading.Lock()
+_instances: dict = {}
+_cuda_ok = None
+
+
+def cuda_available() -> bool:
+    """True if CuPy imports and sees at least one CUDA device (cached)."""
+    global _cuda_ok
+    if _cuda_ok is None:
+        try:
+            import cupy
+            _cuda_ok = cupy.cuda.runtime.getDeviceCount() > 0
+        except Exception:   # no cupy, no driver, no device: all mean "not usable"
+            _cuda_ok = False
+    return _cuda_ok
+
+
+def backend_name() -> str:
+    """The backend to use: ``RTMEM_BACKEND`` if set, else ``cuda`` when a GPU is
+    usable, else ``host``."""
+    name = os.environ.get("RTMEM_BACKEND", "").strip().lower()
+    if name:
+        if name not in BACKENDS:
+            raise BackendError(f"RTMEM_BACKEND={name!r} is not a backend; use one of "
+                               f"{', '.join(BACKENDS)} or unset it to pick automatically")
+        return name
+    return "cuda" if cuda_available() else "host"
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The backend called ``name`` (default :func:`backend_name`), one per process."""
+    name = backend_name() if name is None else str(name).lower()
+    with _lock:
+        inst = _instances.get(name)
+        if inst is None:
+            if name == "host":
+                from .host import HostBackend
+                inst = HostBackend()
+            elif name == "cuda":
+                from .cuda import CudaBackend
+                inst = CudaBackend()
+            else:
+                raise BackendError(f"unknown backend {name!r}; use one of "
+                                   f"{', '.join(BACKENDS)}")
+            _instances[name] = inst
+        return inst

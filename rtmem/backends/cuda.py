@@ -1,0 +1,295 @@
+"""The cuda backend: CuPy for cudaMalloc, cudaHostAlloc, streams, events, copies.
+
+Device slabs come from ``cudaMalloc`` (``cupy.cuda.runtime.malloc``), host slabs
+from ``cudaHostAlloc`` with ``cudaHostAllocPortable`` (and ``Mapped`` for mapped
+arenas; the device alias is read with ``cudaPointerGetAttributes``). Copies are
+``cudaMemcpyAsync(..., cudaMemcpyDefault, stream)`` (unified addressing infers
+the direction). Streams are non-blocking CuPy streams, events CuPy events with
+timing disabled. numba.cuda kernels consume buffers through
+``__cuda_array_interface__``; nothing here imports numba.
+
+CuPy is imported when this backend is first used, never at ``import rtmem``;
+without it, :func:`import_cupy` raises ``ModuleNotFoundError`` naming the extra.
+See NOTE [ Stream and event semantics ] in :mod:`rtmem.backends`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+
+import numpy as np
+
+from ..errors import BackendError
+from . import Backend, Slab
+
+__all__ = ["CudaBackend", "CudaEvent", "CudaStream", "import_cupy"]
+
+_INSTALL_HINT = ("the cuda backend needs CuPy: pip install rtmem[cuda12] (or "
+                 "rtmem[cuda13]); set RTMEM_BACKEND=host to run without a GPU")
+
+
+def import_cupy():
+    """Import CuPy, or raise ModuleNotFoundError saying which extra to install."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ModuleNotFoundError(f"cupy is not installed: {_INSTALL_HINT}") from exc
+    return cupy
+
+
+def _host_view(ptr: int, nbytes: int) -> np.ndarray:
+    """A numpy uint8 view of ``nbytes`` bytes of host memory at ``ptr``."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+class CudaStream:
+    """A CuPy stream with rtmem's stream interface; equal iff same CUDA handle
+    (so the allocator's per-stream reuse recognises the current stream)."""
+
+    __slots__ = ("raw", "name")
+
+    def __init__(self, raw, name="stream"):
+        self.raw = raw
+        self.name = name
+
+    @property
+    def ptr(self) -> int:
+        """The ``cudaStream_t`` handle."""
+        return int(self.raw.ptr)
+
+    def __eq__(self, other):
+        return isinstance(other, CudaStream) and other.ptr == self.ptr
+
+    def __hash__(self):
+        return hash(self.ptr)
+
+    def wait_event(self, event: "CudaEvent") -> None:
+        """Later work on this stream waits for ``event`` (host not blocked)."""
+        self.raw.wait_event(event.raw)
+
+    def synchronize(self) -> None:
+        """Block the host until this stream's work is done."""
+        self.raw.synchronize()
+
+    def launch_host_func(self, fn) -> None:
+        """Run ``fn()`` on a driver thread once earlier work is done; ``fn`` must
+        not call CUDA."""
+        self.raw.launch_host_func(lambda _arg: fn(), None)
+
+    def __repr__(self) -> str:
+        return f"<CudaStream {self.name} 0x{self.ptr:x}>"
+
+
+class CudaEvent:
+    """A CuPy event (timing disabled) with rtmem's event interface."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def record(self, stream=None) -> "CudaEvent":
+        """Capture the work enqueued so far on ``stream`` (default: current)."""
+        self.raw.record(None if stream is None else stream.raw)
+        return self
+
+    def query(self) -> bool:
+        """True when the captured work is done (or never recorded)."""
+        return bool(self.raw.done)
+
+    @property
+    def done(self) -> bool:
+        """Same as :meth:`query`."""
+        return self.query()
+
+    def synchronize(self) -> None:
+        """Block the host until the captured work is done."""
+        self.raw.synchronize()
+
+
+class _HostAlloc:
+    """Owns one cudaHostAlloc allocation; ``free`` gives it back once."""
+
+    __slots__ = ("ptr", "runtime")
+
+    def __init__(self, ptr, runtime):
+        self.ptr, self.runtime = ptr, runtime
+
+    def free(self):
+        if self.ptr:
+            self.runtime.freeHost(self.ptr)
+            self.ptr = 0
+
+
+class _DeviceAlloc:
+    """Owns one cudaMalloc allocation; ``free`` gives it back once."""
+
+    __slots__ = ("ptr", "runtime")
+
+    def __init__(self, ptr, runtime):
+        self.ptr, self.runtime = ptr, runtime
+
+    def free(self):
+        if self.ptr:
+            self.runtime.free(self.ptr)
+            self.ptr = 0
+
+
+class CudaBackend(Backend):
+    """Slabs, streams and copies on the current CUDA device through CuPy."""
+
+    name = "cuda"
+
+    def __init__(self):
+        cp = import_cupy()
+        self.cupy = cp
+        self.runtime = cp.cuda.runtime
+        self._cuda_error = getattr(self.runtime, "CUDARuntimeError", RuntimeError)
+        try:
+            if self.runtime.getDeviceCount() < 1:
+                raise BackendError("CuPy sees no CUDA device")
+            self.device_id = int(self.runtime.getDevice())
+        except BackendError:
+            raise
+        except Exception as exc:   # CUDARuntimeError and friends: no usable GPU
+            raise BackendError(f"no usable CUDA device ({exc}); check the driver with "
+                               f"`rtmem doctor`, or set RTMEM_BACKEND=host") from exc
+
+    def _oom(self, what, nbytes, exc):
+        from ..errors import OutOfMemoryError
+        return OutOfMemoryError(f"{what} of {nbytes:,} bytes failed: {exc}; use a "
+                                f"smaller arena (nbytes=) or free memory held by other "
+                                f"pools (cupy.get_default_memory_pool().free_all_blocks())",
+                                requested=nbytes)
+
+    def device_slab(self, nbytes: int) -> Slab:
+        """``cudaMalloc`` of ``nbytes`` bytes (256-byte aligned by CUDA)."""
+        nbytes = int(nbytes)
+        try:
+            ptr = int(self.runtime.malloc(nbytes))
+        except self._cuda_error as exc:
+            raise self._oom("cudaMalloc", nbytes, exc) from exc
+        return Slab(self, nbytes, ptr, location="device", device_ptr=ptr,
+                    owner=_DeviceAlloc(ptr, self.runtime))
+
+    def host_slab(self, nbytes: int, *, pinned: bool = True, mapped: bool = False) -> Slab:
+        """``cudaHostAlloc`` (portable, plus mapped when asked) of exactly
+        ``nbytes`` bytes: no power-of-two pool."""
+        nbytes = int(nbytes)
+        rt = self.runtime
+        if not (pinned or mapped):
+            # Pageable host memory: a page-aligned numpy slab, as on the host
+            # backend (copies from it are synchronous in practice).
+            from .host import _page_aligned
+            arr, base = _page_aligned(nbytes)
+            return Slab(self, nbytes, arr.ctypes.data, location="host", host_array=arr,
+                        owner=base)
+        flags = rt.hostAllocPortable | (rt.hostAllocMapped if mapped else 0)
+        try:
+            ptr = int(rt.hostAlloc(nbytes, flags))
+        except self._cuda_error as exc:
+            raise self._oom("cudaHostAlloc", nbytes, exc) from exc
+        device_ptr = None
+        if mapped:
+            device_ptr = int(rt.pointerGetAttributes(ptr).devicePointer)
+        return Slab(self, nbytes, ptr, location="host", device_ptr=device_ptr,
+                    host_array=_host_view(ptr, nbytes), pinned=True, mapped=mapped,
+                    owner=_HostAlloc(ptr, rt))
+
+    def release(self, slab: Slab) -> None:
+        """Free the slab's memory (the caller synchronized its users)."""
+        slab.host_array = None
+        owner, slab.owner = slab.owner, None
+        if hasattr(owner, "free"):
+            owner.free()
+
+    def new_stream(self, name: str = "stream") -> CudaStream:
+        """A new non-blocking CUDA stream."""
+        return CudaStream(self.cupy.cuda.Stream(non_blocking=True), name)
+
+    def new_event(self) -> CudaEvent:
+        """A new event with timing disabled (cheaper to record and query)."""
+        return CudaEvent(self.cupy.cuda.Event(block=False, disable_timing=True))
+
+    def current_stream(self) -> CudaStream:
+        """CuPy's current stream (where user kernels run)."""
+        return CudaStream(self.cupy.cuda.get_current_stream(), "compute")
+
+    def copy_async(self, dst: Slab, dst_offset: int, src: Slab, src_offset: int,
+                   nbytes: int, stream) -> None:
+        """``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` on ``stream``."""
+        if dst.owner is None or src.owner is None:
+            raise BackendError(f"copy between released slabs ({dst!r} <- {src!r}); "
+                               f"a buffer was used after its arena was closed")
+        stream_ptr = 0 if stream is None else stream.ptr
+        self.runtime.memcpyAsync(dst.ptr + dst_offset, src.ptr + src_offset, int(nbytes),
+                                 self.runtime.memcpyDefault, stream_ptr)
+
+    def fill(self, slab: Slab, offset: int, nbytes: int, value: int) -> None:
+        """Set bytes synchronously (``cudaMemset`` on device memory)."""
+        if slab.host_array is not None:
+            slab.host_array[offset:offset + nbytes] = value
+        else:
+            self.runtime.memset(slab.ptr + offset, int(value), int(nbytes))
+
+    def read(self, slab: Slab, offset: int, nbytes: int) -> np.ndarray:
+        """A host copy of ``nbytes`` bytes (synchronous ``cudaMemcpy`` for device)."""
+        if slab.host_array is not None:
+            return slab.host_array[offset:offset + nbytes].copy()
+        out = np.empty(nbytes, np.uint8)
+        # cudaMemcpy runs on the legacy stream: finish the user's current stream
+        # first so data produced there is what we read.
+        self.cupy.cuda.get_current_stream().synchronize()
+        self.runtime.memcpy(out.ctypes.data, slab.ptr + offset, int(nbytes),
+                            self.runtime.memcpyDefault)
+        return out
+
+    def synchronize(self) -> None:
+        """``cudaDeviceSynchronize``."""
+        self.runtime.deviceSynchronize()
+
+    def describe(self) -> dict:
+        """Device, driver, runtime and library versions, memory and pinned limits."""
+        return describe_cuda(self.cupy)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def describe_cuda(cp=None) -> dict:
+    """What the cuda backend would run on; never raises (errors are reported)."""
+    info = {"backend": "cuda"}
+    try:
+        cp = cp or import_cupy()
+        info["cupy"] = cp.__version__
+        rt = cp.cuda.runtime
+        info["driver_version"] = rt.driverGetVersion()
+        info["runtime_version"] = rt.runtimeGetVersion()
+        n = rt.getDeviceCount()
+        info["devices"] = []
+        for d in range(n):
+            props = rt.getDeviceProperties(d)
+            name = props.get("name", b"?")
+            info["devices"].append({
+                "id": d, "name": name.decode() if isinstance(name, bytes) else str(name),
+                "total_bytes": int(props.get("totalGlobalMem", 0)),
+                "compute_capability": f"{props.get('major', '?')}.{props.get('minor', '?')}",
+                "can_map_host_memory": bool(props.get("canMapHostMemory", 0)),
+            })
+    except Exception as exc:   # reported, not raised: doctor must always print
+        info["error"] = f"{type(exc).__name__}: {exc}"
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    info["memlock_limit_bytes"] = None if soft == resource.RLIM_INFINITY else soft
+    info["host_available_bytes"] = _meminfo_available()
+    info["cpus"] = os.cpu_count()
+    return info

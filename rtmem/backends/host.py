@@ -1,0 +1,275 @@
+"""The host backend: numpy slabs, copy threads and events, CUDA's ordering rules.
+
+Device memory, pinned memory and mapped memory are all page-aligned numpy slabs
+(a mapped slab's "device alias" is its host address). Each stream made by
+:meth:`HostBackend.new_stream` owns one worker thread that runs its work in
+enqueue order; the compute stream is synchronous (work runs in the caller).
+Events are ``threading.Event`` objects replaced on every record, so a copy
+enqueued on the H2D stream after an event wait really waits: forgetting a wait
+races on CPU just as it would on a GPU. See NOTE [ Stream and event semantics ]
+in :mod:`rtmem.backends`.
+
+Limits (stated, not hidden): pinned slabs are not ``mlock``ed, so "pinned" only
+records intent; there is no real device, so ``__cuda_array_interface__`` is not
+offered by buffers on this backend.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+import weakref
+
+import numpy as np
+
+from ..errors import BackendError
+from . import Backend, Slab
+
+__all__ = ["HostBackend", "HostEvent", "HostStream"]
+
+PAGE = mmap.PAGESIZE
+
+
+def _page_aligned(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A uint8 array of ``nbytes`` bytes starting on a page boundary, and its base."""
+    base = np.empty(nbytes + PAGE, dtype=np.uint8)
+    skip = (-base.ctypes.data) % PAGE
+    return base[skip:skip + nbytes], base
+
+
+class HostEvent:
+    """A CUDA-like event. NOTE: ``_done`` is replaced (never reset) on each record,
+    so waiters that captured the previous recording are not confused; guarded by
+    the GIL (a single attribute store)."""
+
+    __slots__ = ("_done", "_stream")
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._done.set()            # never recorded: complete, as in CUDA
+        self._stream = None
+
+    def record(self, stream=None) -> "HostEvent":
+        """Capture the work enqueued so far on ``stream`` (default: compute stream)."""
+        done = threading.Event()
+        self._done = done
+        if stream is None or isinstance(stream, HostNullStream):
+            done.set()              # the compute stream is synchronous
+            self._stream = None
+        else:
+            self._stream = stream
+            stream._put(done.set)
+        return self
+
+    def query(self) -> bool:
+        """True when the captured work is done."""
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        """Block until the captured work is done; raise a stream's failure."""
+        self._done.wait()
+        if self._stream is not None:
+            self._stream._raise_error()
+
+    @property
+    def done(self) -> bool:
+        """Same as :meth:`query` (CuPy's spelling)."""
+        return self.query()
+
+
+class HostNullStream:
+    """The synchronous compute stream: everything runs in the calling thread."""
+
+    name = "compute"
+
+    def wait_event(self, event: HostEvent) -> None:
+        """Block the caller until ``event`` completed (a synchronous stream waits
+        by blocking)."""
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        """Nothing is ever pending on the synchronous stream."""
+
+    def launch_host_func(self, fn) -> None:
+        """Run ``fn()`` now."""
+        fn()
+
+    def __repr__(self) -> str:
+        return "<HostNullStream>"
+
+
+class _Failure:
+    """Holds a stream's first failure; shared by the stream and its worker."""
+
+    __slots__ = ("error",)
+
+    def __init__(self):
+        self.error = None
+
+
+def _serve(q, failure) -> None:
+    # A module function, not a bound method: the worker must not keep its stream
+    # alive, so a dropped stream's __del__ can stop it (no thread leak).
+    while True:
+        fn = q.get()
+        if fn is None:
+            return
+        try:
+            fn()
+        except BaseException as exc:   # reported on synchronize, never lost
+            if failure.error is None:
+                failure.error = exc
+
+
+class HostStream:
+    """An in-order work queue served by one daemon thread.
+
+    NOTE: ``_queue`` is a thread-safe FIFO; ``_failure.error`` (the first failure;
+    every later synchronize raises it) is written only by the worker thread;
+    ``_thread`` is started once under ``_start_lock``.
+    """
+
+    def __init__(self, name: str = "stream"):
+        self.name = name
+        self._queue = queue.SimpleQueue()
+        self._failure = _Failure()
+        self._thread = None
+        self._start_lock = threading.Lock()
+
+    def _put(self, fn) -> None:
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=_serve, args=(self._queue, self._failure), daemon=True,
+                        name=f"rtmem-{self.name}")
+                    self._thread.start()
+        self._queue.put(fn)
+
+    def _raise_error(self) -> None:
+        err = self._failure.error
+        if err is not None:
+            raise BackendError(f"work on host stream {self.name!r} failed: {err!r}; "
+                               f"later work on it is suspect, create a new stream") from err
+
+    def wait_event(self, event: HostEvent) -> None:
+        """Make later work on this stream wait for ``event`` (does not block)."""
+        done = event._done
+        if not done.is_set():
+            self._put(done.wait)
+
+    def launch_host_func(self, fn) -> None:
+        """Run ``fn()`` on the worker once earlier work on this stream is done."""
+        self._put(fn)
+
+    def synchronize(self) -> None:
+        """Block until all work enqueued so far is done."""
+        HostEvent().record(self).synchronize()
+
+    def close(self) -> None:
+        """Stop the worker after the work already enqueued."""
+        if self._thread is not None:
+            self._queue.put(None)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:   # interpreter shutdown: the daemon thread dies anyway
+            pass
+
+    def __repr__(self) -> str:
+        return f"<HostStream {self.name}>"
+
+
+def _copy(dst, src):
+    np.copyto(dst, src)
+
+
+class HostBackend(Backend):
+    """Numpy slabs and threads with the cuda backend's semantics (module doc)."""
+
+    name = "host"
+
+    def __init__(self):
+        self._null = HostNullStream()
+        self._streams = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def _slab(self, nbytes, location, pinned, mapped):
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"slab size must be > 0 bytes, got {nbytes}")
+        try:
+            arr, base = _page_aligned(nbytes)
+        except MemoryError as exc:
+            raise BackendError(f"the host could not allocate {nbytes:,} bytes for a "
+                               f"{location} slab; use a smaller arena") from exc
+        ptr = arr.ctypes.data
+        return Slab(self, nbytes, ptr, location=location,
+                    device_ptr=ptr if (location == "device" or mapped) else None,
+                    host_array=arr, pinned=pinned, mapped=mapped, owner=base)
+
+    def device_slab(self, nbytes: int) -> Slab:
+        """A page-aligned numpy slab of ``nbytes`` bytes standing for device memory."""
+        return self._slab(nbytes, "device", False, False)
+
+    def host_slab(self, nbytes: int, *, pinned: bool = True, mapped: bool = False) -> Slab:
+        """A page-aligned numpy slab of exactly ``nbytes`` bytes (plus < 1 page of
+        alignment slack that is never handed out)."""
+        return self._slab(nbytes, "host", bool(pinned or mapped), bool(mapped))
+
+    def release(self, slab: Slab) -> None:
+        """Drop the slab's memory (numpy frees it once no view remains)."""
+        slab.host_array = None
+        slab.owner = None
+
+    def new_stream(self, name: str = "stream") -> HostStream:
+        """A new stream with its own worker thread (started on first use)."""
+        stream = HostStream(name)
+        with self._lock:
+            self._streams.add(stream)
+        return stream
+
+    def new_event(self) -> HostEvent:
+        """A new event (complete until recorded)."""
+        return HostEvent()
+
+    def current_stream(self) -> HostNullStream:
+        """The synchronous compute stream."""
+        return self._null
+
+    def copy_async(self, dst: Slab, dst_offset: int, src: Slab, src_offset: int,
+                   nbytes: int, stream) -> None:
+        """Enqueue ``nbytes`` bytes from ``src`` to ``dst`` on ``stream``; the
+        closure holds both slab views, so their memory outlives the copy."""
+        if dst.host_array is None or src.host_array is None:
+            raise BackendError(f"copy between released slabs ({dst!r} <- {src!r}); "
+                               f"a buffer was used after its arena was closed")
+        d = dst.host_array[dst_offset:dst_offset + nbytes]
+        s = src.host_array[src_offset:src_offset + nbytes]
+        if stream is None or isinstance(stream, HostNullStream):
+            _copy(d, s)
+        else:
+            stream._put(lambda: _copy(d, s))
+
+    def fill(self, slab: Slab, offset: int, nbytes: int, value: int) -> None:
+        """Set ``nbytes`` bytes at ``offset`` to ``value`` now."""
+        slab.host_array[offset:offset + nbytes] = value
+
+    def read(self, slab: Slab, offset: int, nbytes: int) -> np.ndarray:
+        """A copy of ``nbytes`` bytes at ``offset``."""
+        return slab.host_array[offset:offset + nbytes].copy()
+
+    def synchronize(self) -> None:
+        """Wait for every stream made by this backend."""
+        with self._lock:
+            streams = list(self._streams)
+        for s in streams:
+            s.synchronize()
+
+    def describe(self) -> dict:
+        """What the host backend runs on."""
+        return {"backend": "host", "page_size": PAGE, "cpus": os.cpu_count(),
+                "note": "no GPU: device memory is emulated by numpy slabs"}

@@ -1,0 +1,294 @@
+"""Buffers: typed views over arena blocks, with a device and a host placement.
+
+A :class:`Buffer` is one logical tensor (an activation, a weight, ...). It has up
+to two *placements*: one in a device arena and one in a host arena; the
+transfers of :mod:`rtmem.transfers` move it between them and drive its
+residency.
+
+NOTE [ Residency state machine ]
+``residency`` is derived, never stored:
+
+- ``"freed"``: the buffer was freed; every use raises UseAfterFreeError.
+- ``"in-flight"``: a prefetch (H2D) or offload (D2H) has been enqueued and its
+  event has not completed.
+- otherwise from the placements: ``"device"`` (device only), ``"host"`` (host
+  only) or ``"both"``.
+
+Legal moves (anything else raises ResidencyError naming the state and the fix):
+
+1. ``offload``: device -> in-flight -> both. Refused when a host copy exists or a
+   transfer is in flight.
+2. ``prefetch``: host -> in-flight -> both. Refused when a device copy exists or
+   an H2D copy is in flight; allowed while the D2H copy that made the host copy is
+   still running (the H2D copy waits for it on its stream).
+3. ``evict`` (drop the device copy): both -> host, or during an offload (the
+   device block is freed when the copy completes: stream-ordered free). Refused
+   when it is the only copy, unless ``discard=True``.
+4. ``drop_host``: both -> device. Refused during a transfer or for the only copy
+   unless ``discard=True``.
+
+Fields are guarded by the buffer's ``_lock``; arenas guard their own accounting.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .errors import DoubleFreeError, ResidencyError, UseAfterFreeError
+
+__all__ = ["Buffer", "KINDS", "RESIDENCIES"]
+
+#: What a buffer holds; arenas account bytes per kind.
+KINDS = ("activation", "weight", "gradient", "optimizer-state", "workspace")
+#: Values of :attr:`Buffer.residency` (NOTE [ Residency state machine ]).
+RESIDENCIES = ("device", "host", "both", "in-flight", "freed")
+
+_KDL_CPU, _KDL_CUDA = 1, 2
+
+
+class Placement:
+    """A block of one arena holding a buffer's bytes.
+
+    ``event``/``stream``: the last transfer that read or wrote the block, so that
+    freeing it is stream-ordered (the block is not reused before that copy ends).
+    """
+
+    __slots__ = ("arena", "block", "event", "stream")
+
+    def __init__(self, arena, block):
+        self.arena = arena
+        self.block = block
+        self.event = None
+        self.stream = None
+
+    @property
+    def slab(self):
+        """The backend slab holding the block."""
+        return self.arena._slab_of(self.block)
+
+    @property
+    def offset(self) -> int:
+        """Offset of the block in its slab, bytes."""
+        return self.block.offset
+
+
+class Buffer:
+    """A typed, shaped view of ``nbytes`` bytes living in one or two arenas.
+
+    Attributes: ``nbytes`` (bytes requested), ``dtype``, ``shape``, ``kind`` (one
+    of :data:`KINDS`), ``residency`` (one of :data:`RESIDENCIES`), ``arena`` and
+    ``offset`` (of the primary placement: the device one when present, else the
+    host one). Create buffers with ``arena.alloc(...)``, never directly.
+
+    Freeing is explicit (``buf.free()`` / ``arena.free(buf)``): dropping the last
+    reference does not free, because zero-copy views (numpy, DLPack tensors) do
+    not keep the Buffer object alive and must stay valid until the free.
+    """
+
+    __slots__ = ("nbytes", "dtype", "shape", "kind", "_device", "_host", "_pending",
+                 "_freed", "_lock", "device_arena", "host_arena", "__weakref__")
+
+    def __init__(self, placement: Placement, nbytes: int, dtype, shape, kind: str):
+        self.nbytes = int(nbytes)
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(s) for s in shape)
+        self.kind = kind
+        self._device = None
+        self._host = None
+        self._pending = None        # (event, "h2d"|"d2h", stream) of the last move
+        self._freed = False
+        self._lock = threading.RLock()
+        self.device_arena = None    # where prefetch puts it back by default
+        self.host_arena = None      # where offload puts it by default
+        self._attach(placement)
+
+    def _attach(self, placement: Placement) -> None:
+        if placement.arena.location == "device":
+            self._device = placement
+            self.device_arena = placement.arena
+        else:
+            self._host = placement
+            self.host_arena = placement.arena
+
+    # -------------------------------------------------------------- state
+    def _check_alive(self) -> None:
+        if self._freed:
+            raise UseAfterFreeError(
+                f"this {self.kind} buffer ({self.nbytes:,} bytes) was freed; allocate "
+                f"a new buffer instead of keeping references to freed ones")
+
+    def _settle(self) -> bool:
+        """Clear a completed pending move; True if one is still in flight."""
+        pending = self._pending
+        if pending is None:
+            return False
+        if pending[0].query():
+            self._pending = None
+            return False
+        return True
+
+    @property
+    def residency(self) -> str:
+        """Where the data is: see NOTE [ Residency state machine ]."""
+        with self._lock:
+            if self._freed:
+                return "freed"
+            if self._settle():
+                return "in-flight"
+            if self._device is not None and self._host is not None:
+                return "both"
+            return "device" if self._device is not None else "host"
+
+    @property
+    def primary(self) -> Placement:
+        """The device placement when present, else the host one."""
+        self._check_alive()
+        return self._device if self._device is not None else self._host
+
+    @property
+    def arena(self):
+        """Arena of the primary placement."""
+        return self.primary.arena
+
+    @property
+    def offset(self) -> int:
+        """Offset of the primary placement in its slab, bytes."""
+        return self.primary.block.offset
+
+    @property
+    def is_freed(self) -> bool:
+        """True once the buffer has been freed."""
+        return self._freed
+
+    def placement(self, where: str) -> Placement | None:
+        """The ``"device"`` or ``"host"`` placement, or None."""
+        self._check_alive()
+        if where not in ("device", "host"):
+            raise ValueError(f"where must be 'device' or 'host', got {where!r}")
+        return self._device if where == "device" else self._host
+
+    def free(self) -> None:
+        """Free every placement (stream-ordered); the buffer becomes unusable.
+
+        Freeing twice raises :class:`~rtmem.errors.DoubleFreeError`.
+        """
+        if self._freed:
+            raise DoubleFreeError(f"{self!r} was already freed; free each buffer once")
+        self.arena.free(self)
+
+    # ------------------------------------------------------------ views
+    def _view_placement(self, where):
+        self._check_alive()
+        if where is None:
+            return self.primary
+        p = self.placement(where)
+        if p is None:
+            raise ResidencyError(f"this buffer has no {where} copy (residency "
+                                 f"{self.residency!r}); prefetch or offload it first",
+                                 state=self.residency, action=f"view {where}")
+        return p
+
+    def _wait_if_in_flight(self, host: bool) -> None:
+        # Host readers must block until the copy is done; device readers only
+        # need the compute stream ordered after it.
+        if self._settle():
+            from .transfers import synchronize, wait
+            (synchronize if host else wait)(self)
+
+    def numpy(self, where: str | None = None) -> np.ndarray:
+        """A zero-copy numpy view (``dtype``, ``shape``) of the placement ``where``
+        (default: primary). Host placements always qualify; device placements only
+        on the host backend. Waits for an in-flight transfer first."""
+        p = self._view_placement(where)
+        slab = p.slab
+        if slab.host_array is None:
+            raise ResidencyError(
+                "device memory of the cuda backend is not host-addressable; use "
+                "buf.cupy(), buf.to_numpy() (a copy), or offload the buffer first",
+                state=self.residency, action="numpy view")
+        self._wait_if_in_flight(host=True)
+        count = int(np.prod(self.shape, dtype=np.int64))
+        raw = slab.host_array[p.offset:p.offset + count * self.dtype.itemsize]
+        return raw.view(self.dtype).reshape(self.shape)
+
+    def to_numpy(self) -> np.ndarray:
+        """A host copy of the data (synchronous), whatever the residency."""
+        p = self._view_placement(None)
+        self._wait_if_in_flight(host=True)
+        count = int(np.prod(self.shape, dtype=np.int64))
+        raw = p.arena.backend.read(p.slab, p.offset, count * self.dtype.itemsize)
+        return raw.view(self.dtype).reshape(self.shape)
+
+    def cupy(self, where: str | None = None):
+        """A zero-copy CuPy array over the device placement (or a mapped host one)."""
+        from .backends.cuda import import_cupy
+        cp = import_cupy()
+        return cp.asarray(_CudaView(self._cuda_interface(where), self))
+
+    def _cuda_interface(self, where=None) -> dict:
+        p = self._device if where is None and self._device is not None else \
+            self._view_placement(where or "host")
+        slab = p.slab
+        if slab.device_ptr is None or p.arena.backend.name != "cuda":
+            raise AttributeError(
+                "__cuda_array_interface__ needs a device placement or a mapped host "
+                "placement on the cuda backend (this buffer is "
+                f"{self.residency!r} on the {p.arena.backend.name} backend); "
+                "use HostArena(..., mapped=True) or prefetch it")
+        self._wait_if_in_flight(host=False)
+        return {"shape": self.shape, "typestr": self.dtype.str, "descr": self.dtype.descr,
+                "data": (slab.device_ptr + p.offset, False), "strides": None,
+                "version": 3, "stream": None}
+
+    @property
+    def __array_interface__(self) -> dict:
+        """NumPy's array interface over the host-addressable primary placement
+        (AttributeError for cuda device memory, so consumers fall back to the
+        CUDA array interface or DLPack)."""
+        self._check_alive()
+        if self.primary.slab.host_array is None:
+            raise AttributeError("cuda device memory has no __array_interface__; use "
+                                 "__cuda_array_interface__, DLPack or to_numpy()")
+        return self.numpy().__array_interface__
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """CUDA array interface v3 over the device placement, else the device
+        alias of a mapped host placement (cuda backend only)."""
+        return self._cuda_interface()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(kDLCUDA, device) for cuda device memory, else (kDLCPU, 0)."""
+        p = self.primary
+        if p.arena.location == "device" and p.arena.backend.name == "cuda":
+            return (_KDL_CUDA, p.arena.backend.device_id)
+        return (_KDL_CPU, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """DLPack capsule: numpy's for host-addressable memory, CuPy's for device
+        memory of the cuda backend (zero-copy either way)."""
+        kwargs = {k: v for k, v in (("max_version", max_version), ("dl_device", dl_device),
+                                    ("copy", copy)) if v is not None}
+        p = self.primary
+        if p.slab.host_array is not None:
+            return self.numpy().__dlpack__(**kwargs)
+        arr = self.cupy()
+        return arr.__dlpack__(stream=stream, **kwargs)
+
+    def __repr__(self) -> str:
+        state = self.residency
+        where = "" if self._freed else f" offset={self.offset}"
+        return (f"<Buffer {self.kind} {self.shape} {self.dtype} {self.nbytes:,} B "
+                f"{state}{where}>")
+
+
+class _CudaView:
+    """Carries one ``__cuda_array_interface__`` dict and keeps its buffer alive."""
+
+    __slots__ = ("__cuda_array_interface__", "owner")
+
+    def __init__(self, cai, owner):
+        self.__cuda_array_interface__ = cai
+        self.owner = owner

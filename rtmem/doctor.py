@@ -1,0 +1,110 @@
+"""``rtmem doctor``: report what the runtime finds on this machine.
+
+Prints the backend that would be chosen (and why), the GPU(s), the CUDA driver
+and runtime versions, CuPy and numba(-cuda) versions, and the pinned-memory
+ceiling (``RLIMIT_MEMLOCK`` and the host memory available). Nothing here fails
+on a machine without a GPU: missing pieces are reported with what to install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .units import format_bytes
+
+__all__ = ["collect", "register", "run"]
+
+
+def _numba_info() -> dict:
+    info = {}
+    try:
+        import numba
+        info["numba"] = numba.__version__
+    except ImportError:
+        info["numba"] = None
+        return info
+    try:
+        from importlib.metadata import version
+        info["numba_cuda"] = version("numba-cuda")
+    except Exception:   # not installed as a separate package: numba's own cuda
+        info["numba_cuda"] = None
+    try:
+        from numba import cuda
+        info["numba_cuda_available"] = bool(cuda.is_available())
+    except Exception as exc:   # reported, doctor never raises
+        info["numba_cuda_available"] = False
+        info["numba_cuda_error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def collect() -> dict:
+    """Everything ``rtmem doctor`` reports, as a dict (bytes for sizes)."""
+    from .backends import BACKENDS, cuda_available
+    from .backends.cuda import describe_cuda
+    report = {"RTMEM_BACKEND": os.environ.get("RTMEM_BACKEND")}
+    try:
+        from .backends import backend_name
+        report["backend"] = backend_name()
+    except Exception as exc:   # a bad RTMEM_BACKEND: report it
+        report["backend"] = None
+        report["backend_error"] = str(exc)
+    report["backends"] = list(BACKENDS)
+    report["gpu_usable"] = cuda_available()
+    report["cuda"] = describe_cuda()
+    report.update(_numba_info())
+    return report
+
+
+def _lines(r: dict) -> list[str]:
+    cuda = r["cuda"]
+    out = [f"backend          {r['backend'] or 'invalid'}"
+           + (f"  (RTMEM_BACKEND={r['RTMEM_BACKEND']})" if r["RTMEM_BACKEND"] else
+              "  (automatic: cuda if a GPU is usable, else host)")]
+    if r.get("backend_error"):
+        out.append(f"  ! {r['backend_error']}")
+    out.append(f"cupy             {cuda.get('cupy') or 'not installed (pip install rtmem[cuda12])'}")
+    if cuda.get("error") and cuda.get("cupy"):
+        out.append(f"  ! {cuda['error']}")
+    if "driver_version" in cuda:
+        out.append(f"cuda driver      {cuda['driver_version']}   runtime {cuda['runtime_version']}")
+    for dev in cuda.get("devices", []):
+        out.append(f"gpu {dev['id']}            {dev['name']}, {format_bytes(dev['total_bytes'])}, "
+                   f"sm {dev['compute_capability']}, map host memory: "
+                   f"{'yes' if dev['can_map_host_memory'] else 'no'}")
+    if not cuda.get("devices"):
+        out.append("gpu              none found")
+    out.append(f"numba            {r.get('numba') or 'not installed'}")
+    nc = r.get("numba_cuda") or "numba's built-in numba.cuda"
+    out.append(f"numba-cuda       {nc}; usable: {'yes' if r.get('numba_cuda_available') else 'no'}")
+    lim = cuda.get("memlock_limit_bytes")
+    avail = cuda.get("host_available_bytes")
+    # cudaHostAlloc pins through the driver, bounded by host memory; RLIMIT_MEMLOCK
+    # bounds mlock / cudaHostRegister of existing memory.
+    out.append(f"pinned limit     host available {format_bytes(avail) if avail else 'unknown'} "
+               f"(cudaHostAlloc); memlock rlimit "
+               f"{'unlimited' if lim is None else format_bytes(lim)} (mlock, cudaHostRegister)")
+    return out
+
+
+def run(args) -> int:
+    """Print the report (``--json`` for JSON). Returns 0, or 1 when the selected
+    backend cannot run (e.g. RTMEM_BACKEND=cuda without a usable GPU)."""
+    report = collect()
+    if getattr(args, "json", False):
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print("\n".join(_lines(report)))
+    if report["backend"] is None or (report["backend"] == "cuda" and not report["gpu_usable"]):
+        return 1
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add the ``doctor`` subcommand to an argparse ``subparsers`` object; its
+    ``func(args)`` returns the exit code."""
+    p = subparsers.add_parser("doctor", help="report GPU, driver, CuPy, numba-cuda and "
+                                              "pinned-memory limits",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)

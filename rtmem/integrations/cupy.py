@@ -1,0 +1,90 @@
+"""Use a :class:`~rtmem.arena.DeviceArena` as CuPy's device allocator.
+
+::
+
+    from rtmem.integrations import cupy as rtcupy
+    arena = rtmem.DeviceArena("8GiB")
+    with rtcupy.using(arena):
+        x = cupy.zeros(1 << 20)        # lives in the arena
+
+Every CuPy allocation becomes a ``workspace`` buffer of the arena; it is freed
+(stream-ordered, on CuPy's current stream) when CuPy drops the memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+__all__ = ["allocator_for", "install", "uninstall", "using"]
+
+_HINT = "pip install rtmem[cuda12] (or rtmem[cuda13])"
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ModuleNotFoundError(f"rtmem.integrations.cupy needs CuPy: {_HINT}") from exc
+    return cupy
+
+
+class _BufferOwner:
+    """Owner object of an ``UnownedMemory``: frees the rtmem buffer when CuPy
+    garbage-collects the memory."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf):
+        self.buf = buf
+
+    def __del__(self):
+        buf, self.buf = self.buf, None
+        # At interpreter exit the CUDA context may already be gone; the process
+        # releases everything then anyway.
+        if buf is not None and not buf.is_freed and not sys.is_finalizing():
+            buf.free()
+
+
+def allocator_for(arena, *, kind: str = "workspace"):
+    """A CuPy allocator function ``(nbytes) -> cupy.cuda.MemoryPointer`` serving
+    every request (bytes) from ``arena`` (a cuda-backend DeviceArena)."""
+    cp = _cupy()
+    if arena.backend.name != "cuda" or arena.location != "device":
+        raise ValueError(f"CuPy needs device memory of the cuda backend; got a "
+                         f"{arena.location} arena on the {arena.backend.name} backend")
+    device_id = arena.backend.device_id
+
+    def allocate(nbytes):
+        stream = arena.backend.current_stream()
+        buf = arena.alloc(max(int(nbytes), 1), kind=kind, stream=stream)
+        ptr = buf.__cuda_array_interface__["data"][0]
+        mem = cp.cuda.UnownedMemory(ptr, max(int(nbytes), 1), _BufferOwner(buf),
+                                    device_id)
+        return cp.cuda.MemoryPointer(mem, 0)
+    return allocate
+
+
+def install(arena, *, kind: str = "workspace"):
+    """Make ``arena`` CuPy's allocator; return the previous one (for
+    :func:`uninstall`)."""
+    cp = _cupy()
+    previous = cp.cuda.get_allocator()
+    cp.cuda.set_allocator(allocator_for(arena, kind=kind))
+    return previous
+
+
+def uninstall(previous=None) -> None:
+    """Restore ``previous`` (from :func:`install`; None: CuPy's default pool)."""
+    cp = _cupy()
+    cp.cuda.set_allocator(previous if previous is not None
+                          else cp.get_default_memory_pool().malloc)
+
+
+@contextlib.contextmanager
+def using(arena, *, kind: str = "workspace"):
+    """Context manager: CuPy allocates from ``arena`` inside the block (this
+    thread only, as ``cupy.cuda.using_allocator``)."""
+    cp = _cupy()
+    with cp.cuda.using_allocator(allocator_for(arena, kind=kind)):
+        yield arena

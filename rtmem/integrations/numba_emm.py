@@ -1,0 +1,144 @@
+"""A numba.cuda External Memory Manager (EMM) plugin backed by rtmem.
+
+Device allocations made by numba.cuda (``cuda.device_array``, ``to_device``,
+...) come from a :class:`~rtmem.arena.DeviceArena` as ``workspace`` buffers.
+Enable it before numba creates its CUDA context, either with::
+
+    from rtmem.integrations import numba_emm
+    numba_emm.install(arena)                     # or install(nbytes="4GiB")
+
+or with the environment: ``NUMBA_CUDA_MEMORY_MANAGER=rtmem.integrations.numba_emm``
+(``RTMEM_NUMBA_ARENA_BYTES`` then sizes the arena, default half the free memory).
+Pinned host allocations stay with numba (``HostOnlyCUDAMemoryManager``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import weakref
+
+__all__ = ["install", "manager_class"]
+
+_HINT = "pip install rtmem[cuda12] (numba-cuda with CUDA 12)"
+_lock = threading.Lock()
+_arena = None          # the arena plugged in by install(); guarded by _lock
+_class = None
+
+
+def _numba_cuda():
+    try:
+        from numba import config, cuda
+        from numba.cuda.cudadrv import driver
+    except ImportError as exc:
+        raise ModuleNotFoundError(f"rtmem.integrations.numba_emm needs numba.cuda: "
+                                  f"{_HINT}") from exc
+    if getattr(config, "ENABLE_CUDASIM", False) or \
+            not hasattr(driver, "HostOnlyCUDAMemoryManager"):
+        raise RuntimeError("numba.cuda is running the CUDA simulator "
+                           "(NUMBA_ENABLE_CUDASIM=1), which has no External Memory "
+                           "Manager; unset NUMBA_ENABLE_CUDASIM to use the rtmem plugin")
+    return cuda, driver
+
+
+def _device_pointer(driver, address: int):
+    # numba takes a CUdeviceptr with the NVIDIA bindings, a ctypes int otherwise.
+    if getattr(driver, "USE_NV_BINDING", False):
+        return driver.binding.CUdeviceptr(int(address))
+    import ctypes
+    return ctypes.c_uint64(int(address))
+
+
+def _default_arena():
+    from ..arena import DeviceArena
+    from ..units import parse_bytes
+    nbytes = os.environ.get("RTMEM_NUMBA_ARENA_BYTES")
+    if nbytes:
+        return DeviceArena(parse_bytes(nbytes), backend="cuda")
+    from ..backends import get_backend
+    free, _total = get_backend("cuda").runtime.memGetInfo()
+    return DeviceArena(max(int(free) // 2, 1 << 20), backend="cuda")
+
+
+def manager_class():
+    """The EMM plugin class (built on first use so numba is imported lazily)."""
+    global _class
+    if _class is not None:
+        return _class
+    cuda, driver = _numba_cuda()
+    # numba's MemoryPointer takes a context first; later numba-cuda releases may
+    # drop it, so look instead of guessing.
+    takes_context = "context" in inspect.signature(driver.MemoryPointer).parameters
+
+    class RtmemNumbaMemoryManager(driver.GetIpcHandleMixin,
+                                  driver.HostOnlyCUDAMemoryManager):
+        """numba EMM plugin (interface version 1) allocating from an rtmem arena."""
+
+        def initialize(self):
+            """Bind to the installed arena, or make one (see module docs)."""
+            global _arena
+            with _lock:
+                if _arena is None:
+                    _arena = _default_arena()
+                self.arena = _arena
+
+        def memalloc(self, size):
+            """Allocate ``size`` bytes of device memory from the arena."""
+            buf = self.arena.alloc(max(int(size), 1), kind="workspace",
+                                   stream=self.arena.backend.current_stream())
+            address = buf.__cuda_array_interface__["data"][0]
+
+            def finalizer(buf=buf):
+                if not buf.is_freed:
+                    buf.free()
+            ptr = _device_pointer(driver, address)
+            if takes_context:
+                return driver.MemoryPointer(weakref.proxy(self.context), ptr, size,
+                                            finalizer=finalizer)
+            return driver.MemoryPointer(ptr, size, finalizer=finalizer)
+
+        def get_memory_info(self):
+            """(free, total) bytes of the arena."""
+            st = self.arena.stats()
+            return driver.MemoryInfo(free=st.free_bytes, total=st.reserved_bytes)
+
+        def reset(self):
+            """Release numba's own host allocations (device buffers are freed by
+            their finalizers)."""
+            super().reset()
+
+        def defer_cleanup(self):
+            """numba's deferral of host deallocations."""
+            return super().defer_cleanup()
+
+        @property
+        def interface_version(self):
+            """EMM plugin interface version (1)."""
+            return 1
+
+    RtmemNumbaMemoryManager.__qualname__ = "RtmemNumbaMemoryManager"
+    RtmemNumbaMemoryManager.__module__ = __name__
+    _class = RtmemNumbaMemoryManager
+    return _class
+
+
+def install(arena=None, *, nbytes=None) -> None:
+    """Plug rtmem into numba.cuda: allocations come from ``arena`` (or a new
+    DeviceArena of ``nbytes`` bytes). Call before numba's context exists."""
+    global _arena
+    if arena is None and nbytes is not None:
+        from ..arena import DeviceArena
+        arena = DeviceArena(nbytes, backend="cuda")
+    with _lock:
+        if arena is not None:
+            _arena = arena
+    cuda, _ = _numba_cuda()
+    cuda.set_memory_manager(manager_class())
+
+
+def __getattr__(name):
+    # numba's NUMBA_CUDA_MEMORY_MANAGER hook reads _numba_memory_manager.
+    if name == "_numba_memory_manager":
+        return manager_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

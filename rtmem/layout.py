@@ -1,0 +1,140 @@
+"""Static layout: offsets assigned offline from buffer lifetimes.
+
+When the plan is known before training, every buffer's lifetime is known too
+(:func:`rtmem.planners.lifetimes.lifetimes`), so offsets can be chosen once,
+with global knowledge, instead of online by the allocator.
+
+NOTE [ Greedy-by-size packing ]
+Buffers are placed by decreasing aligned size (ties: earlier allocation first).
+Each goes into the smallest gap, among the buffers already placed whose
+lifetimes intersect its own, that is large enough; with none, on top of them.
+Lifetimes are inclusive op-index intervals; two buffers conflict iff
+``alloc_i <= free_j and alloc_j <= free_i``. The result is verified by
+:func:`verify_layout` (no two conflicting buffers share a byte), and reports
+``reserved_bytes`` (the slab size needed) against ``peak_live_bytes`` (the lower
+bound: the most bytes live at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .allocator import DEFAULT_ALIGNMENT
+from .errors import LayoutError
+
+__all__ = ["Layout", "layout_for", "plan_layout", "verify_layout"]
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Offsets (bytes) of buffers in one slab.
+
+    ``offsets[i]`` and ``sizes[i]`` (aligned bytes) place buffer ``i``, live over
+    op indices ``[alloc[i], free[i]]``. ``reserved_bytes``: highest end offset;
+    ``peak_live_bytes``: most aligned bytes live at once (a lower bound on
+    ``reserved_bytes``).
+    """
+
+    offsets: np.ndarray
+    sizes: np.ndarray
+    alloc: np.ndarray
+    free: np.ndarray
+    alignment: int
+    reserved_bytes: int
+    peak_live_bytes: int
+
+    @property
+    def overhead(self) -> float:
+        """``reserved_bytes / peak_live_bytes`` (>= 1; 1.0 for an empty layout)."""
+        return self.reserved_bytes / self.peak_live_bytes if self.peak_live_bytes else 1.0
+
+    def verify(self) -> None:
+        """Raise :class:`~rtmem.errors.LayoutError` if two live buffers overlap."""
+        verify_layout(self.offsets, self.sizes, self.alloc, self.free)
+
+
+def _peak_live(alloc, free, sizes) -> int:
+    if not len(sizes):
+        return 0
+    lo = int(alloc.min())
+    span = int(free.max()) - lo + 2
+    delta = np.zeros(span + 1, np.int64)
+    np.add.at(delta, alloc - lo, sizes)
+    np.add.at(delta, free - lo + 1, -sizes)
+    return int(np.cumsum(delta).max())
+
+
+def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> Layout:
+    """Assign offsets by NOTE [ Greedy-by-size packing ].
+
+    ``alloc``/``free``: inclusive op-index intervals (ints, ``free >= alloc``);
+    ``nbytes``: sizes in bytes (each rounded up to ``alignment``, bytes).
+    """
+    alloc = np.asarray(alloc, np.int64)
+    free = np.asarray(free, np.int64)
+    nbytes = np.asarray(nbytes, np.int64)
+    if not (alloc.shape == free.shape == nbytes.shape) or alloc.ndim != 1:
+        raise ValueError(f"alloc, free and nbytes must be 1-D of one length, got "
+                         f"shapes {alloc.shape}, {free.shape}, {nbytes.shape}")
+    if (free < alloc).any():
+        i = int(np.flatnonzero(free < alloc)[0])
+        raise ValueError(f"buffer {i} is freed (op {free[i]}) before it is allocated "
+                         f"(op {alloc[i]}); lifetimes are inclusive [alloc, free]")
+    if (nbytes < 0).any():
+        raise ValueError("buffer sizes must be >= 0 bytes")
+    sizes = -(-np.maximum(nbytes, 1) // alignment) * alignment
+    order = np.lexsort((alloc, -sizes))
+    offsets = np.full(len(sizes), -1, np.int64)
+    placed = np.zeros(len(sizes), bool)
+    for i in order:
+        conflict = placed & (alloc <= free[i]) & (alloc[i] <= free)
+        idx = np.flatnonzero(conflict)
+        best, best_gap, top = -1, None, 0
+        if idx.size:
+            starts = offsets[idx]
+            ends = starts + sizes[idx]
+            srt = np.argsort(starts, kind="stable")
+            size = sizes[i]
+            for s, e in zip(starts[srt].tolist(), ends[srt].tolist()):
+                gap = s - top
+                if gap >= size and (best_gap is None or gap < best_gap):
+                    best, best_gap = top, gap
+                if e > top:
+                    top = e
+        offsets[i] = best if best >= 0 else top
+        placed[i] = True
+    reserved = int((offsets + sizes).max()) if len(sizes) else 0
+    return Layout(offsets, sizes, alloc, free, int(alignment), reserved,
+                  _peak_live(alloc, free, sizes))
+
+
+def verify_layout(offsets, sizes, alloc, free) -> None:
+    """Raise :class:`~rtmem.errors.LayoutError` naming the first two buffers that
+    are live at the same time (inclusive op intervals) and overlap in bytes."""
+    offsets = np.asarray(offsets, np.int64)
+    sizes = np.asarray(sizes, np.int64)
+    alloc = np.asarray(alloc, np.int64)
+    free = np.asarray(free, np.int64)
+    if (offsets < 0).any():
+        raise LayoutError(f"buffer {int(np.flatnonzero(offsets < 0)[0])} has no offset")
+    ends = offsets + sizes
+    for i in range(len(offsets)):
+        clash = (alloc[i + 1:] <= free[i]) & (alloc[i] <= free[i + 1:]) & \
+                (offsets[i + 1:] < ends[i]) & (offsets[i] < ends[i + 1:])
+        if clash.any():
+            j = i + 1 + int(np.flatnonzero(clash)[0])
+            raise LayoutError(
+                f"buffers {i} (ops {alloc[i]}..{free[i]}, bytes {offsets[i]}.."
+                f"{ends[i]}) and {j} (ops {alloc[j]}..{free[j]}, bytes {offsets[j]}.."
+                f"{ends[j]}) are live together and overlap; re-run plan_layout",
+                pair=(i, j))
+
+
+def layout_for(chain, schedule, *, alignment: int = DEFAULT_ALIGNMENT) -> Layout:
+    """Static layout of the buffers of ``schedule`` run on ``chain``
+    (:func:`rtmem.planners.lifetimes.lifetimes` then :func:`plan_layout`)."""
+    from .planners.lifetimes import lifetimes
+    lt = lifetimes(chain, schedule)
+    return plan_layout(lt.alloc, lt.free, lt.nbytes, alignment=alignment)

@@ -1,0 +1,141 @@
+"""Adaptors: statistics, limits, tracing and replay, each alone and stacked."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from rtmem.adaptors import (LimitAdaptor, PoisonAdaptor, Statistics, StatisticsAdaptor,
+                            TracingAdaptor, load_trace, replay)
+from rtmem.allocator import BestFitAllocator
+from rtmem.arena import DeviceArena
+from rtmem.errors import OutOfMemoryError, UseAfterFreeError
+
+
+def test_statistics_adaptor_counts_requested_bytes():
+    core = BestFitAllocator(1 << 16)
+    s = StatisticsAdaptor(core)
+    assert s.upstream is core and s.alignment == 256      # forwarded attribute
+    a, b = s.allocate(100), s.allocate(1000)
+    s.deallocate(a)
+    c = s.resize(b, 3000)
+    assert s.statistics() == Statistics(current_bytes=3000, peak_bytes=3000,
+                                         total_bytes=4100, current_count=1,
+                                         peak_count=2, total_count=3)
+    s.deallocate(c)
+    assert s.statistics().current_bytes == 0 and s.statistics().current_count == 0
+    assert s.stats().allocated_bytes == 0                 # core stats forwarded
+    s._check_invariants()
+
+
+def test_limit_adaptor_fills_to_budget_then_refuses():
+    core = BestFitAllocator(1 << 16)
+    lim = LimitAdaptor(core, budget_bytes=4096)
+    blocks = [lim.allocate(1000) for _ in range(4)]        # 4 x 1024 aligned
+    assert lim.used_bytes == 4096
+    before = core.stats()
+    with pytest.raises(OutOfMemoryError, match="budget") as info:
+        lim.allocate(1)
+    assert info.value.requested == 1 and info.value.stats == before
+    assert core.stats() == before and lim.used_bytes == 4096
+    lim.deallocate(blocks.pop())
+    blocks.append(lim.allocate(1024))
+    with pytest.raises(OutOfMemoryError):
+        lim.resize(blocks[0], 2048)
+    assert blocks[0].size == 1024
+    for b in blocks:
+        lim.deallocate(b)
+    assert lim.used_bytes == 0
+    with pytest.raises(ValueError):
+        LimitAdaptor(core, -1)
+    with pytest.raises(TypeError, match="allocator"):
+        LimitAdaptor(object(), 10)
+
+
+def test_tracing_then_replay_reproduces_offsets(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    tr = TracingAdaptor(BestFitAllocator(1 << 16), path)
+    s1, s2 = object(), object()
+    x = tr.allocate(5000, s1)
+    y = tr.allocate(300, s2)
+    tr.deallocate(x, stream=s1)
+    z = tr.allocate(700)
+    y = tr.resize(y, 900, s2)
+    with pytest.raises(OutOfMemoryError):
+        tr.allocate(1 << 20)
+    tr.deallocate(y)
+    tr.deallocate(z)
+    tr.close()
+    lines = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [r["op"] for r in lines] == ["alloc", "alloc", "free", "alloc", "resize",
+                                        "oom", "free", "free"]
+    assert lines[0]["stream"] == 0 and lines[1]["stream"] == 1 and lines[3]["stream"] is None
+    assert all(r["t"] >= 0 for r in lines)
+    trace = load_trace(path)
+    assert len(trace) == 7                                # the oom is not replayed
+    fresh = StatisticsAdaptor(BestFitAllocator(1 << 16))
+    res = replay(trace, fresh, measure_extent=True)
+    assert res.pairs == 3 and res.ooms == 0
+    assert res.peak_live_bytes == 5300
+    assert res.extent_bytes == 5120 + 1024       # y grew in place to 1 KiB
+    assert fresh.statistics().total_count == 4   # a resize counts as one
+    assert fresh.stats().allocated_bytes == 0 and res.pairs_per_second > 0
+
+
+def test_tracing_to_file_object_and_missing_sink():
+    buf = io.StringIO()
+    tr = TracingAdaptor(BestFitAllocator(4096), buf)
+    tr.deallocate(tr.allocate(10))
+    assert len(buf.getvalue().splitlines()) == 2
+    with pytest.raises(ValueError, match="sink"):
+        TracingAdaptor(BestFitAllocator(4096), None)
+
+
+def test_replay_counts_ooms_against_a_small_allocator():
+    trace = [("alloc", 0, 3000, None), ("alloc", 1, 3000, None),
+             ("free", 0, 0, None), ("free", 1, 0, None)]
+    res = replay(trace, BestFitAllocator(4096))
+    assert res.ooms == 1 and res.pairs == 1
+
+
+def test_stacked_adaptors_through_an_arena():
+    seen = []
+
+    def wrap(up):
+        seen.append(up)
+        return LimitAdaptor(StatisticsAdaptor(up), 8192)
+    arena = DeviceArena(1 << 16, backend="host", adaptors=[wrap])
+    assert isinstance(arena.allocator, LimitAdaptor)
+    assert arena.allocator.upstream.upstream is arena.core is seen[0]
+    b = arena.alloc(8000)
+    with pytest.raises(OutOfMemoryError, match="budget"):
+        arena.alloc(500)
+    assert arena.stats().count_by_kind["activation"] == 1
+    b.free()
+    assert arena.allocator.upstream.statistics().total_count == 1
+    arena._check_invariants()
+
+
+def test_poison_adaptor_alone():
+    mem = bytearray([PoisonAdaptor.POISON]) * 4096    # free bytes start poisoned
+
+    def fill(block, value):
+        mem[block.offset:block.end] = bytes([value]) * block.size
+
+    def check(block, value):
+        for i in range(block.offset, block.end):
+            if mem[i] != value:
+                return i - block.offset
+        return -1
+    core = BestFitAllocator(4096)
+    p = PoisonAdaptor(core, fill=fill, check=check)
+    b = p.allocate(256)
+    mem[0] = 1                                     # legal: b is live
+    p.deallocate(b)
+    assert mem[0] == PoisonAdaptor.POISON
+    mem[5] = 0                                     # write after free
+    with pytest.raises(UseAfterFreeError):
+        p.allocate(256)
+    assert core.stats().allocated_bytes == 0

@@ -1,0 +1,365 @@
+"""The allocator core: best fit, splitting, coalescing, stream-ordered reuse, OOM."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
+                                 invariant, rule)
+
+from rtmem.allocator import AllocatorStats, BestFitAllocator, align_up
+from rtmem.errors import DoubleFreeError, InvalidPointerError, OutOfMemoryError
+
+
+class FakeEvent:
+    """An event the test completes by hand; ``synchronize`` completes it (as a
+    real wait would) and counts the calls."""
+
+    def __init__(self):
+        self.done = False
+        self.syncs = 0
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.syncs += 1
+        self.done = True
+
+
+def overlaps(a, b):
+    return a.slab == b.slab and a.offset < b.end and b.offset < a.end
+
+
+# ---------------------------------------------------------------- unit tests
+def test_exact_sizes_no_power_of_two_rounding():
+    a = BestFitAllocator(1 << 20)
+    b1 = a.allocate(1000)
+    b2 = a.allocate(3 * 256 + 1)
+    b3 = a.allocate(0)
+    assert (b1.size, b1.requested) == (1024, 1000)
+    assert (b2.size, b2.requested) == (1024, 769)
+    assert (b3.size, b3.requested) == (256, 0)
+    s = a.stats()
+    assert s.allocated_bytes == 2304 and s.requested_bytes == 1769
+    assert all(b.offset % 256 == 0 for b in (b1, b2, b3))
+    a._check_invariants()
+
+
+def test_custom_alignment_and_validation():
+    a = BestFitAllocator(4096, alignment=64)
+    assert a.allocate(65).size == 128
+    with pytest.raises(ValueError, match="power of two"):
+        BestFitAllocator(4096, alignment=96)
+    with pytest.raises(ValueError, match="initial_bytes"):
+        BestFitAllocator(0)
+    with pytest.raises(ValueError, match="negative"):
+        a.allocate(-1)
+
+
+def test_best_fit_picks_smallest_hole_and_coalesces():
+    a = BestFitAllocator(10 * 1024, alignment=256)
+    blocks = [a.allocate(1024) for _ in range(10)]
+    a.deallocate(blocks[1])                        # 1 KiB hole
+    a.deallocate(blocks[4])
+    a.deallocate(blocks[5])                        # 2 KiB hole (coalesced)
+    assert a.stats().largest_free_bytes == 2048
+    small = a.allocate(1024)
+    assert small.offset == blocks[1].offset        # best fit, not first fit
+    for b in blocks[:1] + blocks[2:4] + blocks[6:] + [small]:
+        a.deallocate(b)
+    a._check_invariants()
+    s = a.stats()
+    assert s.largest_free_bytes == s.reserved_bytes == 10 * 1024
+    assert s.fragmentation == 0.0
+
+
+def test_fragmentation_stat():
+    a = BestFitAllocator(4 * 1024, alignment=1024)
+    bs = [a.allocate(1024) for _ in range(4)]
+    a.deallocate(bs[0])
+    a.deallocate(bs[2])
+    s = a.stats()
+    assert s.free_bytes == 2048 and s.largest_free_bytes == 1024
+    assert s.fragmentation == pytest.approx(0.5)
+
+
+def test_oom_carries_numbers_and_leaves_state():
+    a = BestFitAllocator(4096)
+    a.allocate(3000)
+    before = a.stats()
+    with pytest.raises(OutOfMemoryError) as info:
+        a.allocate(2000)
+    err = info.value
+    assert err.requested == 2000
+    assert isinstance(err.stats, AllocatorStats) and err.stats.allocated_bytes == 3072
+    assert "2,000 bytes" in str(err) and "max_bytes" in str(err)
+    assert a.stats() == before
+    again = pickle.loads(pickle.dumps(err))
+    assert again.requested == 2000 and again.stats == err.stats
+    a._check_invariants()
+
+
+def test_growth_by_slabs_up_to_limit_and_trim():
+    a = BestFitAllocator(4096, max_bytes=3 * 4096)
+    blocks = [a.allocate(4096) for _ in range(3)]
+    assert a.stats().slabs == 3
+    with pytest.raises(OutOfMemoryError):
+        a.allocate(1)
+    assert a.stats().slabs == 3
+    for b in blocks:
+        a.deallocate(b)
+    assert a.trim() == 2 * 4096
+    s = a.stats()
+    assert s.slabs == 1 and s.reserved_bytes == 4096
+    big = a.allocate(8192)                         # larger than growth: own slab
+    assert big.size == 8192 and a.stats().reserved_bytes == 3 * 4096
+    a._check_invariants()
+
+
+def test_double_free_and_foreign_pointer():
+    a, other = BestFitAllocator(4096), BestFitAllocator(4096)
+    b = a.allocate(100)
+    a.deallocate(b)
+    before = a.stats()
+    with pytest.raises(DoubleFreeError):
+        a.deallocate(b)
+    with pytest.raises(InvalidPointerError):
+        a.deallocate(other.allocate(100))
+    with pytest.raises(InvalidPointerError):
+        a.deallocate("not a block")
+    assert a.stats() == before
+    a._check_invariants()
+
+
+def test_stream_ordered_reuse():
+    a = BestFitAllocator(4096)
+    s1, s2 = object(), object()
+    b = a.allocate(4096, s1)
+    ev = FakeEvent()
+    a.deallocate(b, stream=s1, event=ev)
+    assert a.stats().pending_bytes == 4096
+    same = a.allocate(1024, s1)                    # same stream: reusable at once
+    assert same.offset == 0 and ev.syncs == 0
+    a.deallocate(same, stream=s1, event=ev)
+    ev.done = True                                 # event completed: any stream
+    other = a.allocate(4096, s2)
+    assert other.offset == 0 and ev.syncs == 0
+    a.deallocate(other)
+    a._check_invariants()
+
+
+def test_other_stream_waits_for_event_then_flush_on_pressure():
+    a = BestFitAllocator(8192)
+    s1, s2 = object(), object()
+    b = a.allocate(4096, s1)
+    ev = FakeEvent()
+    a.deallocate(b, stream=s1, event=ev)
+    c = a.allocate(4096, s2)                       # must not take the gated block
+    assert not overlaps(b, c) and ev.syncs == 0
+    d = a.allocate(4096, s2)                       # only the gated block is left:
+    assert ev.syncs == 1 and d.offset == b.offset  # flush waited, then reused it
+    a._check_invariants()
+
+
+def test_resize_in_place_and_moving():
+    a = BestFitAllocator(8192)
+    b = a.allocate(1000)
+    assert a.resize(b, 2000) is b and b.size == 2048 and b.requested == 2000
+    assert a.resize(b, 100) is b and b.size == 256
+    wall = a.allocate(256)
+    assert wall.offset == 256
+    moved = a.resize(b, 4096)
+    assert moved is not b and moved.size == 4096 and not b.is_live
+    assert a.stats().requested_bytes == 4096 + 256
+    a._check_invariants()
+
+
+def test_many_small_blocks_coalesce_back():
+    a = BestFitAllocator(1 << 20, alignment=64)
+    rng = random.Random(0)
+    live = [a.allocate(rng.randrange(1, 3000)) for _ in range(300)]
+    rng.shuffle(live)
+    for b in live:
+        a.deallocate(b)
+    a._check_invariants()
+    assert a.stats().largest_free_bytes == 1 << 20
+
+
+def test_concurrent_threads_no_corruption():
+    a = BestFitAllocator(4 << 20, alignment=256)
+    errors = []
+    owner = {}                                     # addr -> thread id, under lock
+    lock = threading.Lock()
+
+    def work(tid):
+        rng = random.Random(tid)
+        mine = []
+        try:
+            for _ in range(1500):
+                if mine and (rng.random() < 0.5 or len(mine) > 40):
+                    b = mine.pop(rng.randrange(len(mine)))
+                    with lock:
+                        assert owner.pop(b.addr) == (tid, b.size)
+                    a.deallocate(b)
+                else:
+                    try:
+                        b = a.allocate(rng.randrange(1, 20000))
+                    except OutOfMemoryError:
+                        continue
+                    with lock:
+                        assert b.addr not in owner, "block handed out twice"
+                        owner[b.addr] = (tid, b.size)
+                    mine.append(b)
+            for b in mine:
+                with lock:
+                    owner.pop(b.addr)
+                a.deallocate(b)
+        except BaseException as exc:       # surfaced in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    s = a.stats()
+    assert s.alloc_count == s.free_count and s.allocated_bytes == 0
+    assert s.largest_free_bytes == s.reserved_bytes
+    a._check_invariants()
+
+
+# ------------------------------------------------------------ stateful model
+class AllocatorMachine(RuleBasedStateMachine):
+    """The allocator against a model: live blocks with their stream, and regions
+    freed behind events that other streams must not receive early."""
+
+    blocks = Bundle("blocks")
+
+    @initialize(alignment=st.sampled_from([64, 256, 512]),
+                slab_units=st.integers(4, 64), grow=st.booleans())
+    def setup(self, alignment, slab_units, grow):
+        initial = slab_units * alignment
+        self.a = BestFitAllocator(initial, alignment=alignment,
+                                  max_bytes=initial * (3 if grow else 1))
+        self.alignment = alignment
+        self.live = {}          # id(block) -> (block, requested)
+        self.gated = []         # (slab, offset, end, stream, event)
+        self.events = []
+
+    def _check_new(self, block, nbytes, stream):
+        assert block.offset % self.alignment == 0
+        assert block.size == align_up(max(nbytes, 1), self.alignment)
+        for other, _ in self.live.values():
+            assert other is block or not overlaps(block, other)
+        keep = []
+        for slab, off, end, s, ev in self.gated:
+            if slab == block.slab and off < block.end and block.offset < end:
+                if s != stream:
+                    assert ev.done, "reused on another stream before its event"
+                # Reused on its own stream: the new use is ordered after the gated
+                # one, and the new owner's free carries its own ordering.
+                continue
+            keep.append((slab, off, end, s, ev))
+        self.gated = keep
+
+    @rule(target=blocks, nbytes=st.integers(0, 40 * 512), stream=st.sampled_from([0, 1, 2]))
+    def alloc(self, nbytes, stream):
+        before = self.a.stats()
+        live_before = self.a.live_blocks()
+        try:
+            block = self.a.allocate(nbytes, stream)
+        except OutOfMemoryError as err:
+            size = align_up(max(nbytes, 1), self.alignment)
+            after = self.a.stats()
+            assert err.requested == nbytes
+            assert after.allocated_bytes == before.allocated_bytes
+            assert after.requested_bytes == before.requested_bytes
+            assert after.reserved_bytes == before.reserved_bytes
+            assert self.a.live_blocks() == live_before
+            # Legit only if nothing fits even after the flush, and no growth.
+            assert after.largest_free_bytes < size
+            assert after.reserved_bytes + max(self.a.growth_bytes, size) > self.a.max_bytes
+            return None
+        self._check_new(block, nbytes, stream)
+        self.live[id(block)] = (block, nbytes)
+        return block
+
+    @rule(block=consumes(blocks), stream=st.sampled_from([0, 1, 2]),
+          gated=st.booleans())
+    def free(self, block, stream, gated):
+        if block is None:
+            return
+        self.live.pop(id(block))
+        ev = None
+        if gated:
+            ev = FakeEvent()
+            self.events.append(ev)
+            self.gated.append((block.slab, block.offset, block.end, stream, ev))
+        self.a.deallocate(block, stream=stream, event=ev)
+
+    @rule(block=blocks)
+    def double_free(self, block):
+        if block is None or id(block) in self.live:
+            return
+        before = self.a.stats()
+        with pytest.raises(DoubleFreeError):
+            self.a.deallocate(block)
+        assert self.a.stats().allocated_bytes == before.allocated_bytes
+
+    @rule(block=consumes(blocks), nbytes=st.integers(0, 20 * 512),
+          stream=st.sampled_from([0, 1, 2]))
+    def resize(self, block, nbytes, stream):
+        if block is None:
+            return
+        self.live.pop(id(block))
+        try:
+            new = self.a.resize(block, nbytes, stream)
+        except OutOfMemoryError:
+            assert block.is_live
+            self.live[id(block)] = (block, block.requested)
+            return
+        if new is not block:
+            assert not block.is_live
+        self._check_new(new, nbytes, stream)
+        self.live[id(new)] = (new, nbytes)
+
+    @rule(data=st.data())
+    def complete_event(self, data):
+        pending = [e for e in self.events if not e.done]
+        if pending:
+            data.draw(st.sampled_from(pending)).done = True
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "a"):
+            return
+        self.a._check_invariants()
+        s = self.a.stats()
+        assert s.allocated_bytes == sum(b.size for b, _ in self.live.values())
+        assert s.requested_bytes == sum(r for _, r in self.live.values())
+        assert s.live_blocks == len(self.live)
+        assert 0.0 <= s.fragmentation <= 1.0
+        assert s.largest_free_bytes <= s.free_bytes
+
+    def teardown(self):
+        if not hasattr(self, "a"):
+            return
+        for block, _ in list(self.live.values()):
+            self.a.deallocate(block)
+        self.a.flush()
+        self.a._check_invariants()
+        for _, nbytes, first in self.a._slabs.values():
+            assert first.size == nbytes and first.next is None, "slab not coalesced"
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestAllocatorMachine = AllocatorMachine.TestCase

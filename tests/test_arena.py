@@ -1,0 +1,253 @@
+"""Arenas and buffers on the host backend: accounting, views, errors, threads."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from rtmem.arena import DeviceArena, HostArena
+from rtmem.backends import BACKENDS, backend_name, get_backend
+from rtmem.backends.host import PAGE, HostEvent
+from rtmem.buffer import KINDS
+from rtmem.errors import (BackendError, DoubleFreeError, InvalidPointerError,
+                          OutOfMemoryError, ResidencyError, UseAfterFreeError)
+
+
+@pytest.fixture
+def dev():
+    arena = DeviceArena("1MiB", backend="host")
+    yield arena
+    arena._check_invariants()
+
+
+@pytest.fixture
+def host():
+    arena = HostArena("1MiB", backend="host")
+    yield arena
+    arena._check_invariants()
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    assert backend_name() == "host" and get_backend().name == "host"
+    monkeypatch.setenv("RTMEM_BACKEND", "tpu")
+    with pytest.raises(BackendError, match="RTMEM_BACKEND"):
+        backend_name()
+    assert "host" in BACKENDS
+
+
+def test_alloc_by_shape_and_bytes(dev):
+    a = dev.alloc(shape=(3, 4), dtype=np.float64, kind="weight")
+    assert a.nbytes == 96 and a.shape == (3, 4) and a.dtype == np.float64
+    b = dev.alloc(1000)
+    assert b.dtype == np.uint8 and b.shape == (1000,)
+    c = dev.alloc("2KiB", dtype=np.float32)
+    assert c.shape == (512,)
+    with pytest.raises(ValueError, match="kind"):
+        dev.alloc(10, kind="activations")
+    with pytest.raises(ValueError, match="multiple"):
+        dev.alloc(10, dtype=np.float64)
+    with pytest.raises(ValueError, match="smaller"):
+        dev.alloc(8, shape=(4,), dtype=np.float32)
+    for buf in (a, b, c):
+        buf.free()
+
+
+def test_per_kind_accounting(dev):
+    bufs = {k: dev.alloc(1000 * (i + 1), kind=k) for i, k in enumerate(KINDS)}
+    st = dev.stats()
+    for i, k in enumerate(KINDS):
+        assert st.requested_by_kind[k] == 1000 * (i + 1)
+        assert st.bytes_by_kind[k] == -(-1000 * (i + 1) // 256) * 256
+        assert st.count_by_kind[k] == 1
+    assert st.allocated_bytes == sum(st.bytes_by_kind.values())
+    assert pickle.loads(pickle.dumps(st)) == st
+    st.bytes_by_kind["weight"] = -1                # a snapshot: the arena is unaffected
+    assert dev.stats().bytes_by_kind["weight"] > 0
+    dev._check_invariants()
+    bufs["weight"].free()
+    assert dev.stats().bytes_by_kind["weight"] == 0
+    for k, b in bufs.items():
+        if k != "weight":
+            b.free()
+    assert dev.stats().allocated_bytes == 0
+
+
+def test_array_interface_and_dlpack(dev, host):
+    torch = pytest.importorskip("torch")
+    b = host.alloc(shape=(4, 5), dtype=np.float32)
+    view = np.asarray(b)
+    view[...] = np.arange(20, dtype=np.float32).reshape(4, 5)
+    assert b.__array_interface__["data"][0] == host.slabs[0].ptr + b.offset
+    assert b.__dlpack_device__() == (1, 0)
+    t = torch.from_dlpack(b)
+    assert t.shape == (4, 5) and float(t.sum()) == 190.0
+    t[0, 0] = 100.0                                # zero-copy both ways
+    assert b.numpy()[0, 0] == 100.0
+    d = dev.alloc(shape=(8,), dtype=np.int32)
+    d.numpy()[:] = 7
+    assert np.asarray(d).sum() == 56 and d.to_numpy().sum() == 56
+    assert not hasattr(d, "__cuda_array_interface__")   # host backend: no CAI
+    del view, t
+    b.free()
+    d.free()
+
+
+def test_alignment_of_buffers_and_slabs(dev):
+    bufs = [dev.alloc(random.Random(i).randrange(1, 5000)) for i in range(20)]
+    assert dev.slabs[0].ptr % PAGE == 0
+    assert all(b.offset % 256 == 0 for b in bufs)
+    assert all((dev.slabs[0].ptr + b.offset) % 256 == 0 for b in bufs)
+    for b in bufs:
+        b.free()
+
+
+def test_host_arena_reserves_exact_request():
+    request = int(20.4 * (1 << 20)) + 3          # 20.4 MiB and change
+    h = HostArena(request, backend="host")
+    st = h.stats()
+    assert st.reserved_bytes == -(-request // 256) * 256
+    assert st.reserved_bytes - request < 256
+    assert h.slabs[0].nbytes == st.reserved_bytes and h.slabs[0].pinned
+    m = HostArena(4096, mapped=True, backend="host")
+    assert m.slabs[0].mapped and m.slabs[0].device_ptr == m.slabs[0].ptr
+    h.close()
+    m.close()
+
+
+def test_oom_in_arena_carries_numbers(dev):
+    keep = dev.alloc(900 * 1024)
+    before = dev.stats()
+    with pytest.raises(OutOfMemoryError) as info:
+        dev.alloc(200 * 1024)
+    assert info.value.requested == 200 * 1024
+    assert info.value.stats.reserved_bytes == 1 << 20
+    assert dev.stats() == before
+    assert pickle.loads(pickle.dumps(info.value)).requested == 200 * 1024
+    keep.free()
+
+
+def test_growth_within_arena():
+    a = DeviceArena(4096, max_bytes=4 * 4096, backend="host")
+    bufs = [a.alloc(4096) for _ in range(4)]
+    assert len(a.slabs) == 4
+    with pytest.raises(OutOfMemoryError):
+        a.alloc(1)
+    for b in bufs:
+        b.free()
+    assert a.core.trim() == 3 * 4096 and len(a.slabs) == 1
+    a._check_invariants()
+
+
+def test_double_free_foreign_and_use_after_free(dev, host):
+    b = dev.alloc(100)
+    with pytest.raises(InvalidPointerError, match="foreign"):
+        host.free(b)
+    b.free()
+    with pytest.raises(DoubleFreeError):
+        b.free()
+    with pytest.raises(DoubleFreeError):
+        dev.free(b)
+    with pytest.raises(InvalidPointerError):
+        dev.free(np.zeros(3))
+    for use in (lambda: b.numpy(), lambda: b.offset, lambda: np.asarray(b),
+                lambda: b.__dlpack__()):
+        with pytest.raises(UseAfterFreeError):
+            use()
+    assert b.residency == "freed" and "freed" in repr(b)
+
+
+def test_debug_mode_detects_write_after_free():
+    a = DeviceArena(64 * 1024, backend="host", debug=True)
+    b = a.alloc(1024)
+    stale = b.numpy()                              # a view kept past the free
+    b.free()
+    assert (stale == 0xDB).all()                   # freed memory is poisoned
+    stale[10] = 1
+    with pytest.raises(UseAfterFreeError) as info:
+        a.alloc(1024)
+    assert info.value.offset == 10
+    assert a.stats().allocated_bytes == 0          # the failed alloc left nothing
+    c = a.alloc(1024)                              # poison restored: works again
+    c.free()
+    a._check_invariants()
+
+
+def test_views_refuse_missing_placement(dev):
+    b = dev.alloc(64)
+    with pytest.raises(ResidencyError, match="no host copy"):
+        b.numpy("host")
+    b.free()
+
+
+def test_concurrent_arena_use_keeps_data_intact():
+    a = DeviceArena(8 << 20, backend="host")
+    errors = []
+
+    def work(tid):
+        rng = random.Random(tid)
+        mine = []
+        try:
+            for _ in range(400):
+                if mine and (rng.random() < 0.45 or len(mine) > 30):
+                    buf, val = mine.pop(rng.randrange(len(mine)))
+                    assert (buf.numpy() == val).all(), "buffer overwritten"
+                    buf.free()
+                else:
+                    try:
+                        buf = a.alloc(rng.randrange(1, 30000),
+                                      kind=KINDS[tid % len(KINDS)])
+                    except OutOfMemoryError:
+                        continue
+                    val = (tid * 31 + len(mine)) % 251
+                    buf.numpy()[:] = val
+                    mine.append((buf, val))
+            for buf, val in mine:
+                assert (buf.numpy() == val).all()
+                buf.free()
+        except BaseException as exc:       # surfaced in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    st = a.stats()
+    assert st.allocated_bytes == 0 and st.alloc_count == st.free_count
+    assert sum(st.count_by_kind.values()) == 0
+    a._check_invariants()
+
+
+def test_host_events_follow_cuda_rules():
+    be = get_backend("host")
+    ev = HostEvent()
+    assert ev.query()                              # never recorded: complete
+    s = be.new_stream("t")
+    gate = threading.Event()
+    s.launch_host_func(gate.wait)
+    ev.record(s)
+    assert not ev.query()
+    other = be.new_stream("u")
+    other.wait_event(ev)                           # ordered after s's gate
+    after = HostEvent().record(other)
+    assert not after.query()
+    gate.set()
+    after.synchronize()
+    assert ev.query() and after.query()
+
+
+def test_host_stream_failure_is_reported():
+    be = get_backend("host")
+    s = be.new_stream("bad")
+
+    def boom():
+        raise RuntimeError("copy failed")
+    s.launch_host_func(boom)
+    with pytest.raises(BackendError, match="copy failed"):
+        s.synchronize()

@@ -1,0 +1,251 @@
+"""The cuda backend on a real GPU (``pytest -m gpu``), plus the CPU-side checks of
+backend selection, ``rtmem doctor`` and the integrations' missing-extra errors."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from rtmem import transfers as T
+from rtmem.arena import DeviceArena, HostArena
+from rtmem.backends import cuda_available
+from rtmem.errors import ResidencyError
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="no usable CUDA GPU (CuPy)")
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+
+
+# ------------------------------------------------------------- CPU checks
+def test_doctor_reports_and_exit_code(capsys, monkeypatch):
+    from rtmem import doctor
+    ap = argparse.ArgumentParser()
+    doctor.register(ap.add_subparsers())
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    args = ap.parse_args(["doctor"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "backend          host" in out and "pinned limit" in out and "numba" in out
+    args = ap.parse_args(["doctor", "--json"])
+    assert args.func(args) == 0
+    assert '"backend": "host"' in capsys.readouterr().out
+    if not cuda_available():
+        monkeypatch.setenv("RTMEM_BACKEND", "cuda")
+        assert args.func(args) == 1
+
+
+@pytest.mark.skipif(HAS_CUPY, reason="CuPy is installed")
+def test_missing_cupy_names_the_extra():
+    from rtmem.backends import get_backend
+    from rtmem.integrations import cupy as rtcupy
+    with pytest.raises(ModuleNotFoundError, match=r"rtmem\[cuda12\]"):
+        get_backend("cuda")
+    with pytest.raises(ModuleNotFoundError, match=r"rtmem\[cuda12\]"):
+        rtcupy.install(None)
+
+
+def test_numba_emm_class_is_a_versioned_plugin():
+    pytest.importorskip("numba.cuda")
+    from numba import config
+    from rtmem.integrations import numba_emm
+    if config.ENABLE_CUDASIM:
+        with pytest.raises(RuntimeError, match="simulator"):
+            numba_emm.manager_class()
+        return
+    from numba.cuda.cudadrv.driver import HostOnlyCUDAMemoryManager
+    cls = numba_emm.manager_class()
+    assert issubclass(cls, HostOnlyCUDAMemoryManager)
+    assert numba_emm._numba_memory_manager is cls
+    assert cls.interface_version.fget(None) == 1
+
+
+# ------------------------------------------------------------- GPU checks
+@pytest.fixture
+def cp():
+    import cupy
+    return cupy
+
+
+@gpu
+@needs_gpu
+def test_device_buffer_is_cupy_zero_copy(cp):
+    d = DeviceArena("64MiB", backend="cuda")
+    b = d.alloc(shape=(1000,), dtype=np.float32)
+    arr = cp.asarray(b)
+    assert arr.data.ptr == d.slabs[0].ptr + b.offset
+    arr[:] = 3
+    assert float(b.to_numpy().sum()) == 3000.0
+    assert b.__dlpack_device__()[0] == 2
+    assert float(cp.from_dlpack(b).sum()) == 3000.0
+    with pytest.raises(ResidencyError, match="not host-addressable"):
+        b.numpy()
+    assert not hasattr(b, "__array_interface__")   # consumers fall back to CAI
+    del arr
+    b.free()
+    d._check_invariants()
+
+
+@gpu
+@needs_gpu
+def test_cuda_offload_prefetch_checksums_and_no_leaks(cp):
+    d = DeviceArena("64MiB", backend="cuda")
+    h = HostArena("64MiB", backend="cuda")
+    rng = cp.random.default_rng(0)
+    bufs, sums = [], []
+    for i in range(16):
+        b = d.alloc(shape=(1000 + 37 * i,), dtype=np.float32)
+        cp.asarray(b)[:] = rng.standard_normal(b.shape, dtype=cp.float32)
+        bufs.append(b)
+        sums.append(zlib.crc32(b.to_numpy().tobytes()))
+    for _ in range(50):
+        for b in bufs:
+            T.offload(b, arena=h)
+        for b in bufs:
+            T.evict(b)
+        for b in reversed(bufs):
+            T.prefetch(b)
+        for b in bufs:
+            T.synchronize(b)
+            T.drop_host(b)
+    for b, s in zip(bufs, sums):
+        assert zlib.crc32(b.to_numpy().tobytes()) == s
+        b.free()
+    T.get_engine("cuda").synchronize()
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+    assert T.get_engine("cuda").in_flight == 0
+    d._check_invariants()
+    h._check_invariants()
+
+
+@gpu
+@needs_gpu
+def test_cuda_events_order_copies(cp):
+    d = DeviceArena("16MiB", backend="cuda")
+    h = HostArena("16MiB", backend="cuda")
+    eng = T.get_engine("cuda")
+    b = d.alloc(1 << 20)
+    cp.asarray(b)[:] = 1
+    gate = threading.Event()
+    eng.d2h.launch_host_func(gate.wait)
+    ev = T.offload(b, arena=h)
+    assert not ev.query() and b.residency == "in-flight"
+    gate.set()
+    deadline = time.monotonic() + 60
+    while not ev.query():              # poll: the host func needs the GIL to return
+        assert time.monotonic() < deadline, "copy never ran after the gate opened"
+        time.sleep(0.001)
+    assert b.residency == "both" and (b.numpy("host") == 1).all()
+    b.free()
+
+
+@gpu
+@needs_gpu
+def test_mapped_buffer_written_by_gpu_is_visible_on_host(cp):
+    h = HostArena("1MiB", mapped=True, backend="cuda")
+    b = h.alloc(shape=(256,), dtype=np.int32)
+    b.numpy()[:] = 0
+    cai = b.__cuda_array_interface__
+    assert cai["data"][0] == h.slabs[0].device_ptr + b.offset
+    arr = cp.asarray(b)                # the device alias of host memory
+    arr += 5                           # a GPU kernel writes host memory
+    cp.cuda.get_current_stream().synchronize()
+    assert (b.numpy() == 5).all()
+    b.free()
+
+
+@gpu
+@needs_gpu
+def test_numba_kernel_on_device_and_mapped_buffers(cp):
+    from numba import cuda
+    if not cuda.is_available():
+        pytest.skip("numba.cuda cannot see the GPU")
+
+    @cuda.jit
+    def add_one(x):
+        i = cuda.grid(1)
+        if i < x.size:
+            x[i] += 1
+
+    d = DeviceArena("16MiB", backend="cuda")
+    b = d.alloc(shape=(1024,), dtype=np.float32)
+    cp.asarray(b)[:] = 1
+    add_one[4, 256](b)
+    cuda.synchronize()
+    assert float(b.to_numpy().sum()) == 2048.0
+    h = HostArena("1MiB", mapped=True, backend="cuda")
+    m = h.alloc(shape=(1024,), dtype=np.float32)
+    m.numpy()[:] = 10
+    add_one[4, 256](m)
+    cuda.synchronize()
+    assert (m.numpy() == 11).all()
+    b.free()
+    m.free()
+
+
+@gpu
+@needs_gpu
+def test_pinned_arena_reserves_exact_request():
+    request = int(100.4 * (1 << 20)) + 5
+    h = HostArena(request, backend="cuda")
+    assert h.stats().reserved_bytes == -(-request // 256) * 256
+    assert h.slabs[0].pinned
+    h.close()
+
+
+@gpu
+@needs_gpu
+def test_debug_mode_detects_gpu_write_after_free(cp):
+    from rtmem.errors import UseAfterFreeError
+    d = DeviceArena("1MiB", backend="cuda", debug=True)
+    b = d.alloc(4096)
+    stale = cp.asarray(b)
+    b.free()
+    stale[3] = 1
+    cp.cuda.get_current_stream().synchronize()
+    with pytest.raises(UseAfterFreeError):
+        d.alloc(4096)
+
+
+@gpu
+@needs_gpu
+def test_cupy_allocator_hook(cp):
+    from rtmem.integrations import cupy as rtcupy
+    d = DeviceArena("64MiB", backend="cuda")
+    with rtcupy.using(d):
+        x = cp.arange(1000, dtype=cp.float64)
+        assert d.stats().count_by_kind["workspace"] >= 1
+        assert int(x.sum()) == 499500
+    del x
+    gc.collect()
+    cp.cuda.get_current_stream().synchronize()
+    assert d.stats().count_by_kind["workspace"] == 0
+
+
+@gpu
+@needs_gpu
+def test_numba_emm_plugin_in_subprocess():
+    code = ("from numba import cuda\n"
+            "import numpy as np\n"
+            "from rtmem.integrations import numba_emm\n"
+            "x = cuda.to_device(np.arange(1000, dtype=np.float32))\n"
+            "a = numba_emm._arena\n"
+            "assert a.stats().count_by_kind['workspace'] == 1, a.stats()\n"
+            "assert float(x.copy_to_host().sum()) == 499500.0\n"
+            "free, total = cuda.current_context().get_memory_info()\n"
+            "assert total == a.stats().reserved_bytes\n"
+            "print('ok')\n")
+    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="rtmem.integrations.numba_emm",
+               RTMEM_NUMBA_ARENA_BYTES="64MiB")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr

@@ -1,0 +1,111 @@
+"""Buffer lifetimes from (chain, schedule) and the static layout built on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rtmem.planners as P
+from rtmem.errors import LayoutError, ScheduleError
+from rtmem.layout import layout_for, plan_layout, verify_layout
+from rtmem.planners.lifetimes import KIND_NAMES, lifetimes
+
+BIG = P.Platform(memory=10**14, bandwidth=1e10)
+
+
+@pytest.mark.parametrize("name", ["gpt2-small", "resnet50", "gpt2-medium"])
+@pytest.mark.parametrize("segments", [1, 2, 4, "n"])
+def test_peak_live_matches_simulator(name, segments):
+    chain = P.builtin(name)
+    k = chain.n if segments == "n" else segments
+    sched = P.store_all_schedule(chain.n) if k == 1 else P.sequential_schedule(chain.n, k)
+    lt = lifetimes(chain, sched)
+    assert lt.peak_live() == P.simulate(chain, sched, BIG).peak
+    assert (lt.alloc <= lt.free).all() and (lt.nbytes > 0).all()
+    assert lt.n_ops == len(sched)
+
+
+def test_lifetimes_of_a_small_schedule_with_moves():
+    chain = P.Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 20], xbar=[30, 40], w=[5, 6],
+                    x0=7, o_f=[1, 2], o_b=[3, 4])
+    sched = P.Schedule.from_text(
+        "F_all 0, F_all 1, offload abar1, delete abar1, L, prefetch abar1, B 1, B 0, "
+        "g_offload 1")
+    P.simulate(chain, sched, BIG)                   # the schedule is valid
+    lt = lifetimes(chain, sched)
+    by = {}
+    for i, name in enumerate(lt.names):
+        by.setdefault(name, []).append((int(lt.alloc[i]), int(lt.free[i]),
+                                        int(lt.nbytes[i]), lt.kind_name(i)))
+    assert by["a0"] == [(-1, 7, 7, "activation")]   # consumed by B 0 (op 7)
+    assert by["abar1"] == [(0, 3, 30, "activation"), (5, 7, 30, "activation")]
+    assert by["abar2"] == [(1, 6, 40, "activation")]
+    assert by["w0"] == [(-1, 9, 5, "weight")]
+    assert by["g1"] == [(6, 8, 6, "gradient")]      # moved out by g_offload
+    assert by["delta2"] == [(4, 6, 20, "gradient")]
+    assert by["o_b0"] == [(7, 7, 3, "workspace")]
+    assert "a2" not in by                           # F_all made abar2 only
+    assert set(KIND_NAMES) >= {lt.kind_name(i) for i in range(len(lt))}
+
+
+def test_lifetimes_reject_moves_of_missing_data():
+    chain = P.Chain.homogeneous(2)
+    with pytest.raises(ScheduleError, match="not resident"):
+        lifetimes(chain, P.Schedule.from_text("delete abar1, F_all 0"))
+
+
+@pytest.mark.parametrize("name", P.builtin_names())
+def test_static_layout_of_builtins_is_tight_and_valid(name):
+    chain = P.builtin(name)
+    for sched in (P.store_all_schedule(chain.n), P.sequential_schedule(chain.n, 4)):
+        lay = layout_for(chain, sched)
+        lay.verify()
+        assert lay.reserved_bytes >= lay.peak_live_bytes
+        assert lay.overhead <= 1.05
+        assert (lay.offsets % 256 == 0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 10), st.integers(0, 5000)),
+                min_size=0, max_size=40),
+       st.sampled_from([1, 64, 256]))
+def test_plan_layout_never_overlaps_live_buffers(items, alignment):
+    alloc = [a for a, _, _ in items]
+    free = [a + d for a, d, _ in items]
+    size = [s for _, _, s in items]
+    lay = plan_layout(alloc, free, size, alignment=alignment)
+    lay.verify()
+    assert lay.reserved_bytes >= lay.peak_live_bytes
+    # brute force: at every time, live buffers are disjoint in bytes
+    for t in range(0, 41):
+        live = [i for i in range(len(items)) if alloc[i] <= t <= free[i]]
+        spans = sorted((int(lay.offsets[i]), int(lay.offsets[i] + lay.sizes[i]))
+                       for i in live)
+        assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:]))
+
+
+def test_verify_layout_finds_overlap():
+    with pytest.raises(LayoutError) as info:
+        verify_layout([0, 100], [256, 256], [0, 1], [5, 2])
+    assert info.value.pair == (0, 1)
+    verify_layout([0, 0], [256, 256], [0, 3], [2, 5])     # disjoint in time: fine
+
+
+def test_plan_layout_validates_input():
+    with pytest.raises(ValueError, match="before it is allocated"):
+        plan_layout([3], [1], [10])
+    with pytest.raises(ValueError, match="one length"):
+        plan_layout([0, 1], [1], [10])
+    empty = plan_layout([], [], [])
+    assert empty.reserved_bytes == 0 and empty.overhead == 1.0
+
+
+def test_layout_matches_trace_in_an_arena():
+    """The offsets of a static layout fit in one arena slab of reserved_bytes."""
+    chain = P.builtin("gpt2-small")
+    sched = P.sequential_schedule(chain.n, 3)
+    lay = layout_for(chain, sched)
+    assert np.all(lay.offsets + lay.sizes <= lay.reserved_bytes)
+    assert lay.reserved_bytes <= 1.01 * lay.peak_live_bytes

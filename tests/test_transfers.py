@@ -1,0 +1,255 @@
+"""Transfers on the host backend: ordering, integrity, residency, no leaks."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import zlib
+
+import numpy as np
+import pytest
+
+from rtmem import transfers as T
+from rtmem.arena import DeviceArena, HostArena
+from rtmem.backends import get_backend
+from rtmem.errors import OutOfMemoryError, ResidencyError
+
+
+@pytest.fixture
+def arenas():
+    d = DeviceArena("4MiB", backend="host")
+    h = HostArena("4MiB", backend="host")
+    yield d, h
+    T.get_engine("host").synchronize()
+    d._check_invariants()
+    h._check_invariants()
+
+
+def gate_stream(stream):
+    """Block ``stream`` until the returned threading.Event is set."""
+    gate = threading.Event()
+    stream.launch_host_func(gate.wait)
+    return gate
+
+
+def crc(buf):
+    return zlib.crc32(buf.to_numpy().tobytes())
+
+
+def test_copies_run_in_stream_order_behind_events(arenas):
+    d, h = arenas
+    eng = T.get_engine("host")
+    b = d.alloc(shape=(1024,), dtype=np.float32)
+    b.numpy()[:] = 1.0
+    gate = gate_stream(eng.d2h)
+    ev = T.offload(b, arena=h)
+    assert not ev.query() and b.residency == "in-flight"
+    assert eng.in_flight >= 1
+    with pytest.raises(ResidencyError, match="in flight"):
+        T.offload(b, arena=h)
+    T.evict(b)                     # legal during the offload: freed after it
+    assert b.residency == "in-flight"
+    # The freed device block is gated by the offload's event: the H2D stream
+    # must not receive it while the copy may still read it.
+    assert d.stats().pending_bytes == 4096
+    other = d.alloc(4096, stream=eng.h2d)
+    assert other.offset != 0
+    gate.set()
+    T.synchronize(b)
+    assert b.residency == "host" and ev.query()
+    assert (b.numpy("host") == 1.0).all()
+    other.free()
+    b.free()
+
+
+def test_prefetch_waits_for_unfinished_offload(arenas):
+    d, h = arenas
+    eng = T.get_engine("host")
+    b = d.alloc(shape=(256,), dtype=np.int64)
+    b.numpy()[:] = np.arange(256)
+    gate = gate_stream(eng.d2h)
+    T.offload(b, arena=h)
+    T.evict(b)
+    ev = T.prefetch(b)             # H2D must wait for the D2H still gated
+    assert not ev.query()
+    gate.set()
+    ev.synchronize()
+    T.wait(b)
+    assert (b.numpy() == np.arange(256)).all()
+    b.free()
+
+
+def test_checksums_survive_offload_prefetch_cycles(arenas):
+    d, h = arenas
+    rng = np.random.default_rng(0)
+    bufs, sums = [], []
+    for i in range(24):
+        b = d.alloc(shape=(int(rng.integers(1, 4000)),), dtype=np.float32,
+                    kind="activation" if i % 2 else "weight")
+        b.numpy()[:] = rng.standard_normal(b.shape).astype(np.float32)
+        bufs.append(b)
+        sums.append(crc(b))
+    for cycle in range(5):
+        events = [T.offload(b, arena=h) for b in bufs]
+        for b in bufs:
+            T.evict(b)
+        T.synchronize()
+        assert all(e.query() for e in events) and d.stats().allocated_bytes == 0
+        for b in reversed(bufs):   # prefetch in another order: offsets change
+            T.prefetch(b)
+        for b, s in zip(bufs, sums):
+            T.wait(b)
+            assert crc(b) == s, f"cycle {cycle}: data corrupted"
+            T.drop_host(b)
+    for b in bufs:
+        b.free()
+    T.synchronize()
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+
+
+def test_thousand_cycles_do_not_leak(arenas):
+    d, h = arenas
+    eng = T.get_engine("host")
+    b = d.alloc(shape=(4096,), dtype=np.uint8)
+    b.numpy()[:] = 42
+    slabs_before = (len(d.slabs), len(h.slabs))
+    gc.collect()
+    threads_before = threading.active_count()
+    for _ in range(1000):
+        T.offload(b, arena=h)
+        T.evict(b)
+        T.prefetch(b)
+        T.wait(b)
+        T.drop_host(b)
+    T.synchronize()
+    assert (b.numpy() == 42).all()
+    assert eng.in_flight == 0
+    assert (len(d.slabs), len(h.slabs)) == slabs_before
+    assert h.stats().allocated_bytes == 0
+    assert d.stats().allocated_bytes == 4096
+    assert d.stats().alloc_count == 1001
+    gc.collect()
+    assert threading.active_count() <= threads_before
+    b.free()
+
+
+def test_illegal_moves_are_refused(arenas):
+    d, h = arenas
+    b = d.alloc(1024)
+    with pytest.raises(ResidencyError, match="already has a device copy"):
+        T.prefetch(b)
+    with pytest.raises(ResidencyError, match="only copy") as info:
+        T.evict(b)
+    assert info.value.state == "device" and info.value.action == "evict"
+    with pytest.raises(ResidencyError, match="no host copy"):
+        T.drop_host(b)
+    with pytest.raises(ResidencyError, match="no host arena"):
+        T.offload(b)
+    T.offload(b, arena=h)
+    T.synchronize(b)
+    assert b.residency == "both"
+    with pytest.raises(ResidencyError, match="already has a host copy"):
+        T.offload(b)
+    T.evict(b)
+    assert b.residency == "host"
+    with pytest.raises(ResidencyError, match="no device copy"):
+        T.offload(b)
+    with pytest.raises(ResidencyError, match="no device copy"):
+        T.evict(b)
+    with pytest.raises(ResidencyError, match="only copy"):
+        T.drop_host(b)
+    gate = gate_stream(T.get_engine("host").h2d)
+    T.prefetch(b)
+    with pytest.raises(ResidencyError, match="prefetch into the device copy"):
+        T.evict(b)
+    with pytest.raises(ResidencyError, match="in flight"):
+        T.drop_host(b)
+    gate.set()
+    T.synchronize(b)
+    b.free()
+
+
+def test_oom_during_prefetch_leaves_buffer_on_host(arenas):
+    d, h = arenas
+    b = d.alloc(1 << 20)
+    T.offload(b, arena=h)
+    T.synchronize(b)
+    T.evict(b)
+    hog = d.alloc(4 << 20)
+    with pytest.raises(OutOfMemoryError):
+        T.prefetch(b)
+    assert b.residency == "host" and b.placement("device") is None
+    hog.free()
+    T.prefetch(b)
+    T.synchronize(b)
+    assert b.residency == "both"
+    b.free()
+
+
+def test_copy_between_buffers(arenas):
+    d, h = arenas
+    src = d.alloc(shape=(100,), dtype=np.float64)
+    src.numpy()[:] = np.linspace(0, 1, 100)
+    dst = h.alloc(shape=(100,), dtype=np.float64)
+    ev = T.copy(dst, src)
+    ev.synchronize()
+    assert np.array_equal(dst.numpy(), src.numpy())
+    back = d.alloc(shape=(100,), dtype=np.float64)
+    T.copy(back, dst)
+    T.wait(back)
+    assert np.array_equal(back.numpy(), src.numpy())
+    with pytest.raises(ValueError, match="fewer"):
+        T.copy(d.alloc(8), src)
+    for b in (src, dst, back):
+        b.free()
+
+
+def test_free_during_copy_keeps_block_reserved(arenas):
+    d, h = arenas
+    eng = T.get_engine("host")
+    src = d.alloc(4 << 20)                         # the whole device slab
+    src.numpy()[:] = 9
+    gate = gate_stream(eng.d2h)
+    T.offload(src, arena=h)
+    host_block = src.placement("host").block
+    src.free()                                     # both frees wait for the copy
+    assert h.stats().pending_bytes == host_block.size
+    gate.set()
+    T.synchronize()
+    assert h.stats().pending_bytes == 0 and d.stats().allocated_bytes == 0
+    again = d.alloc(4 << 20)
+    again.free()
+
+
+def test_wait_all_and_backend_sync(arenas):
+    d, h = arenas
+    bufs = [d.alloc(10000) for _ in range(8)]
+    for b in bufs:
+        T.offload(b, arena=h)
+    T.wait()
+    get_backend("host").synchronize()
+    assert all(b.residency == "both" for b in bufs)
+    for b in bufs:
+        b.free()
+
+
+def test_event_of_a_placement_covers_earlier_copies_on_the_other_stream(arenas):
+    d, h = arenas
+    eng = T.get_engine("host")
+    src = h.alloc(shape=(512,), dtype=np.int32)
+    src.numpy()[:] = 5
+    to_dev = d.alloc(shape=(512,), dtype=np.int32)
+    to_host = h.alloc(shape=(512,), dtype=np.int32)
+    gate = gate_stream(eng.h2d)
+    first = T.copy(to_dev, src)            # H2D, held by the gate
+    second = T.copy(to_host, src)          # D2H stream: must not finish first
+    assert not first.query()
+    src.free()                             # gated on the second copy's event...
+    assert h.stats().pending_bytes > 0     # ...which implies the first one
+    assert not second.query()
+    gate.set()
+    T.synchronize(to_host)
+    T.synchronize(to_dev)
+    assert (to_dev.numpy() == 5).all() and (to_host.numpy() == 5).all()
+    to_dev.free()
+    to_host.free()
