@@ -1,41 +1,61 @@
 """rtmem: a memory runtime for training DNNs that do not fit in GPU memory.
 
+The runtime (arenas, buffers, transfers) is imported eagerly: it needs only numpy.
 The planning vocabulary (:class:`Chain`, :class:`Schedule`, :class:`Platform`,
-:func:`simulate`) is re-exported here from :mod:`rtmem.planners`, loaded on first
-use so that ``import rtmem`` stays cheap. Errors live in :mod:`rtmem.errors`.
+:func:`simulate`, :func:`plan_remat`) and the CPU optimizers (:class:`CPUAdam`, ...)
+are loaded on first use, so that ``import rtmem`` imports neither numba nor torch.
+Errors live in :mod:`rtmem.errors`; the torch bridge in :mod:`rtmem.torch`.
 """
 
 from __future__ import annotations
 
-from . import errors
-from ._version import __version__
-from .errors import (ChainError, InfeasibleError, OutOfMemoryError, PlatformError,
-                     RtmemError, ScheduleError, UnitError)
+import importlib
 
-_FROM_PLANNERS = ("Chain", "Op", "Platform", "Schedule", "SimResult", "simulate")
+from . import adaptors, errors, layout, transfers
+from ._version import __version__
+from .allocator import AllocatorStats, BestFitAllocator
+from .arena import ArenaStats, DeviceArena, HostArena
+from .backends import get_backend
+from .buffer import KINDS, Buffer
+from .errors import (BackendError, ChainError, DoubleFreeError, InfeasibleError,
+                     InvalidPointerError, KernelArgumentError, LayoutError, OptimizerError,
+                     OutOfMemoryError, PlatformError, ResidencyError, RtmemError,
+                     ScheduleError, UnitError, UseAfterFreeError)
+from .transfers import drop_host, evict, offload, prefetch, synchronize, wait
+
+# name -> module that defines it, imported on first access
+_LAZY = {
+    "Chain": "rtmem.planners", "Op": "rtmem.planners", "Platform": "rtmem.planners",
+    "Schedule": "rtmem.planners", "SimResult": "rtmem.planners",
+    "simulate": "rtmem.planners",
+    "CPUAdam": "rtmem.optim", "CPUAdamW": "rtmem.optim", "NumpyAdam": "rtmem.optim",
+    "NumpyAdamW": "rtmem.optim",
+}
 
 __all__ = [
     "__version__",
-    "errors",
-    "ChainError",
-    "InfeasibleError",
-    "OutOfMemoryError",
-    "PlatformError",
-    "RtmemError",
-    "ScheduleError",
-    "UnitError",
-    *_FROM_PLANNERS,
+    # runtime
+    "AllocatorStats", "ArenaStats", "BestFitAllocator", "Buffer", "DeviceArena",
+    "HostArena", "KINDS", "get_backend",
+    "drop_host", "evict", "offload", "prefetch", "synchronize", "wait",
+    "adaptors", "errors", "layout", "transfers",
+    # errors
+    "BackendError", "ChainError", "DoubleFreeError", "InfeasibleError",
+    "InvalidPointerError", "KernelArgumentError", "LayoutError", "OptimizerError",
+    "OutOfMemoryError", "PlatformError", "ResidencyError", "RtmemError", "ScheduleError",
+    "UnitError", "UseAfterFreeError",
+    # loaded on first use
+    *_LAZY,
 ]
 
 
 def __getattr__(name):
-    # Lazy re-export: numba is imported only when a planner name is first used.
-    if name in _FROM_PLANNERS:
-        from . import planners
-        value = getattr(planners, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rtmem' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rtmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__():

@@ -24,6 +24,7 @@ __all__ = [
     "ResidencyError",
     "OptimizerError",
     "KernelArgumentError",
+    "LayoutError",
 ]
 
 

@@ -18,12 +18,15 @@ def _public(module):
 
 
 def test_all_matches_public_names():
-    for module in (rtmem.planners, rtmem.planners.testing, rtmem.kernels):
+    for module in (rtmem.planners, rtmem.planners.testing):
         assert set(module.__all__) == _public(module), module.__name__
+    # rtmem and rtmem.kernels load some names on first use: every eagerly visible
+    # public name is exported, and every exported name resolves
+    for module in (rtmem, rtmem.planners, rtmem.planners.testing, rtmem.kernels):
+        assert _public(module) <= set(module.__all__), module.__name__
         for name in module.__all__:
-            assert hasattr(module, name)
-    for name in rtmem.__all__:
-        assert hasattr(rtmem, name), name
+            assert getattr(module, name) is not None, name
+        assert len(set(module.__all__)) == len(module.__all__)
 
 
 def test_version():
@@ -31,7 +34,7 @@ def test_version():
 
 
 def test_planners_import_without_torch_or_cupy():
-    code = ("import sys, rtmem.planners, rtmem.planners.testing; "
+    code = ("import sys, rtmem, rtmem.planners, rtmem.planners.testing, rtmem.kernels; "
             "bad = [m for m in ('torch', 'cupy', 'numba.cuda') if m in sys.modules]; "
             "sys.exit(bad and 1 or 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -41,3 +44,22 @@ def test_lazy_reexports():
     assert rtmem.Chain is rtmem.planners.Chain
     assert rtmem.simulate is rtmem.planners.simulate
     assert "Chain" in dir(rtmem)
+
+
+def test_errors_module_exports_every_exception():
+    import rtmem.errors as errors
+    classes = {n for n, v in vars(errors).items()
+               if isinstance(v, type) and issubclass(v, Exception) and not n.startswith("_")}
+    assert classes == set(errors.__all__)
+    assert all(issubclass(getattr(errors, n), errors.RtmemError) for n in errors.__all__)
+
+
+def test_errors_pickle_with_their_attributes():
+    import pickle
+
+    import rtmem.errors as errors
+    e = errors.ScheduleError("m", op_index=3, reason="memory-limit", over_bytes=7)
+    back = pickle.loads(pickle.dumps(e))
+    assert (back.op_index, back.reason, back.over_bytes, str(back)) == (3, "memory-limit", 7, "m")
+    oom = pickle.loads(pickle.dumps(errors.OutOfMemoryError("x", requested=5)))
+    assert oom.requested == 5 and isinstance(oom, MemoryError)

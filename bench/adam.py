@@ -1,0 +1,292 @@
+"""CPU Adam benchmark: rtmem's fused kernel against torch.optim.Adam and a roofline.
+
+Run:  python bench/adam.py [--sizes 1e6,1e7,5e7,1e8] [--repeats 3]
+
+For each size (parameters) every contender runs once per round, rounds
+interleaved so machine noise hits all of them alike; the table reports the median
+over rounds. Contenders:
+
+- ``rtmem fp32``: :func:`rtmem.kernels.adam_update`, fp32 grads.
+- ``rtmem fp32+check``: the same with a loss scale, so the read-only finite pass
+  runs first (NOTE [ Finite check ] in kernels/adam.py).
+- ``rtmem bf16``: bf16 gradients in, bf16 copy of the new params out (the
+  mixed-precision offload path); ``rtmem fp16``: the same with IEEE fp16.
+- ``torch for-loop`` / ``torch foreach`` / ``torch fused``: ``torch.optim.Adam``
+  on one fp32 CPU tensor with ``foreach=False`` / ``foreach=True`` /
+  ``fused=True``.
+- ``torch fused+unscale``: GradScaler's path (``_amp_foreach_non_finite_check_and_unscale_``
+  then the fused step), the torch twin of ``rtmem fp32+check``.
+- ``torch fused bf16 pipe``: bf16 grads upcast into ``p.grad``, fused step, params
+  downcast to a bf16 buffer: the torch twin of ``rtmem bf16``.
+- ``DeepSpeed CPUAdam``: recorded as not importable when it is not installed.
+- ``roofline fp32`` / ``roofline bf16``: numba parallel loops with Adam's memory
+  access pattern and trivial arithmetic. No Adam can beat them.
+
+Byte accounting (DRAM traffic per parameter, the minimum any one-pass Adam needs):
+fp32 path reads g, p, m, v and writes p, m, v = 7 x 4 B = 28 B. bf16 path reads
+g (2 B) and p, m, v (12 B), writes p, m, v (12 B) and the bf16 copy (2 B) = 28 B
+(plus a 2 B write-allocate read for the copy on most CPUs, not counted). The
+finite check adds a grad read (4 B), not counted in its GB/s either, so that row
+shows its cost as a lower effective rate. torch's rows use the same 28 B: their
+"effective" GB/s is what a one-pass kernel would need for the same time.
+
+Writes bench/results/adam.json (medians in seconds, params/s, GB/s, and the
+ratios quoted in the report; absolute times depend on the shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# torch and numba each run an OpenMP pool whose idle threads busy-wait after a
+# parallel region; interleaved on 2 cores, each pool's spinning steals the other's
+# cores and the timings become meaningless (10-30x swings). PASSIVE makes idle
+# threads sleep at once, for both. Must be set before either library loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rtmem.kernels import adam_update, encode_half  # noqa: E402
+
+BYTES_FP32 = 28
+BYTES_BF16 = 28
+RESULTS = Path(__file__).resolve().parent / "results" / "adam.json"
+
+
+@numba.njit(parallel=True, cache=True)
+def roofline_fp32(p, g, m, v):
+    """Read g, p, m, v; write p, m, v in place; one multiply-add each."""
+    for i in numba.prange(p.size):
+        gi = g[i]
+        p[i] = p[i] + np.float32(1e-12) * gi
+        m[i] = np.float32(0.5) * m[i] + gi
+        v[i] = np.float32(0.5) * v[i] + gi
+
+
+@numba.njit(parallel=True, cache=True)
+def roofline_bf16(p, g16, m, v, out16):
+    """bf16 twin: read 16-bit g and p, m, v; write p, m, v and a 16-bit copy
+    (truncated, not rounded: the probe only has to move the same bytes)."""
+    for i in numba.prange(p.size):
+        gi = np.float32(g16[i]) * np.float32(1e-6)
+        pi = p[i] + np.float32(1e-12) * gi
+        p[i] = pi
+        m[i] = np.float32(0.5) * m[i] + gi
+        v[i] = np.float32(0.5) * v[i] + gi
+        out16[i] = np.uint16(np.int32(pi * np.float32(100)) & 0xFFFF)
+
+
+def _torch_contenders(n, rng_seed):
+    try:
+        import torch
+    except ImportError as e:
+        return {}, {"torch": f"not importable: {e}"}
+    gen = torch.Generator().manual_seed(rng_seed)
+    contenders, notes = {}, {}
+    for name, kw in (("torch for-loop", dict(foreach=False)),
+                     ("torch foreach", dict(foreach=True)),
+                     ("torch fused", dict(fused=True))):
+        p = torch.randn(n, generator=gen).requires_grad_()
+        p.grad = torch.randn(n, generator=gen)
+        try:
+            opt = torch.optim.Adam([p], lr=1e-3, **kw)
+            opt.step()
+        except Exception as e:  # record, e.g. fused=True without a CPU kernel
+            notes[name] = f"error: {type(e).__name__}: {e}"
+            continue
+        contenders[name] = (opt.step, BYTES_FP32)
+    if "torch fused" in contenders:
+        # rtmem's fused extras done the torch way, to compare whole jobs.
+        p = torch.randn(n, generator=gen).requires_grad_()
+        p.grad = torch.randn(n, generator=gen)
+        opt = torch.optim.Adam([p], lr=1e-3, fused=True)
+        found_inf, inv_scale = torch.zeros(1), torch.ones(1)
+        g16 = torch.randn(n, generator=gen).to(torch.bfloat16)
+        out16 = torch.empty(n, dtype=torch.bfloat16)
+
+        def unscale_then_step():
+            # GradScaler's path: unscale + inf check over the grads, then the step.
+            torch._amp_foreach_non_finite_check_and_unscale_([p.grad], found_inf, inv_scale)
+            opt.step()
+
+        def bf16_pipeline():
+            # bf16 grads in, bf16 params out: upcast pass, step, downcast pass.
+            p.grad.copy_(g16)
+            opt.step()
+            out16.copy_(p.detach())
+
+        contenders["torch fused+unscale"] = (unscale_then_step, BYTES_FP32)
+        contenders["torch fused bf16 pipe"] = (bf16_pipeline, BYTES_BF16)
+    return contenders, notes
+
+
+def _deepspeed_note():
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+    except Exception as e:
+        return f"not importable: {type(e).__name__}: {e}"
+    return "importable but not benchmarked here (needs its JIT-built C++ op)"
+
+
+def _rtmem_contenders(n, rng):
+    p = rng.standard_normal(n, dtype=np.float32)
+    g = rng.standard_normal(n, dtype=np.float32)
+    m = rng.standard_normal(n, dtype=np.float32) * np.float32(0.01)
+    v = rng.uniform(1e-4, 1e-2, n).astype(np.float32)
+    g16 = encode_half(g, "bfloat16")
+    out16 = np.empty(n, np.uint16)
+    gh = g.astype(np.float16)
+    outh = np.empty(n, np.float16)
+    # Separate state for the probes so they never disturb Adam's values.
+    rp, rm, rv = p.copy(), m.copy(), v.copy()
+    kw = dict(lr=1e-3, step=10)   # plain Adam, as the torch.optim.Adam rows
+    return {
+        "rtmem fp32": (lambda: adam_update(p, g, m, v, **kw), BYTES_FP32),
+        "rtmem fp32+check": (lambda: adam_update(p, g, m, v, grad_scale=1.0, **kw),
+                             BYTES_FP32),
+        "rtmem bf16": (lambda: adam_update(p, g16, m, v, grad_format="bfloat16", out=out16,
+                                           out_format="bfloat16", **kw), BYTES_BF16),
+        "rtmem fp16": (lambda: adam_update(p, gh, m, v, out=outh, **kw), BYTES_BF16),
+        "roofline fp32": (lambda: roofline_fp32(rp, g, rm, rv), BYTES_FP32),
+        "roofline bf16": (lambda: roofline_bf16(rp, g16, rm, rv, out16), BYTES_BF16),
+    }
+
+
+def bench_size(n, repeats, seed, budget_s):
+    """Time every contender at ``n`` parameters: at least ``repeats`` interleaved
+    rounds, more (up to 50) while the rounds fit in ``budget_s`` seconds."""
+    rng = np.random.default_rng(seed)
+    contenders = _rtmem_contenders(n, rng)
+    torch_contenders, notes = _torch_contenders(n, seed)
+    contenders.update(torch_contenders)
+    for fn, _ in contenders.values():   # warm-up: compile, page in, allocate state
+        fn()
+    t0 = time.perf_counter()
+    for fn, _ in contenders.values():   # second warm-up round estimates a round's time
+        fn()
+    round_s = time.perf_counter() - t0
+    rounds = max(repeats, min(50, int(budget_s / max(round_s, 1e-9))))
+    times = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, (fn, _) in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    rows = []
+    for name, (_, nbytes) in contenders.items():
+        med = statistics.median(times[name])
+        rows.append(dict(size=n, impl=name, median_s=med, min_s=min(times[name]),
+                         rounds=rounds, times_s=times[name],
+                         params_per_s=n / med, bytes_per_param=nbytes,
+                         gb_per_s=nbytes * n / med / 1e9))
+    return rows, notes
+
+
+def _ratio(rows, n, a, b, stat="median_s"):
+    t = {r["impl"]: r[stat] for r in rows if r["size"] == n}
+    if a in t and b in t:
+        return t[b] / t[a]    # speed ratio a/b = time b / time a
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1e6,1e7,5e7,1e8",
+                    help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="minimum timed rounds per size (default 5)")
+    ap.add_argument("--budget", type=float, default=12.0,
+                    help="seconds of timed rounds per size; small sizes get more "
+                         "rounds, up to 50 (default 12)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
+    args = ap.parse_args(argv)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    t_start = time.perf_counter()
+    rows, notes = [], {}
+    for k, n in enumerate(sizes):
+        r, nt = bench_size(n, args.repeats, seed=k, budget_s=args.budget)
+        rows += r
+        notes.update(nt)
+        print(f"size {n:>12,d}: done ({time.perf_counter() - t_start:.0f} s elapsed)",
+              file=sys.stderr)
+    notes["DeepSpeed CPUAdam"] = _deepspeed_note()
+
+    print(f"\n{'params':>12} {'implementation':<22} {'Mparams/s':>10} {'GB/s':>7}"
+          f" {'vs roofline':>11}")
+    for r in rows:
+        half = ("bf16" in r["impl"] or "fp16" in r["impl"]) and "torch" not in r["impl"]
+        roof = "roofline bf16" if half else "roofline fp32"
+        rr = _ratio(rows, r["size"], r["impl"], roof)
+        print(f"{r['size']:>12,d} {r['impl']:<22} {r['params_per_s'] / 1e6:>10.1f}"
+              f" {r['gb_per_s']:>7.1f} {rr:>11.2f}")
+    for name, note in notes.items():
+        print(f"{name}: {note}")
+
+    ratios = {}
+    for n in sizes:
+        key = f"{n:.0e}".replace("+0", "").replace("+", "")
+        ratios[key] = {
+            "rtmem_fp32_over_torch_fused": _ratio(rows, n, "rtmem fp32", "torch fused"),
+            "rtmem_fp32_over_torch_foreach": _ratio(rows, n, "rtmem fp32", "torch foreach"),
+            "rtmem_fp32_over_torch_for_loop": _ratio(rows, n, "rtmem fp32", "torch for-loop"),
+            "rtmem_fp32_over_roofline": _ratio(rows, n, "rtmem fp32", "roofline fp32"),
+            "rtmem_fp32_check_over_no_check": _ratio(rows, n, "rtmem fp32+check",
+                                                     "rtmem fp32"),
+            "rtmem_fp32_check_over_torch_fused_unscale": _ratio(
+                rows, n, "rtmem fp32+check", "torch fused+unscale"),
+            "rtmem_bf16_over_torch_fused_bf16_pipe": _ratio(rows, n, "rtmem bf16",
+                                                            "torch fused bf16 pipe"),
+            "rtmem_bf16_over_roofline_bf16": _ratio(rows, n, "rtmem bf16", "roofline bf16"),
+            "rtmem_fp16_over_roofline_bf16": _ratio(rows, n, "rtmem fp16", "roofline bf16"),
+        }
+    # Best-of-rounds ratios too: on a shared machine the minimum is the least
+    # disturbed run of each contender.
+    ratios_min = {key: {k: _ratio(rows, n, *pair, stat="min_s") for k, pair in (
+        ("rtmem_fp32_over_torch_fused", ("rtmem fp32", "torch fused")),
+        ("rtmem_fp32_over_roofline", ("rtmem fp32", "roofline fp32")),
+        ("rtmem_bf16_over_roofline_bf16", ("rtmem bf16", "roofline bf16")))}
+        for key, n in zip(ratios, sizes)}
+    print("\nratios (speed, >1 = first is faster):")
+    for key, rs in ratios.items():
+        print(f"  {key}: " + ", ".join(f"{k}={v:.2f}" for k, v in rs.items()
+                                       if v is not None))
+    try:
+        import torch
+        torch_info = dict(version=torch.__version__, threads=torch.get_num_threads())
+    except ImportError:
+        torch_info = None
+    result = dict(
+        benchmark="cpu-adam",
+        command=" ".join(["python bench/adam.py",
+                          *(argv if argv is not None else sys.argv[1:])]),
+        machine=dict(cpu=platform.processor() or platform.machine(),
+                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                     cpu_count=os.cpu_count(), numba_threads=numba.get_num_threads(),
+                     numba=numba.__version__, numpy=np.__version__, torch=torch_info,
+                     python=platform.python_version()),
+        byte_accounting={
+            "fp32": "28 B/param: read g, p, m, v (16 B), write p, m, v (12 B)",
+            "bf16": "28 B/param: read bf16 g (2 B), p, m, v (12 B); write p, m, v "
+                    "(12 B) and bf16 param copy (2 B); +2 B write-allocate not counted",
+            "fp16": "28 B/param, as bf16 (fp16 grads in, fp16 param copy out)",
+            "fp32+check": "28 B/param counted; the finite pass reads g again (+4 B)",
+            "torch": "same 28 B/param (effective rate of a one-pass kernel)",
+        },
+        min_repeats=args.repeats, budget_s_per_size=args.budget, sizes=sizes,
+        results=rows, notes=notes, ratios=ratios, ratios_best_of_rounds=ratios_min,
+        wall_s=time.perf_counter() - t_start)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,554 @@
+"""Fused CPU Adam / AdamW update: one pass over memory, numba parallel loops.
+
+The update of one element, in float32 throughout (Kingma & Ba, Alg. 1; AdamW's
+decoupled weight decay from Loshchilov & Hutter)::
+
+    g  = grad * gmul              gmul = 1/grad_scale, negated for maximize
+    g  = g + l2 * p               l2 = weight_decay for Adam, 0 for AdamW
+    p  = p * decay                decay = 1 - lr*weight_decay for AdamW, 1 for Adam
+    m  = beta1*m + (1-beta1)*g
+    v  = beta2*v + (1-beta2)*g*g
+    vm = max(vmax, v)             AMSGrad only (vmax <- vm); otherwise vm = v
+    p  = p - step_size * m / (sqrt(vm) * inv_bc2_sqrt + eps)
+
+with ``step_size = lr / (1 - beta1**step)`` and ``inv_bc2_sqrt = 1/sqrt(1 -
+beta2**step)`` (bias correction, the same algebra as ``torch.optim.Adam``). The
+scalars are computed once in float64 on the host and handed to the kernel as a
+float32 vector, so no float64 reaches the loop (Python floats would: numba types
+them float64 and promotes every product to double).
+
+NOTE [ Memory traffic ]
+    Per parameter the loop reads g, p, m, v and writes p, m, v: 28 bytes for fp32
+    gradients (7 x 4 B), the same accounting as DeepSpeed's CPU Adam. fp16/bf16
+    gradients save 2 B of reads; the fused fp16/bf16 copy of the new parameter
+    (the upload buffer) adds 2 B of writes (plus a 2 B write-allocate read on
+    most CPUs). AMSGrad adds 8 B (read+write of vmax). Nothing else touches DRAM:
+    one pass, so the kernel runs at the memory-bandwidth limit that
+    ``bench/adam.py`` measures with a roofline probe.
+
+NOTE [ Finite check ]
+    With loss scaling a step must be skipped, leaving every array bit-identical,
+    when any gradient is inf/NaN after unscaling. A fused check cannot promise
+    that (earlier blocks would already be written when a later block finds an
+    inf), so the check is a separate read-only pass over the gradients
+    (:func:`grads_finite`, 4 B/param fp32, 2 B/param fp16/bf16), run before the
+    update. A chunked caller checks all chunks first, then updates chunk by chunk
+    with ``check_finite=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from rtmem.errors import OptimizerError
+
+from ._half import (BFLOAT16, FLOAT16, bf16_bits_to_f32, bits_from_f32, f32_to_bf16_bits,
+                    f32_to_fp16_bits, fp16_bits_to_f32, half_format_code)
+
+__all__ = ["adam_update", "grads_finite", "adam_coefficients", "prepare_update",
+           "PreparedUpdate", "threads", "BLOCK_ELEMENTS"]
+
+#: Elements per parallel work item. 16 Ki float32 = 64 KiB per stream: big enough
+#: to amortise scheduling, small enough that 2 threads split a 1M tensor evenly.
+BLOCK_ELEMENTS = 1 << 14
+
+# Layout of the coefficient vector (float32) read by the kernel.
+_GMUL, _L2, _DECAY, _B1, _OMB1, _B2, _OMB2, _STEP_SIZE, _INV_BC2_SQRT, _EPS = range(10)
+_N_COEFFS = 10
+
+
+# --------------------------------------------------------------------------- jitted
+
+def _load_grad(g, i):  # pragma: no cover - replaced by the overload in jitted code
+    raise NotImplementedError
+
+
+# NOTE [ Formats are types ]
+#     Inside the kernels a 16-bit format is told apart by the array's integer
+#     type: uint16 holds bfloat16 bits, int16 holds fp16 bits (``_kernel_bits``
+#     makes those views). Each format thus gets its own compiled loop; a runtime
+#     format code would leave both conversions in the vectorized loop (LLVM
+#     if-converts instead of unswitching) and cost ~3x.
+@overload(_load_grad, inline="always")
+def _load_grad_impl(g, i):
+    if isinstance(g, types.Array) and g.dtype == types.float32:
+        return lambda g, i: g[i]
+    if isinstance(g, types.Array) and g.dtype == types.uint16:
+        return lambda g, i: bf16_bits_to_f32(g[i])
+    if isinstance(g, types.Array) and g.dtype == types.int16:
+        return lambda g, i: fp16_bits_to_f32(np.uint16(g[i]))
+    return None
+
+
+def _store_copy(out, i, x):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_store_copy, inline="always")
+def _store_copy_impl(out, i, x):
+    if isinstance(out, types.Array) and out.dtype == types.float32:
+        def impl(out, i, x):
+            out[i] = x
+        return impl
+    if isinstance(out, types.Array) and out.dtype == types.uint16:
+        def impl(out, i, x):
+            out[i] = f32_to_bf16_bits(x)
+        return impl
+    if isinstance(out, types.Array) and out.dtype == types.int16:
+        def impl(out, i, x):
+            out[i] = np.int16(f32_to_fp16_bits(x))
+        return impl
+    return None
+
+
+def _window(a, lo, hi):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_window, inline="always")
+def _window_impl(a, lo, hi):
+    if a is None or isinstance(a, types.NoneType):
+        return lambda a, lo, hi: None
+    return lambda a, lo, hi: a[lo:hi]
+
+
+# error_model="numpy": Python semantics would test every division for zero and
+# raise, a branch that keeps LLVM from vectorizing the loop (the denominator is
+# >= eps > 0 anyway).
+@numba.njit(cache=True, error_model="numpy")
+def _adam_loop(p, g, m, v, vmax, out, c):
+    """Serial update of whole 1-D windows. ``vmax``/``out`` may be None: numba
+    prunes those branches at compile time, so each combination is its own loop."""
+    gmul = c[_GMUL]
+    l2 = c[_L2]
+    decay = c[_DECAY]
+    b1 = c[_B1]
+    omb1 = c[_OMB1]
+    b2 = c[_B2]
+    omb2 = c[_OMB2]
+    step_size = c[_STEP_SIZE]
+    inv_bc2_sqrt = c[_INV_BC2_SQRT]
+    eps = c[_EPS]
+    for i in range(p.size):
+        pi = p[i]
+        gi = _load_grad(g, i) * gmul + l2 * pi
+        pi = pi * decay
+        mi = b1 * m[i] + omb1 * gi
+        vi = b2 * v[i] + omb2 * (gi * gi)
+        m[i] = mi
+        v[i] = vi
+        if vmax is not None:
+            vi = max(vmax[i], vi)
+            vmax[i] = vi
+        pi = pi - step_size * (mi / (np.sqrt(vi) * inv_bc2_sqrt + eps))
+        p[i] = pi
+        if out is not None:
+            _store_copy(out, i, pi)
+
+
+@numba.njit(cache=True)
+def _adam_range(p, g, m, v, vmax, out, c, lo, hi):
+    # Windows first, so the loop index starts at 0: numba then knows it is
+    # non-negative, drops the negative-index wraparound select, and LLVM can
+    # vectorize the loop.
+    _adam_loop(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], _window(vmax, lo, hi),
+               _window(out, lo, hi), c)
+
+
+@numba.njit(parallel=True, cache=True)
+def _adam_kernel(p, g, m, v, vmax, out, c, start, stop, block):
+    nblocks = (stop - start + block - 1) // block
+    for b in numba.prange(nblocks):
+        lo = start + b * block
+        _adam_range(p, g, m, v, vmax, out, c, lo, min(lo + block, stop))
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _nonfinite_loop(g, gmul):
+    # Count rather than break: a branch-free loop vectorizes, and an early exit
+    # only helps on the rare overflow step.
+    bad = 0
+    for i in range(g.size):
+        x = bits_from_f32(_load_grad(g, i) * gmul)
+        bad += (x & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+    return bad
+
+
+@numba.njit(parallel=True, cache=True)
+def _nonfinite_kernel(g, gmul, start, stop, block):
+    nblocks = (stop - start + block - 1) // block
+    bad = 0
+    for b in numba.prange(nblocks):
+        lo = start + b * block
+        bad += _nonfinite_loop(g[lo:min(lo + block, stop)], gmul)
+    return bad
+
+
+# --------------------------------------------------------------------------- host side
+
+def adam_coefficients(*, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                      decoupled_weight_decay=False, grad_scale=None, maximize=False,
+                      bias_correction=True) -> np.ndarray:
+    """Validate Adam hyperparameters and fold them into the kernel's scalars.
+
+    Parameters
+    ----------
+    lr:
+        Learning rate, >= 0 (parameter units per normalised gradient unit).
+    step:
+        1-based index of the step being taken (int >= 1), for bias correction.
+    beta1, beta2:
+        Moment decay rates, each in [0, 1).
+    eps:
+        Denominator term, > 0.
+    weight_decay:
+        >= 0. L2 penalty added to the gradient (Adam) or, with
+        ``decoupled_weight_decay=True``, decay ``p *= 1 - lr*weight_decay`` (AdamW).
+    grad_scale:
+        Loss scale the gradients were multiplied by (finite, > 0), or None. The
+        kernel multiplies gradients by ``1/grad_scale``.
+    maximize:
+        Ascend instead of descend (negates the gradient).
+    bias_correction:
+        Divide by ``1 - beta**step`` as in the Adam paper (default True).
+
+    Returns the float32 coefficient vector consumed by the kernels. Raises
+    :class:`~rtmem.errors.OptimizerError` naming the bad hyperparameter.
+    """
+    lr = _check_real("lr", lr, low=0.0)
+    beta1 = _check_real("beta1", beta1, low=0.0, high=1.0)
+    beta2 = _check_real("beta2", beta2, low=0.0, high=1.0)
+    eps = _check_real("eps", eps, low=0.0, low_inclusive=False)
+    weight_decay = _check_real("weight_decay", weight_decay, low=0.0)
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+        raise OptimizerError(
+            f"step={step!r} must be an int >= 1 (the 1-based index of the step being "
+            f"taken); bias correction divides by 1 - beta**step.", argument="step")
+    gmul = 1.0
+    if grad_scale is not None:
+        grad_scale = _check_real("grad_scale", grad_scale, low=0.0, low_inclusive=False)
+        gmul = 1.0 / grad_scale
+    if maximize:
+        gmul = -gmul
+    if bias_correction:
+        bc1 = 1.0 - beta1 ** int(step)
+        bc2 = 1.0 - beta2 ** int(step)
+    else:
+        bc1 = bc2 = 1.0
+    c = np.empty(_N_COEFFS, dtype=np.float32)
+    c[_GMUL] = gmul
+    c[_L2] = 0.0 if decoupled_weight_decay else weight_decay
+    c[_DECAY] = 1.0 - lr * weight_decay if decoupled_weight_decay else 1.0
+    c[_B1] = beta1
+    c[_OMB1] = 1.0 - beta1
+    c[_B2] = beta2
+    c[_OMB2] = 1.0 - beta2
+    # beta1 == 0 and step 1 keeps bc1 = 1; bc1 > 0 always since beta1 < 1.
+    c[_STEP_SIZE] = lr / bc1
+    c[_INV_BC2_SQRT] = 1.0 / math.sqrt(bc2)
+    c[_EPS] = eps
+    return c
+
+
+def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.999,
+                eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+                max_exp_avg_sq=None, grad_scale=None, check_finite=None, maximize=False,
+                bias_correction=True, grad_format=None, out=None, out_format=None,
+                start=0, stop=None, num_threads=None) -> bool:
+    """One fused Adam/AdamW step on elements ``[start, stop)`` of flat arrays, in place.
+
+    Parameters
+    ----------
+    param, exp_avg, exp_avg_sq:
+        float32 master parameters and first/second moments, C-contiguous,
+        writeable, one shape. Updated in place.
+    grad:
+        Gradients, same shape: float32, numpy float16, or uint16 bit patterns with
+        ``grad_format="float16"|"bfloat16"`` (bfloat16 arrives as uint16 views).
+    lr, step, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize,
+    bias_correction, grad_scale:
+        See :func:`adam_coefficients` (``decoupled_weight_decay=True`` is AdamW).
+    max_exp_avg_sq:
+        float32 array for AMSGrad (the running max of ``exp_avg_sq``), or None for
+        plain Adam.
+    check_finite:
+        Run the read-only finite pass first (NOTE [ Finite check ]) and skip the
+        step if any unscaled gradient in ``[start, stop)`` is inf/NaN. Defaults to
+        True when ``grad_scale`` is given, else False.
+    out, out_format:
+        Optional array (same shape) that receives a copy of the updated
+        parameters in the same pass: float32, numpy float16, or uint16 with
+        ``out_format="float16"|"bfloat16"``. Rounded to nearest even.
+    start, stop:
+        Element range to update (default: all). Lets a caller update chunk k
+        while chunk k-1 is being copied.
+    num_threads:
+        Threads for this call (1..numba.config.NUMBA_NUM_THREADS); default: the
+        current ``numba.get_num_threads()``.
+
+    Returns True if the step was applied, False if it was skipped because a
+    gradient was not finite (then no array was written). Invalid arrays or
+    hyperparameters raise :class:`~rtmem.errors.OptimizerError`.
+    """
+    c = adam_coefficients(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps,
+                          weight_decay=weight_decay,
+                          decoupled_weight_decay=decoupled_weight_decay,
+                          grad_scale=grad_scale, maximize=maximize,
+                          bias_correction=bias_correction)
+    update = prepare_update(param, grad, exp_avg, exp_avg_sq,
+                            max_exp_avg_sq=max_exp_avg_sq, grad_format=grad_format,
+                            out=out, out_format=out_format)
+    start, stop = _check_range(start, stop, update.size)
+    if check_finite is None:
+        check_finite = grad_scale is not None
+    with threads(num_threads):
+        if check_finite and not update.grads_finite(c, start, stop):
+            return False
+        update.apply(c, start, stop)
+    return True
+
+
+class PreparedUpdate:
+    """Validated, flattened arrays of one Adam update (see :func:`prepare_update`).
+
+    Lets a caller validate every tensor of a multi-tensor step before writing any
+    of them, then run the finite check and the update per tensor or per chunk.
+    """
+
+    __slots__ = ("p", "g", "m", "v", "vmax", "out")
+
+    def __init__(self, p, g, m, v, vmax, out):
+        self.p, self.g, self.m, self.v, self.vmax, self.out = p, g, m, v, vmax, out
+
+    @property
+    def size(self) -> int:
+        """Number of parameters (elements)."""
+        return self.p.size
+
+    def grads_finite(self, coefficients, start=0, stop=None) -> bool:
+        """True if every gradient in [start, stop) times the unscale factor held
+        in ``coefficients`` (from :func:`adam_coefficients`) is finite."""
+        stop = self.size if stop is None else stop
+        return not _count_nonfinite(self.g, coefficients[_GMUL], start, stop)
+
+    def apply(self, coefficients, start=0, stop=None) -> None:
+        """Run the fused update on elements [start, stop) (no finite check)."""
+        stop = self.size if stop is None else stop
+        if stop - start > BLOCK_ELEMENTS:
+            _adam_kernel(self.p, self.g, self.m, self.v, self.vmax, self.out, coefficients,
+                         start, stop, BLOCK_ELEMENTS)
+        elif stop > start:
+            # One block of work: waking the thread pool would cost more than the
+            # update itself (biases, norms: many small tensors per step).
+            _adam_range(self.p, self.g, self.m, self.v, self.vmax, self.out, coefficients,
+                        start, stop)
+
+
+def _count_nonfinite(g, gmul, start, stop):
+    if stop - start > BLOCK_ELEMENTS:
+        return _nonfinite_kernel(g, gmul, start, stop, BLOCK_ELEMENTS)
+    return _nonfinite_loop(g[start:stop], gmul)
+
+
+def prepare_update(param, grad, exp_avg, exp_avg_sq, *, max_exp_avg_sq=None,
+                   grad_format=None, out=None, out_format=None) -> PreparedUpdate:
+    """Validate the arrays of one update (as for :func:`adam_update`) without
+    touching them. Raises :class:`~rtmem.errors.OptimizerError` on any problem."""
+    p = _check_state("param", param)
+    shape = param.shape
+    g = _check_grad(grad, grad_format, shape)
+    m = _check_state("exp_avg", exp_avg, shape)
+    v = _check_state("exp_avg_sq", exp_avg_sq, shape)
+    vmax = None if max_exp_avg_sq is None else _check_state("max_exp_avg_sq",
+                                                            max_exp_avg_sq, shape)
+    o = None if out is None else _check_out(out, out_format, shape)
+    _check_no_overlap([("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v),
+                       ("max_exp_avg_sq", vmax), ("out", o)])
+    return PreparedUpdate(p, g, m, v, vmax, o)
+
+
+def grads_finite(grad, *, grad_scale=None, grad_format=None, start=0, stop=None,
+                 num_threads=None) -> bool:
+    """True if every gradient in ``[start, stop)``, divided by ``grad_scale``, is
+    finite. A read-only pass (4 B/param fp32, 2 B/param fp16/bf16).
+
+    ``grad`` and ``grad_format`` are as in :func:`adam_update`; ``grad_scale`` is
+    the loss scale (finite, > 0) or None.
+    """
+    g = _check_grad(grad, grad_format, None)
+    gmul = np.float32(1.0)
+    if grad_scale is not None:
+        gmul = np.float32(1.0 / _check_real("grad_scale", grad_scale, low=0.0,
+                                            low_inclusive=False))
+    start, stop = _check_range(start, stop, g.size)
+    with threads(num_threads):
+        return not _count_nonfinite(g, gmul, start, stop)
+
+
+@contextmanager
+def threads(num_threads):
+    """Run the enclosed kernels on ``num_threads`` numba threads, then restore the
+    previous count. None leaves the count alone."""
+    if num_threads is None:
+        yield
+        return
+    limit = numba.config.NUMBA_NUM_THREADS
+    if (isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer))
+            or not 1 <= num_threads <= limit):
+        raise OptimizerError(
+            f"num_threads={num_threads!r} must be an int in [1, {limit}] (numba's "
+            f"thread pool size; raise it with the NUMBA_NUM_THREADS environment "
+            f"variable before numba starts).", argument="num_threads")
+    previous = numba.get_num_threads()
+    numba.set_num_threads(int(num_threads))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+# --------------------------------------------------------------------------- validation
+
+def _check_real(name, value, *, low=None, high=None, low_inclusive=True):
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise OptimizerError(f"{name}={value!r} is not a real number.",
+                             argument=name) from None
+    ok = math.isfinite(x)
+    if ok and low is not None:
+        ok = x >= low if low_inclusive else x > low
+    if ok and high is not None:
+        ok = x < high
+    if not ok:
+        lo = "" if low is None else ("[" if low_inclusive else "(") + f"{low:g}, "
+        hi = "inf)" if high is None else f"{high:g})"
+        raise OptimizerError(f"{name}={value!r} is out of range: it must be finite and "
+                             f"in {lo}{hi}.", argument=name)
+    return x
+
+
+def _shape_error(name, arr, shape):
+    return OptimizerError(
+        f"{name} has shape {arr.shape} but param has shape {shape}; every array of "
+        f"one update must have the parameter's shape.", argument=name)
+
+
+def _contiguous_error(name, arr):
+    return OptimizerError(
+        f"{name} is not C-contiguous (strides {arr.strides}); the fused kernel "
+        f"walks flat memory. Pass np.ascontiguousarray({name}) (or "
+        f"tensor.contiguous()).", argument=name)
+
+
+def _check_state(name, arr, shape=None):
+    if not isinstance(arr, np.ndarray):
+        raise OptimizerError(f"{name} must be a numpy array, got "
+                             f"{type(arr).__name__}; use tensor.numpy() for a "
+                             f"zero-copy view of a CPU tensor.", argument=name)
+    if arr.dtype != np.float32:
+        raise OptimizerError(
+            f"{name} has dtype {arr.dtype}; master parameters and Adam moments are "
+            f"float32. Convert once with {name}.astype(np.float32) and keep it.",
+            argument=name)
+    if shape is not None and arr.shape != shape:
+        raise _shape_error(name, arr, shape)
+    if not arr.flags.c_contiguous:
+        raise _contiguous_error(name, arr)
+    if not arr.flags.writeable:
+        raise OptimizerError(f"{name} is read-only; the update writes it in place. "
+                             f"Pass a writeable array.", argument=name)
+    return arr.reshape(-1)
+
+
+def _half_view(arr, fmt, name, format_name):
+    """(uint16 view, code) of a 16-bit array, or None if ``arr`` is float32."""
+    if arr.dtype == np.float32:
+        if fmt is not None:
+            raise OptimizerError(
+                f"{name} is float32 but {format_name}={fmt!r}; drop {format_name} "
+                f"(it only describes uint16 bit patterns).", argument=format_name)
+        return None
+    if arr.dtype == np.float16:
+        if fmt is not None and half_format_code(fmt, format_name) != FLOAT16:
+            raise OptimizerError(f"{name} is a float16 array but {format_name}="
+                                 f"{fmt!r}.", argument=format_name)
+        return arr.view(np.uint16), FLOAT16
+    if arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:   # ml_dtypes
+        return arr.view(np.uint16), BFLOAT16
+    if arr.dtype == np.uint16:
+        if fmt is None:
+            raise OptimizerError(
+                f"{name} is uint16 but {format_name} is not given; say what the bits "
+                f"are with {format_name}='bfloat16' or 'float16'.", argument=format_name)
+        return arr, half_format_code(fmt, format_name)
+    raise OptimizerError(
+        f"{name} has dtype {arr.dtype}; expected float32, float16, or uint16 bits "
+        f"of bfloat16/float16 (with {format_name}=).", argument=name)
+
+
+def _check_grad(grad, fmt, shape):
+    if not isinstance(grad, np.ndarray):
+        raise OptimizerError(f"grad must be a numpy array, got {type(grad).__name__}.",
+                             argument="grad")
+    if shape is not None and grad.shape != shape:
+        raise _shape_error("grad", grad, shape)
+    if not grad.flags.c_contiguous:
+        raise _contiguous_error("grad", grad)
+    half = _half_view(grad, fmt, "grad", "grad_format")
+    if half is None:
+        return grad.reshape(-1)
+    return _kernel_bits(*half).reshape(-1)
+
+
+def _check_out(out, fmt, shape):
+    if not isinstance(out, np.ndarray):
+        raise OptimizerError(f"out must be a numpy array, got {type(out).__name__}.",
+                             argument="out")
+    if out.shape != shape:
+        raise _shape_error("out", out, shape)
+    if not out.flags.c_contiguous:
+        raise _contiguous_error("out", out)
+    if not out.flags.writeable:
+        raise OptimizerError("out is read-only; pass a writeable buffer.", argument="out")
+    half = _half_view(out, fmt, "out", "out_format")
+    if half is None:
+        return out.reshape(-1)
+    return _kernel_bits(*half).reshape(-1)
+
+
+def _kernel_bits(bits, code):
+    """uint16 bits -> the kernels' typed view (NOTE [ Formats are types ])."""
+    return bits.view(np.int16) if code == FLOAT16 else bits
+
+
+def _check_no_overlap(named):
+    # Bounds-only test (cheap): aliasing state arrays would make the result depend
+    # on the loop order, a silent corruption.
+    named = [(n, a) for n, a in named if a is not None]
+    for i, (na, a) in enumerate(named):
+        for nb, b in named[i + 1:]:
+            if np.may_share_memory(a, b):
+                raise OptimizerError(
+                    f"{na} and {nb} overlap in memory; each array of the update needs "
+                    f"its own buffer.", argument=nb)
+
+
+def _check_range(start, stop, size):
+    stop = size if stop is None else stop
+    for name, value in (("start", start), ("stop", stop)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise OptimizerError(f"{name}={value!r} must be an int element index.",
+                                 argument=name)
+    if not 0 <= start <= stop <= size:
+        raise OptimizerError(
+            f"range [start, stop) = [{start}, {stop}) is not inside [0, {size}] "
+            f"(the number of elements); need 0 <= start <= stop <= size.",
+            argument="start" if not 0 <= start <= size else "stop")
+    return int(start), int(stop)

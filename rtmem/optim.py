@@ -1,0 +1,443 @@
+"""CPU Adam / AdamW optimizers over the fused kernel of :mod:`rtmem.kernels.adam`.
+
+Two front ends share one step routine:
+
+- :class:`CPUAdam` / :class:`CPUAdamW` are ``torch.optim.Optimizer`` subclasses
+  for fp32 CPU parameters (param groups, lr schedulers, ``state_dict`` /
+  ``load_state_dict``, ``zero_grad``). Parameters are updated in place through
+  zero-copy numpy views; the state tensors (``exp_avg``, ``exp_avg_sq``,
+  ``max_exp_avg_sq``, ``step``) are laid out as ``torch.optim.Adam``'s, so a
+  state dict loads into either optimizer.
+- :class:`NumpyAdam` / :class:`NumpyAdamW` do the same over plain numpy arrays and
+  need no torch. torch is imported only when ``CPUAdam``/``CPUAdamW`` is first
+  accessed.
+
+NOTE [ Skipped steps ]
+    With ``step(..., grad_scale=S)`` the gradients are divided by the loss scale
+    ``S`` inside the kernel, and the step is skipped if any unscaled gradient of
+    any parameter is inf/NaN: then no parameter, moment or step count changes
+    (bit-identical), ``last_step_skipped`` is True and ``skipped_steps`` grows by
+    one. All gradients are validated and checked before the first parameter is
+    written, so an error or an overflow never leaves a half-applied step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import OptimizerError
+from .kernels.adam import adam_coefficients, prepare_update, threads
+
+__all__ = ["CPUAdam", "CPUAdamW", "NumpyAdam", "NumpyAdamW"]
+
+_TORCH_CLASSES = ("CPUAdam", "CPUAdamW")
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+# --------------------------------------------------------------------------- shared
+
+def _check_hyper(lr, betas, eps, weight_decay):
+    """Validate one set of hyperparameters; raise OptimizerError naming the bad one."""
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise OptimizerError(f"betas={betas!r} must be a pair (beta1, beta2), each in "
+                             f"[0, 1).", argument="betas") from None
+    # adam_coefficients owns the range checks; step=1 is just a valid placeholder.
+    adam_coefficients(lr=float(lr), step=1, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=weight_decay)
+
+
+def _check_num_threads(num_threads):
+    with threads(num_threads):  # validates (and restores the count at once)
+        pass
+    return num_threads
+
+
+def _run_step(items, *, grad_scale, check_finite, num_threads):
+    """Apply one Adam step to every item, or to none (NOTE [ Skipped steps ]).
+
+    ``items`` holds ``(update, coefficients, state)``: a validated
+    :class:`~rtmem.kernels.adam.PreparedUpdate`, its float32 kernel coefficients
+    and the parameter's state dict (the caller advances its ``"step"`` on
+    success). Returns True if the step was applied.
+    """
+    if check_finite is None:
+        check_finite = grad_scale is not None
+    with threads(num_threads):
+        if check_finite:
+            for update, c, _ in items:
+                if not update.grads_finite(c):
+                    return False
+        for update, c, _ in items:
+            update.apply(c)
+    return True
+
+
+def _coefficients(group, step, decoupled, grad_scale):
+    beta1, beta2 = group["betas"]
+    return adam_coefficients(lr=float(group["lr"]), step=step, beta1=beta1, beta2=beta2,
+                             eps=group["eps"], weight_decay=group["weight_decay"],
+                             decoupled_weight_decay=decoupled, grad_scale=grad_scale,
+                             maximize=group.get("maximize", False),
+                             bias_correction=group.get("bias_correction", True))
+
+
+# --------------------------------------------------------------------------- numpy front end
+
+class NumpyAdam:
+    """Adam over numpy float32 arrays (no torch needed), with the fused CPU kernel.
+
+    Parameters
+    ----------
+    params:
+        Iterable of C-contiguous, writeable float32 numpy arrays, updated in place.
+    lr:
+        Learning rate, >= 0.
+    betas:
+        ``(beta1, beta2)``, each in [0, 1).
+    eps:
+        Denominator term, > 0.
+    weight_decay:
+        >= 0; an L2 term added to the gradient (``NumpyAdamW``: decoupled decay).
+    amsgrad:
+        Keep ``max_exp_avg_sq`` and normalise by it (AMSGrad).
+    maximize, bias_correction:
+        As in :func:`rtmem.kernels.adam_update`.
+    num_threads:
+        Kernel threads per step (1..numba.config.NUMBA_NUM_THREADS), or None for
+        ``numba.get_num_threads()``.
+
+    State lives in ``self.state[i]`` (float32 arrays, 8 bytes per parameter, 12
+    with AMSGrad) next to ``self.params[i]``.
+    """
+
+    decoupled_weight_decay = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, maximize=False, bias_correction=True, num_threads=None):
+        _check_hyper(lr, betas, eps, weight_decay)
+        self.params = list(params)
+        if not self.params:
+            raise OptimizerError("params is empty; pass at least one float32 array.",
+                                 argument="params")
+        self.hyper = dict(lr=float(lr), betas=(float(betas[0]), float(betas[1])),
+                          eps=float(eps), weight_decay=float(weight_decay),
+                          amsgrad=bool(amsgrad), maximize=bool(maximize),
+                          bias_correction=bool(bias_correction))
+        self.num_threads = _check_num_threads(num_threads)
+        self.state = []
+        for i, p in enumerate(self.params):
+            zeros = np.zeros(getattr(p, "shape", ()), dtype=np.float32)
+            # Validates the parameter (dtype, contiguity, writeability) up front.
+            prepare_update(p, zeros, zeros.copy(), zeros.copy())
+            st = {"step": 0, "exp_avg": zeros, "exp_avg_sq": np.zeros_like(zeros)}
+            if amsgrad:
+                st["max_exp_avg_sq"] = np.zeros_like(zeros)
+            self.state.append(st)
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+
+    def step(self, grads, *, grad_scale=None, check_finite=None, grad_format=None,
+             copies=None, copy_format=None) -> bool:
+        """Take one step; return True if applied, False if skipped (overflow).
+
+        ``grads`` is a sequence aligned with ``params`` (float32, float16, or
+        uint16 bits with ``grad_format``); a None entry leaves that parameter
+        alone. ``grad_scale`` is the loss scale the gradients carry (divided out
+        in the kernel); ``check_finite`` defaults to ``grad_scale is not None``.
+        ``copies`` optionally gives, per parameter, an array (float32, float16,
+        or uint16 with ``copy_format``) that receives the updated parameter in
+        the same pass. See NOTE [ Skipped steps ].
+        """
+        grads = list(grads)
+        if len(grads) != len(self.params):
+            raise OptimizerError(f"got {len(grads)} gradients for {len(self.params)} "
+                                 f"params; pass one per param (None to skip one).",
+                                 argument="grads")
+        copies = [None] * len(grads) if copies is None else list(copies)
+        if len(copies) != len(self.params):
+            raise OptimizerError(f"got {len(copies)} copies for {len(self.params)} params.",
+                                 argument="copies")
+        _check_hyper(self.hyper["lr"], self.hyper["betas"], self.hyper["eps"],
+                     self.hyper["weight_decay"])
+        items = []
+        for p, g, out, st in zip(self.params, grads, copies, self.state):
+            if g is None:
+                continue
+            update = prepare_update(p, g, st["exp_avg"], st["exp_avg_sq"],
+                                    max_exp_avg_sq=st.get("max_exp_avg_sq"),
+                                    grad_format=grad_format, out=out,
+                                    out_format=copy_format)
+            c = _coefficients(self.hyper, st["step"] + 1, self.decoupled_weight_decay,
+                              grad_scale)
+            items.append((update, c, st))
+        applied = _run_step(items, grad_scale=grad_scale, check_finite=check_finite,
+                            num_threads=self.num_threads)
+        if applied:
+            for _, _, st in items:
+                st["step"] += 1
+        else:
+            self.skipped_steps += 1
+        self.last_step_skipped = not applied
+        return applied
+
+    def state_dict(self) -> dict:
+        """A deep copy of the hyperparameters and per-parameter state (arrays copied)."""
+        return {"hyper": dict(self.hyper),
+                "state": [{k: (v.copy() if isinstance(v, np.ndarray) else v)
+                           for k, v in st.items()} for st in self.state]}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Restore :meth:`state_dict` output, copying into the existing state arrays
+        (their memory stays where it was allocated)."""
+        states = state_dict["state"]
+        if len(states) != len(self.state):
+            raise OptimizerError(f"state_dict has state for {len(states)} params, this "
+                                 f"optimizer has {len(self.state)}.", argument="state_dict")
+        hyper = dict(state_dict["hyper"])
+        _check_hyper(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"])
+        for i, (src, dst) in enumerate(zip(states, self.state)):
+            for key in _STATE_KEYS:
+                if (key in src) != (key in dst):
+                    raise OptimizerError(
+                        f"param {i}: state key {key!r} is "
+                        f"{'missing' if key not in src else 'unexpected'}; was the "
+                        f"state saved with the same amsgrad setting?",
+                        argument="state_dict")
+                if key in dst:
+                    a = np.asarray(src[key])
+                    if a.shape != dst[key].shape:
+                        raise OptimizerError(f"param {i}: {key} has shape {a.shape}, "
+                                             f"expected {dst[key].shape}.",
+                                             argument="state_dict")
+        for src, dst in zip(states, self.state):
+            for key in _STATE_KEYS:
+                if key in dst:
+                    np.copyto(dst[key], src[key], casting="same_kind")
+            dst["step"] = int(src["step"])
+        self.hyper = hyper
+
+
+class NumpyAdamW(NumpyAdam):
+    """AdamW (decoupled weight decay, ``p *= 1 - lr*weight_decay``) over numpy arrays;
+    otherwise identical to :class:`NumpyAdam`. Default ``weight_decay=1e-2``."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, **kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+# --------------------------------------------------------------------------- torch front end
+
+def __getattr__(name):
+    # Lazy: `import rtmem.optim` must work (NumpyAdam) without torch installed.
+    if name in _TORCH_CLASSES:
+        classes = _build_torch_optimizers()
+        globals().update(classes)
+        return classes[name]
+    raise AttributeError(f"module 'rtmem.optim' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def _build_torch_optimizers():
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(
+            "rtmem.optim.CPUAdam/CPUAdamW need PyTorch; install it with "
+            "`pip install 'rtmem[torch]'`, or use rtmem.optim.NumpyAdam / NumpyAdamW "
+            "on numpy arrays.") from e
+
+    def as_numpy(t, name):
+        """(numpy view, 16-bit format or None) of a CPU tensor, zero-copy."""
+        if isinstance(t, np.ndarray):
+            return t, None
+        if not isinstance(t, torch.Tensor):
+            raise OptimizerError(f"{name} must be a torch.Tensor or numpy array, got "
+                                 f"{type(t).__name__}.", argument=name)
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            raise OptimizerError(
+                f"{name} is a {t.device.type} {t.layout} tensor; the CPU optimizer needs "
+                f"dense CPU tensors (copy with .to('cpu'), or .to_dense()).",
+                argument=name)
+        if not t.is_contiguous():
+            raise OptimizerError(f"{name} is not contiguous (strides {t.stride()}); the "
+                                 f"fused kernel walks flat memory. Use .contiguous().",
+                                 argument=name)
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        if t.dtype in (torch.float32, torch.float16):
+            return t.numpy(), None
+        raise OptimizerError(f"{name} has dtype {t.dtype}; expected float32, float16 or "
+                             f"bfloat16.", argument=name)
+
+    def per_param(values, params, name):
+        """Map a dict {param: value} or a sequence aligned with params to a dict."""
+        if values is None:
+            return {}
+        if isinstance(values, dict):
+            return {id(k): v for k, v in values.items()}
+        values = list(values)
+        if len(values) != len(params):
+            raise OptimizerError(f"{name} has {len(values)} entries for {len(params)} "
+                                 f"params; pass one per param in param-group order, or a "
+                                 f"dict {{param: tensor}}.", argument=name)
+        return {id(p): v for p, v in zip(params, values)}
+
+    class CPUAdam(torch.optim.Optimizer):
+        """Adam on CPU float32 parameters with rtmem's fused kernel.
+
+        A drop-in ``torch.optim.Optimizer`` (param groups, lr schedulers,
+        ``state_dict``/``load_state_dict``, ``zero_grad``). Parameters must be
+        contiguous float32 CPU tensors; they are updated in place through
+        zero-copy numpy views. State per parameter: ``step`` (float32 scalar
+        tensor) and float32 ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``
+        with ``amsgrad``), 8-12 bytes per parameter, laid out like
+        ``torch.optim.Adam`` so state dicts move between the two.
+
+        ``lr`` >= 0, ``betas`` in [0, 1), ``eps`` > 0, ``weight_decay`` >= 0 (an
+        L2 term; :class:`CPUAdamW` decouples it); ``num_threads`` as in
+        :func:`rtmem.kernels.adam_update`.
+        """
+
+        decoupled_weight_decay = False
+
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                     weight_decay=0.0, amsgrad=False, *, maximize=False,
+                     bias_correction=True, num_threads=None):
+            _check_hyper(lr, betas, eps, weight_decay)
+            self.num_threads = _check_num_threads(num_threads)
+            self.last_step_skipped = False
+            self.skipped_steps = 0
+            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                            amsgrad=bool(amsgrad), maximize=bool(maximize),
+                            bias_correction=bool(bias_correction))
+            super().__init__(params, defaults)
+
+        def add_param_group(self, param_group):
+            """Add a group (see ``torch.optim.Optimizer.add_param_group``); its
+            hyperparameters and parameters are validated first."""
+            super().add_param_group(param_group)
+            group = self.param_groups[-1]
+            try:
+                _check_hyper(group["lr"], group["betas"], group["eps"],
+                             group["weight_decay"])
+                for i, p in enumerate(group["params"]):
+                    if p.dtype != torch.float32:
+                        raise OptimizerError(
+                            f"param {i} of group {len(self.param_groups) - 1} has dtype "
+                            f"{p.dtype}; CPUAdam keeps float32 master parameters. Keep "
+                            f"an fp32 copy on the CPU and upload fp16/bf16 copies "
+                            f"(step(copies=...)).", argument="params")
+                    as_numpy(p, f"param {i}")
+            except Exception:
+                self.param_groups.pop()
+                raise
+
+        def _state_for(self, p, group):
+            st = self.state[p]
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for key in _STATE_KEYS:
+                if key not in st and (key != "max_exp_avg_sq" or group["amsgrad"]):
+                    st[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            return st
+
+        @torch.no_grad()
+        def step(self, closure=None, *, grads=None, grad_scale=None, check_finite=None,
+                 copies=None):
+            """Take one step; returns the closure's loss (or None), like torch.
+
+            ``grads`` overrides ``p.grad``: a dict ``{param: tensor}`` or a
+            sequence in param-group order, with float32, float16 or bfloat16
+            tensors (e.g. half gradients flushed from the GPU); None entries
+            skip that parameter. ``grad_scale`` is the loss scale the gradients
+            carry (divided out in the kernel); ``check_finite`` defaults to
+            ``grad_scale is not None``. ``copies`` (same forms) receives each
+            updated parameter as float32/float16/bfloat16 in the same pass.
+            Whether the step was skipped is recorded in ``last_step_skipped``
+            (NOTE [ Skipped steps ]).
+            """
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            params = [p for group in self.param_groups for p in group["params"]]
+            grad_of = per_param(grads, params, "grads")
+            copy_of = per_param(copies, params, "copies")
+            items = []
+            for group in self.param_groups:
+                _check_hyper(group["lr"], group["betas"], group["eps"],
+                             group["weight_decay"])
+                for p in group["params"]:
+                    g = grad_of.get(id(p), None) if grads is not None else p.grad
+                    if g is None:
+                        continue
+                    g_np, g_fmt = as_numpy(g, "grad")
+                    out = copy_of.get(id(p))
+                    o_np, o_fmt = (None, None) if out is None else as_numpy(out, "copies")
+                    st = self._state_for(p, group)
+                    update = prepare_update(
+                        p.detach().numpy(), g_np, st["exp_avg"].numpy(),
+                        st["exp_avg_sq"].numpy(),
+                        max_exp_avg_sq=(st["max_exp_avg_sq"].numpy() if group["amsgrad"]
+                                        else None),
+                        grad_format=g_fmt, out=o_np, out_format=o_fmt)
+                    c = _coefficients(group, int(st["step"].item()) + 1,
+                                      self.decoupled_weight_decay, grad_scale)
+                    items.append((update, c, st))
+            applied = _run_step(items, grad_scale=grad_scale, check_finite=check_finite,
+                                num_threads=self.num_threads)
+            if applied:
+                for _, _, st in items:
+                    st["step"] += 1
+            else:
+                self.skipped_steps += 1
+            self.last_step_skipped = not applied
+            return loss
+
+        def load_state_dict(self, state_dict):
+            """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
+            The state is copied into fresh contiguous float32 tensors, so the
+            loaded dict is never aliased."""
+            super().load_state_dict(state_dict)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    st = self.state.get(p)
+                    if not st:
+                        continue
+                    for key in _STATE_KEYS:
+                        if key not in st:
+                            continue
+                        t = torch.as_tensor(st[key])
+                        if t.shape != p.shape:
+                            raise OptimizerError(
+                                f"state {key} has shape {tuple(t.shape)} but its param "
+                                f"has shape {tuple(p.shape)}; the state dict belongs to "
+                                f"another model.", argument="state_dict")
+                        st[key] = t.detach().to(device="cpu", dtype=torch.float32).clone(
+                            memory_format=torch.contiguous_format)
+                    st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
+
+    class CPUAdamW(CPUAdam):
+        """AdamW (decoupled weight decay, ``p *= 1 - lr*weight_decay``) on CPU
+        float32 parameters; otherwise identical to :class:`CPUAdam`. Default
+        ``weight_decay=1e-2`` like ``torch.optim.AdamW``."""
+
+        decoupled_weight_decay = True
+
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                     weight_decay=1e-2, amsgrad=False, **kwargs):
+            super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+    for cls in (CPUAdam, CPUAdamW):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    return {"CPUAdam": CPUAdam, "CPUAdamW": CPUAdamW}

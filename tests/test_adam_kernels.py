@@ -1,0 +1,459 @@
+"""Fused CPU Adam kernels (rtmem.kernels.adam) and the 16-bit float conversions."""
+
+from __future__ import annotations
+
+import zlib
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rtmem.kernels as K
+from rtmem.errors import OptimizerError
+from rtmem.kernels import BLOCK_ELEMENTS, adam_update, decode_half, encode_half, grads_finite
+
+# Several parallel blocks plus a ragged tail, so block edges are exercised.
+N = 3 * BLOCK_ELEMENTS + 123
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _bf16_to_f64(bits):
+    # Independent of the kernel: a bfloat16 is the top half of a float32.
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _grads(rng, fmt, n=N, scale=0.5):
+    """(array handed to the kernel, grad_format, exact float64 values)."""
+    x = (rng.standard_normal(n) * scale).astype(np.float32)
+    if fmt == "float32":
+        return x, None, x.astype(np.float64)
+    if fmt == "float16":
+        h = x.astype(np.float16)
+        return h, None, h.astype(np.float64)
+    bits = encode_half(x, "bfloat16")
+    return bits, "bfloat16", _bf16_to_f64(bits)
+
+
+def _state(rng, n=N, amsgrad=False):
+    """Fresh, non-zero float32 state: params, exp_avg, exp_avg_sq[, max_exp_avg_sq]."""
+    p = rng.standard_normal(n).astype(np.float32)
+    m = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    v = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+    vmax = (v * rng.uniform(1.0, 1.5, n)).astype(np.float32) if amsgrad else None
+    return p, m, v, vmax
+
+
+def _ref_step(p, g, m, v, vmax, *, lr, beta1, beta2, eps, wd, decoupled, step):
+    """Textbook Adam/AdamW in float64 (the oracle)."""
+    if decoupled:
+        p = p * (1.0 - lr * wd)
+    else:
+        g = g + wd * p
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    vv = v
+    if vmax is not None:
+        vmax = np.maximum(vmax, v)
+        vv = vmax
+    denom = np.sqrt(vv) / np.sqrt(1.0 - beta2 ** step) + eps
+    p = p - lr / (1.0 - beta1 ** step) * m / denom
+    return p, m, v, vmax
+
+
+def _rel_err(x, ref):
+    """Max error relative to |ref| + rms(ref): float32 round-off, robust near 0."""
+    ref = np.asarray(ref, dtype=np.float64)
+    scale = np.sqrt(np.mean(ref * ref))
+    return float(np.max(np.abs(x.astype(np.float64) - ref) / (np.abs(ref) + scale)))
+
+
+def _snapshot(*arrays):
+    return [None if a is None else a.copy() for a in arrays]
+
+
+def _assert_bit_identical(before, after):
+    for b, a in zip(before, after):
+        if b is None:
+            assert a is None
+        else:
+            assert b.tobytes() == a.tobytes()
+
+
+# --------------------------------------------------------------------------- 16-bit formats
+
+# soft=True forces the integer conversions where the F16C instructions are used,
+# so both implementations are checked on every x86 machine.
+@pytest.mark.parametrize("soft", [False, True])
+def test_decode_float16_exhaustive(soft):
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = decode_half(bits, "float16", _soft=soft)
+    ref = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
+
+
+def test_decode_bfloat16_exhaustive():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = decode_half(bits, "bfloat16")
+    assert np.array_equal(got.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
+def _edge_floats(rng):
+    random_bits = rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)
+    wide = rng.standard_normal(200_000) * np.exp(rng.uniform(-30, 13, 200_000))
+    # Exact midpoints between neighbouring fp16 values: the ties-to-even cases,
+    # including subnormals and the 65504 -> inf overflow boundary (65520).
+    h = np.arange(0, 0x7C00, dtype=np.uint16)
+    lo = h.view(np.float16).astype(np.float64)
+    hi = (h + 1).view(np.float16).astype(np.float64)
+    ties = (lo + hi) / 2
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520,
+                        6e-8, 2.98e-8, -2.98e-8, 3.4e38], dtype=np.float64)
+    return np.concatenate([random_bits.view(np.float32), wide.astype(np.float32),
+                           ties.astype(np.float32), -ties.astype(np.float32),
+                           special.astype(np.float32)])
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_encode_float16_matches_numpy_rounding(soft):
+    x = _edge_floats(np.random.default_rng(0))
+    got = encode_half(x, "float16", _soft=soft)
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16).view(np.uint16)
+    nan = np.isnan(x)
+    assert np.array_equal(np.isnan(got.view(np.float16)), nan)
+    assert np.array_equal(got[~nan], ref[~nan])
+
+
+def test_encode_bfloat16_matches_torch_rounding():
+    torch = pytest.importorskip("torch")
+    x = _edge_floats(np.random.default_rng(1))
+    # bfloat16 ties: float32 values whose low 16 bits are exactly 0x8000.
+    ties = (np.random.default_rng(2).integers(0, 1 << 16, 5000).astype(np.uint32) << 16
+            | 0x8000).view(np.float32)
+    x = np.concatenate([x, ties[np.isfinite(ties)]])
+    got = encode_half(x, "bfloat16")
+    ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(x)
+    assert np.array_equal(np.isnan(decode_half(got, "bfloat16")), nan)
+    assert np.array_equal(got[~nan], ref[~nan])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=50))
+def test_encode_float16_rounds_like_numpy_for_any_float(xs):
+    a = np.array(xs, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        ref = a.astype(np.float16).view(np.uint16)
+    assert np.array_equal(encode_half(a, "float16"), ref)
+    assert np.array_equal(encode_half(a, "float16", _soft=True), ref)
+
+
+# --------------------------------------------------------------------------- correctness
+
+CASES = [  # (grad format, decoupled, amsgrad, out format)
+    ("float32", False, False, None),
+    ("float32", True, True, "float16"),
+    ("float32", True, False, "bfloat16"),
+    ("float16", False, True, "float32"),
+    ("float16", True, False, "bfloat16"),
+    ("bfloat16", False, False, "bfloat16"),
+    ("bfloat16", True, True, "float16"),
+    ("bfloat16", True, False, None),
+]
+
+
+@pytest.mark.parametrize("gfmt,decoupled,amsgrad,ofmt", CASES)
+def test_matches_float64_reference_over_many_steps(gfmt, decoupled, amsgrad, ofmt):
+    rng = np.random.default_rng(zlib.crc32(repr((gfmt, decoupled, amsgrad, ofmt)).encode()))
+    p, m, v, vmax = _state(rng, amsgrad=amsgrad)
+    rp, rm, rv = (a.astype(np.float64) for a in (p, m, v))
+    rvmax = None if vmax is None else vmax.astype(np.float64)
+    hyper = dict(lr=3e-3, beta1=0.85, beta2=0.99, eps=1e-7, weight_decay=0.05)
+    out = {None: None, "float32": np.empty(N, np.float32), "float16": np.empty(N, np.float16),
+           "bfloat16": np.empty(N, np.uint16)}[ofmt]
+    for step in range(5, 35):   # resume mid-training: non-trivial bias correction
+        g, grad_format, g64 = _grads(rng, gfmt)
+        applied = adam_update(p, g, m, v, step=step, max_exp_avg_sq=vmax,
+                              decoupled_weight_decay=decoupled, grad_format=grad_format,
+                              out=out, out_format="bfloat16" if ofmt == "bfloat16" else None,
+                              **hyper)
+        assert applied
+        rp, rm, rv, rvmax = _ref_step(rp, g64, rm, rv, rvmax, lr=hyper["lr"],
+                                      beta1=hyper["beta1"], beta2=hyper["beta2"],
+                                      eps=hyper["eps"], wd=hyper["weight_decay"],
+                                      decoupled=decoupled, step=step)
+    assert _rel_err(p, rp) < 1e-5
+    assert _rel_err(m, rm) < 1e-5
+    assert _rel_err(v, rv) < 1e-5
+    if amsgrad:
+        assert _rel_err(vmax, rvmax) < 1e-5
+    if ofmt == "float32":
+        assert np.array_equal(out, p)
+    elif ofmt == "float16":
+        assert np.array_equal(out.view(np.uint16), p.astype(np.float16).view(np.uint16))
+    elif ofmt == "bfloat16":
+        assert np.array_equal(out, encode_half(p, "bfloat16"))
+
+
+def test_reference_agrees_with_torch_adamw_float64():
+    # Pins the oracle above to torch's definition (AMSGrad, decoupled decay).
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal(1000)
+    t = torch.tensor(p, requires_grad=True)
+    opt = torch.optim.AdamW([t], lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1,
+                            amsgrad=True)
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    vmax = np.zeros_like(p)
+    for step in range(1, 11):
+        g = rng.standard_normal(1000)
+        t.grad = torch.from_numpy(g.copy())
+        opt.step()
+        p, m, v, vmax = _ref_step(p, g, m, v, vmax, lr=1e-2, beta1=0.8, beta2=0.95,
+                                  eps=1e-6, wd=0.1, decoupled=True, step=step)
+    np.testing.assert_allclose(t.detach().numpy(), p, rtol=1e-12, atol=1e-14)
+
+
+def test_bias_correction_at_step_one_moves_each_param_by_lr():
+    # From zero moments, step 1 gives m_hat = g and v_hat = g^2, so each parameter
+    # moves by lr * g / (|g| + eps): lr against the sign of g.
+    rng = np.random.default_rng(4)
+    p = rng.standard_normal(N).astype(np.float32)
+    p0 = p.copy()
+    # |g| >= 0.1 >> eps, so the step is lr to float32 precision.
+    g = (rng.choice([-1.0, 1.0], N) * rng.uniform(0.1, 2.0, N)).astype(np.float32)
+    m = np.zeros(N, np.float32)
+    v = np.zeros(N, np.float32)
+    lr, eps = 1e-2, 1e-8
+    assert adam_update(p, g, m, v, lr=lr, step=1, eps=eps)
+    g64 = g.astype(np.float64)
+    expected = p0 - lr * g64 / (np.abs(g64) + eps)
+    assert _rel_err(p, expected) < 1e-6
+    moved = p0.astype(np.float64) - p
+    # Up to a few ulps of |p| <= ~4 of float32 rounding in p0 - p.
+    np.testing.assert_allclose(moved, lr * np.sign(g), rtol=1e-6,
+                               atol=4 * np.spacing(np.float32(4)))
+
+
+def test_power_of_two_loss_scale_is_bit_exact():
+    rng = np.random.default_rng(5)
+    a = _state(rng, amsgrad=True)
+    b = _snapshot(*a)
+    g = (rng.standard_normal(N) * 1e-3).astype(np.float32)
+    adam_update(a[0], g, a[1], a[2], max_exp_avg_sq=a[3], lr=1e-3, step=3)
+    assert adam_update(b[0], g * np.float32(1024), b[1], b[2], max_exp_avg_sq=b[3],
+                       lr=1e-3, step=3, grad_scale=1024)
+    _assert_bit_identical(a, b)
+
+
+def test_maximize_equals_descending_on_negated_gradient():
+    rng = np.random.default_rng(6)
+    a = _state(rng)[:3]
+    b = _snapshot(*a)
+    g = rng.standard_normal(N).astype(np.float32)
+    adam_update(*a[:1], g, *a[1:], lr=1e-3, step=2, maximize=True)
+    adam_update(*b[:1], -g, *b[1:], lr=1e-3, step=2)
+    _assert_bit_identical(a, b)
+
+
+@pytest.mark.parametrize("gfmt", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("where", [0, N // 2, N - 1])
+def test_nonfinite_gradient_skips_step_and_leaves_state_untouched(gfmt, bad, where):
+    rng = np.random.default_rng(7)
+    p, m, v, vmax = _state(rng, amsgrad=True)
+    out = np.full(N, 7, np.uint16)
+    g, grad_format, _ = _grads(rng, gfmt)
+    if gfmt == "bfloat16":
+        g[where] = encode_half(np.array([bad], np.float32), "bfloat16")[0]
+    else:
+        g[where] = bad
+    before = _snapshot(p, m, v, vmax, out)
+    assert not grads_finite(g, grad_scale=128.0, grad_format=grad_format)
+    applied = adam_update(p, g, m, v, max_exp_avg_sq=vmax, lr=1e-3, step=2, grad_scale=128.0,
+                          grad_format=grad_format, out=out, out_format="bfloat16")
+    assert applied is False
+    _assert_bit_identical(before, [p, m, v, vmax, out])
+
+
+@pytest.mark.parametrize("gfmt", ["float32", "bfloat16"])
+def test_small_arrays_take_the_serial_path_with_the_same_guarantees(gfmt):
+    # <= BLOCK_ELEMENTS elements run without the thread pool; same contract.
+    rng = np.random.default_rng(15)
+    n = 1000
+    p, m, v, _ = _state(rng, n=n)
+    g, grad_format, g64 = _grads(rng, gfmt, n=n)
+    before = _snapshot(p, m, v)
+    bad = g.copy()
+    bad[n - 1] = encode_half(np.array([np.nan], np.float32), "bfloat16")[0] \
+        if gfmt == "bfloat16" else np.nan
+    assert not adam_update(p, bad, m, v, lr=1e-3, step=3, grad_scale=4.0,
+                           grad_format=grad_format)
+    _assert_bit_identical(before, [p, m, v])
+    assert adam_update(p, g, m, v, lr=1e-3, step=3, grad_format=grad_format)
+    ref = _ref_step(*(a.astype(np.float64) for a in before[:1]), g64,
+                    *(a.astype(np.float64) for a in before[1:]), None, lr=1e-3, beta1=0.9,
+                    beta2=0.999, eps=1e-8, wd=0.0, decoupled=False, step=3)
+    assert _rel_err(p, ref[0]) < 1e-6
+
+
+def test_gradient_that_overflows_when_unscaled_skips_the_step():
+    rng = np.random.default_rng(8)
+    p, m, v, _ = _state(rng)
+    g = rng.standard_normal(N).astype(np.float32)
+    g[123] = 3e38   # finite, but 3e38 / 0.5 is inf in float32
+    before = _snapshot(p, m, v)
+    assert grads_finite(g)
+    assert not adam_update(p, g, m, v, lr=1e-3, step=2, grad_scale=0.5)
+    _assert_bit_identical(before, [p, m, v])
+
+
+def test_finite_gradients_with_check_apply_the_step():
+    rng = np.random.default_rng(9)
+    p, m, v, _ = _state(rng)
+    p0 = p.copy()
+    g = rng.standard_normal(N).astype(np.float32)
+    assert adam_update(p, g, m, v, lr=1e-3, step=2, check_finite=True)
+    assert not np.array_equal(p, p0)
+
+
+def test_chunked_updates_equal_one_whole_update():
+    rng = np.random.default_rng(10)
+    whole = _state(rng, amsgrad=True)
+    parts = _snapshot(*whole)
+    g = rng.standard_normal(N).astype(np.float32)
+    out_w = np.empty(N, np.float16)
+    out_p = np.empty(N, np.float16)
+    kw = dict(lr=1e-3, step=4, weight_decay=0.01, decoupled_weight_decay=True)
+    adam_update(whole[0], g, whole[1], whole[2], max_exp_avg_sq=whole[3], out=out_w, **kw)
+    cuts = np.sort(rng.choice(np.arange(1, N), size=5, replace=False))
+    edges = [0, *cuts.tolist(), N]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        adam_update(parts[0], g, parts[1], parts[2], max_exp_avg_sq=parts[3], out=out_p,
+                    start=lo, stop=hi, **kw)
+    _assert_bit_identical([*whole, out_w], [*parts, out_p])
+
+
+def test_chunk_leaves_elements_outside_it_alone():
+    rng = np.random.default_rng(11)
+    p, m, v, _ = _state(rng)
+    before = _snapshot(p, m, v)
+    g = rng.standard_normal(N).astype(np.float32)
+    adam_update(p, g, m, v, lr=1e-3, step=2, start=100, stop=200)
+    for b, a in zip(before, (p, m, v)):
+        assert np.array_equal(a[:100], b[:100]) and np.array_equal(a[200:], b[200:])
+        assert not np.array_equal(a[100:200], b[100:200])
+
+
+def test_thread_count_does_not_change_results_and_is_restored():
+    rng = np.random.default_rng(12)
+    a = _state(rng)[:3]
+    b = _snapshot(*a)
+    g = rng.standard_normal(N).astype(np.float32)
+    previous = numba.get_num_threads()
+    adam_update(a[0], g, a[1], a[2], lr=1e-3, step=2, num_threads=1)
+    assert numba.get_num_threads() == previous
+    adam_update(b[0], g, b[1], b[2], lr=1e-3, step=2,
+                num_threads=numba.config.NUMBA_NUM_THREADS)
+    _assert_bit_identical(a, b)
+
+
+def test_multidimensional_arrays_are_updated_as_flat_memory():
+    rng = np.random.default_rng(13)
+    p, m, v, _ = _state(rng, n=12 * 7)
+    flat = _snapshot(p, m, v)
+    g = rng.standard_normal(12 * 7).astype(np.float32)
+    adam_update(p.reshape(12, 7), g.reshape(12, 7), m.reshape(12, 7), v.reshape(12, 7),
+                lr=1e-3, step=2)
+    adam_update(flat[0], g, flat[1], flat[2], lr=1e-3, step=2)
+    _assert_bit_identical(flat, [p, m, v])
+
+
+def test_update_loop_has_no_float64_arithmetic():
+    # Compile the loop afresh (cached code cannot be inspected) for fp32 and bf16
+    # gradients and check the optimised IR never touches double precision.
+    from rtmem.kernels import adam as A
+    loop = numba.njit(A._adam_loop.py_func, error_model="numpy")
+    c = A.adam_coefficients(lr=1e-3, step=3, weight_decay=0.1)
+    f = np.ones(64, np.float32)
+    h = np.ones(64, np.uint16)
+    loop(f.copy(), f.copy(), f.copy(), f.copy(), None, None, c)
+    # bf16 gradients (uint16), fp16 copy out (int16): NOTE [ Formats are types ].
+    loop(f.copy(), h.copy(), f.copy(), f.copy(), f.copy(), h.view(np.int16).copy(), c)
+    assert len(loop.signatures) == 2
+    for sig in loop.signatures:
+        ir = loop.inspect_llvm(sig)
+        assert "double" not in ir, f"float64 arithmetic in the Adam loop for {sig}"
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _ok_arrays(n=64):
+    rng = np.random.default_rng(14)
+    return dict(param=rng.standard_normal(n).astype(np.float32),
+                grad=rng.standard_normal(n).astype(np.float32),
+                exp_avg=np.full(n, 0.1, np.float32), exp_avg_sq=np.full(n, 0.2, np.float32))
+
+
+@pytest.mark.parametrize("change,argument,fragment", [
+    (dict(grad=np.ones(63, np.float32)), "grad", "shape"),
+    (dict(exp_avg=np.ones((8, 8), np.float32)), "exp_avg", "shape"),
+    (dict(exp_avg_sq=np.ones(64, np.float64)), "exp_avg_sq", "float32"),
+    (dict(param=np.ones(64, np.float16)), "param", "float32"),
+    (dict(grad=np.ones(64, np.int32)), "grad", "dtype"),
+    (dict(grad=np.ones(64, np.uint16)), "grad_format", "bfloat16"),
+    (dict(grad=np.ones(128, np.float32)[::2]), "grad", "contiguous"),
+    (dict(param=np.ones(128, np.float32)[::2]), "param", "contiguous"),
+    (dict(exp_avg=[0.0] * 64), "exp_avg", "numpy"),
+    (dict(lr=-1e-3), "lr", "lr=-0.001"),
+    (dict(lr=float("nan")), "lr", "finite"),
+    (dict(beta1=1.0), "beta1", "[0, 1)"),
+    (dict(beta2=-0.1), "beta2", "[0, 1)"),
+    (dict(eps=0.0), "eps", "(0, inf)"),
+    (dict(eps=-1e-8), "eps", "eps"),
+    (dict(weight_decay=-0.1), "weight_decay", "weight_decay"),
+    (dict(step=0), "step", ">= 1"),
+    (dict(step=1.5), "step", "int"),
+    (dict(grad_scale=0.0), "grad_scale", "grad_scale"),
+    (dict(start=10, stop=5), "stop", "start <= stop"),
+    (dict(start=-1), "start", "0 <= start"),
+    (dict(stop=65), "stop", "0 <= start"),
+    (dict(num_threads=0), "num_threads", "NUMBA_NUM_THREADS"),
+    (dict(out=np.ones(64, np.uint16)), "out_format", "bfloat16"),
+    (dict(out=np.ones(64, np.float32), out_format="bfloat16"), "out_format", "float32"),
+    (dict(grad_format="int8", grad=np.ones(64, np.uint16)), "grad_format", "16-bit"),
+])
+def test_bad_input_raises_a_clear_optimizer_error(change, argument, fragment):
+    kw = dict(_ok_arrays(), lr=1e-3, step=1)
+    kw.update(change)
+    param = kw["param"]
+    before = param.copy()
+    with pytest.raises(OptimizerError) as info:
+        adam_update(kw.pop("param"), kw.pop("grad"), kw.pop("exp_avg"), kw.pop("exp_avg_sq"),
+                    **kw)
+    assert info.value.argument == argument
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert param.tobytes() == before.tobytes()   # validation happens before any write
+
+
+def test_read_only_and_aliased_arrays_are_rejected():
+    kw = _ok_arrays()
+    ro = kw["exp_avg"].copy()
+    ro.setflags(write=False)
+    with pytest.raises(OptimizerError, match="read-only"):
+        adam_update(kw["param"], kw["grad"], ro, kw["exp_avg_sq"], lr=1e-3, step=1)
+    with pytest.raises(OptimizerError, match="overlap"):
+        adam_update(kw["param"], kw["grad"], kw["param"], kw["exp_avg_sq"], lr=1e-3, step=1)
+
+
+def test_kernels_all_lists_exactly_the_public_names():
+    public = {n for n in dir(K) if not n.startswith("_")
+              and not isinstance(getattr(K, n), type(K))}
+    assert set(K.__all__) == public
