@@ -210,13 +210,16 @@ class _Arena:
             raise InvalidPointerError(f"{buf!r} is not an rtmem Buffer; free it with "
                                       f"the library that allocated it")
         with buf._lock:
-            if buf._freed:
+            if buf._freed or buf._free_requested:
                 raise DoubleFreeError(f"{buf!r} was already freed; free each buffer once")
             placements = [p for p in (buf._device, buf._host) if p is not None]
             if not any(p.arena is self for p in placements):
                 raise InvalidPointerError(
                     f"{buf!r} does not live in {self!r} (foreign pointer); free it with "
                     f"buf.free() or the arena that allocated it")
+            if buf._pins:   # NOTE [ Pinned views ] in buffer.py: release on last view
+                buf._free_requested = True
+                return
             buf._settle()
             for p in placements:
                 p.arena._release(p, buf.kind)

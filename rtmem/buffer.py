@@ -88,7 +88,8 @@ class Buffer:
     """
 
     __slots__ = ("nbytes", "dtype", "shape", "kind", "_device", "_host", "_pending",
-                 "_freed", "_lock", "device_arena", "host_arena", "__weakref__")
+                 "_freed", "_lock", "device_arena", "host_arena", "_pins", "_free_requested",
+                 "__weakref__")
 
     def __init__(self, placement: Placement, nbytes: int, dtype, shape, kind: str):
         self.nbytes = int(nbytes)
@@ -102,6 +103,11 @@ class Buffer:
         self._lock = threading.RLock()
         self.device_arena = None    # where prefetch puts it back by default
         self.host_arena = None      # where offload puts it by default
+        # NOTE [ Pinned views ]: zero-copy tensors made by rtmem.torch.as_tensor pin
+        # the buffer; a free requested while pinned happens when the last view dies,
+        # so the arena never hands the bytes out while a tensor still reads them.
+        self._pins = 0
+        self._free_requested = False
         self._attach(placement)
 
     def _attach(self, placement: Placement) -> None:
@@ -172,11 +178,30 @@ class Buffer:
     def free(self) -> None:
         """Free every placement (stream-ordered); the buffer becomes unusable.
 
-        Freeing twice raises :class:`~rtmem.errors.DoubleFreeError`.
+        Freeing twice raises :class:`~rtmem.errors.DoubleFreeError`. While
+        zero-copy tensors view the buffer (NOTE [ Pinned views ]) the bytes stay
+        reserved and are released when the last view is garbage collected.
         """
-        if self._freed:
+        if self._freed or self._free_requested:
             raise DoubleFreeError(f"{self!r} was already freed; free each buffer once")
         self.arena.free(self)
+
+    def _pin(self) -> None:
+        with self._lock:
+            self._check_alive()
+            if self._free_requested:
+                raise UseAfterFreeError(f"{self!r} was freed (its release waits for "
+                                        "existing views); do not make new views of it")
+            self._pins += 1
+
+    def _unpin(self) -> None:
+        with self._lock:
+            self._pins -= 1
+            release = self._pins == 0 and self._free_requested and not self._freed
+            arena = self.arena if release else None
+        if release:
+            self._free_requested = False
+            arena.free(self)
 
     # ------------------------------------------------------------ views
     def _view_placement(self, where):

@@ -1,0 +1,172 @@
+"""Zero-copy tensors over arena buffers, and module parameters placed in arenas.
+
+:func:`as_tensor` views a :class:`~rtmem.Buffer` as a ``torch.Tensor`` without
+copying: host-addressable memory (pinned or mapped host arenas, and every arena
+of the host backend) as a CPU tensor, device memory of the cuda backend as a CUDA
+tensor, and mapped host memory also as a CUDA tensor over its device alias
+(``device_alias=True``: the GPU reads it over PCIe, the DHA path).
+
+Lifetimes: the tensor pins the buffer (NOTE [ Pinned views ] in
+``rtmem/buffer.py``). The pin is held by the object that exports the memory to
+torch, which torch keeps alive as long as *any* tensor shares the storage (views,
+slices, ``.data`` swaps included), so a ``buf.free()`` while tensors view it only
+takes effect once the last of them is garbage collected: the arena never hands
+those bytes to another allocation while a tensor can still read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rtmem.buffer import Buffer
+from rtmem.errors import ResidencyError
+
+__all__ = ["as_tensor", "from_tensor", "place_parameters", "ModulePlacement"]
+
+# torch dtypes without a numpy twin are stored as same-width integer bits
+_BITS = {torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8,
+         torch.float8_e5m2: np.uint8}
+
+
+class _Export:
+    """Exports a buffer's memory to torch and holds a pin on the buffer until torch
+    drops the last reference to it (when the last tensor over it dies)."""
+
+    def __init__(self, buf: Buffer, name: str, interface: dict, keep=None):
+        buf._pin()
+        self._buf = buf
+        self._keep = keep              # e.g. the numpy view whose memory is exported
+        setattr(self, name, interface)
+
+    def __del__(self):
+        buf = getattr(self, "_buf", None)
+        if buf is not None:
+            self._buf = None
+            buf._unpin()
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype an arena buffer uses to hold ``dtype`` (bit patterns for
+    bfloat16 and float8)."""
+    if dtype in _BITS:
+        return np.dtype(_BITS[dtype])
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = False,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A zero-copy ``torch.Tensor`` over ``buf`` (shape ``buf.shape``).
+
+    Parameters
+    ----------
+    where:
+        ``"device"`` or ``"host"`` placement (default: the primary one: device
+        when the buffer has a device copy).
+    device_alias:
+        View a mapped host buffer as a CUDA tensor through its device pointer
+        (cuda backend, ``HostArena(mapped=True)``): kernels then read host memory
+        directly over PCIe.
+    dtype:
+        Reinterpret the bytes as this torch dtype (same item size), e.g.
+        ``torch.bfloat16`` over a uint16 buffer.
+
+    Raises :class:`~rtmem.errors.ResidencyError` when the requested placement does
+    not exist and :class:`~rtmem.errors.UseAfterFreeError` for a freed buffer.
+    """
+    if not isinstance(buf, Buffer):
+        raise TypeError(f"as_tensor needs an rtmem Buffer, got {type(buf).__name__}")
+    if device_alias:
+        p = buf._view_placement("host")
+        if p.arena.backend.name != "cuda" or p.slab.device_ptr is None:
+            raise ResidencyError(
+                "device_alias=True needs a mapped host buffer on the cuda backend "
+                "(HostArena(nbytes, mapped=True) with RTMEM_BACKEND=cuda)",
+                state=buf.residency, action="device alias")
+        export = _Export(buf, "__cuda_array_interface__", buf._cuda_interface("host"))
+        t = torch.as_tensor(export, device=f"cuda:{p.arena.backend.device_id}")
+    else:
+        p = buf._view_placement(where)
+        if p.slab.host_array is not None:
+            arr = buf.numpy(where)
+            export = _Export(buf, "__array_interface__", arr.__array_interface__, keep=arr)
+            t = torch.from_numpy(np.asarray(export))
+        else:
+            export = _Export(buf, "__cuda_array_interface__", buf._cuda_interface(where))
+            t = torch.as_tensor(export, device=f"cuda:{p.arena.backend.device_id}")
+    if dtype is not None and dtype != t.dtype:
+        if torch.empty(0, dtype=dtype).element_size() != t.element_size():
+            raise TypeError(f"cannot view {t.dtype} memory as {dtype}: the item sizes "
+                            "differ; allocate the buffer with a matching dtype")
+        t = t.view(dtype)
+    return t
+
+
+def from_tensor(tensor: torch.Tensor, arena, *, kind: str = "activation") -> Buffer:
+    """Copy ``tensor`` into a new buffer of ``arena`` (same shape; bfloat16 and float8
+    held as integer bits) and return the buffer."""
+    tensor = tensor.detach()
+    buf = arena.alloc(shape=tuple(tensor.shape), dtype=numpy_dtype(tensor.dtype), kind=kind)
+    try:
+        as_tensor(buf, dtype=tensor.dtype).copy_(tensor)
+    except BaseException:
+        buf.free()   # no leak when the copy fails (e.g. a CPU tensor into CUDA memory)
+        raise
+    return buf
+
+
+@dataclass
+class ModulePlacement:
+    """Where :func:`place_parameters` put a module's parameters and gradients.
+
+    ``weights`` / ``grads`` map each parameter to its buffer. :meth:`release`
+    moves the parameters back to ordinary torch memory and frees the buffers.
+    """
+
+    weights: dict = field(default_factory=dict)
+    grads: dict = field(default_factory=dict)
+
+    def release(self) -> None:
+        """Copy every parameter (and gradient) out of the arenas and free the buffers."""
+        for p, buf in self.weights.items():
+            p.data = p.data.clone()
+            if p in self.grads and p.grad is not None:
+                p.grad = p.grad.clone()
+            buf.free()
+        for buf in self.grads.values():
+            buf.free()
+        self.weights.clear()
+        self.grads.clear()
+
+
+def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
+                     grad_arena=None, device_alias: bool = False) -> ModulePlacement:
+    """Move ``module``'s parameters (and gradient buffers) into arena memory.
+
+    Each parameter's data is copied into a ``kind="weight"`` buffer of ``arena``
+    and the parameter then views it (``p.data = as_tensor(buf)``), so the module
+    works unchanged. With ``grads=True`` a zeroed ``kind="gradient"`` buffer (in
+    ``grad_arena``, default ``arena``) becomes ``p.grad``; autograd accumulates into
+    it in place, so clear gradients with ``zero_grad(set_to_none=False)`` to keep
+    them there. ``device_alias=True`` places weights in a mapped host arena viewed
+    from the GPU (the DHA layers of MemFerry). Returns a :class:`ModulePlacement`.
+    """
+    placement = ModulePlacement()
+    try:
+        for p in dict.fromkeys(module.parameters()):   # shared parameters once
+            buf = from_tensor(p.data, arena, kind="weight")
+            placement.weights[p] = buf
+            p.data = as_tensor(buf, dtype=p.dtype, device_alias=device_alias)
+            if grads:
+                gbuf = (grad_arena or arena).alloc(
+                    shape=tuple(p.shape), dtype=numpy_dtype(p.dtype), kind="gradient")
+                placement.grads[p] = gbuf
+                g = as_tensor(gbuf, dtype=p.dtype, device_alias=device_alias)
+                g.zero_()
+                p.grad = g
+    except BaseException:
+        placement.release()   # all or nothing: the module is as it was
+        raise
+    return placement

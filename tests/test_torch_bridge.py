@@ -1,0 +1,101 @@
+"""DLPack/array-interface bridge and parameter placement on the host backend."""
+
+import copy
+import gc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import rtmem  # noqa: E402
+from rtmem.errors import DoubleFreeError, ResidencyError, UseAfterFreeError  # noqa: E402
+from rtmem.torch import (ModulePlacement, as_tensor, from_tensor, gpt2_model,  # noqa: E402
+                         place_parameters)
+
+
+@pytest.fixture
+def arena(monkeypatch):
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    a = rtmem.HostArena(1 << 22)
+    yield a
+    gc.collect()
+    a._check_invariants()
+
+
+def test_zero_copy_both_ways(arena):
+    buf = arena.alloc(shape=(4, 5), dtype=np.float32)
+    rng = np.random.default_rng(0)
+    buf.numpy()[:] = rng.standard_normal((4, 5))
+    t = as_tensor(buf)
+    assert t.shape == (4, 5) and t.dtype == torch.float32
+    np.testing.assert_array_equal(t.numpy(), buf.numpy())
+    t[1, 2] = 42.0
+    assert buf.numpy()[1, 2] == 42.0
+    assert t.data_ptr() == buf.numpy().ctypes.data
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_from_tensor_round_trip(arena, dtype):
+    x = (torch.randn(3, 7) * 100).to(dtype)
+    buf = from_tensor(x, arena, kind="weight")
+    assert buf.kind == "weight" and buf.nbytes == x.numel() * x.element_size()
+    assert torch.equal(as_tensor(buf, dtype=dtype), x)
+    assert arena.stats().bytes_by_kind["weight"] >= buf.nbytes
+
+
+def test_views_keep_the_block_until_collected(arena):
+    buf = arena.alloc(shape=(1000,), dtype=np.float32)
+    t = as_tensor(buf)
+    view = t[10:20]              # a slice: only shares the storage
+    del t
+    gc.collect()
+    buf.free()
+    assert arena.stats().allocated_bytes > 0      # still reserved: a view lives
+    other = arena.alloc(shape=(1000,), dtype=np.float32)
+    assert not np.shares_memory(other.numpy(), view.numpy())
+    with pytest.raises(DoubleFreeError):
+        buf.free()
+    with pytest.raises(UseAfterFreeError):
+        as_tensor(buf)            # no new views of a freed buffer
+    del view
+    gc.collect()
+    assert arena.stats().count_by_kind["activation"] == 1   # only `other` is left
+    other.free()
+    assert arena.stats().allocated_bytes == 0
+
+
+def test_bad_requests(arena):
+    buf = arena.alloc(shape=(8,), dtype=np.float32)
+    with pytest.raises(TypeError, match="item sizes"):
+        as_tensor(buf, dtype=torch.float16)
+    with pytest.raises(ResidencyError, match="mapped host buffer on the cuda backend"):
+        as_tensor(buf, device_alias=True)
+    with pytest.raises(TypeError, match="Buffer"):
+        as_tensor(np.zeros(3))
+    with pytest.raises(rtmem.OutOfMemoryError):
+        from_tensor(torch.zeros(1 << 21), arena)      # 8 MiB into a 4 MiB arena
+    assert arena.stats().count_by_kind["activation"] == 1   # nothing leaked
+
+
+def test_placed_module_trains_like_the_original(arena):
+    torch.manual_seed(0)
+    model, loss_fn, make = gpt2_model(layers=2, hidden=32, heads=4, seq=16, vocab=64)
+    ref = copy.deepcopy(model)
+    placement = place_parameters(model, arena)
+    assert isinstance(placement, ModulePlacement)
+    n_bytes = sum(p.numel() * 4 for p in model.parameters())
+    stats = arena.stats()
+    assert stats.requested_by_kind["weight"] == n_bytes
+    assert stats.requested_by_kind["gradient"] == n_bytes
+    x, y = make(3, torch.Generator().manual_seed(1))
+    for m in (model, ref):
+        loss_fn(m(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        # the gradient accumulated in place, inside the arena's gradient buffer
+        assert p.grad.data_ptr() == placement.grads[p].numpy().ctypes.data
+    placement.release()
+    gc.collect()
+    assert arena.stats().allocated_bytes == 0
+    loss_fn(model(x), y)          # the module still works on ordinary memory
