@@ -18,7 +18,8 @@ over rounds. Contenders:
   then the fused step), the torch twin of ``rtmem fp32+check``.
 - ``torch fused bf16 pipe``: bf16 grads upcast into ``p.grad``, fused step, params
   downcast to a bf16 buffer: the torch twin of ``rtmem bf16``.
-- ``DeepSpeed CPUAdam``: recorded as not importable when it is not installed.
+- ``DeepSpeed CPUAdam``: its JIT-built op when deepspeed is installed (``pip install
+  deepspeed``; not a dependency of rtmem), else a note saying why it was skipped.
 - ``roofline fp32`` / ``roofline bf16``: numba parallel loops with Adam's memory
   access pattern and trivial arithmetic. No Adam can beat them.
 
@@ -128,12 +129,23 @@ def _torch_contenders(n, rng_seed):
     return contenders, notes
 
 
-def _deepspeed_note():
+def _deepspeed_contenders(n, rng_seed):
+    """DeepSpeed's CPUAdam (its JIT-built C++/AVX op) on the same fp32 problem, when
+    deepspeed is installed and its op builds; otherwise a note saying why not."""
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
-    except Exception as e:
-        return f"not importable: {type(e).__name__}: {e}"
-    return "importable but not benchmarked here (needs its JIT-built C++ op)"
+        import torch
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return {}, {"DeepSpeed CPUAdam": f"not importable: {type(e).__name__}: {e}"}
+    gen = torch.Generator().manual_seed(rng_seed)
+    p = torch.nn.Parameter(torch.randn(n, generator=gen))
+    p.grad = torch.randn(n, generator=gen)
+    try:
+        opt = DeepSpeedCPUAdam([p], lr=1e-3, adamw_mode=False)
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - e.g. the C++ op fails to build
+        return {}, {"DeepSpeed CPUAdam": f"failed: {type(e).__name__}: {e}"}
+    return {"deepspeed cpu_adam": (opt.step, BYTES_FP32)}, {}
 
 
 def _rtmem_contenders(n, rng):
@@ -167,6 +179,9 @@ def bench_size(n, repeats, seed, budget_s):
     contenders = _rtmem_contenders(n, rng)
     torch_contenders, notes = _torch_contenders(n, seed)
     contenders.update(torch_contenders)
+    ds_contenders, ds_notes = _deepspeed_contenders(n, seed)
+    contenders.update(ds_contenders)
+    notes.update(ds_notes)
     for fn, _ in contenders.values():   # warm-up: compile, page in, allocate state
         fn()
     t0 = time.perf_counter()
@@ -217,7 +232,6 @@ def main(argv=None):
         notes.update(nt)
         print(f"size {n:>12,d}: done ({time.perf_counter() - t_start:.0f} s elapsed)",
               file=sys.stderr)
-    notes["DeepSpeed CPUAdam"] = _deepspeed_note()
 
     print(f"\n{'params':>12} {'implementation':<22} {'Mparams/s':>10} {'GB/s':>7}"
           f" {'vs roofline':>11}")
@@ -235,6 +249,7 @@ def main(argv=None):
         key = f"{n:.0e}".replace("+0", "").replace("+", "")
         ratios[key] = {
             "rtmem_fp32_over_torch_fused": _ratio(rows, n, "rtmem fp32", "torch fused"),
+            "rtmem_fp32_over_deepspeed": _ratio(rows, n, "rtmem fp32", "deepspeed cpu_adam"),
             "rtmem_fp32_over_torch_foreach": _ratio(rows, n, "rtmem fp32", "torch foreach"),
             "rtmem_fp32_over_torch_for_loop": _ratio(rows, n, "rtmem fp32", "torch for-loop"),
             "rtmem_fp32_over_roofline": _ratio(rows, n, "rtmem fp32", "roofline fp32"),
