@@ -7,11 +7,19 @@ These are the baselines every planner is compared with (thesis-remat.md §4):
 
 from __future__ import annotations
 
-from rtmem.errors import ChainError
+import math
 
+from rtmem.errors import ChainError, InfeasibleError
+from rtmem.units import format_bytes
+
+from .chain import Chain
+from .plan import Plan, as_budget
+from .platform import Platform
 from .schedule import Op, Schedule
+from .simulator import simulate
 
-__all__ = ["store_all_schedule", "sequential_schedule", "segment_bounds"]
+__all__ = ["store_all_schedule", "sequential_schedule", "segment_bounds",
+           "plan_store_all", "plan_sequential", "plan_sqrt", "simulated_plan"]
 
 
 def _check_n(n) -> int:
@@ -62,3 +70,65 @@ def sequential_schedule(n: int, segments: int) -> Schedule:
         ops += [(Op.F_ALL, i) for i in range(s, e)]
         ops += [(Op.B, i) for i in reversed(range(s, e))]
     return Schedule.from_ops(ops)
+
+
+# ----------------------------------------------------------------------------
+# Baselines as planners: each returns a Plan checked by the simulator.
+
+def simulated_plan(chain: Chain, schedule: Schedule, budget, algorithm: str,
+                   info: dict | None = None) -> Plan:
+    """Simulate ``schedule`` without a memory limit and package it as a :class:`Plan`
+    for ``budget`` (bytes); raise :class:`~rtmem.errors.InfeasibleError` (with
+    ``min_feasible`` = the schedule's peak) if its peak exceeds the budget."""
+    budget = as_budget(budget)
+    res = simulate(chain, schedule, Platform(math.inf))
+    if res.peak > budget:
+        raise InfeasibleError(
+            f"{algorithm}: the schedule needs {res.peak:,} bytes ({format_bytes(res.peak)}) "
+            f"but the budget is {budget:,} bytes ({format_bytes(budget)}); give at least "
+            f"{res.peak:,} bytes or use a planner that recomputes more (plan_remat)",
+            budget=budget, min_feasible=res.peak)
+    return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
+                algorithm=algorithm, info=dict(info or {}))
+
+
+def plan_store_all(chain: Chain, memory) -> Plan:
+    """No rematerialization (plain autograd): every stage ``F_all``, then every ``B``.
+
+    ``memory``: budget in bytes (int, ``"12GiB"`` or a Platform). Raises
+    :class:`~rtmem.errors.InfeasibleError` when the peak (bytes) exceeds it."""
+    return simulated_plan(chain, store_all_schedule(chain.n), memory, "store-all")
+
+
+def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:
+    """PyTorch's ``checkpoint_sequential`` (Chen et al.'s periodic segments).
+
+    With ``segments=None`` every segment count 1..n is simulated and the fastest
+    schedule within ``memory`` (bytes) is returned (ties: fewer segments);
+    ``info["segments"]`` says which. Raises
+    :class:`~rtmem.errors.InfeasibleError` with the least peak over all counts
+    when none fits."""
+    budget = as_budget(memory)
+    counts = range(1, chain.n + 1) if segments is None else [segments]
+    best, least_peak = None, None
+    for k in counts:
+        sched = sequential_schedule(chain.n, k)
+        res = simulate(chain, sched, Platform(math.inf))
+        least_peak = res.peak if least_peak is None else min(least_peak, res.peak)
+        if res.peak <= budget and (best is None or res.makespan < best[0]):
+            best = (res.makespan, k, sched)
+    if best is None:
+        raise InfeasibleError(
+            f"sequential: no segment count in {counts[0]}..{counts[-1]} fits in "
+            f"{budget:,} bytes ({format_bytes(budget)}); the least memory it needs is "
+            f"{least_peak:,} bytes. Give more memory or use plan_remat",
+            budget=budget, min_feasible=least_peak)
+    return simulated_plan(chain, best[2], budget, "sequential", {"segments": best[1]})
+
+
+def plan_sqrt(chain: Chain, memory) -> Plan:
+    """Chen et al.'s sqrt(n) strategy: ``checkpoint_sequential`` with
+    round(sqrt(n)) segments (at least 1). ``memory`` in bytes."""
+    k = max(1, min(chain.n, int(round(math.sqrt(chain.n)))))
+    plan = plan_sequential(chain, memory, segments=k)
+    return Plan(plan.schedule, plan.makespan, plan.peak, plan.budget, "sqrt", plan.info)

@@ -27,7 +27,7 @@ from .transfers import drop_host, evict, offload, prefetch, synchronize, wait
 _LAZY = {
     "Chain": "rtmem.planners", "Op": "rtmem.planners", "Platform": "rtmem.planners",
     "Schedule": "rtmem.planners", "SimResult": "rtmem.planners",
-    "simulate": "rtmem.planners",
+    "simulate": "rtmem.planners", "plan_remat": "rtmem.planners", "Plan": "rtmem.planners",
     "CPUAdam": "rtmem.optim", "CPUAdamW": "rtmem.optim", "NumpyAdam": "rtmem.optim",
     "NumpyAdamW": "rtmem.optim",
 }

@@ -23,13 +23,17 @@ Strategies
 
 Oracles
 -------
-:func:`reference_simulate` a plain-Python simulator, independent of the jitted one.
+:func:`reference_simulate`     a plain-Python simulator, independent of the jitted one
+:func:`brute_force_remat`      exact optimal rematerialization of small chains
+                               (Dijkstra over Table 2.1 states, the simulator's rules)
+:func:`brute_force_multichain` exhaustive search for the multi-chain problem
 
 Requires ``hypothesis`` (``pip install rtmem[test]``).
 """
 
+from .bruteforce import brute_force_multichain, brute_force_remat
 from .reference import reference_simulate
 from .strategies import chains, platforms, simulation_cases, valid_schedules
 
 __all__ = ["chains", "platforms", "valid_schedules", "simulation_cases",
-           "reference_simulate"]
+           "reference_simulate", "brute_force_remat", "brute_force_multichain"]

@@ -1,0 +1,245 @@
+"""The floating-activation DP C_FL for small heterogeneous chains, corrected.
+
+NOTE [ Floating DP C_FL ]
+thesis-remat.md §3.4-3.5 (Theorem 5, Alg. 1-2), with the correction of
+erratum 16. Same 0-based DP stages and arrays as NOTE [ Persistent DP C_MP ]
+(rotor.py); D[t] = xo[t] + G[t] is the gradient of stage t's output plus the
+weight gradients present while it is current.
+
+F(s, t, l, m), s <= l <= t: least time to run B_t, ..., B_l when the *floating*
+activation a_s (outside m) and the gradient of stage t's output are stored,
+ending with only the gradient of a_l; the floating activation may move right by
+F_none (Corollary 1: only to a larger activation, so the memory left,
+m + a_s - a_r, never grows) and is consumed by B_l.
+
+    adv(s, e)  = max_{s <= h < e} [ (a_h - a_s if h > s else 0) + xo[h] + o_F[h] + D[t] ]
+                 (memory to move the floating activation from a_s to a_e by F_none)
+    Case A (F_all at l, after moving to a_l; the thesis' C1 has only l = s):
+        m >= adv(s, l), m_l = m + a_s - a_l,
+        m_l >= xb[l] + o_F[l] + D[t],  m_l >= xb[l] + xo[l] + a_l + o_B[l] + G[l] + w[l]
+        value = sum(u_F[s..l]) + F(l+1, t, l+1, m_l - xb[l]) + u_B[l]   (no F(...) if l = t)
+    Case B (t > l; eq. 2.7): r in s..l (a_r >= a_s), s' in r..t-1, t' in max(l, s')+1..t:
+        m >= adv(s, r), m_r = m + a_s - a_r, F_ck r and F_none r+1..s' fit in m_r,
+        value = sum(u_F[s..s']) + F(s'+1, t, t', m_r - xo[s']) + F(r, t'-1, l, m_r)
+    answer F(0, n, 0, M - a_0 - weights)
+
+Errata followed (thesis-remat.md §8): 7 (m_none up to t-1: here each F_none is
+checked where it runs, exactly), 8 (the second call gets m - a_{r-1} + a_{s-1}
+= m_r), 9 (domain r <= l, s' < t', l < t' <= t, a_r >= a_s), 12 (F_none never
+reads abar: a sub-problem entered after F_all has l = s, so it cannot move its
+input), and 16: the printed recurrence lacks Case A with l > s (move the floating
+activation by F_none, then F_all), so C_FL(s, t, t) = inf for s < t and the
+erratum's instance gets 42 instead of 39. With Case A generalised as above the
+DP equals exhaustive search (tests/test_remat_floating.py). The requirement
+checks are those of the simulator, op by op, so no gate such as m >= m_none is
+needed.
+
+Cost O(M N^6) time, N^3 (M+1) float64 memory: small chains only (N <= ~12).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from rtmem.errors import InfeasibleError, RtmemError
+from rtmem.units import format_bytes
+
+from .chain import Chain
+from .plan import Plan, as_budget
+from .platform import Platform
+from .rotor import StageArrays, discretize, stage_arrays
+from .schedule import Op, Schedule
+from .simulator import simulate
+
+__all__ = ["floating_table", "floating_schedule", "plan_floating", "MAX_FLOATING_STAGES"]
+
+#: Longest chain plan_floating accepts (the DP is O(M N^6)).
+MAX_FLOATING_STAGES = 12
+
+
+@numba.njit(cache=True)
+def _adv(s, t, xin, xo, of, D):
+    """adv[e - s] = memory to move the floating activation from a_s to a_e."""
+    out = np.zeros(t - s + 1, np.int64)
+    cur = 0
+    for e in range(s + 1, t + 1):
+        h = e - 1
+        need = (xin[h] - xin[s] if h > s else 0) + xo[h] + of[h] + D[t]
+        cur = max(cur, need)
+        out[e - s] = cur
+    return out
+
+
+@numba.njit(cache=True)
+def _fill(uf, ub, xin, xo, xb, of, ob, G, Gb, P, M):
+    N = uf.shape[0]
+    F = np.full((N, N, N, M + 1), np.inf)
+    D = xo + G
+    for d in range(N):
+        for s in range(N - d):
+            t = s + d
+            adv = _adv(s, t, xin, xo, of, D)
+            for l in range(s, t + 1):
+                for m in range(M + 1):
+                    best = np.inf
+                    # Case A: move to a_l, F_all l, solve l+1..t, B l
+                    if m >= adv[l - s] and (l == s or xin[l] >= xin[s]):
+                        ml = m + xin[s] - xin[l]
+                        if (ml >= xb[l] + of[l] + D[t]
+                                and ml >= xb[l] + xo[l] + xin[l] + ob[l] + Gb[l]):
+                            if l == t:
+                                best = (P[l + 1] - P[s]) + ub[l]
+                            elif ml - xb[l] >= 0:
+                                v = (P[l + 1] - P[s]) + F[l + 1, t, l + 1, ml - xb[l]] + ub[l]
+                                best = min(best, v)
+                    # Case B: move to a_r, F_ck r, F_none to s', keep a_{s'+1}
+                    if t > l:
+                        for r in range(s, l + 1):
+                            if r > s and xin[r] < xin[s]:
+                                continue
+                            if m < adv[r - s]:
+                                continue
+                            mr = m + xin[s] - xin[r]
+                            if mr < xo[r] + of[r] + D[t]:
+                                continue
+                            fwd = 0                 # F_none r+1..s' requirement so far
+                            for sp in range(r, t):
+                                if sp > r:
+                                    fwd = max(fwd, xin[sp] + xo[sp] + of[sp] + D[t])
+                                if mr < fwd:
+                                    break
+                                mt = mr - xo[sp]
+                                if mt < 0:
+                                    continue
+                                pre = P[sp + 1] - P[s]
+                                for tp in range(max(l, sp) + 1, t + 1):
+                                    v = pre + F[sp + 1, t, tp, mt] + F[r, tp - 1, l, mr]
+                                    if v < best:
+                                        best = v
+                    F[s, t, l, m] = best
+    return F
+
+
+def floating_table(arrays: StageArrays, M: int):
+    """Fill F(s, t, l, m) for m = 0..M (sizes of ``arrays`` in slots). Returns the
+    table, ``F[s, t, l, m]`` in seconds (``inf``: infeasible)."""
+    a = arrays
+    if a.N > MAX_FLOATING_STAGES + 1:
+        raise RtmemError(f"the floating DP is O(M N^6): {a.N - 1} stages is too many "
+                         f"(max {MAX_FLOATING_STAGES}); use plan_remat (C_MP)")
+    P = np.concatenate(([0.0], np.cumsum(a.uf)))
+    return _fill(a.uf, a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, P, int(M))
+
+
+def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
+    """Reconstruct the schedule of F(0, n, 0, m) (Alg. 2, with Case A generalised)."""
+    a = arrays
+    N = a.N
+    uf, ub, xin, xo, xb, of, ob, G, Gb = (a.uf, a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G,
+                                          a.Gb)
+    D = xo + G
+    P = np.concatenate(([0.0], np.cumsum(uf)))
+    ops = []
+
+    def leaf_or_b(l):
+        return [(Op.LOSS, 0)] if l == N - 1 else [(Op.F_ALL, l), (Op.B, l)]
+
+    stack = [("solve", 0, N - 1, 0, int(m))]
+    while stack:
+        item = stack.pop()
+        if item[0] == "emit":
+            ops.append(item[1])
+            continue
+        _, s, t, l, m = item
+        target = F[s, t, l, m]
+        adv = _adv(s, t, xin, xo, of, D)
+        best, choice = math.inf, None
+        if m >= adv[l - s] and (l == s or xin[l] >= xin[s]):
+            ml = m + xin[s] - xin[l]
+            if ml >= xb[l] + of[l] + D[t] and ml >= xb[l] + xo[l] + xin[l] + ob[l] + Gb[l]:
+                if l == t:
+                    best, choice = (P[l + 1] - P[s]) + ub[l], ("A", l, None)
+                elif ml - xb[l] >= 0:
+                    v = (P[l + 1] - P[s]) + F[l + 1, t, l + 1, ml - xb[l]] + ub[l]
+                    best, choice = v, ("A", l, ml - xb[l])
+        if t > l:
+            for r in range(s, l + 1):
+                if (r > s and xin[r] < xin[s]) or m < adv[r - s]:
+                    continue
+                mr = m + xin[s] - xin[r]
+                if mr < xo[r] + of[r] + D[t]:
+                    continue
+                fwd = 0
+                for sp in range(r, t):
+                    if sp > r:
+                        fwd = max(fwd, xin[sp] + xo[sp] + of[sp] + D[t])
+                    if mr < fwd:
+                        break
+                    mt = mr - xo[sp]
+                    if mt < 0:
+                        continue
+                    for tp in range(max(l, sp) + 1, t + 1):
+                        v = (P[sp + 1] - P[s]) + F[sp + 1, t, tp, mt] + F[r, tp - 1, l, mr]
+                        if v < best:
+                            best, choice = v, ("B", r, sp, tp, mt, mr)
+        if choice is None or not best <= target:
+            raise RtmemError(f"floating DP reconstruction failed at (s={s}, t={t}, l={l}, "
+                             f"m={m}); this is a bug")
+        if choice[0] == "A":
+            _, l2, sub = choice
+            ops += [(Op.F_NONE, h) for h in range(s, l2)]
+            if sub is None:
+                ops += leaf_or_b(l2)
+            else:
+                ops.append((Op.F_ALL, l2))
+                stack += [("emit", (Op.B, l2)), ("solve", l2 + 1, t, l2 + 1, sub)]
+        else:
+            _, r, sp, tp, mt, mr = choice
+            ops += [(Op.F_NONE, h) for h in range(s, r)]
+            ops.append((Op.F_CK, r))
+            ops += [(Op.F_NONE, h) for h in range(r + 1, sp + 1)]
+            stack += [("solve", r, tp - 1, l, mr), ("solve", sp + 1, t, tp, mt)]
+    return Schedule.from_ops(ops)
+
+
+def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
+    """Optimal schedule of a small chain (<= ``MAX_FLOATING_STAGES`` stages) with
+    the corrected floating DP.
+
+    ``memory`` in bytes (int, string or Platform). ``slots=None`` uses one-byte
+    slots (exact; the table has memory+1 columns, so keep budgets small),
+    otherwise slot = floor(activation budget / slots) with sizes rounded up, as
+    in :func:`~rtmem.planners.plan_remat`. Raises
+    :class:`~rtmem.errors.InfeasibleError` when no schedule fits (``min_feasible``
+    is not computed: ``None``)."""
+    budget = as_budget(memory)
+    if math.isinf(budget):
+        raise RtmemError("plan_floating needs a finite budget; use plan_store_all for "
+                         "unlimited memory")
+    fixed = int(chain.x0) + int(chain.w.sum())
+    m_bytes = int(budget) - fixed
+    if m_bytes < 0:
+        raise InfeasibleError(f"the chain input and weights alone need {fixed:,} bytes, "
+                              f"more than the budget {budget:,}", budget=budget,
+                              min_feasible=None)
+    slot = 1 if slots is None else max(1, m_bytes // int(slots))
+    M = m_bytes // slot
+    N = chain.n + 1
+    if N ** 3 * (M + 1) * 8 > 2**30:
+        raise RtmemError(f"the floating table would need {format_bytes(N ** 3 * (M + 1) * 8)}; "
+                         "pass slots= (e.g. 200) to discretize the budget")
+    arrays = discretize(stage_arrays(chain), slot)
+    F = floating_table(arrays, M)
+    value = float(F[0, N - 1, 0, M])
+    if not math.isfinite(value):
+        raise InfeasibleError(f"no schedule of {chain.name or 'the chain'} fits in "
+                              f"{budget:,} bytes ({format_bytes(budget)}) for the floating "
+                              "DP; give more memory", budget=budget, min_feasible=None)
+    schedule = floating_schedule(arrays, F, M)
+    res = simulate(chain, schedule, Platform(budget))
+    return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
+                algorithm="floating", info={"dp_makespan": value, "slot_bytes": slot,
+                                            "slots": M})

@@ -1,0 +1,141 @@
+"""The value every planner returns: a schedule plus what it costs.
+
+A :class:`Plan` is data, not behaviour: executors replay ``plan.schedule``, tables
+and plots read ``makespan``/``peak``. Planners fill ``makespan`` and ``peak`` from
+the simulator (:func:`rtmem.planners.simulate`) run on the returned schedule, so
+the numbers are those of the oracle, not a planner's own estimate; a planner's
+prediction, when it has one, goes into ``info`` (e.g. ``info["dp_makespan"]``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from rtmem.errors import ScheduleError
+
+from .schedule import Schedule
+
+__all__ = ["Plan", "as_budget"]
+
+_FORMAT = "rtmem.plan"
+_VERSION = 1
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A schedule with its simulated cost.
+
+    Attributes
+    ----------
+    schedule:
+        The operations to execute (:class:`~rtmem.planners.Schedule`).
+    makespan:
+        Simulated makespan of ``schedule``, seconds.
+    peak:
+        Simulated peak device memory, bytes (weights, weight gradients and the
+        chain input included, as the simulator counts them).
+    budget:
+        Memory budget the plan was made for, bytes (``math.inf``: unlimited).
+    algorithm:
+        Short name of the planner, e.g. ``"rotor"``, ``"sequential"``.
+    info:
+        Planner-specific extras (JSON-serializable): DP prediction, slot size,
+        number of segments, ...
+    """
+
+    schedule: Schedule
+    makespan: float
+    peak: int
+    budget: float
+    algorithm: str
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.schedule, Schedule):
+            raise TypeError(f"schedule must be a Schedule, got {type(self.schedule).__name__}")
+        object.__setattr__(self, "makespan", float(self.makespan))
+        object.__setattr__(self, "peak", int(self.peak))
+        budget = float(self.budget) if math.isinf(float(self.budget)) else int(self.budget)
+        object.__setattr__(self, "budget", budget)
+        object.__setattr__(self, "algorithm", str(self.algorithm))
+        object.__setattr__(self, "info", dict(self.info))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (self.schedule == other.schedule and self.makespan == other.makespan
+                and self.peak == other.peak and self.budget == other.budget
+                and self.algorithm == other.algorithm and self.info == other.info)
+
+    __hash__ = None
+
+    def overhead(self, reference_makespan: float) -> float:
+        """Relative slowdown against ``reference_makespan`` (s): 0.25 means 25 %
+        slower. Use the no-rematerialization makespan as the reference."""
+        if reference_makespan <= 0:
+            return 0.0 if self.makespan <= 0 else math.inf
+        return self.makespan / reference_makespan - 1.0
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.algorithm}: makespan {self.makespan:.6g} s, peak {self.peak:,} B, "
+                f"budget {self.budget:,} B, {len(self.schedule)} ops)")
+
+    # ------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        """Plain-Python form; the schedule is stored in its text form."""
+        return {"format": _FORMAT, "version": _VERSION, "algorithm": self.algorithm,
+                "makespan": self.makespan, "peak": self.peak,
+                "budget": "inf" if math.isinf(self.budget) else self.budget,
+                "schedule": str(self.schedule), "info": self.info}
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Serialize to JSON; :meth:`from_json` reads it back exactly."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d) -> "Plan":
+        """Inverse of :meth:`to_dict`."""
+        if not isinstance(d, dict) or d.get("format") != _FORMAT:
+            raise ScheduleError(f"not a plan document: expected an object with "
+                                f"format={_FORMAT!r}", reason="parse")
+        if d.get("version") != _VERSION:
+            raise ScheduleError(f"plan document version {d.get('version')!r} is not "
+                                f"supported (this rtmem reads version {_VERSION})",
+                                reason="parse")
+        budget = math.inf if d["budget"] == "inf" else d["budget"]
+        return cls(schedule=Schedule.from_text(d["schedule"]), makespan=d["makespan"],
+                   peak=d["peak"], budget=budget, algorithm=d["algorithm"],
+                   info=d.get("info", {}))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Parse a plan written by :meth:`to_json`."""
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ScheduleError(f"malformed plan JSON: {e}", reason="parse") from e
+        return cls.from_dict(d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON to ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json(indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        """Read a plan written by :meth:`save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+def as_budget(memory) -> float:
+    """Memory budget in bytes from an int, a string like ``"12GiB"``, ``"inf"`` or a
+    :class:`~rtmem.planners.Platform`; ``math.inf`` means unlimited. Raises
+    :class:`~rtmem.errors.PlatformError` for anything else."""
+    from .platform import Platform
+    if not isinstance(memory, Platform):
+        memory = Platform(memory)
+    return memory.memory if math.isinf(memory.memory) else int(memory.memory)

@@ -1,0 +1,184 @@
+"""Revolve: optimal checkpointing of homogeneous adjoint chains (Griewank-Walther).
+
+NOTE [ Revolve DP Opt_0 ]
+thesis-remat.md §2.3 (Theorem 1). Unit-size values, m memory slots, in-place
+forwards (Table 1.1). Opt_0(l, m) is the least time of ADJCHAIN(l, m): start from
+a_0 and delta_{l+1}, end with delta_0 (steps F_1..F_l, B_1..B_{l+1}):
+
+    Opt_0(0, m) = u_B                                       m >= 2
+    Opt_0(l, m) = min_{1 <= i <= l} i u_F + Opt_0(l-i, m-1) + Opt_0(i-1, m)
+                                                            l >= 1, m >= 3
+    Opt_0(l, m) = inf                                       l >= 1, m < 3
+
+The range is 1 <= i <= l (erratum 2 of thesis-remat.md: with i < l,
+Opt_0(1, m) would be a min over nothing). The printed base case
+Opt_0(l, 3) = l(l+1)/2 u_F + (l+1) u_B is not special-cased: the recurrence
+yields it (only i = l keeps Opt_0(l-i, 2) finite), and a test checks that. The
+closed form (Griewank-Walther binomial, §2.3) is
+Opt_0(l, m) = t(l+1, m-2) u_F + (l+1) u_B with t(l, s) = r l - C(s+r, s+1), r the
+least integer with C(s+r, s) >= l, t = 0 for l <= 1.
+
+SINGLE(L, m) (a chain with its loss) = Opt_0(L-1, m) + u_F + u_L.
+
+The schedules use the Chapter 1 vocabulary of :mod:`rtmem.planners.multichain`
+(``MultiOp``), and :func:`revolve_schedule` converts them to the Table 2.1 model
+(thesis §4, "revolve" baseline): Revolve's F from a duplicated value becomes
+F_ck, other F become F_none, each B_k becomes F_all then B (abar is never
+stored), and B_{n+1} is the loss. :func:`plan_revolve` picks the slot count whose
+converted schedule is fastest within a byte budget.
+"""
+
+from __future__ import annotations
+
+import math
+from math import comb
+
+import numba
+import numpy as np
+
+from rtmem.errors import InfeasibleError
+from rtmem.units import format_bytes
+
+from .chain import Chain
+from .plan import Plan, as_budget
+from .platform import Platform
+from .schedule import Op, Schedule
+from .simulator import simulate
+
+__all__ = ["opt0_table", "binomial_makespan", "revolve_ops", "single_chain_ops",
+           "revolve_schedule", "plan_revolve"]
+
+
+@numba.njit(cache=True)
+def _opt0(l_max, m_max, u_f, u_b):
+    T = np.full((l_max + 1, m_max + 1), np.inf)
+    arg = np.zeros((l_max + 1, m_max + 1), np.int64)
+    for m in range(2, m_max + 1):
+        T[0, m] = u_b
+    for m in range(3, m_max + 1):
+        for l in range(1, l_max + 1):
+            best = np.inf
+            bi = 0
+            for i in range(1, l + 1):
+                v = i * u_f + T[l - i, m - 1] + T[i - 1, m]
+                if v < best:
+                    best = v
+                    bi = i
+            T[l, m] = best
+            arg[l, m] = bi
+    return T, arg
+
+
+def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
+    """Opt_0(l, m) for l = 0..l_max, m = 0..m_max (NOTE [ Revolve DP Opt_0 ]).
+
+    Returns ``(T, arg)``: ``T[l, m]`` in the units of ``u_f``/``u_b`` (seconds or
+    step counts; ``inf`` when infeasible) and ``arg[l, m]`` the optimal first
+    checkpoint position i."""
+    return _opt0(int(l_max), int(m_max), float(u_f), float(u_b))
+
+
+def binomial_makespan(l: int, m: int, u_f: float = 1.0, u_b: float = 1.0) -> float:
+    """Griewank-Walther closed form of Opt_0(l, m) (thesis §2.3, property 15)."""
+    if l > 0 and m < 3:
+        return math.inf
+    if l == 0:
+        return u_b if m >= 2 else math.inf
+    s, steps = m - 2, l + 1
+    t = 0
+    if steps > 1:
+        r = 0
+        while comb(s + r, s) < steps:
+            r += 1
+        t = r * steps - comb(s + r, s + 1)
+    return t * u_f + steps * u_b
+
+
+def revolve_ops(l: int, m: int, *, branch: int = 0, offset: int = 0, arg=None) -> list:
+    """Optimal ADJCHAIN(l, m) schedule as Chapter 1 operations (``MultiOp``).
+
+    Values are a_offset..a_{offset+l} of ``branch``; it starts with a_offset and
+    delta_{offset+l+1} stored, ends with delta_offset. ``arg`` is an argmin table
+    of :func:`opt0_table` (computed if not given). Raises ``InfeasibleError`` when
+    m < 3 (l >= 1) or m < 2."""
+    from .multichain import MultiOp
+
+    if m < (3 if l > 0 else 2):
+        raise InfeasibleError(f"ADJCHAIN({l}, {m}) needs at least {3 if l else 2} slots",
+                              budget=m, min_feasible=3 if l else 2)
+    if arg is None or arg.shape[0] <= l or arg.shape[1] <= m:
+        arg = opt0_table(l, m)[1]
+    ops = []
+    stack = [(offset, offset + l, m)]
+    while stack:
+        lo, hi, mm = stack.pop()
+        if lo == hi:
+            ops.append(MultiOp("B", branch, lo + 1))
+            continue
+        i = int(arg[hi - lo, mm])
+        ops.append(MultiOp("S", branch, lo))
+        ops += [MultiOp("F", branch, k) for k in range(lo + 1, lo + i + 1)]
+        stack += [(lo, lo + i - 1, mm), (lo + i, hi, mm - 1)]
+    return ops
+
+
+def single_chain_ops(L: int, m: int, *, branch: int = 0, arg=None) -> list:
+    """SINGLE(L, m): chain of length L >= 1 with its loss, Chapter 1 operations.
+
+    ADJCHAIN(L-1, m) where its last backward B_L is expanded into
+    ``S a_{L-1}, F_L, Loss, B_L`` (thesis §2.3: SINGLE = Opt_0(L-1, m) + u_F + u_L)."""
+    from .multichain import MultiOp
+
+    out = []
+    for op in revolve_ops(L - 1, m, branch=branch, arg=arg):
+        if op.kind == "B" and op.index == L:
+            out += [MultiOp("S", branch, L - 1), MultiOp("F", branch, L), MultiOp("L", -1, 0),
+                    MultiOp("B", branch, L)]
+        else:
+            out.append(op)
+    return out
+
+
+def revolve_schedule(n: int, m: int, arg=None) -> Schedule:
+    """Revolve with ``m`` slots converted to Table 2.1 operations for a chain of ``n``
+    stages (the thesis' "revolve" baseline, §4): ADJCHAIN(n, m) whose B_{n+1} is
+    the loss; each other B_k is preceded by F_all of its stage."""
+    ops = []
+    prev_store = False
+    for op in revolve_ops(n, m, arg=arg):
+        if op.kind == "S":
+            prev_store = True
+        elif op.kind == "F":
+            ops.append((Op.F_CK if prev_store else Op.F_NONE, op.index - 1))
+            prev_store = False
+        elif op.index == n + 1:
+            ops.append((Op.LOSS, 0))
+        else:
+            ops += [(Op.F_ALL, op.index - 1), (Op.B, op.index - 1)]
+    return Schedule.from_ops(ops)
+
+
+def plan_revolve(chain: Chain, memory) -> Plan:
+    """Revolve applied to a heterogeneous chain: the fastest (simulated) converted
+    schedule over slot counts m = 3..n+2 whose peak fits ``memory`` (bytes).
+
+    ``info["slots"]`` is the chosen m. Revolve never keeps abar across a phase, so
+    it cannot use memory beyond m = n+2. Raises
+    :class:`~rtmem.errors.InfeasibleError` with the least peak over all m."""
+    budget = as_budget(memory)
+    n = chain.n
+    arg = opt0_table(n, n + 2)[1]
+    best, least = None, None
+    for m in range(n + 2, 2, -1):
+        sched = revolve_schedule(n, m, arg)
+        res = simulate(chain, sched, Platform(math.inf))
+        least = res.peak if least is None else min(least, res.peak)
+        if res.peak <= budget and (best is None or res.makespan < best[0]):
+            best = (res.makespan, res.peak, m, sched)
+    if best is None:
+        raise InfeasibleError(
+            f"revolve: no slot count fits in {budget:,} bytes ({format_bytes(budget)}); "
+            f"it needs at least {least:,} bytes. Give more memory or use plan_remat",
+            budget=budget, min_feasible=least)
+    return Plan(schedule=best[3], makespan=best[0], peak=best[1], budget=budget,
+                algorithm="revolve", info={"slots": best[2]})

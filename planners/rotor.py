@@ -1,0 +1,400 @@
+"""ROTOR's persistent dynamic program C_MP for heterogeneous chains.
+
+NOTE [ Persistent DP C_MP ]
+thesis-remat.md §3.6 and Appendix A.2 (Theorem 6, Alg. 3-4). Here with 0-based DP
+stages k = 0..N-1, N = n+1: stages 0..n-1 are the chain's, stage n is the loss
+(the thesis' stage L+1: u_F = u_loss, u_B = 0, a = abar = 0, o_F = 0,
+o_B = o_loss). For a DP stage k: ``xin[k]`` is the size of its input a_k,
+``xo[k]`` of its output (and of the gradient flowing into it), ``xb[k]`` of abar.
+
+C(s, t, m) is the least time to run B_t, ..., B_s when only a_s (outside m) and
+the gradient of stage t's output (size xo[t], 0 for the loss) are stored, leaving
+only the gradient of a_s:
+
+    C(t, t, m) = u_F[t] + u_B[t]                               if m >= m_all(t, t)
+    C(s, t, m) = min( u_F[s] + C(s+1, t, m - xb[s]) + u_B[s]   if m >= m_all(s, t)
+                      min_{s <= s' < t} sum(u_F[s..s']) + C(s'+1, t, m - xo[s'])
+                                        + C(s, s', m)          if m >= m_none(s, t) )
+    m_all(s, t)  = max(xo[t] + xb[s] + o_F[s] + G[t],
+                       xb[s] + xo[s] + xin[s] + o_B[s] + G[s] + w[s])
+    m_none(s, t) = xo[t] + G[t] + max(xo[s] + o_F[s],
+                                      max_{s < h < t} xin[h] + xo[h] + o_F[h])
+
+The first branch is F^all_s (then B_s), the second F^ck_s, F^none_{s+1..s'}
+keeping a_{s'+1}, the tail, then the head with all of m. Errata followed: the
+m_none range stops at h = t-1 (erratum 7 of thesis-remat.md); the tail call is
+C(s'+1, ...) (erratum 10); the top level is C(0, n, M - a_0) (erratum 10), and
+beyond the thesis we also subtract the weights (the simulator counts them from
+the start, NOTE [ Simulator semantics ] Rule 1). G[k] = sum_{j>k} w[j] is the
+bytes of weight gradients already made while the gradient of stage k's output
+is current: it depends on t only, so adding it to each requirement makes the DP
+exact for the simulator's memory rules, not a conservative bound. Like the
+simulator, the model has no explicit delete (erratum 11), and the gradient of a
+stage's output has the size of that output (erratum 13). C_MP is optimal among
+persistent schedules only: exhaustive search can do better (erratum 16; about
+1 random tiny chain in 1300 here), see floating.py for the exact DP.
+
+Discretization (thesis §3.7): every size term above is rounded *up* to whole
+slots separately, so a schedule feasible in slots is feasible in bytes
+(property 11). The table is filled for all m at once per (s, t), with two
+prunings that do not change any entry: below the least feasible m of the
+sub-problems nothing is computed (stays inf), and at or above
+m_full(s, t) = max(m_all(s, t), xb[s] + m_full(s+1, t)) only the F^all branch is
+evaluated, since it already reaches the no-recomputation lower bound.
+
+Table memory: one float64 row of M+1 entries per pair s <= t, i.e.
+N (N+1) / 2 (M+1) 8 bytes. For L = 400 (N = 401) and M = 500 slots:
+80,601 x 501 x 8 = 323,048,808 bytes (308 MiB); M is below 2 S, so at most
+646 MB for S = 500. No back-pointer table: the reconstruction re-evaluates the
+O(t - s) candidates of the O(n) sub-problems it visits.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .chain import Chain
+from .schedule import Op, Schedule
+
+__all__ = ["StageArrays", "stage_arrays", "discretize", "persistent_table",
+           "persistent_schedule", "min_memory", "min_memory_schedule",
+           "reference_persistent_table", "pair_index"]
+
+_F_NONE, _F_CK, _F_ALL, _LOSS, _B = (int(Op.F_NONE), int(Op.F_CK), int(Op.F_ALL),
+                                     int(Op.LOSS), int(Op.B))
+_INF = np.inf
+
+
+class StageArrays:
+    """Per-DP-stage arrays (N = n+1 entries, the loss last), as NOTE
+    [ Persistent DP C_MP ] names them.
+
+    Times ``uf``, ``ub`` in seconds (float64); sizes ``xin``, ``xo``, ``xb``,
+    ``of``, ``ob``, ``w``, ``G`` in bytes or in slots (int64), depending on
+    whether it came from :func:`stage_arrays` or :func:`discretize`.
+    ``Gb[k]`` = G[k] + w[k] (weight gradients present while B_k runs).
+    """
+
+    __slots__ = ("uf", "ub", "xin", "xo", "xb", "of", "ob", "G", "Gb")
+
+    def __init__(self, uf, ub, xin, xo, xb, of, ob, G, Gb):
+        self.uf, self.ub = uf, ub
+        self.xin, self.xo, self.xb, self.of, self.ob, self.G, self.Gb = \
+            xin, xo, xb, of, ob, G, Gb
+
+    @property
+    def N(self) -> int:
+        return int(self.uf.shape[0])
+
+
+def stage_arrays(chain: Chain) -> StageArrays:
+    """Byte-level DP arrays of ``chain`` (loss appended as DP stage n)."""
+    i64 = np.int64
+    uf = np.append(chain.u_f, chain.u_loss).astype(np.float64)
+    ub = np.append(chain.u_b, 0.0).astype(np.float64)
+    xo = np.append(chain.x, 0).astype(i64)
+    xb = np.append(chain.xbar, 0).astype(i64)
+    xin = np.concatenate(([chain.x0], chain.x)).astype(i64)
+    of = np.append(chain.o_f, 0).astype(i64)
+    ob = np.append(chain.o_b, chain.o_loss).astype(i64)
+    w = np.append(chain.w, 0).astype(i64)
+    suffix = np.concatenate((np.cumsum(w[::-1])[::-1], [0])).astype(i64)
+    G = suffix[1:]                     # sum_{j > k} w[j]
+    Gb = suffix[:-1]                   # sum_{j >= k} w[j]
+    return StageArrays(uf, ub, xin, xo, xb, of, ob, G, Gb)
+
+
+def discretize(arrays: StageArrays, slot: int) -> StageArrays:
+    """Every size rounded up to whole slots of ``slot`` bytes (thesis §3.7)."""
+    slot = int(slot)
+
+    def up(v):
+        return -(-v // slot)
+    return StageArrays(arrays.uf, arrays.ub, up(arrays.xin), up(arrays.xo), up(arrays.xb),
+                       up(arrays.of), up(arrays.ob), up(arrays.G), up(arrays.Gb))
+
+
+def pair_index(N: int) -> np.ndarray:
+    """``idx[s, t]`` = row of pair (s, t), s <= t, in a persistent table (-1 if s > t)."""
+    # column-major: the rows (s', t) for one t are adjacent, so the fill's reads of
+    # the tails C(s'+1, t, .) for s' = s..t-1 stream through memory
+    idx = np.full((N, N), -1, np.int64)
+    k = 0
+    for t in range(N):
+        for s in range(t + 1):
+            idx[s, t] = k
+            k += 1
+    return idx
+
+
+@numba.njit(cache=True)
+def _requirements(xin, xo, xb, of, ob, G, Gb):
+    """m_all(s, t) and m_none(s, t) of NOTE [ Persistent DP C_MP ] (same units as sizes)."""
+    N = xo.shape[0]
+    mall = np.zeros((N, N), np.int64)
+    mnone = np.zeros((N, N), np.int64)
+    for s in range(N):
+        back = xb[s] + xo[s] + xin[s] + ob[s] + Gb[s]
+        inner = xo[s] + of[s]                 # running max over h in s..t-1
+        for t in range(s, N):
+            dt = xo[t]
+            mall[s, t] = max(dt + xb[s] + of[s] + G[t], back)
+            if t > s:
+                if t - 1 > s:
+                    h = t - 1
+                    inner = max(inner, xin[h] + xo[h] + of[h])
+                mnone[s, t] = dt + G[t] + inner
+    return mall, mnone
+
+
+@numba.njit(cache=True)
+def _fill(uf, ub, xo, xb, mall, mnone, idx, M):
+    """The C_MP table, one row of M+1 entries per pair; see the NOTE for pruning.
+
+    Returns (table, mf): ``mf[s, t]`` is the least m with a finite entry (M+1 if
+    none).
+    """
+    N = uf.shape[0]
+    npairs = N * (N + 1) // 2
+    C = np.full((npairs, M + 1), _INF)
+    mf = np.full((N, N), M + 1, np.int64)
+    full = np.zeros((N, N), np.int64)
+    P = np.zeros(N + 1)
+    for k in range(N):
+        P[k + 1] = P[k] + uf[k]
+    for s in range(N - 1, -1, -1):
+        for t in range(s, N):
+            row = C[idx[s, t]]
+            if s == t:
+                full[s, t] = mall[s, s]
+                v = uf[s] + ub[s]
+                for m in range(mall[s, s], M + 1):
+                    row[m] = v
+            else:
+                full[s, t] = max(mall[s, t], xb[s] + full[s + 1, t])
+                sub = C[idx[s + 1, t]]
+                a = xb[s]
+                for m in range(max(mall[s, t], a + mf[s + 1, t]), M + 1):
+                    row[m] = uf[s] + sub[m - a] + ub[s]
+                top = min(full[s, t], M + 1)   # at >= full, F^all is already optimal
+                for sp in range(s, t):
+                    a = xo[sp]
+                    lo = max(mnone[s, t], mf[s, sp], mf[sp + 1, t] + a)
+                    if lo >= top:
+                        continue
+                    # slices starting at 0 let LLVM vectorize this loop (5x faster
+                    # than indexing the rows with m - a and m)
+                    tail = C[idx[sp + 1, t]][lo - a:top - a]
+                    head = C[idx[s, sp]][lo:top]
+                    out = row[lo:top]
+                    pre = P[sp + 1] - P[s]
+                    for j in range(top - lo):
+                        v = pre + tail[j] + head[j]
+                        x = out[j]
+                        out[j] = v if v < x else x
+            for m in range(M + 1):
+                if row[m] < _INF:
+                    mf[s, t] = m
+                    break
+    return C, mf
+
+
+@numba.njit(cache=True)
+def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, s0, t0, m0, n_loss):
+    """Walk the table from (s0, t0, m0); return (op, stage) arrays of the schedule."""
+    N = uf.shape[0]
+    P = np.zeros(N + 1)
+    for k in range(N):
+        P[k + 1] = P[k] + uf[k]
+    cap = N * (N + 1) // 2 + 2 * N + 2
+    ops = np.empty(cap, np.int64)
+    stages = np.empty(cap, np.int64)
+    n_ops = 0
+    # task stack: kind 0 = solve(s, t, m); kind 1 = emit B s
+    kind = np.empty(4 * N + 4, np.int64)
+    ts = np.empty(4 * N + 4, np.int64)
+    tt = np.empty(4 * N + 4, np.int64)
+    tm = np.empty(4 * N + 4, np.int64)
+    top = 0
+    kind[0], ts[0], tt[0], tm[0] = 0, s0, t0, m0
+    top = 1
+    while top > 0:
+        top -= 1
+        k, s, t, m = kind[top], ts[top], tt[top], tm[top]
+        if k == 1:
+            ops[n_ops], stages[n_ops] = _B, s
+            n_ops += 1
+            continue
+        if s == t:
+            if s == n_loss:
+                ops[n_ops], stages[n_ops] = _LOSS, 0
+                n_ops += 1
+            else:
+                ops[n_ops], stages[n_ops] = _F_ALL, s
+                ops[n_ops + 1], stages[n_ops + 1] = _B, s
+                n_ops += 2
+            continue
+        best = _INF
+        choice = -2
+        if m >= mall[s, t] and m - xb[s] >= 0:
+            best = uf[s] + C[idx[s + 1, t], m - xb[s]] + ub[s]
+            choice = -1
+        if m >= mnone[s, t]:
+            for sp in range(s, t):
+                if m - xo[sp] < 0:
+                    continue
+                v = (P[sp + 1] - P[s]) + C[idx[sp + 1, t], m - xo[sp]] + C[idx[s, sp], m]
+                if v < best:
+                    best = v
+                    choice = sp
+        if choice == -1:
+            ops[n_ops], stages[n_ops] = _F_ALL, s
+            n_ops += 1
+            kind[top], ts[top] = 1, s
+            top += 1
+            kind[top], ts[top], tt[top], tm[top] = 0, s + 1, t, m - xb[s]
+            top += 1
+        else:
+            # choice >= s: callers only descend into finite entries, so -2 cannot occur
+            sp = choice
+            ops[n_ops], stages[n_ops] = _F_CK, s
+            n_ops += 1
+            for h in range(s + 1, sp + 1):
+                ops[n_ops], stages[n_ops] = _F_NONE, h
+                n_ops += 1
+            kind[top], ts[top], tt[top], tm[top] = 0, s, sp, m
+            top += 1
+            kind[top], ts[top], tt[top], tm[top] = 0, sp + 1, t, m - xo[sp]
+            top += 1
+    return ops[:n_ops], stages[:n_ops]
+
+
+def persistent_table(arrays: StageArrays, M: int):
+    """Fill the C_MP table for memory 0..M (sizes in ``arrays`` in slots).
+
+    Returns ``(table, mf, idx, mall, mnone)``: ``table[idx[s, t], m]`` is C(s, t, m)
+    in seconds (``inf`` when infeasible), ``mf[s, t]`` the least feasible m.
+    """
+    a = arrays
+    mall, mnone = _requirements(a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb)
+    idx = pair_index(a.N)
+    table, mf = _fill(a.uf, a.ub, a.xo, a.xb, mall, mnone, idx, int(M))
+    return table, mf, idx, mall, mnone
+
+
+def persistent_schedule(arrays: StageArrays, table, idx, mall, mnone, m: int) -> Schedule:
+    """Reconstruct the optimal persistent schedule of the whole chain at memory m
+    (Alg. 4, OptRecP). ``table[idx[0, n], m]`` must be finite."""
+    a = arrays
+    N = a.N
+    op, stage = _reconstruct(table, idx, a.uf, a.ub, a.xo, a.xb, mall, mnone, 0, N - 1,
+                             int(m), N - 1)
+    return Schedule(op, stage)
+
+
+# --------------------------------------------------------------- minimum memory
+@numba.njit(cache=True)
+def _min_memory_table(xo, xb, mall, mnone):
+    """mm[s, t]: least memory (same units) at which C(s, t, .) is finite, and the
+    choice reaching it (-1: F^all, s' >= s: F^ck keeping a_{s'+1})."""
+    N = xo.shape[0]
+    mm = np.zeros((N, N), np.int64)
+    ch = np.full((N, N), -1, np.int64)
+    for s in range(N - 1, -1, -1):
+        mm[s, s] = mall[s, s]
+        for t in range(s + 1, N):
+            best = max(mall[s, t], xb[s] + mm[s + 1, t])
+            arg = -1
+            for sp in range(s, t):
+                v = max(mnone[s, t], max(xo[sp] + mm[sp + 1, t], mm[s, sp]))
+                if v < best:
+                    best = v
+                    arg = sp
+            mm[s, t] = best
+            ch[s, t] = arg
+    return mm, ch
+
+
+def min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
+    """Least memory for which a persistent schedule exists, in the units of
+    ``arrays`` (bytes from :func:`stage_arrays`): activations, temporaries and
+    weight gradients (through G), not a_0 nor the weights themselves. Returns
+    ``(mm[0, n], choice_table)`` for :func:`min_memory_schedule`."""
+    a = arrays
+    mall, mnone = _requirements(a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb)
+    mm, ch = _min_memory_table(a.xo, a.xb, mall, mnone)
+    return int(mm[0, a.N - 1]), ch
+
+
+def min_memory_schedule(arrays: StageArrays, choice) -> Schedule:
+    """The schedule that needs the least memory (from :func:`min_memory`'s choices)."""
+    N = arrays.N
+    out = []
+    stack = [(0, 0, N - 1)]
+    while stack:
+        kind, s, t = stack.pop()
+        if kind == 1:
+            out.append((Op.B, s))
+        elif s == t:
+            out += [(Op.LOSS, 0)] if s == N - 1 else [(Op.F_ALL, s), (Op.B, s)]
+        elif choice[s, t] == -1:
+            out.append((Op.F_ALL, s))
+            stack += [(1, s, s), (0, s + 1, t)]
+        else:
+            sp = int(choice[s, t])
+            out.append((Op.F_CK, s))
+            out += [(Op.F_NONE, h) for h in range(s + 1, sp + 1)]
+            stack += [(0, s, sp), (0, sp + 1, t)]
+    return Schedule.from_ops(out)
+
+
+# ------------------------------------------------------- plain-Python reference
+def reference_persistent_table(arrays: StageArrays, M: int) -> np.ndarray:
+    """The C_MP table by the recurrence as printed (Appendix A.2), in plain
+    Python, without pruning: the oracle the jitted table is compared with entry by
+    entry (STYLE.md §5), and the baseline of ``bench/remat.py``. O(M N^3) Python
+    steps: small chains only. Same layout as :func:`persistent_table`."""
+    a = arrays
+    N = a.N
+    uf, ub = [float(v) for v in a.uf], [float(v) for v in a.ub]
+    xin, xo, xb = [int(v) for v in a.xin], [int(v) for v in a.xo], [int(v) for v in a.xb]
+    of, ob = [int(v) for v in a.of], [int(v) for v in a.ob]
+    G, Gb = [int(v) for v in a.G], [int(v) for v in a.Gb]
+    inf = float("inf")
+    C = {}
+
+    def m_all(s, t):
+        return max(xo[t] + xb[s] + of[s] + G[t], xb[s] + xo[s] + xin[s] + ob[s] + Gb[s])
+
+    def m_none(s, t):
+        terms = [xo[t] + xo[s] + of[s]] + [xo[t] + xin[h] + xo[h] + of[h]
+                                           for h in range(s + 1, t)]
+        return max(terms) + G[t]
+
+    def get(s, t, m):
+        return inf if m < 0 else C[s, t][m]
+
+    for d in range(N):
+        for s in range(N - d):
+            t = s + d
+            ma = m_all(s, t)
+            row = []
+            for m in range(M + 1):
+                if s == t:
+                    row.append(uf[s] + ub[s] if m >= ma else inf)
+                    continue
+                best = inf
+                if m >= ma:
+                    best = uf[s] + get(s + 1, t, m - xb[s]) + ub[s]
+                if m >= m_none(s, t):
+                    for sp in range(s, t):
+                        v = sum(uf[s:sp + 1]) + get(sp + 1, t, m - xo[sp]) + get(s, sp, m)
+                        best = min(best, v)
+                row.append(best)
+            C[s, t] = row
+    idx = pair_index(N)
+    out = np.full((N * (N + 1) // 2, M + 1), inf)
+    for (s, t), row in C.items():
+        out[idx[s, t]] = row
+    return out

@@ -1,0 +1,173 @@
+"""Exact rematerialization by exhaustive search, for small chains (n <= ~6).
+
+Dijkstra over states (A, Abar, g) of thesis-remat.md Appendix A.4: A is the set of
+plain activations a_k on the device, Abar the set of abar_k, g the index of the
+current gradient delta_g (n+1 before the loss). Moves are the compute operations
+of the simulator with exactly its memory rules (NOTE [ Simulator semantics ] in
+``rtmem.planners.simulator``): an op needs everything resident + its output + its
+overhead <= memory; resident counts a_0 and weights from the start, delta_g, and
+the weight gradient of every stage whose B has run. No explicit deletes
+(erratum 11 of thesis-remat.md). Edge weights are op times; the target is g = 0.
+
+This is the oracle the DPs are tested against: it searches every schedule, not
+only persistent ones, so C_MP can be strictly worse (erratum 16).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+from rtmem.errors import RtmemError
+
+from ..chain import Chain
+from ..plan import as_budget
+from ..schedule import Op, Schedule
+
+__all__ = ["brute_force_remat", "brute_force_multichain"]
+
+
+def brute_force_remat(chain: Chain, memory, *, max_stages: int = 7):
+    """Optimal makespan and schedule of ``chain`` within ``memory`` (bytes).
+
+    Returns ``(makespan_seconds, Schedule)``, or ``(math.inf, None)`` when no
+    valid schedule exists. Refuses chains longer than ``max_stages`` (the state
+    space is 2^(2n+1) (n+2)).
+    """
+    n = chain.n
+    if n > max_stages:
+        raise RtmemError(f"brute_force_remat: {n} stages is too many for exhaustive "
+                         f"search (max_stages={max_stages}); use a shorter chain")
+    limit = as_budget(memory)
+    a = [int(chain.x0)] + [int(v) for v in chain.x]
+    abar = [int(chain.x0)] + [int(v) for v in chain.xbar]
+    w = [int(v) for v in chain.w]
+    of, ob = [int(v) for v in chain.o_f], [int(v) for v in chain.o_b]
+    uf, ub = [float(v) for v in chain.u_f], [float(v) for v in chain.u_b]
+    base = sum(w)
+    # grads[g]: weight-gradient bytes once B g..B n-1 have run
+    grads = [sum(w[g:]) for g in range(n)] + [0, 0]
+
+    def resident(A, Ab, g):
+        total = base + grads[g] + (a[g] if g <= n else 0)
+        for k in range(n + 1):
+            if A >> k & 1:
+                total += a[k]
+            if Ab >> k & 1:
+                total += abar[k]
+        return total
+
+    def moves(A, Ab, g):
+        mem = resident(A, Ab, g)
+        have = A | Ab
+        for k in range(n):
+            if have >> k & 1:
+                for code, out_bit, size in ((Op.F_CK, 0, a[k + 1]), (Op.F_ALL, 1, abar[k + 1])):
+                    target = Ab if out_bit else A
+                    if target >> (k + 1) & 1:
+                        continue                      # output already there: a no-op
+                    if mem + size + of[k] <= limit:
+                        if out_bit:
+                            yield code, k, uf[k], (A, Ab | 1 << (k + 1), g)
+                        else:
+                            yield code, k, uf[k], (A | 1 << (k + 1), Ab, g)
+            if A >> k & 1 and mem + a[k + 1] + of[k] <= limit:
+                nA = (A & ~(1 << k)) | 1 << (k + 1)
+                yield Op.F_NONE, k, uf[k], (nA, Ab, g)
+        if g == n + 1 and have >> n & 1 and mem + a[n] + chain.o_loss <= limit:
+            nA = A & ~(1 << n) if not Ab >> n & 1 else A
+            yield Op.LOSS, 0, float(chain.u_loss), (nA, Ab, n)
+        if g <= n and g >= 1:
+            k = g - 1
+            if Ab >> g & 1 and have >> k & 1 and mem + a[k] + ob[k] + w[k] <= limit:
+                nAb = Ab & ~(1 << g)
+                nA = A & ~(1 << k) if not nAb >> k & 1 else A
+                yield Op.B, k, ub[k], (nA, nAb, k)
+
+    start = (1, 0, n + 1)
+    if resident(*start) > limit:
+        return math.inf, None
+    dist = {start: 0.0}
+    prev = {}
+    tie = itertools.count()
+    heap = [(0.0, next(tie), start)]
+    while heap:
+        d, _, state = heapq.heappop(heap)
+        if d > dist[state]:
+            continue
+        if state[2] == 0:
+            ops = []
+            while state != start:
+                state, op = prev[state]
+                ops.append(op)
+            return d, Schedule.from_ops(reversed(ops))
+        for code, k, cost, nxt in moves(*state):
+            nd = d + cost
+            if nd < dist.get(nxt, math.inf):
+                dist[nxt] = nd
+                prev[nxt] = (state, (code, k))
+                heapq.heappush(heap, (nd, next(tie), nxt))
+    return math.inf, None
+
+
+def brute_force_multichain(lengths, m: int, b=None, u_f: float = 1.0, u_b: float = 1.0,
+                           u_loss: float = 1.0) -> float:
+    """Optimal MULTI-b makespan by Dijkstra (thesis-remat.md Appendix A.5).
+
+    State per branch: the set of stored a-indices and the position of its delta
+    (-1 before the loss, -2 once delta_0 is discarded). Moves: F with or without
+    keeping its input (keeping needs a free slot: S then F), B with or without
+    keeping a_{i-1}, the loss when every a_{L_j} is stored, discarding any a, and
+    discarding delta_0 when b_j = 0. Memory = number of stored items <= m. Returns
+    ``math.inf`` when no schedule exists. Small instances only (L_j <= ~5, K <= 3).
+    """
+    L = tuple(int(v) for v in lengths)
+    K = len(L)
+    b = (0,) * K if b is None else tuple(int(v) for v in b)
+
+    def used(state):
+        return sum(bin(s).count("1") + (d >= 0) for s, d in state)
+
+    def moves(state):
+        cnt = used(state)
+        for j, (s, d) in enumerate(state):
+            def put(ns, nd):
+                return state[:j] + ((ns, nd),) + state[j + 1:]
+            for i in range(1, L[j] + 1):
+                if s >> (i - 1) & 1:
+                    if not s >> i & 1 and cnt + 1 <= m:
+                        yield u_f, put(s | 1 << i, d)
+                    yield u_f, put((s & ~(1 << (i - 1))) | 1 << i, d)
+            if d >= 1 and s >> (d - 1) & 1:
+                yield u_b, put(s & ~(1 << (d - 1)), d - 1)
+                if cnt + 1 <= m:
+                    yield u_b, put(s, d - 1)
+            for i in range(L[j] + 1):
+                if s >> i & 1:
+                    yield 0.0, put(s & ~(1 << i), d)
+            if d == 0 and not b[j]:
+                yield 0.0, put(s, -2)
+        if all(d == -1 for _, d in state) and all(s >> L[j] & 1 for j, (s, _) in
+                                                    enumerate(state)):
+            yield u_loss, tuple((s & ~(1 << L[j]), L[j]) for j, (s, _) in enumerate(state))
+
+    start = tuple((1, -1) for _ in range(K))
+    if K > m:
+        return math.inf
+    target_d = tuple(0 if f else -2 for f in b)
+    dist = {start: 0.0}
+    heap = [(0.0, 0, start)]
+    tie = itertools.count(1)
+    while heap:
+        d0, _, state = heapq.heappop(heap)
+        if d0 > dist[state]:
+            continue
+        if tuple(d for _, d in state) == target_d:
+            return d0
+        for cost, nxt in moves(state):
+            nd = d0 + cost
+            if nd < dist.get(nxt, math.inf):
+                dist[nxt] = nd
+                heapq.heappush(heap, (nd, next(tie), nxt))
+    return math.inf

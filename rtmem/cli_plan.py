@@ -1,0 +1,113 @@
+"""``rtmem plan remat``: plan rematerialization for a chain and compare baselines.
+
+Registered by ``rtmem.cli`` through :func:`register`. Example::
+
+    rtmem plan remat resnet1001 --memory 8GiB --slots 500 --plot out.png
+
+prints, for ROTOR's DP and every baseline (store-all, checkpoint_sequential with
+the best segment count, sqrt(n) segments, Revolve), the simulated makespan, the
+peak memory and the overhead against training without rematerialization.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+__all__ = ["register"]
+
+
+def _load_chain(spec: str):
+    from rtmem.planners import Chain, from_spec
+    if os.path.exists(spec):
+        return Chain.load(spec)
+    return from_spec(spec)
+
+
+def _progress(quiet: bool):
+    start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(f"[{time.perf_counter() - start:7.2f} s] {msg}", file=sys.stderr, flush=True)
+    return say
+
+
+def _cmd_remat(args) -> int:
+    from rtmem._table import format_table
+    from rtmem.planners.plan import Plan, as_budget
+    from rtmem.planners.platform import Platform
+    from rtmem.planners.remat import compare_remat
+    from rtmem.units import format_bytes, format_seconds
+
+    chain = _load_chain(args.chain)
+    budget = as_budget(args.memory)
+    say = _progress(args.quiet)
+    say(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}")
+    results = compare_remat(chain, budget, slots=args.slots, progress=say)
+    rotor = results["rotor"]
+    if not isinstance(rotor, Plan):
+        raise rotor                      # InfeasibleError: main() prints it, exit 1
+    reference = chain.compute_time       # makespan without rematerialization
+    rows, docs = [], []
+    for name, res in results.items():
+        if isinstance(res, Plan):
+            note = ", ".join(f"{k}={v}" for k, v in res.info.items()
+                             if k in ("segments", "slots", "method"))
+            rows.append([name, format_seconds(res.makespan), format_bytes(res.peak),
+                         f"{res.overhead(reference):+.1%}", note])
+            docs.append({"planner": name, "makespan_s": res.makespan, "peak_bytes": res.peak,
+                         "overhead": res.overhead(reference), "info": res.info})
+        else:
+            need = res.min_feasible
+            rows.append([name, "-", "-", "-", "infeasible: needs " +
+                         (format_bytes(need) if need is not None else "more memory")])
+            docs.append({"planner": name, "infeasible": True, "min_feasible_bytes": need})
+    if args.save:
+        rotor.save(args.save)
+        say(f"wrote the rotor plan to {args.save}")
+    if args.plot:
+        from rtmem.plot import plot_schedule
+        plot_schedule(chain, rotor.schedule, Platform(budget), args.plot,
+                      title=f"rotor on {chain.name or args.chain}, {format_bytes(budget)}")
+        say(f"wrote {args.plot}")
+    if args.json:
+        print(json.dumps({"chain": chain.name, "stages": chain.n,
+                          "budget_bytes": None if math.isinf(budget) else budget,
+                          "no_remat_makespan_s": reference, "plans": docs}, indent=1))
+    else:
+        print(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}, "
+              f"no-remat makespan {format_seconds(reference)}")
+        print(format_table(["planner", "makespan", "peak", "overhead", "notes"], rows,
+                           align="lrrrl"))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``plan`` (with ``remat``) to the ``rtmem`` command's subparsers."""
+    plan = subparsers.add_parser("plan", help="plan schedules (rematerialization, ...)")
+    sub = plan.add_subparsers(dest="planner", metavar="PLANNER")
+    p = sub.add_parser("remat", help="rematerialization: ROTOR's DP vs the baselines",
+                       description="Plan rematerialization (ROTOR's persistent DP) within a "
+                       "memory budget and compare it with store-all, checkpoint_sequential, "
+                       "sqrt(n) and Revolve.")
+    p.add_argument("chain", metavar="CHAIN",
+                   help="built-in name (rtmem chains), generator spec such as "
+                   "'gpt2:layers=24' or a chain JSON file")
+    p.add_argument("--memory", required=True,
+                   help="device memory budget including weights, e.g. 8GiB")
+    p.add_argument("--slots", type=int, default=500,
+                   help="memory slots of the DP (default 500; more: closer to optimal, slower)")
+    p.add_argument("--plot", help="write a Gantt chart + memory plot of the rotor plan here")
+    p.add_argument("--save", help="write the rotor plan as JSON here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_cmd_remat)
+
+    def _no_planner(args) -> int:
+        plan.print_help()
+        return 2
+    plan.set_defaults(func=_no_planner)

@@ -1,0 +1,115 @@
+"""Baseline planners (store-all, checkpoint_sequential, sqrt(n), Revolve) and the
+Plan value type."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rtmem.errors import InfeasibleError, ScheduleError
+from rtmem.planners import Platform, builtin, sequential_schedule, simulate
+from rtmem.planners.baselines import plan_sequential, plan_sqrt, plan_store_all
+from rtmem.planners.plan import Plan, as_budget
+from rtmem.planners.remat import compare_remat, plan_remat
+from rtmem.planners.revolve import plan_revolve
+from rtmem.planners.schedule import Op
+from rtmem.planners.testing import chains
+
+SETTINGS = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(chains(1, 10))
+def test_store_all_is_the_no_remat_makespan(chain):
+    plan = plan_store_all(chain, math.inf)
+    assert plan.makespan == pytest.approx(chain.compute_time, rel=1e-12)
+    if plan.peak > 1:
+        with pytest.raises(InfeasibleError) as err:
+            plan_store_all(chain, plan.peak - 1)
+        assert err.value.min_feasible == plan.peak
+
+
+@SETTINGS
+@given(chains(1, 10), st.floats(0, 1))
+def test_sequential_picks_the_fastest_fitting_segment_count(chain, frac):
+    runs = [simulate(chain, sequential_schedule(chain.n, k), Platform(math.inf))
+            for k in range(1, chain.n + 1)]
+    least = min(r.peak for r in runs)
+    budget = max(1, int(least + frac * (max(r.peak for r in runs) - least)))
+    plan = plan_sequential(chain, budget)
+    fitting = [r.makespan for r in runs if r.peak <= budget]
+    assert plan.peak <= budget
+    assert plan.makespan == min(fitting)
+    assert plan.schedule == sequential_schedule(chain.n, plan.info["segments"])
+    if least > 1:
+        with pytest.raises(InfeasibleError) as err:
+            plan_sequential(chain, least - 1)
+        assert err.value.min_feasible == least
+
+
+def test_sqrt_uses_round_sqrt_n_segments():
+    chain = builtin("resnet50")
+    plan = plan_sqrt(chain, math.inf)
+    assert plan.info["segments"] == round(math.sqrt(chain.n))
+    assert plan.algorithm == "sqrt"
+
+
+@SETTINGS
+@given(chains(1, 9))
+def test_revolve_baseline_is_valid_and_never_keeps_abar(chain):
+    plan = plan_revolve(chain, math.inf)
+    res = simulate(chain, plan.schedule, Platform(max(1, plan.peak)))
+    assert res.makespan == plan.makespan
+    ops = list(plan.schedule)
+    for j, (op, s, _) in enumerate(ops):
+        if op == Op.F_ALL:
+            assert ops[j + 1][:2] == (Op.B, s)
+
+
+def test_revolve_uses_less_memory_with_fewer_slots():
+    chain = builtin("resnet50")
+    full = plan_revolve(chain, math.inf)
+    with pytest.raises(InfeasibleError) as err:
+        plan_revolve(chain, 1)
+    least = err.value.min_feasible
+    assert plan_revolve(chain, least).peak == least
+    budget = (least + full.peak) // 2
+    tight = plan_revolve(chain, budget)
+    assert tight.peak <= budget and tight.makespan > full.makespan
+    assert tight.info["slots"] < full.info["slots"]
+
+
+def test_plan_json_round_trip(tmp_path):
+    plan = plan_remat(builtin("gpt2-small"), "6GiB")
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.info == plan.info
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == plan
+    unlimited = plan_store_all(builtin("gpt2-small"), "inf")
+    assert Plan.from_json(unlimited.to_json()).budget == math.inf
+    with pytest.raises(ScheduleError):
+        Plan.from_json('{"format": "something else"}')
+    assert plan.overhead(unlimited.makespan) >= 0
+
+
+def test_as_budget_accepts_bytes_strings_and_platforms():
+    assert as_budget(1024) == 1024
+    assert as_budget("1 KiB") == 1024
+    assert as_budget(Platform("2KiB")) == 2048
+    assert as_budget("inf") == math.inf
+
+
+def test_compare_remat_reports_every_planner():
+    chain = builtin("gpt2-small")
+    peak = plan_store_all(chain, math.inf).peak
+    # enough slots that rounding sizes up costs little (each size loses < 1 slot)
+    results = compare_remat(chain, int(peak * 0.6), slots=5000)
+    assert list(results) == ["rotor", "store-all", "sequential", "sqrt", "revolve"]
+    assert isinstance(results["store-all"], InfeasibleError)
+    rotor = results["rotor"]
+    for name in ("sequential", "revolve"):
+        other = results[name]
+        if isinstance(other, Plan):
+            assert rotor.makespan <= other.makespan * 1.001, name

@@ -1,0 +1,78 @@
+"""``rtmem plan remat`` (rtmem/cli_plan.py)."""
+
+import argparse
+import json
+import math
+
+import pytest
+
+from rtmem.cli_plan import register
+from rtmem.planners import Platform, from_spec, simulate, store_all_schedule
+from rtmem.planners.plan import Plan
+from rtmem.planners.remat import min_feasible_memory
+
+SPEC = "gpt2:layers=4,hidden=64,heads=4,seq=16,batch=2,vocab=50"
+
+
+def run(capsys, *argv):
+    parser = argparse.ArgumentParser(prog="rtmem")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(list(argv))
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def budget(fraction):
+    chain = from_spec(SPEC)
+    lo = min_feasible_memory(chain)
+    hi = simulate(chain, store_all_schedule(chain.n), Platform(math.inf)).peak
+    return str(int(lo + fraction * (hi - lo)))
+
+
+def test_table_lists_rotor_and_every_baseline(capsys):
+    code, out, err = run(capsys, "plan", "remat", SPEC, "--memory", budget(0.3),
+                         "--slots", "200")
+    assert code == 0
+    for name in ("rotor", "store-all", "sequential", "sqrt", "revolve"):
+        assert name in out
+    assert "infeasible" in out                       # store-all cannot fit at 30 %
+    assert "planning rotor" in err                   # progress on stderr
+
+
+def test_json_save_and_chain_file(capsys, tmp_path):
+    chain_path = tmp_path / "c.json"
+    from_spec(SPEC).save(chain_path)
+    saved = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", "remat", str(chain_path), "--memory", budget(0.5),
+                         "--json", "--quiet", "--save", str(saved))
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    rotor = next(p for p in doc["plans"] if p["planner"] == "rotor")
+    assert rotor["peak_bytes"] <= int(budget(0.5))
+    assert Plan.load(saved).makespan == rotor["makespan_s"]
+
+
+def test_infeasible_budget_raises_with_minimum(capsys):
+    from rtmem.errors import InfeasibleError
+    with pytest.raises(InfeasibleError) as err:
+        run(capsys, "plan", "remat", SPEC, "--memory", "1000", "--quiet")
+    assert err.value.min_feasible == min_feasible_memory(from_spec(SPEC))
+
+
+def test_plot_calls_plot_schedule(capsys, tmp_path, monkeypatch):
+    import rtmem.plot
+    calls = []
+    monkeypatch.setattr(rtmem.plot, "plot_schedule",
+                        lambda chain, schedule, platform, path, title=None:
+                        calls.append((len(schedule), platform.memory, path)))
+    path = str(tmp_path / "p.png")
+    code, _, _ = run(capsys, "plan", "remat", SPEC, "--memory", budget(0.4), "--plot", path,
+                     "--quiet")
+    assert code == 0 and calls and calls[0][2] == path
+    assert calls[0][1] == int(budget(0.4))
+
+
+def test_plan_without_planner_prints_help(capsys):
+    code, out, _ = run(capsys, "plan")
+    assert code == 2 and "remat" in out

@@ -1,0 +1,91 @@
+"""The corrected floating DP (rtmem.planners.floating) against exhaustive search
+(thesis-remat.md erratum 16, properties 2-4, 9, 12)."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rtmem.errors import InfeasibleError, RtmemError
+from rtmem.planners import Chain, Platform, simulate, store_all_schedule
+from rtmem.planners.floating import plan_floating
+from rtmem.planners.remat import min_feasible_memory, plan_remat
+from rtmem.planners.schedule import Op
+from rtmem.planners.testing import chains
+from rtmem.planners.testing.bruteforce import brute_force_remat
+
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def small_case(draw):
+    chain = draw(chains(1, 4, small=True))
+    hi = simulate(chain, store_all_schedule(chain.n), Platform(math.inf)).peak
+    budget = draw(st.integers(max(1, int(chain.x0) + int(chain.w.sum())), max(1, hi) + 2))
+    return chain, budget
+
+
+def makespan_or_inf(planner, chain, budget, **kw):
+    try:
+        return planner(chain, budget, **kw).makespan
+    except InfeasibleError:
+        return math.inf
+
+
+@SETTINGS
+@given(small_case())
+def test_floating_equals_brute_force(case):
+    chain, budget = case
+    best, _ = brute_force_remat(chain, budget)
+    assert makespan_or_inf(plan_floating, chain, budget) == best
+
+
+@SETTINGS
+@given(small_case())
+def test_floating_plan_is_valid_and_no_worse_than_persistent(case):
+    chain, budget = case
+    try:
+        plan = plan_floating(chain, budget)
+    except InfeasibleError:
+        assert budget < min_feasible_memory(chain)        # C_MP infeasible as well
+        return
+    res = simulate(chain, plan.schedule, Platform(budget))
+    assert res.peak <= budget and res.makespan == plan.info["dp_makespan"]
+    assert plan.makespan <= makespan_or_inf(plan_remat, chain, budget, slots=budget)
+    # property 12: F_all at most once per stage, each B after its F_all
+    alls = [s for op, s, _ in plan.schedule if op == Op.F_ALL]
+    assert len(alls) == len(set(alls))
+
+
+def test_erratum_16_instance_is_closed():
+    chain = Chain(u_f=[3, 5, 1, 0], u_b=[2, 6, 4, 2], x=[3, 4, 4, 3], xbar=[3, 6, 6, 5],
+                  x0=1, u_loss=2)
+    plan = plan_floating(chain, 20)
+    assert plan.makespan == 39 and plan.peak <= 20
+    assert plan_remat(chain, 20, slots=20).makespan == 42
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 6])
+def test_persistence_counterexample_reaches_exhaustive_value(n):
+    # property 9: floating DP = exhaustive = min(3n-2, 2n+2) at M = 15
+    L = n + 2
+    x = [1] + [3] * (L - 2) + [4]
+    chain = Chain(u_f=[n - 2, 2] + [0] * (L - 2), u_b=[0] * L, x=x, xbar=x, x0=0)
+    assert plan_floating(chain, 15).makespan == min(3 * n - 2, 2 * n + 2)
+
+
+def test_discretized_floating_plan_fits_in_bytes():
+    chain = Chain(u_f=[1, 2, 1, 3, 2], u_b=[2, 3, 2, 4, 2], x=[300, 500, 200, 700, 100],
+                  xbar=[600, 900, 500, 1200, 300], x0=250, w=[10, 20, 10, 30, 5])
+    budget = min_feasible_memory(chain) + 700
+    plan = plan_floating(chain, budget, slots=80)
+    assert simulate(chain, plan.schedule, Platform(budget)).peak <= budget
+
+
+def test_refuses_long_chains_and_unlimited_memory():
+    with pytest.raises(RtmemError, match="too many"):
+        plan_floating(Chain.homogeneous(20), 100)
+    with pytest.raises(RtmemError, match="finite"):
+        plan_floating(Chain.homogeneous(3), "inf")

@@ -1,0 +1,183 @@
+"""Revolve (Opt_0) and the multi-chain DP (eq. 1.4) against closed forms, the
+Chapter 1 validator and exhaustive search (thesis-remat.md §7.2)."""
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rtmem.errors import InfeasibleError, ScheduleError
+from rtmem.planners import Chain, Platform, simulate
+from rtmem.planners.multichain import (MultiOp, min_slots, multichain_schedule,
+                                       multichain_table, simulate_multichain)
+from rtmem.planners.revolve import (binomial_makespan, opt0_table, revolve_schedule,
+                                    single_chain_ops)
+from rtmem.planners.schedule import Op
+from rtmem.planners.testing.bruteforce import brute_force_multichain
+
+SETTINGS = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+# ------------------------------------------------------------------ Revolve
+def test_opt0_equals_binomial_closed_form():
+    # property 15, with non-unit costs so u_F and u_B cannot be confused
+    T, _ = opt0_table(59, 9, u_f=3.0, u_b=5.0)
+    for l in range(60):
+        for m in range(10):
+            assert T[l, m] == binomial_makespan(l, m, 3.0, 5.0), (l, m)
+
+
+def test_opt0_special_cases():
+    T, _ = opt0_table(30, 40, u_f=2.0, u_b=7.0)
+    for l in range(1, 31):
+        assert T[l, 3] == l * (l + 1) / 2 * 2.0 + (l + 1) * 7.0
+        assert T[l, l + 2] == l * 2.0 + (l + 1) * 7.0
+        assert math.isinf(T[l, 2]) and math.isinf(T[l, 0])
+    assert T[0, 2] == 7.0 and math.isinf(T[0, 1])
+
+
+@pytest.mark.parametrize("L,m", [(1, 3), (2, 3), (7, 3), (7, 4), (12, 5), (20, 6), (9, 11)])
+def test_single_chain_schedule_is_valid_and_optimal(L, m):
+    T, arg = opt0_table(L, m, u_f=2.0, u_b=3.0)
+    ops = single_chain_ops(L, m, arg=arg)
+    makespan, peak = simulate_multichain(ops, (L,), m, b=(1,), u_f=2.0, u_b=3.0, u_loss=5.0)
+    assert peak <= m
+    assert makespan == T[L - 1, m] + 2.0 + 5.0          # SINGLE = Opt_0(L-1, m) + u_F + u_L
+
+
+@pytest.mark.parametrize("n,m", [(1, 3), (5, 3), (8, 4), (10, 5), (6, 8)])
+def test_revolve_converted_to_table_2_1_is_valid(n, m):
+    chain = Chain.homogeneous(n, u_f=1.0, u_b=1.0, x=1)
+    sched = revolve_schedule(n, m)
+    res = simulate(chain, sched, Platform(math.inf))
+    # Revolve's forwards, plus one F_all per B (abar is never kept across phases)
+    forwards = binomial_makespan(n, m, 1.0, 0.0)
+    assert sched.count(Op.F_CK) + sched.count(Op.F_NONE) == forwards
+    assert sched.count(Op.F_ALL) == n
+    assert res.makespan == forwards + n + n
+    ops = list(sched)
+    for j, (op, s, _) in enumerate(ops):
+        if op == Op.F_ALL:
+            assert ops[j + 1][:2] == (Op.B, s)
+
+
+def test_revolve_needs_three_slots():
+    with pytest.raises(InfeasibleError):
+        single_chain_ops(4, 2)
+
+
+# -------------------------------------------------------------- multi-chain
+def test_toy_instance_values():
+    # property 22 (erratum 5: values, not the thesis' claimed argmin)
+    T = multichain_table((4, 10, 12), 29)
+    assert [T.opt((4, 10, 12), m) for m in range(7, 13)] == [88, 81, 74, 72, 71, 70]
+    # "decreasing by 1 per slot down to 53 = 2*26+1 at m = 29 = sum(L_i + 1)"
+    assert [T.opt((4, 10, 12), m) for m in range(12, 30)] == list(range(70, 52, -1))
+    assert math.isinf(T.opt((4, 10, 12), 6))
+    assert T.opt((4, 10, 3), 8, (0, 0, 1)) == 48
+    assert T.opt((4, 3, 3), 7, (0, 1, 1)) == 27
+
+
+def test_k1_equals_revolve():
+    # property 17
+    T0, _ = opt0_table(20, 12)
+    for L in range(2, 21):
+        T = multichain_table((L,), 12)
+        for m in range(3, 13):
+            for b in ((0,), (1,)):
+                assert T.opt((L,), m, b) == T0[L - 1, m] + 1 + 1
+
+
+@pytest.mark.parametrize("L", [5, 10])
+def test_cross_modal_full_memory_thresholds(L):
+    # property 20: CM (L, 5L) reaches 12L+1 exactly at m = 6L+2
+    T = multichain_table((L, 5 * L), 6 * L + 2)
+    assert T.opt((L, 5 * L), 6 * L + 2) == 12 * L + 1
+    assert T.opt((L, 5 * L), 6 * L + 1) == 12 * L + 2
+
+
+def test_siamese_threshold_and_half_memory_ratio():
+    L = 5
+    T = multichain_table((2 * L, 2 * L, 2 * L), 6 * L + 3)
+    assert T.opt((10, 10, 10), 6 * L + 3) == 12 * L + 1
+    assert T.opt((10, 10, 10), 6 * L + 2) > 12 * L + 1
+    # property 23 (loose): halving memory costs 20-30 %
+    ratio = T.opt((10, 10, 10), (6 * L + 3) // 2) / (12 * L + 1)
+    assert 1.2 <= ratio <= 1.3
+
+
+@st.composite
+def instances(draw, max_k=3, max_len=3):
+    K = draw(st.integers(1, max_k))
+    L = tuple(draw(st.lists(st.integers(0, max_len), min_size=K, max_size=K)))
+    b = tuple(draw(st.lists(st.integers(0, 1), min_size=K, max_size=K)))
+    m = draw(st.integers(0, sum(L) + K + 2))
+    return L, b, m
+
+
+@SETTINGS
+@given(instances())
+def test_multichain_equals_exhaustive_search(case):
+    # properties 16 and 18
+    L, b, m = case
+    dp = multichain_table(L, m).opt(L, m, b)
+    assert dp == brute_force_multichain(L, m, b)
+    assert math.isfinite(dp) == (m >= min_slots(L, b))
+
+
+@SETTINGS
+@given(instances(max_k=4, max_len=4), st.floats(0.5, 3.0), st.floats(0.5, 3.0))
+def test_multichain_schedule_is_valid_and_optimal(case, u_f, u_b):
+    L, b, m = case
+    opt = multichain_table(L, m, u_f, u_b, 2.0).opt(L, m, b)
+    if not math.isfinite(opt):
+        with pytest.raises(InfeasibleError):
+            multichain_schedule(L, m, b, u_f, u_b, 2.0)
+        return
+    value, ops = multichain_schedule(L, m, b, u_f, u_b, 2.0)
+    makespan, peak = simulate_multichain(ops, L, m, b, u_f, u_b, 2.0)
+    assert makespan == pytest.approx(value) and value == opt
+    assert peak <= m
+    assert opt >= sum(L) * (u_f + u_b) + 2.0 - 1e-9     # property 21
+
+
+@SETTINGS
+@given(instances(max_k=3, max_len=4))
+def test_symmetry_and_monotonicity(case):
+    # property 19
+    L, b, m = case
+    T = multichain_table(L, m + 1)
+    base = T.opt(L, m, b)
+    assert T.opt(L, m + 1, b) <= base
+    for j in range(len(L)):
+        if b[j] == 0:
+            assert T.opt(L, m, b[:j] + (1,) + b[j + 1:]) >= base
+    perm = list(reversed(range(len(L))))
+    Lp, bp = tuple(L[i] for i in perm), tuple(b[i] for i in perm)
+    assert multichain_table(Lp, m).opt(Lp, m, bp) == base
+
+
+def test_four_chains_at_thesis_sizes():
+    L = (5, 10, 5, 10)
+    T = multichain_table(L, 34)
+    spans = [T.opt(L, m) for m in range(min_slots(L), 35)]
+    assert all(a >= b for a, b in zip(spans, spans[1:]))
+    assert spans[-1] == 2 * sum(L) + 1                  # m >= sum(L_i + 1)
+    value, ops = multichain_schedule(L, min_slots(L) + 2)
+    assert simulate_multichain(ops, L, min_slots(L) + 2)[0] == value
+
+
+def test_validator_rejects_bad_schedules():
+    good = [MultiOp("S", 0, 0), MultiOp("F", 0, 1), MultiOp("L", -1, 0), MultiOp("B", 0, 1)]
+    assert simulate_multichain(good, (1,), 2, b=(1,)) == (3.0, 2)
+    with pytest.raises(ScheduleError, match="slots"):
+        simulate_multichain(good, (1,), 1, b=(1,))
+    with pytest.raises(ScheduleError, match="needs a_0"):
+        simulate_multichain([MultiOp("F", 0, 1), MultiOp("L", -1, 0), MultiOp("B", 0, 1)],
+                            (1,), 3, b=(1,))
+    with pytest.raises(ScheduleError, match="expected nothing"):
+        simulate_multichain(good, (1,), 2, b=(0,))
+    assert list(itertools.islice(map(str, good), 2)) == ["S^0_0", "F^0_1"]
