@@ -1,4 +1,4 @@
-"""The ``rtmem`` command line: chains, simulate, demo (and plan, doctor, ...).
+"""The ``rtmem`` command line: chains, simulate, demo (and plan, doctor, bench).
 
 Subcommands owned by other modules register themselves through a
 ``register(subparsers)`` function (see ``_PLUGINS``), so this file stays small.
@@ -22,7 +22,7 @@ from rtmem.units import format_bandwidth, format_bytes, format_seconds
 __all__ = ["main", "load_chain", "load_schedule"]
 
 # modules that add subcommands with register(subparsers)
-_PLUGINS = ("rtmem.cli_plan", "rtmem.doctor")
+_PLUGINS = ("rtmem.cli_plan", "rtmem.doctor", "rtmem.cli_bench")
 
 
 def load_chain(spec: str):
@@ -121,50 +121,11 @@ def _cmd_simulate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    """Simulate the classical strategies on a built-in chain, without planning."""
-    from rtmem.errors import ScheduleError
-    from rtmem.planners import Platform, sequential_schedule, simulate, store_all_schedule
-    from rtmem.plot import plot_schedule
-    chain = load_chain(args.chain)
-    unlimited = Platform(math.inf)
-    base = simulate(chain, store_all_schedule(chain.n), unlimited)
-    # default budget: weights and input stay, half of the activation memory goes
-    static = chain.x0 + int(chain.w.sum())
-    budget = Platform(args.memory if args.memory else static + (base.peak - static) // 2)
-    print(f"{chain.name}: {chain.n} stages, no-remat peak {format_bytes(base.peak)}, "
-          f"budget {format_bytes(budget.memory)}\n")
-    candidates = [("store all (plain autograd)", store_all_schedule(chain.n))]
-    for k in sorted({2, max(2, round(math.sqrt(chain.n))), max(2, chain.n // 2)}):
-        if k <= chain.n:
-            candidates.append((f"checkpoint_sequential, {k} segments",
-                               sequential_schedule(chain.n, k)))
-    rows, best = [], None
-    for label, sched in candidates:
-        r = simulate(chain, sched, unlimited)
-        try:
-            simulate(chain, sched, budget)
-            fits = "yes"
-            if best is None or r.makespan < best[1].makespan:
-                best = (label, r, sched)
-        except ScheduleError as e:
-            fits = f"no (op {e.op_index})"
-        rows.append([label, format_seconds(r.makespan),
-                     f"{100 * (r.makespan / base.makespan - 1):.1f}%",
-                     format_bytes(r.peak), fits])
-    print(format_table(["schedule", "makespan", "overhead", "peak", "fits budget"], rows))
-    os.makedirs(args.out, exist_ok=True)
-    paths = [plot_schedule(chain, store_all_schedule(chain.n), unlimited,
-                           os.path.join(args.out, "store_all.png"), result=base)]
-    if best is not None:
-        paths.append(plot_schedule(chain, best[2], budget,
-                                   os.path.join(args.out, "best_under_budget.png"),
-                                   title=f"{chain.name}: {best[0]} under "
-                                   f"{format_bytes(budget.memory)}"))
-        best[2].save(os.path.join(args.out, "best_under_budget.txt"))
-    if best is None:
-        print(f"\nno classical schedule fits {format_bytes(budget.memory)}; a planner "
-              "(rtmem plan remat) may, or give more memory with --memory")
-    print("\nwrote " + ", ".join(paths))
+    """Profile a small GPT-2, plan under a budget, train with and without the plan."""
+    from rtmem.demo import run_demo
+    run_demo(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+             batch=args.batch, vocab=args.vocab, steps=args.steps, memory=args.memory,
+             slots=args.slots, out=args.out, device=args.device)
     return 0
 
 
@@ -185,11 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a Gantt chart + memory plot to this file (.png)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_simulate)
-    p = sub.add_parser("demo", help="the README's main job")
-    p.add_argument("--chain", default="gpt2-small", help="chain to demonstrate on")
+    p = sub.add_parser("demo", help="the README's main job: profile, plan and train a "
+                       "small GPT-2 under a memory budget, with and without rtmem")
+    for name, default in (("layers", 6), ("hidden", 128), ("heads", 4), ("seq", 128),
+                          ("batch", 4), ("vocab", 512), ("steps", 5), ("slots", 500)):
+        p.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
     p.add_argument("--memory", default=None,
-                   help="budget (default: weights + half the no-remat activation memory)")
-    p.add_argument("--out", default="out/demo", help="folder for plots and schedules")
+                   help="device budget, e.g. 40MiB (default: half the no-remat peak)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
+    p.add_argument("--out", default="out/demo", help="folder for plots, plan and chain")
     p.set_defaults(func=_cmd_demo)
     for name in _PLUGINS:
         try:

@@ -13,18 +13,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 
 __all__ = ["register"]
-
-
-def _load_chain(spec: str):
-    from rtmem.planners import Chain, from_spec
-    if os.path.exists(spec):
-        return Chain.load(spec)
-    return from_spec(spec)
 
 
 def _progress(quiet: bool):
@@ -43,7 +35,8 @@ def _cmd_remat(args) -> int:
     from rtmem.planners.remat import compare_remat
     from rtmem.units import format_bytes, format_seconds
 
-    chain = _load_chain(args.chain)
+    from rtmem.cli import load_chain
+    chain = load_chain(args.chain)
     budget = as_budget(args.memory)
     say = _progress(args.quiet)
     say(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}")

@@ -58,11 +58,26 @@ def test_errors_exit_1_with_message(capsys, argv, fragment):
 
 
 def test_demo(capsys, tmp_path):
-    code, out, _ = run(capsys, "demo", "--chain", "gpt2:layers=8,hidden=64,heads=4,seq=256,"
-                       "batch=2,vocab=100", "--out", str(tmp_path))
-    assert code == 0 and "checkpoint_sequential" in out and "fits budget" in out
-    assert (tmp_path / "store_all.png").exists()
-    assert (tmp_path / "best_under_budget.png").exists()
+    code, out, _ = run(capsys, "demo", "--layers", "2", "--hidden", "32", "--heads", "4",
+                       "--seq", "32", "--batch", "2", "--vocab", "64", "--steps", "2",
+                       "--device", "cpu", "--out", str(tmp_path))
+    assert code == 0
+    assert "rotor" in out and "sequential" in out and "no rematerialization" in out
+    assert "differ by at most 0.00e+00" in out        # same losses with and without
+    for name in ("rotor_plan.png", "no_remat.png", "rotor_plan.json", "chain.json"):
+        assert (tmp_path / name).exists()
+
+
+def test_demo_result_values(tmp_path):
+    pytest.importorskip("torch")
+    from rtmem.demo import run_demo
+    from rtmem.planners import Plan
+    r = run_demo(layers=2, hidden=32, heads=4, seq=32, batch=2, vocab=64, steps=3,
+                 out=str(tmp_path), device="cpu", say=lambda *a: None)
+    assert r["plain_losses"] == r["plan_losses"]
+    assert r["plan_peak_bytes"] <= r["plan"].peak <= r["budget"]
+    assert r["plan_peak_bytes"] < r["plain_peak_bytes"]
+    assert Plan.load(tmp_path / "rotor_plan.json").schedule == r["plan"].schedule
 
 
 def test_no_command_prints_help(capsys):
