@@ -295,3 +295,16 @@ def scratch(tag: str, shape, dtype, stream):
         while len(_SCRATCH) > _SCRATCH_MAX:
             _SCRATCH.pop(next(iter(_SCRATCH)))
     return arr
+
+
+def check_layernorm_forward(x, gamma, beta, out, mean, rstd) -> tuple[int, int]:
+    """Shapes of a LayerNorm forward: x, out [T, H]; gamma, beta [H]; mean, rstd [T].
+    Returns (T, H); raises KernelArgumentError naming the first bad array."""
+    check_array(x, "x", ndim=2)
+    T, H = x.shape
+    for a, n in ((gamma, "gamma"), (beta, "beta")):
+        check_array(a, n, ndim=1, shape=(H,))
+    check_array(out, "out", ndim=2, shape=(T, H))
+    for a, n in ((mean, "mean"), (rstd, "rstd")):
+        check_array(a, n, ndim=1, shape=(T,))
+    return T, H

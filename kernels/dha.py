@@ -52,7 +52,8 @@ from numba import cuda
 
 from rtmem.errors import KernelArgumentError
 
-from ._launch import (THREADS, as_device, check_array, check_eps, check_ids, device_words,
+from ._launch import (THREADS, as_device, check_array, check_eps, check_ids,
+                      check_layernorm_forward, device_words,
                       grid_size, numba_stream, row_threads, scratch, simulator_active,
                       stream_blocks, synchronize, word_dtype)
 
@@ -494,13 +495,7 @@ def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,
     x, gamma, beta, out, mean, rstd = (as_device(a, n) for a, n in (
         (x, "x"), (gamma, "gamma"), (beta, "beta"), (out, "out"), (mean, "mean"),
         (rstd, "rstd")))
-    check_array(x, "x", ndim=2)
-    T, H = x.shape
-    for a, n in ((gamma, "gamma"), (beta, "beta")):
-        check_array(a, n, ndim=1, shape=(H,))
-    check_array(out, "out", ndim=2, shape=(T, H))
-    for a, n in ((mean, "mean"), (rstd, "rstd")):
-        check_array(a, n, ndim=1, shape=(T,))
+    T, H = check_layernorm_forward(x, gamma, beta, out, mean, rstd)
     eps = np.float32(check_eps(eps))
     staged, shared = _staging(2 * H)
     grid = stream_blocks(T, threads=1, blocks_per_sm=2)

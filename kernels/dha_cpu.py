@@ -23,7 +23,8 @@ from numba import prange
 
 from rtmem.errors import KernelArgumentError
 
-from ._launch import as_host, check_array, check_eps, check_ids, check_words, word_dtype
+from ._launch import (as_host, check_array, check_eps, check_ids, check_layernorm_forward,
+                      check_words, word_dtype)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -232,13 +233,7 @@ def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,
     x, gamma, beta = as_host(x, "x"), as_host(gamma, "gamma"), as_host(beta, "beta")
     out, mean, rstd = (as_host(out, "out", True), as_host(mean, "mean", True),
                        as_host(rstd, "rstd", True))
-    check_array(x, "x", ndim=2)
-    T, H = x.shape
-    for a, n in ((gamma, "gamma"), (beta, "beta")):
-        check_array(a, n, ndim=1, shape=(H,))
-    check_array(out, "out", ndim=2, shape=(T, H))
-    for a, n in ((mean, "mean"), (rstd, "rstd")):
-        check_array(a, n, ndim=1, shape=(T,))
+    T, H = check_layernorm_forward(x, gamma, beta, out, mean, rstd)
     _layernorm_fwd(x, gamma, beta, out, mean, rstd, check_eps(eps))
 
 

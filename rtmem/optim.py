@@ -54,24 +54,31 @@ def _check_num_threads(num_threads):
     return num_threads
 
 
-def _run_step(items, *, grad_scale, check_finite, num_threads):
+def _run_step(opt, items, *, grad_scale, check_finite) -> bool:
     """Apply one Adam step to every item, or to none (NOTE [ Skipped steps ]).
 
     ``items`` holds ``(update, coefficients, state)``: a validated
     :class:`~rtmem.kernels.adam.PreparedUpdate`, its float32 kernel coefficients
-    and the parameter's state dict (the caller advances its ``"step"`` on
-    success). Returns True if the step was applied.
+    and the parameter's state dict, whose ``"step"`` advances on success. The
+    optimizer's ``skipped_steps`` / ``last_step_skipped`` record a skip. Returns
+    True if the step was applied.
     """
     if check_finite is None:
         check_finite = grad_scale is not None
-    with threads(num_threads):
+    applied = True
+    with threads(opt.num_threads):
         if check_finite:
+            applied = all(update.grads_finite(c) for update, c, _ in items)
+        if applied:
             for update, c, _ in items:
-                if not update.grads_finite(c):
-                    return False
-        for update, c, _ in items:
-            update.apply(c)
-    return True
+                update.apply(c)
+    if applied:
+        for _, _, st in items:
+            st["step"] += 1
+    else:
+        opt.skipped_steps += 1
+    opt.last_step_skipped = not applied
+    return applied
 
 
 def _coefficients(group, step, decoupled, grad_scale):
@@ -172,15 +179,7 @@ class NumpyAdam:
             c = _coefficients(self.hyper, st["step"] + 1, self.decoupled_weight_decay,
                               grad_scale)
             items.append((update, c, st))
-        applied = _run_step(items, grad_scale=grad_scale, check_finite=check_finite,
-                            num_threads=self.num_threads)
-        if applied:
-            for _, _, st in items:
-                st["step"] += 1
-        else:
-            self.skipped_steps += 1
-        self.last_step_skipped = not applied
-        return applied
+        return _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite)
 
     def state_dict(self) -> dict:
         """A deep copy of the hyperparameters and per-parameter state (arrays copied)."""
@@ -393,14 +392,7 @@ def _build_torch_optimizers():
                     c = _coefficients(group, int(st["step"].item()) + 1,
                                       self.decoupled_weight_decay, grad_scale)
                     items.append((update, c, st))
-            applied = _run_step(items, grad_scale=grad_scale, check_finite=check_finite,
-                                num_threads=self.num_threads)
-            if applied:
-                for _, _, st in items:
-                    st["step"] += 1
-            else:
-                self.skipped_steps += 1
-            self.last_step_skipped = not applied
+            _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite)
             return loss
 
         def load_state_dict(self, state_dict):
