@@ -106,19 +106,29 @@ def test_bad_plans_are_refused(setup):
         ScheduleExecutor(model, "F_all 0", loss_fn)
 
 
-def test_many_steps_leave_nothing_behind(setup):
+def test_many_steps_leave_nothing_behind(setup, monkeypatch):
+    import gc
+
+    import rtmem
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
     model, loss_fn, x, y = setup[:4]
     n = len(model)
     sched = Schedule.from_text(", ".join(
-        ["F_all 0", "offload abar1", "F_all 1", "delete abar1"]
+        ["offload a0", "F_all 0", "offload abar1", "F_all 1", "delete abar1"]
         + [f"F_all {i}" for i in range(2, n)] + ["L"]
         + [f"B {i}" for i in reversed(range(2, n))] + ["prefetch abar1", "B 1", "B 0"]))
-    ex = ScheduleExecutor(copy.deepcopy(model), sched, loss_fn)
-    for _ in range(30):
+    arena = rtmem.HostArena(1 << 22)
+    ex = ScheduleExecutor(copy.deepcopy(model), sched, loss_fn, host_arena=arena)
+    for _ in range(40):
         ex.step(x, y)
+        gc.collect()
         assert not ex._plain and not ex._bar and ex._delta is None
-    assert ex.resident_bytes[-2] == ex.resident_bytes[-2]  # recorded every op
+        assert arena.stats().allocated_bytes == 0      # host copies returned each step
+        arena._check_invariants()
     assert len(ex.resident_bytes) == len(sched)
+    stats = arena.stats()     # the offloads really went through the arena
+    assert stats.alloc_count >= 2 * 40 and stats.alloc_count == stats.free_count
+    assert stats.peak_bytes > 0
 
 
 def test_profile_matches_storage_accounting(setup):

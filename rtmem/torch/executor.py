@@ -94,6 +94,10 @@ class ScheduleExecutor:
     preserve_rng_state:
         Replay recomputations with the RNG state of the first execution (needed
         for dropout; costs a state copy per stage).
+    host_arena:
+        A :class:`~rtmem.HostArena` (pinned) that receives offloaded activations.
+        Its buffers are freed at the end of every step. Without one, offloaded data
+        goes to torch's pinned memory (CPU tensors on the host backend).
 
     After :meth:`step`, ``peak_bytes`` is the largest number of activation bytes
     (unique device storages of stored tensors and gradients, parameters excluded)
@@ -102,7 +106,7 @@ class ScheduleExecutor:
     """
 
     def __init__(self, model: nn.Sequential, schedule, loss_fn, *,
-                 preserve_rng_state: bool = True):
+                 preserve_rng_state: bool = True, host_arena=None):
         if not isinstance(model, nn.Sequential):
             raise ExecutionError(f"model must be an nn.Sequential of stages, got "
                                  f"{type(model).__name__}; wrap your blocks in nn.Sequential")
@@ -130,6 +134,8 @@ class ScheduleExecutor:
         # so a later instance may be deleted and prefetched from the same copy
         # (the simulator's Rule 5 keeps host copies the same way).
         self._host: dict = {}
+        self.host_arena = host_arena
+        self._host_bufs: list = []
         self._streams = None
         # If the schedule frees a0, work on a private copy: the caller's batch may share
         # its storage with other tensors (targets are often a view of the same tokens).
@@ -159,7 +165,7 @@ class ScheduleExecutor:
         self._bar: dict[int, _Stored] = {}
         self._delta = None
         self._first: dict[int, tuple] = {}
-        self._host.clear()
+        self._release_host()
         self.peak_bytes = 0
         self.resident_bytes = []
         loss = None
@@ -182,7 +188,27 @@ class ScheduleExecutor:
         self._delta = None
         if self._streams is not None:
             torch.cuda.current_stream(device).wait_stream(self._streams[1])
+        self._release_host()
         return loss
+
+    def _release_host(self):
+        """Free this step's host copies (arena buffers are freed once their tensor
+        views are gone, NOTE [ Pinned views ])."""
+        self._host.clear()
+        bufs, self._host_bufs = self._host_bufs, []
+        for buf in bufs:
+            buf.free()
+
+    def _host_storage(self, nbytes: int):
+        """A host byte storage of ``nbytes`` for an offload: from the host arena when
+        one was given (pinned on the cuda backend), else torch's allocator."""
+        if self.host_arena is None:
+            return torch.empty(nbytes, dtype=torch.uint8,
+                               pin_memory=self._device.type == "cuda").untyped_storage()
+        from .bridge import as_tensor
+        buf = self.host_arena.alloc(nbytes, kind="activation")
+        self._host_bufs.append(buf)
+        return as_tensor(buf).untyped_storage()
 
     # ------------------------------------------------------------- internals
     def _account(self):
@@ -320,14 +346,14 @@ class ScheduleExecutor:
             if cuda:
                 d2h = self._streams[1]
                 d2h.wait_stream(torch.cuda.current_stream(self._device))
-                host = []
+                host = [self._host_storage(s.nbytes()) for s in storages]
                 with torch.cuda.stream(d2h):
-                    for s in storages:
-                        h = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=True)
-                        h.untyped_storage().copy_(s, non_blocking=True)
-                        host.append(h.untyped_storage())
+                    for h, s in zip(host, storages):
+                        h.copy_(s, non_blocking=True)
             else:
-                host = [s.clone() for s in storages]
+                host = [self._host_storage(s.nbytes()) for s in storages]
+                for h, s in zip(host, storages):
+                    h.copy_(s)
             self._host[(k, aux)] = host
         elif op == Op.DELETE:
             if cuda:   # the D2H copy may still read these storages
