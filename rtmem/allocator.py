@@ -23,7 +23,9 @@ Invariants (checked by ``_check_invariants()``; all guarded by ``self._lock``):
    ``_pending[stream]`` (freed on ``stream`` behind an event that has not been
    seen complete; reusable by that stream only, since stream order already puts
    the new use after the old one). Live blocks are in no index (their number is
-   ``_alloc_count - _free_count``); a block merged into a neighbour is dead.
+   ``_alloc_count - _free_count``); a block merged into a neighbour is dead. Dead
+   blocks never handed out (``requested == -1``) wait in ``_spare`` for reuse by
+   a split: no user holds them, so a merged block's double free is still caught.
 4. Two adjacent *ready* blocks never coexist: they are merged on entry to
    ``_ready`` (coalescing), so freeing everything returns each slab to one block.
 5. ``_allocated`` is the sum of live block sizes, ``_requested`` the sum of their
@@ -31,7 +33,8 @@ Invariants (checked by ``_check_invariants()``; all guarded by ``self._lock``):
    sum of pending block sizes.
 
 Index keys are ints ``size << 56 | slab << 40 | offset`` kept sorted in plain
-lists, so best fit is one ``bisect`` and ties go to the lowest address.
+lists, so best fit is one ``bisect`` and ties go to the lowest address;
+``_free_map`` maps ``addr`` to every free block. The hot paths inline.
 
 Under memory pressure ``allocate`` waits for pending events while holding the
 lock (numba's flush-and-retry): an event must never depend on another
@@ -71,10 +74,11 @@ def align_up(nbytes: int, alignment: int) -> int:
 class Block:
     """A contiguous range ``[offset, offset + size)`` of slab ``slab``, bytes.
 
-    ``requested`` is what the caller asked for (<= ``size``); ``stream`` is the
-    stream the block was last allocated or freed on; ``event`` (pending blocks
-    only) is the event after which any stream may reuse it; ``addr`` packs
-    (slab, offset) and never changes (a block's offset is fixed for its life).
+    ``requested`` is what the caller asked for (<= ``size``), -1 while the block
+    has never been handed out; ``stream`` is the stream the block was last
+    allocated or freed on; ``event`` (pending blocks only) is the event after
+    which any stream may reuse it; ``addr`` packs (slab, offset) and never
+    changes while the block exists (a block's offset is fixed for its life).
     Users treat a block as an opaque handle; its fields are guarded by the owning
     allocator's lock.
     """
@@ -82,15 +86,17 @@ class Block:
     __slots__ = ("slab", "offset", "size", "requested", "state", "prev", "next",
                  "stream", "event", "owner", "addr", "__weakref__")
 
-    def __init__(self, slab, offset, size, owner):
+    def __init__(self, slab, offset, size, owner, prev=None, next=None):
         self.slab = slab
         self.offset = offset
         self.size = size
         self.owner = owner
         self.addr = (slab << _OFFSET_BITS) | offset
-        self.requested = 0
+        self.prev = prev
+        self.next = next
+        self.requested = -1
         self.state = _READY
-        self.event = None
+        self.stream = self.event = None
 
     @property
     def end(self) -> int:
@@ -166,7 +172,7 @@ class BestFitAllocator:
         Object with ``add_slab(nbytes) -> handle`` and ``release_slab(handle)``
         giving the backing memory; ``None`` for virtual slabs (offsets only).
 
-    Thread safety: one lock (``self._lock``) guards every field; all public
+    Thread safety: one mutex (``self._lock``) guards every field; all public
     methods take it, so an allocator may be shared between threads.
     """
 
@@ -196,13 +202,9 @@ class BestFitAllocator:
         self._pending = {}          # stream -> sorted keys of pending free blocks
         self._fifo = {}             # stream -> deque of (event, block) in free order
         self._free_map = {}         # addr -> free block (ready or pending)
-        self._reserved = 0
-        self._allocated = 0
-        self._requested = 0
-        self._pending_bytes = 0
-        self._peak = 0
-        self._alloc_count = 0
-        self._free_count = 0
+        self._spare = []            # dead blocks never handed out, for reuse
+        self._reserved = self._allocated = self._requested = self._pending_bytes = 0
+        self._peak = self._alloc_count = self._free_count = 0
         self._add_slab(initial)
 
     # ------------------------------------------------------------------ slabs
@@ -216,8 +218,6 @@ class BestFitAllocator:
         sid = self._next_slab
         self._next_slab += 1
         block = Block(sid, 0, nbytes, self)
-        block.prev = block.next = None
-        block.stream = None
         self._slabs[sid] = (handle, nbytes, block)
         self._reserved += nbytes
         self._free_map[block.addr] = block
@@ -234,13 +234,13 @@ class BestFitAllocator:
         """
         with self._lock:
             self._poll_pending()
+            self._spare.clear()
             released = 0
             for sid in list(self._slabs):
                 handle, nbytes, first = self._slabs[sid]
                 if sid == 0 or first.state != _READY or first.size != nbytes:
                     continue
                 self._remove_ready(first)
-                del self._free_map[first.addr]
                 del self._slabs[sid]
                 self._reserved -= nbytes
                 released += nbytes
@@ -250,46 +250,39 @@ class BestFitAllocator:
 
     # ---------------------------------------------------------------- indexes
     def _remove_ready(self, block: Block) -> None:
-        keys = self._ready
-        del keys[bisect_left(keys, (block.size << _SIZE_SHIFT) | block.addr)]
+        del self._ready[bisect_left(self._ready, block._key())]
+        del self._free_map[block.addr]
 
     def _remove_pending(self, block: Block) -> None:
         keys = self._pending[block.stream]
-        del keys[bisect_left(keys, (block.size << _SIZE_SHIFT) | block.addr)]
+        del keys[bisect_left(keys, block._key())]
+        del self._free_map[block.addr]
         self._pending_bytes -= block.size
 
     def _make_ready(self, block: Block) -> None:
-        """Insert a free block into ``_ready``, merging ready neighbours (Rule 4).
-
-        ``block`` may or may not be in ``_free_map`` already (pending blocks are).
-        """
-        block.state = _READY
-        block.event = None
-        keys = self._ready
-        fmap = self._free_map
-        prev = block.prev
+        """Insert a free block (in no index) into ``_ready``, merging ready
+        neighbours (Rule 4). :meth:`deallocate` inlines this for a live block."""
+        block.state, block.event = _READY, None
+        prev, nxt = block.prev, block.next
         if prev is not None and prev.state == _READY:
-            del keys[bisect_left(keys, (prev.size << _SIZE_SHIFT) | prev.addr)]
-            fmap.pop(block.addr, None)
-            prev.size += block.size
-            nxt = block.next
-            prev.next = nxt
-            if nxt is not None:
-                nxt.prev = prev
-            block.state = _DEAD
+            self._remove_ready(prev)
+            self._absorb(prev, block)
             block = prev
-        nxt = block.next
         if nxt is not None and nxt.state == _READY:
-            del keys[bisect_left(keys, (nxt.size << _SIZE_SHIFT) | nxt.addr)]
-            del fmap[nxt.addr]
-            block.size += nxt.size
-            after = nxt.next
-            block.next = after
-            if after is not None:
-                after.prev = block
-            nxt.state = _DEAD
-        fmap[block.addr] = block
-        insort(keys, (block.size << _SIZE_SHIFT) | block.addr)
+            self._remove_ready(nxt)
+            self._absorb(block, nxt)
+        self._free_map[block.addr] = block
+        insort(self._ready, block._key())
+
+    def _absorb(self, block: Block, nxt: Block) -> None:
+        """Merge ``nxt`` (free, in no index) into its predecessor ``block``."""
+        block.size += nxt.size
+        after = block.next = nxt.next
+        if after is not None:
+            after.prev = block
+        nxt.state = _DEAD
+        if nxt.requested < 0:
+            self._spare.append(nxt)
 
     def _poll_pending(self) -> None:
         """Move pending blocks whose event completed into ``_ready``.
@@ -329,22 +322,16 @@ class BestFitAllocator:
         """Smallest free block of >= ``size`` bytes usable on ``stream``, or None."""
         probe = size << _SIZE_SHIFT
         best = None
-        keys = self._ready
-        i = bisect_left(keys, probe)
-        if i < len(keys):
-            best = keys[i]
-        keys = self._pending.get(stream)
-        if keys:
+        for keys in (self._ready, self._pending.get(stream, ())):
             i = bisect_left(keys, probe)
             if i < len(keys) and (best is None or keys[i] < best):
                 best = keys[i]
-        if best is None:
-            return None
-        return self._free_map[best & _ADDR_MASK]
+        return None if best is None else self._free_map[best & _ADDR_MASK]
 
     def _find_slow(self, size: int, nbytes: int, stream) -> Block:
-        """Best fit among ready and same-stream pending blocks; then flush, grow
-        or raise OutOfMemoryError. Returns the block removed from its index."""
+        """Poll; best fit among ready and same-stream pending blocks; then flush,
+        grow or raise OutOfMemoryError. Returns the block removed from its index."""
+        self._poll_pending()
         block = self._best_fit(size, stream)
         if block is None:
             self._flush_pending()
@@ -362,11 +349,7 @@ class BestFitAllocator:
                 f"{stats.describe()}; growth limit max_bytes={self.max_bytes:,} B. "
                 f"Free buffers first, raise the arena size or max_bytes, or plan "
                 f"with a smaller memory budget.", requested=nbytes, stats=stats)
-        if block.state == _READY:
-            self._remove_ready(block)
-        else:
-            self._remove_pending(block)
-        del self._free_map[block.addr]
+        (self._remove_ready if block.state == _READY else self._remove_pending)(block)
         return block
 
     # ------------------------------------------------------------- public API
@@ -389,48 +372,51 @@ class BestFitAllocator:
         lock = self._lock
         lock.acquire()
         try:
-            if self._pending_bytes:
-                self._poll_pending()
             keys = self._ready
             i = bisect_left(keys, size << _SIZE_SHIFT)
             if i < len(keys) and not self._pending_bytes:
-                # Fast path: no pending block can beat the ready best fit.
-                block = self._free_map.pop(keys.pop(i) & _ADDR_MASK)
-                state = _READY
+                # Fast path: nothing pending, so the ready best fit is the best fit.
+                key = keys[i]
+                block = self._free_map.pop(key & _ADDR_MASK)
+                bsize = key >> _SIZE_SHIFT
             else:
                 block = self._find_slow(size, nbytes, stream)
-                state = block.state
-                i = len(keys)
-            bsize = block.size
+                bsize = block.size
+                event, block.event = block.event, None
+                i = -1
             if bsize > size:
-                # Split: the remainder stays in the same index with the same
-                # event, so a pending block's tail is still gated by its event.
-                rest = Block(block.slab, block.offset + size, bsize - size, self)
+                # Split off the remainder (a spare block if any) into the block's index
+                # (a pending tail keeps the event); a ready key may reuse slot i.
                 after = block.next
-                rest.prev = block
-                rest.next = after
+                spare = self._spare
+                if spare:
+                    rest = spare.pop()
+                    rest.slab, rest.offset = block.slab, block.offset + size
+                    rest.size, rest.addr = bsize - size, block.addr + size
+                    rest.prev, rest.next = block, after
+                    rest.state, rest.stream = _READY, None
+                else:
+                    rest = Block(block.slab, block.offset + size, bsize - size, self,
+                                 block, after)
                 if after is not None:
                     after.prev = rest
                 block.next = rest
                 block.size = size
+                key = ((bsize - size) << _SIZE_SHIFT) | rest.addr
                 self._free_map[rest.addr] = rest
-                if state == _READY:
-                    rest.stream = None
-                    # Smaller than the key just removed at i: insert before i.
-                    key = ((bsize - size) << _SIZE_SHIFT) | rest.addr
-                    keys.insert(bisect_left(keys, key, 0, i), key)
+                if i >= 0:
+                    if i and keys[i - 1] > key:
+                        del keys[i]
+                        insort(keys, key, 0, i)
+                    else:
+                        keys[i] = key
+                elif block.state == _READY:
+                    insort(keys, key)
                 else:
-                    rest.state = _PENDING
-                    rest.stream = block.stream
-                    rest.event = block.event
-                    insort(self._pending[rest.stream], rest._key())
-                    self._pending_bytes += rest.size
-                    self._fifo[rest.stream].append((rest.event, rest))
-            if state == _PENDING:
-                block.event = None
-            block.state = _LIVE
-            block.stream = stream
-            block.requested = nbytes
+                    self._defer(rest, block.stream, event)
+            elif i >= 0:
+                del keys[i]
+            block.state, block.stream, block.requested = _LIVE, stream, nbytes
             self._alloc_count += 1
             self._requested += nbytes
             allocated = self._allocated + size
@@ -467,25 +453,50 @@ class BestFitAllocator:
             if type(block) is not Block or block.owner is not self \
                     or block.state != _LIVE:
                 self._check_owned_live(block)
-            self._allocated -= block.size
+            size = block.size
+            self._allocated -= size
             self._requested -= block.requested
             self._free_count += 1
-            if event is None or event.query():
-                self._make_ready(block)
+            if event is not None and not event.query():
+                self._defer(block, stream, event)
                 return
-            block.state = _PENDING
-            block.stream = stream
-            block.event = event
-            self._free_map[block.addr] = block
-            if stream not in self._pending:
-                self._pending[stream] = []
-            if stream not in self._fifo:
-                self._fifo[stream] = deque()
-            insort(self._pending[stream], block._key())
-            self._pending_bytes += block.size
-            self._fifo[stream].append((event, block))
+            # _make_ready inlined for a live block (in no index, no event).
+            keys, prev, nxt = self._ready, block.prev, block.next
+            if prev is not None and prev.state == _READY:
+                psize = prev.size
+                del keys[bisect_left(keys, (psize << _SIZE_SHIFT) | prev.addr)]
+                prev.next = nxt
+                if nxt is not None:
+                    nxt.prev = prev
+                block.state = _DEAD
+                block = prev
+                size += psize
+            else:
+                block.state = _READY
+                self._free_map[block.addr] = block
+            if nxt is not None and nxt.state == _READY:
+                nsize = nxt.size
+                del keys[bisect_left(keys, (nsize << _SIZE_SHIFT) | nxt.addr)]
+                del self._free_map[nxt.addr]
+                after = block.next = nxt.next
+                if after is not None:
+                    after.prev = block
+                nxt.state = _DEAD
+                if nxt.requested < 0:
+                    self._spare.append(nxt)
+                size += nsize
+            block.size = size
+            insort(keys, (size << _SIZE_SHIFT) | block.addr)
         finally:
             lock.release()
+
+    def _defer(self, block: Block, stream, event) -> None:
+        """Index a freed block as pending on ``stream`` behind ``event``."""
+        block.state, block.stream, block.event = _PENDING, stream, event
+        self._free_map[block.addr] = block
+        insort(self._pending.setdefault(stream, []), block._key())
+        self._pending_bytes += block.size
+        self._fifo.setdefault(stream, deque()).append((event, block))
 
     def resize(self, block: Block, nbytes: int, stream=None) -> Block:
         """Resize a live block to ``nbytes`` bytes; return the (possibly new) block.
@@ -506,17 +517,11 @@ class BestFitAllocator:
                                       and block.size + nxt.size >= size):
                 if size > block.size:
                     self._remove_ready(nxt)
-                    del self._free_map[nxt.addr]
                     self._allocated += nxt.size
-                    block.size += nxt.size
-                    block.next = nxt.next
-                    if nxt.next is not None:
-                        nxt.next.prev = block
-                    nxt.state = _DEAD
+                    self._absorb(block, nxt)
                 if block.size > size:
-                    rest = Block(block.slab, block.offset + size, block.size - size, self)
-                    rest.prev, rest.next = block, block.next
-                    rest.stream = None
+                    rest = Block(block.slab, block.offset + size, block.size - size,
+                                 self, block, block.next)
                     if block.next is not None:
                         block.next.prev = rest
                     block.next = rest
@@ -544,15 +549,12 @@ class BestFitAllocator:
     def stats(self) -> AllocatorStats:
         """A frozen snapshot of the counters (see :class:`AllocatorStats`)."""
         with self._lock:
-            if self._pending_bytes:
-                self._poll_pending()
+            self._poll_pending()
             return self._stats_locked()
 
     def _stats_locked(self) -> AllocatorStats:
-        largest = (self._ready[-1] >> _SIZE_SHIFT) if self._ready else 0
-        for keys in self._pending.values():
-            if keys:
-                largest = max(largest, keys[-1] >> _SIZE_SHIFT)
+        largest = max((keys[-1] >> _SIZE_SHIFT for keys in
+                       (self._ready, *self._pending.values()) if keys), default=0)
         free = self._reserved - self._allocated
         return AllocatorStats(
             allocated_bytes=self._allocated, requested_bytes=self._requested,
@@ -583,8 +585,15 @@ class BestFitAllocator:
         """Assert NOTE [ Allocator structure ] Rules 1-5; raise AssertionError."""
         with self._lock:
             a = self.alignment
-            allocated = requested = reserved = pending = n_live = 0
-            seen_free = set()
+            allocated = requested = reserved = pending = n_live = n_free = 0
+            fmap, indexed = self._free_map, {}      # addr -> (in _ready, stream)
+            for stream, keys in [(None, self._ready), *self._pending.items()]:
+                assert keys == sorted(set(keys)), "an index is unsorted or repeats"
+                for key in keys:
+                    block = fmap.get(key & _ADDR_MASK)
+                    assert block is not None and key == block._key(), f"stale {key:#x}"
+                    assert block.addr not in indexed, f"{block!r} indexed twice"
+                    indexed[block.addr] = (keys is self._ready, stream)
             for sid, (_, nbytes, first) in self._slabs.items():
                 reserved += nbytes
                 assert first.prev is None and first.offset == 0, f"slab {sid} head"
@@ -594,38 +603,33 @@ class BestFitAllocator:
                     assert block.addr == (sid << _OFFSET_BITS) | block.offset
                     assert block.offset == end, f"gap or overlap at {block!r}"
                     assert block.size > 0 and block.size % a == 0 and block.offset % a == 0
-                    if block.next is not None:
-                        assert block.next.prev is block, f"broken links at {block!r}"
+                    assert block.next is None or block.next.prev is block, f"links {block!r}"
                     if block.state == _LIVE:
-                        assert block.addr not in self._free_map
+                        assert block.addr not in fmap and block.event is None
                         assert block.size == align_up(max(block.requested, 1), a), \
                             f"{block!r} is not exactly sized"
                         allocated += block.size
                         requested += block.requested
                         n_live += 1
+                    elif block.state == _READY:
+                        assert indexed.pop(block.addr, None) == (True, None)
+                        assert fmap[block.addr] is block and block.event is None
+                        assert block.next is None or block.next.state != _READY, \
+                            f"adjacent ready blocks not coalesced at {block!r}"
                     else:
-                        assert self._free_map.get(block.addr) is block, f"{block!r} unindexed"
-                        seen_free.add(block.addr)
-                        key = block._key()
-                        if block.state == _READY:
-                            i = bisect_left(self._ready, key)
-                            assert i < len(self._ready) and self._ready[i] == key
-                            nxt = block.next
-                            assert nxt is None or nxt.state != _READY, \
-                                f"adjacent ready blocks not coalesced at {block!r}"
-                        else:
-                            assert block.state == _PENDING and block.event is not None
-                            keys = self._pending[block.stream]
-                            i = bisect_left(keys, key)
-                            assert i < len(keys) and keys[i] == key
-                            pending += block.size
+                        assert block.state == _PENDING and block.event is not None
+                        assert indexed.pop(block.addr, None) == (False, block.stream)
+                        assert fmap[block.addr] is block
+                        pending += block.size
+                    n_free += block.state != _LIVE
                     end = block.end
                     block = block.next
                 assert end == nbytes, f"slab {sid} blocks end at {end}, slab is {nbytes}"
-            assert set(self._free_map) == seen_free, "free map holds stray blocks"
-            n_pending = sum(len(k) for k in self._pending.values())
-            assert len(self._ready) + n_pending == len(seen_free)
-            assert self._ready == sorted(self._ready)
+            assert not indexed and len(fmap) == n_free, "stray blocks in an index or map"
+            spare = {id(b) for b in self._spare if b.state == _DEAD and b.owner is self
+                     and b.requested == -1 and b.event is None}
+            assert len(spare) == len(self._spare), "a spare block is not dead and unused"
+            assert not spare & {id(b) for f in self._fifo.values() for _, b in f}
             assert reserved == self._reserved and allocated == self._allocated
             assert requested == self._requested and pending == self._pending_bytes
             assert self._peak >= self._allocated

@@ -235,6 +235,112 @@ def test_concurrent_threads_no_corruption():
     a._check_invariants()
 
 
+def test_split_remainder_keeps_index_sorted_both_ways():
+    a = BestFitAllocator(16 * 1024, alignment=256)
+    bs = [a.allocate(n) for n in (2048, 256, 4096, 256)]
+    a.deallocate(bs[0])                            # 2 KiB hole at 0
+    a.deallocate(bs[2])                            # 4 KiB hole at 2304
+    c = a.allocate(3072)                           # best fit: the 4 KiB hole
+    assert c.offset == 2304
+    a._check_invariants()                          # the 1 KiB tail moved before 2 KiB
+    d = a.allocate(1024)
+    assert d.offset == 2304 + 3072                 # smallest adequate: the tail
+    e = a.allocate(1024)                           # the 2 KiB hole, lowest address
+    assert e.offset == 0
+    a._check_invariants()                          # 1 KiB tail took the slot in place
+    assert [k >> 56 for k in a._ready] == [1024, 16 * 1024 - 2304 - 4096 - 256]
+
+
+def test_spare_blocks_are_recycled_but_handed_out_blocks_never():
+    a = BestFitAllocator(1 << 20)
+    x = a.allocate(1024)
+    y = a.allocate(1024)                           # tail split off y: never handed out
+    tail = y.next
+    a.deallocate(y)                                # y absorbs the tail: tail is spare
+    assert a._spare == [tail] and tail.requested == -1
+    z = a.allocate(2048)                           # the split reuses the spare object
+    assert z is y and z.next is tail and tail.offset == 1024 + 2048
+    a._check_invariants()
+    a.deallocate(x)
+    a.deallocate(z)                                # z merges into x: z is dead, not spare
+    assert not z.is_live and all(b is not z for b in a._spare)
+    for n in range(1, 300):                        # churn: z is never handed out again
+        blocks = [a.allocate(n * 256), a.allocate(512)]
+        assert all(b is not z for b in blocks)
+        for b in blocks:
+            a.deallocate(b)
+    with pytest.raises(DoubleFreeError):
+        a.deallocate(z)
+    a._check_invariants()
+
+
+def test_pending_split_with_spare_stays_gated():
+    a = BestFitAllocator(8192)
+    s1, s2 = object(), object()
+    y = a.allocate(1024, s1)
+    a.deallocate(y)                                # the tail becomes spare
+    assert len(a._spare) == 1
+    b = a.allocate(8192, s1)
+    ev = FakeEvent()
+    a.deallocate(b, stream=s1, event=ev)
+    part = a.allocate(1024, s1)                    # same stream: split, tail pending
+    assert part.offset == 0 and not a._spare
+    assert a.stats().pending_bytes == 8192 - 1024
+    a._check_invariants()
+    with pytest.raises(OutOfMemoryError):          # no growth; flush would wait...
+        a.allocate(16384, s2)
+    assert ev.syncs == 1                           # ...and did: then nothing fits
+    other = a.allocate(1024, s2)                   # the event completed: reusable
+    assert other.offset == 1024
+    a._check_invariants()
+
+
+def test_check_invariants_catches_index_and_spare_corruption():
+    def fresh():
+        a = BestFitAllocator(1 << 20)
+        x = a.allocate(1024)
+        y = a.allocate(1024)
+        a.deallocate(y)                            # one spare, ready tail
+        return a, x
+    a, _ = fresh()
+    a._ready[0] += 1 << 56                         # stale key
+    with pytest.raises(AssertionError):
+        a._check_invariants()
+    a, x = fresh()
+    a._spare.append(a._spare[0])                   # listed twice
+    with pytest.raises(AssertionError):
+        a._check_invariants()
+    a, x = fresh()
+    a._spare[0].requested = 5                      # a handed-out block must never be spare
+    with pytest.raises(AssertionError):
+        a._check_invariants()
+    a, x = fresh()
+    a._spare.append(x)                             # a live block is not spare
+    with pytest.raises(AssertionError):
+        a._check_invariants()
+    a, x = fresh()
+    a._ready.append(x._key())                      # a live block indexed
+    with pytest.raises(AssertionError):
+        a._check_invariants()
+    a, x = fresh()
+    a._free_map[x.addr] = x                        # a live block in the free map
+    with pytest.raises(AssertionError):
+        a._check_invariants()
+
+
+def test_lock_blocks_other_threads_until_released():
+    a = BestFitAllocator(4096)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (a.allocate(100), a.stats(), done.set()))
+    with a._lock:                                  # as a slow flush would hold it
+        t.start()
+        assert not done.wait(0.1), "allocate ran while the lock was held"
+    assert done.wait(5.0)
+    t.join()
+    assert a.stats().live_blocks == 1
+    a._check_invariants()
+
+
 # ------------------------------------------------------------ stateful model
 class AllocatorMachine(RuleBasedStateMachine):
     """The allocator against a model: live blocks with their stream, and regions
