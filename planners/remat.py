@@ -80,7 +80,9 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         Use this slot size (bytes) instead of deriving it from ``slots``; with a
         fixed slot the makespan is non-increasing in the budget.
     progress:
-        Optional callable receiving short status strings (for CLIs).
+        Optional callable receiving short status strings (for CLIs); if it also
+        has an ``update(fraction)`` method, that receives the DP's progress
+        (0..1) while the table fills, e.g. :class:`rtmem.cli_plan.ProgressBar`.
 
     Returns
     -------
@@ -138,7 +140,8 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
     say(f"rotor: {chain.n} stages, {M} slots of {format_bytes(slot)}, "
         f"table {format_bytes(table_bytes)}")
     disc = discretize(arrays, slot)
-    table, _, idx, mall, mnone = persistent_table(disc, M)
+    table, _, idx, mall, mnone = persistent_table(disc, M,
+                                                  progress=getattr(progress, "update", None))
     value = float(table[idx[0, N - 1], M])
     info.update(slot_bytes=slot, slots=M)
     # The least-memory schedule (exact in bytes) is the fallback when rounding to

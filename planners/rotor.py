@@ -149,21 +149,16 @@ def _requirements(xin, xo, xb, of, ob, G, Gb):
 
 
 @numba.njit(cache=True)
-def _fill(uf, ub, xo, xb, mall, mnone, idx, M):
-    """The C_MP table, one row of M+1 entries per pair; see the NOTE for pruning.
-
-    Returns (table, mf): ``mf[s, t]`` is the least m with a finite entry (M+1 if
-    none).
-    """
+def _fill_rows(C, mf, full, uf, ub, xo, xb, mall, mnone, idx, M, s_hi, s_lo):
+    """Fill the C_MP rows of every pair (s, t) with s_lo <= s <= s_hi, s descending;
+    rows of larger s must be done. See the NOTE for pruning. ``mf[s, t]`` is the
+    least m with a finite entry (M+1 if none); ``full[s, t]`` the memory from which
+    F^all first is optimal."""
     N = uf.shape[0]
-    npairs = N * (N + 1) // 2
-    C = np.full((npairs, M + 1), _INF)
-    mf = np.full((N, N), M + 1, np.int64)
-    full = np.zeros((N, N), np.int64)
     P = np.zeros(N + 1)
     for k in range(N):
         P[k + 1] = P[k] + uf[k]
-    for s in range(N - 1, -1, -1):
+    for s in range(s_hi, s_lo - 1, -1):
         for t in range(s, N):
             row = C[idx[s, t]]
             if s == t:
@@ -197,7 +192,6 @@ def _fill(uf, ub, xo, xb, mall, mnone, idx, M):
                 if row[m] < _INF:
                     mf[s, t] = m
                     break
-    return C, mf
 
 
 @numba.njit(cache=True)
@@ -270,8 +264,11 @@ def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, s0, t0, m0, n_loss):
     return ops[:n_ops], stages[:n_ops]
 
 
-def persistent_table(arrays: StageArrays, M: int):
+def persistent_table(arrays: StageArrays, M: int, progress=None):
     """Fill the C_MP table for memory 0..M (sizes in ``arrays`` in slots).
+
+    ``progress``: optional callable receiving the fraction done (0..1) after each
+    of ~50 bands of rows, for progress bars on long solves.
 
     Returns ``(table, mf, idx, mall, mnone)``: ``table[idx[s, t], m]`` is C(s, t, m)
     in seconds (``inf`` when infeasible), ``mf[s, t]`` the least feasible m.
@@ -279,7 +276,25 @@ def persistent_table(arrays: StageArrays, M: int):
     a = arrays
     mall, mnone = _requirements(a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb)
     idx = pair_index(a.N)
-    table, mf = _fill(a.uf, a.ub, a.xo, a.xb, mall, mnone, idx, int(M))
+    N, M = a.N, int(M)
+    table = np.full((N * (N + 1) // 2, M + 1), _INF)
+    mf = np.full((N, N), M + 1, np.int64)
+    full = np.zeros((N, N), np.int64)
+    if progress is None:
+        _fill_rows(table, mf, full, a.uf, a.ub, a.xo, a.xb, mall, mnone, idx, M, N - 1, 0)
+        return table, mf, idx, mall, mnone
+    # Bands of rows s (descending) of about equal work: row s costs ~ (N - s)^2.
+    total = float(N) ** 3 / 3
+    done, s_hi, band = 0.0, N - 1, total / 50
+    while s_hi >= 0:
+        s_lo, work = s_hi, 0.0
+        while s_lo > 0 and work < band:
+            work += float(N - s_lo) ** 2
+            s_lo -= 1
+        _fill_rows(table, mf, full, a.uf, a.ub, a.xo, a.xb, mall, mnone, idx, M, s_hi, s_lo)
+        done += sum(float(N - s) ** 2 for s in range(s_lo, s_hi + 1))
+        progress(min(1.0, done / total))
+        s_hi = s_lo - 1
     return table, mf, idx, mall, mnone
 
 

@@ -16,16 +16,46 @@ import math
 import sys
 import time
 
-__all__ = ["register"]
+__all__ = ["ProgressBar", "register"]
 
 
-def _progress(quiet: bool):
-    start = time.perf_counter()
+class ProgressBar:
+    """Status lines and a progress bar on stderr for long solves.
 
-    def say(msg: str) -> None:
-        if not quiet:
-            print(f"[{time.perf_counter() - start:7.2f} s] {msg}", file=sys.stderr, flush=True)
-    return say
+    Called with a message, it prints ``[  1.23 s] message``; ``update(fraction)``
+    (0..1, from the DP) redraws ``[####......]  40%`` in place when stderr is a
+    terminal (in logs it stays quiet rather than print 50 lines).
+    """
+
+    def __init__(self, quiet: bool = False, stream=None, width: int = 30):
+        self.quiet = quiet
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.start = time.perf_counter()
+        self._drawn = False
+
+    def _elapsed(self) -> str:
+        return f"[{time.perf_counter() - self.start:7.2f} s]"
+
+    def __call__(self, msg: str) -> None:
+        if self.quiet:
+            return
+        self._end_bar()
+        print(f"{self._elapsed()} {msg}", file=self.stream, flush=True)
+
+    def update(self, fraction: float) -> None:
+        if self.quiet or not getattr(self.stream, "isatty", lambda: False)():
+            return
+        filled = int(round(self.width * min(max(fraction, 0.0), 1.0)))
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r{self._elapsed()} DP table [{bar}] {fraction:4.0%}")
+        self.stream.flush()
+        self._drawn = True
+
+    def _end_bar(self) -> None:
+        if self._drawn:
+            self.stream.write("\n")
+            self._drawn = False
 
 
 def _cmd_remat(args) -> int:
@@ -38,7 +68,7 @@ def _cmd_remat(args) -> int:
     from rtmem.cli import load_chain
     chain = load_chain(args.chain)
     budget = as_budget(args.memory)
-    say = _progress(args.quiet)
+    say = ProgressBar(args.quiet)
     say(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}")
     results = compare_remat(chain, budget, slots=args.slots, progress=say)
     rotor = results["rotor"]

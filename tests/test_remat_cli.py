@@ -76,3 +76,26 @@ def test_plot_calls_plot_schedule(capsys, tmp_path, monkeypatch):
 def test_plan_without_planner_prints_help(capsys):
     code, out, _ = run(capsys, "plan")
     assert code == 2 and "remat" in out
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    import io
+
+    from rtmem.cli_plan import ProgressBar
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        bar = ProgressBar(stream=stream, width=10)
+        bar("planning rotor ...")
+        bar.update(0.5)
+        bar.update(1.0)
+        bar("done")
+    assert "[#####.....]  50%" in tty.getvalue() and "[##########] 100%" in tty.getvalue()
+    assert "DP table" not in log.getvalue() and "planning rotor" in log.getvalue()
+    quiet = io.StringIO()
+    ProgressBar(quiet=True, stream=quiet)("hidden")
+    assert quiet.getvalue() == ""

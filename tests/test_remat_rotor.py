@@ -243,3 +243,17 @@ def test_builtin_profiles_fit_their_budget(name, fraction):
     assert res.peak <= budget and res.makespan == plan.makespan
     assert plan.info["method"] in ("dp", "min-memory")
     assert plan.makespan == pytest.approx(plan.info["dp_makespan"], rel=1e-12)
+
+
+def test_table_filled_in_bands_equals_one_pass():
+    # the banded fill behind the CLI's progress bar computes the same table
+    from rtmem.planners import builtin
+    chain = builtin("resnet50")
+    budget = store_all_peak(chain) // 2
+    arrays = discretize(stage_arrays(chain), max(1, (budget - fixed_bytes(chain)) // 200))
+    fractions = []
+    banded = persistent_table(arrays, 200, progress=fractions.append)
+    whole = persistent_table(arrays, 200)
+    np.testing.assert_array_equal(banded[0], whole[0])
+    np.testing.assert_array_equal(banded[1], whole[1])
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 3
