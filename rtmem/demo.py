@@ -62,13 +62,17 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
     chain = profile_sequential(model, *batches[0], loss_fn, repeats=3,
                                name=f"gpt2-L{layers}-h{hidden}-s{seq}-b{batch}")
     full = plan_store_all(chain, math.inf)
+    why = ""
     if memory is not None:
         budget = as_budget(memory)
     else:   # half the no-remat peak, unless weights leave no schedule that small
         least = min_feasible_memory(chain)
         budget = max(full.peak // 2, (least + full.peak) // 2)
+        why = " (half the peak)" if budget == full.peak // 2 else \
+            f" (half the peak is below the least feasible {format_bytes(least)})"
     say(f"{chain.name}: {chain.n} stages, {format_bytes(int(chain.w.sum()))} of weights, "
-        f"no-remat peak {format_bytes(full.peak)} (simulated), budget {format_bytes(budget)}\n")
+        f"no-remat peak {format_bytes(full.peak)} (simulated), budget "
+        f"{format_bytes(budget)}{why}\n")
 
     plans = compare_remat(chain, budget, slots=slots)
     rows = []
