@@ -67,9 +67,11 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
         budget = as_budget(memory)
     else:   # half the no-remat peak, unless weights leave no schedule that small
         least = min_feasible_memory(chain)
-        budget = max(full.peak // 2, (least + full.peak) // 2)
-        why = " (half the peak)" if budget == full.peak // 2 else \
-            f" (half the peak is below the least feasible {format_bytes(least)})"
+        if full.peak // 2 >= least:
+            budget, why = full.peak // 2, " (half the peak)"
+        else:
+            budget = (least + full.peak) // 2
+            why = f" (half the peak is below the least feasible {format_bytes(least)})"
     say(f"{chain.name}: {chain.n} stages, {format_bytes(int(chain.w.sum()))} of weights, "
         f"no-remat peak {format_bytes(full.peak)} (simulated), budget "
         f"{format_bytes(budget)}{why}\n")
