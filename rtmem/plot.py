@@ -55,7 +55,8 @@ def plot_schedule(chain, schedule, platform, path, title: str | None = None,
 
     ``result`` is the :class:`~rtmem.planners.SimResult` when already simulated.
     Writes an image to ``path`` (format from its extension, e.g. ``.png``) and
-    returns the path. Memory is plotted in GiB, time in seconds.
+    returns the path. Memory is plotted in the binary unit that suits its peak
+    (GiB, MiB, KiB or bytes), time in seconds.
     """
     from rtmem.planners import simulate
     from rtmem.units import format_bytes, format_seconds
@@ -88,11 +89,14 @@ def plot_schedule(chain, schedule, platform, path, title: str | None = None,
     ax_g.invert_yaxis()
     ax_g.legend(ncol=6, fontsize=7, loc="upper right")
     t, m = memory_curve(result, schedule)
-    ax_m.step(t, m / 2**30, where="post", color="#08519c", label="device memory")
+    top = max(float(m.max()) if len(m) else 1.0, 1.0)
+    scale, unit = next((2.0**k, u) for k, u in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B"))
+                       if top >= 2.0**k)
+    ax_m.step(t, m / scale, where="post", color="#08519c", label="device memory")
     if platform.memory_limit < 2**62:
-        ax_m.axhline(platform.memory_limit / 2**30, color="#e6550d", linestyle="--",
+        ax_m.axhline(platform.memory_limit / scale, color="#e6550d", linestyle="--",
                      label=f"limit {format_bytes(platform.memory_limit)}")
-    ax_m.set_ylabel("memory (GiB)")
+    ax_m.set_ylabel(f"memory ({unit})")
     ax_m.set_xlabel("time (s)")
     ax_m.legend(fontsize=8, loc="upper right")
     fig.suptitle(title or f"{chain.name or 'chain'}: makespan "
