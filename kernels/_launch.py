@@ -308,3 +308,16 @@ def check_layernorm_forward(x, gamma, beta, out, mean, rstd) -> tuple[int, int]:
     for a, n in ((mean, "mean"), (rstd, "rstd")):
         check_array(a, n, ndim=1, shape=(T,))
     return T, H
+
+
+def check_layernorm_backward(grad_out, x, mean, rstd, gamma, grad_gamma, grad_beta):
+    """Shapes of a LayerNorm backward: grad_out, x [T, H]; mean, rstd [T]; gamma,
+    grad_gamma, grad_beta [H]. Returns (T, H)."""
+    check_array(x, "x", ndim=2)
+    T, H = x.shape
+    check_array(grad_out, "grad_out", ndim=2, shape=(T, H))
+    for a, n in ((mean, "mean"), (rstd, "rstd")):
+        check_array(a, n, ndim=1, shape=(T,))
+    for a, n in ((gamma, "gamma"), (grad_gamma, "grad_gamma"), (grad_beta, "grad_beta")):
+        check_array(a, n, ndim=1, shape=(H,))
+    return T, H

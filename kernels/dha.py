@@ -53,7 +53,7 @@ from numba import cuda
 from rtmem.errors import KernelArgumentError
 
 from ._launch import (THREADS, as_device, check_array, check_eps, check_ids,
-                      check_layernorm_forward, device_words,
+                      check_layernorm_backward, check_layernorm_forward, device_words,
                       grid_size, numba_stream, row_threads, scratch, simulator_active,
                       stream_blocks, synchronize, word_dtype)
 
@@ -534,13 +534,7 @@ def layernorm_backward(grad_out, x, mean, rstd, gamma, grad_x, grad_gamma, grad_
     grad_out, x, mean, rstd, gamma, grad_gamma, grad_beta = (as_device(a, n) for a, n in (
         (grad_out, "grad_out"), (x, "x"), (mean, "mean"), (rstd, "rstd"),
         (gamma, "gamma"), (grad_gamma, "grad_gamma"), (grad_beta, "grad_beta")))
-    check_array(x, "x", ndim=2)
-    T, H = x.shape
-    check_array(grad_out, "grad_out", ndim=2, shape=(T, H))
-    for a, n in ((mean, "mean"), (rstd, "rstd")):
-        check_array(a, n, ndim=1, shape=(T,))
-    for a, n in ((gamma, "gamma"), (grad_gamma, "grad_gamma"), (grad_beta, "grad_beta")):
-        check_array(a, n, ndim=1, shape=(H,))
+    T, H = check_layernorm_backward(grad_out, x, mean, rstd, gamma, grad_gamma, grad_beta)
     s = numba_stream(stream)
     if grad_x is not None:
         grad_x = as_device(grad_x, "grad_x")

@@ -23,8 +23,8 @@ from numba import prange
 
 from rtmem.errors import KernelArgumentError
 
-from ._launch import (as_host, check_array, check_eps, check_ids, check_layernorm_forward,
-                      check_words, word_dtype)
+from ._launch import (as_host, check_array, check_eps, check_ids, check_layernorm_backward,
+                      check_layernorm_forward, check_words, word_dtype)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -246,13 +246,7 @@ def layernorm_backward(grad_out, x, mean, rstd, gamma, grad_x, grad_gamma, grad_
     mean, rstd, gamma = as_host(mean, "mean"), as_host(rstd, "rstd"), as_host(gamma, "gamma")
     grad_gamma = as_host(grad_gamma, "grad_gamma", writable=True)
     grad_beta = as_host(grad_beta, "grad_beta", writable=True)
-    check_array(x, "x", ndim=2)
-    T, H = x.shape
-    check_array(grad_out, "grad_out", ndim=2, shape=(T, H))
-    for a, n in ((mean, "mean"), (rstd, "rstd")):
-        check_array(a, n, ndim=1, shape=(T,))
-    for a, n in ((gamma, "gamma"), (grad_gamma, "grad_gamma"), (grad_beta, "grad_beta")):
-        check_array(a, n, ndim=1, shape=(H,))
+    T, H = check_layernorm_backward(grad_out, x, mean, rstd, gamma, grad_gamma, grad_beta)
     if grad_x is not None:
         grad_x = as_host(grad_x, "grad_x", writable=True)
         check_array(grad_x, "grad_x", ndim=2, shape=(T, H))
