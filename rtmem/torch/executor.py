@@ -376,11 +376,15 @@ class ScheduleExecutor:
                 raise ExecutionError(f"cannot prefetch {'abar' if aux else 'a'}{k}: its host "
                                      "copy does not match the tensor on the device")
             if cuda:
+                # Allocate on the compute stream, so the caching allocator ties the
+                # block to the stream that uses and frees it; the copy stream then
+                # waits for the allocation, and compute waits for the copy (_wait).
+                for s, h in zip(storages, host):
+                    s.resize_(h.nbytes())
                 h2d = self._streams[0]
                 h2d.wait_stream(torch.cuda.current_stream(self._device))
                 with torch.cuda.stream(h2d):
                     for s, h in zip(storages, host):
-                        s.resize_(h.nbytes())
                         s.copy_(h, non_blocking=True)
                 st.ready = h2d.record_event()
             else:
