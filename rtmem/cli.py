@@ -59,9 +59,8 @@ def _platform(args):
     return Platform(args.memory, args.bandwidth, args.channel)
 
 
-def _add_platform_args(p, memory_default=None):
-    p.add_argument("--memory", default=memory_default, required=memory_default is None,
-                   help="device memory budget, e.g. 12GiB or inf")
+def _add_platform_args(p):
+    p.add_argument("--memory", required=True, help="device memory budget, e.g. 12GiB or inf")
     p.add_argument("--bandwidth", default="inf", help="host link bandwidth, e.g. '12 GB/s'")
     p.add_argument("--channel", default="shared", choices=("shared", "duplex"),
                    help="one link for both directions (shared) or one per direction")

@@ -96,6 +96,16 @@ def _state_error(buf, action, why, fix):
                           f"residency {state!r}): {why}; {fix}", state=state, action=action)
 
 
+def _engine_for(dst_arena, src_arena, what: str):
+    """The transfer engine of the two arenas' common backend; a ValueError naming
+    both when they differ (a copy cannot cross backends)."""
+    if dst_arena.backend is not src_arena.backend:
+        raise ValueError(f"{what}: the destination arena ({dst_arena.backend.name} backend) "
+                         f"and the source ({src_arena.backend.name} backend) differ; use "
+                         f"arenas of one backend")
+    return get_engine(dst_arena.backend)
+
+
 def _issue(dst, src, stream, engine, wait_for=()):
     """Enqueue the copy src -> dst on ``stream`` and record its event.
 
@@ -137,11 +147,7 @@ def prefetch(buf: Buffer, *, arena=None):
             raise _state_error(buf, "prefetch", "it has never been in a device arena",
                                "pass arena=<DeviceArena>")
         host = buf._host
-        if arena.backend is not host.arena.backend:
-            raise ValueError(f"the device arena ({arena.backend.name} backend) and the "
-                             f"host copy ({host.arena.backend.name} backend) differ; use "
-                             f"arenas of one backend")
-        engine = get_engine(arena.backend)
+        engine = _engine_for(arena, host.arena, "prefetch")
         stream = engine.h2d
         dev = arena._allocate(buf.nbytes, buf.kind, stream)
         pending = buf._pending[0] if in_flight else None
@@ -175,11 +181,7 @@ def offload(buf: Buffer, *, arena=None):
             raise _state_error(buf, "offload", "no host arena is known for it",
                                "pass arena=<HostArena>")
         dev = buf._device
-        if arena.backend is not dev.arena.backend:
-            raise ValueError(f"the host arena ({arena.backend.name} backend) and the "
-                             f"device copy ({dev.arena.backend.name} backend) differ; use "
-                             f"arenas of one backend")
-        engine = get_engine(arena.backend)
+        engine = _engine_for(arena, dev.arena, "offload")
         stream = engine.d2h
         host = arena._allocate(buf.nbytes, buf.kind, stream)
         event = _issue(host, dev, stream, engine)
@@ -240,9 +242,7 @@ def copy(dst: Buffer, src: Buffer):
     first, second = sorted((dst, src), key=id)      # lock order avoids deadlock
     with first._lock, second._lock:
         d, s = dst.primary, src.primary
-        if d.arena.backend is not s.arena.backend:
-            raise ValueError("copy between arenas of different backends")
-        engine = get_engine(d.arena.backend)
+        engine = _engine_for(d.arena, s.arena, "copy")
         if d.arena.location == "device":
             stream, direction = engine.h2d, "h2d"
         else:

@@ -10,7 +10,6 @@ real code: this one is ~100x slower.
 from __future__ import annotations
 
 import heapq
-import math
 
 from rtmem.errors import ScheduleError
 
@@ -212,6 +211,3 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
         raise ScheduleError("backward incomplete", reason="incomplete")
     return {"makespan": max(ends, default=0.0), "peak": peak, "starts": starts, "ends": ends}
 
-
-def _isclose(a: float, b: float) -> bool:  # used by tests comparing makespans
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)

@@ -180,7 +180,10 @@ class OffloadedAdam:
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget flushed gradients (they are overwritten at the next flush anyway)."""
+        """Forget flushed gradients (they are overwritten at the next flush anyway).
+
+        ``set_to_none`` is accepted for torch.optim compatibility: device gradients
+        are always dropped, since they live on the host once flushed."""
         self._fresh = [True] * len(self.params)
         for p in self.params:
             p.grad = None
