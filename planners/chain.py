@@ -29,6 +29,7 @@ import numpy as np
 
 from rtmem.errors import ChainError
 
+from ._documents import check_document, parse_document
 from ._validation import as_scalar, as_vector
 
 __all__ = ["Chain"]
@@ -177,14 +178,8 @@ class Chain:
     @classmethod
     def from_dict(cls, d) -> "Chain":
         """Build a chain from :meth:`to_dict` output. Unknown keys are an error."""
-        if not isinstance(d, dict):
-            raise ChainError(f"a chain document must be a JSON object, got {type(d).__name__}")
-        if d.get("format", _FORMAT) != _FORMAT:
-            raise ChainError(f"not a chain document: format is {d.get('format')!r}, "
-                             f"expected {_FORMAT!r}")
-        if d.get("version", _VERSION) != _VERSION:
-            raise ChainError(f"chain document version {d.get('version')!r} is not supported "
-                             f"(this rtmem reads version {_VERSION})")
+        check_document(d, kind="chain", fmt=_FORMAT, version=_VERSION, error=ChainError,
+                       lenient=True)
         known = set(_ARRAYS) | {"format", "version", "name", "n", "x0", "u_loss", "o_loss"}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -200,11 +195,8 @@ class Chain:
     @classmethod
     def from_json(cls, text: str) -> "Chain":
         """Parse a chain from a JSON string (see :meth:`to_json`)."""
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ChainError(f"malformed chain JSON: {e}") from e
-        return cls.from_dict(d)
+        return cls.from_dict(parse_document(text, kind="chain", fmt=_FORMAT, version=_VERSION,
+                                            error=ChainError, lenient=True))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the chain as JSON to ``path``."""

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 from rtmem.errors import ScheduleError
 
+from ._documents import check_document, parse_document
 from .schedule import Schedule
 
 __all__ = ["Plan", "as_budget"]
 
 _FORMAT = "rtmem.plan"
 _VERSION = 1
+_REQUIRED = ("schedule", "makespan", "peak", "budget", "algorithm")
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,13 +100,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d) -> "Plan":
         """Inverse of :meth:`to_dict`."""
-        if not isinstance(d, dict) or d.get("format") != _FORMAT:
-            raise ScheduleError(f"not a plan document: expected an object with "
-                                f"format={_FORMAT!r}", reason="parse")
-        if d.get("version") != _VERSION:
-            raise ScheduleError(f"plan document version {d.get('version')!r} is not "
-                                f"supported (this rtmem reads version {_VERSION})",
-                                reason="parse")
+        check_document(d, kind="plan", fmt=_FORMAT, version=_VERSION, error=ScheduleError,
+                       required=_REQUIRED, reason="parse")
         budget = math.inf if d["budget"] == "inf" else d["budget"]
         return cls(schedule=Schedule.from_text(d["schedule"]), makespan=d["makespan"],
                    peak=d["peak"], budget=budget, algorithm=d["algorithm"],
@@ -113,11 +110,9 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         """Parse a plan written by :meth:`to_json`."""
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ScheduleError(f"malformed plan JSON: {e}", reason="parse") from e
-        return cls.from_dict(d)
+        return cls.from_dict(parse_document(text, kind="plan", fmt=_FORMAT, version=_VERSION,
+                                            error=ScheduleError, required=_REQUIRED,
+                                            reason="parse"))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON to ``path``."""

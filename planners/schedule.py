@@ -39,6 +39,8 @@ import numpy as np
 
 from rtmem.errors import ScheduleError
 
+from ._documents import parse_document
+
 __all__ = ["Op", "Schedule"]
 
 
@@ -249,17 +251,8 @@ class Schedule:
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
         """Parse a schedule JSON document (see :meth:`to_json`)."""
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ScheduleError(f"malformed schedule JSON: {e}", reason="parse") from e
-        if not isinstance(d, dict) or d.get("format") != _FORMAT or "ops" not in d:
-            raise ScheduleError(f"not a schedule document: expected an object with "
-                                f"format={_FORMAT!r} and an 'ops' string", reason="parse")
-        if d.get("version") != _VERSION:
-            raise ScheduleError(f"schedule document version {d.get('version')!r} is not "
-                                f"supported (this rtmem reads version {_VERSION})",
-                                reason="parse")
+        d = parse_document(text, kind="schedule", fmt=_FORMAT, version=_VERSION,
+                           error=ScheduleError, required=("ops",), reason="parse")
         sched = cls.from_text(d["ops"])
         if "n_ops" in d and d["n_ops"] != len(sched):
             raise ScheduleError(f"schedule document says n_ops = {d['n_ops']} but holds "

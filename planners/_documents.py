@@ -1,0 +1,45 @@
+"""The versioned JSON documents of chains, schedules and plans: one header check.
+
+Every document is a JSON object with ``format`` (e.g. ``"rtmem.chain"``) and
+``version``; readers refuse other formats and versions with their own error type
+and a message naming what was found and what is read.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),
+                   lenient: bool = False, **error_kw) -> dict:
+    """Validate a decoded document header; return ``d``.
+
+    ``kind`` names the document in messages (``"chain"``), ``error`` is the
+    exception type (extra keyword arguments go to it), ``required`` lists keys that
+    must be present. ``lenient=True`` accepts a missing ``format``/``version``
+    (hand-written chain files).
+    """
+    if not isinstance(d, dict):
+        raise error(f"a {kind} document must be a JSON object, got {type(d).__name__}",
+                    **error_kw)
+    if d.get("format", fmt if lenient else None) != fmt:
+        raise error(f"not a {kind} document: format is {d.get('format')!r}, expected "
+                    f"{fmt!r}", **error_kw)
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise error(f"not a {kind} document: it lacks the field(s) {missing}", **error_kw)
+    if d.get("version", version if lenient else None) != version:
+        raise error(f"{kind} document version {d.get('version')!r} is not supported "
+                    f"(this rtmem reads version {version})", **error_kw)
+    return d
+
+
+def parse_document(text, *, kind: str, error, **kwargs) -> dict:
+    """``json.loads`` + :func:`check_document`; malformed JSON raises ``error`` too."""
+    error_kw = {k: kwargs[k] for k in kwargs if k not in
+                ("fmt", "version", "required", "lenient")}
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise error(f"malformed {kind} JSON: {e}", **error_kw) from e
+    return check_document(d, kind=kind, error=error, **kwargs)
