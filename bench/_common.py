@@ -16,6 +16,12 @@ import time
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def results_dir() -> str:
+    """Where results go: ``$RTMEM_BENCH_RESULTS`` when set (a folder), else
+    bench/results/."""
+    return os.environ.get("RTMEM_BENCH_RESULTS") or RESULTS
+
+
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs, seconds."""
     for _ in range(warmup):
@@ -37,12 +43,14 @@ def machine() -> dict:
             "numba_threads": numba.get_num_threads()}
 
 
-def write_results(name: str, doc: dict) -> str:
-    """Write ``doc`` (plus machine facts and a timestamp) to bench/results/NAME.json."""
-    os.makedirs(RESULTS, exist_ok=True)
+def write_results(name: str, doc: dict, path=None) -> str:
+    """Write ``doc`` plus machine facts and a timestamp as JSON to ``path`` (default
+    bench/results/NAME.json); a ``"machine"`` dict in ``doc`` adds to the facts."""
     doc = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "machine": machine(), **doc}
-    path = os.path.join(RESULTS, f"{name}.json")
+           **doc, "machine": {**machine(), **doc.get("machine", {})}}
+    path = os.fspath(path) if path is not None else \
+        os.path.join(results_dir(), f"{name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")

@@ -38,7 +38,6 @@ ratios quoted in the report; absolute times depend on the shared machine).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -54,6 +53,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_results  # noqa: E402
 
 from rtmem.kernels import adam_update, encode_half  # noqa: E402
 
@@ -283,10 +285,7 @@ def main(argv=None):
         command=" ".join(["python bench/adam.py",
                           *(argv if argv is not None else sys.argv[1:])]),
         machine=dict(cpu=platform.processor() or platform.machine(),
-                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-                     cpu_count=os.cpu_count(), numba_threads=numba.get_num_threads(),
-                     numba=numba.__version__, numpy=np.__version__, torch=torch_info,
-                     python=platform.python_version()),
+                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), torch=torch_info),
         byte_accounting={
             "fp32": "28 B/param: read g, p, m, v (16 B), write p, m, v (12 B)",
             "bf16": "28 B/param: read bf16 g (2 B), p, m, v (12 B); write p, m, v "
@@ -298,9 +297,7 @@ def main(argv=None):
         min_repeats=args.repeats, budget_s_per_size=args.budget, sizes=sizes,
         results=rows, notes=notes, ratios=ratios, ratios_best_of_rounds=ratios_min,
         wall_s=time.perf_counter() - t_start)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {write_results('adam', result, path=args.out)}")
 
 
 if __name__ == "__main__":

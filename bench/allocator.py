@@ -34,16 +34,17 @@ are medians over repeats, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import sys
-import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_results  # noqa: E402
+
+from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay
 from rtmem.allocator import BestFitAllocator, align_up
 from rtmem.backends import cuda_available
@@ -52,8 +53,6 @@ from rtmem.layout import plan_layout
 from rtmem.planners import builtin, sequential_schedule
 from rtmem.planners.lifetimes import lifetimes
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                       "allocator.json")
 GIB = 1 << 30
 
 
@@ -269,9 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else args.repeats
-    results = {"python": sys.version.split()[0], "machine": platform.machine(),
-               "cpus": os.cpu_count(), "repeats": repeats,
-               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    results = {"repeats": repeats}
 
     # (a) random sizes
     rtrace = random_trace(4000 if args.quick else 40000)
@@ -346,15 +343,8 @@ def main(argv=None) -> int:
                   f"{p['power_of_two_pool_bytes']:,}")]
     if "skipped" in results["gpu"]:
         rows.append(("GPU baselines", results["gpu"]["skipped"]))
-    width = max(len(k) for k, _ in rows)
-    print(f"{'metric':<{width}}  value")
-    print("-" * (width + 30))
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nwrote {RESULTS}")
+    print(format_table(["metric", "value"], rows, align="ll"))
+    print(f"\nwrote {write_results('allocator', results)}")
     return 0
 
 

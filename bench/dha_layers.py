@@ -57,7 +57,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import write_results  # noqa: E402
-from pcie import Timer, find_gpu, no_gpu_exit, results_dir_override  # noqa: E402
+from pcie import Timer, find_gpu, no_gpu_exit  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 
@@ -213,7 +213,6 @@ def main(argv=None) -> int:
     if device is None:
         return no_gpu_exit("bench dha", why)
     import numpy as np
-    results_dir_override()
     tokens = args.tokens or (1024 if args.quick else 4096)
     repeats = args.repeats or (3 if args.quick else 5)
     h = HIDDEN[args.model]

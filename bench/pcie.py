@@ -32,7 +32,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _common  # noqa: E402
 from _common import write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -67,13 +66,6 @@ def no_gpu_exit(what: str, why: str) -> int:
     """The clean exit of a GPU benchmark on a machine without one (code 0)."""
     print(f"{what}: no CUDA GPU found ({why}); nothing measured, nothing written.")
     return 0
-
-
-def results_dir_override() -> None:
-    """Honour RTMEM_BENCH_RESULTS (a folder) for where JSON and plots go."""
-    where = os.environ.get("RTMEM_BENCH_RESULTS")
-    if where:
-        _common.RESULTS = where
 
 
 class Timer:
@@ -261,7 +253,6 @@ def main(argv=None) -> int:
     device, why = find_gpu()
     if device is None:
         return no_gpu_exit("bench pcie", why)
-    results_dir_override()
     max_size = parse_bytes(args.max_size or ("64MiB" if args.quick else "1GiB"))
     repeats = args.repeats or (3 if args.quick else 5)
     print(f"PCIe/DHA microbenchmarks on {device}: 4 KiB..{format_bytes(max_size)}, "
@@ -272,8 +263,9 @@ def main(argv=None) -> int:
     rows = []
     for i, n in enumerate(doc["sizes_bytes"]):
         c = doc["curves"]
+        dha_over_h2d = c["dha_read"][i]["bytes_per_s"] / c["h2d_pinned"][i]["bytes_per_s"]
         rows.append([format_bytes(n)] + [f"{c[p][i]['bytes_per_s'] / 1e9:.2f}" for p in PATHS]
-                    + [f"{c['dha_read'][i]['bytes_per_s'] / c['h2d_pinned'][i]['bytes_per_s']:.2f}"])
+                    + [f"{dha_over_h2d:.2f}"])
     print(format_table(["size"] + list(PATHS) + ["dha/h2d"], rows))
     con = doc["contention"]
     print(f"\ncontention at {format_bytes(con['bytes'])} (GB/s): alone " + ", ".join(

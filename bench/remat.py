@@ -18,15 +18,16 @@ Writes a table to stdout and JSON to ``bench/results/remat.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_results  # noqa: E402
 
 from rtmem.planners import Platform, simulate, store_all_schedule
 from rtmem.planners.profiles import builtin, gpt2
@@ -134,8 +135,7 @@ def main(argv=None):
     result = {
         "benchmark": "rotor persistent DP (C_MP) fill time",
         "command": "python bench/remat.py " + " ".join(argv or sys.argv[1:]),
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                    "cpu_count": os.cpu_count(), "numba_threads": "1 (no parallel code)",
+        "machine": {"numba_threads": "1 (no parallel code)",
                     "load_average_at_end": os.getloadavg()},
         "budget_fraction": args.fraction, "repeats": args.repeats,
         "compile_and_first_call_s": compile_s,
@@ -147,10 +147,7 @@ def main(argv=None):
     print(f"\ncompile + first call: {compile_s:.2f} s")
     print(f"growth exponent of fill time in L (per S): {result['growth_exponent_in_L_at_S']}")
     print(f"growth exponent of fill time in S (per L): {result['growth_exponent_in_S_at_L']}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_results('remat', result, path=args.out)}")
 
 
 if __name__ == "__main__":
