@@ -16,7 +16,7 @@ import math
 import sys
 import time
 
-__all__ = ["ProgressBar", "register"]
+__all__ = ["COMPARISON_HEADERS", "ProgressBar", "comparison_rows", "register"]
 
 
 class ProgressBar:
@@ -58,6 +58,33 @@ class ProgressBar:
             self._drawn = False
 
 
+#: Column headers of :func:`comparison_rows`' table.
+COMPARISON_HEADERS = ["planner", "makespan", "peak", "overhead", "notes"]
+
+
+def comparison_rows(results: dict, reference: float) -> tuple[list, list]:
+    """Table rows and JSON records for ``compare_remat``'s ``{name: Plan or
+    InfeasibleError}``; overheads are against ``reference`` (seconds, the
+    no-rematerialization makespan)."""
+    from rtmem.planners.plan import Plan
+    from rtmem.units import format_bytes, format_seconds
+    rows, docs = [], []
+    for name, res in results.items():
+        if isinstance(res, Plan):
+            note = ", ".join(f"{k}={v}" for k, v in res.info.items()
+                             if k in ("segments", "slots", "method"))
+            rows.append([name, format_seconds(res.makespan), format_bytes(res.peak),
+                         f"{res.overhead(reference):+.1%}", note])
+            docs.append({"planner": name, "makespan_s": res.makespan, "peak_bytes": res.peak,
+                         "overhead": res.overhead(reference), "info": res.info})
+        else:
+            need = res.min_feasible
+            rows.append([name, "-", "-", "-", "infeasible: needs " +
+                         (format_bytes(need) if need is not None else "more memory")])
+            docs.append({"planner": name, "infeasible": True, "min_feasible_bytes": need})
+    return rows, docs
+
+
 def _cmd_remat(args) -> int:
     from rtmem._table import format_table
     from rtmem.planners.plan import Plan, as_budget
@@ -75,20 +102,7 @@ def _cmd_remat(args) -> int:
     if not isinstance(rotor, Plan):
         raise rotor                      # InfeasibleError: main() prints it, exit 1
     reference = chain.compute_time       # makespan without rematerialization
-    rows, docs = [], []
-    for name, res in results.items():
-        if isinstance(res, Plan):
-            note = ", ".join(f"{k}={v}" for k, v in res.info.items()
-                             if k in ("segments", "slots", "method"))
-            rows.append([name, format_seconds(res.makespan), format_bytes(res.peak),
-                         f"{res.overhead(reference):+.1%}", note])
-            docs.append({"planner": name, "makespan_s": res.makespan, "peak_bytes": res.peak,
-                         "overhead": res.overhead(reference), "info": res.info})
-        else:
-            need = res.min_feasible
-            rows.append([name, "-", "-", "-", "infeasible: needs " +
-                         (format_bytes(need) if need is not None else "more memory")])
-            docs.append({"planner": name, "infeasible": True, "min_feasible_bytes": need})
+    rows, docs = comparison_rows(results, reference)
     if args.save:
         rotor.save(args.save)
         say(f"wrote the rotor plan to {args.save}")
@@ -104,8 +118,7 @@ def _cmd_remat(args) -> int:
     else:
         print(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}, "
               f"no-remat makespan {format_seconds(reference)}")
-        print(format_table(["planner", "makespan", "peak", "overhead", "notes"], rows,
-                           align="lrrrl"))
+        print(format_table(COMPARISON_HEADERS, rows, align="lrrrl"))
     return 0
 
 

@@ -44,6 +44,7 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
     """
     torch = _import_torch()
     from rtmem._table import format_table
+    from rtmem.cli_plan import COMPARISON_HEADERS, comparison_rows
     from rtmem.optim import CPUAdam
     from rtmem.planners import (Platform, compare_remat, min_feasible_memory, plan_store_all,
                                 simulate, store_all_schedule)
@@ -77,14 +78,8 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
         f"{format_bytes(budget)}{why}\n")
 
     plans = compare_remat(chain, budget, slots=slots)
-    rows = []
-    for name, res in plans.items():
-        if isinstance(res, Plan):
-            rows.append([name, format_seconds(res.makespan), format_bytes(res.peak),
-                         f"{res.overhead(chain.compute_time):+.1%}"])
-        else:
-            rows.append([name, "-", "-", "infeasible"])
-    say(format_table(["planner (simulated)", "makespan", "peak", "overhead"], rows))
+    rows, _ = comparison_rows(plans, chain.compute_time)
+    say(format_table(["planner (simulated)"] + COMPARISON_HEADERS[1:], rows, align="lrrrl"))
     plan = plans["rotor"]
     if not isinstance(plan, Plan):
         raise plan
