@@ -168,6 +168,7 @@ class ScheduleExecutor:
         self._release_host()
         self.peak_bytes = 0
         self.resident_bytes = []
+        self._refresh_param_ptrs()
         loss = None
         for op, s, aux in self.schedule:
             if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
@@ -215,8 +216,7 @@ class ScheduleExecutor:
         tensors = [self._delta]
         for st in list(self._plain.values()) + list(self._bar.values()):
             tensors += st.all_tensors()
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()
-                  if p.numel()}
+        params = self._param_ptrs
         nbytes = sum(s.nbytes() for k, s in _storages(tensors).items() if k not in params)
         self.resident_bytes.append(nbytes)
         self.peak_bytes = max(self.peak_bytes, nbytes)
@@ -392,6 +392,12 @@ class ScheduleExecutor:
                     s.resize_(h.nbytes())
                     s.copy_(h)
 
+    def _refresh_param_ptrs(self):
+        """Storages of the parameters, excluded from activation accounting; they
+        change only when weight moves swap ``.data``."""
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()
+                            if p.numel()}
+
     def _weights(self, op, i: int):
         for p in self.stages[i].parameters():
             if op == Op.W_PREFETCH:
@@ -400,6 +406,7 @@ class ScheduleExecutor:
             if op == Op.W_OFFLOAD or p not in self._w_host:
                 self._w_host[p] = p.data.to("cpu", copy=True)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._refresh_param_ptrs()
 
     def _grads_to_host(self, i: int):
         for p in self.stages[i].parameters():
