@@ -4,7 +4,12 @@ Run:  python bench/adam.py [--sizes 1e6,1e7,5e7,1e8] [--repeats 3]
 
 For each size (parameters) every contender runs once per round, rounds
 interleaved so machine noise hits all of them alike; the table reports the median
-over rounds. Contenders:
+over rounds. Before every timed call a scratch buffer of twice the last-level
+cache is rewritten (untimed), so each call starts from cold caches, as an
+optimizer step does after backward; otherwise a contender that runs right after
+another on the same arrays finds them cached (at 1M params a warm call was 2.5x
+faster than a cold one here) and small sizes compare cache luck. ``--warm-cache``
+turns the eviction off. Contenders:
 
 - ``rtmem fp32``: :func:`rtmem.kernels.adam_update`, fp32 grads.
 - ``rtmem fp32+check``: the same with a loss scale, so the read-only finite pass
@@ -61,7 +66,6 @@ from rtmem.kernels import adam_update, encode_half  # noqa: E402
 
 BYTES_FP32 = 28
 BYTES_BF16 = 28
-RESULTS = Path(__file__).resolve().parent / "results" / "adam.json"
 
 
 @numba.njit(parallel=True, cache=True)
@@ -85,6 +89,30 @@ def roofline_bf16(p, g16, m, v, out16):
         m[i] = np.float32(0.5) * m[i] + gi
         v[i] = np.float32(0.5) * v[i] + gi
         out16[i] = np.uint16(np.int32(pi * np.float32(100)) & 0xFFFF)
+
+
+def last_level_cache_bytes(default=32 << 20):
+    """Size of the largest CPU cache in bytes (Linux sysfs), or ``default``."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return max(sizes, default=default)
+
+
+class CacheEvictor:
+    """Rewrites ``nbytes`` of scratch memory: afterwards no benchmark array is
+    left in any cache level (the scratch is twice the last-level cache)."""
+
+    def __init__(self, nbytes):
+        self.scratch = np.ones(max(nbytes // 4, 1), np.float32)
+
+    def __call__(self):
+        self.scratch *= np.float32(1.0)
 
 
 def _torch_contenders(n, rng_seed):
@@ -174,9 +202,10 @@ def _rtmem_contenders(n, rng):
     }
 
 
-def bench_size(n, repeats, seed, budget_s):
+def bench_size(n, repeats, seed, budget_s, evict=None):
     """Time every contender at ``n`` parameters: at least ``repeats`` interleaved
-    rounds, more (up to 50) while the rounds fit in ``budget_s`` seconds."""
+    rounds, more (up to 50) while the rounds fit in ``budget_s`` seconds of timed
+    calls. ``evict`` (untimed) runs before every timed call."""
     rng = np.random.default_rng(seed)
     contenders = _rtmem_contenders(n, rng)
     torch_contenders, notes = _torch_contenders(n, seed)
@@ -184,16 +213,20 @@ def bench_size(n, repeats, seed, budget_s):
     ds_contenders, ds_notes = _deepspeed_contenders(n, seed)
     contenders.update(ds_contenders)
     notes.update(ds_notes)
+    evict = evict or (lambda: None)
     for fn, _ in contenders.values():   # warm-up: compile, page in, allocate state
         fn()
-    t0 = time.perf_counter()
+    round_s = 0.0
     for fn, _ in contenders.values():   # second warm-up round estimates a round's time
+        evict()
+        t0 = time.perf_counter()
         fn()
-    round_s = time.perf_counter() - t0
+        round_s += time.perf_counter() - t0
     rounds = max(repeats, min(50, int(budget_s / max(round_s, 1e-9))))
     times = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, (fn, _) in contenders.items():
+            evict()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -223,13 +256,19 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=12.0,
                     help="seconds of timed rounds per size; small sizes get more "
                          "rounds, up to 50 (default 12)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="do not evict caches before each timed call")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON output path (default: adam.json in bench/results or "
+                         "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
+    llc = last_level_cache_bytes()
+    evict = None if args.warm_cache else CacheEvictor(2 * llc)
     t_start = time.perf_counter()
     rows, notes = [], {}
     for k, n in enumerate(sizes):
-        r, nt = bench_size(n, args.repeats, seed=k, budget_s=args.budget)
+        r, nt = bench_size(n, args.repeats, seed=k, budget_s=args.budget, evict=evict)
         rows += r
         notes.update(nt)
         print(f"size {n:>12,d}: done ({time.perf_counter() - t_start:.0f} s elapsed)",
@@ -285,7 +324,11 @@ def main(argv=None):
         command=" ".join(["python bench/adam.py",
                           *(argv if argv is not None else sys.argv[1:])]),
         machine=dict(cpu=platform.processor() or platform.machine(),
-                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), torch=torch_info),
+                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), torch=torch_info,
+                     cpus=os.cpu_count(), numba_threads=numba.get_num_threads(),
+                     last_level_cache_bytes=llc),
+        caches="warm" if args.warm_cache else f"cold: {2 * llc:,} B rewritten before "
+                                                "each timed call",
         byte_accounting={
             "fp32": "28 B/param: read g, p, m, v (16 B), write p, m, v (12 B)",
             "bf16": "28 B/param: read bf16 g (2 B), p, m, v (12 B); write p, m, v "

@@ -1,34 +1,64 @@
 #!/usr/bin/env bash
-# Everything a GPU session has to run, in one command (the device machine has no
-# package registry: torch, cupy, numba and numba-cuda are preinstalled there).
+# Everything a GPU session has to run (the device machine has no package registry:
+# torch, cupy, numba and numba-cuda are preinstalled there).
 #
-#   bash bench/gpu_session.sh [QUICK]     # QUICK=1: smaller sizes, for a short lease
+#   bash bench/gpu_session.sh [--quick] [STEP ...]
 #
-# Runs the GPU tests, then the GPU benchmarks; results land in bench/results/ and,
-# when $OUT is set (the device tool, which returns at most 8 files), they and the
-# logs are packed into $OUT/gpu_results.tgz. A failing step does not stop the
-# others; the exit code says whether any failed.
+# STEPs, in the order they run (default: all):
+#   doctor gpu-tests pcie dha-layers allocator train adam
+# --quick: smaller sizes for pcie and dha-layers.
+#
+# The device tool stops a command after 10 minutes, so a session splits the steps
+# over two calls, each well inside the limit thanks to the per-step timeouts below:
+#   bash bench/gpu_session.sh doctor gpu-tests pcie dha-layers     (<= ~8.5 min)
+#   bash bench/gpu_session.sh allocator train adam                 (<= ~9 min)
+# (train runs its GPU section only; the CPU section is `python bench/train.py`.)
+# Each call installs rtmem first (offline, --no-deps). Results land in
+# bench/results/gpu/ and, when $OUT is set (the device tool, which returns at most 8
+# files), they and the logs are packed into $OUT/gpu_results_<steps>.tgz. A failing
+# or timed-out step does not stop the others; the exit code says whether any failed.
 set -u
 cd "$(dirname "$0")/.."
-quick=${1:-0}
-export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE RTMEM_BACKEND=cuda
-logs=bench/results/gpu_logs
+# GPU-machine results go to their own folder, next to (not over) this machine's.
+export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE RTMEM_BACKEND=cuda \
+       RTMEM_BENCH_RESULTS=bench/results/gpu
+all_steps="doctor gpu-tests pcie dha-layers allocator train adam"
+q=
+steps=
+for arg in "$@"; do
+    case $arg in
+        --quick|QUICK|1) q=--quick ;;          # QUICK / 1: the old positional form
+        0) ;;
+        *) if [[ " $all_steps " == *" $arg "* ]]; then steps="$steps $arg"
+           else echo "unknown step '$arg'; steps are: $all_steps" >&2; exit 2; fi ;;
+    esac
+done
+steps=${steps:-$all_steps}
+logs=bench/results/gpu/logs
 mkdir -p "$logs"
 status=0
-step() {   # step NAME COMMAND...: run, log, remember failures
-    local name=$1; shift
-    echo "== $name: $*"
-    if "$@" >"$logs/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (see $logs/$name.log)"; status=1; fi
+step() {   # step NAME SECONDS COMMAND...: run under a timeout, log, remember failures
+    local name=$1 limit=$2; shift 2
+    [[ " $steps " == *" $name "* ]] || return 0
+    echo "== $name (timeout ${limit}s): $*"
+    local t0=$SECONDS rc=0
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >"$logs/$name.log" 2>&1 || rc=$?
+    if [ $rc = 0 ]; then echo "   ok in $((SECONDS - t0)) s"
+    else echo "   FAILED rc=$rc in $((SECONDS - t0)) s (124 = timed out; see $logs/$name.log)"
+         status=1; fi
     tail -n 25 "$logs/$name.log"
 }
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$logs/install.log" 2>&1 || status=1
-step doctor python3 -m rtmem.cli doctor
-step gpu-tests python3 -m pytest -q -m gpu tests
-if [ "$quick" = 1 ]; then q=--quick; else q=; fi
-step pcie python3 bench/pcie.py $q
-step dha-layers python3 bench/dha_layers.py $q
-step allocator python3 bench/allocator.py
-step train python3 bench/train.py --gpu-time-s 240
-step adam python3 bench/adam.py --sizes 1e7,5e7,1e8
-if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu_results.tgz" bench/results; fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$logs/install.log" 2>&1 \
+    || { echo "install FAILED:"; tail -n 20 "$logs/install.log"; status=1; }
+step doctor 60 python3 -m rtmem.cli doctor
+step gpu-tests 240 python3 -m pytest -q -m gpu tests
+step pcie 120 python3 bench/pcie.py $q
+step dha-layers 90 python3 bench/dha_layers.py $q
+step allocator 90 python3 bench/allocator.py
+step train 320 python3 bench/train.py --skip-cpu --gpu-time-s 200
+step adam 120 python3 bench/adam.py --sizes 1e7,5e7,1e8 --budget 6
+if [ -n "${OUT:-}" ]; then
+    tag=$(echo $steps | tr ' ' '_')
+    tar czf "$OUT/gpu_results_${tag}.tgz" bench/results/gpu
+fi
 exit $status

@@ -479,6 +479,33 @@ def _jsonable(v):
     return v
 
 
+def cpu_report(args) -> dict:
+    """Run the CPU section, print its tables, return its part of the JSON."""
+    cpu = cpu_section(args)
+    threads = torch.get_num_threads()
+    rat = ratios(cpu)
+    print_tables(cpu, rat)
+    contenders = {name: {k: v for k, v in d.items()
+                         if k not in ("step", "executor", "schedule")}
+                  for name, d in cpu["contenders"].items()}
+    chain = cpu["chain"]
+    return {
+        "cpu_section_torch_threads": threads,
+        "cpu": {
+            "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                      "seq": args.seq, "vocab": args.vocab, "batch": args.batch,
+                      "params": cpu["n_params"], "stages": chain.n},
+            "chain": {"compute_time_s": float(chain.compute_time), "x0_bytes": int(chain.x0),
+                      "weight_bytes": int(chain.w.sum()),
+                      "xbar_bytes": [int(v) for v in chain.xbar],
+                      "x_bytes": [int(v) for v in chain.x], "profile_s": cpu["profile_s"]},
+            "segment_counts": cpu["ks"], "repeats": args.repeats,
+            "contenders": contenders, "ratios": rat, "optimizer": cpu["optimizer"],
+            "predicted_rotor_over_seq_best_curve": cpu["curve"],
+        },
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -496,6 +523,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads of the CPU section (see the docstring)")
     ap.add_argument("--skip-gpu", action="store_true")
+    ap.add_argument("--skip-cpu", action="store_true",
+                    help="GPU section only (write it with --out train_gpu)")
     ap.add_argument("--gpu-hidden", type=int, default=1024)
     ap.add_argument("--gpu-heads", type=int, default=16)
     ap.add_argument("--gpu-seq", type=int, default=1024)
@@ -516,38 +545,23 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    cpu = cpu_section(args)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)   # the GPU section feeds the device
-    rat = ratios(cpu)
-    print_tables(cpu, rat)
-    gpu = {"measured": False, "reason": "skipped (--skip-gpu)"} if args.skip_gpu \
-        else gpu_section(args)
+    doc = {"command": "python bench/train.py " + " ".join(sys.argv[1:] if argv is None
+                                                          else argv),
+           "torch": torch.__version__}
+    if args.skip_cpu:
+        doc["cpu"] = {"measured": False, "reason": "skipped (--skip-cpu)"}
+    else:
+        doc.update(cpu_report(args))
+    if args.skip_gpu:
+        gpu = {"measured": False, "reason": "skipped (--skip-gpu)"}
+    else:
+        torch.set_num_threads(os.cpu_count() or 1)   # the GPU section feeds the device
+        gpu = gpu_section(args)
     if not gpu["measured"]:
         print(gpu["reason"])
-    contenders = {name: {k: v for k, v in d.items()
-                         if k not in ("step", "executor", "schedule")}
-                  for name, d in cpu["contenders"].items()}
-    chain = cpu["chain"]
-    doc = {
-        "command": "python bench/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "torch": torch.__version__, "cpu_section_torch_threads": threads,
-        "load_average_at_end": list(os.getloadavg()),
-        "cpu": {
-            "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-                      "seq": args.seq, "vocab": args.vocab, "batch": args.batch,
-                      "params": cpu["n_params"], "stages": chain.n},
-            "chain": {"compute_time_s": float(chain.compute_time), "x0_bytes": int(chain.x0),
-                      "weight_bytes": int(chain.w.sum()),
-                      "xbar_bytes": [int(v) for v in chain.xbar],
-                      "x_bytes": [int(v) for v in chain.x], "profile_s": cpu["profile_s"]},
-            "segment_counts": cpu["ks"], "repeats": args.repeats,
-            "contenders": contenders, "ratios": rat, "optimizer": cpu["optimizer"],
-            "predicted_rotor_over_seq_best_curve": cpu["curve"],
-        },
-        "gpu": gpu,
-        "total_seconds": time.perf_counter() - t0,
-    }
+    doc["gpu"] = gpu
+    doc["load_average_at_end"] = list(os.getloadavg())
+    doc["total_seconds"] = time.perf_counter() - t0
     path = write_results(args.out, _jsonable(doc))
     print(f"wrote {path} ({doc['total_seconds']:.0f} s)")
 

@@ -72,16 +72,24 @@ def stream_blocks(n_items: int, threads: int = THREADS,
 
 def numba_stream(stream):
     """A stream numba can launch on: ``0``/``None`` (default stream), a numba
-    stream, or anything with a ``ptr`` attribute (a CuPy stream) wrapped as an
-    external stream."""
+    stream, or a foreign stream wrapped as a numba external stream: anything with
+    a ``ptr`` attribute (a CuPy stream, an rtmem cuda-backend stream) or a
+    ``cuda_stream`` attribute (a ``torch.cuda.Stream``).
+
+    numba-cuda launches only on ``0`` or its own ``Stream`` objects (a CuPy or
+    torch stream raises TypeError at launch), and ``cuda.external_stream`` wants
+    a Python ``int`` handle.
+    """
     if stream is None or stream == 0:
         return 0
     ptr = getattr(stream, "ptr", None)
+    if ptr is None:
+        ptr = getattr(stream, "cuda_stream", None)
     if ptr is not None and not simulator_active():
-        if not ptr:                              # CuPy's null stream
+        if not ptr:                              # CuPy's / torch's null stream
             return 0
         from numba import cuda
-        return cuda.external_stream(ptr)
+        return cuda.external_stream(int(ptr))
     return stream
 
 

@@ -67,8 +67,17 @@ __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
 GEMM_TILE = 32
 _GEMM_ROWS = 8                       # blockDim.y of the GEMM
 _PER_THREAD = GEMM_TILE // _GEMM_ROWS
+# Row length of the GEMM's shared tiles (one float of padding: no bank conflicts on
+# the transposed stores). A module constant because numba needs shared-array shapes
+# to be compile-time constants: ``GEMM_TILE + 1`` written in the kernel is typed
+# as a run-time int64 and fails to compile (the simulator does not type kernels).
+_TILE_PAD = GEMM_TILE + 1
 _PARTIAL_ROWS = 64                   # rows per block of the column-sum kernels
-_MAX_SHARED_PARAMS = 48 * 1024       # bytes of gamma/beta staged in shared memory
+# Bytes of gamma/beta staged in (dynamic) shared memory. A launch may use at most
+# 48 KiB of static + dynamic shared memory without opting in per kernel
+# (cudaFuncAttributeMaxDynamicSharedMemorySize), and the LayerNorm kernels also
+# hold a static THREADS-float reduction array; the simulator does not check this.
+_MAX_SHARED_PARAMS = 48 * 1024 - THREADS * 4
 
 # =================================================================== kernels
 
@@ -294,8 +303,8 @@ def _gemm_kernel(a, b, c, bias, trans_a, trans_b, accumulate, has_bias):
     # in either layout (coalesced PCIe requests when a or b is mapped).
     M, N = c.shape
     K = a.shape[0] if trans_a else a.shape[1]
-    sa = cuda.shared.array((GEMM_TILE, GEMM_TILE + 1), numba.float32)  # [m][k]
-    sb = cuda.shared.array((GEMM_TILE, GEMM_TILE + 1), numba.float32)  # [k][n]
+    sa = cuda.shared.array((GEMM_TILE, _TILE_PAD), numba.float32)  # [m][k]
+    sb = cuda.shared.array((GEMM_TILE, _TILE_PAD), numba.float32)  # [k][n]
     acc = cuda.local.array(_PER_THREAD, numba.float32)
     tx = cuda.threadIdx.x
     ty = cuda.threadIdx.y
@@ -488,7 +497,7 @@ def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,
     """``out = (x - mean) * rstd * gamma + beta`` over the last axis.
 
     ``x``, ``out`` [T, H] float32 (HBM); ``gamma``, ``beta`` [H] float32 (HBM or
-    mapped host, staged once per block in shared memory when 2*H*4 <= 48 KiB);
+    mapped host, staged once per block in shared memory when 2*H*4 <= 47 KiB);
     ``mean``, ``rstd`` [T] float32 outputs (saved for the backward;
     ``rstd = 1/sqrt(var + eps)``, biased variance). ``eps`` > 0.
     """

@@ -35,6 +35,13 @@ def _numba_info() -> dict:
     except Exception as exc:   # reported, doctor never raises
         info["numba_cuda_available"] = False
         info["numba_cuda_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        # The DHA kernels compile through NVVM (libnvvm + libdevice, from the CUDA
+        # toolkit or the nvidia-nvvm wheel); the driver alone is not enough.
+        from numba.cuda.cudadrv import nvvm
+        info["numba_cuda_nvvm"] = bool(nvvm.is_available())
+    except Exception:   # simulator or no numba.cuda: no NVVM to report
+        info["numba_cuda_nvvm"] = None
     return info
 
 
@@ -77,7 +84,10 @@ def _lines(r: dict) -> list[str]:
         out.append("gpu              none found")
     out.append(f"numba            {r.get('numba') or 'not installed'}")
     nc = r.get("numba_cuda") or "numba's built-in numba.cuda"
-    out.append(f"numba-cuda       {nc}; usable: {'yes' if r.get('numba_cuda_available') else 'no'}")
+    nvvm = {True: "yes", False: "no (kernels cannot compile)", None: "unknown"}[
+        r.get("numba_cuda_nvvm")]
+    out.append(f"numba-cuda       {nc}; usable: "
+               f"{'yes' if r.get('numba_cuda_available') else 'no'}; NVVM: {nvvm}")
     lim = cuda.get("memlock_limit_bytes")
     avail = cuda.get("host_available_bytes")
     # cudaHostAlloc pins through the driver, bounded by host memory; RLIMIT_MEMLOCK

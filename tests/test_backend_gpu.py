@@ -9,8 +9,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import threading
-import time
 import zlib
 
 import numpy as np
@@ -127,25 +125,45 @@ def test_cuda_offload_prefetch_checksums_and_no_leaks(cp):
     h._check_invariants()
 
 
+_EVENTS_ORDER_COPIES = """
+import threading, time
+import cupy as cp
+from rtmem import transfers as T
+from rtmem.arena import DeviceArena, HostArena
+d = DeviceArena("16MiB", backend="cuda")
+h = HostArena("16MiB", backend="cuda")
+eng = T.get_engine("cuda")
+b = d.alloc(1 << 20)
+cp.asarray(b)[:] = 1
+gate = threading.Event()
+timer = threading.Timer(60, gate.set)      # never leave the driver thread blocked
+timer.daemon = True
+timer.start()
+eng.d2h.launch_host_func(gate.wait)
+ev = T.offload(b, arena=h)
+assert not ev.query() and b.residency == "in-flight"
+gate.set()
+deadline = time.monotonic() + 60
+while not ev.query():              # poll: the host func needs the GIL to return
+    assert time.monotonic() < deadline, "copy never ran after the gate opened"
+    time.sleep(0.001)
+assert b.residency == "both" and (b.numpy("host") == 1).all()
+timer.cancel()
+b.free()
+print("ok")
+"""
+
+
 @gpu
 @needs_gpu
-def test_cuda_events_order_copies(cp):
-    d = DeviceArena("16MiB", backend="cuda")
-    h = HostArena("16MiB", backend="cuda")
-    eng = T.get_engine("cuda")
-    b = d.alloc(1 << 20)
-    cp.asarray(b)[:] = 1
-    gate = threading.Event()
-    eng.d2h.launch_host_func(gate.wait)
-    ev = T.offload(b, arena=h)
-    assert not ev.query() and b.residency == "in-flight"
-    gate.set()
-    deadline = time.monotonic() + 60
-    while not ev.query():              # poll: the host func needs the GIL to return
-        assert time.monotonic() < deadline, "copy never ran after the gate opened"
-        time.sleep(0.001)
-    assert b.residency == "both" and (b.numpy("host") == 1).all()
-    b.free()
+def test_cuda_events_order_copies():
+    # A host function that blocks the driver's callback thread until the host
+    # sets a flag: run in a child process with a timeout, so that a driver that
+    # serializes API calls behind it costs this test, not the whole GPU session.
+    out = subprocess.run([sys.executable, "-c", _EVENTS_ORDER_COPIES],
+                         env=dict(os.environ, RTMEM_BACKEND="cuda"), capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
 @gpu
@@ -247,5 +265,5 @@ def test_numba_emm_plugin_in_subprocess():
     env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="rtmem.integrations.numba_emm",
                RTMEM_NUMBA_ARENA_BYTES="64MiB")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=90)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr

@@ -228,11 +228,17 @@ class CudaBackend(Backend):
                                  self.runtime.memcpyDefault, stream_ptr)
 
     def fill(self, slab: Slab, offset: int, nbytes: int, value: int) -> None:
-        """Set bytes synchronously (``cudaMemset`` on device memory)."""
+        """Set bytes synchronously (``cudaMemsetAsync`` on the current stream,
+        then a synchronize of it, for device memory)."""
         if slab.host_array is not None:
             slab.host_array[offset:offset + nbytes] = value
-        else:
-            self.runtime.memset(slab.ptr + offset, int(value), int(nbytes))
+            return
+        # Not plain cudaMemset: on device memory it returns before the bytes are
+        # set and runs on the legacy stream, which the non-blocking transfer
+        # streams do not wait for; a copy issued right after could race it.
+        stream = self.cupy.cuda.get_current_stream()
+        self.runtime.memsetAsync(slab.ptr + offset, int(value), int(nbytes), int(stream.ptr))
+        stream.synchronize()
 
     def read(self, slab: Slab, offset: int, nbytes: int) -> np.ndarray:
         """A host copy of ``nbytes`` bytes (synchronous ``cudaMemcpy`` for device)."""

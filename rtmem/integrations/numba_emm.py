@@ -43,11 +43,19 @@ def _numba_cuda():
 
 
 def _device_pointer(driver, address: int):
-    # numba takes a CUdeviceptr with the NVIDIA bindings, a ctypes int otherwise.
-    if getattr(driver, "USE_NV_BINDING", False):
-        return driver.binding.CUdeviceptr(int(address))
+    """The pointer object numba's ``MemoryPointer`` expects for ``address``.
+
+    numba-cuda >= 0.2x always uses the NVIDIA bindings and has no
+    ``USE_NV_BINDING`` flag any more: it wants a ``binding.CUdeviceptr`` (it
+    reads it back with ``int()``, which a ctypes integer does not support).
+    numba's built-in ``numba.cuda`` has the flag: a ``CUdeviceptr`` when it is
+    set, else a ``ctypes.c_void_p`` (what its own ``MemoryPointer.view`` builds).
+    """
+    binding = getattr(driver, "binding", None)
+    if binding is not None and getattr(driver, "USE_NV_BINDING", True):
+        return binding.CUdeviceptr(int(address))
     import ctypes
-    return ctypes.c_uint64(int(address))
+    return ctypes.c_void_p(int(address))
 
 
 def _default_arena():
@@ -85,13 +93,16 @@ def manager_class():
 
         def memalloc(self, size):
             """Allocate ``size`` bytes of device memory from the arena."""
+            from .cupy import flush, release
+            flush()
             buf = self.arena.alloc(max(int(size), 1), kind="workspace",
                                    stream=self.arena.backend.current_stream())
             address = buf.__cuda_array_interface__["data"][0]
 
             def finalizer(buf=buf):
-                if not buf.is_freed:
-                    buf.free()
+                # may run inside a garbage collection: NOTE [ Frees from
+                # finalizers ] in rtmem/integrations/cupy.py
+                release(buf)
             ptr = _device_pointer(driver, address)
             if takes_context:
                 return driver.MemoryPointer(weakref.proxy(self.context), ptr, size,

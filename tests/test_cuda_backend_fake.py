@@ -1,0 +1,419 @@
+"""The cuda backend's Python logic on CPU, through a fake CuPy (tests/_fake_cupy.py).
+
+The fake keeps device memory at addresses the host cannot dereference, gives
+mapped host memory a device alias (equal to the host pointer, or deliberately
+different), runs every stream on its own thread and checks the bounds of every
+copy, so these tests fail when rtmem passes the wrong pointer, offset, size,
+flags, stream or argument order to CuPy, or orders work wrongly. The fake is
+installed in ``sys.modules`` by a fixture (undone afterwards) together with fresh
+backend / transfer-engine caches, so nothing leaks into other tests.
+"""
+
+from __future__ import annotations
+
+import ast
+import gc
+import pathlib
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+import _fake_cupy
+from rtmem import transfers as T
+from rtmem.arena import DeviceArena, HostArena
+from rtmem.errors import (BackendError, OutOfMemoryError, ResidencyError,
+                          UseAfterFreeError)
+
+ALIAS = 1 << 40            # a device alias of mapped memory != its host pointer
+
+
+@pytest.fixture(params=[0, ALIAS], ids=["alias=host", "alias!=host"])
+def fake(request, monkeypatch):
+    import rtmem.backends as backends
+    fc = _fake_cupy.build(device=1, device_count=2, device_bytes=64 << 20,
+                          host_bytes=64 << 20, alias_offset=request.param)
+    for name, module in fc.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(backends, "_instances", {})
+    monkeypatch.setattr(backends, "_cuda_ok", None)
+    monkeypatch.setattr(T, "_engines", {})
+    monkeypatch.delenv("RTMEM_BACKEND", raising=False)
+    yield fc
+    try:
+        fc.synchronize_all()
+        assert not fc.async_errors, fc.async_errors
+    finally:
+        fc.shutdown()
+
+
+@pytest.fixture
+def backend(fake):
+    import rtmem.backends as backends
+    from rtmem.backends.cuda import CudaBackend
+    b = backends._instances["cuda"] = CudaBackend()   # also what get_backend() returns
+    return b
+
+
+def _device_view(fake, buf):
+    """What a GPU kernel sees of ``buf`` (through its CUDA array interface)."""
+    cai = buf.__cuda_array_interface__
+    raw = fake.host_view(cai["data"][0], buf.nbytes)
+    return raw.view(buf.dtype).reshape(buf.shape)
+
+
+# ---------------------------------------------------------------- selection
+def test_selection_and_doctor_see_the_fake_gpu(fake, monkeypatch):
+    from rtmem import backends, doctor
+    from rtmem.backends.cuda import CudaBackend
+    assert backends.cuda_available() and backends.backend_name() == "cuda"
+    b = backends.get_backend()
+    assert isinstance(b, CudaBackend) and b is backends.get_backend("cuda")
+    assert b.device_id == 1
+    report = doctor.collect()
+    dev = report["cuda"]["devices"]
+    assert report["gpu_usable"] and len(dev) == 2
+    assert dev[0]["name"] == "Fake H200" and dev[0]["compute_capability"] == "9.0"
+    assert dev[0]["can_map_host_memory"] and dev[0]["total_bytes"] == 64 << 20
+    assert "gpu 1            Fake H200" in "\n".join(doctor._lines(report))
+
+
+def test_no_device_is_a_backend_error(fake):
+    from rtmem.backends.cuda import CudaBackend
+    fake.device_count = 0
+    with pytest.raises(BackendError, match="no CUDA device"):
+        CudaBackend()
+
+    def broken():
+        raise _fake_cupy.CUDARuntimeError(101)
+    fake.modules["cupy.cuda.runtime"].getDeviceCount = broken
+    with pytest.raises(BackendError, match="no usable CUDA device"):
+        CudaBackend()
+
+
+# -------------------------------------------------------------------- slabs
+def test_slabs_use_the_right_calls_and_are_freed(fake, backend):
+    rt = fake.modules["cupy.cuda.runtime"]
+    d = DeviceArena(1 << 20, backend=backend)
+    p = HostArena(1 << 20, backend=backend)
+    m = HostArena(1 << 20, mapped=True, backend=backend)
+    u = HostArena(1 << 20, pinned=False, backend=backend)
+    assert fake.calls_named("malloc") == [(1 << 20,)]
+    assert fake.calls_named("hostAlloc") == [(1 << 20, rt.hostAllocPortable),
+                                             (1 << 20, rt.hostAllocPortable
+                                              | rt.hostAllocMapped)]
+    ds, ps, ms, us = d.slabs[0], p.slabs[0], m.slabs[0], u.slabs[0]
+    assert ds.location == "device" and ds.host_array is None and ds.device_ptr == ds.ptr
+    assert ds.ptr >= _fake_cupy.DEVICE_BASE          # a device address
+    assert ps.pinned and not ps.mapped and ps.device_ptr is None
+    assert ms.mapped and ms.device_ptr == rt.pointerGetAttributes(ms.ptr).devicePointer
+    assert ms.device_ptr == ms.ptr + fake.alias_offset
+    assert not us.pinned and us.host_array is not None
+    # the host views are the allocations' bytes
+    ps.host_array[:4] = [1, 2, 3, 4]
+    assert list(fake.host_view(ps.ptr, 4)) == [1, 2, 3, 4]
+    ms.host_array[8] = 9
+    assert fake.host_view(ms.device_ptr + 8, 1)[0] == 9
+    for a in (d, p, m, u):
+        a.close()
+    assert fake.live == {}                           # every slab given back once
+    assert len(fake.calls_named("free")) == 1 and len(fake.calls_named("freeHost")) == 2
+
+
+def test_out_of_memory_leaves_the_arena_unchanged(fake, backend):
+    with pytest.raises(OutOfMemoryError, match="cudaMalloc") as exc:
+        DeviceArena(128 << 20, backend=backend)
+    assert exc.value.requested == 128 << 20
+    d = DeviceArena(1 << 20, max_bytes=8 << 20, growth_bytes=1 << 20, backend=backend)
+    a = d.alloc(1 << 20)
+    before = d.stats()
+    fake.fail_malloc = True
+    with pytest.raises(OutOfMemoryError):
+        d.alloc(4096)                                # needs a second slab
+    after = d.stats()
+    assert (after.allocated_bytes, after.reserved_bytes, after.slabs, after.live_blocks) == \
+        (before.allocated_bytes, before.reserved_bytes, before.slabs, before.live_blocks)
+    d._check_invariants()
+    fake.fail_malloc = False
+    b = d.alloc(4096)                                # and it still works
+    assert d.stats().slabs == 2
+    a.free()
+    b.free()
+    fake.fail_host_alloc = True
+    with pytest.raises(OutOfMemoryError, match="cudaHostAlloc"):
+        HostArena(1 << 20, backend=backend)
+    d.close()
+    assert fake.live == {}
+
+
+# ------------------------------------------------------------ interfaces
+def test_array_interfaces_point_at_the_right_bytes(fake, backend):
+    d = DeviceArena(1 << 20, backend=backend)
+    m = HostArena(1 << 20, mapped=True, backend=backend)
+    p = HostArena(1 << 20, backend=backend)
+    d.alloc(1000)                                    # so offsets are not 0
+    m.alloc(1000)
+    p.alloc(1000)
+    db = d.alloc(shape=(3, 5), dtype=np.float32)
+    mb = m.alloc(shape=(7,), dtype=np.int64)
+    pb = p.alloc(shape=(6,), dtype=np.float64)
+    cai = db.__cuda_array_interface__
+    assert cai["data"] == (d.slabs[0].ptr + db.offset, False) and db.offset > 0
+    assert cai["shape"] == (3, 5) and cai["typestr"] == "<f4" and cai["version"] == 3
+    assert not hasattr(db, "__array_interface__")
+    with pytest.raises(ResidencyError, match="not host-addressable"):
+        db.numpy()
+    # mapped host memory: the GPU sees the device alias, the CPU the host pointer
+    mcai = mb.__cuda_array_interface__
+    assert mcai["data"][0] == m.slabs[0].device_ptr + mb.offset
+    assert mb.__array_interface__["data"][0] == m.slabs[0].ptr + mb.offset
+    mb.numpy()[:] = np.arange(7) * 11
+    np.testing.assert_array_equal(_device_view(fake, mb), np.arange(7) * 11)
+    _device_view(fake, mb)[2] = -5                   # a kernel writes host memory
+    assert mb.numpy()[2] == -5
+    # pinned, not mapped: host only
+    assert not hasattr(pb, "__cuda_array_interface__")
+    assert pb.__array_interface__["data"][0] == p.slabs[0].ptr + pb.offset
+    # a kernel writes the device buffer; to_numpy copies it back
+    _device_view(fake, db)[:] = np.arange(15, dtype=np.float32).reshape(3, 5)
+    np.testing.assert_array_equal(db.to_numpy(), np.arange(15).reshape(3, 5))
+    arr = db.cupy()
+    assert arr.data.ptr == cai["data"][0] and arr.data.device_id == 1
+
+
+def test_dlpack_forwards_the_protocol_arguments(fake, backend):
+    d = DeviceArena(1 << 20, backend=backend)
+    p = HostArena(1 << 20, backend=backend)
+    db = d.alloc(shape=(4,), dtype=np.float32)
+    pb = p.alloc(shape=(4,), dtype=np.float32)
+    pb.numpy()[:] = [1, 2, 3, 4]
+    assert db.__dlpack_device__() == (2, 1)          # kDLCUDA on the backend's device
+    assert pb.__dlpack_device__() == (1, 0)          # kDLCPU
+    # what torch >= 2.x / CuPy pass to a producer
+    db.__dlpack__(stream=7, max_version=(1, 0), copy=None)
+    assert fake.dlpack_calls[-1] == dict(stream=7, max_version=(1, 0), dl_device=None,
+                                         copy=None)
+    db.__dlpack__(stream=1, max_version=(1, 0), dl_device=(2, 1))
+    assert fake.dlpack_calls[-1]["dl_device"] == (2, 1)
+    n_calls = len(fake.dlpack_calls)
+    # host memory: numpy's capsule (no stream for kDLCPU); real consumers take it
+    np.testing.assert_array_equal(np.from_dlpack(pb), [1, 2, 3, 4])
+    torch = pytest.importorskip("torch")
+    t = torch.from_dlpack(pb)                       # passes max_version=(1, 0)
+    t[0] = 10
+    assert pb.numpy()[0] == 10 and len(fake.dlpack_calls) == n_calls
+
+
+# -------------------------------------------------------------- transfers
+def test_offload_prefetch_copy_round_trips(fake, backend):
+    d = DeviceArena(4 << 20, backend=backend)
+    h = HostArena(4 << 20, backend=backend)
+    rng = np.random.default_rng(0)
+    bufs, sums = [], []
+    for i in range(12):
+        b = d.alloc(shape=(1000 + 77 * i,), dtype=np.float32)
+        _device_view(fake, b)[:] = rng.standard_normal(b.shape, dtype=np.float32)
+        bufs.append(b)
+        sums.append(zlib.crc32(b.to_numpy().tobytes()))
+    for _ in range(3):
+        for b in bufs:
+            T.offload(b, arena=h)
+        for b in bufs[::2]:
+            T.evict(b)                               # evict while the copy may run
+        T.synchronize()
+        for b in bufs[1::2]:
+            T.evict(b)
+        for b in bufs:
+            assert b.residency == "host"
+            assert zlib.crc32(b.numpy().tobytes()) == sums[bufs.index(b)]
+        for b in reversed(bufs):
+            T.prefetch(b)
+        for b in bufs:
+            T.synchronize(b)
+            T.drop_host(b)
+    for b, s in zip(bufs, sums):
+        assert b.residency == "device" and zlib.crc32(b.to_numpy().tobytes()) == s
+    # copy: device -> device of another buffer, then device -> host
+    dst = d.alloc(shape=bufs[3].shape, dtype=np.float32)
+    T.synchronize(T.copy(dst, bufs[3]))
+    assert zlib.crc32(dst.to_numpy().tobytes()) == sums[3]
+    hdst = h.alloc(shape=bufs[4].shape, dtype=np.float32)
+    T.synchronize(T.copy(hdst, bufs[4]))
+    assert zlib.crc32(hdst.numpy().tobytes()) == sums[4]
+    kinds = {args[3] for args in fake.calls_named("memcpyAsync")}
+    streams = {args[4] for args in fake.calls_named("memcpyAsync")}
+    eng = T.get_engine(backend)
+    assert kinds == {fake.modules["cupy.cuda.runtime"].memcpyDefault}
+    assert streams == {eng.h2d.ptr, eng.d2h.ptr} and 0 not in streams
+    for b in bufs + [dst, hdst]:
+        b.free()
+    eng.synchronize()
+    assert eng.in_flight == 0
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+    d._check_invariants()
+    h._check_invariants()
+
+
+def test_copies_wait_for_their_stream_and_free_is_stream_ordered(fake, backend):
+    d = DeviceArena(1 << 20, backend=backend)
+    h = HostArena(1 << 20, backend=backend)
+    b = d.alloc(1 << 16)
+    device_offset = b.offset
+    _device_view(fake, b)[:] = 3
+    eng = T.get_engine(backend)
+    gate = threading.Event()
+    eng.d2h.launch_host_func(gate.wait)
+    ev = T.offload(b, arena=h)
+    assert not ev.query() and b.residency == "in-flight"
+    T.evict(b)                                       # device block freed after the copy
+    before = d.stats()
+    assert before.pending_bytes == 1 << 16           # ... gated on the copy's event
+    c = d.alloc(1 << 16)                             # so this gets other bytes
+    assert c.offset != device_offset
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not ev.query():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert b.residency == "host" and (b.numpy() == 3).all()
+    b.free()
+    c.free()
+
+
+def test_gpu_suite_events_script_runs_on_the_fake(fake, capsys):
+    # tests/test_backend_gpu.py runs this script in a child process on a real GPU;
+    # read it from the source (importing that module would probe for a GPU).
+    tree = ast.parse(pathlib.Path(__file__).with_name("test_backend_gpu.py").read_text())
+    script = next(ast.literal_eval(node.value) for node in tree.body
+                  if isinstance(node, ast.Assign)
+                  and getattr(node.targets[0], "id", "") == "_EVENTS_ORDER_COPIES")
+    exec(compile(script, "<events>", "exec"), {})
+    assert capsys.readouterr().out.strip() == "ok"
+
+
+def test_copy_of_a_released_slab_is_refused(fake, backend):
+    d = DeviceArena(1 << 20, backend=backend)
+    h = HostArena(1 << 20, backend=backend)
+    b = d.alloc(4096)
+    d.close()
+    with pytest.raises(BackendError, match="released"):
+        T.offload(b, arena=h)
+
+
+def test_debug_arena_poisons_and_catches_a_gpu_write_after_free(fake, backend):
+    d = DeviceArena(1 << 16, debug=True, backend=backend)
+    assert fake.calls_named("memsetAsync")           # the slab was poisoned on device
+    b = d.alloc(4096)
+    stale = _device_view(fake, b)                   # a kernel's view outlives the free
+    b.free()
+    stale[3] = 1
+    with pytest.raises(UseAfterFreeError):
+        d.alloc(4096)
+    c = d.alloc(4096)                                # re-poisoned: usable again
+    c.free()
+
+
+def test_streams_compare_by_handle(fake, backend):
+    cur = backend.current_stream()
+    assert cur == backend.current_stream() and cur.ptr == 0
+    s = backend.new_stream("x")
+    assert s != cur and s.ptr != 0
+    assert s.raw.non_blocking                   # copy streams must not sync with stream 0
+    with s.raw:
+        assert backend.current_stream() == s     # CuPy's `with stream:` is honoured
+        d = DeviceArena(1 << 16, backend=backend)
+        b = d.alloc(128)
+        assert backend.current_stream().ptr == s.ptr
+    b.free()
+    ev = backend.new_event()
+    assert ev.query()                               # never recorded: complete
+    assert ev.raw.disable_timing and not ev.raw.block
+
+
+# ----------------------------------------------------------- integrations
+def test_cupy_allocator_hook(fake, backend):
+    from rtmem.integrations import cupy as rtcupy
+    cp = fake.modules["cupy"]
+    d = DeviceArena(1 << 20, backend=backend)
+    alloc = rtcupy.allocator_for(d)
+    mp = alloc(1000)
+    assert d.stats().count_by_kind["workspace"] == 1
+    buf_ptr = mp.ptr
+    assert d.slabs[0].ptr <= buf_ptr < d.slabs[0].ptr + d.slabs[0].nbytes
+    assert mp.mem.device_id == backend.device_id and mp.mem.size == 1000
+    del mp
+    gc.collect()
+    assert d.stats().count_by_kind["workspace"] == 0   # freed when CuPy drops it
+    default = cp.cuda.get_allocator()
+    previous = rtcupy.install(d)
+    assert previous is default and cp.cuda.get_allocator() is not default
+    kept = cp.cuda.get_allocator()(64)
+    assert d.stats().count_by_kind["workspace"] == 1
+    del kept
+    rtcupy.uninstall(previous)
+    assert cp.cuda.get_allocator() is default
+    rtcupy.install(d)
+    rtcupy.uninstall()                                # None: CuPy's default pool
+    assert cp.cuda.get_allocator() == cp.get_default_memory_pool().malloc
+    with rtcupy.using(d):
+        assert cp.cuda.get_allocator() is not cp.get_default_memory_pool().malloc
+        held = cp.cuda.get_allocator()(10)
+        assert d.stats().count_by_kind["workspace"] >= 1
+    del held
+    gc.collect()
+    assert d.stats().count_by_kind["workspace"] == 0
+    with pytest.raises(ValueError, match="device memory"):
+        rtcupy.allocator_for(HostArena(1 << 16, backend=backend))
+
+
+def test_read_waits_for_the_current_stream(fake, backend):
+    # to_numpy of device memory must see what a kernel on the *current* stream
+    # wrote, even when that stream is not the legacy one the copy runs on.
+    d = DeviceArena(1 << 16, backend=backend)
+    b = d.alloc(shape=(64,), dtype=np.int32)
+    _device_view(fake, b)[:] = 0
+    s = backend.new_stream("user")
+    gate = threading.Event()
+    s.launch_host_func(gate.wait)                   # the kernel below runs late
+    timer = threading.Timer(0.2, gate.set)
+    timer.start()
+    try:
+        with s.raw:
+            fake.modules["cupy"].asarray(b)[:] = 7   # enqueued on s
+            assert (b.to_numpy() == 7).all()
+    finally:
+        timer.cancel()
+        gate.set()
+    b.free()
+
+
+def test_cupy_free_during_garbage_collection_is_deferred(fake, backend):
+    # CuPy memory in a reference cycle is freed by the garbage collector, which may
+    # run while rtmem's allocator holds its lock: freeing there would deadlock.
+    from rtmem.integrations import cupy as rtcupy
+    d = DeviceArena(1 << 20, backend=backend)
+    alloc = rtcupy.allocator_for(d)
+
+    class Cycle:
+        pass
+    c = Cycle()
+    c.self, c.mem = c, alloc(1000)
+    del c
+    assert d.stats().count_by_kind["workspace"] == 1
+
+    def collect_inside_the_allocator():
+        with d.core._lock:
+            gc.collect()
+    t = threading.Thread(target=collect_inside_the_allocator, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a free from a finalizer deadlocked on the allocator lock"
+    assert d.stats().count_by_kind["workspace"] == 1      # deferred ...
+    kept = alloc(64)                                      # ... to the next allocation
+    assert d.stats().count_by_kind["workspace"] == 1
+    del kept
+    gc.collect()
+    assert rtcupy.flush() == 0 and d.stats().count_by_kind["workspace"] == 0

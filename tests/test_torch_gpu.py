@@ -1,0 +1,246 @@
+"""rtmem.torch on a real GPU (``pytest -m gpu``): the DLPack/CUDA-interface bridge over
+device, pinned and mapped arenas, parameters placed in device memory and in mapped
+host memory (DHA), the executor's remat and offload plans on CUDA streams, the
+offloaded Adam loop against torch.optim.Adam, and the demo on the cuda backend.
+
+Same checks as the CPU suite (tests/test_torch_*.py), with the cuda backend and CUDA
+tensors; every test skips on a machine without a usable GPU."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import rtmem  # noqa: E402
+from rtmem.planners import Schedule, sequential_schedule, store_all_schedule  # noqa: E402
+from rtmem.torch import (OffloadedAdam, ScheduleExecutor, as_tensor,  # noqa: E402
+                         from_tensor, gpt2_model, place_parameters)
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    from rtmem.backends import cuda_available
+    if not cuda_available():
+        pytest.skip("no usable CUDA GPU through CuPy")
+    monkeypatch.setenv("RTMEM_BACKEND", "cuda")
+    # exact fp32 matmuls: the reference and the plans then differ only by the
+    # order of float32 additions, not by TF32 rounding of different operands
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield torch.device(DEV)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    gc.collect()
+    torch.cuda.synchronize()
+
+
+def _model(device, dropout=0.0, layers=3):
+    torch.manual_seed(0)
+    model, loss_fn, make = gpt2_model(layers=layers, hidden=64, heads=4, seq=32, vocab=128,
+                                      dropout=dropout)
+    model = model.to(device)
+    gen = torch.Generator().manual_seed(1)
+    batches = [make(4, gen, device=device) for _ in range(20)]
+    return model, loss_fn, batches
+
+
+# ------------------------------------------------------------------ bridge
+def test_device_buffer_is_a_cuda_tensor_zero_copy(cuda):
+    arena = rtmem.DeviceArena(1 << 22)
+    buf = arena.alloc(shape=(64, 33), dtype=np.float32)
+    t = as_tensor(buf)
+    assert t.is_cuda and t.shape == (64, 33)
+    assert t.data_ptr() == buf.__cuda_array_interface__["data"][0]
+    x = torch.randn(64, 33, device=cuda)
+    t.copy_(x)
+    torch.testing.assert_close(as_tensor(buf), x, rtol=0, atol=0)
+    y = torch.randn(5, 7, device=cuda, dtype=torch.bfloat16)
+    ybuf = from_tensor(y, arena, kind="weight")
+    assert torch.equal(as_tensor(ybuf, dtype=torch.bfloat16), y)
+    del t
+    gc.collect()
+    buf.free()
+    ybuf.free()
+    assert arena.stats().allocated_bytes == 0
+    arena.close()
+
+
+def test_pinned_buffer_is_a_pinned_cpu_tensor(cuda):
+    arena = rtmem.HostArena(1 << 22)
+    buf = arena.alloc(shape=(1000,), dtype=np.float32)
+    buf.numpy()[:] = np.random.default_rng(0).standard_normal(1000)
+    t = as_tensor(buf)
+    assert t.device.type == "cpu" and t.is_pinned()
+    d = t.to(cuda, non_blocking=True)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(d.cpu().numpy(), buf.numpy())
+    del t
+    gc.collect()
+    buf.free()
+    arena.close()
+
+
+def test_mapped_buffer_device_alias_reads_and_writes_host_memory(cuda):
+    arena = rtmem.HostArena(1 << 22, mapped=True)
+    buf = arena.alloc(shape=(4096,), dtype=np.float32)
+    host = np.random.default_rng(1).standard_normal(4096).astype(np.float32)
+    buf.numpy()[:] = host
+    g = as_tensor(buf, device_alias=True)
+    assert g.is_cuda
+    torch.testing.assert_close(g * 2, torch.from_numpy(host * 2).to(cuda), rtol=0, atol=0)
+    g.mul_(3)                        # the GPU writes host memory over PCIe
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(buf.numpy(), host * 3)
+    del g
+    gc.collect()
+    buf.free()
+    arena.close()
+
+
+def test_placed_parameters_train_like_the_original(cuda):
+    model, loss_fn, batches = _model(cuda, layers=2)
+    ref = copy.deepcopy(model)
+    arena = rtmem.DeviceArena(64 << 20)
+    placement = place_parameters(model, arena)
+    x, y = batches[0]
+    for m in (model, ref):
+        loss_fn(m(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.is_cuda and p.data_ptr() == placement.weights[p].__cuda_array_interface__[
+            "data"][0]
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    placement.release()
+    gc.collect()
+    assert arena.stats().allocated_bytes == 0
+    arena.close()
+
+
+def test_dha_placement_runs_on_mapped_host_weights(cuda):
+    # MemFerry's DHA layers: the weights stay in (mapped) host memory and the GPU
+    # reads them over PCIe; the gradients are written there too.
+    model, loss_fn, batches = _model(cuda, layers=2)
+    ref = copy.deepcopy(model)
+    arena = rtmem.HostArena(64 << 20, mapped=True)
+    placement = place_parameters(model, arena, device_alias=True)
+    x, y = batches[0]
+    for m in (model, ref):
+        loss_fn(m(x), y).backward()
+    torch.cuda.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.is_cuda
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        # the gradient lives in host memory: the host view holds the same values
+        host = placement.grads[p].numpy().reshape(q.grad.shape)
+        np.testing.assert_allclose(host, q.grad.cpu().numpy(), rtol=1e-5, atol=1e-6)
+    placement.release()
+    gc.collect()
+    arena.close()
+
+
+# ---------------------------------------------------------------- executor
+def _reference(model, loss_fn, x, y, seed=7):
+    ref = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    loss = loss_fn(ref(x), y)
+    loss.backward()
+    return ref, loss.detach()
+
+
+def _check_same(m, ex, loss, ref, ref_loss):
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    host = ex.host_grads()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        g = p.grad if p.grad is not None else 0
+        g = g + host[p].to(q.device) if p in host else g
+        torch.testing.assert_close(g, q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("segments", [None, 1, 2])
+def test_executor_remat_gradients_equal_plain_autograd(cuda, segments):
+    model, loss_fn, batches = _model(cuda, dropout=0.1)
+    x, y = batches[0]
+    ref, ref_loss = _reference(model, loss_fn, x, y)
+    n = len(model)
+    sched = store_all_schedule(n) if segments is None else sequential_schedule(n, segments)
+    m = copy.deepcopy(model)
+    ex = ScheduleExecutor(m, sched, loss_fn)
+    torch.manual_seed(7)
+    loss = ex.step(x, y)
+    _check_same(m, ex, loss, ref, ref_loss)
+
+
+def test_executor_offload_through_the_pinned_arena_on_streams(cuda):
+    model, loss_fn, batches = _model(cuda)
+    x, y = batches[0]
+    ref, ref_loss = _reference(model, loss_fn, x, y)
+    n = len(model)
+    text = ["offload a0", "F_all 0", "offload abar1", "F_all 1", "delete abar1",
+            "w_delete 0"]
+    text += [f"F_all {i}" for i in range(2, n)] + ["L"]
+    text += [f"B {i}" for i in reversed(range(2, n))]
+    text += ["prefetch abar1", "B 1", "g_offload 1", "w_prefetch 0", "B 0", "g_offload 0"]
+    sched = Schedule.from_text(", ".join(text))
+    arena = rtmem.HostArena(16 << 20)
+    m = copy.deepcopy(model)
+    ex = ScheduleExecutor(m, sched, loss_fn, host_arena=arena)
+    for k in range(5):
+        for p in m.parameters():
+            p.grad = None
+        ex.zero_host_grads()
+        torch.manual_seed(7)
+        loss = ex.step(x, y)
+        torch.cuda.synchronize()
+        if k == 0:
+            _check_same(m, ex, loss, ref, ref_loss)
+        gc.collect()
+        assert arena.stats().allocated_bytes == 0     # host copies returned each step
+    stats = arena.stats()
+    assert stats.alloc_count >= 2 * 5 and stats.alloc_count == stats.free_count
+    arena._check_invariants()
+    arena.close()
+
+
+# --------------------------------------------------------- offloaded Adam
+def test_offloaded_adam_matches_torch_adam_on_cuda(cuda):
+    model, loss_fn, batches = _model(cuda, layers=2)
+    mine, ref = copy.deepcopy(model), copy.deepcopy(model)
+    off = OffloadedAdam(mine.parameters(), lr=2e-3, chunk_elements=3001)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=2e-3)
+    curves = ([], [])
+    for x, y in batches:
+        for m, opt, curve in ((mine, off, curves[0]), (ref, ref_opt, curves[1])):
+            loss = loss_fn(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.item())
+    for a, b in zip(*curves):
+        assert math.isclose(a, b, rel_tol=1e-4)
+    assert curves[1][-1] < curves[1][0]
+    torch.cuda.synchronize()
+    for p, q in zip(mine.parameters(), ref.parameters()):
+        assert p.is_cuda
+        torch.testing.assert_close(p, q, rtol=0, atol=5e-4)
+    off.close()
+
+
+# -------------------------------------------------------------------- demo
+def test_demo_on_cuda_saves_memory_and_trains_the_same(cuda, tmp_path):
+    from rtmem.demo import run_demo
+    r = run_demo(layers=4, hidden=256, heads=4, seq=256, batch=8, vocab=512, steps=3,
+                 device=DEV, out=str(tmp_path), say=lambda *a: None)
+    assert r["plan_peak_bytes"] < r["plain_peak_bytes"]
+    for a, b in zip(r["plain_losses"], r["plan_losses"]):
+        assert math.isclose(a, b, rel_tol=1e-4)
+    assert (tmp_path / "rotor_plan.png").exists()
