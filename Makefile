@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot,torch]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot,torch,ptx]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,37 @@
+"""The DHA kernels compile for a real GPU (PTX for sm_90), checked on a machine
+without one: the CUDA simulator runs kernels as Python and never types them, so
+this is the CPU suite's only check that numba can compile them."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _nvvm_present() -> bool:
+    # numba-cuda plus the NVVM and NVRTC libraries (the `ptx` extra); the
+    # simulator-only setup of a plain numba install cannot compile.
+    try:
+        return all(importlib.util.find_spec(m) is not None
+                   for m in ("numba_cuda", "cuda.bindings", "nvidia"))
+    except ModuleNotFoundError:     # a parent package ("cuda") is missing
+        return False
+
+
+@pytest.mark.skipif(not _nvvm_present(), reason="needs numba-cuda and NVVM: "
+                    "pip install 'rtmem[ptx]'")
+def test_every_dha_kernel_compiles_to_ptx():
+    script = os.path.join(os.path.dirname(__file__), "_ptx_compile.py")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not report["missing"], f"kernels without a signature in _ptx_compile.py: " \
+                                  f"{report['missing']}"
+    assert not report["failed"], "\n\n".join(f"{k}: {v}" for k, v in
+                                             report["failed"].items())
+    assert len(report["compiled"]) >= 16
