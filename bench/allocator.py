@@ -253,20 +253,25 @@ def gpu_baselines(trace, repeats, loops, slab_bytes):
     contenders = {"rtmem_core": BestFitAllocator(slab_bytes),
                   "rtmem_device_arena": ArenaPath(slab_bytes),
                   "cupy_memorypool": CupyPool()}
+    torch_skipped = None
     try:
         import torch
-        if torch.cuda.is_available():
-            class TorchCaching:
-                def allocate(self, nbytes, stream=None):
-                    return torch.cuda.caching_allocator_alloc(max(nbytes, 1))
-
-                def deallocate(self, ptr, stream=None, event=None):
-                    torch.cuda.caching_allocator_delete(ptr)
-            contenders["torch_caching"] = TorchCaching()
     except ImportError:
-        torch = None
-    for obj in contenders.values():
-        replay(trace, obj)                      # warm-up, untimed
+        torch, torch_skipped = None, "torch is not installed"
+    if torch is not None and not torch.cuda.is_available():
+        torch_skipped = "torch.cuda.is_available() is False (a CPU build of torch?)"
+    elif torch is not None:
+        class TorchCaching:
+            def allocate(self, nbytes, stream=None):
+                return torch.cuda.caching_allocator_alloc(max(nbytes, 1))
+
+            def deallocate(self, ptr, stream=None, event=None):
+                torch.cuda.caching_allocator_delete(ptr)
+        contenders["torch_caching"] = TorchCaching()
+    # Warm-up, untimed. replay() skips an allocation that raises rtmem's
+    # OutOfMemoryError and goes on, so a too-small slab would time less work
+    # than the pools do: count those refusals and report them.
+    ooms = {name: replay(trace, obj).ooms for name, obj in contenders.items()}
     rates = {name: [] for name in contenders}
     for k in range(repeats):
         names = list(contenders) if k % 2 == 0 else list(contenders)[::-1]
@@ -282,6 +287,9 @@ def gpu_baselines(trace, repeats, loops, slab_bytes):
         out[f"{name}_over_cupy"] = statistics.median(
             a / b for a, b in zip(rates[name], rates["cupy_memorypool"]))
     out["goal_over_cupy"] = 1 / 1.5
+    out["warmup_ooms"] = ooms
+    if torch_skipped:
+        out["torch_caching_skipped"] = torch_skipped
     return out
 
 
@@ -395,6 +403,10 @@ def main(argv=None) -> int:
             rows += [(f"GPU {tname}: {name} / CuPy pool (goal >= 0.67)",
                       f"{d[name + '_over_cupy']:.2f}")
                      for name in ("rtmem_core", "rtmem_device_arena")]
+            if "torch_caching_skipped" in d:
+                rows.append((f"GPU {tname}: torch_caching", d["torch_caching_skipped"]))
+            rows += [(f"GPU {tname}: {name} refused allocations (OOM): timings invalid",
+                      f"{n:,}") for name, n in d["warmup_ooms"].items() if n]
     print(format_table(["metric", "value"], rows, align="ll"))
     print(f"\nwrote {write_results('allocator', results)}")
     return 0

@@ -85,6 +85,7 @@ class Placement:
         import numpy as np
         from numba import cuda
         self.shapes, self.dev, self.mapped, self.pinned, self._keep = shapes, {}, {}, {}, []
+        self.dev_ptr = {}
         for name, shape in shapes.items():
             n = int(np.prod(shape))
             values = (rng.standard_normal(shape).astype(np.float32) if fill
@@ -96,6 +97,10 @@ class Placement:
             pin = np.frombuffer(mem, dtype=np.float32, count=n).reshape(shape)
             pin[...] = values
             self._keep += [d, m, mem]
+            # The copy's device address, from CuPy: numba's device_ctypes_pointer is
+            # a c_void_p, a c_size_t or a CUdeviceptr (no .value) depending on the
+            # numba-cuda version and binding.
+            self.dev_ptr[name] = d.data.ptr
             self.dev[name] = cuda.as_cuda_array(d)      # numba views: no per-launch cost
             self.mapped[name] = cuda.as_cuda_array(m)
             self.pinned[name] = pin
@@ -106,7 +111,7 @@ class Placement:
         import cupy as cp
         rt = cp.cuda.runtime
         for name in self.shapes:
-            dev = self.dev[name].device_ctypes_pointer.value
+            dev = self.dev_ptr[name]
             host = self.pinned[name].ctypes.data
             n = self.pinned[name].nbytes
             if direction == "h2d":
@@ -209,12 +214,14 @@ def main(argv=None) -> int:
                     help="tokens per batch, batch x sequence (default 4096)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
     args = ap.parse_args(argv)
+    tokens = args.tokens or (1024 if args.quick else 4096)
+    repeats = args.repeats or (3 if args.quick else 5)
+    if tokens < 1 or repeats < 1:
+        ap.error("--tokens and --repeats must be at least 1")   # nothing to time
     device, why = find_gpu()
     if device is None:
         return no_gpu_exit("bench dha", why)
     import numpy as np
-    tokens = args.tokens or (1024 if args.quick else 4096)
-    repeats = args.repeats or (3 if args.quick else 5)
     h = HIDDEN[args.model]
     rng = np.random.default_rng(0)
     print(f"per-layer cost on {device}: {args.model} (h={h}), {tokens} tokens, "

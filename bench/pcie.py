@@ -37,9 +37,13 @@ from _common import write_results  # noqa: E402
 from rtmem._table import format_table  # noqa: E402
 from rtmem.units import format_bytes, parse_bytes  # noqa: E402
 
+#: cudaEventElapsedTime resolves about 0.5 us; shorter intervals can read as 0.0 ms.
+EVENT_RESOLUTION_S = 0.5e-6
+
 PATHS = ("h2d_pageable", "d2h_pageable", "h2d_pinned", "d2h_pinned", "bidir_pinned",
          "dha_read", "dha_write", "hbm_read")
 LATENCY_SIZES = (4, 64, 512, 4096)
+MIN_SIZE = 4096            # smallest swept size; the latency probes need this much too
 
 
 def find_gpu() -> tuple[str | None, str]:
@@ -68,6 +72,13 @@ def no_gpu_exit(what: str, why: str) -> int:
     return 0
 
 
+def elapsed_s(cp, start, end) -> float:
+    """Seconds between two completed CUDA events, at least the timer's resolution:
+    an interval below it reads as 0.0 ms, and a bandwidth of n / 0 would end the
+    whole run with a ZeroDivisionError."""
+    return max(cp.cuda.get_elapsed_time(start, end) * 1e-3, EVENT_RESOLUTION_S)
+
+
 class Timer:
     """Median time of a stream-ordered operation, measured with CUDA events."""
 
@@ -85,7 +96,7 @@ class Timer:
             fn()
             self.end.record(stream)
             self.end.synchronize()
-            times.append(self.cp.cuda.get_elapsed_time(self.start, self.end) * 1e-3)
+            times.append(elapsed_s(self.cp, self.start, self.end))
         return statistics.median(times)
 
     def wall(self, fn, stream) -> float:
@@ -116,7 +127,7 @@ def _concurrent(cp, first, second, s1, s2):
     s1.wait_event(ev[2])
     ev[3].record(s1)
     ev[3].synchronize()
-    t = [cp.cuda.get_elapsed_time(ev[0], e) * 1e-3 for e in ev[1:]]
+    t = [elapsed_s(cp, ev[0], e) for e in ev[1:]]
     return t[0], t[1], max(t[2], t[0])
 
 
@@ -179,11 +190,14 @@ def measure(max_size: int, min_size: int, step: int, repeats: int) -> dict:
         print(f"  {format_bytes(n):>10}: " + "  ".join(
             f"{p} {curves[p][-1]['bytes_per_s'] / 1e9:.1f}" for p in PATHS), flush=True)
 
-    # B4: DHA read against a copy in each direction, at the largest size.
-    n = max_size
+    # B4: DHA read against a copy in each direction, at the largest swept size
+    # (a power of two: a --max-size such as 100MB need not be a whole number of
+    # the probe's 8-byte words).
+    n = sizes[-1]
+    mapped_n = mapped[:n]
 
     def dha_read():
-        dha.dha_read(mapped, stream=s1, out=partials)
+        dha.dha_read(mapped_n, stream=s1, out=partials)
 
     alone = {"dha_read": timer.events(dha_read, s1),
              "h2d_pinned": timer.events(copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s2), s2),
@@ -230,6 +244,7 @@ def plot(doc: dict, path: str) -> str | None:
         ax.plot([p["bytes"] for p in points], [p["bytes_per_s"] / 1e9 for p in points],
                 marker="o", ms=3, label=name)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")      # HBM reads (TB/s) and small PCIe copies (MB/s) on one plot
     ax.set_xlabel("transfer size (bytes)")
     ax.set_ylabel("bandwidth (GB/s)")
     ax.set_title(f"PCIe and DHA bandwidth, {doc['device']}")
@@ -250,14 +265,20 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per point")
     ap.add_argument("--plot", default=None, help="plot path (default next to the JSON)")
     args = ap.parse_args(argv)
+    max_size = parse_bytes(args.max_size or ("64MiB" if args.quick else "1GiB"))
+    if max_size < MIN_SIZE:
+        # The sweep starts at 4 KiB and the latency probes copy up to 4 KiB into
+        # the max_size buffers: smaller ones would be overrun.
+        ap.error(f"--max-size must be at least {format_bytes(MIN_SIZE)}")
+    repeats = args.repeats or (3 if args.quick else 5)
+    if repeats < 1:
+        ap.error("--repeats must be at least 1")     # a median of nothing
     device, why = find_gpu()
     if device is None:
         return no_gpu_exit("bench pcie", why)
-    max_size = parse_bytes(args.max_size or ("64MiB" if args.quick else "1GiB"))
-    repeats = args.repeats or (3 if args.quick else 5)
     print(f"PCIe/DHA microbenchmarks on {device}: 4 KiB..{format_bytes(max_size)}, "
           f"median of {repeats}, GB/s = 1e9 bytes/s")
-    doc = measure(max_size, 4096, 4 if args.quick else 2, repeats)
+    doc = measure(max_size, MIN_SIZE, 4 if args.quick else 2, repeats)
     doc = {"device": device, "repeats": repeats, "units": {"bytes": "B", "seconds": "s",
            "bytes_per_s": "B/s"}, **doc}
     rows = []
@@ -272,8 +293,9 @@ def main(argv=None) -> int:
         f"{k} {v / 1e9:.1f}" for k, v in con["alone_bytes_per_s"].items()))
     for key, val in con.items():
         if "+" in key:
-            print(f"  {key}: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in val.items()))
-    print("\nlatency (us): " + format_table(
+            print(f"  {key}: " + ", ".join(f"{k.removesuffix('_bytes_per_s')} {v / 1e9:.1f}"
+                                           for k, v in val.items()))
+    print("\nlatency (us):\n" + format_table(
         ["bytes", "h2d pinned", "d2h pinned", "h2d pageable", "dha read"],
         [[r["bytes"]] + [f"{r[k] * 1e6:.1f}" for k in ("h2d_pinned_s", "d2h_pinned_s",
                                                        "h2d_pageable_s", "dha_read_s")]

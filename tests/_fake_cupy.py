@@ -32,16 +32,37 @@ and CuPy's sources ``cupy_backends/cuda/api/runtime.pyx``,
 - ``cuda.Event(block=False, disable_timing=False, interprocess=False)`` with
   ``record(stream=None)`` (None: the *current* stream), ``done`` (a property),
   ``synchronize()``; ``cuda.get_current_stream(device_id=-1)``;
+  ``cuda.get_elapsed_time(start_event, end_event) -> float`` milliseconds
+  (``runtime.eventElapsedTime``: cudaErrorInvalidResourceHandle (400) for an
+  event never recorded or with timing disabled, cudaErrorNotReady (600) for one
+  not reached yet); the fake's times are host clock readings when the stream
+  thread reaches the event, meaningless as GPU timings;
 - ``cuda.UnownedMemory(ptr, size, owner, device_id=-1)`` (device looked up with
   pointerGetAttributes when < 0), ``cuda.MemoryPointer(mem, offset)`` (``ptr``,
-  ``mem``, ``device_id``), ``cuda.MemoryPool().malloc(size)``,
-  ``cuda.set_allocator(allocator=None)``, ``get_allocator()``,
+  ``mem``, ``device_id``), ``cuda.MemoryPool(allocator=None)`` with
+  ``malloc(size) -> MemoryPointer`` (512-byte units, freed blocks reused),
+  ``free_all_blocks(stream=None)``, ``used_bytes()``, ``total_bytes()``,
+  ``n_free_blocks()``; ``cuda.set_allocator(allocator=None)``, ``get_allocator()``,
   ``using_allocator(allocator=None)``, ``cupy.get_default_memory_pool()``;
+- ``cuda.alloc_pinned_memory(size) -> PinnedMemoryPointer`` (the default pinned
+  pool: 512-byte units, ``hostAlloc(size, hostAllocPortable)``);
+  ``cuda.PinnedMemory(size, flags=0)`` (``ptr``, ``size``);
+  ``cuda.PinnedMemoryPointer(mem, offset)`` with ``mem``, ``ptr``, ``size()`` (a
+  method), ``__int__`` and the buffer protocol (``numpy.frombuffer``), as in
+  ``cupy/cuda/pinned_memory.pyx``;
 - ``ndarray.__dlpack__(*, stream=None, max_version: tuple = None, dl_device=None,
   copy=None)`` (``stream`` None, -1 or >= 1: 0 is refused on CUDA),
-  ``__dlpack_device__() -> (2, device)`` (kDLCUDA); ``asarray`` of a CUDA array
-  interface reads ``shape`` (a tuple: Cython-typed), ``typestr``, ``data``,
-  ``strides``, refuses a ``mask`` and ignores ``descr``.
+  ``__dlpack_device__() -> (2, device)`` (kDLCUDA); ``asarray(a, dtype=None,
+  order=None, *, copy=None, blocking=False)`` of a CUDA array interface reads
+  ``shape`` (a tuple: Cython-typed), ``typestr``, ``data``, ``strides``, refuses
+  a ``mask`` and ignores ``descr``; of a numpy array it copies to new device
+  memory from the current allocator; ``empty(shape, dtype=float, order='C')``;
+  ``ndarray.fill(value)``, ``size``, ``ndim``, ``nbytes``, ``data``, ``get()``;
+  ``cupy.uint8`` etc. are numpy's types (as in CuPy).
+
+For numba's CUDA simulator, which has no ``cuda.as_cuda_array``,
+:meth:`FakeCupy.simulator_array` plays it: a simulator array over the host
+bytes behind a fake device (or mapped) address.
 
 How faithful it is (what a test can rely on):
 
@@ -65,11 +86,13 @@ How faithful it is (what a test can rely on):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import itertools
 import queue
 import threading
+import time
 import types
 
 import numpy as np
@@ -82,6 +105,7 @@ _ERRORS = {1: ("cudaErrorInvalidValue", "invalid argument"),
            2: ("cudaErrorMemoryAllocation", "out of memory"),
            101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
            400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
+           600: ("cudaErrorNotReady", "device not ready"),
            999: ("fakeWaitTimeout", f"a fake wait took over {WAIT_S} s (a hang)")}
 
 
@@ -178,6 +202,36 @@ class FakeCupy:
         test plays a GPU kernel reading or writing device memory)."""
         real = self.resolve(ptr, nbytes)
         return np.ctypeslib.as_array((ctypes.c_uint8 * int(nbytes)).from_address(real))
+
+    def simulator_array(self, obj, sync: bool = True):
+        """``numba.cuda.as_cuda_array(obj, sync=True)`` for numba's CUDA simulator,
+        which lacks it (and ``is_cuda_array``): a simulator array over the bytes
+        that ``obj.__cuda_array_interface__`` points at, translated to the host
+        memory behind the fake's address, so a simulated kernel reads and writes
+        the fake's device memory in place. Like numba, ``sync`` first waits for
+        the interface's ``stream`` (1 and 2: the legacy / per-thread default
+        stream). Simulator arrays pass through; the view keeps ``obj`` alive.
+        A test installs it with ``monkeypatch.setattr(numba.cuda, "as_cuda_array",
+        fake.simulator_array, raising=False)``."""
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        if isinstance(obj, FakeCUDAArray):
+            return obj
+        cai = obj.__cuda_array_interface__
+        shape, dtype = tuple(int(d) for d in cai["shape"]), np.dtype(cai["typestr"])
+        c_strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize
+                          for i in range(len(shape)))
+        if cai.get("strides") is not None and tuple(cai["strides"]) != c_strides:
+            raise NotImplementedError("the fake's simulator view takes C-contiguous "
+                                      "arrays only")
+        stream = cai.get("stream")
+        if sync and stream:
+            (self.null_stream if stream in (1, 2) else self._stream_of(stream)).synchronize()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0:
+            return FakeCUDAArray(np.empty(shape, dtype))
+        raw = (ctypes.c_uint8 * nbytes).from_address(self.resolve(cai["data"][0], nbytes))
+        raw._owner = obj                               # the memory outlives every view
+        return FakeCUDAArray(np.ctypeslib.as_array(raw).view(dtype).reshape(shape))
 
     # ----------------------------------------------------------- streams
     def _current(self):
@@ -362,6 +416,11 @@ class FakeCupy:
                   streamSynchronize, deviceSynchronize):
             setattr(rt, f.__name__, f)
 
+        class _Mark(threading.Event):
+            """One recording of an event: set, with the time ``t`` it was reached
+            (time.perf_counter seconds), when the stream gets there."""
+            t = None
+
         class Event:
             """``cupy.cuda.Event``: ``record`` replaces the flag, so waiters that
             captured an earlier recording are not confused."""
@@ -375,9 +434,13 @@ class FakeCupy:
 
             def record(self, stream=None):
                 s = fake._current() if stream is None else stream
-                flag = threading.Event()
+                flag = _Mark()
                 self._flag = flag
-                s._enqueue(flag.set)
+
+                def reached():
+                    flag.t = time.perf_counter()
+                    flag.set()
+                s._enqueue(reached)
 
             @property
             def done(self):
@@ -473,6 +536,20 @@ class FakeCupy:
         def get_current_stream(device_id=-1):
             return fake._current()
 
+        def get_elapsed_time(start_event, end_event):
+            """``cupy.cuda.get_elapsed_time(start_event, end_event) -> float``
+            milliseconds (cudaEventElapsedTime: invalid resource handle when an
+            event was never recorded or has timing disabled, not ready while one
+            has not completed)."""
+            marks = []
+            for ev in (start_event, end_event):
+                if ev.disable_timing or ev._flag is None:
+                    raise CUDARuntimeError(400)
+                if not ev._flag.is_set():
+                    raise CUDARuntimeError(600)
+                marks.append(ev._flag.t)
+            return (marks[1] - marks[0]) * 1e3
+
         class BaseMemory:
             pass
 
@@ -486,14 +563,16 @@ class FakeCupy:
                 self.device_id = device_id
 
         class _PoolMemory(BaseMemory):
-            def __init__(self, size):
-                self.size = size
-                self.ptr = malloc(max(size, 1))
+            """A block of a MemoryPool (CuPy's PooledMemory): back to the pool's
+            free list when the last MemoryPointer to it goes."""
+
+            def __init__(self, pool, ptr, size):
+                self.pool, self.ptr, self.size = pool, ptr, size
                 self.device_id = fake.device
 
             def __del__(self):
-                if not fake._closed and self.ptr in fake.live:
-                    free(self.ptr)
+                if self.ptr and not fake._closed:
+                    self.pool._give_back(self.ptr, self.size)
 
         class MemoryPointer:
             """``cupy.cuda.MemoryPointer(mem, offset)``."""
@@ -505,8 +584,121 @@ class FakeCupy:
                 self.device_id = mem.device_id
 
         class MemoryPool:
+            """``cupy.cuda.MemoryPool(allocator=None)``: ``malloc(size) ->
+            MemoryPointer`` (rounded up to 512 bytes; a freed block of that size is
+            reused, else cudaMalloc; on out-of-memory the free blocks are released
+            and the cudaMalloc retried, as CuPy does), ``free_all_blocks(stream=None)``,
+            ``used_bytes()``, ``total_bytes()``, ``n_free_blocks()``."""
+
+            UNIT = 512
+
+            def __init__(self, allocator=None):
+                self._lock = threading.RLock()   # a block may come back from a GC
+                self._free = collections.defaultdict(list)    # size -> [ptr]
+                self._used = self._total = 0
+
             def malloc(self, size):
-                return MemoryPointer(_PoolMemory(int(size)), 0)
+                size = int(size)
+                if size == 0:
+                    return MemoryPointer(_PoolMemory(self, 0, 0), 0)
+                size = -(-size // self.UNIT) * self.UNIT
+                with self._lock:
+                    ptr = self._free[size].pop() if self._free[size] else None
+                if ptr is None:
+                    try:
+                        ptr = malloc(size)
+                    except CUDARuntimeError as e:
+                        if e.status != 2:
+                            raise
+                        self.free_all_blocks()
+                        ptr = malloc(size)
+                    with self._lock:
+                        self._total += size
+                with self._lock:
+                    self._used += size
+                return MemoryPointer(_PoolMemory(self, ptr, size), 0)
+
+            def _give_back(self, ptr, size):
+                with self._lock:
+                    self._free[size].append(ptr)
+                    self._used -= size
+
+            def free_all_blocks(self, stream=None):
+                with self._lock:
+                    blocks = [(p, n) for n, ps in self._free.items() for p in ps]
+                    self._free.clear()
+                    self._total -= sum(n for _, n in blocks)
+                for p, _ in blocks:
+                    free(p)
+
+            def used_bytes(self):
+                return self._used
+
+            def total_bytes(self):
+                return self._total
+
+            def n_free_blocks(self):
+                with self._lock:
+                    return sum(len(ps) for ps in self._free.values())
+
+        class PinnedMemory:
+            """``cupy.cuda.PinnedMemory(size, flags=0)``: ``ptr``, ``size``;
+            cudaFreeHost when it goes."""
+
+            def __init__(self, size, flags=0):
+                self.size, self.ptr = int(size), 0
+                if self.size > 0:
+                    self.ptr = hostAlloc(self.size, flags)
+
+            def __del__(self):
+                if self.ptr and not fake._closed and self.ptr in fake.live:
+                    freeHost(self.ptr)
+
+            def __int__(self):
+                return self.ptr
+
+        class PinnedMemoryPointer:
+            """``cupy.cuda.PinnedMemoryPointer(mem, offset)``: ``mem``, ``ptr``,
+            ``size()`` (a method: ``mem.size - offset``), ``int()`` and the buffer
+            protocol over ``size()`` bytes (what ``numpy.frombuffer`` reads). A
+            Python 3.11 class cannot export a buffer, so an instance is of a
+            ctypes-array subclass of its byte count."""
+
+            _types = {}
+
+            def __new__(cls, mem, offset):
+                offset = int(offset)
+                n = mem.size - offset
+                sub = cls._types.get(n)
+                if sub is None:
+                    sub = cls._types[n] = type("PinnedMemoryPointer",
+                                               (cls, ctypes.c_uint8 * n), {})
+                if n > 0:
+                    self = sub.from_address(fake.resolve(mem.ptr + offset, n))
+                else:
+                    self = sub()
+                self.mem, self.ptr = mem, mem.ptr + offset
+                return self
+
+            def __init__(self, mem, offset):
+                pass
+
+            def size(self):
+                return self.mem.size - (self.ptr - self.mem.ptr)
+
+            def __int__(self):
+                return self.ptr
+
+        def alloc_pinned_memory(size):
+            """``cupy.cuda.alloc_pinned_memory(size) -> PinnedMemoryPointer``
+            through CuPy's default allocator, the pinned memory pool (sizes rounded
+            up to 512 bytes, cudaHostAlloc with hostAllocPortable); the fake does not
+            reuse blocks: each goes back with its last reference."""
+            size = int(size)
+            if size == 0:
+                return PinnedMemoryPointer(PinnedMemory(0), 0)
+            size = -(-size // 512) * 512
+            return PinnedMemoryPointer(PinnedMemory(size, rt.hostAllocPortable), 0)
 
         default_pool = MemoryPool()
         allocator_state = {"global": default_pool.malloc}
@@ -543,9 +735,34 @@ class FakeCupy:
                 self.data = MemoryPointer(UnownedMemory(
                     cai["data"][0], self.nbytes, owner, -1), 0)
 
+            @classmethod
+            def _allocate(cls, shape, dtype):
+                """A C-contiguous array in memory from the current allocator (what
+                ``cupy.empty`` does)."""
+                shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
+                dtype = np.dtype(dtype)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                memptr = get_allocator()(nbytes)
+                arr = cls({"shape": shape, "typestr": dtype.str, "data": (memptr.ptr, False),
+                           "strides": None, "version": 3}, memptr)
+                arr.data = memptr
+                return arr
+
             @property
             def nbytes(self):
                 return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+            @property
+            def size(self):
+                return int(np.prod(self.shape, dtype=np.int64))
+
+            @property
+            def ndim(self):
+                return len(self.shape)
+
+            def fill(self, value):
+                """``ndarray.fill(value)``: a kernel on the current stream."""
+                self[...] = value
 
             @property
             def __cuda_array_interface__(self):
@@ -584,13 +801,32 @@ class FakeCupy:
                                               dl_device=dl_device, copy=copy))
                 return self.view_host().__dlpack__()
 
-        def asarray(obj):
-            if isinstance(obj, ndarray):
-                return obj
-            cai = getattr(obj, "__cuda_array_interface__", None)
-            if cai is None:
-                raise TypeError("the fake cupy.asarray only takes CUDA array interfaces")
-            return ndarray(cai, obj)
+        def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
+            """``cupy.asarray(a, dtype=None, order=None, *, copy=None,
+            blocking=False)``: zero-copy over a CUDA array interface; a numpy
+            array (or anything numpy takes) is copied to new device memory on the
+            current stream (waited for here: the fake always blocks)."""
+            if dtype is not None or order not in (None, "C", "K", "A"):
+                raise NotImplementedError("the fake cupy.asarray takes no dtype/order")
+            if isinstance(a, ndarray):
+                return a
+            cai = getattr(a, "__cuda_array_interface__", None)
+            if cai is not None:
+                return ndarray(cai, a)
+            host = np.ascontiguousarray(a)
+            arr = ndarray._allocate(host.shape, host.dtype)
+            if host.nbytes:
+                cur = fake._current()
+                memcpyAsync(arr.data.ptr, host.ctypes.data, host.nbytes,
+                            rt.memcpyHostToDevice, cur.ptr)
+                cur.synchronize()
+            return arr
+
+        def empty(shape, dtype=float, order="C"):
+            """``cupy.empty(shape, dtype=float, order='C')`` (C order only)."""
+            if order != "C":
+                raise NotImplementedError("the fake cupy.empty is C-order only")
+            return ndarray._allocate(shape, dtype)
 
         cuda = types.ModuleType("cupy.cuda")
         memory = types.ModuleType("cupy.cuda.memory")
@@ -601,11 +837,16 @@ class FakeCupy:
         cuda.runtime, cuda.memory = rt, memory
         cuda.Stream, cuda.Event = Stream, Event
         cuda.get_current_stream = get_current_stream
+        cuda.get_elapsed_time = get_elapsed_time
+        cuda.PinnedMemory, cuda.PinnedMemoryPointer = PinnedMemory, PinnedMemoryPointer
+        cuda.alloc_pinned_memory = alloc_pinned_memory
         cuda.set_allocator, cuda.get_allocator = set_allocator, get_allocator
         cuda.using_allocator = using_allocator
         cupy = types.ModuleType("cupy")
         cupy.__version__ = "14.2.0+fake"
-        cupy.cuda, cupy.ndarray, cupy.asarray = cuda, ndarray, asarray
+        cupy.cuda, cupy.ndarray, cupy.asarray, cupy.empty = cuda, ndarray, asarray, empty
+        for name in ("uint8", "int32", "int64", "uint64", "float32", "float64"):
+            setattr(cupy, name, getattr(np, name))      # CuPy re-exports numpy's types
         cupy.get_default_memory_pool = lambda: default_pool
         self.null_stream = Stream(null=True)
         Stream.null = self.null_stream

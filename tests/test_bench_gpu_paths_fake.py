@@ -1,0 +1,326 @@
+"""The GPU code paths of the benchmark scripts, end to end on CPU.
+
+``bench/pcie.py``, ``bench/dha_layers.py``, ``bench/allocator.py`` (its GPU
+section) and ``rtmem bench pcie|dha`` run only on a GPU machine, where a
+Python-level slip (a wrong attribute, argument order or dict key) costs scarce
+GPU time. Here they run in-process against the fake CuPy of tests/_fake_cupy.py
+and numba's CUDA simulator, which the suite runs under (tests/conftest.py):
+
+- the fake CuPy is installed in ``sys.modules`` with fresh rtmem backend and
+  transfer-engine caches, and ``numba.cuda.as_cuda_array`` (missing from the
+  simulator) is played by :meth:`_fake_cupy.FakeCupy.simulator_array`, all with
+  ``monkeypatch``; the bench modules are imported fresh and dropped afterwards;
+- ``find_gpu`` refuses the simulator (its timings mean nothing; the fake's are
+  meaningless too, which does not matter here), so the scripts' own
+  ``find_gpu`` runs with ``NUMBA_ENABLE_CUDASIM`` hidden from it alone;
+- the DHA kernels are replaced by recorders that check each launch as the
+  simulator would take it (grid/block dimensions, simulator arrays or scalars):
+  simulated, one layer's launches take seconds (a LayerNorm over 32 tokens,
+  ~10 s) and the kernels have their own tests (test_dha_kernels.py). The
+  wrappers around them (conversions, shape and dtype checks) run for real, and
+  :func:`test_simulated_kernels_use_fake_cupy_memory` runs two real simulated
+  kernels on the fake's memory.
+
+Timings from the fake are meaningless; what is checked is that every line of
+the GPU branches runs and the JSON (and plot) have what the scripts promise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+import _fake_cupy
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+#: Top-level modules the bench scripts import each other as.
+BENCH_MODULES = ("_common", "pcie", "dha_layers", "allocator")
+
+
+class Bench:
+    """What a test gets from the ``bench`` fixture."""
+
+    def __init__(self, fake, results, monkeypatch):
+        self.fake, self.results, self._mp = fake, results, monkeypatch
+        self.launches = None
+
+    def load(self, name):
+        """Import bench/NAME.py as the scripts import each other, seeing the fake GPU."""
+        module = importlib.import_module(name)
+        self.see_the_fake(module)
+        return module
+
+    def see_the_fake(self, module):
+        """Make ``module.find_gpu`` (pcie's, imported by the others) ignore the
+        simulator, and shrink dha_layers' model to something tiny."""
+        mp = self._mp
+        if hasattr(module, "find_gpu"):
+            original = getattr(module.find_gpu, "__wrapped__", module.find_gpu)
+
+            def find_gpu():
+                with mp.context() as m:
+                    m.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+                    return original()
+            find_gpu.__wrapped__ = original
+            mp.setattr(module, "find_gpu", find_gpu)
+        if hasattr(module, "VOCAB"):                  # dha_layers
+            mp.setattr(module, "VOCAB", 96)
+            mp.setitem(module.HIDDEN, "tiny", 48)
+
+    def stub_kernels(self):
+        """Replace every kernel of rtmem.kernels.dha by a launch recorder; returns
+        the list of kernel names launched (in order)."""
+        from numba.cuda.errors import normalize_kernel_dimensions
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+        from rtmem.kernels import dha
+        launches = self.launches = []
+
+        class Recorder:
+            def __init__(self, name):
+                self.name = name
+
+            def __getitem__(self, config):
+                assert 2 <= len(config) <= 4, (self.name, config)
+                normalize_kernel_dimensions(*config[:2])   # what a launch checks first
+
+                def launch(*args):
+                    for i, a in enumerate(args):
+                        assert isinstance(a, (FakeCUDAArray, bool, int, float, np.generic)), \
+                            f"{self.name} argument {i} is a {type(a).__name__}"
+                    launches.append(self.name)
+                return launch
+        for name, obj in list(vars(dha).items()):
+            if isinstance(obj, FakeCUDAKernel) and not obj._device:
+                self._mp.setattr(dha, name, Recorder(name))
+        return launches
+
+    def json(self, name):
+        return json.loads((self.results / f"{name}.json").read_text())
+
+
+@pytest.fixture
+def bench(monkeypatch, tmp_path):
+    import rtmem.backends as backends
+    from rtmem import transfers
+    from rtmem.kernels import _launch
+    if not _launch.simulator_active():
+        pytest.skip("needs numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
+    from numba import cuda
+    # gpt2's allocator trace wants an 8 GiB arena and ~6.5 GB of CuPy pool: the
+    # fake's memory is numpy's, reserved but never touched, so it costs no RAM.
+    fake = _fake_cupy.build(device_bytes=64 << 30)
+    for name, module in fake.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(backends, "_instances", {})
+    monkeypatch.setattr(backends, "_cuda_ok", None)
+    monkeypatch.setattr(transfers, "_engines", {})
+    monkeypatch.setattr(_launch, "_SCRATCH", {})
+    monkeypatch.delenv("RTMEM_BACKEND", raising=False)
+    monkeypatch.setattr(cuda, "as_cuda_array", fake.simulator_array, raising=False)
+    monkeypatch.setattr(cuda, "is_cuda_array",
+                        lambda obj: hasattr(obj, "__cuda_array_interface__"), raising=False)
+    results = tmp_path / "results"
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(results))
+    monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)   # restored afterwards
+    saved = {n: sys.modules.pop(n) for n in BENCH_MODULES if n in sys.modules}
+    try:
+        yield Bench(fake, results, monkeypatch)
+        fake.synchronize_all()
+        assert not fake.async_errors, fake.async_errors
+    finally:
+        for n in BENCH_MODULES:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
+        fake.shutdown()
+
+
+def _rate_ok(x):
+    return isinstance(x, float) and x > 0 and math.isfinite(x)
+
+
+# ------------------------------------------------------------------- the fake
+def test_fake_events_time_and_pinned_memory_is_a_buffer(bench):
+    cp = sys.modules["cupy"]
+    rt = cp.cuda.runtime
+    s = cp.cuda.Stream(non_blocking=True)
+    a, b, untimed = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event(disable_timing=True)
+    with pytest.raises(rt.CUDARuntimeError, match="InvalidResourceHandle"):
+        cp.cuda.get_elapsed_time(a, b)                 # never recorded
+    a.record(s)
+    b.record(s)
+    untimed.record(s)
+    b.synchronize()
+    untimed.synchronize()
+    assert cp.cuda.get_elapsed_time(a, b) >= 0.0
+    with pytest.raises(rt.CUDARuntimeError, match="InvalidResourceHandle"):
+        cp.cuda.get_elapsed_time(a, untimed)
+    pin = cp.cuda.alloc_pinned_memory(1000)
+    assert pin.size() == 1024 and int(pin) == pin.ptr == pin.mem.ptr
+    assert bench.fake.calls_named("hostAlloc")[-1] == (1024, rt.hostAllocPortable)
+    view = np.frombuffer(pin, dtype=np.uint8, count=1000)
+    view[:] = 9
+    assert (bench.fake.host_view(pin.ptr, 1000) == 9).all()
+    del view, pin
+    assert bench.fake.calls_named("freeHost")          # freed with its last reference
+    pool = cp.cuda.MemoryPool()
+    p = pool.malloc(1000)
+    ptr = p.ptr
+    assert pool.used_bytes() == pool.total_bytes() == 1024
+    del p
+    assert pool.used_bytes() == 0 and pool.n_free_blocks() == 1
+    assert pool.malloc(700).ptr == ptr                 # the freed block is reused
+    pool.free_all_blocks()
+    assert pool.total_bytes() == 0 and ptr not in bench.fake.live
+
+
+def test_simulated_kernels_use_fake_cupy_memory(bench):
+    # Real (simulated) kernels on the fake's device memory, through the stand-in
+    # for numba.cuda.as_cuda_array, and on numba's mapped memory.
+    from numba import cuda
+
+    from rtmem.kernels import dha
+    cp = sys.modules["cupy"]
+    host = np.arange(256, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    dev = cp.asarray(host)
+    assert dev.data.ptr >= _fake_cupy.DEVICE_BASE
+    view = cuda.as_cuda_array(dev)
+    assert dha.xor_checksum(dha.dha_read(view, blocks=1)) == \
+        int(np.bitwise_xor.reduce(host))
+    dha.dha_write(view[:128], 7, blocks=1)
+    got = dev.get()
+    assert (got[:128] == 7).all() and (got[128:] == host[128:]).all()
+    mapped = cuda.mapped_array(256, dtype=np.uint64)
+    mapped[:] = host
+    assert dha.xor_checksum(dha.dha_read(cuda.as_cuda_array(mapped), blocks=1)) == \
+        int(np.bitwise_xor.reduce(host))
+
+
+# ---------------------------------------------------------------- the scripts
+def test_pcie_gpu_path(bench, capsys):
+    pcie = bench.load("pcie")
+    assert pcie.find_gpu() == ("Fake H200", "")
+    launches = bench.stub_kernels()
+    plot = bench.results / "sweep.png"
+    assert pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1",
+                      "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    doc = bench.json("pcie")
+    assert doc["benchmark"] == "pcie" and doc["device"] == "Fake H200"
+    assert doc["sizes_bytes"] == [4096, 16384] and doc["repeats"] == 1
+    assert set(doc["curves"]) == set(pcie.PATHS)
+    for points in doc["curves"].values():
+        assert [p["bytes"] for p in points] == [4096, 16384]
+        assert all(_rate_ok(p["bytes_per_s"]) and p["seconds"] > 0 for p in points)
+    con = doc["contention"]
+    assert con["bytes"] == 16384
+    assert set(con["alone_bytes_per_s"]) == {"dha_read", "h2d_pinned", "d2h_pinned"}
+    for other in ("h2d_pinned", "d2h_pinned"):
+        entry = con[f"dha_read+{other}"]
+        assert set(entry) == {"dha_read_bytes_per_s", f"{other}_bytes_per_s",
+                              "aggregate_bytes_per_s"}
+        assert all(_rate_ok(v) for v in entry.values())
+    assert [r["bytes"] for r in doc["latency"]] == list(pcie.LATENCY_SIZES)
+    assert all(set(r) == {"bytes", "h2d_pinned_s", "d2h_pinned_s", "h2d_pageable_s",
+                          "dha_read_s"} for r in doc["latency"])
+    assert plot.stat().st_size > 0 and f"wrote {bench.results / 'pcie.json'}" in out
+    assert "dha/h2d" in out and "latency (us):" in out
+    assert set(launches) == {"_read_kernel", "_write_kernel"}
+    rt = bench.fake.modules["cupy.cuda.runtime"]
+    copies = bench.fake.calls_named("memcpyAsync")
+    assert {c[3] for c in copies} == {rt.memcpyHostToDevice, rt.memcpyDeviceToHost}
+    assert 0 not in {c[4] for c in copies}             # on the benchmark's own streams
+
+
+def test_pcie_refuses_sizes_the_latency_probes_would_overrun(bench):
+    pcie = bench.load("pcie")
+    with pytest.raises(SystemExit):
+        pcie.main(["--max-size", "1KiB"])
+    with pytest.raises(SystemExit):
+        pcie.main(["--repeats", "-1"])
+
+
+def test_dha_layers_gpu_path(bench, capsys):
+    dl = bench.load("dha_layers")
+    launches = bench.stub_kernels()
+    assert dl.main(["--quick", "--model", "tiny", "--tokens", "40", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    doc = bench.json("dha_layers")
+    h, v = 48, 96
+    assert (doc["format"], doc["device"], doc["model"], doc["hidden"], doc["tokens"],
+            doc["dtype"], doc["repeats"]) == ("rtmem.dha_layers/1", "Fake H200", "tiny",
+                                              h, 40, "float32", 1)
+    assert set(doc["modes"]) == set(dl.BACKWARD_MODES)
+    params = {"wte": v * h, "ln": 2 * h, "attn.c_attn": 3 * h * h + 3 * h,
+              "attn.c_proj": h * h + h, "mlp.c_fc": 4 * h * h + 4 * h,
+              "mlp.c_proj": 4 * h * h + h}
+    assert [layer["name"] for layer in doc["layers"]] == list(params)
+    for layer in doc["layers"]:
+        assert layer["param_bytes"] == layer["grad_bytes"] == 4 * params[layer["name"]]
+        assert set(layer["forward_s"]) == set(dl.FORWARD_MODES)
+        assert set(layer["backward_s"]) == set(dl.BACKWARD_MODES)
+        times = [layer["transfer_s"], layer["grad_transfer_s"],
+                 *layer["forward_s"].values(), *layer["backward_s"].values()]
+        assert all(_rate_ok(t) for t in times)
+        assert layer["dha_matches_gpu"] is True
+        assert layer["tokens"] == 40 and layer["activation_in_bytes"] > 0
+    assert "mlp.c_proj" in out and "bitwise" in out and "wrote" in out
+    assert {"_embedding_fwd_kernel", "_embedding_grad_kernel", "_layernorm_fwd_kernel",
+            "_layernorm_dx_kernel", "_gemm_kernel", "_column_finish_kernel"} <= set(launches)
+    # the copy mode's cudaMemcpyAsync calls go between pinned host and device memory
+    rt = bench.fake.modules["cupy.cuda.runtime"]
+    kinds = {c[3] for c in bench.fake.calls_named("memcpyAsync")}
+    assert kinds == {rt.memcpyHostToDevice, rt.memcpyDeviceToHost}
+
+
+def test_allocator_gpu_section(bench, capsys):
+    al = bench.load("allocator")
+    assert al.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    doc = bench.json("allocator")
+    assert "skipped" not in doc["gpu"]
+    names = ("rtmem_core", "rtmem_device_arena", "cupy_memorypool")
+    for trace in ("random", "gpt2"):
+        d = doc["gpu"][trace]
+        assert all(_rate_ok(d[f"{n}_pairs_per_s"]) for n in names)
+        assert _rate_ok(d["rtmem_core_over_cupy"]) and _rate_ok(d["rtmem_device_arena_over_cupy"])
+        assert d["warmup_ooms"] == dict.fromkeys(names, 0)
+        assert "torch_caching_pairs_per_s" not in d            # a CPU build of torch
+        assert "is_available() is False" in d["torch_caching_skipped"]
+        assert f"GPU {trace}: rtmem_device_arena / CuPy pool" in out
+    # the pinned check went to the cuda backend (and the fake's 1 GiB of host memory)
+    assert "cudaHostAlloc" in doc["pinned"]["error"]
+    assert not [a for a in bench.fake.live.values() if a.kind == "device"], \
+        "the GPU section leaves device memory behind"
+
+
+def test_cli_bench_pcie_and_dha(bench, monkeypatch, capsys):
+    from rtmem import cli, cli_bench
+    bench.load("pcie")                                  # dha_layers imports it
+    launches = bench.stub_kernels()
+    load = cli_bench._load
+
+    def load_seeing_the_fake(script):
+        module = load(script)
+        bench.see_the_fake(module)
+        return module
+    monkeypatch.setattr(cli_bench, "_load", load_seeing_the_fake)
+    assert cli.main(["bench", "pcie", "--quick", "--max-size", "4KiB", "--repeats", "1"]) == 0
+    assert bench.json("pcie")["sizes_bytes"] == [4096]
+    assert (bench.results / "pcie.png").stat().st_size > 0     # default: next to the JSON
+    assert cli.main(["bench", "dha", "--quick", "--model", "tiny", "--tokens", "8",
+                     "--repeats", "1"]) == 0
+    doc = bench.json("dha_layers")
+    assert (doc["model"], doc["tokens"], doc["repeats"], len(doc["layers"])) == \
+        ("tiny", 8, 1, 6)
+    assert launches and "no CUDA GPU" not in capsys.readouterr().out
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"     # hidden from find_gpu only
