@@ -1,0 +1,100 @@
+"""bench/train_gpu.py's orchestration, run on the CPU.
+
+The GPU section of ``bench/train.py`` only runs on a GPU machine, where a slip in
+its bookkeeping (the depth search, the budget, the throughput rows and ratios, the
+ZeRO-Offload-shaped baseline) would cost scarce device time. Here it runs on the
+CPU (``train_gpu.GPU_DEVICE = "cpu"``) with the handful of ``torch.cuda``
+bookkeeping calls it makes stubbed (memory queries, synchronize, pinning), and
+with "out of memory" injected above a fixed depth, so both searches double, fail
+and bisect. What the executor and OffloadedAdam do on real CUDA streams is
+tested by tests/test_torch_gpu.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
+FITS = 5          # the deepest model that "fits"; deeper ones raise OOM
+
+
+@pytest.fixture
+def train_gpu(monkeypatch):
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)
+    import train_gpu as mod
+    monkeypatch.setattr(mod, "GPU_DEVICE", "cpu")
+    gib = 1 << 30
+    cuda = torch.cuda
+    for name, fn in {
+            "is_available": lambda: True,
+            "get_device_properties": lambda dev=None: argparse.Namespace(total_memory=20 * gib),
+            "get_device_name": lambda dev=None: "stub (CPU)",
+            "mem_get_info": lambda dev=None: (10 * gib, 20 * gib),
+            "memory_reserved": lambda dev=None: 0,
+            "memory_allocated": lambda dev=None: 0,
+            "max_memory_allocated": lambda dev=None: 12345,
+            "reset_peak_memory_stats": lambda dev=None: None,
+            "empty_cache": lambda: None,
+            "synchronize": lambda dev=None: None}.items():
+        monkeypatch.setattr(cuda, name, fn)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    real = mod.gpt2_model
+
+    def gpt2_model(layers, *args, **kwargs):
+        if layers > FITS:
+            raise torch.cuda.OutOfMemoryError(f"stub: {layers} layers do not fit")
+        return real(layers, *args, **kwargs)
+    monkeypatch.setattr(mod, "gpt2_model", gpt2_model)
+    yield mod
+    sys.modules.pop("train_gpu", None)
+
+
+def test_gpu_section_searches_depths_and_compares_throughput(train_gpu, capsys):
+    args = argparse.Namespace(
+        gpu_hidden=32, gpu_heads=4, gpu_seq=16, gpu_vocab=64, gpu_batch=2,
+        gpu_start_layers=2, gpu_max_layers=16, gpu_slots=50, gpu_reserve=0.06,
+        gpu_repeats=1, gpu_time_s=300.0, gpu_matmul_precision="highest", seed=0)
+    out = train_gpu.gpu_section(args)
+    assert out["measured"] and not out["time_limited"]
+    for name in ("plain_torch", "rtmem"):
+        search = out[name]
+        assert search["largest_layers"] == FITS and search["first_failing_layers"] == FITS + 1
+        assert [layers for layers, _ in search["tried"]] == [2, 4, 8, 6, 5]
+        assert search["at_largest"]["layers"] == FITS
+    assert out["rtmem"]["at_largest"]["budget_bytes"] > 0
+    row = out["throughput"][str(FITS)]
+    for name in ("rtmem", "plain torch", "zero-offload-shaped"):
+        assert row[name]["tokens_per_s"] > 0 and row[name]["layers"] == FITS
+    assert row["rtmem_over_zero_tokens_per_s"] > 0
+    assert row["rtmem_over_plain_tokens_per_s"] > 0
+    assert out["params_per_block"] == 12 * 32 ** 2 + 13 * 32
+    assert "8 layers -> OOM" in capsys.readouterr().out
+
+
+def test_zero_offload_shaped_baseline_is_adam(train_gpu):
+    # the baseline is a correct optimizer: the same steps as torch.optim.Adam
+    import copy
+    torch.manual_seed(0)
+    model, loss_fn, make = train_gpu.gpt2_model(2, 32, 4, 16, 64, dropout=0.0)
+    ref = copy.deepcopy(model)
+    z = train_gpu.ZeroOffloadShaped(model, loss_fn, lr=1e-3)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = make(2, gen)
+        loss = z.step(x, y)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    # the device copy is refreshed at the start of each step: compare the masters
+    for m, q in zip(z.master, ref.parameters()):
+        torch.testing.assert_close(m.detach(), q.detach(), rtol=1e-5, atol=1e-6)
