@@ -129,6 +129,13 @@ def as_device(obj, name: str):
             "allocate it with cuda.mapped_array / HostArena(mapped=True) for direct "
             "host access, copy it with cuda.to_device, or use the CPU twin in "
             "rtmem.kernels.dha_cpu", argument=name)
+    if simulator_active() and hasattr(obj, "__cuda_array_interface__"):
+        # The simulator has no device memory: a real GPU pointer means nothing here.
+        raise KernelArgumentError(
+            f"{name} is a real CUDA array ({type(obj).__name__}) but numba's CUDA "
+            f"simulator is active (NUMBA_ENABLE_CUDASIM=1); pass simulator arrays "
+            f"(cuda.to_device, cuda.mapped_array) or unset NUMBA_ENABLE_CUDASIM",
+            argument=name)
     raise KernelArgumentError(
         f"{name} must expose __cuda_array_interface__ (a numba device or mapped "
         f"array, a CuPy array, an rtmem Buffer); got {type(obj).__name__}",

@@ -113,6 +113,21 @@ def test_probe_argument_errors(be):
         be.k.dha_read(be.param(np.ones(3, np.float32)), width=8)
 
 
+def test_device_views_name_what_is_wrong():
+    from rtmem.kernels._launch import as_device, simulator_active
+
+    class ForeignDeviceArray:     # e.g. a CuPy array while the simulator is on
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4",
+                                    "data": (0x7000_0000, False), "version": 3}
+    with pytest.raises(KernelArgumentError, match="host memory the GPU cannot"):
+        as_device(np.ones(4, np.float32), "x")
+    with pytest.raises(KernelArgumentError, match="must expose __cuda_array_interface__"):
+        as_device([1.0, 2.0], "x")
+    if simulator_active():
+        with pytest.raises(KernelArgumentError, match="simulator is active"):
+            as_device(ForeignDeviceArray(), "x")
+
+
 # -------------------------------------------------------------- embedding
 
 def test_embedding_forward_gathers_rows(be):
