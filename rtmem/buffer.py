@@ -74,6 +74,27 @@ class Placement:
         return self.block.offset
 
 
+
+class PinnedExport:
+    """Exports a buffer's memory through an array interface (``name`` is
+    ``"__array_interface__"`` or ``"__cuda_array_interface__"``) and holds a pin
+    on the buffer until the consumer drops its last reference to this object,
+    which numpy and torch keep as the base of every view they make of it
+    (NOTE [ Pinned views ]). ``keep`` holds whatever owns the exported memory's
+    Python view (e.g. the numpy array the interface came from)."""
+
+    def __init__(self, buf: "Buffer", name: str, interface: dict, keep=None):
+        buf._pin()
+        self._buf = buf
+        self._keep = keep
+        setattr(self, name, interface)
+
+    def __del__(self):
+        buf = getattr(self, "_buf", None)
+        if buf is not None:
+            self._buf = None
+            buf._unpin()
+
 class Buffer:
     """A typed, shaped view of ``nbytes`` bytes living in one or two arenas.
 
@@ -222,10 +243,20 @@ class Buffer:
             from .transfers import synchronize, wait
             (synchronize if host else wait)(self)
 
-    def numpy(self, where: str | None = None) -> np.ndarray:
+    def numpy(self, where: str | None = None, *, pin: bool = False) -> np.ndarray:
         """A zero-copy numpy view (``dtype``, ``shape``) of the placement ``where``
         (default: primary). Host placements always qualify; device placements only
-        on the host backend. Waits for an in-flight transfer first."""
+        on the host backend. Waits for an in-flight transfer first.
+
+        ``pin=True``: the view pins the buffer (NOTE [ Pinned views ]) for as long
+        as it or any array derived from it lives, so a ``free()`` meanwhile only
+        takes effect once the last of them is gone. For views kept beyond the
+        caller's control of the buffer (optimizer state, parameters).
+        """
+        if pin:
+            arr = self.numpy(where)
+            return np.asarray(PinnedExport(self, "__array_interface__",
+                                           arr.__array_interface__, keep=arr))
         p = self._view_placement(where)
         slab = p.slab
         if slab.host_array is None:

@@ -48,6 +48,37 @@ def _check_hyper(lr, betas, eps, weight_decay):
                       weight_decay=weight_decay)
 
 
+def _host_view(x, name):
+    """``x`` itself, or for an rtmem :class:`~rtmem.Buffer` a zero-copy numpy view
+    of its host-addressable bytes that pins the buffer while the view lives
+    (NOTE [ Pinned views ] in rtmem/buffer.py)."""
+    from .buffer import Buffer
+    if not isinstance(x, Buffer):
+        return x
+    from .errors import ResidencyError
+    try:
+        return x.numpy("host" if x.placement("host") is not None else None, pin=True)
+    except ResidencyError as exc:
+        raise OptimizerError(
+            f"{name} is an rtmem Buffer the CPU cannot address ({exc}); the CPU "
+            f"optimizer needs host memory: allocate it in a HostArena, or offload "
+            f"it first.", argument=name) from exc
+
+
+def _zeros_state(shape, arena):
+    """A zeroed float32 state array of ``shape``: numpy memory, or a buffer of the
+    host ``arena`` whose release waits for the returned (pinning) view to die."""
+    if arena is None:
+        return np.zeros(shape, dtype=np.float32)
+    buf = arena.alloc(shape=tuple(shape), dtype=np.float32, kind="optimizer-state")
+    try:
+        view = _host_view(buf, "state")
+    finally:
+        buf.free()          # deferred by the view's pin: freed with the optimizer
+    view[...] = 0.0
+    return view
+
+
 def _check_num_threads(num_threads):
     with threads(num_threads):  # validates (and restores the count at once)
         pass
@@ -98,7 +129,11 @@ class NumpyAdam:
     Parameters
     ----------
     params:
-        Iterable of C-contiguous, writeable float32 numpy arrays, updated in place.
+        Iterable of C-contiguous, writeable float32 numpy arrays, or rtmem
+        Buffers in host memory (a :class:`~rtmem.HostArena`; any arena on the
+        host backend), updated in place. The optimizer keeps zero-copy views that
+        pin the buffers: a buffer freed meanwhile is released when the optimizer
+        is dropped.
     lr:
         Learning rate, >= 0.
     betas:
@@ -115,6 +150,11 @@ class NumpyAdam:
         Kernel threads per step (1..numba.config.NUMBA_NUM_THREADS), or None for
         ``numba.get_num_threads()``.
 
+    state_arena:
+        A :class:`~rtmem.HostArena` for the moments (``kind="optimizer-state"``
+        buffers, released when the optimizer is dropped), or None for numpy
+        memory.
+
     State lives in ``self.state[i]`` (float32 arrays, 8 bytes per parameter, 12
     with AMSGrad) next to ``self.params[i]``.
     """
@@ -122,9 +162,10 @@ class NumpyAdam:
     decoupled_weight_decay = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, bias_correction=True, num_threads=None):
+                 amsgrad=False, *, maximize=False, bias_correction=True, num_threads=None,
+                 state_arena=None):
         _check_hyper(lr, betas, eps, weight_decay)
-        self.params = list(params)
+        self.params = [_host_view(p, f"params[{i}]") for i, p in enumerate(params)]
         if not self.params:
             raise OptimizerError("params is empty; pass at least one float32 array.",
                                  argument="params")
@@ -138,9 +179,10 @@ class NumpyAdam:
             zeros = np.zeros(getattr(p, "shape", ()), dtype=np.float32)
             # Validates the parameter (dtype, contiguity, writeability) up front.
             prepare_update(p, zeros, zeros.copy(), zeros.copy())
-            st = {"step": 0, "exp_avg": zeros, "exp_avg_sq": np.zeros_like(zeros)}
-            if amsgrad:
-                st["max_exp_avg_sq"] = np.zeros_like(zeros)
+        for p in self.params:
+            keys = _STATE_KEYS if amsgrad else _STATE_KEYS[:2]
+            st = {"step": 0}
+            st.update((key, _zeros_state(p.shape, state_arena)) for key in keys)
             self.state.append(st)
         self.last_step_skipped = False
         self.skipped_steps = 0
@@ -169,9 +211,10 @@ class NumpyAdam:
         _check_hyper(self.hyper["lr"], self.hyper["betas"], self.hyper["eps"],
                      self.hyper["weight_decay"])
         items = []
-        for p, g, out, st in zip(self.params, grads, copies, self.state):
+        for i, (p, g, out, st) in enumerate(zip(self.params, grads, copies, self.state)):
             if g is None:
                 continue
+            g, out = _host_view(g, f"grads[{i}]"), _host_view(out, f"copies[{i}]")
             update = prepare_update(p, g, st["exp_avg"], st["exp_avg_sq"],
                                     max_exp_avg_sq=st.get("max_exp_avg_sq"),
                                     grad_format=grad_format, out=out,
@@ -277,6 +320,28 @@ def _build_torch_optimizers():
         raise OptimizerError(f"{name} has dtype {t.dtype}; expected float32, float16 or "
                              f"bfloat16.", argument=name)
 
+    def tensors_of(params):
+        """``params`` with rtmem Buffers replaced by zero-copy CPU tensors over their
+        host memory (which pin the buffers while the optimizer holds them)."""
+        from .buffer import Buffer
+        if isinstance(params, torch.Tensor):
+            return params          # torch.optim raises its own clear error for this
+
+        def one(p):
+            if not isinstance(p, Buffer):
+                return p
+            return torch.from_numpy(_host_view(p, "params"))
+        out = []
+        for item in params:
+            if isinstance(item, dict):
+                item = {**item, "params": [one(p) for p in (
+                    [item["params"]] if isinstance(item["params"], (torch.Tensor, Buffer))
+                    else item["params"])]}
+                out.append(item)
+            else:
+                out.append(one(item))
+        return out
+
     def per_param(values, params, name):
         """Map a dict {param: value} or a sequence aligned with params to a dict."""
         if values is None:
@@ -295,8 +360,10 @@ def _build_torch_optimizers():
 
         A drop-in ``torch.optim.Optimizer`` (param groups, lr schedulers,
         ``state_dict``/``load_state_dict``, ``zero_grad``). Parameters must be
-        contiguous float32 CPU tensors; they are updated in place through
-        zero-copy numpy views. State per parameter: ``step`` (float32 scalar
+        contiguous float32 CPU tensors, or float32 rtmem Buffers in host memory
+        (held as zero-copy CPU tensors that pin them; pass their gradients with
+        ``step(grads=...)``); they are updated in place through zero-copy numpy
+        views. State per parameter: ``step`` (float32 scalar
         tensor) and float32 ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``
         with ``amsgrad``), 8-12 bytes per parameter, laid out like
         ``torch.optim.Adam`` so state dicts move between the two.
@@ -318,7 +385,7 @@ def _build_torch_optimizers():
             defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                             amsgrad=bool(amsgrad), maximize=bool(maximize),
                             bias_correction=bool(bias_correction))
-            super().__init__(params, defaults)
+            super().__init__(tensors_of(params), defaults)
 
         def add_param_group(self, param_group):
             """Add a group (see ``torch.optim.Optimizer.add_param_group``); its

@@ -75,6 +75,63 @@ def test_numpy_adam_is_the_fused_kernel_step_by_step():
         assert opt.state[i]["step"] == 7
 
 
+def test_numpy_adam_on_arena_buffers_with_state_in_the_arena(monkeypatch):
+    import gc
+
+    import rtmem
+    from rtmem.errors import UseAfterFreeError
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    arena = rtmem.HostArena(1 << 22)
+    rng = np.random.default_rng(5)
+    shapes = [(40, 3), (7,)]
+    bufs = [arena.alloc(shape=s, dtype=np.float32, kind="weight") for s in shapes]
+    grads = [arena.alloc(shape=s, dtype=np.float32, kind="gradient") for s in shapes]
+    for b in bufs:
+        b.numpy()[...] = rng.standard_normal(b.shape)
+    mirror = [b.numpy().copy() for b in bufs]
+    opt = optim.NumpyAdam(bufs, lr=1e-2, amsgrad=True, state_arena=arena)
+    ref = optim.NumpyAdam(mirror, lr=1e-2, amsgrad=True)
+    state_bytes = arena.stats().requested_by_kind["optimizer-state"]
+    assert state_bytes == 3 * 4 * sum(int(np.prod(s)) for s in shapes)
+    for _ in range(4):
+        for g in grads:
+            g.numpy()[...] = rng.standard_normal(g.shape)
+        assert opt.step(grads) and ref.step([g.numpy().copy() for g in grads])
+    for b, m in zip(bufs, mirror):          # the arena's bytes were updated in place
+        assert b.numpy().tobytes() == m.tobytes()
+    assert opt.state[0]["max_exp_avg_sq"].tobytes() == ref.state[0]["max_exp_avg_sq"].tobytes()
+    # freeing a parameter the optimizer still views waits for the optimizer
+    bufs[0].free()
+    assert arena.stats().count_by_kind["weight"] == 2
+    with pytest.raises(UseAfterFreeError):
+        optim.NumpyAdam([bufs[0]])
+    del opt
+    gc.collect()
+    counts = arena.stats().count_by_kind
+    assert counts["weight"] == 1 and counts["optimizer-state"] == 0
+    arena._check_invariants()
+
+
+def test_cpu_adam_on_arena_buffers(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import rtmem
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    arena = rtmem.HostArena(1 << 20)
+    buf = arena.alloc(shape=(64,), dtype=np.float32, kind="weight")
+    buf.numpy()[...] = np.random.default_rng(6).standard_normal(64)
+    twin = torch.tensor(buf.numpy().copy(), requires_grad=True)
+    opt = optim.CPUAdamW([buf], lr=1e-2)
+    ref = optim.CPUAdamW([twin], lr=1e-2)
+    for k in range(3):
+        g = torch.randn(64, generator=torch.Generator().manual_seed(k))
+        opt.step(grads=[g])
+        ref.step(grads=[g])
+    assert buf.numpy().tobytes() == twin.detach().numpy().tobytes()
+    half = arena.alloc(shape=(4,), dtype=np.float16)
+    with pytest.raises(OptimizerError, match="float32"):
+        optim.CPUAdam([half])
+
+
 def test_numpy_adam_skips_overflowing_step_and_round_trips_state():
     rng = np.random.default_rng(1)
     p = rng.standard_normal(1000).astype(np.float32)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rtmem.buffer import Buffer
+from rtmem.buffer import Buffer, PinnedExport
 from rtmem.errors import ResidencyError
 
 __all__ = ["as_tensor", "from_tensor", "place_parameters", "ModulePlacement"]
@@ -29,23 +29,6 @@ __all__ = ["as_tensor", "from_tensor", "place_parameters", "ModulePlacement"]
 # torch dtypes without a numpy twin are stored as same-width integer bits
 _BITS = {torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8,
          torch.float8_e5m2: np.uint8}
-
-
-class _Export:
-    """Exports a buffer's memory to torch and holds a pin on the buffer until torch
-    drops the last reference to it (when the last tensor over it dies)."""
-
-    def __init__(self, buf: Buffer, name: str, interface: dict, keep=None):
-        buf._pin()
-        self._buf = buf
-        self._keep = keep              # e.g. the numpy view whose memory is exported
-        setattr(self, name, interface)
-
-    def __del__(self):
-        buf = getattr(self, "_buf", None)
-        if buf is not None:
-            self._buf = None
-            buf._unpin()
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -85,16 +68,14 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
                 "device_alias=True needs a mapped host buffer on the cuda backend "
                 "(HostArena(nbytes, mapped=True) with RTMEM_BACKEND=cuda)",
                 state=buf.residency, action="device alias")
-        export = _Export(buf, "__cuda_array_interface__", buf._cuda_interface("host"))
+        export = PinnedExport(buf, "__cuda_array_interface__", buf._cuda_interface("host"))
         t = torch.as_tensor(export, device=f"cuda:{p.arena.backend.device_id}")
     else:
         p = buf._view_placement(where)
         if p.slab.host_array is not None:
-            arr = buf.numpy(where)
-            export = _Export(buf, "__array_interface__", arr.__array_interface__, keep=arr)
-            t = torch.from_numpy(np.asarray(export))
+            t = torch.from_numpy(buf.numpy(where, pin=True))
         else:
-            export = _Export(buf, "__cuda_array_interface__", buf._cuda_interface(where))
+            export = PinnedExport(buf, "__cuda_array_interface__", buf._cuda_interface(where))
             t = torch.as_tensor(export, device=f"cuda:{p.arena.backend.device_id}")
     if dtype is not None and dtype != t.dtype:
         if torch.empty(0, dtype=dtype).element_size() != t.element_size():
