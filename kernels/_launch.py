@@ -325,6 +325,29 @@ def check_layernorm_forward(x, gamma, beta, out, mean, rstd) -> tuple[int, int]:
     return T, H
 
 
+def check_embedding(table, ids, rows, table_name: str, rows_name: str):
+    """Shapes of an embedding op: ``table`` [V, H] (the weight or its gradient),
+    ``ids`` [T] int32/int64, ``rows`` [T, H] (the output or its gradient).
+    Returns (V, H, T)."""
+    check_array(table, table_name, ndim=2)
+    V, H = table.shape
+    check_ids(ids)
+    T = ids.shape[0]
+    check_array(rows, rows_name, ndim=2, shape=(T, H))
+    return V, H, T
+
+
+def check_linear(x, weight, y, y_name: str):
+    """Shapes of a linear op: ``x`` [T, K], ``weight`` [N, K], ``y`` [T, N] (the
+    output or its gradient). Returns (T, K, N)."""
+    check_array(x, "x", ndim=2)
+    T, K = x.shape
+    check_array(weight, "weight", ndim=2, shape=(None, K))
+    N = weight.shape[0]
+    check_array(y, y_name, ndim=2, shape=(T, N))
+    return T, K, N
+
+
 def check_layernorm_backward(grad_out, x, mean, rstd, gamma, grad_gamma, grad_beta):
     """Shapes of a LayerNorm backward: grad_out, x [T, H]; mean, rstd [T]; gamma,
     grad_gamma, grad_beta [H]. Returns (T, H)."""

@@ -52,10 +52,10 @@ from numba import cuda
 
 from rtmem.errors import KernelArgumentError
 
-from ._launch import (THREADS, as_device, check_array, check_eps, check_ids,
-                      check_layernorm_backward, check_layernorm_forward, device_words,
-                      grid_size, numba_stream, row_threads, scratch, simulator_active,
-                      stream_blocks, synchronize, word_dtype)
+from ._launch import (THREADS, as_device, check_array, check_embedding, check_eps,
+                      check_layernorm_backward, check_layernorm_forward, check_linear,
+                      device_words, grid_size, numba_stream, row_threads, scratch,
+                      simulator_active, stream_blocks, synchronize, word_dtype)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -439,10 +439,7 @@ def embedding_forward(weight, ids, out, *, stream=0, check: bool = True) -> None
     """
     weight, ids, out = (as_device(weight, "weight"), as_device(ids, "ids"),
                         as_device(out, "out"))
-    check_array(weight, "weight", ndim=2)
-    V, H = weight.shape
-    check_ids(ids)
-    check_array(out, "out", ndim=2, shape=(ids.shape[0], H))
+    V, H, _ = check_embedding(weight, ids, out, "weight", "out")
     s = numba_stream(stream)
     bad = _zeroed_counter(s)
     grid = stream_blocks(ids.shape[0], threads=1, blocks_per_sm=16)
@@ -465,11 +462,7 @@ def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False, 
     """
     grad_out, ids, grad_weight = (as_device(grad_out, "grad_out"), as_device(ids, "ids"),
                                   as_device(grad_weight, "grad_weight"))
-    check_array(grad_weight, "grad_weight", ndim=2)
-    V, H = grad_weight.shape
-    check_ids(ids)
-    T = ids.shape[0]
-    check_array(grad_out, "grad_out", ndim=2, shape=(T, H))
+    V, H, T = check_embedding(grad_weight, ids, grad_out, "grad_weight", "grad_out")
     if T >= 2**31:
         raise KernelArgumentError(f"{T} tokens exceed the int32 token lists; split the "
                                   "batch", argument="ids")
@@ -576,11 +569,7 @@ def linear_forward(x, weight, bias, out, *, stream=0) -> None:
     weight crosses PCIe ceil(T/32) times (see the module note).
     """
     x, weight, out = as_device(x, "x"), as_device(weight, "weight"), as_device(out, "out")
-    check_array(x, "x", ndim=2)
-    T, K = x.shape
-    check_array(weight, "weight", ndim=2, shape=(None, K))
-    N = weight.shape[0]
-    check_array(out, "out", ndim=2, shape=(T, N))
+    T, K, N = check_linear(x, weight, out, "out")
     if bias is not None:
         bias = as_device(bias, "bias")
         check_array(bias, "bias", ndim=1, shape=(N,))
@@ -601,11 +590,7 @@ def linear_backward(grad_out, x, weight, grad_x, grad_weight, grad_bias, *,
     """
     grad_out, x, weight, grad_weight = (as_device(a, n) for a, n in (
         (grad_out, "grad_out"), (x, "x"), (weight, "weight"), (grad_weight, "grad_weight")))
-    check_array(x, "x", ndim=2)
-    T, K = x.shape
-    check_array(weight, "weight", ndim=2, shape=(None, K))
-    N = weight.shape[0]
-    check_array(grad_out, "grad_out", ndim=2, shape=(T, N))
+    T, K, N = check_linear(x, weight, grad_out, "grad_out")
     check_array(grad_weight, "grad_weight", ndim=2, shape=(N, K))
     s = numba_stream(stream)
     if grad_x is not None:

@@ -23,8 +23,9 @@ from numba import prange
 
 from rtmem.errors import KernelArgumentError
 
-from ._launch import (as_host, check_array, check_eps, check_ids, check_layernorm_backward,
-                      check_layernorm_forward, check_words, word_dtype)
+from ._launch import (as_host, check_array, check_embedding, check_eps,
+                      check_layernorm_backward, check_layernorm_forward, check_linear,
+                      check_words, word_dtype)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -202,10 +203,7 @@ def embedding_forward(weight, ids, out, *, stream=None, check: bool = True) -> N
     (``check`` is accepted for signature compatibility)."""
     weight, ids = as_host(weight, "weight"), as_host(ids, "ids")
     out = as_host(out, "out", writable=True)
-    check_array(weight, "weight", ndim=2)
-    V, H = weight.shape
-    check_ids(ids)
-    check_array(out, "out", ndim=2, shape=(ids.shape[0], H))
+    V, _, _ = check_embedding(weight, ids, out, "weight", "out")
     _check_id_range(ids, V)
     _gather(weight, ids, out)
 
@@ -217,10 +215,7 @@ def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False,
     unused rows); ``accumulate=True`` adds. Bad ids raise before any write."""
     grad_out, ids = as_host(grad_out, "grad_out"), as_host(ids, "ids")
     grad_weight = as_host(grad_weight, "grad_weight", writable=True)
-    check_array(grad_weight, "grad_weight", ndim=2)
-    V, H = grad_weight.shape
-    check_ids(ids)
-    check_array(grad_out, "grad_out", ndim=2, shape=(ids.shape[0], H))
+    V, _, _ = check_embedding(grad_weight, ids, grad_out, "grad_weight", "grad_out")
     _check_id_range(ids, V)
     _scatter_add(grad_out, ids, grad_weight, bool(accumulate))
 
@@ -259,11 +254,7 @@ def linear_forward(x, weight, bias, out, *, stream=None) -> None:
     or None, ``out`` [T, N], all float32 (BLAS SGEMM)."""
     x, weight = as_host(x, "x"), as_host(weight, "weight")
     out = as_host(out, "out", writable=True)
-    check_array(x, "x", ndim=2)
-    T, K = x.shape
-    check_array(weight, "weight", ndim=2, shape=(None, K))
-    N = weight.shape[0]
-    check_array(out, "out", ndim=2, shape=(T, N))
+    T, K, N = check_linear(x, weight, out, "out")
     _matmul_into(x, weight.T, out, False)
     if bias is not None:
         bias = as_host(bias, "bias")
@@ -279,11 +270,7 @@ def linear_backward(grad_out, x, weight, grad_x, grad_weight, grad_bias, *,
     :func:`rtmem.kernels.dha.linear_backward`, all float32."""
     grad_out, x, weight = as_host(grad_out, "grad_out"), as_host(x, "x"), as_host(weight, "weight")
     grad_weight = as_host(grad_weight, "grad_weight", writable=True)
-    check_array(x, "x", ndim=2)
-    T, K = x.shape
-    check_array(weight, "weight", ndim=2, shape=(None, K))
-    N = weight.shape[0]
-    check_array(grad_out, "grad_out", ndim=2, shape=(T, N))
+    T, K, N = check_linear(x, weight, grad_out, "grad_out")
     check_array(grad_weight, "grad_weight", ndim=2, shape=(N, K))
     if grad_x is not None:
         grad_x = as_host(grad_x, "grad_x", writable=True)
