@@ -183,6 +183,17 @@ def _models(seed, shapes=((64, 33), (33,), (40_000,))):
     return ours, ref
 
 
+def _step_twins(ours, theirs, opt, their_opt, gen=None, steps=1):
+    """``steps`` steps of both optimizers, each with the same fresh random
+    gradients on the twin parameter lists."""
+    for _ in range(steps):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        their_opt.step()
+
+
 def _groups(params, wd):
     # Two groups with different lr and weight decay.
     return [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 2 * wd}]
@@ -295,12 +306,7 @@ def test_state_dict_round_trip_mid_training_is_exact():
     opt2 = optim.CPUAdamW(_groups(clone, 0.1), lr=1e-2, amsgrad=True)
     opt2.load_state_dict(saved["opt"])
     assert opt2.param_groups[1]["lr"] == 3e-3
-    for _ in range(5):
-        for p, q in zip(ours, clone):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        opt2.step()
+    _step_twins(ours, clone, opt, opt2, gen, steps=5)
     for p, q in zip(ours, clone):
         assert torch.equal(p.detach(), q.detach())
     # Loading copies: training opt2 on did not write into the loaded dict.
@@ -321,22 +327,13 @@ def test_state_dict_moves_between_torch_adam_and_cpu_adam():
             p.copy_(q)
     opt = optim.CPUAdam(ours, lr=1e-2)
     opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
-    for _ in range(4):
-        for p, q in zip(ours, theirs):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        torch_opt.step()
+    _step_twins(ours, theirs, opt, torch_opt, gen, steps=4)
     for p, q in zip(ours, theirs):
         assert _rel_err(p.detach(), q.detach()) < 1e-5
     back_params = [p.detach().clone().requires_grad_() for p in ours]
     back = torch.optim.Adam(back_params, lr=1e-2)
     back.load_state_dict(copy.deepcopy(opt.state_dict()))
-    for p, q in zip(ours, back_params):
-        p.grad = torch.randn(p.shape, generator=gen)
-        q.grad = p.grad.clone()
-    opt.step()
-    back.step()
+    _step_twins(ours, back_params, opt, back, gen)
     assert float(back.state_dict()["state"][0]["step"]) == 9.0
     for p, q in zip(ours, back_params):
         assert _rel_err(p.detach(), q.detach()) < 1e-6
@@ -407,11 +404,7 @@ def test_num_threads_does_not_change_results():
     b = [p.detach().clone().requires_grad_() for p in a]
     oa = optim.CPUAdam(a, lr=1e-2, num_threads=1)
     ob = optim.CPUAdam(b, lr=1e-2)
-    for p, q in zip(a, b):
-        p.grad = torch.randn_like(p)
-        q.grad = p.grad.clone()
-    oa.step()
-    ob.step()
+    _step_twins(a, b, oa, ob)
     for p, q in zip(a, b):
         assert torch.equal(p.detach(), q.detach())
     with pytest.raises(OptimizerError, match="num_threads"):
