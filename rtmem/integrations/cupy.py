@@ -10,60 +10,17 @@
 Every CuPy allocation becomes a ``workspace`` buffer of the arena; it is freed
 (stream-ordered, on CuPy's current stream) when CuPy drops the memory.
 
-NOTE [ Frees from finalizers ]
-CuPy (and numba, :mod:`rtmem.integrations.numba_emm`) drop memory from ``__del__``
-/ ``weakref.finalize`` callbacks. For memory caught in a reference cycle (an
-exception traceback is enough) those run inside a garbage collection, which
-Python may start at any allocation, including one made while rtmem's allocator
-or an arena holds its (non-reentrant) lock: freeing the buffer right there would
-deadlock the thread. So a free that arrives during a collection is queued, and
-done by the next allocation through these hooks or by :func:`flush`.
+Frees that CuPy requests during a garbage collection are deferred: NOTE [ Frees
+from finalizers ] in :mod:`rtmem.integrations._deferred`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import gc
-import sys
+
+from ._deferred import flush, release, track
 
 __all__ = ["allocator_for", "flush", "install", "uninstall", "using"]
-
-_deferred = collections.deque()    # buffers freed during a collection (append is atomic)
-_collecting = False                # a garbage collection is running (see the NOTE)
-
-
-def _gc_phase(phase, _info):
-    global _collecting
-    _collecting = phase == "start"
-
-
-gc.callbacks.append(_gc_phase)
-
-
-def release(buf) -> None:
-    """Free ``buf`` now, or after the running garbage collection (NOTE [ Frees
-    from finalizers ]). For finalizers of memory handed to other libraries."""
-    if buf is None or buf.is_freed:
-        return
-    if _collecting:
-        _deferred.append(buf)
-    elif not sys.is_finalizing():
-        # At interpreter exit the CUDA context may already be gone; the process
-        # releases everything then anyway.
-        buf.free()
-
-
-def flush() -> int:
-    """Free the buffers whose release was deferred by a garbage collection;
-    returns how many. Called by every allocation through these hooks."""
-    n = 0
-    while _deferred:
-        buf = _deferred.popleft()
-        if not buf.is_freed:
-            buf.free()
-            n += 1
-    return n
 
 _HINT = "pip install rtmem[cuda12] (or rtmem[cuda13])"
 
@@ -98,10 +55,10 @@ def allocator_for(arena, *, kind: str = "workspace"):
         raise ValueError(f"CuPy needs device memory of the cuda backend; got a "
                          f"{arena.location} arena on the {arena.backend.name} backend")
     device_id = arena.backend.device_id
+    track()
 
     def allocate(nbytes):
-        if _deferred:
-            flush()
+        flush()
         stream = arena.backend.current_stream()
         buf = arena.alloc(max(int(nbytes), 1), kind=kind, stream=stream)
         ptr = buf.__cuda_array_interface__["data"][0]

@@ -19,6 +19,8 @@ import os
 import threading
 import weakref
 
+from ._deferred import flush, release, track
+
 __all__ = ["install", "manager_class"]
 
 _HINT = "pip install rtmem[cuda12] (numba-cuda with CUDA 12)"
@@ -86,6 +88,7 @@ def manager_class():
         def initialize(self):
             """Bind to the installed arena, or make one (see module docs)."""
             global _arena
+            track()
             with _lock:
                 if _arena is None:
                     _arena = _default_arena()
@@ -93,7 +96,6 @@ def manager_class():
 
         def memalloc(self, size):
             """Allocate ``size`` bytes of device memory from the arena."""
-            from .cupy import flush, release
             flush()
             buf = self.arena.alloc(max(int(size), 1), kind="workspace",
                                    stream=self.arena.backend.current_stream())
@@ -101,7 +103,7 @@ def manager_class():
 
             def finalizer(buf=buf):
                 # may run inside a garbage collection: NOTE [ Frees from
-                # finalizers ] in rtmem/integrations/cupy.py
+                # finalizers ] in rtmem/integrations/_deferred.py
                 release(buf)
             ptr = _device_pointer(driver, address)
             if takes_context:
