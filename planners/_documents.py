@@ -8,6 +8,7 @@ and a message naming what was found and what is read.
 from __future__ import annotations
 
 import json
+import os
 
 
 def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),
@@ -43,3 +44,21 @@ def parse_document(text, *, kind: str, error, **kwargs) -> dict:
     except (json.JSONDecodeError, TypeError) as e:
         raise error(f"malformed {kind} JSON: {e}", **error_kw) from e
     return check_document(d, kind=kind, error=error, **kwargs)
+
+
+class JsonFile:
+    """``save(path)`` / ``load(path)`` for a document class with ``to_json(indent=)``
+    and ``from_json(text)`` (chains and plans)."""
+
+    __slots__ = ()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the document as JSON to ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json(indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike):
+        """Read a document written by :meth:`save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())

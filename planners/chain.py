@@ -22,14 +22,13 @@ and writes activation ``i+1``; activation 0 is the chain input.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from rtmem.errors import ChainError
 
-from ._documents import check_document, parse_document
+from ._documents import JsonFile, check_document, parse_document
 from ._validation import as_scalar, as_vector
 
 __all__ = ["Chain"]
@@ -41,7 +40,7 @@ _SIZES = frozenset({"x", "xbar", "w", "o_f", "o_b"})
 
 
 @dataclass(frozen=True, eq=False)
-class Chain:
+class Chain(JsonFile):
     """A sequential network as the planners see it: per-stage times and sizes.
 
     Parameters
@@ -197,14 +196,3 @@ class Chain:
         """Parse a chain from a JSON string (see :meth:`to_json`)."""
         return cls.from_dict(parse_document(text, kind="chain", fmt=_FORMAT, version=_VERSION,
                                             error=ChainError, lenient=True))
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the chain as JSON to ``path``."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json(indent=1))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Chain":
-        """Read a chain saved by :meth:`save`."""
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())

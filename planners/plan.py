@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 
 from rtmem.errors import ScheduleError
 
-from ._documents import check_document, parse_document
+from ._documents import JsonFile, check_document, parse_document
 from .schedule import Schedule
 
 __all__ = ["Plan", "as_budget"]
@@ -27,7 +26,7 @@ _REQUIRED = ("schedule", "makespan", "peak", "budget", "algorithm")
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(JsonFile):
     """A schedule with its simulated cost.
 
     Attributes
@@ -113,17 +112,6 @@ class Plan:
         return cls.from_dict(parse_document(text, kind="plan", fmt=_FORMAT, version=_VERSION,
                                             error=ScheduleError, required=_REQUIRED,
                                             reason="parse"))
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the plan as JSON to ``path``."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json(indent=1))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan written by :meth:`save`."""
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
 
 
 def as_budget(memory) -> float:
