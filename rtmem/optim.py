@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import OptimizerError
+from .buffer import Buffer
+from .errors import OptimizerError, ResidencyError
 from .kernels.adam import adam_coefficients, prepare_update, threads
 
 __all__ = ["CPUAdam", "CPUAdamW", "NumpyAdam", "NumpyAdamW"]
@@ -52,10 +53,8 @@ def _host_view(x, name):
     """``x`` itself, or for an rtmem :class:`~rtmem.Buffer` a zero-copy numpy view
     of its host-addressable bytes that pins the buffer while the view lives
     (NOTE [ Pinned views ] in rtmem/buffer.py)."""
-    from .buffer import Buffer
     if not isinstance(x, Buffer):
         return x
-    from .errors import ResidencyError
     try:
         return x.numpy("host" if x.placement("host") is not None else None, pin=True)
     except ResidencyError as exc:
@@ -323,7 +322,6 @@ def _build_torch_optimizers():
     def tensors_of(params):
         """``params`` with rtmem Buffers replaced by zero-copy CPU tensors over their
         host memory (which pin the buffers while the optimizer holds them)."""
-        from .buffer import Buffer
         if isinstance(params, torch.Tensor):
             return params          # torch.optim raises its own clear error for this
 
