@@ -214,13 +214,13 @@ def sampled_fragmentation(trace, slab_bytes, every=500):
 
 
 class ArenaPath:
-    """rtmem's whole allocation path on the GPU: ``DeviceArena.alloc`` / ``free``
-    (Buffer objects, per-kind statistics, cudaMalloc'd slabs), the twin of a
-    framework pool's ``malloc`` returning a pointer object."""
+    """rtmem's whole allocation path: ``DeviceArena.alloc`` / ``free`` (Buffer
+    objects, per-kind statistics, backend slabs, stream-ordered frees), the twin
+    of a framework pool's ``malloc`` returning a pointer object."""
 
-    def __init__(self, slab_bytes):
+    def __init__(self, slab_bytes, backend=None):
         from rtmem.arena import DeviceArena
-        self.arena = DeviceArena(slab_bytes)
+        self.arena = DeviceArena(slab_bytes, backend=backend)
 
     def allocate(self, nbytes, stream=None):
         return self.arena.alloc(max(nbytes, 1))
@@ -334,6 +334,12 @@ def main(argv=None) -> int:
         "extent_bytes": extent, "peak_live_bytes": peak,
         "reserved_over_peak_live": extent / peak,
         "naive_max_holes": max_holes(rtrace, slab)}
+    # The arena's own cost over the core's (Buffer objects, accounting), on the
+    # host backend: 256 MiB of numpy slab holds the trace's ~100 MB peak.
+    ar, co, ratio = time_pair(lambda: ArenaPath(256 << 20, backend="host"),
+                              lambda: BestFitAllocator(256 << 20), rtrace, repeats, 1)
+    results["random"].update(host_arena_pairs_per_s=ar, core_pairs_per_s_same_run=co,
+                             host_arena_over_core=ratio)
 
     # (b) GPT-2 trace
     gtrace, lt = gpt2_trace()
@@ -377,6 +383,8 @@ def main(argv=None) -> int:
         ("random: fragmentation mean / max", f"{r['fragmentation_mean']:.3f} / "
                                              f"{r['fragmentation_max']:.3f}"),
         ("random: reserved / peak live", f"{r['reserved_over_peak_live']:.3f}"),
+        ("random: host DeviceArena path pairs/s", f"{r['host_arena_pairs_per_s']:,.0f} "
+         f"({r['host_arena_over_core']:.2f}x the core's)"),
         ("gpt2: rtmem pairs/s", f"{g['rtmem_pairs_per_s']:,.0f}"),
         ("gpt2: naive best-fit pairs/s", f"{g['naive_pairs_per_s']:,.0f}"),
         ("gpt2: speedup vs naive", f"{g['speedup_vs_naive']:.2f}x "

@@ -45,9 +45,10 @@ class AllocatorAdaptor:
         """Allocate ``nbytes`` bytes through the upstream."""
         return self.upstream.allocate(nbytes, stream)
 
-    def deallocate(self, block, *, stream=None, event=None) -> None:
-        """Free ``block`` through the upstream (stream-ordered when ``event``)."""
-        self.upstream.deallocate(block, stream=stream, event=event)
+    def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
+        """Free ``block`` through the upstream (stream-ordered when ``event`` or
+        ``ordered``; see :meth:`rtmem.allocator.BestFitAllocator.deallocate`)."""
+        self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
 
     def resize(self, block, nbytes: int, stream=None):
         """Resize ``block`` to ``nbytes`` bytes through the upstream."""
@@ -99,9 +100,9 @@ class StatisticsAdaptor(AllocatorAdaptor):
             self._add(block, int(nbytes))
         return block
 
-    def deallocate(self, block, *, stream=None, event=None) -> None:
+    def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
         """Free and uncount ``block``."""
-        self.upstream.deallocate(block, stream=stream, event=event)
+        self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
         with self._lock:
             nbytes = self._sizes.pop(block, 0)
             s = self._stats
@@ -170,9 +171,9 @@ class LimitAdaptor(AllocatorAdaptor):
             self._sizes[block] = block.size
         return block
 
-    def deallocate(self, block, *, stream=None, event=None) -> None:
+    def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
         """Free ``block`` and return its bytes to the budget."""
-        self.upstream.deallocate(block, stream=stream, event=event)
+        self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
         with self._lock:
             self._used -= self._sizes.pop(block, 0)
 
@@ -223,10 +224,13 @@ class PoisonAdaptor(AllocatorAdaptor):
                 offset=block.offset + bad)
         return block
 
-    def deallocate(self, block, *, stream=None, event=None) -> None:
-        """Poison ``block`` (after its event) and free it."""
+    def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
+        """Poison ``block`` (after its event, or its stream for an ordered free)
+        and free it."""
         if event is not None:
             event.synchronize()
+        elif ordered and stream is not None:
+            stream.synchronize()
         self._fill(block, self.POISON)
         self.upstream.deallocate(block)
 
@@ -282,9 +286,9 @@ class TracingAdaptor(AllocatorAdaptor):
                         stream=self._stream_id(stream))
         return block
 
-    def deallocate(self, block, *, stream=None, event=None) -> None:
+    def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
         """Free and record it."""
-        self.upstream.deallocate(block, stream=stream, event=event)
+        self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
         with self._lock:
             self._write(op="free", id=self._ids.pop(block, -1),
                         stream=self._stream_id(stream))

@@ -22,7 +22,9 @@ Invariants (checked by ``_check_invariants()``; all guarded by ``self._lock``):
 3. A free block is in exactly one index: ``_ready`` (reusable by any stream) or
    ``_pending[stream]`` (freed on ``stream`` behind an event that has not been
    seen complete; reusable by that stream only, since stream order already puts
-   the new use after the old one). Live blocks are in no index (their number is
+   the new use after the old one). A pending block with no event yet is
+   *unstamped* and listed in ``_unstamped[stream]``: see NOTE [ Stream-ordered
+   frees ]. Live blocks are in no index (their number is
    ``_alloc_count - _free_count``); a block merged into a neighbour is dead. Dead
    blocks never handed out (``requested == -1``) wait in ``_spare`` for reuse by
    a split: no user holds them, so a merged block's double free is still caught.
@@ -39,6 +41,26 @@ lists, so best fit is one ``bisect`` and ties go to the lowest address;
 Under memory pressure ``allocate`` waits for pending events while holding the
 lock (numba's flush-and-retry): an event must never depend on another
 allocation from the same allocator.
+
+NOTE [ Stream-ordered frees ]
+``deallocate(block, stream=s, ordered=True)`` is ``cudaFreeAsync``: the block's
+last use is enqueued on ``s``. Later work on ``s`` runs after it, so ``s`` may
+reuse the block at once, with no event; another stream may reuse it only once
+an event recorded on ``s`` *after* the free has completed. Recording an event
+per free costs a CUDA call or two per free, about what the whole free costs
+otherwise, so the event is recorded lazily: one event from ``event_source(s)``
+*stamps* every unstamped block of ``s`` at once (a later event on the same
+stream covers every earlier free). Stamps happen when an allocation finds no
+fit among the ready and its own stream's pending blocks (before polling), on
+``flush``/``trim``, and every ``_MAINTAIN_EVERY`` deferred frees, which also
+poll, so that completed blocks return to ``_ready`` and the FIFOs stay short.
+
+An ordered free merges the block with neighbours pending on the same stream
+(their events are superseded by the next stamp, which is later on that
+stream); it does not absorb ready neighbours, which would hide them from other
+streams until the stamp completes. Torch's caching allocator and CuPy's pool
+keep free blocks per stream in the same way; they never move a block to another
+stream, rtmem does once the stamp has completed.
 """
 
 from __future__ import annotations
@@ -63,6 +85,9 @@ _ADDR_MASK = (1 << _SIZE_SHIFT) - 1
 _MAX_SLAB_BYTES = 1 << _OFFSET_BITS
 
 _LIVE, _READY, _PENDING, _DEAD = 0, 1, 2, 3
+
+#: Deferred frees between two stamp-and-poll rounds (NOTE [ Stream-ordered frees ]).
+_MAINTAIN_EVERY = 256
 _STATE_NAMES = {_LIVE: "live", _READY: "ready", _PENDING: "pending"}
 
 
@@ -123,7 +148,8 @@ class AllocatorStats:
     ``allocated_bytes`` counts aligned block sizes, ``requested_bytes`` what
     callers asked for (the difference is alignment overhead). ``free_bytes`` =
     ``reserved_bytes - allocated_bytes`` and includes ``pending_bytes`` (freed but
-    waiting for an event before other streams may reuse them).
+    waiting for an event before other streams may reuse them; stream-ordered
+    frees count here until their stamp completes, NOTE [ Stream-ordered frees ]).
     ``fragmentation`` = 1 - largest free block / free bytes, in [0, 1] (0 when
     nothing is free). ``peak_bytes`` is the highest ``allocated_bytes`` seen.
     """
@@ -171,6 +197,10 @@ class BestFitAllocator:
     slab_source:
         Object with ``add_slab(nbytes) -> handle`` and ``release_slab(handle)``
         giving the backing memory; ``None`` for virtual slabs (offsets only).
+    event_source:
+        Callable ``stream -> event`` recording an event on ``stream`` (capturing
+        the work enqueued so far) with ``query()`` and ``synchronize()``; needed
+        for stream-ordered frees (``deallocate(..., ordered=True)``).
 
     Thread safety: one mutex (``self._lock``) guards every field; all public
     methods take it, so an allocator may be shared between threads.
@@ -178,7 +208,7 @@ class BestFitAllocator:
 
     def __init__(self, initial_bytes: int, *, alignment: int = DEFAULT_ALIGNMENT,
                  max_bytes: int | None = None, growth_bytes: int | None = None,
-                 slab_source=None):
+                 slab_source=None, event_source=None):
         alignment = int(alignment)
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment}")
@@ -195,12 +225,16 @@ class BestFitAllocator:
         self.growth_bytes = initial if growth_bytes is None else \
             align_up(int(growth_bytes), alignment)
         self.slab_source = slab_source
+        self.event_source = event_source
         self._lock = threading.Lock()
         self._slabs = {}            # slab id -> (handle, nbytes, first block)
         self._next_slab = 0
         self._ready = []            # sorted keys of ready free blocks
         self._pending = {}          # stream -> sorted keys of pending free blocks
-        self._fifo = {}             # stream -> deque of (event, block) in free order
+        self._fifo = {}             # stream -> deque of (event, block) in record order
+        self._unstamped = {}        # stream -> blocks freed there with no event yet
+        self._deferrals = 0         # deferred frees since the last _maintain
+        self._maintain_every = _MAINTAIN_EVERY
         self._free_map = {}         # addr -> free block (ready or pending)
         self._spare = []            # dead blocks never handed out, for reuse
         self._reserved = self._allocated = self._requested = self._pending_bytes = 0
@@ -233,6 +267,7 @@ class BestFitAllocator:
         Returns the bytes released. Used to give memory back after a peak.
         """
         with self._lock:
+            self._stamp()
             self._poll_pending()
             self._spare.clear()
             released = 0
@@ -275,14 +310,41 @@ class BestFitAllocator:
         insort(self._ready, block._key())
 
     def _absorb(self, block: Block, nxt: Block) -> None:
-        """Merge ``nxt`` (free, in no index) into its predecessor ``block``."""
+        """Merge ``nxt`` (free, in no index) into its predecessor ``block``.
+
+        A ready ``nxt`` never handed out becomes a spare; a pending one may still
+        be named by a FIFO entry, so it is left to the garbage collector."""
         block.size += nxt.size
         after = block.next = nxt.next
         if after is not None:
             after.prev = block
-        nxt.state = _DEAD
-        if nxt.requested < 0:
+        if nxt.requested < 0 and nxt.state == _READY:
             self._spare.append(nxt)
+        nxt.state = _DEAD
+
+    def _stamp(self) -> None:
+        """Give every unstamped pending block an event: one per stream, recorded
+        now (NOTE [ Stream-ordered frees ])."""
+        for stream, blocks in self._unstamped.items():
+            event = fifo = None
+            for block in blocks:
+                # Skip entries reused, merged, stamped or re-freed elsewhere since.
+                if block.state != _PENDING or block.event is not None \
+                        or block.stream != stream:
+                    continue
+                if event is None:
+                    event = self.event_source(stream)
+                    fifo = self._fifo.setdefault(stream, deque())
+                block.event = event
+                fifo.append((event, block))
+        self._unstamped.clear()
+
+    def _maintain(self) -> None:
+        """Stamp and poll: bounds the FIFOs and returns completed blocks to
+        ``_ready`` in a steady state that never misses."""
+        self._deferrals = 0
+        self._stamp()
+        self._poll_pending()
 
     def _poll_pending(self) -> None:
         """Move pending blocks whose event completed into ``_ready``.
@@ -304,9 +366,11 @@ class BestFitAllocator:
         if not self._pending_bytes:
             self._fifo.clear()      # only stale entries can remain
             self._pending.clear()
+            self._unstamped.clear()
 
     def _flush_pending(self) -> None:
         """Wait for every pending event and make all pending blocks ready."""
+        self._stamp()
         for fifo in self._fifo.values():
             while fifo:
                 event, block = fifo.popleft()
@@ -329,8 +393,10 @@ class BestFitAllocator:
         return None if best is None else self._free_map[best & _ADDR_MASK]
 
     def _find_slow(self, size: int, nbytes: int, stream) -> Block:
-        """Poll; best fit among ready and same-stream pending blocks; then flush,
-        grow or raise OutOfMemoryError. Returns the block removed from its index."""
+        """After a miss among ready and same-stream pending blocks: stamp and
+        poll, then flush, grow or raise OutOfMemoryError. Returns the block
+        removed from its index."""
+        self._stamp()
         self._poll_pending()
         block = self._best_fit(size, stream)
         if block is None:
@@ -372,18 +438,34 @@ class BestFitAllocator:
         lock = self._lock
         lock.acquire()
         try:
+            if self._deferrals >= self._maintain_every:
+                self._maintain()
             keys = self._ready
-            i = bisect_left(keys, size << _SIZE_SHIFT)
-            if i < len(keys) and not self._pending_bytes:
-                # Fast path: nothing pending, so the ready best fit is the best fit.
-                key = keys[i]
-                block = self._free_map.pop(key & _ADDR_MASK)
-                bsize = key >> _SIZE_SHIFT
-            else:
-                block = self._find_slow(size, nbytes, stream)
-                bsize = block.size
-                event, block.event = block.event, None
-                i = -1
+            probe = size << _SIZE_SHIFT
+            i = bisect_left(keys, probe)
+            # Best fit among the ready blocks and this stream's pending ones, which
+            # it may reuse at once (stream order); i = -1 once a block is taken
+            # from elsewhere than slot i of _ready.
+            pend = self._pending.get(stream) if self._pending_bytes else None
+            if pend:
+                j = bisect_left(pend, probe)
+                if j < len(pend) and (i == len(keys) or pend[j] < keys[i]):
+                    key = pend.pop(j)
+                    block = self._free_map.pop(key & _ADDR_MASK)
+                    bsize = key >> _SIZE_SHIFT
+                    self._pending_bytes -= bsize
+                    event, block.event = block.event, None
+                    i = -1
+            if i >= 0:
+                if i < len(keys):
+                    key = keys[i]
+                    block = self._free_map.pop(key & _ADDR_MASK)
+                    bsize = key >> _SIZE_SHIFT
+                else:
+                    block = self._find_slow(size, nbytes, stream)
+                    bsize = block.size
+                    event, block.event = block.event, None
+                    i = -1
             if bsize > size:
                 # Split off the remainder (a spare block if any) into the block's index
                 # (a pending tail keeps the event); a ready key may reuse slot i.
@@ -437,16 +519,29 @@ class BestFitAllocator:
                 f"{block!r} is not allocated (double free or use of a freed block); "
                 f"each allocation must be freed exactly once")
 
-    def deallocate(self, block: Block, *, stream=None, event=None) -> None:
+    def deallocate(self, block: Block, *, stream=None, event=None,
+                   ordered: bool = False) -> None:
         """Free ``block``.
 
         With ``event`` None the block is reusable at once by any stream (the
         caller guarantees no pending use). With an event, recorded on ``stream``
         after the block's last use, the block is reusable at once on ``stream``
-        and on other streams once the event has completed. Double frees raise
+        and on other streams once the event has completed. With ``ordered=True``
+        (and no event) the free is stream-ordered like ``cudaFreeAsync``: the
+        last use is enqueued on ``stream``, which may reuse the block at once;
+        other streams wait for an event the allocator records later with its
+        ``event_source`` (NOTE [ Stream-ordered frees ]). Double frees raise
         :class:`~rtmem.errors.DoubleFreeError`, blocks of another allocator
         :class:`~rtmem.errors.InvalidPointerError`; the state is then unchanged.
         """
+        if ordered and (stream is None or event is not None or self.event_source is None):
+            raise ValueError(
+                "an ordered free needs a stream, no event, and an allocator made "
+                "with event_source=; pass stream=, drop event=, or free with an event "
+                "recorded after the last use" if self.event_source is not None or
+                stream is None or event is not None else
+                "this allocator has no event_source, so it cannot order a free on a "
+                "stream; construct it with event_source=, or free with event=")
         lock = self._lock
         lock.acquire()
         try:
@@ -457,8 +552,13 @@ class BestFitAllocator:
             self._allocated -= size
             self._requested -= block.requested
             self._free_count += 1
+            if ordered:
+                self._free_ordered(block, stream)
+                self._deferrals += 1
+                return
             if event is not None and not event.query():
                 self._defer(block, stream, event)
+                self._deferrals += 1
                 return
             # _make_ready inlined for a live block (in no index, no event): the call
             # cost ~3% of a pair on bench/allocator.py; keep the two in step.
@@ -491,13 +591,30 @@ class BestFitAllocator:
         finally:
             lock.release()
 
+    def _free_ordered(self, block: Block, stream) -> None:
+        """Index a live block freed in stream order on ``stream`` as unstamped
+        pending, merged with neighbours pending on the same stream."""
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.state == _PENDING and prev.stream == stream:
+            self._remove_pending(prev)
+            self._absorb(prev, block)
+            block = prev
+        if nxt is not None and nxt.state == _PENDING and nxt.stream == stream:
+            self._remove_pending(nxt)
+            self._absorb(block, nxt)
+        self._defer(block, stream, None)
+
     def _defer(self, block: Block, stream, event) -> None:
-        """Index a freed block as pending on ``stream`` behind ``event``."""
+        """Index a free block (in no index) as pending on ``stream`` behind
+        ``event``, or unstamped when ``event`` is None."""
         block.state, block.stream, block.event = _PENDING, stream, event
         self._free_map[block.addr] = block
         insort(self._pending.setdefault(stream, []), block._key())
         self._pending_bytes += block.size
-        self._fifo.setdefault(stream, deque()).append((event, block))
+        if event is None:
+            self._unstamped.setdefault(stream, []).append(block)
+        else:
+            self._fifo.setdefault(stream, deque()).append((event, block))
 
     def resize(self, block: Block, nbytes: int, stream=None) -> Block:
         """Resize a live block to ``nbytes`` bytes; return the (possibly new) block.
@@ -543,7 +660,8 @@ class BestFitAllocator:
         return type(block) is Block and block.owner is self and block.state == _LIVE
 
     def flush(self) -> None:
-        """Wait for every event-gated free and make the blocks reusable by all."""
+        """Wait for every event-gated or stream-ordered free (recording the
+        pending stamps first) and make the blocks reusable by all streams."""
         with self._lock:
             self._flush_pending()
 
@@ -618,7 +736,10 @@ class BestFitAllocator:
                         assert block.next is None or block.next.state != _READY, \
                             f"adjacent ready blocks not coalesced at {block!r}"
                     else:
-                        assert block.state == _PENDING and block.event is not None
+                        assert block.state == _PENDING
+                        assert block.event is not None or any(
+                            b is block for b in self._unstamped.get(block.stream, ())), \
+                            f"{block!r} has no event and is not listed unstamped"
                         assert indexed.pop(block.addr, None) == (False, block.stream)
                         assert fmap[block.addr] is block
                         pending += block.size
@@ -631,6 +752,7 @@ class BestFitAllocator:
                      and b.requested == -1 and b.event is None}
             assert len(spare) == len(self._spare), "a spare block is not dead and unused"
             assert not spare & {id(b) for f in self._fifo.values() for _, b in f}
+            assert not spare & {id(b) for bl in self._unstamped.values() for b in bl}
             assert reserved == self._reserved and allocated == self._allocated
             assert requested == self._requested and pending == self._pending_bytes
             assert self._peak >= self._allocated

@@ -30,6 +30,9 @@ from .units import parse_bytes
 
 __all__ = ["ArenaStats", "DeviceArena", "HostArena"]
 
+_BYTES = np.dtype(np.uint8)
+_KINDS = frozenset(KINDS)
+
 
 @dataclass(frozen=True)
 class ArenaStats:
@@ -75,7 +78,7 @@ class _Arena:
             nbytes, alignment=alignment,
             max_bytes=None if max_bytes is None else parse_bytes(max_bytes),
             growth_bytes=None if growth_bytes is None else parse_bytes(growth_bytes),
-            slab_source=self)
+            slab_source=self, event_source=self._record_event)
         allocator = self.core
         if self.debug:
             allocator = PoisonAdaptor(allocator, fill=self._fill_block,
@@ -103,6 +106,10 @@ class _Arena:
         with self._lock:
             self._slabs.remove(slab)
         self.backend.release(slab)
+
+    def _record_event(self, stream):
+        """Event-source hook of the allocator core: an event recorded on ``stream``."""
+        return self.backend.new_event().record(stream)
 
     def _slab_of(self, block):
         return self.core.slab_handle(block.slab)
@@ -138,9 +145,12 @@ class _Arena:
         stats snapshot) when the arena cannot serve it. ``stream``: where the
         buffer will first be used (default: the compute stream).
         """
-        if kind not in KINDS:
+        if kind not in _KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
-        if shape is None:
+        if shape is None and dtype is None and nbytes.__class__ is int and nbytes >= 0:
+            # The common call, alloc(n): skip the parsing below.
+            dtype, shape = _BYTES, (nbytes,)
+        elif shape is None:
             if nbytes is None:
                 raise ValueError("give nbytes= (bytes) or shape= (and dtype=)")
             dtype = np.dtype(np.uint8 if dtype is None else dtype)
@@ -180,21 +190,29 @@ class _Arena:
         return Placement(self, block)
 
     def _release(self, placement: Placement, kind: str) -> None:
-        """Free one placement, ordered after its last transfer and compute use."""
+        """Free one placement, ordered after its last transfer and compute use.
+
+        The free is stream-ordered (NOTE [ Stream-ordered frees ] in
+        allocator.py): no event per free, the compute stream reuses the block at
+        once, other streams after an event the allocator records later.
+        """
         block = placement.block
         size, requested = block.size, block.requested
         backend = self.backend
         compute = backend.current_stream()
-        event = backend.new_event().record(compute)
-        stream = compute
         if placement.event is not None and not placement.event.query():
-            # A copy still reads or writes the block: gate the free on the copy
-            # stream, after the compute work enqueued so far (so one event
-            # covers both).
+            # A copy still reads or writes the block (rare: a free racing its own
+            # transfer): gate the free on the copy stream, after the compute work
+            # enqueued so far, with an event recorded now.
             stream = placement.stream
-            stream.wait_event(event)
-            event = backend.new_event().record(stream)
-        self.allocator.deallocate(block, stream=stream, event=event)
+            stream.wait_event(backend.new_event().record(compute))
+            self.allocator.deallocate(block, stream=stream,
+                                      event=backend.new_event().record(stream))
+        elif compute.synchronous:
+            # Host compute has finished with the block: reusable by all at once.
+            self.allocator.deallocate(block)
+        else:
+            self.allocator.deallocate(block, stream=compute, ordered=True)
         with self._lock:
             self._bytes_by_kind[kind] -= size
             self._requested_by_kind[kind] -= requested

@@ -112,10 +112,13 @@ class Buffer:
                  "_freed", "_lock", "device_arena", "host_arena", "_pins", "_free_requested",
                  "__weakref__")
 
-    def __init__(self, placement: Placement, nbytes: int, dtype, shape, kind: str):
-        self.nbytes = int(nbytes)
-        self.dtype = np.dtype(dtype)
-        self.shape = tuple(int(s) for s in shape)
+    def __init__(self, placement: Placement, nbytes: int, dtype: np.dtype, shape: tuple,
+                 kind: str):
+        # The arena validated and normalized every argument (an int, a numpy
+        # dtype, a tuple of ints): this runs on every allocation.
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.shape = shape
         self.kind = kind
         self._device = None
         self._host = None

@@ -32,6 +32,26 @@ class FakeEvent:
         self.done = True
 
 
+class StreamEvent(FakeEvent):
+    """A FakeEvent recorded on a stream of a model: completing it completes every
+    event recorded earlier on that stream (CUDA's in-order rule, which the
+    allocator's FIFO polling and stamping rely on)."""
+
+    def __init__(self, log, stream):
+        super().__init__()
+        self.stream, self.log = stream, log
+        log.append(self)
+
+    def complete(self):
+        for ev in self.log[:self.log.index(self) + 1]:
+            if ev.stream == self.stream:
+                ev.done = True
+
+    def synchronize(self):
+        self.syncs += 1
+        self.complete()
+
+
 def overlaps(a, b):
     return a.slab == b.slab and a.offset < b.end and b.offset < a.end
 
@@ -165,6 +185,89 @@ def test_other_stream_waits_for_event_then_flush_on_pressure():
     d = a.allocate(4096, s2)                       # only the gated block is left:
     assert ev.syncs == 1 and d.offset == b.offset  # flush waited, then reused it
     a._check_invariants()
+
+
+class Recorder:
+    """An ``event_source`` that counts the events it records."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, stream):
+        ev = FakeEvent()
+        self.events.append((stream, ev))
+        return ev
+
+
+def test_ordered_free_reuses_on_its_stream_with_no_event():
+    rec = Recorder()
+    a = BestFitAllocator(1 << 20, event_source=rec)
+    s1, s2 = object(), object()
+    for _ in range(7):                             # a training loop's churn on s1,
+        blocks = [a.allocate(4096 * (k + 1), s1) for k in range(8)]
+        for b in blocks:                           # below one maintenance round
+            a.deallocate(b, stream=s1, ordered=True)
+    assert a._deferrals < a._maintain_every
+    assert rec.events == [], "same-stream reuse must record no event"
+    assert a.stats().pending_bytes > 0
+    a._check_invariants()
+    # Another stream needs more than the ready tail: the miss stamps s1's blocks
+    # with one event, the stamp is not done, so the flush waits for it.
+    big = a.allocate((1 << 20) - 4096, s2)
+    assert len(rec.events) == 1 and rec.events[0][0] is s1
+    assert rec.events[0][1].syncs == 1 and big.offset == 0
+    a._check_invariants()
+
+
+def test_ordered_free_merges_same_stream_neighbours_not_ready_ones():
+    a = BestFitAllocator(4096, event_source=Recorder())
+    s1, s2 = object(), object()
+    x, y, z, w = (a.allocate(1024, s1) for _ in range(4))
+    a.deallocate(w)                                # ready: any stream, at once
+    a.deallocate(z, stream=s1, ordered=True)       # must not absorb ready w
+    assert a.stats().pending_bytes == 1024
+    a.deallocate(y, stream=s1, ordered=True)       # merges with z's pending block
+    assert a.stats().pending_bytes == 2048 and len(a._pending[s1]) == 1
+    other = a.allocate(1024, s2)                   # w stayed ready for s2
+    assert other.offset == w.offset
+    a.deallocate(x, stream=s1, ordered=True)
+    again = a.allocate(3072, s1)                   # s1 reuses all three at once
+    assert again.offset == 0
+    a._check_invariants()
+
+
+def test_stamp_completes_then_other_streams_reuse_without_waiting():
+    rec = Recorder()
+    a = BestFitAllocator(8192, event_source=rec)
+    a._maintain_every = 4
+    s1, s2 = object(), object()
+    blocks = [a.allocate(1024, s1) for _ in range(8)]
+    for b in blocks[:4]:
+        a.deallocate(b, stream=s1, ordered=True)
+    assert rec.events == []
+    a.deallocate(a.allocate(1024, s1), stream=s1, ordered=True)  # maintenance due
+    assert len(rec.events) == 1                    # one stamp for four frees
+    rec.events[0][1].done = True                   # the GPU caught up
+    for b in blocks[4:]:
+        a.deallocate(b)
+    got = a.allocate(8192, s2)                     # poll made them ready: no wait
+    assert got.offset == 0 and rec.events[0][1].syncs == 0
+    a._check_invariants()
+
+
+def test_ordered_free_bad_arguments_leave_the_block_live():
+    a = BestFitAllocator(4096)
+    b = a.allocate(1024, "s")
+    with pytest.raises(ValueError, match="no event_source"):
+        a.deallocate(b, stream="s", ordered=True)
+    a2 = BestFitAllocator(4096, event_source=Recorder())
+    c = a2.allocate(1024, "s")
+    with pytest.raises(ValueError, match="needs a stream"):
+        a2.deallocate(c, ordered=True)
+    with pytest.raises(ValueError, match="no event"):
+        a2.deallocate(c, stream="s", event=FakeEvent(), ordered=True)
+    assert b.is_live and c.is_live
+    assert a.stats().live_blocks == a2.stats().live_blocks == 1
 
 
 def test_resize_in_place_and_moving():
@@ -344,20 +447,36 @@ def test_lock_blocks_other_threads_until_released():
 # ------------------------------------------------------------ stateful model
 class AllocatorMachine(RuleBasedStateMachine):
     """The allocator against a model: live blocks with their stream, and regions
-    freed behind events that other streams must not receive early."""
+    freed behind events (given, or stamped later for stream-ordered frees) that
+    other streams must not receive early."""
 
     blocks = Bundle("blocks")
 
     @initialize(alignment=st.sampled_from([64, 256, 512]),
-                slab_units=st.integers(4, 64), grow=st.booleans())
-    def setup(self, alignment, slab_units, grow):
+                slab_units=st.integers(4, 64), grow=st.booleans(),
+                maintain_every=st.sampled_from([1, 3, 64]))
+    def setup(self, alignment, slab_units, grow, maintain_every):
         initial = slab_units * alignment
         self.a = BestFitAllocator(initial, alignment=alignment,
-                                  max_bytes=initial * (3 if grow else 1))
+                                  max_bytes=initial * (3 if grow else 1),
+                                  event_source=self._record)
+        self.a._maintain_every = maintain_every     # stamp-and-poll rounds, often
         self.alignment = alignment
         self.live = {}          # id(block) -> (block, requested)
-        self.gated = []         # (slab, offset, end, stream, event)
-        self.events = []
+        self.gated = []         # (slab, offset, end, stream, event or model position)
+        self.events = []        # StreamEvents in record order
+
+    def _record(self, stream):
+        return StreamEvent(self.events, stream)
+
+    def _released(self, stream, gate):
+        """True once another stream may use memory freed on ``stream`` behind
+        ``gate``: its event, or for an ordered free (``gate`` = how many events
+        were recorded before the free) an event recorded on ``stream`` after the
+        free that has completed."""
+        if isinstance(gate, FakeEvent):
+            return gate.done
+        return any(ev.stream == stream and ev.done for ev in self.events[gate:])
 
     def _check_new(self, block, nbytes, stream):
         assert block.offset % self.alignment == 0
@@ -368,7 +487,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for slab, off, end, s, ev in self.gated:
             if slab == block.slab and off < block.end and block.offset < end:
                 if s != stream:
-                    assert ev.done, "reused on another stream before its event"
+                    assert self._released(s, ev), "reused on another stream too early"
                 # Reused on its own stream: the new use is ordered after the gated
                 # one, and the new owner's free carries its own ordering.
                 continue
@@ -398,15 +517,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         return block
 
     @rule(block=consumes(blocks), stream=st.sampled_from([0, 1, 2]),
-          gated=st.booleans())
-    def free(self, block, stream, gated):
+          how=st.sampled_from(["now", "event", "ordered"]))
+    def free(self, block, stream, how):
         if block is None:
             return
         self.live.pop(id(block))
+        if how == "ordered":
+            self.gated.append((block.slab, block.offset, block.end, stream,
+                               len(self.events)))
+            self.a.deallocate(block, stream=stream, ordered=True)
+            return
         ev = None
-        if gated:
-            ev = FakeEvent()
-            self.events.append(ev)
+        if how == "event":
+            ev = StreamEvent(self.events, stream)
             self.gated.append((block.slab, block.offset, block.end, stream, ev))
         self.a.deallocate(block, stream=stream, event=ev)
 
@@ -440,7 +563,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def complete_event(self, data):
         pending = [e for e in self.events if not e.done]
         if pending:
-            data.draw(st.sampled_from(pending)).done = True
+            data.draw(st.sampled_from(pending)).complete()
 
     @invariant()
     def consistent(self):

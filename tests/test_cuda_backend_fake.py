@@ -283,6 +283,33 @@ def test_copies_wait_for_their_stream_and_free_is_stream_ordered(fake, backend):
     c.free()
 
 
+def test_compute_stream_frees_record_no_event_and_fence_other_streams(
+        fake, backend, monkeypatch):
+    d = DeviceArena(1 << 16, backend=backend)
+    made = []
+    real_new_event = backend.new_event
+    monkeypatch.setattr(backend, "new_event", lambda: made.append(1) or real_new_event())
+    gate = threading.Event()
+    backend.current_stream().launch_host_func(gate.wait)   # earlier work still runs
+    b = d.alloc(1 << 15)
+    offset = b.offset
+    b.free()
+    again = d.alloc(1 << 15)                   # the compute stream reuses it at once
+    assert again.offset == offset and made == []
+    again.free()
+    copy = backend.new_stream("copy")
+    other = d.alloc(1 << 15, stream=copy)      # another stream gets other bytes
+    assert other.offset != offset and made == []
+    other.free()
+    # Only the freed bytes fit: the copy stream's allocation stamps the compute
+    # stream's frees with one event and waits for it, i.e. for the gated work.
+    threading.Timer(0.2, gate.set).start()
+    whole = d.alloc(1 << 16, stream=copy)
+    assert gate.is_set() and whole.offset == 0 and len(made) == 1
+    whole.free()
+    d._check_invariants()
+
+
 def test_gpu_suite_events_script_runs_on_the_fake(fake, capsys):
     # tests/test_backend_gpu.py runs this script in a child process on a real GPU;
     # read it from the source (importing that module would probe for a GPU).

@@ -22,7 +22,8 @@ Both backends follow CUDA's rules:
 3. ``stream.wait_event(event)`` makes work enqueued later on ``stream`` wait for
    the event's captured work; it does not block the caller.
 4. The *compute* stream (``backend.current_stream()``) is where user work runs.
-   On the host backend it is synchronous: work runs in the calling thread.
+   On the host backend it is synchronous: work runs in the calling thread, and
+   the stream says so (``stream.synchronous``), so a free on it needs no ordering.
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ class Slab:
 class Backend(abc.ABC):
     """Interface of a memory backend. All sizes and offsets are in bytes.
 
-    Streams expose ``wait_event(event)``, ``synchronize()`` and
+    Streams expose ``wait_event(event)``, ``synchronize()``,
     ``launch_host_func(fn)`` (run ``fn()`` on the host once earlier work on the
-    stream is done); events expose ``record(stream=None)``, ``query()`` and
+    stream is done) and ``synchronous`` (True when work on it runs in the calling
+    thread, so nothing is ever pending on it); events expose ``record(stream=None)``, ``query()`` and
     ``synchronize()`` (NOTE [ Stream and event semantics ]).
     """
 

@@ -48,16 +48,15 @@ class CudaStream:
     """A CuPy stream with rtmem's stream interface; equal iff same CUDA handle
     (so the allocator's per-stream reuse recognises the current stream)."""
 
-    __slots__ = ("raw", "name")
+    __slots__ = ("raw", "name", "ptr")
+    synchronous = False
 
     def __init__(self, raw, name="stream"):
         self.raw = raw
         self.name = name
-
-    @property
-    def ptr(self) -> int:
-        """The ``cudaStream_t`` handle."""
-        return int(self.raw.ptr)
+        #: The ``cudaStream_t`` handle (fixed for the stream's life; read once
+        #: because the allocator hashes streams on every allocation).
+        self.ptr = int(raw.ptr)
 
     def __eq__(self, other):
         return isinstance(other, CudaStream) and other.ptr == self.ptr

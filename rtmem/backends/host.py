@@ -83,6 +83,7 @@ class HostNullStream:
     """The synchronous compute stream: everything runs in the calling thread."""
 
     name = "compute"
+    synchronous = True
 
     def wait_event(self, event: HostEvent) -> None:
         """Block the caller until ``event`` completed (a synchronous stream waits
@@ -130,6 +131,8 @@ class HostStream:
     every later synchronize raises it) is written only by the worker thread;
     ``_thread`` is started once under ``_start_lock``.
     """
+
+    synchronous = False
 
     def __init__(self, name: str = "stream"):
         self.name = name
