@@ -80,8 +80,9 @@ class Backend(abc.ABC):
     Streams expose ``wait_event(event)``, ``synchronize()``,
     ``launch_host_func(fn)`` (run ``fn()`` on the host once earlier work on the
     stream is done) and ``synchronous`` (True when work on it runs in the calling
-    thread, so nothing is ever pending on it); events expose ``record(stream=None)``, ``query()`` and
-    ``synchronize()`` (NOTE [ Stream and event semantics ]).
+    thread, so nothing is ever pending on it); events expose
+    ``record(stream=None)``, ``query()`` and ``synchronize()`` (NOTE [ Stream and
+    event semantics ]).
     """
 
     name: str = "?"
