@@ -262,13 +262,14 @@ class BestFitAllocator:
         return self._slabs[slab][0]
 
     def trim(self) -> int:
-        """Release every slab except the first that is entirely free and ready.
+        """Release every slab except the first that is entirely free.
 
-        Returns the bytes released. Used to give memory back after a peak.
+        Waits for every pending free first (``flush``: giving a slab back, e.g.
+        with cudaFree, synchronizes anyway). Returns the bytes released. Used to
+        give memory back after a peak.
         """
         with self._lock:
-            self._stamp()
-            self._poll_pending()
+            self._flush_pending()
             self._spare.clear()
             released = 0
             for sid in list(self._slabs):
@@ -350,16 +351,20 @@ class BestFitAllocator:
         """Move pending blocks whose event completed into ``_ready``.
 
         Events on one stream complete in order, so only each FIFO's head is
-        queried; entries for blocks reused or merged since are skipped.
+        queried (once per event: a stamp is shared by many entries); entries for
+        blocks reused or merged since are skipped.
         """
         for fifo in self._fifo.values():
+            done = None
             while fifo:
                 event, block = fifo[0]
                 if block.state != _PENDING or block.event is not event:
                     fifo.popleft()
                     continue
-                if not event.query():
-                    break
+                if event is not done:
+                    if not event.query():
+                        break
+                    done = event
                 fifo.popleft()
                 self._remove_pending(block)
                 self._make_ready(block)
@@ -372,11 +377,14 @@ class BestFitAllocator:
         """Wait for every pending event and make all pending blocks ready."""
         self._stamp()
         for fifo in self._fifo.values():
+            done = None
             while fifo:
                 event, block = fifo.popleft()
                 if block.state != _PENDING or block.event is not event:
                     continue
-                event.synchronize()
+                if event is not done:
+                    event.synchronize()
+                    done = event
                 self._remove_pending(block)
                 self._make_ready(block)
         self._fifo.clear()

@@ -142,6 +142,18 @@ def test_growth_by_slabs_up_to_limit_and_trim():
     a._check_invariants()
 
 
+def test_trim_waits_for_stream_ordered_frees():
+    rec = Recorder()
+    a = BestFitAllocator(4096, max_bytes=3 * 4096, event_source=rec)
+    blocks = [a.allocate(4096, "s") for _ in range(3)]
+    for b in blocks:
+        a.deallocate(b, stream="s", ordered=True)
+    assert a.trim() == 2 * 4096                    # stamped, waited for, released
+    assert len(rec.events) == 1 and rec.events[0][1].syncs == 1
+    assert a.stats().pending_bytes == 0
+    a._check_invariants()
+
+
 def test_double_free_and_foreign_pointer():
     a, other = BestFitAllocator(4096), BestFitAllocator(4096)
     b = a.allocate(100)
