@@ -139,3 +139,39 @@ def test_poison_adaptor_alone():
     with pytest.raises(UseAfterFreeError):
         p.allocate(256)
     assert core.stats().allocated_bytes == 0
+
+
+class _Stream:
+    """A stream whose events are complete once recorded; counts synchronizes."""
+
+    syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+
+
+class _DoneEvent:
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def test_every_adaptor_forwards_stream_ordered_frees():
+    core = BestFitAllocator(1 << 16, event_source=lambda stream: _DoneEvent())
+    poisoned = []
+    stack = PoisonAdaptor(core, fill=lambda b, v: poisoned.append(b.offset),
+                          check=lambda b, v: -1)
+    stack = TracingAdaptor(LimitAdaptor(StatisticsAdaptor(stack), 1 << 16), io.StringIO())
+    s = _Stream()
+    b = stack.allocate(1000, s)
+    stack.deallocate(b, stream=s, ordered=True)
+    # The poison adaptor waited for the stream before poisoning, then freed at once.
+    assert s.syncs == 1 and poisoned == [b.offset]
+    assert stack.used_bytes == 0 and stack.statistics().current_count == 0
+    without_poison = TracingAdaptor(StatisticsAdaptor(core), io.StringIO())
+    c = without_poison.allocate(1000, s)
+    without_poison.deallocate(c, stream=s, ordered=True)
+    assert core.stats().pending_bytes == c.size        # reached the core as ordered
+    core._check_invariants()
