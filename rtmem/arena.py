@@ -142,8 +142,11 @@ class _Arena:
         given ``nbytes`` must cover the shape. ``kind`` is one of
         :data:`~rtmem.buffer.KINDS`. Raises
         :class:`~rtmem.errors.OutOfMemoryError` (with ``requested`` bytes and a
-        stats snapshot) when the arena cannot serve it. ``stream``: where the
-        buffer will first be used (default: the compute stream).
+        stats snapshot) when the arena cannot serve it. ``stream``: the stream
+        whose order covers the buffer's first use; bytes freed on it are reused
+        at once (default: the compute stream for a DeviceArena; for a HostArena
+        the CPU, which reuses bytes only once the GPU work before their free is
+        done, since the CPU may touch a new buffer at once).
         """
         if kind not in _KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
@@ -173,9 +176,7 @@ class _Arena:
                     raise ValueError(f"nbytes={nbytes} is smaller than shape {shape} of "
                                      f"{dtype} needs ({need} bytes)")
         if stream is None:
-            # Key the block by the compute stream so that blocks freed there are
-            # reusable at once by later allocations on it (stream order).
-            stream = self.backend.current_stream()
+            stream = self._default_stream()
         placement = self._allocate(nbytes, kind, stream)
         return Buffer(placement, nbytes, dtype, shape, kind)
 
@@ -189,12 +190,18 @@ class _Arena:
             self._count_by_kind[kind] += 1
         return Placement(self, block)
 
+    def _default_stream(self):
+        """The allocation key when ``alloc`` gets no stream (see the subclasses)."""
+        raise NotImplementedError
+
     def _release(self, placement: Placement, kind: str) -> None:
         """Free one placement, ordered after its last transfer and compute use.
 
-        The free is stream-ordered (NOTE [ Stream-ordered frees ] in
-        allocator.py): no event per free, the compute stream reuses the block at
-        once, other streams after an event the allocator records later.
+        The free is ordered on the compute stream, which reuses the block at
+        once. A device block needs no event per free (NOTE [ Stream-ordered frees ]
+        in allocator.py: other streams wait for a later stamp); a host block gets
+        an event recorded now, so that the CPU (which reuses host blocks only
+        behind completed events) gets it back as soon as the GPU is past the free.
         """
         block = placement.block
         size, requested = block.size, block.requested
@@ -211,6 +218,9 @@ class _Arena:
         elif compute.synchronous:
             # Host compute has finished with the block: reusable by all at once.
             self.allocator.deallocate(block)
+        elif self.location == "host":
+            self.allocator.deallocate(block, stream=compute,
+                                      event=backend.new_event().record(compute))
         else:
             self.allocator.deallocate(block, stream=compute, ordered=True)
         with self._lock:
@@ -312,12 +322,21 @@ class DeviceArena(_Arena):
     def _new_slab(self, nbytes):
         return self.backend.device_slab(nbytes)
 
+    def _default_stream(self):
+        # Blocks freed on the compute stream are reusable at once by later
+        # allocations on it (stream order).
+        return self.backend.current_stream()
+
 
 class HostArena(_Arena):
     """Host memory: pinned by default, ``mapped=True`` for memory the GPU can
     address directly (its buffers expose ``__cuda_array_interface__`` with the
     device alias). Reserves exactly ``nbytes`` rounded up to ``alignment``: no
     power-of-two pools. Other parameters as :class:`DeviceArena`.
+
+    A new buffer is safe for the CPU to write at once: by default its bytes were
+    freed behind GPU work that has completed (``alloc(stream=...)`` relaxes this
+    for buffers that only GPU streams touch).
     """
 
     location = "host"
@@ -329,3 +348,9 @@ class HostArena(_Arena):
 
     def _new_slab(self, nbytes):
         return self.backend.host_slab(nbytes, pinned=self.pinned, mapped=self.mapped)
+
+    def _default_stream(self):
+        # The CPU, which is not ordered with any stream: a block freed on a stream
+        # comes back only once its event completed (torch's pinned-memory
+        # allocator is as strict), so a new buffer can be written at once.
+        return None

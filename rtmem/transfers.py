@@ -49,6 +49,15 @@ class TransferEngine:
         backend = self.backend
         stream.wait_event(backend.new_event().record(backend.current_stream()))
 
+    def alloc_key(self):
+        """The allocation stream of a copy's destination: the compute stream.
+
+        Every copy is fenced behind the compute work enqueued before it
+        (:meth:`_after_compute`), so bytes freed in compute-stream order are safe
+        for it at once, as for compute work itself.
+        """
+        return self.backend.current_stream()
+
     def _track(self, event, *keep) -> None:
         with self._lock:
             self._inflight.append((event, keep))
@@ -149,7 +158,7 @@ def prefetch(buf: Buffer, *, arena=None):
         host = buf._host
         engine = _engine_for(arena, host.arena, "prefetch")
         stream = engine.h2d
-        dev = arena._allocate(buf.nbytes, buf.kind, stream)
+        dev = arena._allocate(buf.nbytes, buf.kind, engine.alloc_key())
         pending = buf._pending[0] if in_flight else None
         event = _issue(dev, host, stream, engine, (pending,))
         buf._device, buf.device_arena = dev, arena
@@ -183,7 +192,7 @@ def offload(buf: Buffer, *, arena=None):
         dev = buf._device
         engine = _engine_for(arena, dev.arena, "offload")
         stream = engine.d2h
-        host = arena._allocate(buf.nbytes, buf.kind, stream)
+        host = arena._allocate(buf.nbytes, buf.kind, engine.alloc_key())
         event = _issue(host, dev, stream, engine)
         buf._host, buf.host_arena = host, arena
         buf._pending = (event, "d2h", stream)

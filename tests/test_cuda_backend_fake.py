@@ -310,6 +310,29 @@ def test_compute_stream_frees_record_no_event_and_fence_other_streams(
     d._check_invariants()
 
 
+def test_host_arena_gives_the_cpu_bytes_only_after_the_gpu_is_done(fake, backend):
+    h = HostArena(1 << 16, backend=backend)
+    gate = threading.Event()
+    compute = backend.current_stream()
+    compute.launch_host_func(gate.wait)        # a GPU copy may still read the bytes
+    b = h.alloc(1 << 15)
+    offset = b.offset
+    b.free()
+    cpu = h.alloc(1 << 15)                     # default: for the CPU, other bytes
+    assert cpu.offset != offset
+    staged = h.alloc(1 << 14, stream=compute)  # GPU-only staging: reused at once
+    assert staged.offset == offset
+    gate.set()
+    compute.synchronize()
+    staged.free()
+    compute.synchronize()
+    again = h.alloc(1 << 15)                   # the GPU is past the free: reusable
+    assert again.offset == offset
+    for x in (cpu, again):
+        x.free()
+    h._check_invariants()
+
+
 def test_gpu_suite_events_script_runs_on_the_fake(fake, capsys):
     # tests/test_backend_gpu.py runs this script in a child process on a real GPU;
     # read it from the source (importing that module would probe for a GPU).

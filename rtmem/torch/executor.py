@@ -207,7 +207,10 @@ class ScheduleExecutor:
             return torch.empty(nbytes, dtype=torch.uint8,
                                pin_memory=self._device.type == "cuda").untyped_storage()
         from .bridge import as_tensor
-        buf = self.host_arena.alloc(nbytes, kind="activation")
+        # Only the copy streams touch these bytes, each fenced behind the compute
+        # stream: reuse in its order (the CPU default would wait for the GPU).
+        buf = self.host_arena.alloc(nbytes, kind="activation",
+                                    stream=self.host_arena.backend.current_stream())
         self._host_bufs.append(buf)
         return as_tensor(buf).untyped_storage()
 
