@@ -145,6 +145,8 @@ class CudaBackend(Backend):
         cp = import_cupy()
         self.cupy = cp
         self.runtime = cp.cuda.runtime
+        self._get_current_stream = cp.cuda.get_current_stream
+        self._compute = None        # wrapper of the current stream last seen
         self._cuda_error = getattr(self.runtime, "CUDARuntimeError", RuntimeError)
         try:
             if self.runtime.getDeviceCount() < 1:
@@ -214,7 +216,13 @@ class CudaBackend(Backend):
 
     def current_stream(self) -> CudaStream:
         """CuPy's current stream (where user kernels run)."""
-        return CudaStream(self.cupy.cuda.get_current_stream(), "compute")
+        # Every allocation and free asks: reuse the wrapper while CuPy returns the
+        # same stream object (a race between threads only makes a new wrapper).
+        raw = self._get_current_stream()
+        wrapped = self._compute
+        if wrapped is None or wrapped.raw is not raw:
+            wrapped = self._compute = CudaStream(raw, "compute")
+        return wrapped
 
     def copy_async(self, dst: Slab, dst_offset: int, src: Slab, src_offset: int,
                    nbytes: int, stream) -> None:
