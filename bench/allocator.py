@@ -229,6 +229,29 @@ class ArenaPath:
         self.arena.free(buf)
 
 
+#: rtmem's contenders on the GPU, from the bare core to the whole arena path.
+_RTMEM_GPU = ("rtmem_core", "rtmem_core_stream_ordered", "rtmem_device_arena")
+
+
+class OrderedCore:
+    """The core on the arena's GPU free path, without the arena: frees ordered on
+    CuPy's current stream, stamps recorded as real CUDA events (NOTE [
+    Stream-ordered frees ]). Between the bare core and ``ArenaPath``, it says
+    which layer costs what."""
+
+    def __init__(self, slab_bytes):
+        from rtmem.backends import get_backend
+        backend = self.backend = get_backend("cuda")
+        self.core = BestFitAllocator(
+            slab_bytes, event_source=lambda stream: backend.new_event().record(stream))
+
+    def allocate(self, nbytes, stream=None):
+        return self.core.allocate(nbytes, self.backend.current_stream())
+
+    def deallocate(self, block, stream=None, event=None):
+        self.core.deallocate(block, stream=self.backend.current_stream(), ordered=True)
+
+
 def gpu_baselines(trace, repeats, loops, slab_bytes):
     """Pairs/s on the GPU of rtmem's core (virtual slabs, as on the host), rtmem's
     DeviceArena path, CuPy's MemoryPool and torch's caching allocator, timed
@@ -251,6 +274,7 @@ def gpu_baselines(trace, repeats, loops, slab_bytes):
             del mem     # the pool takes the block back when the last reference goes
 
     contenders = {"rtmem_core": BestFitAllocator(slab_bytes),
+                  "rtmem_core_stream_ordered": OrderedCore(slab_bytes),
                   "rtmem_device_arena": ArenaPath(slab_bytes),
                   "cupy_memorypool": CupyPool()}
     torch_skipped = None
@@ -283,7 +307,7 @@ def gpu_baselines(trace, repeats, loops, slab_bytes):
     if "torch_caching" in contenders:
         torch.cuda.empty_cache()
     out = {f"{name}_pairs_per_s": statistics.median(r) for name, r in rates.items()}
-    for name in ("rtmem_core", "rtmem_device_arena"):
+    for name in _RTMEM_GPU:
         out[f"{name}_over_cupy"] = statistics.median(
             a / b for a, b in zip(rates[name], rates["cupy_memorypool"]))
     out["goal_over_cupy"] = 1 / 1.5
@@ -406,11 +430,11 @@ def main(argv=None) -> int:
     else:
         for tname, d in results["gpu"].items():
             rows += [(f"GPU {tname}: {name} pairs/s", f"{d[name + '_pairs_per_s']:,.0f}")
-                     for name in ("rtmem_core", "rtmem_device_arena", "cupy_memorypool",
-                                  "torch_caching") if name + "_pairs_per_s" in d]
+                     for name in (*_RTMEM_GPU, "cupy_memorypool", "torch_caching")
+                     if name + "_pairs_per_s" in d]
             rows += [(f"GPU {tname}: {name} / CuPy pool (goal >= 0.67)",
                       f"{d[name + '_over_cupy']:.2f}")
-                     for name in ("rtmem_core", "rtmem_device_arena")]
+                     for name in _RTMEM_GPU]
             if "torch_caching_skipped" in d:
                 rows.append((f"GPU {tname}: torch_caching", d["torch_caching_skipped"]))
             rows += [(f"GPU {tname}: {name} refused allocations (OOM): timings invalid",

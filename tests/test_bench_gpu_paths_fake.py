@@ -288,11 +288,12 @@ def test_allocator_gpu_section(bench, capsys):
     out = capsys.readouterr().out
     doc = bench.json("allocator")
     assert "skipped" not in doc["gpu"]
-    names = ("rtmem_core", "rtmem_device_arena", "cupy_memorypool")
+    names = al._RTMEM_GPU + ("cupy_memorypool",)
+    assert "rtmem_core_stream_ordered" in names
     for trace in ("random", "gpt2"):
         d = doc["gpu"][trace]
         assert all(_rate_ok(d[f"{n}_pairs_per_s"]) for n in names)
-        assert _rate_ok(d["rtmem_core_over_cupy"]) and _rate_ok(d["rtmem_device_arena_over_cupy"])
+        assert all(_rate_ok(d[f"{n}_over_cupy"]) for n in al._RTMEM_GPU)
         assert d["warmup_ooms"] == dict.fromkeys(names, 0)
         assert "torch_caching_pairs_per_s" not in d            # a CPU build of torch
         assert "is_available() is False" in d["torch_caching_skipped"]
