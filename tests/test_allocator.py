@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
                                  invariant, rule)
 
+from _threads import run_on_threads
 from rtmem.allocator import AllocatorStats, BestFitAllocator, align_up
 from rtmem.errors import DoubleFreeError, InvalidPointerError, OutOfMemoryError
 
@@ -308,42 +309,33 @@ def test_many_small_blocks_coalesce_back():
 
 def test_concurrent_threads_no_corruption():
     a = BestFitAllocator(4 << 20, alignment=256)
-    errors = []
     owner = {}                                     # addr -> thread id, under lock
     lock = threading.Lock()
 
     def work(tid):
         rng = random.Random(tid)
         mine = []
-        try:
-            for _ in range(1500):
-                if mine and (rng.random() < 0.5 or len(mine) > 40):
-                    b = mine.pop(rng.randrange(len(mine)))
-                    with lock:
-                        assert owner.pop(b.addr) == (tid, b.size)
-                    a.deallocate(b)
-                else:
-                    try:
-                        b = a.allocate(rng.randrange(1, 20000))
-                    except OutOfMemoryError:
-                        continue
-                    with lock:
-                        assert b.addr not in owner, "block handed out twice"
-                        owner[b.addr] = (tid, b.size)
-                    mine.append(b)
-            for b in mine:
+        for _ in range(1500):
+            if mine and (rng.random() < 0.5 or len(mine) > 40):
+                b = mine.pop(rng.randrange(len(mine)))
                 with lock:
-                    owner.pop(b.addr)
+                    assert owner.pop(b.addr) == (tid, b.size)
                 a.deallocate(b)
-        except BaseException as exc:       # surfaced in the main thread below
-            errors.append(exc)
+            else:
+                try:
+                    b = a.allocate(rng.randrange(1, 20000))
+                except OutOfMemoryError:
+                    continue
+                with lock:
+                    assert b.addr not in owner, "block handed out twice"
+                    owner[b.addr] = (tid, b.size)
+                mine.append(b)
+        for b in mine:
+            with lock:
+                owner.pop(b.addr)
+            a.deallocate(b)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_on_threads(work)
     s = a.stats()
     assert s.alloc_count == s.free_count and s.allocated_bytes == 0
     assert s.largest_free_bytes == s.reserved_bytes

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from _threads import run_on_threads
 from rtmem.arena import DeviceArena, HostArena
 from rtmem.backends import BACKENDS, backend_name, get_backend
 from rtmem.backends.host import PAGE, HostEvent
@@ -186,38 +187,29 @@ def test_views_refuse_missing_placement(dev):
 
 def test_concurrent_arena_use_keeps_data_intact():
     a = DeviceArena(8 << 20, backend="host")
-    errors = []
 
     def work(tid):
         rng = random.Random(tid)
         mine = []
-        try:
-            for _ in range(400):
-                if mine and (rng.random() < 0.45 or len(mine) > 30):
-                    buf, val = mine.pop(rng.randrange(len(mine)))
-                    assert (buf.numpy() == val).all(), "buffer overwritten"
-                    buf.free()
-                else:
-                    try:
-                        buf = a.alloc(rng.randrange(1, 30000),
-                                      kind=KINDS[tid % len(KINDS)])
-                    except OutOfMemoryError:
-                        continue
-                    val = (tid * 31 + len(mine)) % 251
-                    buf.numpy()[:] = val
-                    mine.append((buf, val))
-            for buf, val in mine:
-                assert (buf.numpy() == val).all()
+        for _ in range(400):
+            if mine and (rng.random() < 0.45 or len(mine) > 30):
+                buf, val = mine.pop(rng.randrange(len(mine)))
+                assert (buf.numpy() == val).all(), "buffer overwritten"
                 buf.free()
-        except BaseException as exc:       # surfaced in the main thread below
-            errors.append(exc)
+            else:
+                try:
+                    buf = a.alloc(rng.randrange(1, 30000),
+                                  kind=KINDS[tid % len(KINDS)])
+                except OutOfMemoryError:
+                    continue
+                val = (tid * 31 + len(mine)) % 251
+                buf.numpy()[:] = val
+                mine.append((buf, val))
+        for buf, val in mine:
+            assert (buf.numpy() == val).all()
+            buf.free()
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_on_threads(work)
     st = a.stats()
     assert st.allocated_bytes == 0 and st.alloc_count == st.free_count
     assert sum(st.count_by_kind.values()) == 0

@@ -1,0 +1,25 @@
+"""Run a test's worker on several threads and surface their failures."""
+
+from __future__ import annotations
+
+import threading
+
+
+def run_on_threads(work, n: int = 8) -> None:
+    """Call ``work(tid)`` for ``tid`` in ``range(n)``, each on its own thread, and
+    fail here with every exception a worker raised (a worker's assertion would
+    otherwise only be printed by the thread)."""
+    errors = []
+
+    def guarded(tid):
+        try:
+            work(tid)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
