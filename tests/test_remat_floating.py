@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _remat_cases import erratum_16_chain, persistence_counterexample
 from rtmem.errors import InfeasibleError, RtmemError
 from rtmem.planners import Chain, Platform, simulate, store_all_schedule
 from rtmem.planners.floating import plan_floating
@@ -60,8 +61,7 @@ def test_floating_plan_is_valid_and_no_worse_than_persistent(case):
 
 
 def test_erratum_16_instance_is_closed():
-    chain = Chain(u_f=[3, 5, 1, 0], u_b=[2, 6, 4, 2], x=[3, 4, 4, 3], xbar=[3, 6, 6, 5],
-                  x0=1, u_loss=2)
+    chain = erratum_16_chain()
     plan = plan_floating(chain, 20)
     assert plan.makespan == 39 and plan.peak <= 20
     assert plan_remat(chain, 20, slots=20).makespan == 42
@@ -70,9 +70,7 @@ def test_erratum_16_instance_is_closed():
 @pytest.mark.parametrize("n", [3, 4, 5, 6])
 def test_persistence_counterexample_reaches_exhaustive_value(n):
     # property 9: floating DP = exhaustive = min(3n-2, 2n+2) at M = 15
-    L = n + 2
-    x = [1] + [3] * (L - 2) + [4]
-    chain = Chain(u_f=[n - 2, 2] + [0] * (L - 2), u_b=[0] * L, x=x, xbar=x, x0=0)
+    chain = persistence_counterexample(n)
     assert plan_floating(chain, 15).makespan == min(3 * n - 2, 2 * n + 2)
 
 

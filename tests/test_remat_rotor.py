@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _remat_cases import erratum_16_chain, persistence_counterexample
 from rtmem.errors import InfeasibleError
 from rtmem.planners import Chain, Platform, simulate, store_all_schedule
 from rtmem.planners.baselines import plan_sequential, plan_store_all
@@ -124,8 +125,7 @@ def test_equals_brute_force_on_homogeneous_chains(chain, data):
 
 def test_erratum_16_instance():
     # thesis-remat.md erratum 16: optimum 39 by a non-persistent schedule, C_MP = 42
-    chain = Chain(u_f=[3, 5, 1, 0], u_b=[2, 6, 4, 2], x=[3, 4, 4, 3], xbar=[3, 6, 6, 5],
-                  x0=1, u_loss=2)
+    chain = erratum_16_chain()
     assert brute_force_remat(chain, 20)[0] == 39
     assert plan_remat(chain, 20, slots=20).makespan == 42
 
@@ -133,9 +133,7 @@ def test_erratum_16_instance():
 @pytest.mark.parametrize("n", [3, 4, 5, 6])
 def test_memory_persistence_counterexample(n):
     # property 9 (Fig. 2.3, M = 15): C_MP = 3n-2, exhaustive = min(3n-2, 2n+2)
-    L = n + 2
-    x = [1] + [3] * (L - 2) + [4]
-    chain = Chain(u_f=[n - 2, 2] + [0] * (L - 2), u_b=[0] * L, x=x, xbar=x, x0=0)
+    chain = persistence_counterexample(n)
     assert plan_remat(chain, 15, slots=15).makespan == 3 * n - 2
     assert brute_force_remat(chain, 15, max_stages=8)[0] == min(3 * n - 2, 2 * n + 2)
 
