@@ -85,10 +85,10 @@ _ADDR_MASK = (1 << _SIZE_SHIFT) - 1
 _MAX_SLAB_BYTES = 1 << _OFFSET_BITS
 
 _LIVE, _READY, _PENDING, _DEAD = 0, 1, 2, 3
+_STATE_NAMES = {_LIVE: "live", _READY: "ready", _PENDING: "pending"}
 
 #: Deferred frees between two stamp-and-poll rounds (NOTE [ Stream-ordered frees ]).
 _MAINTAIN_EVERY = 256
-_STATE_NAMES = {_LIVE: "live", _READY: "ready", _PENDING: "pending"}
 
 
 def align_up(nbytes: int, alignment: int) -> int:
@@ -542,14 +542,14 @@ class BestFitAllocator:
         :class:`~rtmem.errors.DoubleFreeError`, blocks of another allocator
         :class:`~rtmem.errors.InvalidPointerError`; the state is then unchanged.
         """
-        if ordered and (stream is None or event is not None or self.event_source is None):
-            raise ValueError(
-                "an ordered free needs a stream, no event, and an allocator made "
-                "with event_source=; pass stream=, drop event=, or free with an event "
-                "recorded after the last use" if self.event_source is not None or
-                stream is None or event is not None else
-                "this allocator has no event_source, so it cannot order a free on a "
-                "stream; construct it with event_source=, or free with event=")
+        if ordered:
+            if self.event_source is None:
+                raise ValueError("this allocator has no event_source, so it cannot order "
+                                 "a free on a stream; construct it with event_source=, "
+                                 "or free with event=")
+            if stream is None or event is not None:
+                raise ValueError("an ordered free needs a stream and no event; pass "
+                                 "stream=, or drop ordered= and free with event=")
         lock = self._lock
         lock.acquire()
         try:

@@ -190,39 +190,34 @@ class _Arena:
             self._count_by_kind[kind] += 1
         return Placement(self, block)
 
+    # The two halves of an arena's reuse policy (see the subclasses).
     def _default_stream(self):
-        """The allocation key when ``alloc`` gets no stream (see the subclasses)."""
+        """The allocation key when ``alloc`` gets no stream."""
+        raise NotImplementedError
+
+    def _free_after(self, block, stream) -> None:
+        """Free ``block`` behind the work enqueued so far on ``stream``."""
         raise NotImplementedError
 
     def _release(self, placement: Placement, kind: str) -> None:
-        """Free one placement, ordered after its last transfer and compute use.
-
-        The free is ordered on the compute stream, which reuses the block at
-        once. A device block needs no event per free (NOTE [ Stream-ordered frees ]
-        in allocator.py: other streams wait for a later stamp); a host block gets
-        an event recorded now, so that the CPU (which reuses host blocks only
-        behind completed events) gets it back as soon as the GPU is past the free.
-        """
+        """Free one placement, ordered after its last transfer and compute use
+        (on the compute stream: :meth:`_free_after`)."""
         block = placement.block
         size, requested = block.size, block.requested
-        backend = self.backend
-        compute = backend.current_stream()
+        compute = self.backend.current_stream()
         if placement.event is not None and not placement.event.query():
             # A copy still reads or writes the block (rare: a free racing its own
             # transfer): gate the free on the copy stream, after the compute work
             # enqueued so far, with an event recorded now.
             stream = placement.stream
-            stream.wait_event(backend.new_event().record(compute))
+            stream.wait_event(self._record_event(compute))
             self.allocator.deallocate(block, stream=stream,
-                                      event=backend.new_event().record(stream))
+                                      event=self._record_event(stream))
         elif compute.synchronous:
             # Host compute has finished with the block: reusable by all at once.
             self.allocator.deallocate(block)
-        elif self.location == "host":
-            self.allocator.deallocate(block, stream=compute,
-                                      event=backend.new_event().record(compute))
         else:
-            self.allocator.deallocate(block, stream=compute, ordered=True)
+            self._free_after(block, compute)
         with self._lock:
             self._bytes_by_kind[kind] -= size
             self._requested_by_kind[kind] -= requested
@@ -327,6 +322,11 @@ class DeviceArena(_Arena):
         # allocations on it (stream order).
         return self.backend.current_stream()
 
+    def _free_after(self, block, stream) -> None:
+        # No event per free: other streams wait for a later stamp
+        # (NOTE [ Stream-ordered frees ] in allocator.py).
+        self.allocator.deallocate(block, stream=stream, ordered=True)
+
 
 class HostArena(_Arena):
     """Host memory: pinned by default, ``mapped=True`` for memory the GPU can
@@ -354,3 +354,8 @@ class HostArena(_Arena):
         # comes back only once its event completed (torch's pinned-memory
         # allocator is as strict), so a new buffer can be written at once.
         return None
+
+    def _free_after(self, block, stream) -> None:
+        # An event recorded now, not a later stamp: the CPU gets the bytes back
+        # as soon as the GPU is past the free.
+        self.allocator.deallocate(block, stream=stream, event=self._record_event(stream))
