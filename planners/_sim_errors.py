@@ -72,9 +72,6 @@ def raise_error(err, schedule: Schedule, chain: Chain, platform: Platform) -> No
                 f"{platform.memory_limit:,} bytes ({format_bytes(platform.memory_limit)}) "
                 f"by {a:,} bytes even after every pending free; give more memory or "
                 "keep less data")
-        if j < 0:
-            what = (f"the chain input and weights alone need {a:,} bytes more than the "
-                    f"limit of {platform.memory_limit:,} bytes")
     elif code == _E_INITIAL_MEMORY:
         what = (f"the chain input and weights alone exceed the memory limit of "
                 f"{platform.memory_limit:,} bytes by {a:,} bytes")

@@ -50,6 +50,7 @@ from rtmem.units import format_bytes
 from .chain import Chain
 from .plan import Plan, as_budget
 from .platform import Platform
+from .remat import _fixed_bytes
 from .rotor import StageArrays, discretize, stage_arrays
 from .schedule import Op, Schedule
 from .simulator import simulate
@@ -219,7 +220,7 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     if math.isinf(budget):
         raise RtmemError("plan_floating needs a finite budget; use plan_store_all for "
                          "unlimited memory")
-    fixed = int(chain.x0) + int(chain.w.sum())
+    fixed = _fixed_bytes(chain)
     m_bytes = int(budget) - fixed
     if m_bytes < 0:
         raise InfeasibleError(f"the chain input and weights alone need {fixed:,} bytes, "

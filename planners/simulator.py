@@ -161,7 +161,6 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
     host_ready = np.zeros((n + 1, 2))
     w_dev = np.ones(n, np.bool_)
     w_ready = np.zeros(n)
-    w_busy = np.zeros(n)
     w_host_ready = np.zeros(n)
     g_dev = np.zeros(n, np.bool_)
     g_ready = np.zeros(n)
@@ -405,7 +404,6 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
             chan_free[h2d] = end
             w_dev[s] = True
             w_ready[s] = end
-            w_busy[s] = end
             moved_h2d += w[s]
             out[j, 2] = mem
         elif code == _W_OFFLOAD or code == _W_DELETE:
@@ -423,7 +421,7 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                 w_host_ready[s] = end
                 moved_d2h += w[s]
             else:
-                end = max(cursor, w_busy[s])
+                end = max(cursor, w_ready[s])
             if end > cursor:
                 pf_t[npf] = end
                 pf_b[npf] = w[s]
