@@ -387,7 +387,6 @@ def main(argv=None) -> int:
         "goal_best_fit": 1.05, "goal_static": 1.01}
 
     if cuda_available():
-        peak = peak_live_aligned(gtrace)
         results["gpu"] = {"random": gpu_baselines(rtrace, repeats, 1, 256 << 20),
                           "gpt2": gpu_baselines(gtrace, repeats, loops,
                                                 align_up(peak * 5 // 4, 1 << 20))}

@@ -28,11 +28,10 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import write_results  # noqa: E402
+from _common import median_time, write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.units import format_bytes, parse_bytes  # noqa: E402
@@ -101,15 +100,7 @@ class Timer:
 
     def wall(self, fn, stream) -> float:
         """Host seconds for ``fn()`` plus a synchronize of ``stream``."""
-        fn()
-        stream.synchronize()
-        times = []
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            fn()
-            stream.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_time(lambda: (fn(), stream.synchronize()), self.repeats)
 
 
 def _concurrent(cp, first, second, s1, s2):

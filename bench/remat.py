@@ -105,8 +105,9 @@ def main(argv=None):
     ap.add_argument("--fraction", type=float, default=0.4)
     ap.add_argument("--python-budget", type=float, default=3e7,
                     help="run the Python DP only below this many estimated steps")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "remat.json"))
+    ap.add_argument("--out", default=None,
+                    help="results file (default: remat.json under $RTMEM_BENCH_RESULTS "
+                         "or bench/results)")
     args = ap.parse_args(argv)
 
     t = time.perf_counter()

@@ -47,7 +47,7 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
     from rtmem.cli_plan import COMPARISON_HEADERS, comparison_rows
     from rtmem.optim import CPUAdam
     from rtmem.planners import (Platform, compare_remat, min_feasible_memory, plan_store_all,
-                                simulate, store_all_schedule)
+                                store_all_schedule)
     from rtmem.planners.plan import Plan, as_budget
     from rtmem.plot import plot_schedule
     from rtmem.torch import ScheduleExecutor, gpt2_model, profile_sequential
@@ -126,8 +126,7 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
                            os.path.join(out, "rotor_plan.png"),
                            title=f"rotor plan for {chain.name} under {format_bytes(budget)}"),
              plot_schedule(chain, full.schedule, Platform(math.inf),
-                           os.path.join(out, "no_remat.png"),
-                           result=simulate(chain, full.schedule, Platform(math.inf)))]
+                           os.path.join(out, "no_remat.png"))]
     plan.save(os.path.join(out, "rotor_plan.json"))
     chain.save(os.path.join(out, "chain.json"))
     say("wrote " + ", ".join(paths + [os.path.join(out, "rotor_plan.json"),

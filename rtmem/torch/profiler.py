@@ -35,17 +35,16 @@ from torch import nn
 from rtmem.errors import RtmemError
 from rtmem.planners import Chain
 
+from .executor import _storages
+
 __all__ = ["profile_sequential"]
 
 
 def _storage_bytes(tensors, exclude=()):
-    seen, total = set(exclude), 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
+    """Bytes of the distinct storages of ``tensors`` whose data pointer is not in
+    ``exclude``: the executor's accounting (its ``_storages``), so planned and
+    measured bytes agree."""
+    return sum(s.nbytes() for k, s in _storages(tensors).items() if k not in exclude)
 
 
 class _Timer:
