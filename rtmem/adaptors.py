@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from .allocator import align_up
 from .errors import OutOfMemoryError, UseAfterFreeError
 from .units import format_bytes
 
@@ -161,8 +162,7 @@ class LimitAdaptor(AllocatorAdaptor):
 
     def allocate(self, nbytes: int, stream=None):
         """Allocate ``nbytes`` bytes if the budget allows."""
-        a = self.upstream.alignment
-        size = -(-max(int(nbytes), 1) // a) * a
+        size = align_up(max(int(nbytes), 1), self.upstream.alignment)
         with self._lock:
             if self._used + size > self.budget_bytes:
                 self._refuse(int(nbytes), size)
@@ -179,8 +179,7 @@ class LimitAdaptor(AllocatorAdaptor):
 
     def resize(self, block, nbytes: int, stream=None):
         """Resize within the budget."""
-        a = self.upstream.alignment
-        size = -(-max(int(nbytes), 1) // a) * a
+        size = align_up(max(int(nbytes), 1), self.upstream.alignment)
         with self._lock:
             old = self._sizes.get(block, 0)
             if self._used - old + size > self.budget_bytes:

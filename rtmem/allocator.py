@@ -348,47 +348,40 @@ class BestFitAllocator:
         self._poll_pending()
 
     def _poll_pending(self) -> None:
-        """Move pending blocks whose event completed into ``_ready``.
+        """Move pending blocks whose event completed into ``_ready``."""
+        self._drain(wait=False)
 
-        Events on one stream complete in order, so only each FIFO's head is
-        queried (once per event: a stamp is shared by many entries); entries for
-        blocks reused or merged since are skipped.
+    def _flush_pending(self) -> None:
+        """Wait for every pending event and make all pending blocks ready."""
+        self._stamp()
+        self._drain(wait=True)
+
+    def _drain(self, wait: bool) -> None:
+        """Move pending blocks into ``_ready`` as their events complete, waiting
+        for each event when ``wait`` (then every block gets there).
+
+        Events on one stream complete in order, so without waiting only each
+        FIFO's head is queried (once per event: a stamp is shared by many
+        entries); entries for blocks reused or merged since are skipped.
         """
         for fifo in self._fifo.values():
             done = None
             while fifo:
                 event, block = fifo[0]
-                if block.state != _PENDING or block.event is not event:
-                    fifo.popleft()
-                    continue
-                if event is not done:
-                    if not event.query():
-                        break
-                    done = event
+                if block.state == _PENDING and block.event is event:
+                    if event is not done:
+                        if wait:
+                            event.synchronize()
+                        elif not event.query():
+                            break
+                        done = event
+                    self._remove_pending(block)
+                    self._make_ready(block)
                 fifo.popleft()
-                self._remove_pending(block)
-                self._make_ready(block)
         if not self._pending_bytes:
             self._fifo.clear()      # only stale entries can remain
             self._pending.clear()
             self._unstamped.clear()
-
-    def _flush_pending(self) -> None:
-        """Wait for every pending event and make all pending blocks ready."""
-        self._stamp()
-        for fifo in self._fifo.values():
-            done = None
-            while fifo:
-                event, block = fifo.popleft()
-                if block.state != _PENDING or block.event is not event:
-                    continue
-                if event is not done:
-                    event.synchronize()
-                    done = event
-                self._remove_pending(block)
-                self._make_ready(block)
-        self._fifo.clear()
-        self._pending.clear()
 
     def _best_fit(self, size: int, stream):
         """Smallest free block of >= ``size`` bytes usable on ``stream``, or None."""

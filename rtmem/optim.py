@@ -174,12 +174,13 @@ class NumpyAdam:
                           bias_correction=bool(bias_correction))
         self.num_threads = _check_num_threads(num_threads)
         self.state = []
-        for i, p in enumerate(self.params):
-            zeros = np.zeros(getattr(p, "shape", ()), dtype=np.float32)
-            # Validates the parameter (dtype, contiguity, writeability) up front.
-            prepare_update(p, zeros, zeros.copy(), zeros.copy())
         for p in self.params:
-            keys = _STATE_KEYS if amsgrad else _STATE_KEYS[:2]
+            # Validates the parameter (dtype, contiguity, writeability) up front;
+            # np.zeros is lazily zeroed memory, unlike copies of it.
+            shape = getattr(p, "shape", ())
+            prepare_update(p, *(np.zeros(shape, dtype=np.float32) for _ in range(3)))
+        keys = _STATE_KEYS if amsgrad else _STATE_KEYS[:2]
+        for p in self.params:
             st = {"step": 0}
             st.update((key, _zeros_state(p.shape, state_arena)) for key in keys)
             self.state.append(st)

@@ -108,31 +108,18 @@ class CudaEvent:
         self.raw.synchronize()
 
 
-class _HostAlloc:
-    """Owns one cudaHostAlloc allocation; ``free`` gives it back once."""
+class _CudaAlloc:
+    """Owns one allocation at ``ptr``; ``free`` gives it back once with the
+    runtime call that matches how it was made (``free`` or ``freeHost``)."""
 
-    __slots__ = ("ptr", "runtime")
+    __slots__ = ("ptr", "_release")
 
-    def __init__(self, ptr, runtime):
-        self.ptr, self.runtime = ptr, runtime
-
-    def free(self):
-        if self.ptr:
-            self.runtime.freeHost(self.ptr)
-            self.ptr = 0
-
-
-class _DeviceAlloc:
-    """Owns one cudaMalloc allocation; ``free`` gives it back once."""
-
-    __slots__ = ("ptr", "runtime")
-
-    def __init__(self, ptr, runtime):
-        self.ptr, self.runtime = ptr, runtime
+    def __init__(self, ptr, release):
+        self.ptr, self._release = ptr, release
 
     def free(self):
         if self.ptr:
-            self.runtime.free(self.ptr)
+            self._release(self.ptr)
             self.ptr = 0
 
 
@@ -173,7 +160,7 @@ class CudaBackend(Backend):
         except self._cuda_error as exc:
             raise self._oom("cudaMalloc", nbytes, exc) from exc
         return Slab(self, nbytes, ptr, location="device", device_ptr=ptr,
-                    owner=_DeviceAlloc(ptr, self.runtime))
+                    owner=_CudaAlloc(ptr, self.runtime.free))
 
     def host_slab(self, nbytes: int, *, pinned: bool = True, mapped: bool = False) -> Slab:
         """``cudaHostAlloc`` (portable, plus mapped when asked) of exactly
@@ -197,7 +184,7 @@ class CudaBackend(Backend):
             device_ptr = int(rt.pointerGetAttributes(ptr).devicePointer)
         return Slab(self, nbytes, ptr, location="host", device_ptr=device_ptr,
                     host_array=_host_view(ptr, nbytes), pinned=True, mapped=mapped,
-                    owner=_HostAlloc(ptr, rt))
+                    owner=_CudaAlloc(ptr, rt.freeHost))
 
     def release(self, slab: Slab) -> None:
         """Free the slab's memory (the caller synchronized its users)."""
