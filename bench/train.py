@@ -8,7 +8,8 @@ CPU section (always). A GPT-2-style model (``rtmem.torch.gpt2_model``: embedding
 ``--layers`` blocks, head; n = layers + 2 stages) is profiled into a Chain with
 ``profile_sequential``. Contenders, each timed as a whole training step (forward,
 loss, backward; gradients zeroed outside the timed region), round-robin over
-``--repeats`` rounds after one warm-up step each, median kept:
+``--repeats`` rounds after one warm-up step each, median kept (executors time
+with ``track_memory=False``; their byte count comes from the warm-up step):
 
 - ``torch plain``: ``loss_fn(model(x), y).backward()``;
 - ``torch ckseq k``: ``checkpoint_sequential(model, k, x, use_reentrant=False)``
@@ -261,6 +262,11 @@ def time_round_robin(model, contenders, repeats, reference_grads, reference_loss
         c["loss_abs_diff"] = abs(float(loss) - reference_loss)
         c["grad_max_abs_diff"] = float((g - reference_grads).abs().max())
         c["times_s"], c["cpu_times_s"] = [], []
+        if c["executor"] is not None:
+            # the warm-up step counted the activation bytes; timed steps run as a
+            # training loop would, without the per-operation count
+            c["exec_peak_bytes"] = int(c["executor"].peak_bytes)
+            c["executor"].track_memory = False
     for _ in range(repeats):
         for c in contenders.values():
             model.zero_grad(set_to_none=True)
@@ -271,8 +277,6 @@ def time_round_robin(model, contenders, repeats, reference_grads, reference_loss
     for c in contenders.values():
         c["median_s"] = statistics.median(c["times_s"])
         c["median_cpu_s"] = statistics.median(c["cpu_times_s"])
-        if c["executor"] is not None:
-            c["exec_peak_bytes"] = int(c["executor"].peak_bytes)
         model.zero_grad(set_to_none=True)     # weight gradients are made by the step
         c["alloc_peak_bytes"] = alloc_peak_bytes(c["step"])
     model.zero_grad(set_to_none=True)

@@ -37,10 +37,10 @@ def setup(request):
     return model, loss_fn, x, y, ref, loss.detach(), chain
 
 
-def _run(setup, schedule):
+def _run(setup, schedule, **kw):
     model, loss_fn, x, y, _, _, _ = setup
     m = copy.deepcopy(model)
-    ex = ScheduleExecutor(m, schedule, loss_fn)
+    ex = ScheduleExecutor(m, schedule, loss_fn, **kw)
     torch.manual_seed(7)
     loss = ex.step(x, y)
     return m, ex, loss
@@ -65,15 +65,35 @@ def test_remat_gradients_equal_plain_autograd(setup, segments):
     _assert_same_training(setup, *_run(setup, sched))
 
 
-def test_offload_weights_and_gradients(setup):
-    n = setup[-1].n
+def _moves_schedule(n):
     text = ["F_all 0", "offload abar1", "F_all 1", "delete abar1", "w_delete 0"]
     text += [f"F_all {i}" for i in range(2, n)] + ["L"]
     text += [f"B {i}" for i in reversed(range(2, n))]
     text += ["prefetch abar1", "B 1", "g_offload 1", "w_prefetch 0", "B 0", "g_offload 0"]
-    m, ex, loss = _run(setup, Schedule.from_text(", ".join(text)))
+    return Schedule.from_text(", ".join(text))
+
+
+def test_offload_weights_and_gradients(setup):
+    m, ex, loss = _run(setup, _moves_schedule(setup[-1].n))
     _assert_same_training(setup, m, ex, loss)
     assert set(ex.host_grads()) == set(m[0].parameters()) | set(m[1].parameters())
+
+
+def test_track_memory_off_trains_the_same_and_counts_nothing(setup):
+    sched = _moves_schedule(setup[-1].n)
+    m, ex, loss = _run(setup, sched, track_memory=False)
+    _assert_same_training(setup, m, ex, loss)
+    assert ex.peak_bytes is None and ex.resident_bytes == []
+    # switched on between steps, it counts exactly what a tracking executor counts
+    # (the weight moves of the previous step must not leave stale parameter keys)
+    _, tracked, _ = _run(setup, sched)
+    ex.track_memory = True
+    m.zero_grad(set_to_none=True)
+    ex.zero_host_grads()
+    torch.manual_seed(7)
+    ex.step(*setup[2:4])
+    assert ex.resident_bytes == tracked.resident_bytes and len(ex.resident_bytes) == len(sched)
+    assert ex.peak_bytes == tracked.peak_bytes == max(tracked.resident_bytes)
 
 
 @settings(max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), deadline=None,

@@ -98,15 +98,23 @@ class ScheduleExecutor:
         A :class:`~rtmem.HostArena` (pinned) that receives offloaded activations.
         Its buffers are freed at the end of every step. Without one, offloaded data
         goes to torch's pinned memory (CPU tensors on the host backend).
+    track_memory:
+        Count the activation bytes after every operation (below). The count walks
+        every stored tensor, a Python cost per operation that is a visible share
+        of a step of small stages; a training loop that does not read the figures
+        passes ``False`` (the attribute may also be flipped between steps).
 
-    After :meth:`step`, ``peak_bytes`` is the largest number of activation bytes
-    (unique device storages of stored tensors and gradients, parameters excluded)
-    held between two operations, the quantity the simulator's memory counts for
-    activations.
+    After :meth:`step` with ``track_memory``, ``peak_bytes`` is the largest number
+    of activation bytes (unique device storages of stored tensors and gradients,
+    parameters excluded) held between two operations, the quantity the simulator's
+    memory counts for activations, and ``resident_bytes`` that count after each
+    operation. Without tracking, ``peak_bytes`` is ``None`` and ``resident_bytes``
+    empty.
     """
 
     def __init__(self, model: nn.Sequential, schedule, loss_fn, *,
-                 preserve_rng_state: bool = True, host_arena=None):
+                 preserve_rng_state: bool = True, host_arena=None,
+                 track_memory: bool = True):
         if not isinstance(model, nn.Sequential):
             raise ExecutionError(f"model must be an nn.Sequential of stages, got "
                                  f"{type(model).__name__}; wrap your blocks in nn.Sequential")
@@ -124,8 +132,9 @@ class ScheduleExecutor:
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.preserve_rng_state = preserve_rng_state
+        self.track_memory = track_memory
         self.stages = list(model.children())
-        self.peak_bytes = 0
+        self.peak_bytes: int | None = 0 if track_memory else None
         self.resident_bytes: list[int] = []
         self._w_host: dict = {}
         self._g_host: dict = {}
@@ -166,9 +175,11 @@ class ScheduleExecutor:
         self._delta = None
         self._first: dict[int, tuple] = {}
         self._release_host()
-        self.peak_bytes = 0
+        track = self.track_memory
+        self.peak_bytes = 0 if track else None
         self.resident_bytes = []
-        self._refresh_param_ptrs()
+        if track:
+            self._refresh_param_ptrs()
         loss = None
         for op, s, aux in self.schedule:
             if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
@@ -183,7 +194,8 @@ class ScheduleExecutor:
                 self._weights(op, s)
             else:
                 self._grads_to_host(s)
-            self._account()
+            if track:
+                self._account()
         self._plain.clear()
         self._bar.clear()
         self._delta = None
@@ -409,7 +421,8 @@ class ScheduleExecutor:
             if op == Op.W_OFFLOAD or p not in self._w_host:
                 self._w_host[p] = p.data.to("cpu", copy=True)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._refresh_param_ptrs()
+        if self.track_memory:
+            self._refresh_param_ptrs()
 
     def _grads_to_host(self, i: int):
         for p in self.stages[i].parameters():
