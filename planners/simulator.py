@@ -144,6 +144,39 @@ def _wait_for_memory(t, extra, limit, mem, pf_t, pf_b, npf):
 
 
 @numba.njit(cache=True, nogil=True)
+def _release(t_free, now, nbytes, mem, pf_t, pf_b, npf):
+    """Free ``nbytes`` at time ``now``: at once, or as a pending free due at
+    ``t_free`` when a transfer still uses them until then (Rule 5: bytes return
+    when the last copy reading them ends). Returns (mem, npf)."""
+    if t_free > now:
+        pf_t[npf] = t_free
+        pf_b[npf] = nbytes
+        return mem, npf + 1
+    return mem - nbytes, npf
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_ready(dev, ready, k):
+    """When the first resident copy of activation k (a_k or abar_k) is ready: an
+    op that reads either may start then (seconds; a copy must be resident)."""
+    t = 1e300
+    for kind in range(2):
+        if dev[k, kind] and ready[k, kind] < t:
+            t = ready[k, kind]
+    return t
+
+
+@numba.njit(cache=True, nogil=True)
+def _fail(err, code, j, a=-1, b=-1):
+    """Record violation ``code`` at op ``j`` with its two details (see
+    ``_sim_errors.raise_error`` for their meaning per code)."""
+    err[0] = code
+    err[1] = j
+    err[2] = a
+    err[3] = b
+
+
+@numba.njit(cache=True, nogil=True)
 def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                    u_loss, o_loss, limit, bandwidth, duplex, out, err, stats):
     """Walk the schedule; fill ``out`` (n_ops x 4: start, end, mem, mem_after).
@@ -174,9 +207,7 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
     mem = a_size[0] + w.sum()
     peak = mem
     if mem > limit:
-        err[0] = _E_INITIAL_MEMORY
-        err[1] = -1
-        err[2] = mem - limit
+        _fail(err, _E_INITIAL_MEMORY, -1, mem - limit)
         return 0.0, peak
     g = n + 1                      # index of the current gradient delta_g
     cursor = 0.0                   # compute stream free / transfer issue time
@@ -196,41 +227,25 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
             need = 0
             if code == _LOSS:
                 if g != n + 1:
-                    err[0] = _E_BACKWARD_ORDER
-                    err[1] = j
-                    err[2] = -1
-                    err[3] = g - 1
+                    _fail(err, _E_BACKWARD_ORDER, j, -1, g - 1)
                     return 0.0, peak
                 if not (dev[n, 0] or dev[n, 1]):
-                    err[0] = _E_MISSING_INPUT
-                    err[1] = j
-                    err[2] = n
+                    _fail(err, _E_MISSING_INPUT, j, n)
                     return 0.0, peak
-                t_in = 1e300
-                for kind in range(2):
-                    if dev[n, kind]:
-                        t_in = min(t_in, ready[n, kind])
-                t0 = max(t0, t_in)
+                t0 = max(t0, _first_ready(dev, ready, n))
                 dur = u_loss
                 need = a_size[n] + o_loss
             else:
                 if not w_dev[s]:
-                    err[0] = _E_WEIGHT_MISSING
-                    err[1] = j
-                    err[2] = s
+                    _fail(err, _E_WEIGHT_MISSING, j, s)
                     return 0.0, peak
                 t0 = max(t0, w_ready[s])
                 if code == _B:
                     if g != s + 1:
-                        err[0] = _E_BACKWARD_ORDER
-                        err[1] = j
-                        err[2] = s
-                        err[3] = -1 if g == n + 1 else g - 1
+                        _fail(err, _E_BACKWARD_ORDER, j, s, -1 if g == n + 1 else g - 1)
                         return 0.0, peak
                     if not dev[s + 1, 1]:
-                        err[0] = _E_MISSING_ABAR
-                        err[1] = j
-                        err[2] = s + 1
+                        _fail(err, _E_MISSING_ABAR, j, s + 1)
                         return 0.0, peak
                     t0 = max(t0, ready[s + 1, 1])
                     dur = u_b[s]
@@ -240,29 +255,17 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                     need = (abar_size[s + 1] if code == _F_ALL else a_size[s + 1]) + o_f[s]
                 if code == _F_NONE:
                     if not dev[s, 0]:
-                        err[0] = _E_MISSING_INPUT
-                        err[1] = j
-                        err[2] = s
-                        err[3] = 1
+                        _fail(err, _E_MISSING_INPUT, j, s, 1)
                         return 0.0, peak
                     t0 = max(t0, ready[s, 0])
                 else:
                     if not (dev[s, 0] or dev[s, 1]):
-                        err[0] = _E_MISSING_INPUT
-                        err[1] = j
-                        err[2] = s
+                        _fail(err, _E_MISSING_INPUT, j, s)
                         return 0.0, peak
-                    t_in = 1e300
-                    for kind in range(2):
-                        if dev[s, kind]:
-                            t_in = min(t_in, ready[s, kind])
-                    t0 = max(t0, t_in)
+                    t0 = max(t0, _first_ready(dev, ready, s))
             start, mem, npf, over = _wait_for_memory(t0, need, limit, mem, pf_t, pf_b, npf)
             if over > 0:
-                err[0] = _E_MEMORY
-                err[1] = j
-                err[2] = over
-                err[3] = need
+                _fail(err, _E_MEMORY, j, over, need)
                 return 0.0, peak
             end = start + dur
             out[j, 2] = mem + need
@@ -275,37 +278,21 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                 if code == _B:
                     mem -= a_size[s + 1]                  # delta_{s+1} consumed
                     dev[s + 1, 1] = False
-                    t_free = max(end, busy_until[s + 1, 1])
-                    if t_free > end:
-                        pf_t[npf] = t_free
-                        pf_b[npf] = abar_size[s + 1]
-                        npf += 1
-                    else:
-                        mem -= abar_size[s + 1]
+                    mem, npf = _release(busy_until[s + 1, 1], end, abar_size[s + 1], mem,
+                                        pf_t, pf_b, npf)
                     g_dev[s] = True
                     g_ready[s] = end
                     mem += w[s]
                 if dev[k_in, 0] and not dev[k_in, 1]:
                     dev[k_in, 0] = False
-                    t_free = max(end, busy_until[k_in, 0])
-                    if t_free > end:
-                        pf_t[npf] = t_free
-                        pf_b[npf] = a_size[k_in]
-                        npf += 1
-                    else:
-                        mem -= a_size[k_in]
+                    mem, npf = _release(busy_until[k_in, 0], end, a_size[k_in], mem,
+                                        pf_t, pf_b, npf)
                 mem += a_size[k_in]                       # delta_{k_in} produced
                 g = k_in
             else:
                 if code == _F_NONE:
                     dev[s, 0] = False
-                    t_free = max(end, busy_until[s, 0])
-                    if t_free > end:
-                        pf_t[npf] = t_free
-                        pf_b[npf] = a_size[s]
-                        npf += 1
-                    else:
-                        mem -= a_size[s]
+                    mem, npf = _release(busy_until[s, 0], end, a_size[s], mem, pf_t, pf_b, npf)
                 kind = 1 if code == _F_ALL else 0
                 if not dev[s + 1, kind]:
                     dev[s + 1, kind] = True
@@ -318,24 +305,15 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
             size = abar_size[s] if kind == 1 else a_size[s]
             if code == _PREFETCH:
                 if dev[s, kind]:
-                    err[0] = _E_ALREADY_RESIDENT
-                    err[1] = j
-                    err[2] = s
-                    err[3] = kind
+                    _fail(err, _E_ALREADY_RESIDENT, j, s, kind)
                     return 0.0, peak
                 if not host[s, kind]:
-                    err[0] = _E_NO_HOST_COPY
-                    err[1] = j
-                    err[2] = s
-                    err[3] = kind
+                    _fail(err, _E_NO_HOST_COPY, j, s, kind)
                     return 0.0, peak
                 t_issue, mem, npf, over = _wait_for_memory(cursor, size, limit, mem,
                                                            pf_t, pf_b, npf)
                 if over > 0:
-                    err[0] = _E_MEMORY
-                    err[1] = j
-                    err[2] = over
-                    err[3] = size
+                    _fail(err, _E_MEMORY, j, over, size)
                     return 0.0, peak
                 cursor = t_issue
                 mem += size
@@ -350,17 +328,11 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                 moved_h2d += size
             else:
                 if not dev[s, kind]:
-                    err[0] = _E_NOT_RESIDENT
-                    err[1] = j
-                    err[2] = s
-                    err[3] = kind
+                    _fail(err, _E_NOT_RESIDENT, j, s, kind)
                     return 0.0, peak
                 if code == _OFFLOAD:
                     if host[s, kind]:
-                        err[0] = _E_HOST_COPY_EXISTS
-                        err[1] = j
-                        err[2] = s
-                        err[3] = kind
+                        _fail(err, _E_HOST_COPY_EXISTS, j, s, kind)
                         return 0.0, peak
                     start = max(cursor, ready[s, kind], chan_free[d2h])
                     end = start + size / bandwidth
@@ -371,29 +343,17 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                     moved_d2h += size
                 else:
                     dev[s, kind] = False
-                    t_free = max(cursor, busy_until[s, kind])
-                    end = t_free
-                    if t_free > cursor:
-                        pf_t[npf] = t_free
-                        pf_b[npf] = size
-                        npf += 1
-                    else:
-                        mem -= size
+                    end = max(cursor, busy_until[s, kind])
+                    mem, npf = _release(end, cursor, size, mem, pf_t, pf_b, npf)
             out[j, 2] = mem
         elif code == _W_PREFETCH:
             if w_dev[s]:
-                err[0] = _E_WEIGHT_STATE
-                err[1] = j
-                err[2] = s
-                err[3] = 0
+                _fail(err, _E_WEIGHT_STATE, j, s, 0)
                 return 0.0, peak
             t_issue, mem, npf, over = _wait_for_memory(cursor, w[s], limit, mem,
                                                        pf_t, pf_b, npf)
             if over > 0:
-                err[0] = _E_MEMORY
-                err[1] = j
-                err[2] = over
-                err[3] = w[s]
+                _fail(err, _E_MEMORY, j, over, w[s])
                 return 0.0, peak
             cursor = t_issue
             mem += w[s]
@@ -408,10 +368,7 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
             out[j, 2] = mem
         elif code == _W_OFFLOAD or code == _W_DELETE:
             if not w_dev[s]:
-                err[0] = _E_WEIGHT_STATE
-                err[1] = j
-                err[2] = s
-                err[3] = 1
+                _fail(err, _E_WEIGHT_STATE, j, s, 1)
                 return 0.0, peak
             w_dev[s] = False
             if code == _W_OFFLOAD:
@@ -422,30 +379,18 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                 moved_d2h += w[s]
             else:
                 end = max(cursor, w_ready[s])
-            if end > cursor:
-                pf_t[npf] = end
-                pf_b[npf] = w[s]
-                npf += 1
-            else:
-                mem -= w[s]
+            mem, npf = _release(end, cursor, w[s], mem, pf_t, pf_b, npf)
             out[j, 2] = mem
         else:  # _G_OFFLOAD
             if not g_dev[s]:
-                err[0] = _E_GRAD_MISSING
-                err[1] = j
-                err[2] = s
+                _fail(err, _E_GRAD_MISSING, j, s)
                 return 0.0, peak
             g_dev[s] = False
             start = max(cursor, g_ready[s], chan_free[d2h])
             end = start + w[s] / bandwidth
             chan_free[d2h] = end
             moved_d2h += w[s]
-            if end > cursor:
-                pf_t[npf] = end
-                pf_b[npf] = w[s]
-                npf += 1
-            else:
-                mem -= w[s]
+            mem, npf = _release(end, cursor, w[s], mem, pf_t, pf_b, npf)
             out[j, 2] = mem
         out[j, 0] = start
         out[j, 1] = end
@@ -458,9 +403,7 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                 after -= pf_b[k]
         out[j, 3] = after
     if g != 0:
-        err[0] = _E_INCOMPLETE
-        err[1] = -1
-        err[2] = -1 if g == n + 1 else g - 1
+        _fail(err, _E_INCOMPLETE, -1, -1 if g == n + 1 else g - 1)
         return 0.0, peak
     stats[0] = busy
     stats[1] = moved_h2d
