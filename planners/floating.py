@@ -74,53 +74,78 @@ def _adv(s, t, xin, xo, of, D):
     return out
 
 
+# Cases of F(s, t, l, m), as _cells reports them in arg[0]
+_NONE, _CASE_A, _CASE_B = 0, 1, 2
+
+
 @numba.njit(cache=True)
-def _fill(uf, ub, xin, xo, xb, of, ob, G, Gb, P, M):
-    N = uf.shape[0]
+def _cells(F, s, t, l0, l1, m0, m1, adv, P, ub, xin, xo, xb, of, ob, Gb, D, arg, store):
+    """F(s, t, l, m) for l0 <= l < l1, m0 <= m < m1 from the cells of shorter
+    ranges already in ``F``: the one case analysis of NOTE [ Floating DP C_FL ],
+    shared by the fill (whole ranges, ``store``: written into ``F``) and the
+    reconstruction (one cell, ``F`` left alone) so the two cannot disagree.
+    Returns the value of the last cell (seconds, ``inf`` if infeasible); ``arg``
+    receives its argmin.
+
+    ``arg`` = (case, r, sp, tp, mt, mr). Case A: F_none s..r-1, F_all r (r = l),
+    then the range r+1..t in mt slots (mt = -1: the leaf, r = t). Case B: F_none
+    s..r-1, F_ck r, F_none r+1..sp, then F(sp+1, t, tp, mt) and F(r, tp-1, l, mr).
+    """
+    best = np.inf
+    for l in range(l0, l1):
+        for m in range(m0, m1):
+            best, case, r_b, sp_b, mt_b, mr_b = np.inf, _NONE, -1, -1, -1, -1
+            # Case A: move to a_l, F_all l, solve l+1..t, B l
+            if m >= adv[l - s] and (l == s or xin[l] >= xin[s]):
+                ml = m + xin[s] - xin[l]
+                if (ml >= xb[l] + of[l] + D[t]
+                        and ml >= xb[l] + xo[l] + xin[l] + ob[l] + Gb[l]):
+                    if l == t:
+                        best, case, r_b = (P[l + 1] - P[s]) + ub[l], _CASE_A, l
+                    elif ml - xb[l] >= 0:
+                        best = (P[l + 1] - P[s]) + F[l + 1, t, l + 1, ml - xb[l]] + ub[l]
+                        case, r_b, mt_b = _CASE_A, l, ml - xb[l]
+            # Case B: move to a_r, F_ck r, F_none to s', keep a_{s'+1}
+            if t > l:
+                for r in range(s, l + 1):
+                    if (r > s and xin[r] < xin[s]) or m < adv[r - s]:
+                        continue
+                    mr = m + xin[s] - xin[r]
+                    if mr < xo[r] + of[r] + D[t]:
+                        continue
+                    fwd = 0                 # F_none r+1..s' requirement so far
+                    for sp in range(r, t):
+                        if sp > r:
+                            fwd = max(fwd, xin[sp] + xo[sp] + of[sp] + D[t])
+                        if mr < fwd:
+                            break
+                        mt = mr - xo[sp]
+                        if mt < 0:
+                            continue
+                        pre = P[sp + 1] - P[s]
+                        for tp in range(max(l, sp) + 1, t + 1):
+                            v = pre + F[sp + 1, t, tp, mt] + F[r, tp - 1, l, mr]
+                            if v < best:
+                                best, case, r_b, sp_b, mt_b, mr_b = v, _CASE_B, r, sp, mt, mr
+                                arg[3] = tp
+            if store:
+                F[s, t, l, m] = best
+            arg[0], arg[1], arg[2], arg[4], arg[5] = case, r_b, sp_b, mt_b, mr_b
+    return best
+
+
+@numba.njit(cache=True)
+def _fill(ub, xin, xo, xb, of, ob, G, Gb, P, M):
+    N = ub.shape[0]
     F = np.full((N, N, N, M + 1), np.inf)
     D = xo + G
+    arg = np.empty(6, np.int64)
     for d in range(N):
         for s in range(N - d):
             t = s + d
             adv = _adv(s, t, xin, xo, of, D)
-            for l in range(s, t + 1):
-                for m in range(M + 1):
-                    best = np.inf
-                    # Case A: move to a_l, F_all l, solve l+1..t, B l
-                    if m >= adv[l - s] and (l == s or xin[l] >= xin[s]):
-                        ml = m + xin[s] - xin[l]
-                        if (ml >= xb[l] + of[l] + D[t]
-                                and ml >= xb[l] + xo[l] + xin[l] + ob[l] + Gb[l]):
-                            if l == t:
-                                best = (P[l + 1] - P[s]) + ub[l]
-                            elif ml - xb[l] >= 0:
-                                v = (P[l + 1] - P[s]) + F[l + 1, t, l + 1, ml - xb[l]] + ub[l]
-                                best = min(best, v)
-                    # Case B: move to a_r, F_ck r, F_none to s', keep a_{s'+1}
-                    if t > l:
-                        for r in range(s, l + 1):
-                            if r > s and xin[r] < xin[s]:
-                                continue
-                            if m < adv[r - s]:
-                                continue
-                            mr = m + xin[s] - xin[r]
-                            if mr < xo[r] + of[r] + D[t]:
-                                continue
-                            fwd = 0                 # F_none r+1..s' requirement so far
-                            for sp in range(r, t):
-                                if sp > r:
-                                    fwd = max(fwd, xin[sp] + xo[sp] + of[sp] + D[t])
-                                if mr < fwd:
-                                    break
-                                mt = mr - xo[sp]
-                                if mt < 0:
-                                    continue
-                                pre = P[sp + 1] - P[s]
-                                for tp in range(max(l, sp) + 1, t + 1):
-                                    v = pre + F[sp + 1, t, tp, mt] + F[r, tp - 1, l, mr]
-                                    if v < best:
-                                        best = v
-                    F[s, t, l, m] = best
+            _cells(F, s, t, s, t + 1, 0, M + 1, adv, P, ub, xin, xo, xb, of, ob,
+                   Gb, D, arg, True)
     return F
 
 
@@ -132,22 +157,17 @@ def floating_table(arrays: StageArrays, M: int):
         raise RtmemError(f"the floating DP is O(M N^6): {a.N - 1} stages is too many "
                          f"(max {MAX_FLOATING_STAGES}); use plan_remat (C_MP)")
     P = np.concatenate(([0.0], np.cumsum(a.uf)))
-    return _fill(a.uf, a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, P, int(M))
+    return _fill(a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, P, int(M))
 
 
 def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
     """Reconstruct the schedule of F(0, n, 0, m) (Alg. 2, with Case A generalised)."""
     a = arrays
     N = a.N
-    uf, ub, xin, xo, xb, of, ob, G, Gb = (a.uf, a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G,
-                                          a.Gb)
-    D = xo + G
-    P = np.concatenate(([0.0], np.cumsum(uf)))
+    D = a.xo + a.G
+    P = np.concatenate(([0.0], np.cumsum(a.uf)))
     ops = []
-
-    def leaf_or_b(l):
-        return [(Op.LOSS, 0)] if l == N - 1 else [(Op.F_ALL, l), (Op.B, l)]
-
+    arg = np.empty(6, np.int64)
     stack = [("solve", 0, N - 1, 0, int(m))]
     while stack:
         item = stack.pop()
@@ -155,51 +175,21 @@ def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
             ops.append(item[1])
             continue
         _, s, t, l, m = item
-        target = F[s, t, l, m]
-        adv = _adv(s, t, xin, xo, of, D)
-        best, choice = math.inf, None
-        if m >= adv[l - s] and (l == s or xin[l] >= xin[s]):
-            ml = m + xin[s] - xin[l]
-            if ml >= xb[l] + of[l] + D[t] and ml >= xb[l] + xo[l] + xin[l] + ob[l] + Gb[l]:
-                if l == t:
-                    best, choice = (P[l + 1] - P[s]) + ub[l], ("A", l, None)
-                elif ml - xb[l] >= 0:
-                    v = (P[l + 1] - P[s]) + F[l + 1, t, l + 1, ml - xb[l]] + ub[l]
-                    best, choice = v, ("A", l, ml - xb[l])
-        if t > l:
-            for r in range(s, l + 1):
-                if (r > s and xin[r] < xin[s]) or m < adv[r - s]:
-                    continue
-                mr = m + xin[s] - xin[r]
-                if mr < xo[r] + of[r] + D[t]:
-                    continue
-                fwd = 0
-                for sp in range(r, t):
-                    if sp > r:
-                        fwd = max(fwd, xin[sp] + xo[sp] + of[sp] + D[t])
-                    if mr < fwd:
-                        break
-                    mt = mr - xo[sp]
-                    if mt < 0:
-                        continue
-                    for tp in range(max(l, sp) + 1, t + 1):
-                        v = (P[sp + 1] - P[s]) + F[sp + 1, t, tp, mt] + F[r, tp - 1, l, mr]
-                        if v < best:
-                            best, choice = v, ("B", r, sp, tp, mt, mr)
-        if choice is None or not best <= target:
+        adv = _adv(s, t, a.xin, a.xo, a.of, D)
+        best = _cells(F, s, t, l, l + 1, m, m + 1, adv, P, a.ub, a.xin, a.xo,
+                      a.xb, a.of, a.ob, a.Gb, D, arg, False)
+        case, r, sp, tp, mt, mr = (int(v) for v in arg)
+        if case == _NONE or not best <= F[s, t, l, m]:
             raise RtmemError(f"floating DP reconstruction failed at (s={s}, t={t}, l={l}, "
                              f"m={m}); this is a bug")
-        if choice[0] == "A":
-            _, l2, sub = choice
-            ops += [(Op.F_NONE, h) for h in range(s, l2)]
-            if sub is None:
-                ops += leaf_or_b(l2)
+        ops += [(Op.F_NONE, h) for h in range(s, r)]
+        if case == _CASE_A:
+            if mt < 0:     # the leaf: r == t
+                ops += [(Op.LOSS, 0)] if r == N - 1 else [(Op.F_ALL, r), (Op.B, r)]
             else:
-                ops.append((Op.F_ALL, l2))
-                stack += [("emit", (Op.B, l2)), ("solve", l2 + 1, t, l2 + 1, sub)]
+                ops.append((Op.F_ALL, r))
+                stack += [("emit", (Op.B, r)), ("solve", r + 1, t, r + 1, mt)]
         else:
-            _, r, sp, tp, mt, mr = choice
-            ops += [(Op.F_NONE, h) for h in range(s, r)]
             ops.append((Op.F_CK, r))
             ops += [(Op.F_NONE, h) for h in range(r + 1, sp + 1)]
             stack += [("solve", r, tp - 1, l, mr), ("solve", sp + 1, t, tp, mt)]
