@@ -85,6 +85,39 @@ def min_slots(lengths, b=None) -> int:
 
 
 @numba.njit(cache=True)
+def _split(T, L, li, bb, m0, m1, stride, uf, opt0, arg, store):
+    """The recurrence of eq. 1.4 for Opt(L, m, b), m0 <= m < m1 (sum(L) >= 2), from
+    the cells of smaller instances in ``T``: the fill (``store``: written into
+    ``T``) and the reconstruction (one cell) both call it, so they cannot disagree.
+    Returns the value of the last cell (``inf`` if no split fits) and writes its
+    argmin (branch k, first checkpoint i, slots left to Opt_0) to ``arg``."""
+    K = L.shape[0]
+    kept = 0                    # delta_0 slots held by finished branches
+    for j in range(K):
+        kept += (bb >> j) & 1
+    best = np.inf
+    for m in range(m0, m1):
+        best = np.inf
+        arg[0] = -1
+        for k in range(K):
+            if L[k] == 0:
+                continue
+            # the slots Opt_0 of branch k gets: the other branches keep their delta_0
+            mh = m - (kept - ((bb >> k) & 1))
+            if mh < 0:
+                continue
+            nbb = bb | (1 << k)
+            for i in range(1, L[k] + 1):
+                v = i * uf + T[li - i * stride[k], nbb, m - 1] + opt0[i - 1, mh]
+                if v < best:
+                    best = v
+                    arg[0], arg[1], arg[2] = k, i, mh
+        if store:
+            T[li, bb, m] = best
+    return best
+
+
+@numba.njit(cache=True)
 def _fill(Lmax, m_max, uf, ub, ul, opt0):
     K = Lmax.shape[0]
     stride = np.ones(K, np.int64)
@@ -94,6 +127,7 @@ def _fill(Lmax, m_max, uf, ub, ul, opt0):
     nb = 1 << K
     T = np.full((nL, nb, m_max + 1), np.inf)
     L = np.zeros(K, np.int64)
+    arg = np.empty(3, np.int64)
     for li in range(nL):
         rest = li
         for j in range(K):
@@ -114,30 +148,12 @@ def _fill(Lmax, m_max, uf, ub, ul, opt0):
                 if L[j] == 0 and (bb >> j) & 1 == 0:
                     easy = True
             mmin = K + nonzero + (0 if easy else 1)
-            for m in range(mmin, m_max + 1):
-                if total == 0:
-                    T[li, bb, m] = ul
-                    continue
-                if total == 1:
-                    T[li, bb, m] = uf + ul + ub
-                    continue
-                best = np.inf
-                for k in range(K):
-                    if L[k] == 0:
-                        continue
-                    sb = 0
-                    for j in range(K):
-                        if j != k:
-                            sb += (bb >> j) & 1
-                    mh = m - sb
-                    if mh < 0:
-                        continue
-                    nbb = bb | (1 << k)
-                    for i in range(1, L[k] + 1):
-                        v = i * uf + T[li - i * stride[k], nbb, m - 1] + opt0[i - 1, mh]
-                        if v < best:
-                            best = v
-                T[li, bb, m] = best
+            if total == 0:
+                T[li, bb, mmin:] = ul
+            elif total == 1:
+                T[li, bb, mmin:] = uf + ul + ub
+            else:
+                _split(T, L, li, bb, mmin, m_max + 1, stride, uf, opt0, arg, True)
     return T
 
 
@@ -202,27 +218,19 @@ class MultiChainTable:
                     ops.append(MultiOp("Dbar", k, 0))
             return
         li, bb = self._index(L, b)
-        target = self.T[li, bb, m]
-        best, choice = math.inf, None
-        for k in range(K):
-            sb = sum(b[j] for j in range(K) if j != k)
-            if L[k] == 0 or m - sb < 0:
-                continue
-            nb = b[:k] + [1] + b[k + 1:]
-            for i in range(1, L[k] + 1):
-                sub_li, sub_bb = self._index(L[:k] + [L[k] - i] + L[k + 1:], nb)
-                v = i * self.u_f + self.T[sub_li, sub_bb, m - 1] + self.opt0[i - 1, m - sb]
-                if v < best:
-                    best, choice = v, (k, i, sb, nb)
-        if choice is None or not best <= target:
+        arg = np.empty(3, np.int64)
+        best = _split(self.T, np.array(L, np.int64), li, bb, m, m + 1, self._stride,
+                      self.u_f, self.opt0, arg, False)
+        if arg[0] < 0 or not best <= self.T[li, bb, m]:
             raise RtmemError(f"multi-chain reconstruction failed at L={L}, m={m}, b={b}; "
                              "this is a bug")
-        k, i, sb, nb = choice
+        k, i, mh = (int(v) for v in arg)
+        nb = b[:k] + [1] + b[k + 1:]
         ops.append(MultiOp("S", k, off[k]))
         ops += [MultiOp("F", k, off[k] + j) for j in range(1, i + 1)]
         self._rec(L[:k] + [L[k] - i] + L[k + 1:], m - 1, nb,
                   off[:k] + [off[k] + i] + off[k + 1:], ops)
-        ops += revolve_ops(i - 1, m - sb, branch=k, offset=off[k], arg=self.arg0)
+        ops += revolve_ops(i - 1, mh, branch=k, offset=off[k], arg=self.arg0)
         if not b[k]:
             ops.append(MultiOp("Dbar", k, 0))
 
