@@ -17,7 +17,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .allocator import align_up
 from .errors import OutOfMemoryError, UseAfterFreeError
@@ -77,22 +77,32 @@ class Statistics:
 class StatisticsAdaptor(AllocatorAdaptor):
     """Counts requested bytes and allocations passing through it.
 
-    NOTE: ``_stats`` (a frozen :class:`Statistics`, replaced on each change) and
-    ``_sizes`` (block -> requested bytes) are guarded by ``_lock``.
+    NOTE: the counters (plain ints, snapshotted into a frozen :class:`Statistics`
+    by :meth:`statistics`) and ``_sizes`` (block -> requested bytes) are guarded
+    by ``_lock``.
     """
 
     def __init__(self, upstream):
         super().__init__(upstream)
         self._lock = threading.Lock()
-        self._stats = Statistics()
+        self._bytes = self._peak_bytes = self._total_bytes = 0
+        self._count = self._peak_count = self._total_count = 0
         self._sizes = {}
 
     def _add(self, block, nbytes):
-        s = self._stats
-        cb, cc = s.current_bytes + nbytes, s.current_count + 1
-        self._stats = Statistics(cb, max(s.peak_bytes, cb), s.total_bytes + nbytes,
-                                 cc, max(s.peak_count, cc), s.total_count + 1)
         self._sizes[block] = nbytes
+        self._bytes += nbytes
+        self._count += 1
+        self._total_bytes += nbytes
+        self._total_count += 1
+        if self._bytes > self._peak_bytes:
+            self._peak_bytes = self._bytes
+        if self._count > self._peak_count:
+            self._peak_count = self._count
+
+    def _remove(self, block):
+        self._bytes -= self._sizes.pop(block, 0)
+        self._count -= 1
 
     def allocate(self, nbytes: int, stream=None):
         """Allocate and count ``nbytes`` bytes."""
@@ -105,26 +115,21 @@ class StatisticsAdaptor(AllocatorAdaptor):
         """Free and uncount ``block``."""
         self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
         with self._lock:
-            nbytes = self._sizes.pop(block, 0)
-            s = self._stats
-            self._stats = replace(s, current_bytes=s.current_bytes - nbytes,
-                                  current_count=s.current_count - 1)
+            self._remove(block)
 
     def resize(self, block, nbytes: int, stream=None):
         """Resize, counting the new size (a moved block counts as a new one)."""
         new = self.upstream.resize(block, nbytes, stream)
         with self._lock:
-            old = self._sizes.pop(block, 0)
-            s = self._stats
-            self._stats = replace(s, current_bytes=s.current_bytes - old,
-                                  current_count=s.current_count - 1)
+            self._remove(block)
             self._add(new, int(nbytes))
         return new
 
     def statistics(self) -> Statistics:
         """The counters now (a frozen snapshot)."""
         with self._lock:
-            return self._stats
+            return Statistics(self._bytes, self._peak_bytes, self._total_bytes,
+                              self._count, self._peak_count, self._total_count)
 
 
 class LimitAdaptor(AllocatorAdaptor):
