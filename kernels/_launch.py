@@ -231,6 +231,12 @@ def word_dtype(width: int) -> np.dtype:
         "loads cannot be expressed on plain arrays in numba.cuda)", argument="width")
 
 
+def word_value(value: int, width: int):
+    """``value`` as a ``width``-byte unsigned word (its low 8 * width bits): the
+    fill value / XOR mask of the write and read-modify-write probes."""
+    return word_dtype(width).type(int(value) & ((1 << (8 * width)) - 1))
+
+
 def check_words(nbytes: int, width: int, name: str) -> int:
     """Number of ``width``-byte words in a buffer of ``nbytes`` bytes; the buffer
     must be a non-empty whole number of words."""

@@ -362,12 +362,13 @@ def prepare_update(param, grad, exp_avg, exp_avg_sq, *, max_exp_avg_sq=None,
     touching them. Raises :class:`~rtmem.errors.OptimizerError` on any problem."""
     p = _check_state("param", param)
     shape = param.shape
-    g = _check_grad(grad, grad_format, shape)
+    g = _flat_operand(grad, "grad", grad_format, "grad_format", shape)
     m = _check_state("exp_avg", exp_avg, shape)
     v = _check_state("exp_avg_sq", exp_avg_sq, shape)
     vmax = None if max_exp_avg_sq is None else _check_state("max_exp_avg_sq",
                                                             max_exp_avg_sq, shape)
-    o = None if out is None else _check_out(out, out_format, shape)
+    o = None if out is None else _flat_operand(out, "out", out_format, "out_format",
+                                              shape, writable=True)
     _check_no_overlap([("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v),
                        ("max_exp_avg_sq", vmax), ("out", o)])
     return PreparedUpdate(p, g, m, v, vmax, o)
@@ -381,7 +382,7 @@ def grads_finite(grad, *, grad_scale=None, grad_format=None, start=0, stop=None,
     ``grad`` and ``grad_format`` are as in :func:`adam_update`; ``grad_scale`` is
     the loss scale (finite, > 0) or None.
     """
-    g = _check_grad(grad, grad_format, None)
+    g = _flat_operand(grad, "grad", grad_format, "grad_format", None)
     gmul = np.float32(1.0)
     if grad_scale is not None:
         gmul = np.float32(1.0 / _check_real("grad_scale", grad_scale, low=0.0,
@@ -493,33 +494,21 @@ def _half_view(arr, fmt, name, format_name):
         f"of bfloat16/float16 (with {format_name}=).", argument=name)
 
 
-def _check_grad(grad, fmt, shape):
-    if not isinstance(grad, np.ndarray):
-        raise OptimizerError(f"grad must be a numpy array, got {type(grad).__name__}.",
-                             argument="grad")
-    if shape is not None and grad.shape != shape:
-        raise _shape_error("grad", grad, shape)
-    if not grad.flags.c_contiguous:
-        raise _contiguous_error("grad", grad)
-    half = _half_view(grad, fmt, "grad", "grad_format")
+def _flat_operand(arr, name, fmt, fmt_name, shape, *, writable=False):
+    """``arr`` (grad or out) checked and flattened into the kernels' typed view:
+    a C-contiguous numpy array of ``shape`` (``None``: any), in format ``fmt``."""
+    if not isinstance(arr, np.ndarray):
+        raise OptimizerError(f"{name} must be a numpy array, got {type(arr).__name__}.",
+                             argument=name)
+    if shape is not None and arr.shape != shape:
+        raise _shape_error(name, arr, shape)
+    if not arr.flags.c_contiguous:
+        raise _contiguous_error(name, arr)
+    if writable and not arr.flags.writeable:
+        raise OptimizerError(f"{name} is read-only; pass a writeable buffer.", argument=name)
+    half = _half_view(arr, fmt, name, fmt_name)
     if half is None:
-        return grad.reshape(-1)
-    return _kernel_bits(*half).reshape(-1)
-
-
-def _check_out(out, fmt, shape):
-    if not isinstance(out, np.ndarray):
-        raise OptimizerError(f"out must be a numpy array, got {type(out).__name__}.",
-                             argument="out")
-    if out.shape != shape:
-        raise _shape_error("out", out, shape)
-    if not out.flags.c_contiguous:
-        raise _contiguous_error("out", out)
-    if not out.flags.writeable:
-        raise OptimizerError("out is read-only; pass a writeable buffer.", argument="out")
-    half = _half_view(out, fmt, "out", "out_format")
-    if half is None:
-        return out.reshape(-1)
+        return arr.reshape(-1)
     return _kernel_bits(*half).reshape(-1)
 
 

@@ -55,7 +55,7 @@ from rtmem.errors import KernelArgumentError
 from ._launch import (THREADS, as_device, check_array, check_embedding, check_eps,
                       check_layernorm_backward, check_layernorm_forward, check_linear,
                       device_words, grid_size, numba_stream, row_threads, scratch,
-                      simulator_active, stream_blocks, synchronize, word_dtype)
+                      simulator_active, stream_blocks, synchronize, word_value)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -398,7 +398,7 @@ def dha_write(dst, value: int, *, width: int = 8, blocks: int | None = None, str
     Bytes written: ``dst.nbytes`` (``width`` 4 or 8 bytes per store, coalesced).
     """
     words, n = device_words(dst, width, "dst")
-    value = word_dtype(width).type(int(value) & ((1 << (8 * width)) - 1))
+    value = word_value(value, width)
     _write_kernel[grid_size(blocks, n), THREADS, numba_stream(stream)](words, value)
 
 
@@ -406,7 +406,7 @@ def dha_rmw(buf, mask: int, *, width: int = 8, blocks: int | None = None, stream
     """XOR every ``width``-byte word of ``buf`` with ``mask`` in place
     (read-modify-write probe: ``buf.nbytes`` bytes read, then written)."""
     words, n = device_words(buf, width, "buf")
-    mask = word_dtype(width).type(int(mask) & ((1 << (8 * width)) - 1))
+    mask = word_value(mask, width)
     _rmw_kernel[grid_size(blocks, n), THREADS, numba_stream(stream)](words, mask)
 
 

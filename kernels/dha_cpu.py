@@ -25,7 +25,7 @@ from rtmem.errors import KernelArgumentError
 
 from ._launch import (as_host, check_array, check_embedding, check_eps,
                       check_layernorm_backward, check_layernorm_forward, check_linear,
-                      check_words, word_dtype)
+                      check_words, word_dtype, word_value)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -176,15 +176,14 @@ def dha_write(dst, value: int, *, width: int = 8, blocks: int | None = None,
               stream=None) -> None:
     """Fill ``dst`` with the ``width``-byte word ``value`` (``dst.nbytes`` written)."""
     words = _words(dst, width, "dst", writable=True)
-    words[...] = word_dtype(width).type(int(value) & ((1 << (8 * width)) - 1))
+    words[...] = word_value(value, width)
 
 
 def dha_rmw(buf, mask: int, *, width: int = 8, blocks: int | None = None,
             stream=None) -> None:
     """XOR every ``width``-byte word of ``buf`` with ``mask`` in place."""
     words = _words(buf, width, "buf", writable=True)
-    np.bitwise_xor(words, word_dtype(width).type(int(mask) & ((1 << (8 * width)) - 1)),
-                   out=words)
+    np.bitwise_xor(words, word_value(mask, width), out=words)
 
 
 def _check_id_range(ids, n_rows: int) -> None:

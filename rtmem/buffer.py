@@ -23,9 +23,9 @@ Legal moves (anything else raises ResidencyError naming the state and the fix):
    still running (the H2D copy waits for it on its stream).
 3. ``evict`` (drop the device copy): both -> host, or during an offload (the
    device block is freed when the copy completes: stream-ordered free). Refused
-   when it is the only copy, unless ``discard=True``.
-4. ``drop_host``: both -> device. Refused during a transfer or for the only copy
-   unless ``discard=True``.
+   when it is the only copy (``free()`` discards a buffer's data on purpose).
+4. ``drop_host``: both -> device. Refused during a transfer or for the only
+   copy.
 
 Fields are guarded by the buffer's ``_lock``; arenas guard their own accounting.
 """

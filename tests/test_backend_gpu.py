@@ -65,6 +65,7 @@ def test_numba_emm_class_is_a_versioned_plugin():
     assert issubclass(cls, HostOnlyCUDAMemoryManager)
     assert numba_emm._numba_memory_manager is cls
     assert cls.interface_version.fget(None) == 1
+    assert not cls.__abstractmethods__          # numba can instantiate it
 
 
 # ------------------------------------------------------------- GPU checks

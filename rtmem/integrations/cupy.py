@@ -18,20 +18,10 @@ from __future__ import annotations
 
 import contextlib
 
+from ..backends.cuda import import_cupy as _cupy
 from ._deferred import flush, release, track
 
 __all__ = ["allocator_for", "flush", "install", "uninstall", "using"]
-
-_HINT = "pip install rtmem[cuda12] (or rtmem[cuda13])"
-
-
-def _cupy():
-    try:
-        import cupy
-    except ImportError as exc:
-        raise ModuleNotFoundError(f"rtmem.integrations.cupy needs CuPy: {_HINT}") from exc
-    return cupy
-
 
 class _BufferOwner:
     """Owner object of an ``UnownedMemory``: frees the rtmem buffer when CuPy

@@ -116,14 +116,9 @@ def manager_class():
             st = self.arena.stats()
             return driver.MemoryInfo(free=st.free_bytes, total=st.reserved_bytes)
 
-        def reset(self):
-            """Release numba's own host allocations (device buffers are freed by
-            their finalizers)."""
-            super().reset()
-
-        def defer_cleanup(self):
-            """numba's deferral of host deallocations."""
-            return super().defer_cleanup()
+        # reset() and defer_cleanup() are HostOnlyCUDAMemoryManager's: they
+        # handle numba's own host allocations; device buffers free themselves
+        # through their finalizers.
 
         @property
         def interface_version(self):
