@@ -136,6 +136,23 @@ def _issue(dst, src, stream, engine, wait_for=()):
     return event
 
 
+def _copy_to_new(buf: Buffer, arena, src, direction: str, wait_for=()):
+    """The second half of prefetch ("h2d") and offload ("d2h"): a new placement
+    of ``buf`` in ``arena``, the copy from ``src`` into it on that direction's
+    stream, and the buffer marked in flight. Returns the copy's event. Called
+    with ``buf._lock`` held, after the residency checks."""
+    engine = _engine_for(arena, src.arena, "prefetch" if direction == "h2d" else "offload")
+    stream = engine.h2d if direction == "h2d" else engine.d2h
+    dst = arena._allocate(buf.nbytes, buf.kind, engine.alloc_key())
+    event = _issue(dst, src, stream, engine, wait_for)
+    if direction == "h2d":
+        buf._device, buf.device_arena = dst, arena
+    else:
+        buf._host, buf.host_arena = dst, arena
+    buf._pending = (event, direction, stream)
+    return event
+
+
 def prefetch(buf: Buffer, *, arena=None):
     """Copy ``buf``'s host data to a new device placement; return the copy's event.
 
@@ -155,15 +172,8 @@ def prefetch(buf: Buffer, *, arena=None):
         if arena is None:
             raise _state_error(buf, "prefetch", "it has never been in a device arena",
                                "pass arena=<DeviceArena>")
-        host = buf._host
-        engine = _engine_for(arena, host.arena, "prefetch")
-        stream = engine.h2d
-        dev = arena._allocate(buf.nbytes, buf.kind, engine.alloc_key())
-        pending = buf._pending[0] if in_flight else None
-        event = _issue(dev, host, stream, engine, (pending,))
-        buf._device, buf.device_arena = dev, arena
-        buf._pending = (event, "h2d", stream)
-        return event
+        return _copy_to_new(buf, arena, buf._host, "h2d",
+                            (buf._pending[0],) if in_flight else ())
 
 
 def offload(buf: Buffer, *, arena=None):
@@ -189,14 +199,7 @@ def offload(buf: Buffer, *, arena=None):
         if arena is None:
             raise _state_error(buf, "offload", "no host arena is known for it",
                                "pass arena=<HostArena>")
-        dev = buf._device
-        engine = _engine_for(arena, dev.arena, "offload")
-        stream = engine.d2h
-        host = arena._allocate(buf.nbytes, buf.kind, engine.alloc_key())
-        event = _issue(host, dev, stream, engine)
-        buf._host, buf.host_arena = host, arena
-        buf._pending = (event, "d2h", stream)
-        return event
+        return _copy_to_new(buf, arena, buf._device, "d2h")
 
 
 def evict(buf: Buffer) -> None:
