@@ -362,6 +362,24 @@ def ratios(res):
     def cpu(name):
         return c[name]["median_cpu_s"]
 
+    def rotor_vs(r, s, native):
+        """Rotor row ``r`` against the executor's sequential row ``s`` at the same
+        budget, and against checkpoint_sequential row ``native`` when it was run."""
+        def over_native(key, value):
+            return value / c[native][key] if native in c else None
+        return {"budget_bytes": c[r]["budget_bytes"],
+                "measured_rotor_over_exec_seq": t(r) / t(s),
+                "measured_rotor_over_torch_ckseq": over_native("median_s", t(r)),
+                "cpu_time_rotor_over_exec_seq": cpu(r) / cpu(s),
+                "predicted_rotor_over_seq": pred(r, s),
+                "predicted_exact_dp_rotor_over_seq": _exact_ratio(c[r], c[s]),
+                "alloc_peak_rotor_over_torch_ckseq":
+                    over_native("alloc_peak_bytes", c[r]["alloc_peak_bytes"]),
+                "alloc_peak_rotor_over_exec_seq":
+                    c[r]["alloc_peak_bytes"] / c[s]["alloc_peak_bytes"],
+                "exec_peak_rotor_over_exec_seq":
+                    c[r]["exec_peak_bytes"] / c[s]["exec_peak_bytes"]}
+
     out["executor_over_native_cpu_time"] = {
         "store-all / torch plain": cpu("exec store-all") / cpu("torch plain")}
     out["executor_over_native"]["store-all / torch plain"] = t("exec store-all") / t("torch plain")
@@ -370,38 +388,15 @@ def ratios(res):
             t(f"exec seq {k}") / t(f"torch ckseq {k}")
         out["executor_over_native_cpu_time"][f"seq {k} / torch ckseq {k}"] = \
             cpu(f"exec seq {k}") / cpu(f"torch ckseq {k}")
-        r = f"rotor @seq {k}"
-        out["rotor_over_sequential_equal_memory"][f"k={k}"] = {
-            "budget_bytes": c[r]["budget_bytes"],
-            "measured_rotor_over_exec_seq": t(r) / t(f"exec seq {k}"),
-            "measured_rotor_over_torch_ckseq": t(r) / t(f"torch ckseq {k}"),
-            "cpu_time_rotor_over_exec_seq": cpu(r) / cpu(f"exec seq {k}"),
-            "predicted_rotor_over_seq": pred(r, f"exec seq {k}"),
-            "predicted_exact_dp_rotor_over_seq": _exact_ratio(c[r], c[f"exec seq {k}"]),
-            "alloc_peak_rotor_over_torch_ckseq":
-                c[r]["alloc_peak_bytes"] / c[f"torch ckseq {k}"]["alloc_peak_bytes"],
-            "alloc_peak_rotor_over_exec_seq":
-                c[r]["alloc_peak_bytes"] / c[f"exec seq {k}"]["alloc_peak_bytes"],
-            "exec_peak_rotor_over_exec_seq":
-                c[r]["exec_peak_bytes"] / c[f"exec seq {k}"]["exec_peak_bytes"]}
+        out["rotor_over_sequential_equal_memory"][f"k={k}"] = rotor_vs(
+            f"rotor @seq {k}", f"exec seq {k}", f"torch ckseq {k}")
     for label in ("50%", "r80"):
-        r, s = f"rotor @{label}", f"exec seq best @{label}"
+        s = f"exec seq best @{label}"
         if s not in c:
             continue
         k = c[s]["segments"]
         out["rotor_over_sequential_equal_memory"][f"{label} (seq best k={k})"] = {
-            "budget_bytes": c[r]["budget_bytes"], "segments": k,
-            "measured_rotor_over_exec_seq": t(r) / t(s),
-            "measured_rotor_over_torch_ckseq":
-                t(r) / t(f"torch ckseq {k}") if f"torch ckseq {k}" in c else None,
-            "cpu_time_rotor_over_exec_seq": cpu(r) / cpu(s),
-            "predicted_rotor_over_seq": pred(r, s),
-            "predicted_exact_dp_rotor_over_seq": _exact_ratio(c[r], c[s]),
-            "alloc_peak_rotor_over_torch_ckseq":
-                c[r]["alloc_peak_bytes"] / c[f"torch ckseq {k}"]["alloc_peak_bytes"]
-                if f"torch ckseq {k}" in c else None,
-            "alloc_peak_rotor_over_exec_seq": c[r]["alloc_peak_bytes"] / c[s]["alloc_peak_bytes"],
-            "exec_peak_rotor_over_exec_seq": c[r]["exec_peak_bytes"] / c[s]["exec_peak_bytes"]}
+            "segments": k, **rotor_vs(f"rotor @{label}", s, f"torch ckseq {k}")}
     for name, d in c.items():
         if d["kind"] != "executor":
             continue
