@@ -330,10 +330,9 @@ def cpu_section(args):
     ks = sorted({2, max(1, min(n, round(math.sqrt(n)))), 4})
     contenders = build_contenders(model, loss_fn, x, y, chain, ks)
     model.zero_grad(set_to_none=True)
-    ref_loss = float(loss_fn(model(x), y).detach())
-    model.zero_grad(set_to_none=True)
-    loss_fn(model(x), y).backward()
-    ref_grads = flat_grads(model)
+    ref = loss_fn(model(x), y)
+    ref.backward()
+    ref_loss, ref_grads = float(ref.detach()), flat_grads(model)
     time_round_robin(model, contenders, args.repeats, ref_grads, ref_loss)
     opt = optimizer_section(model, loss_fn, x, y, args.opt_repeats, args.threads)
     return dict(chain=chain, ks=ks, contenders=contenders, optimizer=opt,
