@@ -100,6 +100,30 @@ def plan_store_all(chain: Chain, memory) -> Plan:
     return simulated_plan(chain, store_all_schedule(chain.n), memory, "store-all")
 
 
+def fastest_fitting(chain: Chain, budget, candidates, algorithm: str, param: str,
+                    what: str) -> Plan:
+    """The fastest of ``candidates`` (``(value, schedule)`` pairs, simulated without
+    a memory limit) whose peak fits ``budget`` (bytes); ties go to the earlier one.
+    The Plan's ``info[param]`` is its value. Raises
+    :class:`~rtmem.errors.InfeasibleError` with the least peak over all candidates
+    (``what`` names them in the message) when none fits."""
+    budget = as_budget(budget)
+    best, least = None, None
+    for value, sched in candidates:
+        res = simulate(chain, sched, Platform(math.inf))
+        least = res.peak if least is None else min(least, res.peak)
+        if res.peak <= budget and (best is None or res.makespan < best[0].makespan):
+            best = (res, value, sched)
+    if best is None:
+        raise InfeasibleError(
+            f"{algorithm}: no {what} fits in {budget:,} bytes ({format_bytes(budget)}); "
+            f"the least memory it needs is {least:,} bytes. Give more memory or use "
+            "plan_remat", budget=budget, min_feasible=least)
+    res, value, sched = best
+    return Plan(schedule=sched, makespan=res.makespan, peak=res.peak, budget=budget,
+                algorithm=algorithm, info={param: value})
+
+
 def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:
     """PyTorch's ``checkpoint_sequential`` (Chen et al.'s periodic segments).
 
@@ -108,22 +132,11 @@ def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:
     ``info["segments"]`` says which. Raises
     :class:`~rtmem.errors.InfeasibleError` with the least peak over all counts
     when none fits."""
-    budget = as_budget(memory)
     counts = range(1, chain.n + 1) if segments is None else [segments]
-    best, least_peak = None, None
-    for k in counts:
-        sched = sequential_schedule(chain.n, k)
-        res = simulate(chain, sched, Platform(math.inf))
-        least_peak = res.peak if least_peak is None else min(least_peak, res.peak)
-        if res.peak <= budget and (best is None or res.makespan < best[0]):
-            best = (res.makespan, k, sched)
-    if best is None:
-        raise InfeasibleError(
-            f"sequential: no segment count in {counts[0]}..{counts[-1]} fits in "
-            f"{budget:,} bytes ({format_bytes(budget)}); the least memory it needs is "
-            f"{least_peak:,} bytes. Give more memory or use plan_remat",
-            budget=budget, min_feasible=least_peak)
-    return simulated_plan(chain, best[2], budget, "sequential", {"segments": best[1]})
+    return fastest_fitting(chain, memory,
+                           ((k, sequential_schedule(chain.n, k)) for k in counts),
+                           "sequential", "segments",
+                           f"segment count in {counts[0]}..{counts[-1]}")
 
 
 def plan_sqrt(chain: Chain, memory) -> Plan:

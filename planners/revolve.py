@@ -37,13 +37,11 @@ import numba
 import numpy as np
 
 from rtmem.errors import InfeasibleError
-from rtmem.units import format_bytes
 
+from .baselines import fastest_fitting
 from .chain import Chain
-from .plan import Plan, as_budget
-from .platform import Platform
+from .plan import Plan
 from .schedule import Op, Schedule
-from .simulator import simulate
 
 __all__ = ["opt0_table", "binomial_makespan", "revolve_ops", "single_chain_ops",
            "revolve_schedule", "plan_revolve"]
@@ -165,20 +163,9 @@ def plan_revolve(chain: Chain, memory) -> Plan:
     ``info["slots"]`` is the chosen m. Revolve never keeps abar across a phase, so
     it cannot use memory beyond m = n+2. Raises
     :class:`~rtmem.errors.InfeasibleError` with the least peak over all m."""
-    budget = as_budget(memory)
     n = chain.n
     arg = opt0_table(n, n + 2)[1]
-    best, least = None, None
-    for m in range(n + 2, 2, -1):
-        sched = revolve_schedule(n, m, arg)
-        res = simulate(chain, sched, Platform(math.inf))
-        least = res.peak if least is None else min(least, res.peak)
-        if res.peak <= budget and (best is None or res.makespan < best[0]):
-            best = (res.makespan, res.peak, m, sched)
-    if best is None:
-        raise InfeasibleError(
-            f"revolve: no slot count fits in {budget:,} bytes ({format_bytes(budget)}); "
-            f"it needs at least {least:,} bytes. Give more memory or use plan_remat",
-            budget=budget, min_feasible=least)
-    return Plan(schedule=best[3], makespan=best[0], peak=best[1], budget=budget,
-                algorithm="revolve", info={"slots": best[2]})
+    # most slots first: ties go to the schedule that recomputes least
+    return fastest_fitting(chain, memory,
+                           ((m, revolve_schedule(n, m, arg)) for m in range(n + 2, 2, -1)),
+                           "revolve", "slots", "slot count")
