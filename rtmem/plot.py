@@ -67,7 +67,7 @@ def plot_schedule(chain, schedule, platform, path, title: str | None = None,
     lanes = ["compute", "H2D", "D2H"] if platform.channel == "duplex" else ["compute", "link"]
     fig, (ax_g, ax_m) = plt.subplots(2, 1, figsize=(12, 6), sharex=True,
                                      gridspec_kw={"height_ratios": [1, 2]})
-    seen = set()
+    bars = {}       # (lane, kind) -> [(start, duration)]: one collection each
     for k in range(len(schedule)):
         text = schedule.op_text(k)
         kind = text.split()[0]
@@ -79,11 +79,14 @@ def plot_schedule(chain, schedule, platform, path, title: str | None = None,
             lane = 1
         else:
             lane = len(lanes) - 1
-        start, end = tl["start"][k], tl["end"][k]
-        if end <= start:
-            continue
-        ax_g.barh(lane, end - start, left=start, color=_COLORS[kind], edgecolor="white",
-                  linewidth=0.3, label=kind if kind not in seen else None)
+        start, end = float(tl["start"][k]), float(tl["end"][k])
+        if end > start:
+            bars.setdefault((lane, kind), []).append((start, end - start))
+    seen = set()
+    for (lane, kind), spans in bars.items():
+        ax_g.broken_barh(spans, (lane - 0.4, 0.8), facecolors=_COLORS[kind],
+                         edgecolor="white", linewidth=0.3,
+                         label=kind if kind not in seen else None)
         seen.add(kind)
     ax_g.set_yticks(range(len(lanes)), lanes)
     ax_g.invert_yaxis()
