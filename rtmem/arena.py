@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _deferred
 from .adaptors import PoisonAdaptor
 from .allocator import DEFAULT_ALIGNMENT, AllocatorStats, BestFitAllocator
 from .backends import Backend, get_backend
@@ -183,6 +184,8 @@ class _Arena:
     def _allocate(self, nbytes: int, kind: str, stream=None) -> Placement:
         if self._closed:
             raise InvalidPointerError(f"{self!r} is closed; create a new arena")
+        if _deferred.queue:     # frees a garbage collection postponed (outside locks)
+            _deferred.flush()
         block = self.allocator.allocate(nbytes, stream)
         with self._lock:
             self._bytes_by_kind[kind] += block.size

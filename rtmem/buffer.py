@@ -36,6 +36,7 @@ import threading
 
 import numpy as np
 
+from ._deferred import run_or_defer, track
 from .errors import DoubleFreeError, ResidencyError, UseAfterFreeError
 
 __all__ = ["Buffer", "KINDS", "RESIDENCIES"]
@@ -84,6 +85,7 @@ class PinnedExport:
     Python view (e.g. the numpy array the interface came from)."""
 
     def __init__(self, buf: "Buffer", name: str, interface: dict, keep=None):
+        track()     # __del__ may run in a garbage collection (see _unpin)
         buf._pin()
         self._buf = buf
         self._keep = keep
@@ -222,10 +224,19 @@ class Buffer:
         with self._lock:
             self._pins -= 1
             release = self._pins == 0 and self._free_requested and not self._freed
-            arena = self.arena if release else None
         if release:
+            # The last view's finalizer may run inside a garbage collection:
+            # NOTE [ Frees from finalizers ] in rtmem/_deferred.py.
+            run_or_defer(self._free_after_views)
+
+    def _free_after_views(self) -> None:
+        """The free that ``free()`` postponed until the last view died."""
+        with self._lock:
+            if self._freed or not self._free_requested or self._pins:
+                return
             self._free_requested = False
-            arena.free(self)
+            arena = self.arena
+        arena.free(self)
 
     # ------------------------------------------------------------ views
     def _view_placement(self, where):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import random
 import threading
@@ -243,3 +244,45 @@ def test_host_stream_failure_is_reported():
     s.launch_host_func(boom)
     with pytest.raises(BackendError, match="copy failed"):
         s.synchronize()
+
+
+def test_free_waits_for_pinned_views_and_survives_a_collection_inside_the_allocator():
+    # NOTE [ Pinned views ] + NOTE [ Frees from finalizers ]: the last view of a
+    # freed buffer may die in a garbage collection that starts while the allocator
+    # holds its lock (any Python allocation inside it can start one). Not the
+    # fixture: its teardown would hang on the lock a deadlocked thread holds.
+    dev = DeviceArena("1MiB", backend="host")
+    buf = dev.alloc(4096)
+    buf.numpy()[:] = 3
+    view = buf.numpy(pin=True)
+    buf.free()                                   # postponed: a view still reads it
+    with pytest.raises(DoubleFreeError):
+        buf.free()
+    with pytest.raises(UseAfterFreeError):
+        buf.numpy(pin=True)
+    assert dev.stats().allocated_bytes == 4096 and (view == 3).all()
+
+    class Cycle:
+        pass
+    c = Cycle()
+    c.self, c.view = c, view[1:]                 # a derived view, held by a cycle only
+    del c, view
+
+    def collect_inside_the_allocator():
+        with dev.core._lock:
+            gc.collect()
+    t = threading.Thread(target=collect_inside_the_allocator, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a free from a finalizer deadlocked on the allocator lock"
+    assert dev.stats().allocated_bytes == 4096   # deferred ...
+    other = dev.alloc(256)                       # ... to the next allocation
+    assert dev.stats().allocated_bytes == 256 and buf.is_freed
+    other.free()
+    # outside a collection the last view frees at once
+    buf = dev.alloc(512)
+    view = buf.numpy(pin=True)
+    buf.free()
+    del view
+    assert buf.is_freed and dev.stats().allocated_bytes == 0
+    dev._check_invariants()

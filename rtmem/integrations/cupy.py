@@ -11,7 +11,7 @@ Every CuPy allocation becomes a ``workspace`` buffer of the arena; it is freed
 (stream-ordered, on CuPy's current stream) when CuPy drops the memory.
 
 Frees that CuPy requests during a garbage collection are deferred: NOTE [ Frees
-from finalizers ] in :mod:`rtmem.integrations._deferred`.
+from finalizers ] in :mod:`rtmem._deferred`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 
 from ..backends.cuda import import_cupy as _cupy
-from ._deferred import flush, release, track
+from .._deferred import flush, release, track
 
 __all__ = ["allocator_for", "flush", "install", "uninstall", "using"]
 

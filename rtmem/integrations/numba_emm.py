@@ -19,7 +19,7 @@ import os
 import threading
 import weakref
 
-from ._deferred import flush, release, track
+from .._deferred import flush, release, track
 
 __all__ = ["install", "manager_class"]
 
@@ -103,7 +103,7 @@ def manager_class():
 
             def finalizer(buf=buf):
                 # may run inside a garbage collection: NOTE [ Frees from
-                # finalizers ] in rtmem/integrations/_deferred.py
+                # finalizers ] in rtmem/_deferred.py
                 release(buf)
             ptr = _device_pointer(driver, address)
             if takes_context:
