@@ -250,12 +250,21 @@ class Buffer:
                                  state=self.residency, action=f"view {where}")
         return p
 
-    def _wait_if_in_flight(self, host: bool) -> None:
-        # Host readers must block until the copy is done; device readers only
-        # need the compute stream ordered after it.
+    def _wait_if_in_flight(self, p: Placement, host: bool) -> None:
+        """Order a view of placement ``p`` after the copies touching it: host
+        views block until they are done; device views only order the compute
+        stream after them. Besides the buffer's own move (``_pending``), a
+        ``transfers.copy`` may still read ``p`` as its source (``p.event``): a
+        write through the view must not overtake it."""
         if self._settle():
             from .transfers import synchronize, wait
             (synchronize if host else wait)(self)
+        event = p.event
+        if event is not None and not event.query():
+            if host:
+                event.synchronize()
+            else:
+                p.arena.backend.current_stream().wait_event(event)
 
     def numpy(self, where: str | None = None, *, pin: bool = False) -> np.ndarray:
         """A zero-copy numpy view (``dtype``, ``shape``) of the placement ``where``
@@ -278,7 +287,7 @@ class Buffer:
                 "device memory of the cuda backend is not host-addressable; use "
                 "buf.cupy(), buf.to_numpy() (a copy), or offload the buffer first",
                 state=self.residency, action="numpy view")
-        self._wait_if_in_flight(host=True)
+        self._wait_if_in_flight(p, host=True)
         count = int(np.prod(self.shape, dtype=np.int64))
         raw = slab.host_array[p.offset:p.offset + count * self.dtype.itemsize]
         return raw.view(self.dtype).reshape(self.shape)
@@ -286,7 +295,7 @@ class Buffer:
     def to_numpy(self) -> np.ndarray:
         """A host copy of the data (synchronous), whatever the residency."""
         p = self._view_placement(None)
-        self._wait_if_in_flight(host=True)
+        self._wait_if_in_flight(p, host=True)
         count = int(np.prod(self.shape, dtype=np.int64))
         raw = p.arena.backend.read(p.slab, p.offset, count * self.dtype.itemsize)
         return raw.view(self.dtype).reshape(self.shape)
@@ -307,7 +316,7 @@ class Buffer:
                 "placement on the cuda backend (this buffer is "
                 f"{self.residency!r} on the {p.arena.backend.name} backend); "
                 "use HostArena(..., mapped=True) or prefetch it")
-        self._wait_if_in_flight(host=False)
+        self._wait_if_in_flight(p, host=False)
         return {"shape": self.shape, "typestr": self.dtype.str, "descr": self.dtype.descr,
                 "data": (slab.device_ptr + p.offset, False), "strides": None,
                 "version": 3, "stream": None}

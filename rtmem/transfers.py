@@ -243,7 +243,8 @@ def copy(dst: Buffer, src: Buffer):
     """Copy ``src``'s bytes into ``dst`` (primary placements, ``dst.nbytes >=
     src.nbytes``) on the transfer stream of the direction (H2D when ``dst`` is on
     the device, else D2H); return the event. ``dst`` is in flight until it
-    completes; both blocks stay reserved until then."""
+    completes; both blocks stay reserved until then, and new views of ``src``
+    (``numpy()``, tensors) wait for it, so writing through them cannot race it."""
     for b in (dst, src):
         b._check_alive()
     if dst is src:

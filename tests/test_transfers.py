@@ -204,6 +204,28 @@ def test_copy_between_buffers(arenas):
         b.free()
 
 
+def test_views_of_a_copy_source_wait_for_the_copy(arenas):
+    # The source of copy() is not in flight itself, but the copy still reads it:
+    # refilling it through a view (a pinned staging buffer's next batch) must
+    # wait, or the copy sends the new bytes.
+    d, h = arenas
+    src, dst = h.alloc(1 << 16), d.alloc(1 << 16)
+    src.numpy()[:] = 1
+    gate = gate_stream(T.get_engine("host").h2d)
+    T.copy(dst, src)
+    timer = threading.Timer(0.2, gate.set)     # opens the copy after a while
+    timer.start()
+    try:
+        src.numpy()[:] = 2                     # waits for the copy to read the 1s
+    finally:
+        timer.cancel()
+        gate.set()
+    T.synchronize()
+    assert (dst.numpy() == 1).all() and (src.numpy() == 2).all()
+    src.free()
+    dst.free()
+
+
 def test_free_during_copy_keeps_block_reserved(arenas):
     d, h = arenas
     eng = T.get_engine("host")
