@@ -211,6 +211,49 @@ def test_executor_offload_through_the_pinned_arena_on_streams(cuda):
     arena.close()
 
 
+def test_executor_offloaded_tensor_dropped_while_its_copy_runs(cuda):
+    # F_none 1 drops a1 while its D2H copy may still read it; F_all 2 then
+    # allocates on the compute stream. Without record_stream the allocator hands
+    # a1's block to F_all 2's output and the host copy (prefetched later for
+    # F_all 1) is garbage.
+    model, loss_fn, batches = _model(cuda, layers=4)
+    x, y = batches[0]
+    ref, ref_loss = _reference(model, loss_fn, x, y)
+    n = len(model)
+    text = ["F_ck 0", "offload a1", "F_none 1"] + [f"F_all {i}" for i in range(2, n)]
+    text += ["L"] + [f"B {i}" for i in reversed(range(2, n))]
+    text += ["F_ck 0", "delete a1", "prefetch a1", "F_all 1", "B 1", "F_all 0", "B 0"]
+    m = copy.deepcopy(model)
+    ex = ScheduleExecutor(m, Schedule.from_text(", ".join(text)), loss_fn)
+    for _ in range(3):
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(7)
+        loss = ex.step(x, y)
+        _check_same(m, ex, loss, ref, ref_loss)
+
+
+def test_executor_weight_moves_across_optimizer_steps(cuda):
+    # w_prefetch makes new device tensors: the host copy taken by w_delete in one
+    # step must not come back after the optimizer changed the weights.
+    model, loss_fn, batches = _model(cuda)
+    x, y = batches[0]
+    n = len(model)
+    text = ["F_all 0", "w_delete 0"] + [f"F_all {i}" for i in range(1, n)] + ["L"]
+    text += [f"B {i}" for i in reversed(range(1, n))] + ["w_prefetch 0", "B 0"]
+    mine, ref = copy.deepcopy(model), copy.deepcopy(model)
+    ex = ScheduleExecutor(mine, Schedule.from_text(", ".join(text)), loss_fn)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (mine, ref)]
+    for _ in range(3):
+        ex.step(x, y)
+        loss_fn(ref(x), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for p, q in zip(mine.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------- offloaded Adam
 def test_offloaded_adam_matches_torch_adam_on_cuda(cuda):
     model, loss_fn, batches = _model(cuda, layers=2)

@@ -27,8 +27,12 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    (dropout draws the same masks) and the module buffers (batch-norm running
    statistics are updated once per step, as in plain training).
 
-On a CUDA device, copies run on dedicated H2D / D2H streams into pinned memory and
-the compute stream waits on their events; on the CPU the same code paths run
+On a CUDA device, activation copies run on dedicated H2D / D2H streams into
+pinned memory; compute waits for a prefetch's event before reading the tensor, a
+prefetch waits for the offload that wrote its host copy, and the device storages
+a copy reads or writes are marked used on its stream (``record_stream``), so a
+``delete`` (or any drop) frees them behind the copy without stalling compute, as
+Rule 5 of the simulator assumes. On the CPU the same code paths run
 synchronously, so the semantics are tested on any machine.
 """
 
@@ -62,6 +66,14 @@ def _storages(tensors):
     return out
 
 
+def _used_on(storages, stream):
+    """Tell torch's caching allocator that work queued on ``stream`` uses these
+    device storages, so a block freed meanwhile (on the compute stream) is not
+    handed out again before that work is done (``Tensor.record_stream``)."""
+    for s in storages:
+        torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).record_stream(stream)
+
+
 @dataclass
 class _Stored:
     """One schedule tensor on the device: a plain a_k or an abar_k (graph + output)."""
@@ -83,7 +95,9 @@ class ScheduleExecutor:
     Parameters
     ----------
     model:
-        An ``nn.Sequential`` whose children are the chain's stages.
+        An ``nn.Sequential`` whose children are the chain's stages. Their
+        parameters and buffers are listed once, here: build a new executor after
+        adding or replacing any (``.data`` swaps and in-place updates are fine).
     schedule:
         A :class:`~rtmem.planners.Schedule`, or any object with a ``.schedule``
         (a planner's ``Plan``). It is validated against ``len(model)`` stages
@@ -134,14 +148,19 @@ class ScheduleExecutor:
         self.preserve_rng_state = preserve_rng_state
         self.track_memory = track_memory
         self.stages = list(model.children())
+        # Module structure is fixed while the executor lives: walking the module
+        # tree for every F_all was ~9% of a CPU step of small stages.
+        self._stage_params = [list(stage.parameters()) for stage in self.stages]
+        self._stage_buffers = [list(stage.buffers()) for stage in self.stages]
         self.peak_bytes: int | None = 0 if track_memory else None
         self.resident_bytes: list[int] = []
         self._w_host: dict = {}
         self._g_host: dict = {}
-        # (k, aux) -> host copies of the movable storages, in order. Kept across
-        # recomputations of the tensor: a recomputed value equals the offloaded one,
-        # so a later instance may be deleted and prefetched from the same copy
-        # (the simulator's Rule 5 keeps host copies the same way).
+        # (k, aux) -> (host copies of the movable storages in order, the CUDA event
+        # of their D2H copy or None). Kept across recomputations of the tensor: a
+        # recomputed value equals the offloaded one, so a later instance may be
+        # deleted and prefetched from the same copy (the simulator's Rule 5 keeps
+        # host copies the same way).
         self._host: dict = {}
         self.host_arena = host_arena
         self._host_bufs: list = []
@@ -181,28 +200,41 @@ class ScheduleExecutor:
         if track:
             self._refresh_param_ptrs()
         loss = None
-        for op, s, aux in self.schedule:
-            if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
-                self._forward(op, s)
-            elif op == Op.LOSS:
-                loss = self._loss(target)
-            elif op == Op.B:
-                self._backward(s)
-            elif op in (Op.OFFLOAD, Op.DELETE, Op.PREFETCH):
-                self._move(op, s, aux)
-            elif op in (Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH):
-                self._weights(op, s)
-            else:
-                self._grads_to_host(s)
-            if track:
-                self._account()
-        self._plain.clear()
-        self._bar.clear()
-        self._delta = None
-        if self._streams is not None:
-            torch.cuda.current_stream(device).wait_stream(self._streams[1])
-        self._release_host()
+        try:
+            for op, s, aux in self.schedule:
+                if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
+                    self._forward(op, s)
+                elif op == Op.LOSS:
+                    loss = self._loss(target)
+                elif op == Op.B:
+                    self._backward(s)
+                elif op in (Op.OFFLOAD, Op.DELETE, Op.PREFETCH):
+                    self._move(op, s, aux)
+                elif op in (Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH):
+                    self._weights(op, s)
+                else:
+                    self._grads_to_host(s)
+                if track:
+                    self._account()
+        finally:   # also after an error: the model keeps all its weights
+            self._plain.clear()
+            self._bar.clear()
+            self._delta = None
+            if self._streams is not None:
+                torch.cuda.current_stream(device).wait_stream(self._streams[1])
+            self._restore_weights()
+            self._release_host()
         return loss
+
+    def _restore_weights(self):
+        """Put back weights the schedule left on the host (every step starts with
+        all weights on the device, Rule 6 of the simulator) and forget the host
+        copies: the optimizer changes the weights between steps, so a copy kept
+        for the next step's ``w_delete`` would bring back stale values."""
+        for p, host in self._w_host.items():
+            if p.data.numel() == 0 and host.numel():
+                p.data = host.to(self._device, copy=True)
+        self._w_host.clear()
 
     def _release_host(self):
         """Free this step's host copies (arena buffers are freed once their tensor
@@ -264,7 +296,7 @@ class ScheduleExecutor:
                     if self.preserve_rng_state and self._device.type == "cuda" else None)
             self._first[i] = (cpu, cuda)
             return stage(x)
-        buffers = [b.detach().clone() for b in stage.buffers()]
+        buffers = [b.detach().clone() for b in self._stage_buffers[i]]
         devices = [self._device] if self._device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state):
             if self.preserve_rng_state:
@@ -274,7 +306,7 @@ class ScheduleExecutor:
                     torch.cuda.set_rng_state(cuda, self._device)
             y = stage(x)
         with torch.no_grad():   # recomputation must not update running statistics again
-            for b, saved in zip(stage.buffers(), buffers):
+            for b, saved in zip(self._stage_buffers[i], buffers):
                 b.copy_(saved)
         return y
 
@@ -284,7 +316,7 @@ class ScheduleExecutor:
             if x.is_floating_point():
                 x = x.requires_grad_(True)
             saved = []
-            params = {p.untyped_storage().data_ptr(): p for p in self.stages[i].parameters()}
+            params = {p.untyped_storage().data_ptr(): p for p in self._stage_params[i]}
             protect = {x.untyped_storage().data_ptr()} | set(params)
 
             x_key = x.untyped_storage().data_ptr()
@@ -363,44 +395,50 @@ class ScheduleExecutor:
         cuda = self._device.type == "cuda"
         storages = list(st.movable.values())
         if op == Op.OFFLOAD:
+            host = [self._host_storage(s.nbytes()) for s in storages]
+            done = None
             if cuda:
                 d2h = self._streams[1]
                 d2h.wait_stream(torch.cuda.current_stream(self._device))
-                host = [self._host_storage(s.nbytes()) for s in storages]
                 with torch.cuda.stream(d2h):
                     for h, s in zip(host, storages):
                         h.copy_(s, non_blocking=True)
+                # The tensor may be dropped (F_none, B, delete) while the copy still
+                # reads it: the caching allocator must not reuse those blocks before.
+                _used_on(storages, d2h)
+                done = d2h.record_event()
             else:
-                host = [self._host_storage(s.nbytes()) for s in storages]
                 for h, s in zip(host, storages):
                     h.copy_(s)
-            self._host[(k, aux)] = host
+            self._host[(k, aux)] = (host, done)
         elif op == Op.DELETE:
-            if cuda:   # the D2H copy may still read these storages
-                torch.cuda.current_stream(self._device).wait_stream(self._streams[1])
             if (k, aux) not in self._host:   # a discard: nothing will bring it back
                 del (self._bar if aux else self._plain)[k]
                 return
-            for s in storages:
+            for s in storages:   # freed behind the D2H copy (_used_on), not blocking compute
                 s.resize_(0)
             st.resident = False
         else:  # PREFETCH
             st.resident = True
-            host = self._host[(k, aux)]
+            host, done = self._host[(k, aux)]
             if len(host) != len(storages):
                 raise ExecutionError(f"cannot prefetch {'abar' if aux else 'a'}{k}: its host "
                                      "copy does not match the tensor on the device")
             if cuda:
                 # Allocate on the compute stream, so the caching allocator ties the
                 # block to the stream that uses and frees it; the copy stream then
-                # waits for the allocation, and compute waits for the copy (_wait).
+                # waits for the allocation and for the offload that wrote the host
+                # copy, and compute waits for the copy (_wait).
                 for s, h in zip(storages, host):
                     s.resize_(h.nbytes())
                 h2d = self._streams[0]
                 h2d.wait_stream(torch.cuda.current_stream(self._device))
+                if done is not None:
+                    h2d.wait_event(done)
                 with torch.cuda.stream(h2d):
                     for s, h in zip(storages, host):
                         s.copy_(h, non_blocking=True)
+                _used_on(storages, h2d)     # dropped before compute waited: still safe
                 st.ready = h2d.record_event()
             else:
                 for s, h in zip(storages, host):
@@ -410,13 +448,15 @@ class ScheduleExecutor:
     def _refresh_param_ptrs(self):
         """Storages of the parameters, excluded from activation accounting; they
         change only when weight moves swap ``.data``."""
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()
-                            if p.numel()}
+        self._param_ptrs = {p.untyped_storage().data_ptr()
+                            for ps in self._stage_params for p in ps if p.numel()}
 
     def _weights(self, op, i: int):
-        for p in self.stages[i].parameters():
+        for p in self._stage_params[i]:
             if op == Op.W_PREFETCH:
-                p.data = self._w_host[p].to(self._device, non_blocking=True)
+                # always a new tensor, as on a GPU: on the CPU, sharing the host
+                # copy would hide a stale copy from every test
+                p.data = self._w_host[p].to(self._device, copy=True, non_blocking=True)
                 continue
             if op == Op.W_OFFLOAD or p not in self._w_host:
                 self._w_host[p] = p.data.to("cpu", copy=True)
@@ -425,7 +465,7 @@ class ScheduleExecutor:
             self._refresh_param_ptrs()
 
     def _grads_to_host(self, i: int):
-        for p in self.stages[i].parameters():
+        for p in self._stage_params[i]:
             if p.grad is None:
                 continue
             g = p.grad.to("cpu", copy=True)
