@@ -8,7 +8,10 @@ Following offloaded-optimizer-study.md (§0, proposals 2 and 3):
 1. Gradients are flushed to pinned host memory *as backward produces them*: a
    post-accumulate-grad hook per parameter enqueues the D2H copy on a dedicated
    stream and drops the device gradient, so gradients never pile up on the device
-   and never land in unpinned memory (the study's 8 GB/s boundary flush).
+   and never land in unpinned memory (the study's 8 GB/s boundary flush). With
+   gradient accumulation, a later micro-batch's gradient lands in the staging
+   buffer (idle until the update) and is added on the CPU at the parameter's next
+   flush or at :meth:`step`, so the hook never blocks on the GPU.
 2. The CPU update runs chunk by chunk (:func:`rtmem.kernels.adam_update` on an
    element range) and writes the new parameters, already converted to the
    device dtype, into a pinned staging buffer; the upload of chunk k is enqueued
@@ -101,6 +104,7 @@ class OffloadedAdam:
         for p, lo, hi in self._slices():
             self.master[lo:hi] = p.detach().reshape(-1).float().cpu().numpy()
         self._fresh = [True] * len(self.params)   # no gradient flushed since the step
+        self._partial = {}     # k -> event of a staged gradient not yet added (or None)
         cuda = any(p.is_cuda for p in self.params)
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(k))
@@ -115,24 +119,41 @@ class OffloadedAdam:
         lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
 
         def flush(p):
-            dst = self._grad_t[lo:hi]
             g = p.grad.reshape(-1)
+            if self._fresh[k]:
+                dst = self._grad_t[lo:hi]        # the first gradient lands in place
+            else:
+                # A later micro-batch: land it in the (idle until step) staging
+                # buffer and add it on the CPU once that copy is done, lazily, so
+                # backward never waits for the GPU (NOTE [ Offloaded Adam ], 1).
+                self._settle(k)
+                dst = self._stage_t[lo:hi]
             if self._streams is not None:   # rule 1: async D2H on its own stream
                 d2h = self._streams[1]
                 d2h.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(d2h):
-                    if self._fresh[k]:
-                        dst.copy_(g, non_blocking=True)
-                    else:
-                        dst.add_(g.to("cpu", non_blocking=False))
+                    dst.copy_(g, non_blocking=True)
                     g.record_stream(d2h)
-            elif self._fresh[k]:
-                dst.copy_(g)
+                    done = d2h.record_event()
             else:
-                dst.add_(g)
+                dst.copy_(g)
+                done = None
+            if not self._fresh[k]:
+                self._partial[k] = done
             self._fresh[k] = False
             p.grad = None          # the device gradient is freed right away
         return flush
+
+    def _settle(self, k: int) -> None:
+        """Add parameter k's staged partial gradient (if any) into its host
+        gradient, after waiting for its D2H copy (done long ago, in practice)."""
+        if k not in self._partial:
+            return
+        done = self._partial.pop(k)
+        if done is not None:
+            done.synchronize()
+        lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+        self._grad_t[lo:hi].add_(self._stage_t[lo:hi])
 
     def _upload(self, lo: int, hi: int):
         """Copy staged elements [lo, hi) into the device parameters they cover."""
@@ -154,6 +175,8 @@ class OffloadedAdam:
             return False
         if self._streams is not None:
             self._streams[1].synchronize()        # every gradient is on the host
+        for k in list(self._partial):             # before the staging buffer is reused
+            self._settle(k)
         for k, fresh in enumerate(self._fresh):
             if fresh:                             # no gradient: contributes zero
                 lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
@@ -184,7 +207,10 @@ class OffloadedAdam:
 
         ``set_to_none`` is accepted for torch.optim compatibility: device gradients
         are always dropped, since they live on the host once flushed."""
+        # (copies still in flight are ordered before the next ones on the D2H
+        # stream, and step() waits for that stream before reading or writing)
         self._fresh = [True] * len(self.params)
+        self._partial.clear()
         for p in self.params:
             p.grad = None
 
