@@ -65,6 +65,21 @@ def test_gradients_leave_the_device_during_backward(setup):
     off.close()
 
 
+def test_close_releases_what_the_optimizer_made(setup):
+    import rtmem
+    model = setup[0]
+    own = OffloadedAdam(model.parameters())
+    made = own.arena
+    own.close()
+    own.close()                                 # idempotent
+    assert made.slabs == ()                     # its own arena: closed, unpinned
+    given = rtmem.HostArena(1 << 20)
+    off = OffloadedAdam(model.parameters(), host_arena=given)
+    off.close()
+    assert given.slabs and given.stats().allocated_bytes == 0   # the caller's: kept
+    given.close()
+
+
 def test_accumulation_and_remat_executor(setup):
     # three micro-batches through a rematerializing schedule == one plain big
     # batch, twice (the third flush adds the second's staged gradient); a

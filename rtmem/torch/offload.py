@@ -87,6 +87,9 @@ class OffloadedAdam:
         n = int(self.offsets[-1])
         item = torch.empty(0, dtype=self.dtype).element_size()
         need = n * (12 + 2 * item) + 8 * 256
+        # an arena made here is this optimizer's to close (pinned memory has no
+        # finalizer: a dropped arena would keep its slabs pinned until exit)
+        self._own_arena = host_arena is None
         self.arena = host_arena if host_arena is not None else HostArena(need)
         alloc = self.arena.alloc
         self._bufs = [alloc(shape=(n,), dtype=np.float32, kind="weight"),
@@ -215,11 +218,19 @@ class OffloadedAdam:
             p.grad = None
 
     def close(self) -> None:
-        """Remove the gradient hooks and free the host buffers."""
+        """Remove the gradient hooks and free the host buffers; close the host
+        arena too when the optimizer made it. Idempotent."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if not self._bufs:
+            return
+        if self._streams is not None:   # no copy may still use the buffers
+            for stream in self._streams:
+                stream.synchronize()
         del self._grad_t, self._stage_t
         for b in self._bufs:
             b.free()
         self._bufs = []
+        if self._own_arena:
+            self.arena.close()
