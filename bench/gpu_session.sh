@@ -9,19 +9,24 @@
 # --quick: smaller sizes for pcie and dha-layers.
 #
 # The device tool stops a command after 10 minutes, so a session splits the steps
-# over two calls, each well inside the limit thanks to the per-step timeouts below:
+# over three calls, each inside the limit thanks to the per-step timeouts below:
 #   bash bench/gpu_session.sh doctor gpu-tests pcie dha-layers     (<= ~8.5 min)
-#   bash bench/gpu_session.sh allocator train adam                 (<= ~9 min)
-# (train runs its GPU section only; the CPU section is `python bench/train.py`.)
+#   bash bench/gpu_session.sh train                                (<= ~9 min)
+#   bash bench/gpu_session.sh allocator adam                       (<= ~3.5 min)
+# (train runs its GPU section only; the CPU section is `python bench/train.py`, and
+# it writes its JSON after the depth search and after each throughput size.)
 # Each call installs rtmem first (offline, --no-deps). Results land in
 # bench/results/gpu/ and, when $OUT is set (the device tool, which returns at most 8
-# files), they and the logs are packed into $OUT/gpu_results_<steps>.tgz. A failing
+# files), they and the logs are packed into $OUT/gpu_results_<steps>.tgz after
+# every step, so a call stopped by the tool still returns what finished. A failing
 # or timed-out step does not stop the others; the exit code says whether any failed.
 set -u
 cd "$(dirname "$0")/.."
 # GPU-machine results go to their own folder, next to (not over) this machine's.
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE RTMEM_BACKEND=cuda \
        RTMEM_BENCH_RESULTS=bench/results/gpu
+# numba-cuda needs libNVVM; without the nvidia-nvvm wheel it looks under CUDA_HOME
+if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
 all_steps="doctor gpu-tests pcie dha-layers allocator train adam"
 q=
 steps=
@@ -47,6 +52,11 @@ step() {   # step NAME SECONDS COMMAND...: run under a timeout, log, remember fa
     else echo "   FAILED rc=$rc in $((SECONDS - t0)) s (124 = timed out; see $logs/$name.log)"
          status=1; fi
     tail -n 25 "$logs/$name.log"
+    pack
+}
+pack() {   # results and logs so far into $OUT (replaced after every step)
+    [ -n "${OUT:-}" ] || return 0
+    tar czf "$OUT/gpu_results_$(echo $steps | tr ' ' '_').tgz" bench/results/gpu
 }
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$logs/install.log" 2>&1
 then
@@ -67,10 +77,7 @@ step gpu-tests 240 python3 -m pytest -q -m gpu tests
 step pcie 120 python3 bench/pcie.py $q
 step dha-layers 90 python3 bench/dha_layers.py $q
 step allocator 90 python3 bench/allocator.py
-step train 320 python3 bench/train.py --skip-cpu --gpu-time-s 200
+step train 540 python3 bench/train.py --skip-cpu --gpu-time-s 240 --gpu-deadline-s 460
 step adam 120 python3 bench/adam.py --sizes 1e7,5e7,1e8 --budget 6
-if [ -n "${OUT:-}" ]; then
-    tag=$(echo $steps | tr ' ' '_')
-    tar czf "$OUT/gpu_results_${tag}.tgz" bench/results/gpu
-fi
+pack
 exit $status

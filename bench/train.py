@@ -537,10 +537,15 @@ def main(argv=None):
     ap.add_argument("--gpu-repeats", type=int, default=3)
     ap.add_argument("--gpu-time-s", type=float, default=360.0,
                     help="seconds after which the GPU depth search stops")
+    ap.add_argument("--gpu-deadline-s", type=float, default=None,
+                    help="seconds after which the GPU section starts no new timed run "
+                         "(default: --gpu-time-s + 240)")
     ap.add_argument("--gpu-matmul-precision", default="high",
                     choices=["highest", "high", "medium"])
     ap.add_argument("--out", default="train")
     args = ap.parse_args(argv)
+    if args.gpu_deadline_s is None:
+        args.gpu_deadline_s = args.gpu_time_s + 240.0
 
     t0 = time.perf_counter()
     doc = {"command": "python bench/train.py " + " ".join(sys.argv[1:] if argv is None
@@ -554,7 +559,10 @@ def main(argv=None):
         gpu = {"measured": False, "reason": "skipped (--skip-gpu)"}
     else:
         torch.set_num_threads(os.cpu_count() or 1)   # the GPU section feeds the device
-        gpu = gpu_section(args)
+
+        def save(partial):   # a time limit must not take what was measured with it
+            write_results(args.out, _jsonable({**doc, "gpu": {**partial, "partial": True}}))
+        gpu = gpu_section(args, save)
     if not gpu["measured"]:
         print(gpu["reason"])
     doc["gpu"] = gpu

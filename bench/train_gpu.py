@@ -37,6 +37,11 @@ def _chain_for_layers(block_chain: Chain, layers: int) -> Chain:
 def _free_cuda():
     gc.collect()
     torch.cuda.empty_cache()
+    # torch's pinned-host cache (the ZeRO-shaped baseline's pin_memory) too, or a
+    # depth search holds every trial's pinned bytes until exit
+    empty_host = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host is not None:
+        empty_host()
     torch.cuda.synchronize()
 
 
@@ -70,7 +75,10 @@ class ZeroOffloadShaped:
         return loss.detach()
 
 
-def gpu_section(args):
+def gpu_section(args, save=None):
+    """The GPU results (a dict). ``save(partial)``, when given, is called after
+    the depth search and after each throughput size, so a run stopped by a time
+    limit still leaves what it measured."""
     if not torch.cuda.is_available():
         return {"measured": False, "reason": "no GPU: GPU section not measured "
                 "(torch.cuda.is_available() is False on this machine)"}
@@ -165,7 +173,9 @@ def gpu_section(args):
                 res["median_step_s"] = statistics.median(times)
                 res["tokens_per_s"] = tokens / res["median_step_s"]
             return res
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            # MemoryError: rtmem's OutOfMemoryError (pinned host memory) or the
+            # host itself: this depth does not fit either way
             return None
         finally:
             for o in objs or ():
@@ -210,12 +220,17 @@ def gpu_section(args):
     sizes = sorted({s for s in (out["plain_torch"]["largest_layers"],
                                 out["rtmem"]["largest_layers"]) if s})
     out["throughput"] = {}
+    if save is not None:
+        save(out)
     for layers in sizes:
         row = {}
         for name, setup in (("rtmem", rtmem_setup), ("plain torch", plain_setup),
                             ("zero-offload-shaped", zero_setup)):
             if name == "plain torch" and layers > out["plain_torch"]["largest_layers"]:
                 row[name] = None
+                continue
+            if time.perf_counter() - t_start >= args.gpu_deadline_s:
+                row[name] = "skipped: --gpu-deadline-s reached"
                 continue
             r = trial(setup, layers, timed=args.gpu_repeats)
             row[name] = r if r is not None else "OOM"
@@ -226,6 +241,8 @@ def gpu_section(args):
         if isinstance(p, dict) and isinstance(r, dict):
             row["rtmem_over_plain_tokens_per_s"] = r["tokens_per_s"] / p["tokens_per_s"]
         out["throughput"][str(layers)] = row
+        if save is not None:
+            save(out)
     out["params_per_block"] = 12 * cfg["hidden"] ** 2 + 13 * cfg["hidden"]
     out["seconds"] = time.perf_counter() - t_start
     return out

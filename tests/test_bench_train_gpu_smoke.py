@@ -60,9 +60,15 @@ def test_gpu_section_searches_depths_and_compares_throughput(train_gpu, capsys):
     args = argparse.Namespace(
         gpu_hidden=32, gpu_heads=4, gpu_seq=16, gpu_vocab=64, gpu_batch=2,
         gpu_start_layers=2, gpu_max_layers=16, gpu_slots=50, gpu_reserve=0.06,
-        gpu_repeats=1, gpu_time_s=300.0, gpu_matmul_precision="highest", seed=0)
-    out = train_gpu.gpu_section(args)
+        gpu_repeats=1, gpu_time_s=300.0, gpu_deadline_s=600.0,
+        gpu_matmul_precision="highest", seed=0)
+    saved = []
+    out = train_gpu.gpu_section(args, save=lambda partial: saved.append(
+        (sorted(partial), dict(partial["throughput"]))))
     assert out["measured"] and not out["time_limited"]
+    # saved after the search (no throughput yet) and after the one throughput size
+    assert len(saved) == 2 and saved[0][1] == {} and list(saved[1][1]) == [str(FITS)]
+    assert "rtmem" in saved[0][0] and "plain_torch" in saved[0][0]
     for name in ("plain_torch", "rtmem"):
         search = out[name]
         assert search["largest_layers"] == FITS and search["first_failing_layers"] == FITS + 1
@@ -98,3 +104,27 @@ def test_zero_offload_shaped_baseline_is_adam(train_gpu):
     # the device copy is refreshed at the start of each step: compare the masters
     for m, q in zip(z.master, ref.parameters()):
         torch.testing.assert_close(m.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_section_stops_timing_at_the_deadline_and_counts_host_oom(train_gpu,
+                                                                      monkeypatch):
+    # a pinned-memory failure (rtmem's OutOfMemoryError is a MemoryError) ends a
+    # depth like a CUDA OOM; past --gpu-deadline-s no timed run starts
+    from rtmem.errors import OutOfMemoryError
+    class PinnedLimited(train_gpu.OffloadedAdam):
+        def __init__(self, params, **kw):
+            params = list(params)
+            if sum(p.numel() for p in params) > 50_000:     # 4 layers and more
+                raise OutOfMemoryError("stub: pinned memory exhausted", requested=1)
+            super().__init__(params, **kw)
+    monkeypatch.setattr(train_gpu, "OffloadedAdam", PinnedLimited)
+    args = argparse.Namespace(
+        gpu_hidden=32, gpu_heads=4, gpu_seq=16, gpu_vocab=64, gpu_batch=2,
+        gpu_start_layers=2, gpu_max_layers=16, gpu_slots=50, gpu_reserve=0.06,
+        gpu_repeats=1, gpu_time_s=300.0, gpu_deadline_s=0.0,
+        gpu_matmul_precision="highest", seed=0)
+    out = train_gpu.gpu_section(args)
+    assert out["rtmem"]["largest_layers"] == 3           # host memory bound first
+    for row in out["throughput"].values():
+        assert all(v is None or v == "skipped: --gpu-deadline-s reached"
+                   for k, v in row.items() if not k.startswith("rtmem_over"))
