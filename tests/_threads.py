@@ -23,3 +23,18 @@ def run_on_threads(work, n: int = 8) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def collect_holding(lock, timeout: float = 10.0) -> None:
+    """Run a garbage collection while ``lock`` is held, as one that starts at an
+    allocation inside rtmem's allocator would (NOTE [ Frees from finalizers ]),
+    on a daemon thread; fail if it does not finish (a finalizer deadlocked)."""
+    import gc
+
+    def collect():
+        with lock:
+            gc.collect()
+    t = threading.Thread(target=collect, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "a free from a finalizer deadlocked on the allocator lock"

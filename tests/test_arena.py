@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import pickle
 import random
 import threading
@@ -10,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from _threads import run_on_threads
+from _threads import collect_holding, run_on_threads
 from rtmem.arena import DeviceArena, HostArena
 from rtmem.backends import BACKENDS, backend_name, get_backend
 from rtmem.backends.host import PAGE, HostEvent
@@ -268,13 +267,7 @@ def test_free_waits_for_pinned_views_and_survives_a_collection_inside_the_alloca
     c.self, c.view = c, view[1:]                 # a derived view, held by a cycle only
     del c, view
 
-    def collect_inside_the_allocator():
-        with dev.core._lock:
-            gc.collect()
-    t = threading.Thread(target=collect_inside_the_allocator, daemon=True)
-    t.start()
-    t.join(10)
-    assert not t.is_alive(), "a free from a finalizer deadlocked on the allocator lock"
+    collect_holding(dev.core._lock)
     assert dev.stats().allocated_bytes == 4096   # deferred ...
     other = dev.alloc(256)                       # ... to the next allocation
     assert dev.stats().allocated_bytes == 256 and buf.is_freed

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import _fake_cupy
+from _threads import collect_holding
 from rtmem import transfers as T
 from rtmem.arena import DeviceArena, HostArena
 from rtmem.errors import (BackendError, OutOfMemoryError, ResidencyError,
@@ -454,13 +455,7 @@ def test_cupy_free_during_garbage_collection_is_deferred(fake, backend):
     del c
     assert d.stats().count_by_kind["workspace"] == 1
 
-    def collect_inside_the_allocator():
-        with d.core._lock:
-            gc.collect()
-    t = threading.Thread(target=collect_inside_the_allocator, daemon=True)
-    t.start()
-    t.join(10)
-    assert not t.is_alive(), "a free from a finalizer deadlocked on the allocator lock"
+    collect_holding(d.core._lock)
     assert d.stats().count_by_kind["workspace"] == 1      # deferred ...
     kept = alloc(64)                                      # ... to the next allocation
     assert d.stats().count_by_kind["workspace"] == 1
