@@ -79,6 +79,7 @@ def gpu_section(args, save=None):
     """The GPU results (a dict). ``save(partial)``, when given, is called after
     the depth search and after each throughput size, so a run stopped by a time
     limit still leaves what it measured."""
+    save = save or (lambda partial: None)
     if not torch.cuda.is_available():
         return {"measured": False, "reason": "no GPU: GPU section not measured "
                 "(torch.cuda.is_available() is False on this machine)"}
@@ -220,8 +221,7 @@ def gpu_section(args, save=None):
     sizes = sorted({s for s in (out["plain_torch"]["largest_layers"],
                                 out["rtmem"]["largest_layers"]) if s})
     out["throughput"] = {}
-    if save is not None:
-        save(out)
+    save(out)
     for layers in sizes:
         row = {}
         for name, setup in (("rtmem", rtmem_setup), ("plain torch", plain_setup),
@@ -241,8 +241,7 @@ def gpu_section(args, save=None):
         if isinstance(p, dict) and isinstance(r, dict):
             row["rtmem_over_plain_tokens_per_s"] = r["tokens_per_s"] / p["tokens_per_s"]
         out["throughput"][str(layers)] = row
-        if save is not None:
-            save(out)
+        save(out)
     out["params_per_block"] = 12 * cfg["hidden"] ** 2 + 13 * cfg["hidden"]
     out["seconds"] = time.perf_counter() - t_start
     return out

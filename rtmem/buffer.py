@@ -253,12 +253,10 @@ class Buffer:
     def _wait_if_in_flight(self, p: Placement, host: bool) -> None:
         """Order a view of placement ``p`` after the copies touching it: host
         views block until they are done; device views only order the compute
-        stream after them. Besides the buffer's own move (``_pending``), a
-        ``transfers.copy`` may still read ``p`` as its source (``p.event``): a
-        write through the view must not overtake it."""
-        if self._settle():
-            from .transfers import synchronize, wait
-            (synchronize if host else wait)(self)
+        stream after them. ``p.event`` is the last copy that read or wrote ``p``
+        (it implies the earlier ones): the buffer's own move, which involves
+        both placements, or a ``transfers.copy`` reading ``p`` as its source,
+        which a write through the view must not overtake."""
         event = p.event
         if event is not None and not event.query():
             if host:

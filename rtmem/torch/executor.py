@@ -193,7 +193,6 @@ class ScheduleExecutor:
         self._bar: dict[int, _Stored] = {}
         self._delta = None
         self._first: dict[int, tuple] = {}
-        self._release_host()
         track = self.track_memory
         self.peak_bytes = 0 if track else None
         self.resident_bytes = []

@@ -123,25 +123,25 @@ class OffloadedAdam:
 
         def flush(p):
             g = p.grad.reshape(-1)
-            if self._fresh[k]:
-                dst = self._grad_t[lo:hi]        # the first gradient lands in place
-            else:
+            fresh = self._fresh[k]
+            if not fresh:
                 # A later micro-batch: land it in the (idle until step) staging
                 # buffer and add it on the CPU once that copy is done, lazily, so
                 # backward never waits for the GPU (NOTE [ Offloaded Adam ], 1).
                 self._settle(k)
-                dst = self._stage_t[lo:hi]
+            dst = (self._grad_t if fresh else self._stage_t)[lo:hi]
+            done = None
             if self._streams is not None:   # rule 1: async D2H on its own stream
                 d2h = self._streams[1]
                 d2h.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(d2h):
                     dst.copy_(g, non_blocking=True)
                     g.record_stream(d2h)
-                    done = d2h.record_event()
+                    if not fresh:
+                        done = d2h.record_event()
             else:
                 dst.copy_(g)
-                done = None
-            if not self._fresh[k]:
+            if not fresh:
                 self._partial[k] = done
             self._fresh[k] = False
             p.grad = None          # the device gradient is freed right away
