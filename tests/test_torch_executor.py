@@ -79,6 +79,27 @@ def test_offload_weights_and_gradients(setup):
     assert set(ex.host_grads()) == set(m[0].parameters()) | set(m[1].parameters())
 
 
+def test_host_gradients_accumulate_over_steps_until_zeroed(setup):
+    # g_offload adds each step's gradient to the host accumulator (as .grad
+    # accumulates over loss.backward() calls) until zero_host_grads()
+    model, loss_fn, x, y, ref = setup[:5]
+    m = copy.deepcopy(model)
+    ex = ScheduleExecutor(m, _moves_schedule(len(m)), loss_fn)
+    moved = list(m[0].parameters()) + list(m[1].parameters())
+    for steps in (3, 1):
+        for _ in range(steps):
+            torch.manual_seed(7)
+            ex.step(x, y)
+        host = ex.host_grads()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            if p in host:
+                torch.testing.assert_close(host[p], steps * q.grad, rtol=1e-5, atol=1e-6)
+        assert set(host) == set(moved)
+        m.zero_grad(set_to_none=True)
+        ex.zero_host_grads()
+        assert ex.host_grads() == {}
+
+
 def test_weight_moves_over_many_steps_with_an_optimizer(setup):
     # Weights dropped by w_delete / w_offload come back by w_prefetch as new
     # tensors (as on a GPU); the host copy of one step must not outlive the

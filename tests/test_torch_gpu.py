@@ -254,6 +254,35 @@ def test_executor_weight_moves_across_optimizer_steps(cuda):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+def test_executor_weight_and_gradient_copies_on_streams_accumulate(cuda):
+    # w_offload / w_delete copy weights on the D2H stream and w_prefetch brings
+    # them back on the H2D stream (compute waits only before the stage's next
+    # F or B); g_offload copies gradients out on the D2H stream and host_grads()
+    # adds them up once the copies end: three steps give three times the
+    # reference gradient, and the weights are unchanged.
+    model, loss_fn, batches = _model(cuda)
+    x, y = batches[0]
+    ref, _ = _reference(model, loss_fn, x, y)
+    n = len(model)
+    text = ["F_all 0", "w_delete 0", "F_all 1", "w_offload 1"]
+    text += [f"F_all {i}" for i in range(2, n)] + ["L"]
+    text += [f"B {i}" for i in reversed(range(2, n))]
+    text += ["w_prefetch 1", "B 1", "g_offload 1", "w_prefetch 0", "B 0", "g_offload 0"]
+    m = copy.deepcopy(model)
+    before = [p.detach().clone() for p in m.parameters()]
+    ex = ScheduleExecutor(m, Schedule.from_text(", ".join(text)), loss_fn)
+    for _ in range(3):
+        torch.manual_seed(7)
+        ex.step(x, y)
+    host = ex.host_grads()
+    moved = set(m[0].parameters()) | set(m[1].parameters())
+    assert set(host) == moved
+    for p, q, b in zip(m.parameters(), ref.parameters(), before):
+        assert torch.equal(p, b)
+        g = host[p].to(q.device) if p in moved else p.grad
+        torch.testing.assert_close(g, 3 * q.grad, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------- offloaded Adam
 def test_offloaded_adam_matches_torch_adam_on_cuda(cuda):
     model, loss_fn, batches = _model(cuda, layers=2)

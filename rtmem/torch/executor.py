@@ -21,18 +21,24 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    back. Storage-level copies do not bump version counters, so autograd's
    in-place checks stay quiet.
 5. ``w_offload``/``w_delete``/``w_prefetch`` swap the parameters' ``.data`` with an
-   empty placeholder and back (a host master copy is kept); ``g_offload i`` moves
-   the stage's parameter gradients into host accumulators (:meth:`host_grads`).
+   empty placeholder and back (a host copy of this step's weights is kept);
+   ``g_offload i`` moves the stage's parameter gradients into host accumulators
+   (:meth:`host_grads`).
 6. Every execution of a stage after its first restores the RNG state of the first
    (dropout draws the same masks) and the module buffers (batch-norm running
    statistics are updated once per step, as in plain training).
 
-On a CUDA device, activation copies run on dedicated H2D / D2H streams into
-pinned memory; compute waits for a prefetch's event before reading the tensor, a
-prefetch waits for the offload that wrote its host copy, and the device storages
-a copy reads or writes are marked used on its stream (``record_stream``), so a
-``delete`` (or any drop) frees them behind the copy without stalling compute, as
-Rule 5 of the simulator assumes. On the CPU the same code paths run
+On a CUDA device every move (activations, weights, gradients) is a copy on a
+dedicated H2D / D2H stream to or from pinned memory, so it overlaps compute:
+compute waits for a prefetch's event before reading the tensor (for weights:
+before stage i's next forward or backward), a prefetch waits for the offload
+that wrote its host copy, and the device storages a copy reads or writes are
+marked used on its stream (``record_stream``), so a ``delete`` (or any drop)
+frees them behind the copy without stalling compute, as Rule 5 of the simulator
+assumes. Offloaded gradients are added to their host accumulators only when
+:meth:`ScheduleExecutor.host_grads` asks for them (after their copies end). At
+the end of a step compute waits for both copy streams, so the optimizer sees
+every weight and gradient in place. On the CPU the same code paths run
 synchronously, so the semantics are tested on any machine.
 """
 
@@ -154,8 +160,16 @@ class ScheduleExecutor:
         self._stage_buffers = [list(stage.buffers()) for stage in self.stages]
         self.peak_bytes: int | None = 0 if track_memory else None
         self.resident_bytes: list[int] = []
+        # parameter -> pinned host copy of this step's weights; stage -> the CUDA
+        # event of the D2H copy that wrote them (a w_prefetch waits for it) and
+        # of the H2D copy that brought them back (stage compute waits for it)
         self._w_host: dict = {}
+        self._w_saved: dict = {}
+        self._w_ready: dict = {}
+        # parameter -> host gradient accumulator, and the g_offload copies not
+        # yet added to it: (parameter, pinned copy, D2H event or None)
         self._g_host: dict = {}
+        self._g_pending: list = []
         # (k, aux) -> (host copies of the movable storages in order, the CUDA event
         # of their D2H copy or None). Kept across recomputations of the tensor: a
         # recomputed value equals the offloaded one, so a later instance may be
@@ -171,11 +185,15 @@ class ScheduleExecutor:
 
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
-        """Parameter -> host gradient accumulated by ``g_offload`` operations."""
+        """Parameter -> host gradient (CPU tensor, pinned on CUDA) accumulated by
+        ``g_offload`` operations since :meth:`zero_host_grads`. Waits for the
+        gradient copies still running."""
+        self._settle_grads()
         return dict(self._g_host)
 
     def zero_host_grads(self) -> None:
         """Forget the host gradients (call after the optimizer consumed them)."""
+        self._settle_grads()   # no copy may still write into a forgotten tensor
         self._g_host.clear()
 
     def step(self, inputs, target) -> torch.Tensor:
@@ -220,7 +238,11 @@ class ScheduleExecutor:
             self._bar.clear()
             self._delta = None
             if self._streams is not None:
-                torch.cuda.current_stream(device).wait_stream(self._streams[1])
+                # the optimizer and the next step run on the compute stream: every
+                # weight prefetched and gradient offloaded must be in place by then
+                compute = torch.cuda.current_stream(device)
+                for stream in self._streams:
+                    compute.wait_stream(stream)
             self._restore_weights()
             self._release_host()
         return loss
@@ -232,8 +254,10 @@ class ScheduleExecutor:
         for the next step's ``w_delete`` would bring back stale values."""
         for p, host in self._w_host.items():
             if p.data.numel() == 0 and host.numel():
-                p.data = host.to(self._device, copy=True)
+                p.data = host.to(self._device, copy=True)   # compute waited the D2H
         self._w_host.clear()
+        self._w_saved.clear()
+        self._w_ready.clear()
 
     def _release_host(self):
         """Free this step's host copies (arena buffers are freed once their tensor
@@ -311,6 +335,7 @@ class ScheduleExecutor:
 
     def _forward(self, op, i: int):
         x = self._source(i, plain_only=op == Op.F_NONE)
+        self._wait_weights(i)
         if op == Op.F_ALL:
             if x.is_floating_point():
                 x = x.requires_grad_(True)
@@ -369,6 +394,7 @@ class ScheduleExecutor:
     def _backward(self, i: int):
         bar = self._bar.pop(i + 1)
         self._wait(bar)
+        self._wait_weights(i)
         # Drop our references to the saved tensors first, so that autograd frees
         # each one as soon as its node has run, as in native PyTorch (holding them
         # for the whole call raised the in-backward peak by ~10% on GPT-2 blocks).
@@ -450,26 +476,90 @@ class ScheduleExecutor:
         self._param_ptrs = {p.untyped_storage().data_ptr()
                             for ps in self._stage_params for p in ps if p.numel()}
 
+    def _wait_weights(self, i: int):
+        """Order compute after the H2D copy of stage i's prefetched weights."""
+        ready = self._w_ready.pop(i, None)
+        if ready is not None:
+            torch.cuda.current_stream(self._device).wait_event(ready)
+
+    def _to_host(self, tensors):
+        """Copy device ``tensors`` into new host tensors (pinned on CUDA, where the
+        copies run on the D2H stream after the compute enqueued so far and the
+        sources are marked used there, so dropping them does not wait). Returns
+        the host tensors and the copies' event (None on the CPU)."""
+        cuda = self._device.type == "cuda"
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
+        if not cuda:
+            for h, t in zip(host, tensors):
+                h.copy_(t)
+            return host, None
+        d2h = self._streams[1]
+        d2h.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(d2h):
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)
+        _used_on(_storages(tensors).values(), d2h)
+        return host, d2h.record_event()
+
     def _weights(self, op, i: int):
-        for p in self._stage_params[i]:
-            if op == Op.W_PREFETCH:
-                # always a new tensor, as on a GPU: on the CPU, sharing the host
+        if op == Op.W_PREFETCH:
+            params = [p for p in self._stage_params[i] if p in self._w_host]
+            host = [self._w_host[p] for p in params]
+            if self._device.type == "cuda":
+                # allocated on the compute stream (which frees them), filled on the
+                # H2D stream behind the allocation and the D2H copy that wrote the
+                # host copies; the stage's next compute waits (_wait_weights)
+                dev = [torch.empty_like(h, device=self._device) for h in host]
+                h2d = self._streams[0]
+                h2d.wait_stream(torch.cuda.current_stream(self._device))
+                if self._w_saved.get(i) is not None:
+                    h2d.wait_event(self._w_saved[i])
+                with torch.cuda.stream(h2d):
+                    for d, h in zip(dev, host):
+                        d.copy_(h, non_blocking=True)
+                _used_on(_storages(dev).values(), h2d)
+                self._w_ready[i] = h2d.record_event()
+            else:
+                # always new tensors, as on a GPU: on the CPU, sharing the host
                 # copy would hide a stale copy from every test
-                p.data = self._w_host[p].to(self._device, copy=True, non_blocking=True)
-                continue
-            if op == Op.W_OFFLOAD or p not in self._w_host:
-                self._w_host[p] = p.data.to("cpu", copy=True)
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                dev = [h.clone() for h in host]
+            for p, d in zip(params, dev):
+                p.data = d
+        else:
+            # Both free the device weights. w_offload copies them first; w_delete
+            # (the host is master) copies only what no earlier move of this step
+            # copied: the weights do not change within a step, but the optimizer
+            # changes them between steps, so each step takes its own copy.
+            params = [p for p in self._stage_params[i] if p.numel()]   # on the device
+            fresh = [p for p in params if op == Op.W_OFFLOAD or p not in self._w_host]
+            if fresh:
+                self._wait_weights(i)   # a prefetch may still be filling them
+                host, event = self._to_host([p.data for p in fresh])
+                self._w_host.update(zip(fresh, host))
+                self._w_saved[i] = event
+            for p in params:   # freed behind the D2H copy (_to_host marked them used)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if self.track_memory:
             self._refresh_param_ptrs()
 
     def _grads_to_host(self, i: int):
-        for p in self._stage_params[i]:
-            if p.grad is None:
-                continue
-            g = p.grad.to("cpu", copy=True)
+        params = [p for p in self._stage_params[i] if p.grad is not None]
+        if not params:
+            return
+        host, event = self._to_host([p.grad for p in params])
+        for p, h in zip(params, host):
+            p.grad = None   # freed behind the copy (_to_host marked it used there)
             if p in self._g_host:
-                self._g_host[p] += g
-            else:
-                self._g_host[p] = g
-            p.grad = None
+                self._g_pending.append((p, h, event))
+            else:   # the first gradient of p becomes its accumulator (once copied)
+                self._g_host[p] = h
+                self._g_pending.append((p, None, event))
+
+    def _settle_grads(self):
+        """Wait for the gradient copies still running and add them up."""
+        pending, self._g_pending = self._g_pending, []
+        for p, h, event in pending:
+            if event is not None:
+                event.synchronize()
+            if h is not None:
+                self._g_host[p] += h
