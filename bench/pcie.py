@@ -14,8 +14,10 @@ then, at one large size, DHA read while an H2D or a D2H copy runs (B4: each
 one's throughput alone and together) and the latency of small transfers.
 
 Bandwidths are bytes/s (decimal GB/s in the table), median over ``--repeats``
-runs timed with CUDA events (pageable copies: host wall clock around the copy and
-a stream synchronize, since the driver's staging happens on the host). Writes
+runs timed with CUDA events, each run queued behind a short GPU delay so that
+the events bracket device time, not the Python launch path (pageable copies:
+host wall clock around the copy and a stream synchronize, since the driver's
+staging happens on the host). The kernel paths flush L2 before each run. Writes
 ``bench/results/pcie.json`` (or ``$RTMEM_BENCH_RESULTS/pcie.json``) and a plot
 with one curve per path. Without a GPU it says so and writes nothing.
 
@@ -66,9 +68,11 @@ def find_gpu() -> tuple[str | None, str]:
 
 
 def no_gpu_exit(what: str, why: str) -> int:
-    """The clean exit of a GPU benchmark on a machine without one (code 0)."""
+    """The exit of a GPU benchmark on a machine without one: code 0 (a clean
+    "nothing to do"), or 3 when ``RTMEM_REQUIRE_GPU=1`` (a GPU session, which
+    must not report success for a run that measured nothing)."""
     print(f"{what}: no CUDA GPU found ({why}); nothing measured, nothing written.")
-    return 0
+    return 3 if os.environ.get("RTMEM_REQUIRE_GPU") == "1" else 0
 
 
 def elapsed_s(cp, start, end) -> float:
@@ -79,51 +83,109 @@ def elapsed_s(cp, start, end) -> float:
 
 
 class Timer:
-    """Median time of a stream-ordered operation, measured with CUDA events."""
+    """Median device time of a stream-ordered operation, measured with CUDA events.
+
+    Each timed run is queued behind :func:`~rtmem.kernels.dha.gpu_delay` on the
+    same stream, so the GPU reaches the start event only once the host has queued
+    the start event, the work and the end event: the events bracket device time,
+    not the Python launch path (tens of microseconds per numba launch, which
+    would swamp short kernels). The delay starts at ``MIN_DELAY_S`` and doubles
+    whenever the start event had already passed when the host finished queueing
+    (the GPU may then have idled waiting for the launch); that run is repeated.
+    """
+
+    MIN_DELAY_S, MAX_DELAY_S = 1e-3, 0.25
 
     def __init__(self, cupy, repeats: int):
         self.cp, self.repeats = cupy, repeats
         self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+        self.delay_s = self.MIN_DELAY_S
+        #: runs whose start event had passed even behind the longest delay
+        self.uncovered = 0
 
-    def events(self, fn, stream) -> float:
-        """Seconds between events recorded on ``stream`` around ``fn()``."""
+    def hold(self, stream) -> None:
+        """Queue the current delay on ``stream`` (before a start event)."""
+        from rtmem.kernels.dha import gpu_delay
+        gpu_delay(self.delay_s, stream=stream)
+
+    def covered(self, start) -> bool:
+        """Call right after queueing a run: True when ``start`` has not been
+        reached yet (the delay covered the queueing); else lengthens the delay
+        and returns False (the caller repeats the run), or, at the longest
+        delay, counts the run in ``uncovered`` and returns True."""
+        if not start.done:
+            return True
+        if self.delay_s < self.MAX_DELAY_S:
+            self.delay_s = min(2 * self.delay_s, self.MAX_DELAY_S)
+            return False
+        self.uncovered += 1
+        return True
+
+    def events(self, fn, stream, before=None) -> float:
+        """Device seconds between events recorded on ``stream`` around ``fn()``;
+        ``before()``, when given, is queued ahead of each run, untimed (e.g. an
+        L2 flush)."""
         fn()                                                   # warm-up
         stream.synchronize()
         times = []
-        for _ in range(self.repeats):
+        while len(times) < self.repeats:
+            if before is not None:
+                before()
+            self.hold(stream)
             self.start.record(stream)
             fn()
             self.end.record(stream)
+            ok = self.covered(self.start)
             self.end.synchronize()
-            times.append(elapsed_s(self.cp, self.start, self.end))
+            if ok:
+                times.append(elapsed_s(self.cp, self.start, self.end))
         return statistics.median(times)
 
     def wall(self, fn, stream) -> float:
         """Host seconds for ``fn()`` plus a synchronize of ``stream``."""
         return median_time(lambda: (fn(), stream.synchronize()), self.repeats)
 
+    def summary(self) -> dict:
+        """The delay the runs ended with and the runs it did not cover (JSON)."""
+        return {"final_delay_s": self.delay_s, "uncovered_runs": self.uncovered}
 
-def _concurrent(cp, first, second, s1, s2):
-    """Run ``first`` on s1 and ``second`` on s2 from a common start; returns
-    (seconds of first, seconds of second, seconds until both finished)."""
+
+def _concurrent(cp, timer, first, second, s1, s2):
+    """Run ``first`` on s1 and ``second`` on s2 from a common start (both queued
+    behind ``timer``'s delay); returns (seconds of first, seconds of second,
+    seconds until both finished)."""
     ev = [cp.cuda.Event() for _ in range(4)]
-    s1.synchronize()
-    s2.synchronize()
-    ev[0].record(s1)
-    s2.wait_event(ev[0])
-    first()
-    ev[1].record(s1)
-    second()
-    ev[2].record(s2)
-    s1.wait_event(ev[2])
-    ev[3].record(s1)
-    ev[3].synchronize()
+    while True:
+        s1.synchronize()
+        s2.synchronize()
+        timer.hold(s1)
+        ev[0].record(s1)
+        s2.wait_event(ev[0])
+        first()
+        ev[1].record(s1)
+        second()
+        ev[2].record(s2)
+        s1.wait_event(ev[2])
+        ev[3].record(s1)
+        ok = timer.covered(ev[0])
+        ev[3].synchronize()
+        if ok:
+            break
     t = [elapsed_s(cp, ev[0], e) for e in ev[1:]]
     return t[0], t[1], max(t[2], t[0])
 
 
-def measure(max_size: int, min_size: int, step: int, repeats: int) -> dict:
-    """All measurements; returns the JSON document body (bytes, seconds, bytes/s)."""
+#: The paths that run rtmem's DHA kernels (they need numba-cuda and NVVM).
+KERNEL_PATHS = ("dha_read", "dha_write", "hbm_read")
+
+
+def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) -> dict:
+    """All measurements; returns the JSON document body (bytes, seconds, bytes/s).
+
+    ``save(partial_body)``, when given, is called after each size, so a run
+    stopped by a time limit keeps what it measured. When the DHA kernels cannot
+    run (no NVVM, a launch error) the copy paths are still measured and
+    ``dha_error`` says why the kernel paths are missing."""
     import cupy as cp
     import numpy as np
     from numba import cuda
@@ -148,38 +210,71 @@ def measure(max_size: int, min_size: int, step: int, repeats: int) -> dict:
     mapped = cuda.as_cuda_array(mapped_host)            # device view of the same bytes
     hbm = cuda.as_cuda_array(dev_b)
     partials = cuda.device_array(1 << 16, dtype=np.uint64)
+    # Overwriting twice the L2 before each timed kernel run: without it a
+    # buffer smaller than L2 (50 MB on an H100/H200) is read from L2 after the
+    # warm-up, and hbm_read would report L2 bandwidth.
+    l2 = int(rt.getDeviceProperties(0).get("l2CacheSize", 0)) or (64 << 20)
+    scratch = cp.empty(2 * l2, dtype=cp.uint8)
+
+    def flush_l2():
+        rt.memsetAsync(scratch.data.ptr, 0, scratch.nbytes, s1.ptr)
 
     def copy(dst, src, n, kind, stream):
         return lambda: rt.memcpyAsync(dst, src, n, kind, stream.ptr)
+
+    dha_error = None
+    try:   # first launch compiles: no NVVM (or a kernel bug) shows here
+        dha.dha_write(mapped[:min_size], 5, stream=s1)
+        dha.dha_read(mapped[:min_size], stream=s1, out=partials)
+        s1.synchronize()
+    except Exception as e:  # noqa: BLE001 - recorded in the JSON; copies still measured
+        dha_error = f"{type(e).__name__}: {e}"
+        print(f"  DHA kernels unavailable, measuring copies only: {dha_error}", flush=True)
+    paths = [p for p in PATHS if dha_error is None or p not in KERNEL_PATHS]
 
     sizes, n = [], min_size
     while n <= max_size:
         sizes.append(n)
         n *= step
-    curves = {p: [] for p in PATHS}
-    for n in sizes:
-        # Views made outside the timed closures: the events then bracket the
-        # launch itself (numba's dispatch, ~10-30 us, still counts at small sizes).
+    curves = {p: [] for p in paths}
+    for i, n in enumerate(sizes):
+        # Views made outside the timed closures: less host work per run (the
+        # Timer's delay already keeps the launch path out of the events).
         m_n, hbm_n = mapped[:n], hbm[:n]
-        t = {
-            "h2d_pageable": timer.wall(copy(dev_a.data.ptr, pageable.ctypes.data, n, h2d, s1), s1),
-            "d2h_pageable": timer.wall(copy(pageable.ctypes.data, dev_a.data.ptr, n, d2h, s1), s1),
-            "h2d_pinned": timer.events(copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1), s1),
-            "d2h_pinned": timer.events(copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s1), s1),
-            "dha_read": timer.events(lambda: dha.dha_read(m_n, stream=s1, out=partials), s1),
-            "dha_write": timer.events(lambda: dha.dha_write(m_n, 7, stream=s1), s1),
-            "hbm_read": timer.events(lambda: dha.dha_read(hbm_n, stream=s1, out=partials), s1),
+
+        def bidir():
+            both = [_concurrent(cp, timer, copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1),
+                                copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s2), s1, s2)[2]
+                    for _ in range(repeats + 1)]
+            return statistics.median(both[1:])
+        run = {
+            "h2d_pageable": lambda: timer.wall(
+                copy(dev_a.data.ptr, pageable.ctypes.data, n, h2d, s1), s1),
+            "d2h_pageable": lambda: timer.wall(
+                copy(pageable.ctypes.data, dev_a.data.ptr, n, d2h, s1), s1),
+            "h2d_pinned": lambda: timer.events(copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1), s1),
+            "d2h_pinned": lambda: timer.events(copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s1), s1),
+            "bidir_pinned": bidir,
+            "dha_read": lambda: timer.events(
+                lambda: dha.dha_read(m_n, stream=s1, out=partials), s1, flush_l2),
+            "dha_write": lambda: timer.events(
+                lambda: dha.dha_write(m_n, 7, stream=s1), s1, flush_l2),
+            "hbm_read": lambda: timer.events(
+                lambda: dha.dha_read(hbm_n, stream=s1, out=partials), s1, flush_l2),
         }
-        both = []
-        for _ in range(repeats + 1):
-            both.append(_concurrent(cp, copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1),
-                                    copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s2), s1, s2)[2])
-        t["bidir_pinned"] = statistics.median(both[1:])
-        for p in PATHS:
+        for p in paths:
+            seconds = run[p]()
             moved = 2 * n if p == "bidir_pinned" else n
-            curves[p].append({"bytes": n, "seconds": t[p], "bytes_per_s": moved / t[p]})
+            curves[p].append({"bytes": n, "seconds": seconds, "bytes_per_s": moved / seconds})
         print(f"  {format_bytes(n):>10}: " + "  ".join(
-            f"{p} {curves[p][-1]['bytes_per_s'] / 1e9:.1f}" for p in PATHS), flush=True)
+            f"{p} {curves[p][-1]['bytes_per_s'] / 1e9:.1f}" for p in paths), flush=True)
+        if save is not None:
+            save({"sizes_bytes": sizes[:i + 1], "curves": curves, "dha_error": dha_error,
+                  "partial": True})
+    if dha_error is not None:
+        return {"sizes_bytes": sizes, "curves": curves, "dha_error": dha_error,
+                "contention": None, "latency": _latency(cp, timer, copy, dev_a, pageable, s1),
+                "l2_bytes": l2, "timer": timer.summary()}
 
     # B4: DHA read against a copy in each direction, at the largest swept size
     # (a power of two: a --max-size such as 100MB need not be a whole number of
@@ -190,13 +285,13 @@ def measure(max_size: int, min_size: int, step: int, repeats: int) -> dict:
     def dha_read():
         dha.dha_read(mapped_n, stream=s1, out=partials)
 
-    alone = {"dha_read": timer.events(dha_read, s1),
+    alone = {"dha_read": timer.events(dha_read, s1, flush_l2),
              "h2d_pinned": timer.events(copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s2), s2),
              "d2h_pinned": timer.events(copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s2), s2)}
     contention = {"bytes": n, "alone_bytes_per_s": {k: n / v for k, v in alone.items()}}
     for other, src, dst, kind in (("h2d_pinned", pin_a.ptr, dev_a.data.ptr, h2d),
                                   ("d2h_pinned", dev_b.data.ptr, pin_b.ptr, d2h)):
-        runs = [_concurrent(cp, dha_read, copy(dst, src, n, kind, s2), s1, s2)
+        runs = [_concurrent(cp, timer, dha_read, copy(dst, src, n, kind, s2), s1, s2)
                 for _ in range(repeats + 1)][1:]
         t_dha = statistics.median(r[0] for r in runs)
         t_copy = statistics.median(r[1] for r in runs)
@@ -205,20 +300,33 @@ def measure(max_size: int, min_size: int, step: int, repeats: int) -> dict:
             "dha_read_bytes_per_s": n / t_dha, f"{other}_bytes_per_s": n / t_copy,
             "aggregate_bytes_per_s": 2 * n / t_all}
 
-    # Latency of small transfers: issue to completion seen by the host.
+    latency = _latency(cp, timer, copy, dev_a, pageable, s1,
+                       lambda m_n: dha.dha_read(m_n, stream=s1, out=partials), mapped)
+    return {"sizes_bytes": sizes, "curves": curves, "dha_error": None,
+            "contention": contention, "latency": latency, "l2_bytes": l2,
+            "timer": timer.summary()}
+
+
+def _latency(cp, timer, copy, dev_a, pageable, s1, dha_read=None, mapped=None) -> list:
+    """Latency of small transfers on stream ``s1``: issue to completion seen by
+    the host (``dha_read_s`` None without the DHA kernels)."""
+    rt = cp.cuda.runtime
+    h2d, d2h = rt.memcpyHostToDevice, rt.memcpyDeviceToHost
     small = cp.cuda.alloc_pinned_memory(4096)
     latency = []
     for n in LATENCY_SIZES:
-        m_n = mapped[:max(n, 8)]              # the probe reads whole 8-byte words
-        latency.append({
+        row = {
             "bytes": n,
             "h2d_pinned_s": timer.wall(copy(dev_a.data.ptr, small.ptr, n, h2d, s1), s1),
             "d2h_pinned_s": timer.wall(copy(small.ptr, dev_a.data.ptr, n, d2h, s1), s1),
             "h2d_pageable_s": timer.wall(copy(dev_a.data.ptr, pageable.ctypes.data, n, h2d,
                                               s1), s1),
-            "dha_read_s": timer.wall(lambda: dha.dha_read(m_n, stream=s1, out=partials), s1)})
-    return {"sizes_bytes": sizes, "curves": curves, "contention": contention,
-            "latency": latency}
+            "dha_read_s": None}
+        if dha_read is not None:
+            m_n = mapped[:max(n, 8)]              # the probe reads whole 8-byte words
+            row["dha_read_s"] = timer.wall(lambda: dha_read(m_n), s1)
+        latency.append(row)
+    return latency
 
 
 def plot(doc: dict, path: str) -> str | None:
@@ -248,7 +356,8 @@ def plot(doc: dict, path: str) -> str | None:
 
 
 def main(argv=None) -> int:
-    """Run the benchmark; returns the exit code (0 also when no GPU is found)."""
+    """Run the benchmark; returns the exit code (0 also when no GPU is found,
+    unless ``RTMEM_REQUIRE_GPU=1``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="4 KiB..64 MiB in steps of 4x, 3 repeats (about a minute)")
@@ -269,27 +378,35 @@ def main(argv=None) -> int:
         return no_gpu_exit("bench pcie", why)
     print(f"PCIe/DHA microbenchmarks on {device}: 4 KiB..{format_bytes(max_size)}, "
           f"median of {repeats}, GB/s = 1e9 bytes/s")
-    doc = measure(max_size, MIN_SIZE, 4 if args.quick else 2, repeats)
-    doc = {"device": device, "repeats": repeats, "units": {"bytes": "B", "seconds": "s",
-           "bytes_per_s": "B/s"}, **doc}
+    head = {"device": device, "repeats": repeats, "units": {"bytes": "B", "seconds": "s",
+            "bytes_per_s": "B/s"}}
+    doc = measure(max_size, MIN_SIZE, 4 if args.quick else 2, repeats,
+                  save=lambda partial: write_results("pcie", {**head, **partial}))
+    doc = {**head, **doc}
+    c = doc["curves"]
+    paths = list(c)
     rows = []
     for i, n in enumerate(doc["sizes_bytes"]):
-        c = doc["curves"]
-        dha_over_h2d = c["dha_read"][i]["bytes_per_s"] / c["h2d_pinned"][i]["bytes_per_s"]
-        rows.append([format_bytes(n)] + [f"{c[p][i]['bytes_per_s'] / 1e9:.2f}" for p in PATHS]
-                    + [f"{dha_over_h2d:.2f}"])
-    print(format_table(["size"] + list(PATHS) + ["dha/h2d"], rows))
+        row = [format_bytes(n)] + [f"{c[p][i]['bytes_per_s'] / 1e9:.2f}" for p in paths]
+        if "dha_read" in c:
+            row.append(f"{c['dha_read'][i]['bytes_per_s'] / c['h2d_pinned'][i]['bytes_per_s']:.2f}")
+        rows.append(row)
+    print(format_table(["size"] + paths + (["dha/h2d"] if "dha_read" in c else []), rows))
     con = doc["contention"]
-    print(f"\ncontention at {format_bytes(con['bytes'])} (GB/s): alone " + ", ".join(
-        f"{k} {v / 1e9:.1f}" for k, v in con["alone_bytes_per_s"].items()))
-    for key, val in con.items():
-        if "+" in key:
-            print(f"  {key}: " + ", ".join(f"{k.removesuffix('_bytes_per_s')} {v / 1e9:.1f}"
-                                           for k, v in val.items()))
+    if con is None:
+        print(f"\nno DHA kernels ({doc['dha_error']}): no contention runs, no DHA latency")
+    else:
+        print(f"\ncontention at {format_bytes(con['bytes'])} (GB/s): alone " + ", ".join(
+            f"{k} {v / 1e9:.1f}" for k, v in con["alone_bytes_per_s"].items()))
+        for key, val in con.items():
+            if "+" in key:
+                print(f"  {key}: " + ", ".join(
+                    f"{k.removesuffix('_bytes_per_s')} {v / 1e9:.1f}" for k, v in val.items()))
     print("\nlatency (us):\n" + format_table(
         ["bytes", "h2d pinned", "d2h pinned", "h2d pageable", "dha read"],
-        [[r["bytes"]] + [f"{r[k] * 1e6:.1f}" for k in ("h2d_pinned_s", "d2h_pinned_s",
-                                                       "h2d_pageable_s", "dha_read_s")]
+        [[r["bytes"]] + ["-" if r[k] is None else f"{r[k] * 1e6:.1f}"
+                         for k in ("h2d_pinned_s", "d2h_pinned_s", "h2d_pageable_s",
+                                   "dha_read_s")]
          for r in doc["latency"]]))
     path = write_results("pcie", doc)
     image = plot(doc, args.plot or os.path.splitext(path)[0] + ".png")

@@ -57,7 +57,7 @@ from ._launch import (THREADS, as_device, check_array, check_embedding, check_ep
                       device_words, grid_size, numba_stream, row_threads, scratch,
                       simulator_active, stream_blocks, synchronize, word_value)
 
-__all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
+__all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum", "gpu_delay",
            "embedding_forward", "embedding_backward",
            "layernorm_forward", "layernorm_backward",
            "linear_forward", "linear_backward", "GEMM_TILE"]
@@ -126,6 +126,13 @@ def _rmw_kernel(words, mask):
     stride = cuda.gridDim.x * cuda.blockDim.x
     for i in range(cuda.grid(1), words.shape[0], stride):
         words[i] ^= mask
+
+
+@cuda.jit
+def _delay_kernel(loops):
+    # one thread naps ~1 us per loop; the stream is busy, the SMs nearly idle
+    for _ in range(loops):
+        cuda.nanosleep(1000)
 
 
 @cuda.jit(device=True)
@@ -381,15 +388,44 @@ def dha_read(src, *, width: int = 8, blocks: int | None = None, stream=0, out=No
             raise KernelArgumentError(f"out holds {out.shape[0]} partials but the grid "
                                       f"has {grid} blocks; pass blocks= or a longer out",
                                       argument="out")
-    _read_kernel[grid, THREADS, numba_stream(stream)](words, out)
-    return out[:grid]
+    launch = numba_stream(stream)
+    _read_kernel[grid, THREADS, launch](words, out)
+    # bound to the launch stream, so that reading the partials back
+    # (xor_checksum) is ordered after this kernel, not after the legacy stream
+    return out[:grid].bind(launch)
 
 
 def xor_checksum(partials) -> int:
     """Fold the partial checksums of :func:`dha_read` (device or host) to one int:
-    the XOR of every word read (synchronizes when ``partials`` is on the device)."""
-    host = partials.copy_to_host() if hasattr(partials, "copy_to_host") else partials
+    the XOR of every word read. Device partials are copied back on the stream
+    they are bound to (:func:`dha_read` binds its launch stream), which is then
+    synchronized: the result is that of the finished kernel."""
+    if hasattr(partials, "copy_to_host"):
+        stream = getattr(partials, "stream", 0)
+        host = partials.copy_to_host(stream=stream)
+        if stream:
+            stream.synchronize()
+    else:
+        host = partials
     return int(np.bitwise_xor.reduce(np.asarray(host, dtype=np.uint64)))
+
+
+def gpu_delay(seconds: float, *, stream=0) -> None:
+    """Keep ``stream`` busy for roughly ``seconds`` (one single-thread kernel of
+    ~1 us naps; ``__nanosleep`` only promises between 0 and twice each nap, so
+    callers that need a minimum check it, as bench/pcie.py's Timer does).
+
+    For timing with CUDA events: queue the delay, then the start event, the work
+    and the end event. The GPU reaches the start event only after the host has
+    queued everything, so the events bracket device time, not Python's launch
+    overhead. A no-op under the CUDA simulator (no ``nanosleep``, no timings).
+    """
+    if seconds < 0:
+        raise KernelArgumentError(f"gpu_delay needs seconds >= 0, got {seconds}",
+                                  argument="seconds")
+    if simulator_active():
+        return
+    _delay_kernel[1, 1, numba_stream(stream)](max(1, int(seconds * 1e6)))
 
 
 def dha_write(dst, value: int, *, width: int = 8, blocks: int | None = None, stream=0):

@@ -31,7 +31,7 @@ and CuPy's sources ``cupy_backends/cuda/api/runtime.pyx``,
   ``with stream:``; ``Stream.null`` (ptr 0);
 - ``cuda.Event(block=False, disable_timing=False, interprocess=False)`` with
   ``record(stream=None)`` (None: the *current* stream), ``done`` (a property),
-  ``synchronize()``; ``cuda.get_current_stream(device_id=-1)``;
+  ``synchronize()``; ``cuda.get_current_stream(device_id=-1)``; ``cuda.ExternalStream(ptr)``;
   ``cuda.get_elapsed_time(start_event, end_event) -> float`` milliseconds
   (``runtime.eventElapsedTime``: cudaErrorInvalidResourceHandle (400) for an
   event never recorded or with timing disabled, cudaErrorNotReady (600) for one
@@ -291,7 +291,8 @@ class FakeCupy:
                 raise CUDARuntimeError(101)
             return {"name": fake.name, "totalGlobalMem": fake.device_bytes,
                     "major": 9, "minor": 0, "canMapHostMemory": 1,
-                    "multiProcessorCount": 132, "unifiedAddressing": 1}
+                    "multiProcessorCount": 132, "unifiedAddressing": 1,
+                    "l2CacheSize": 50 << 20}
 
         def driverGetVersion():
             return 13000
@@ -535,6 +536,11 @@ class FakeCupy:
 
         def get_current_stream(device_id=-1):
             return fake._current()
+
+        def ExternalStream(ptr, device_id=-1):
+            """``cupy.cuda.ExternalStream``: a handle on a stream made elsewhere (a
+            torch stream); here, the fake stream with that handle."""
+            return fake.null_stream if int(ptr) == 0 else fake._stream_of(ptr)
 
         def get_elapsed_time(start_event, end_event):
             """``cupy.cuda.get_elapsed_time(start_event, end_event) -> float``
@@ -837,6 +843,7 @@ class FakeCupy:
         cuda.runtime, cuda.memory = rt, memory
         cuda.Stream, cuda.Event = Stream, Event
         cuda.get_current_stream = get_current_stream
+        cuda.ExternalStream = ExternalStream
         cuda.get_elapsed_time = get_elapsed_time
         cuda.PinnedMemory, cuda.PinnedMemoryPointer = PinnedMemory, PinnedMemoryPointer
         cuda.alloc_pinned_memory = alloc_pinned_memory

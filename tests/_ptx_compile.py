@@ -46,6 +46,7 @@ b = t.boolean
 # Each kernel with every argument-type combination its launchers use.
 SIGNATURES = {
     "_read_kernel": [(u64, u64), (u32, u64)],
+    "_delay_kernel": [(t.int64,)],
     "_write_kernel": [(u64, t.uint64), (u32, t.uint32)],
     "_rmw_kernel": [(u64, t.uint64), (u32, t.uint32)],
     "_embedding_fwd_kernel": [(A2, i64, A2, i32), (A2_any, i32, A2, i32)],

@@ -26,21 +26,34 @@ def pytest_configure(config):
         numba_config.reload_config()
 
 
-def gpu_available() -> bool:
-    """True when a real CUDA device is usable (never under the simulator)."""
+def gpu_status() -> tuple[bool, str]:
+    """(True, "") when a real CUDA device is usable (never under the simulator),
+    else (False, why)."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return False
+        return False, "NUMBA_ENABLE_CUDASIM=1 (the CUDA simulator)"
     try:
         from numba import cuda
-        return bool(cuda.is_available())
-    except Exception:  # noqa: BLE001 - any driver problem means "no GPU"
-        return False
+        if cuda.is_available():
+            return True, ""
+        return False, "numba.cuda.is_available() is False"
+    except Exception as e:  # noqa: BLE001 - any driver problem means "no GPU"
+        return False, f"numba.cuda failed: {type(e).__name__}: {e}"
+
+
+def gpu_available() -> bool:
+    """True when a real CUDA device is usable (never under the simulator)."""
+    return gpu_status()[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    if gpu_available():
+    ok, why = gpu_status()
+    if ok:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    if os.environ.get("RTMEM_REQUIRE_GPU") == "1" and _wants_real_gpu(config):
+        # A GPU session (bench/gpu_session.sh) must not pass by skipping everything.
+        pytest.exit(f"RTMEM_REQUIRE_GPU=1 but no usable CUDA GPU: {why}", returncode=3)
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU ({why}; run `pytest -m gpu` on a "
+                                   "GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

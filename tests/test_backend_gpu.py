@@ -204,9 +204,17 @@ def test_numba_kernel_on_device_and_mapped_buffers(cp):
     h = HostArena("1MiB", mapped=True, backend="cuda")
     m = h.alloc(shape=(1024,), dtype=np.float32)
     m.numpy()[:] = 10
-    add_one[4, 256](m)
+    # numba types an argument by __dlpack__ before __cuda_array_interface__, and a
+    # mapped buffer's DLPack capsule is the host one: go through the CUDA array
+    # interface explicitly to run on the device alias (the DHA path)
+    alias = cuda.as_cuda_array(m)
+    assert alias.__cuda_array_interface__["data"][0] == m.__cuda_array_interface__["data"][0]
+    add_one[4, 256](alias)
     cuda.synchronize()
     assert (m.numpy() == 11).all()
+    add_one[4, 256](m)          # passed as is: still lands in the same memory
+    cuda.synchronize()
+    assert (m.numpy() == 12).all()
     b.free()
     m.free()
 

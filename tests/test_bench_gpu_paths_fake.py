@@ -33,6 +33,7 @@ import math
 import os
 import pathlib
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -102,6 +103,14 @@ class Bench:
         for name, obj in list(vars(dha).items()):
             if isinstance(obj, FakeCUDAKernel) and not obj._device:
                 self._mp.setattr(dha, name, Recorder(name))
+        # gpu_delay is a no-op under the simulator; here it really holds the
+        # fake stream, so the Timer's "start event not reached yet" check works
+        delays = self.delays = []
+
+        def gpu_delay(seconds, *, stream=0):
+            delays.append(seconds)
+            stream._enqueue(lambda: time.sleep(seconds))
+        self._mp.setattr(dha, "gpu_delay", gpu_delay)
         return launches
 
     def json(self, name):
@@ -235,10 +244,48 @@ def test_pcie_gpu_path(bench, capsys):
     assert plot.stat().st_size > 0 and f"wrote {bench.results / 'pcie.json'}" in out
     assert "dha/h2d" in out and "latency (us):" in out
     assert set(launches) == {"_read_kernel", "_write_kernel"}
+    # every event-timed run sat behind a delay that outlasted its queueing
+    assert bench.delays and doc["timer"]["uncovered_runs"] == 0
+    assert doc["l2_bytes"] > 0
     rt = bench.fake.modules["cupy.cuda.runtime"]
     copies = bench.fake.calls_named("memcpyAsync")
     assert {c[3] for c in copies} == {rt.memcpyHostToDevice, rt.memcpyDeviceToHost}
     assert 0 not in {c[4] for c in copies}             # on the benchmark's own streams
+
+
+def test_pcie_without_dha_kernels_measures_copies_and_saves_each_size(bench, monkeypatch,
+                                                                      capsys):
+    # No NVVM (or a kernel failure) must not cost the copy measurements, and a
+    # run stopped mid-sweep (a time limit's SIGINT) keeps the sizes it finished.
+    pcie = bench.load("pcie")
+    bench.stub_kernels()
+    from rtmem.kernels import dha
+
+    def no_nvvm(*args, **kwargs):
+        raise RuntimeError("libNVVM cannot be found")
+    monkeypatch.setattr(dha, "dha_write", no_nvvm)
+    assert pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1"]) == 0
+    doc = bench.json("pcie")
+    assert doc["dha_error"] == "RuntimeError: libNVVM cannot be found"
+    assert set(doc["curves"]) == set(pcie.PATHS) - set(pcie.KERNEL_PATHS)
+    assert doc["contention"] is None and "partial" not in doc
+    assert all(r["dha_read_s"] is None and r["h2d_pinned_s"] > 0 for r in doc["latency"])
+    assert "no DHA kernels (RuntimeError: libNVVM" in capsys.readouterr().out
+
+    sweeps = []
+    real_wall = pcie.Timer.wall
+
+    def stop_at_second_size(self, fn, stream):
+        sweeps.append(1)
+        if len(sweeps) > 2:                  # two pageable paths per size
+            raise KeyboardInterrupt
+        return real_wall(self, fn, stream)
+    monkeypatch.setattr(pcie.Timer, "wall", stop_at_second_size)
+    with pytest.raises(KeyboardInterrupt):
+        pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1"])
+    doc = bench.json("pcie")
+    assert doc["partial"] is True and doc["sizes_bytes"] == [4096]
+    assert all(len(points) == 1 for points in doc["curves"].values())
 
 
 def test_pcie_refuses_sizes_the_latency_probes_would_overrun(bench):

@@ -85,13 +85,16 @@ def test_gpu_section_searches_depths_and_compares_throughput(train_gpu, capsys):
 
 
 def test_zero_offload_shaped_baseline_is_adam(train_gpu):
-    # the baseline is a correct optimizer: the same steps as torch.optim.Adam
+    # the baseline is a correct optimizer: the same steps as torch.optim.Adam on
+    # the model itself (the same implementation, fused where torch has it: its
+    # rounding differs from the single-tensor loop's)
     import copy
     torch.manual_seed(0)
     model, loss_fn, make = train_gpu.gpt2_model(2, 32, 4, 16, 64, dropout=0.0)
     ref = copy.deepcopy(model)
     z = train_gpu.ZeroOffloadShaped(model, loss_fn, lr=1e-3)
-    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt, kind = train_gpu._host_adam(list(ref.parameters()), 1e-3)
+    assert kind == z.adam == "fused"         # torch 2.13's CPU build has it
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         x, y = make(2, gen)
@@ -128,3 +131,28 @@ def test_gpu_section_stops_timing_at_the_deadline_and_counts_host_oom(train_gpu,
     for row in out["throughput"].values():
         assert all(v is None or v == "skipped: --gpu-deadline-s reached"
                    for k, v in row.items() if not k.startswith("rtmem_over"))
+
+
+def test_rtmem_setup_closes_its_optimizer_when_setup_fails(train_gpu, monkeypatch):
+    # OffloadedAdam pins tens of GB at the searched depths: a failure after it was
+    # built (here the executor, but an OOM or a SIGINT alike) must not leave it
+    # pinned until exit, since trial() only sees what setup returned
+    made = []
+
+    class Recorded(train_gpu.OffloadedAdam):
+        def __init__(self, params, **kw):
+            super().__init__(params, **kw)
+            made.append(self)
+
+    def broken_executor(*args, **kwargs):
+        raise KeyboardInterrupt("stub: stopped while building the executor")
+    monkeypatch.setattr(train_gpu, "OffloadedAdam", Recorded)
+    monkeypatch.setattr(train_gpu, "ScheduleExecutor", broken_executor)
+    args = argparse.Namespace(
+        gpu_hidden=32, gpu_heads=4, gpu_seq=16, gpu_vocab=64, gpu_batch=2,
+        gpu_start_layers=2, gpu_max_layers=2, gpu_slots=50, gpu_reserve=0.06,
+        gpu_repeats=1, gpu_time_s=300.0, gpu_deadline_s=600.0,
+        gpu_matmul_precision="highest", seed=0)
+    with pytest.raises(KeyboardInterrupt, match="stub: stopped"):
+        train_gpu.gpu_section(args)
+    assert len(made) == 1 and made[0]._bufs == [] and made[0]._hooks == []

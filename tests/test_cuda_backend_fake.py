@@ -462,3 +462,46 @@ def test_cupy_free_during_garbage_collection_is_deferred(fake, backend):
     del kept
     gc.collect()
     assert rtcupy.flush() == 0 and d.stats().count_by_kind["workspace"] == 0
+
+
+def test_as_tensor_waits_for_a_prefetch_on_torchs_current_stream(fake, backend,
+                                                                 monkeypatch):
+    # torch kernels read an exported buffer on torch's current stream, which need
+    # not be CuPy's (under `with torch.cuda.stream(s)`): the wait for a prefetch
+    # still in flight must land on torch's stream, not on CuPy's legacy one.
+    import types
+    torch = pytest.importorskip("torch")
+    from rtmem.torch import as_tensor, on_torch_stream
+    d = DeviceArena(1 << 20, backend=backend)
+    h = HostArena(1 << 20, backend=backend)
+    b = d.alloc(shape=(1024,), dtype=np.float32)
+    T.offload(b, arena=h)
+    T.evict(b)
+    T.synchronize(b)
+    side = backend.new_stream("torch side stream")
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(cuda_stream=side.ptr))
+    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: (obj, device))
+    gate = threading.Event()
+    T.get_engine(backend).h2d.launch_host_func(gate.wait)   # the prefetch runs late
+    T.prefetch(b)
+    try:
+        export, device = as_tensor(b)
+        assert device == f"cuda:{backend.device_id}"
+        # (not b.__cuda_array_interface__ here: that would wait on CuPy's stream)
+        assert export.__cuda_array_interface__["data"][0] == \
+            b.placement("device").slab.device_ptr + b.placement("device").offset
+        on_side, on_legacy = threading.Event(), threading.Event()
+        side.launch_host_func(on_side.set)
+        fake.null_stream.launch_host_func(lambda _arg: on_legacy.set(), None)
+        assert on_legacy.wait(5)         # CuPy's stream was not made to wait
+        assert not on_side.wait(0.2)     # torch's stream waits for the prefetch
+    finally:
+        gate.set()
+    assert on_side.wait(5)
+    # outside as_tensor CuPy's current stream is its own again
+    assert backend.current_stream().ptr == 0
+    with on_torch_stream(backend.device_id):
+        assert backend.current_stream().ptr == side.ptr
+    del export
+    b.free()

@@ -50,6 +50,20 @@ def test_probes_on_a_large_mapped_buffer(cuda):
     assert np.all(m == 0x0123456789ABCDEF)
 
 
+def test_checksum_of_a_read_on_a_nonblocking_stream_waits_for_it(cuda):
+    # The partials are bound to the launch stream: the checksum must not copy
+    # them back on the legacy stream while the kernel still runs. A 1 GiB mapped
+    # read takes tens of milliseconds, long enough to show a missing wait.
+    cp = pytest.importorskip("cupy")
+    from rtmem.kernels import dha
+    rng = np.random.default_rng(11)
+    data = rng.integers(0, 2**63, size=(1 << 30) // 8, dtype=np.int64).view(np.uint64)
+    m = _mapped(cuda, data)
+    expect = int(np.bitwise_xor.reduce(data))
+    for stream in (cp.cuda.Stream(non_blocking=True), cuda.stream()):
+        assert dha.xor_checksum(dha.dha_read(m, stream=stream)) == expect
+
+
 def test_embedding_mapped_equals_device_and_reference(cuda):
     from rtmem.kernels import dha
     rng = np.random.default_rng(2)

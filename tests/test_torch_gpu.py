@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import os
 
 import numpy as np
 import pytest
@@ -27,13 +28,20 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
+def _no_gpu(why):
+    # a GPU session (RTMEM_REQUIRE_GPU=1, bench/gpu_session.sh) must not pass by skipping
+    if os.environ.get("RTMEM_REQUIRE_GPU") == "1":
+        pytest.fail(f"RTMEM_REQUIRE_GPU=1 but {why}")
+    pytest.skip(why)
+
+
 @pytest.fixture
 def cuda(monkeypatch):
     if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device")
+        _no_gpu("torch sees no CUDA device")
     from rtmem.backends import cuda_available
     if not cuda_available():
-        pytest.skip("no usable CUDA GPU through CuPy")
+        _no_gpu("no usable CUDA GPU through CuPy")
     monkeypatch.setenv("RTMEM_BACKEND", "cuda")
     # exact fp32 matmuls: the reference and the plans then differ only by the
     # order of float32 additions, not by TF32 rounding of different operands
@@ -146,6 +154,33 @@ def test_dha_placement_runs_on_mapped_host_weights(cuda):
     placement.release()
     gc.collect()
     arena.close()
+
+
+def test_as_tensor_under_a_torch_side_stream_waits_for_the_prefetch(cuda):
+    # torch kernels on a side stream read the buffer only after its H2D copy:
+    # as_tensor orders torch's current stream, not CuPy's legacy one, after it
+    n = 64 << 20                                       # 256 MiB: a copy of ~5 ms
+    d, h = rtmem.DeviceArena(n * 4 + (1 << 20)), rtmem.HostArena(n * 4 + (1 << 20))
+    b = d.alloc(shape=(n,), dtype=np.float32)
+    data = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    rtmem.offload(b, arena=h)
+    rtmem.evict(b)
+    rtmem.synchronize(b)
+    b.numpy("host")[:] = data
+    expect = float(data.astype(np.float64).sum())
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        with torch.cuda.stream(side):
+            rtmem.prefetch(b)
+            total = as_tensor(b).double().sum()
+        torch.cuda.synchronize()
+        assert math.isclose(float(total), expect, rel_tol=1e-9, abs_tol=1e-6)
+        rtmem.evict(b)
+        rtmem.synchronize(b)
+    b.free()
+    gc.collect()
+    d.close()
+    h.close()
 
 
 # ---------------------------------------------------------------- executor

@@ -4,13 +4,12 @@ Needs torch (``pip install rtmem[torch]``). Importing this package imports torch
 ``import rtmem`` alone does not.
 """
 
-from .bridge import ModulePlacement, as_tensor, from_tensor, place_parameters
+from .bridge import ModulePlacement, as_tensor, from_tensor, on_torch_stream, place_parameters
 from .executor import ExecutionError, ScheduleExecutor
 from .profiler import profile_sequential
 from .models import gpt2_model, resnet_model
 from .offload import OffloadedAdam
 
 __all__ = ["ExecutionError", "ModulePlacement", "OffloadedAdam", "ScheduleExecutor",
-           "as_tensor",
-           "from_tensor", "gpt2_model", "place_parameters", "profile_sequential",
-           "resnet_model"]
+           "as_tensor", "from_tensor", "gpt2_model", "on_torch_stream", "place_parameters",
+           "profile_sequential", "resnet_model"]

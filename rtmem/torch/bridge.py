@@ -6,6 +6,13 @@ of the host backend) as a CPU tensor, device memory of the cuda backend as a CUD
 tensor, and mapped host memory also as a CUDA tensor over its device alias
 (``device_alias=True``: the GPU reads it over PCIe, the DHA path).
 
+Streams: rtmem orders device work on CuPy's current stream (the wait for an
+in-flight prefetch, stream-ordered frees: ``rtmem/transfers.py``), torch
+launches on its own current stream. :func:`as_tensor` makes torch's current
+stream CuPy's while it exports a CUDA view (:func:`on_torch_stream`), so a
+buffer still being prefetched is waited for on the stream torch kernels will
+read it on, also under ``with torch.cuda.stream(s)``.
+
 Lifetimes: the tensor pins the buffer (NOTE [ Pinned views ] in
 ``rtmem/buffer.py``). The pin is held by the object that exports the memory to
 torch, which torch keeps alive as long as *any* tensor shares the storage (views,
@@ -24,7 +31,8 @@ import torch
 from rtmem.buffer import Buffer, PinnedExport
 from rtmem.errors import ResidencyError
 
-__all__ = ["as_tensor", "from_tensor", "place_parameters", "ModulePlacement"]
+__all__ = ["as_tensor", "from_tensor", "place_parameters", "ModulePlacement",
+           "on_torch_stream"]
 
 # torch dtypes without a numpy twin are stored as same-width integer bits
 _BITS = {torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8,
@@ -37,6 +45,35 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype in _BITS:
         return np.dtype(_BITS[dtype])
     return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def on_torch_stream(device: int | torch.device | None = None):
+    """A context in which CuPy's current stream (the one rtmem orders device work
+    on: waits for transfers, stream-ordered frees and reuse) is torch's current
+    stream on ``device`` (default: torch's current device). Use it around rtmem
+    calls whose results torch kernels consume while torch runs on a side stream.
+    A no-op context when the two already agree (both on the legacy default
+    stream, the usual case).
+    """
+    import contextlib
+
+    from rtmem.backends.cuda import import_cupy
+    dev = torch.device("cuda", device) if isinstance(device, int) else device
+    ptr = int(torch.cuda.current_stream(dev).cuda_stream)
+    cp = import_cupy()
+    if int(cp.cuda.get_current_stream().ptr) == ptr:
+        return contextlib.nullcontext()
+    index = dev.index if dev is not None and dev.index is not None else \
+        torch.cuda.current_device()
+    return cp.cuda.ExternalStream(ptr, index)
+
+
+def _cuda_export(buf: Buffer, where, device_id: int) -> torch.Tensor:
+    """A CUDA tensor over ``buf``'s placement ``where`` (its CUDA array interface,
+    with the in-flight wait on torch's current stream)."""
+    with on_torch_stream(device_id):
+        export = PinnedExport(buf, "__cuda_array_interface__", buf._cuda_interface(where))
+    return torch.as_tensor(export, device=f"cuda:{device_id}")
 
 
 def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = False,
@@ -68,15 +105,13 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
                 "device_alias=True needs a mapped host buffer on the cuda backend "
                 "(HostArena(nbytes, mapped=True) with RTMEM_BACKEND=cuda)",
                 state=buf.residency, action="device alias")
-        export = PinnedExport(buf, "__cuda_array_interface__", buf._cuda_interface("host"))
-        t = torch.as_tensor(export, device=f"cuda:{p.arena.backend.device_id}")
+        t = _cuda_export(buf, "host", p.arena.backend.device_id)
     else:
         p = buf._view_placement(where)
         if p.slab.host_array is not None:
             t = torch.from_numpy(buf.numpy(where, pin=True))
         else:
-            export = PinnedExport(buf, "__cuda_array_interface__", buf._cuda_interface(where))
-            t = torch.as_tensor(export, device=f"cuda:{p.arena.backend.device_id}")
+            t = _cuda_export(buf, where, p.arena.backend.device_id)
     if dtype is not None and dtype != t.dtype:
         if torch.empty(0, dtype=dtype).element_size() != t.element_size():
             raise TypeError(f"cannot view {t.dtype} memory as {dtype}: the item sizes "
