@@ -330,9 +330,10 @@ def pinned_check(request_bytes):
            "overhead_bytes": st.reserved_bytes - request_bytes,
            "slab_bytes": arena.slabs[0].nbytes}
     arena.close()
-    # torch's CachingHostAllocator rounds a request to the next power of two
-    # (a policy, computed here; measured only on a GPU machine).
+    # torch's CachingHostAllocator rounds a request to the next power of two:
+    # the figure is computed from that policy, not measured (on any machine)
     out["power_of_two_pool_bytes"] = 1 << (request_bytes - 1).bit_length()
+    out["power_of_two_pool_bytes_is"] = "computed from the rounding policy"
     return out
 
 

@@ -394,6 +394,9 @@ def replay(trace, allocator, *, measure_extent: bool = False,
                 dealloc(entry[0])
                 cur -= entry[1]
                 pairs += 1
+                # drop the loop's own references too: a pool that reclaims a
+                # block when its last reference goes (CuPy's) must get it now
+                entry = block = None
         elif op == "resize" and bid in live:
             block, old = live[bid]
             block = allocator.resize(block, nbytes, stream)

@@ -70,7 +70,7 @@ def _lines(r: dict) -> list[str]:
               "  (automatic: cuda if a GPU is usable, else host)")]
     if r.get("backend_error"):
         out.append(f"  ! {r['backend_error']}")
-    cupy = cuda.get("cupy") or "not installed (pip install rtmem[cuda12])"
+    cupy = cuda.get("cupy") or "not installed (pip install rtmem[cuda12] or rtmem[cuda13])"
     out.append(f"cupy             {cupy}")
     if cuda.get("error") and cuda.get("cupy"):
         out.append(f"  ! {cuda['error']}")

@@ -23,7 +23,7 @@ from .._deferred import flush, release, track
 
 __all__ = ["install", "manager_class"]
 
-_HINT = "pip install rtmem[cuda12] (numba-cuda with CUDA 12)"
+_HINT = "pip install rtmem[cuda12] or rtmem[cuda13] (numba-cuda for your CUDA major)"
 _lock = threading.Lock()
 _arena = None          # the arena plugged in by install(); guarded by _lock
 _class = None
