@@ -244,7 +244,12 @@ def copy(dst: Buffer, src: Buffer):
     src.nbytes``) on the transfer stream of the direction (H2D when ``dst`` is on
     the device, else D2H); return the event. ``dst`` is in flight until it
     completes; both blocks stay reserved until then, and new views of ``src``
-    (``numpy()``, tensors) wait for it, so writing through them cannot race it."""
+    (``numpy()``, tensors) wait for it, so writing through them cannot race it.
+
+    Views made *before* the call are not ordered after it (a numpy array or
+    tensor holds a raw address; nothing runs when it is used): writing ``src``
+    or reading ``dst`` through such a view needs ``synchronize(dst)`` (host
+    code) or ``wait(dst)`` (work on the compute stream) first."""
     for b in (dst, src):
         b._check_alive()
     if dst is src:

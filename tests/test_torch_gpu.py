@@ -215,7 +215,11 @@ def test_executor_remat_gradients_equal_plain_autograd(cuda, segments):
     _check_same(m, ex, loss, ref, ref_loss)
 
 
-def test_executor_offload_through_the_pinned_arena_on_streams(cuda):
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default", "side-stream"])
+def test_executor_offload_through_the_pinned_arena_on_streams(cuda, side_stream):
+    # side-stream: the whole training step runs under torch.cuda.stream(s), so
+    # torch's compute stream is not CuPy's (the arena's reuse order follows it)
+    import contextlib
     model, loss_fn, batches = _model(cuda)
     x, y = batches[0]
     ref, ref_loss = _reference(model, loss_fn, x, y)
@@ -234,7 +238,9 @@ def test_executor_offload_through_the_pinned_arena_on_streams(cuda):
             p.grad = None
         ex.zero_host_grads()
         torch.manual_seed(7)
-        loss = ex.step(x, y)
+        with torch.cuda.stream(torch.cuda.Stream()) if side_stream else \
+                contextlib.nullcontext():
+            loss = ex.step(x, y)
         torch.cuda.synchronize()
         if k == 0:
             _check_same(m, ex, loss, ref, ref_loss)

@@ -199,6 +199,16 @@ class ScheduleExecutor:
     def step(self, inputs, target) -> torch.Tensor:
         """One forward + backward pass following the schedule; returns the loss
         (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``."""
+        if inputs.device.type == "cuda" and self.host_arena is not None and \
+                self.host_arena.backend.name == "cuda":
+            # the host arena reuses its blocks in the order of CuPy's current
+            # stream; this step's compute stream is torch's (on_torch_stream)
+            from .bridge import on_torch_stream
+            with on_torch_stream(inputs.device):
+                return self._step(inputs, target)
+        return self._step(inputs, target)
+
+    def _step(self, inputs, target) -> torch.Tensor:
         device = inputs.device
         self._device = device
         if self._own_input or (inputs.untyped_storage().nbytes()
