@@ -56,12 +56,17 @@ def train_gpu(monkeypatch):
     sys.modules.pop("train_gpu", None)
 
 
+def _args(**override):
+    """bench/train.py's GPU options for a tiny GPT-2 (depths 2..16 searched)."""
+    opts = dict(gpu_hidden=32, gpu_heads=4, gpu_seq=16, gpu_vocab=64, gpu_batch=2,
+                gpu_start_layers=2, gpu_max_layers=16, gpu_slots=50, gpu_reserve=0.06,
+                gpu_repeats=1, gpu_time_s=300.0, gpu_deadline_s=600.0,
+                gpu_matmul_precision="highest", seed=0)
+    return argparse.Namespace(**{**opts, **override})
+
+
 def test_gpu_section_searches_depths_and_compares_throughput(train_gpu, capsys):
-    args = argparse.Namespace(
-        gpu_hidden=32, gpu_heads=4, gpu_seq=16, gpu_vocab=64, gpu_batch=2,
-        gpu_start_layers=2, gpu_max_layers=16, gpu_slots=50, gpu_reserve=0.06,
-        gpu_repeats=1, gpu_time_s=300.0, gpu_deadline_s=600.0,
-        gpu_matmul_precision="highest", seed=0)
+    args = _args()
     saved = []
     out = train_gpu.gpu_section(args, save=lambda partial: saved.append(
         (sorted(partial), dict(partial["throughput"]))))
@@ -121,11 +126,7 @@ def test_gpu_section_stops_timing_at_the_deadline_and_counts_host_oom(train_gpu,
                 raise OutOfMemoryError("stub: pinned memory exhausted", requested=1)
             super().__init__(params, **kw)
     monkeypatch.setattr(train_gpu, "OffloadedAdam", PinnedLimited)
-    args = argparse.Namespace(
-        gpu_hidden=32, gpu_heads=4, gpu_seq=16, gpu_vocab=64, gpu_batch=2,
-        gpu_start_layers=2, gpu_max_layers=16, gpu_slots=50, gpu_reserve=0.06,
-        gpu_repeats=1, gpu_time_s=300.0, gpu_deadline_s=0.0,
-        gpu_matmul_precision="highest", seed=0)
+    args = _args(gpu_deadline_s=0.0)
     out = train_gpu.gpu_section(args)
     assert out["rtmem"]["largest_layers"] == 3           # host memory bound first
     for row in out["throughput"].values():
@@ -148,11 +149,7 @@ def test_rtmem_setup_closes_its_optimizer_when_setup_fails(train_gpu, monkeypatc
         raise KeyboardInterrupt("stub: stopped while building the executor")
     monkeypatch.setattr(train_gpu, "OffloadedAdam", Recorded)
     monkeypatch.setattr(train_gpu, "ScheduleExecutor", broken_executor)
-    args = argparse.Namespace(
-        gpu_hidden=32, gpu_heads=4, gpu_seq=16, gpu_vocab=64, gpu_batch=2,
-        gpu_start_layers=2, gpu_max_layers=2, gpu_slots=50, gpu_reserve=0.06,
-        gpu_repeats=1, gpu_time_s=300.0, gpu_deadline_s=600.0,
-        gpu_matmul_precision="highest", seed=0)
+    args = _args(gpu_max_layers=2)
     with pytest.raises(KeyboardInterrupt, match="stub: stopped"):
         train_gpu.gpu_section(args)
     assert len(made) == 1 and made[0]._bufs == [] and made[0]._hooks == []
