@@ -427,30 +427,18 @@ class ScheduleExecutor:
                 f"cannot {op.name.lower()} {'abar' if aux else 'a'}{k}: that tensor was "
                 "consumed; the executor moves a tensor only between its production and "
                 "its consumption (recompute it instead)")
-        cuda = self._device.type == "cuda"
         storages = list(st.movable.values())
         if op == Op.OFFLOAD:
             host = [self._host_storage(s.nbytes()) for s in storages]
-            done = None
-            if cuda:
-                d2h = self._streams[1]
-                d2h.wait_stream(torch.cuda.current_stream(self._device))
-                with torch.cuda.stream(d2h):
-                    for h, s in zip(host, storages):
-                        h.copy_(s, non_blocking=True)
-                # The tensor may be dropped (F_none, B, delete) while the copy still
-                # reads it: the caching allocator must not reuse those blocks before.
-                _used_on(storages, d2h)
-                done = d2h.record_event()
-            else:
-                for h, s in zip(host, storages):
-                    h.copy_(s)
+            # the tensor may be dropped (F_none, B, delete) while the copy still
+            # reads it: _copy marks its storages used on the D2H stream
+            done = self._copy("d2h", list(zip(host, storages)), storages)
             self._host[(k, aux)] = (host, done)
         elif op == Op.DELETE:
             if (k, aux) not in self._host:   # a discard: nothing will bring it back
                 del (self._bar if aux else self._plain)[k]
                 return
-            for s in storages:   # freed behind the D2H copy (_used_on), not blocking compute
+            for s in storages:   # freed behind the D2H copy (_copy), not blocking compute
                 s.resize_(0)
             st.resident = False
         else:  # PREFETCH
@@ -459,26 +447,11 @@ class ScheduleExecutor:
             if len(host) != len(storages):
                 raise ExecutionError(f"cannot prefetch {'abar' if aux else 'a'}{k}: its host "
                                      "copy does not match the tensor on the device")
-            if cuda:
-                # Allocate on the compute stream, so the caching allocator ties the
-                # block to the stream that uses and frees it; the copy stream then
-                # waits for the allocation and for the offload that wrote the host
-                # copy, and compute waits for the copy (_wait).
-                for s, h in zip(storages, host):
-                    s.resize_(h.nbytes())
-                h2d = self._streams[0]
-                h2d.wait_stream(torch.cuda.current_stream(self._device))
-                if done is not None:
-                    h2d.wait_event(done)
-                with torch.cuda.stream(h2d):
-                    for s, h in zip(storages, host):
-                        s.copy_(h, non_blocking=True)
-                _used_on(storages, h2d)     # dropped before compute waited: still safe
-                st.ready = h2d.record_event()
-            else:
-                for s, h in zip(storages, host):
-                    s.resize_(h.nbytes())
-                    s.copy_(h)
+            # allocated on the compute stream, so the caching allocator ties the
+            # blocks to the stream that uses and frees them; compute waits (_wait)
+            for s, h in zip(storages, host):
+                s.resize_(h.nbytes())
+            st.ready = self._copy("h2d", list(zip(storages, host)), storages, after=done)
 
     def _refresh_param_ptrs(self):
         """Storages of the parameters, excluded from activation accounting; they
@@ -492,47 +465,48 @@ class ScheduleExecutor:
         if ready is not None:
             torch.cuda.current_stream(self._device).wait_event(ready)
 
+    def _copy(self, direction: str, pairs, device_storages, after=None):
+        """``dst.copy_(src)`` for each pair. On CUDA the copies run on the
+        ``direction`` ("h2d" / "d2h") stream behind the compute enqueued so far
+        (which allocated the destinations) and the event ``after``, and
+        ``device_storages`` (their device side) are marked used there, so a drop
+        meanwhile does not free them under the copy; returns the copies' event.
+        On the CPU they run at once; returns None."""
+        if self._device.type != "cuda":
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        stream = self._streams[0 if direction == "h2d" else 1]
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        _used_on(device_storages, stream)
+        return stream.record_event()
+
     def _to_host(self, tensors):
-        """Copy device ``tensors`` into new host tensors (pinned on CUDA, where the
-        copies run on the D2H stream after the compute enqueued so far and the
-        sources are marked used there, so dropping them does not wait). Returns
-        the host tensors and the copies' event (None on the CPU)."""
-        cuda = self._device.type == "cuda"
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
-        if not cuda:
-            for h, t in zip(host, tensors):
-                h.copy_(t)
-            return host, None
-        d2h = self._streams[1]
-        d2h.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(d2h):
-            for h, t in zip(host, tensors):
-                h.copy_(t, non_blocking=True)
-        _used_on(_storages(tensors).values(), d2h)
-        return host, d2h.record_event()
+        """New host tensors (pinned on CUDA) holding copies of device ``tensors``,
+        and the copies' event (:meth:`_copy`)."""
+        pinned = self._device.type == "cuda"
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
+        return host, self._copy("d2h", list(zip(host, tensors)),
+                                _storages(tensors).values())
 
     def _weights(self, op, i: int):
         if op == Op.W_PREFETCH:
             params = [p for p in self._stage_params[i] if p in self._w_host]
             host = [self._w_host[p] for p in params]
-            if self._device.type == "cuda":
-                # allocated on the compute stream (which frees them), filled on the
-                # H2D stream behind the allocation and the D2H copy that wrote the
-                # host copies; the stage's next compute waits (_wait_weights)
-                dev = [torch.empty_like(h, device=self._device) for h in host]
-                h2d = self._streams[0]
-                h2d.wait_stream(torch.cuda.current_stream(self._device))
-                if self._w_saved.get(i) is not None:
-                    h2d.wait_event(self._w_saved[i])
-                with torch.cuda.stream(h2d):
-                    for d, h in zip(dev, host):
-                        d.copy_(h, non_blocking=True)
-                _used_on(_storages(dev).values(), h2d)
-                self._w_ready[i] = h2d.record_event()
-            else:
-                # always new tensors, as on a GPU: on the CPU, sharing the host
-                # copy would hide a stale copy from every test
-                dev = [h.clone() for h in host]
+            # always new tensors (on the CPU too, where sharing the host copy would
+            # hide a stale copy from every test), allocated on the compute stream,
+            # filled behind the D2H copy that wrote the host copies; the stage's
+            # next compute waits (_wait_weights)
+            dev = [torch.empty_like(h, device=self._device) for h in host]
+            ready = self._copy("h2d", list(zip(dev, host)), _storages(dev).values(),
+                               after=self._w_saved.get(i))
+            if ready is not None:
+                self._w_ready[i] = ready
             for p, d in zip(params, dev):
                 p.data = d
         else:
