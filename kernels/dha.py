@@ -303,6 +303,20 @@ def _column_finish_kernel(partials, which, out, accumulate):
             out[h] = s
 
 
+@cuda.jit(device=True)
+def _stage_tile(src, tile, row0, col0, r, tx, transpose):
+    # One element of a GEMM tile: src[row0 + r, col0 + tx] (0 outside src) into
+    # tile[r, tx], or tile[tx, r] when the stored layout is the transpose of the
+    # tile's. Consecutive tx read consecutive addresses either way (coalesced).
+    v = numba.float32(0.0)
+    if row0 + r < src.shape[0] and col0 + tx < src.shape[1]:
+        v = src[row0 + r, col0 + tx]
+    if transpose:
+        tile[tx, r] = v
+    else:
+        tile[r, tx] = v
+
+
 @cuda.jit
 def _gemm_kernel(a, b, c, bias, trans_a, trans_b, accumulate, has_bias):
     # c[M, N] (=|+=) op(a) @ op(b) (+ bias[N]); op(a) is [M, K], op(b) is [K, N].
@@ -326,24 +340,14 @@ def _gemm_kernel(a, b, c, bias, trans_a, trans_b, accumulate, has_bias):
             for k0 in range(0, K, GEMM_TILE):
                 for i in range(_PER_THREAD):
                     r = ty + i * _GEMM_ROWS
-                    v = numba.float32(0.0)
                     if trans_a:                      # a stored [K, M]
-                        if k0 + r < K and m0 + tx < M:
-                            v = a[k0 + r, m0 + tx]
-                        sa[tx, r] = v
+                        _stage_tile(a, sa, k0, m0, r, tx, True)
                     else:                            # a stored [M, K]
-                        if m0 + r < M and k0 + tx < K:
-                            v = a[m0 + r, k0 + tx]
-                        sa[r, tx] = v
-                    w = numba.float32(0.0)
+                        _stage_tile(a, sa, m0, k0, r, tx, False)
                     if trans_b:                      # b stored [N, K]
-                        if n0 + r < N and k0 + tx < K:
-                            w = b[n0 + r, k0 + tx]
-                        sb[tx, r] = w
+                        _stage_tile(b, sb, n0, k0, r, tx, True)
                     else:                            # b stored [K, N]
-                        if k0 + r < K and n0 + tx < N:
-                            w = b[k0 + r, n0 + tx]
-                        sb[r, tx] = w
+                        _stage_tile(b, sb, k0, n0, r, tx, False)
                 cuda.syncthreads()
                 for kk in range(GEMM_TILE):
                     bv = sb[kk, tx]
