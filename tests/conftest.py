@@ -40,11 +40,6 @@ def gpu_status() -> tuple[bool, str]:
         return False, f"numba.cuda failed: {type(e).__name__}: {e}"
 
 
-def gpu_available() -> bool:
-    """True when a real CUDA device is usable (never under the simulator)."""
-    return gpu_status()[0]
-
-
 def pytest_collection_modifyitems(config, items):
     ok, why = gpu_status()
     if ok:

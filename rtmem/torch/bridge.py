@@ -23,6 +23,7 @@ those bytes to another allocation while a tensor can still read them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,8 +56,6 @@ def on_torch_stream(device: int | torch.device | None = None):
     A no-op context when the two already agree (both on the legacy default
     stream, the usual case).
     """
-    import contextlib
-
     from rtmem.backends.cuda import import_cupy
     dev = torch.device("cuda", device) if isinstance(device, int) else device
     ptr = int(torch.cuda.current_stream(dev).cuda_stream)
