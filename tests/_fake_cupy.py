@@ -31,7 +31,8 @@ and CuPy's sources ``cupy_backends/cuda/api/runtime.pyx``,
   ``with stream:``; ``Stream.null`` (ptr 0);
 - ``cuda.Event(block=False, disable_timing=False, interprocess=False)`` with
   ``record(stream=None)`` (None: the *current* stream), ``done`` (a property),
-  ``synchronize()``; ``cuda.get_current_stream(device_id=-1)``; ``cuda.ExternalStream(ptr)``;
+  ``synchronize()``; ``cuda.get_current_stream(device_id=-1)``;
+  ``cuda.ExternalStream(ptr)`` and ``cuda.Stream.from_external(obj)`` (CuPy >= 14);
   ``cuda.get_elapsed_time(start_event, end_event) -> float`` milliseconds
   (``runtime.eventElapsedTime``: cudaErrorInvalidResourceHandle (400) for an
   event never recorded or with timing disabled, cudaErrorNotReady (600) for one
@@ -527,6 +528,15 @@ class FakeCupy:
 
             def __eq__(self, other):
                 return isinstance(other, Stream) and other.ptr == self.ptr
+
+            @classmethod
+            def from_external(cls, obj):
+                """``cupy.cuda.Stream.from_external(obj)`` (CuPy >= 14): the
+                stream whose handle ``obj.__cuda_stream__()`` returns."""
+                version, ptr = obj.__cuda_stream__()
+                if version != 0:
+                    raise TypeError(f"unknown __cuda_stream__ version {version}")
+                return ExternalStream(ptr)
 
             def __hash__(self):
                 return self.ptr

@@ -464,14 +464,23 @@ def test_cupy_free_during_garbage_collection_is_deferred(fake, backend):
     assert rtcupy.flush() == 0 and d.stats().count_by_kind["workspace"] == 0
 
 
+@pytest.mark.parametrize("cupy14", [True, False], ids=["from_external", "ExternalStream"])
 def test_as_tensor_waits_for_a_prefetch_on_torchs_current_stream(fake, backend,
-                                                                 monkeypatch):
+                                                                 monkeypatch, cupy14):
     # torch kernels read an exported buffer on torch's current stream, which need
     # not be CuPy's (under `with torch.cuda.stream(s)`): the wait for a prefetch
     # still in flight must land on torch's stream, not on CuPy's legacy one.
+    import sys
     import types
     torch = pytest.importorskip("torch")
     from rtmem.torch import as_tensor, on_torch_stream
+    cuda = sys.modules["cupy"].cuda
+    if cupy14:   # CuPy >= 14 warns on every ExternalStream: it must not be used
+        def deprecated(*args, **kwargs):
+            raise AssertionError("ExternalStream used where Stream.from_external exists")
+        monkeypatch.setattr(cuda, "ExternalStream", deprecated)
+    else:        # CuPy 13 has no Stream.from_external
+        monkeypatch.delattr(cuda.Stream, "from_external")
     d = DeviceArena(1 << 20, backend=backend)
     h = HostArena(1 << 20, backend=backend)
     b = d.alloc(shape=(1024,), dtype=np.float32)

@@ -62,9 +62,27 @@ def on_torch_stream(device: int | torch.device | None = None):
     cp = import_cupy()
     if int(cp.cuda.get_current_stream().ptr) == ptr:
         return contextlib.nullcontext()
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        # CuPy >= 14 deprecates ExternalStream (a warning per call) for the CUDA
+        # stream protocol; the handle object carries it whatever torch's version.
+        return from_external(_StreamHandle(ptr))
     index = dev.index if dev is not None and dev.index is not None else \
         torch.cuda.current_device()
     return cp.cuda.ExternalStream(ptr, index)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` handle with the CUDA stream protocol
+    (``__cuda_stream__() -> (version 0, handle)``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
 
 
 def _cuda_export(buf: Buffer, where, device_id: int) -> torch.Tensor:
