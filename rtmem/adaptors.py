@@ -27,6 +27,14 @@ __all__ = ["AllocatorAdaptor", "LimitAdaptor", "PoisonAdaptor", "ReplayResult",
            "Statistics", "StatisticsAdaptor", "TracingAdaptor", "load_trace", "replay"]
 
 
+def _check_live(upstream, block) -> None:
+    """Raise the double-free / foreign-pointer error ``upstream`` would raise when
+    freeing ``block`` (upstreams without ``check_live`` are not asked)."""
+    check = getattr(upstream, "check_live", None)
+    if check is not None:
+        check(block)
+
+
 class AllocatorAdaptor:
     """Base of all adaptors: forwards everything to ``upstream``."""
 
@@ -231,6 +239,9 @@ class PoisonAdaptor(AllocatorAdaptor):
     def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
         """Poison ``block`` (after its event, or its stream for an ordered free)
         and free it."""
+        # Refuse a double free or a foreign block before poisoning: its bytes may
+        # belong to a live buffer now.
+        _check_live(self.upstream, block)
         if event is not None:
             event.synchronize()
         elif ordered and stream is not None:
@@ -282,20 +293,26 @@ class TracingAdaptor(AllocatorAdaptor):
             with self._lock:
                 self._write(op="oom", nbytes=int(nbytes), stream=self._stream_id(stream))
             raise
-        with self._lock:
-            bid = self._next_id
-            self._next_id += 1
-            self._ids[block] = bid
-            self._write(op="alloc", id=bid, nbytes=int(nbytes),
-                        stream=self._stream_id(stream))
+        try:
+            with self._lock:
+                self._write(op="alloc", id=self._next_id, nbytes=int(nbytes),
+                            stream=self._stream_id(stream))
+                self._ids[block] = self._next_id
+                self._next_id += 1
+        except BaseException:
+            self.upstream.deallocate(block)   # the sink failed: as if never asked
+            raise
         return block
 
     def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
-        """Free and record it."""
+        """Record the free, then free (a failing sink leaves the block live)."""
+        _check_live(self.upstream, block)
+        with self._lock:
+            self._write(op="free", id=self._ids.get(block, -1),
+                        stream=self._stream_id(stream))
         self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
         with self._lock:
-            self._write(op="free", id=self._ids.pop(block, -1),
-                        stream=self._stream_id(stream))
+            self._ids.pop(block, None)
 
     def resize(self, block, nbytes: int, stream=None):
         """Resize and record it (the id follows the block if it moves)."""

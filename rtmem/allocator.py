@@ -406,7 +406,15 @@ class BestFitAllocator:
         if block is None:
             grow = max(self.growth_bytes, size)
             if self._reserved + grow <= self.max_bytes:
-                self._add_slab(grow)
+                try:
+                    self._add_slab(grow)
+                except OutOfMemoryError as exc:   # the backend has no memory left
+                    raise OutOfMemoryError(
+                        f"out of memory: cannot allocate {nbytes:,} bytes: growing by a "
+                        f"{grow:,}-byte slab failed ({exc}); "
+                        f"{self._stats_locked().describe()}. Free buffers first or "
+                        f"plan with a smaller memory budget.",
+                        requested=nbytes, stats=self._stats_locked()) from exc
                 block = self._best_fit(size, stream)
         if block is None:
             stats = self._stats_locked()
@@ -659,6 +667,14 @@ class BestFitAllocator:
     def owns(self, block) -> bool:
         """True if ``block`` is a live block of this allocator."""
         return type(block) is Block and block.owner is self and block.state == _LIVE
+
+    def check_live(self, block) -> None:
+        """Raise what :meth:`deallocate` would for ``block`` if it is not a live
+        block of this allocator (adaptors that act on a block before freeing it
+        check first, so a refused free changes nothing)."""
+        if not self.owns(block):
+            with self._lock:
+                self._check_owned_live(block)
 
     def flush(self) -> None:
         """Wait for every event-gated or stream-ordered free (recording the

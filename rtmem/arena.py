@@ -248,8 +248,14 @@ class _Arena:
                 return
             buf._settle()
             for p in placements:
+                # Detach each placement once its block is freed: if a release
+                # raises, the buffer stays live with the placements it still owns
+                # (never with a block the allocator may hand to someone else).
                 p.arena._release(p, buf.kind)
-            buf._device = buf._host = None
+                if buf._device is p:
+                    buf._device = None
+                else:
+                    buf._host = None
             buf._pending = None
             buf._freed = True
 

@@ -253,6 +253,19 @@ class NumpyAdam:
                         raise OptimizerError(f"param {i}: {key} has shape {a.shape}, "
                                              f"expected {dst[key].shape}.",
                                              argument="state_dict")
+                    if not np.can_cast(a.dtype, np.float32, "same_kind"):
+                        raise OptimizerError(f"param {i}: {key} has dtype {a.dtype}; "
+                                             f"expected real floating point.",
+                                             argument="state_dict")
+            step = src.get("step")
+            try:
+                ok = int(step) == step and int(step) >= 0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise OptimizerError(f"param {i}: step is {step!r}; expected an integer "
+                                     f">= 0.", argument="state_dict")
+        # Everything checked: copying can no longer fail half-way.
         for src, dst in zip(states, self.state):
             for key in _STATE_KEYS:
                 if key in dst:
@@ -437,34 +450,54 @@ def _build_torch_optimizers():
             params = [p for group in self.param_groups for p in group["params"]]
             grad_of = per_param(grads, params, "grads")
             copy_of = per_param(copies, params, "copies")
-            items = []
             for group in self.param_groups:
                 _check_hyper(group["lr"], group["betas"], group["eps"],
                              group["weight_decay"])
-                for p in group["params"]:
-                    g = grad_of.get(id(p), None) if grads is not None else p.grad
-                    if g is None:
-                        continue
-                    g_np, g_fmt = as_numpy(g, "grad")
-                    out = copy_of.get(id(p))
-                    o_np, o_fmt = (None, None) if out is None else as_numpy(out, "copies")
-                    st = self._state_for(p, group)
-                    update = prepare_update(
-                        p.detach().numpy(), g_np, st["exp_avg"].numpy(),
-                        st["exp_avg_sq"].numpy(),
-                        max_exp_avg_sq=(st["max_exp_avg_sq"].numpy() if group["amsgrad"]
-                                        else None),
-                        grad_format=g_fmt, out=o_np, out_format=o_fmt)
-                    c = _coefficients(group, int(st["step"].item()) + 1,
-                                      self.decoupled_weight_decay, grad_scale)
-                    items.append((update, c, st))
+            items, created = [], []
+            try:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        g = grad_of.get(id(p), None) if grads is not None else p.grad
+                        if g is None:
+                            continue
+                        g_np, g_fmt = as_numpy(g, "grad")
+                        out = copy_of.get(id(p))
+                        o_np, o_fmt = (None, None) if out is None else as_numpy(out,
+                                                                                "copies")
+                        if not self.state.get(p):
+                            created.append(p)
+                        st = self._state_for(p, group)
+                        update = prepare_update(
+                            p.detach().numpy(), g_np, st["exp_avg"].numpy(),
+                            st["exp_avg_sq"].numpy(),
+                            max_exp_avg_sq=(st["max_exp_avg_sq"].numpy()
+                                            if group["amsgrad"] else None),
+                            grad_format=g_fmt, out=o_np, out_format=o_fmt)
+                        c = _coefficients(group, int(st["step"].item()) + 1,
+                                          self.decoupled_weight_decay, grad_scale)
+                        items.append((update, c, st))
+            except BaseException:
+                for p in created:        # a refused step leaves no new state behind
+                    self.state.pop(p, None)
+                raise
             _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite)
             return loss
 
         def load_state_dict(self, state_dict):
             """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
             The state is copied into fresh contiguous float32 tensors, so the
-            loaded dict is never aliased."""
+            loaded dict is never aliased. A refused dict leaves the optimizer as
+            it was."""
+            # torch installs new state and group dicts; the checks below run after
+            # it, so keep the old ones to put back.
+            old_state, old_groups = self.state, self.param_groups
+            try:
+                self._load_checked(state_dict)
+            except BaseException:
+                self.state, self.param_groups = old_state, old_groups
+                raise
+
+        def _load_checked(self, state_dict):
             super().load_state_dict(state_dict)
             for group in self.param_groups:
                 for p in group["params"]:

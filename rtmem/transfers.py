@@ -136,6 +136,13 @@ def _issue(dst, src, stream, engine, wait_for=()):
     return event
 
 
+def _check_location(arena, location: str, what: str) -> None:
+    if getattr(arena, "location", None) != location:
+        want = "DeviceArena" if location == "device" else "HostArena"
+        raise ValueError(f"{what} needs a {location} arena (a {want}), got {arena!r}; "
+                         f"pass arena=<{want}>")
+
+
 def _copy_to_new(buf: Buffer, arena, src, direction: str, wait_for=()):
     """The second half of prefetch ("h2d") and offload ("d2h"): a new placement
     of ``buf`` in ``arena``, the copy from ``src`` into it on that direction's
@@ -144,7 +151,11 @@ def _copy_to_new(buf: Buffer, arena, src, direction: str, wait_for=()):
     engine = _engine_for(arena, src.arena, "prefetch" if direction == "h2d" else "offload")
     stream = engine.h2d if direction == "h2d" else engine.d2h
     dst = arena._allocate(buf.nbytes, buf.kind, engine.alloc_key())
-    event = _issue(dst, src, stream, engine, wait_for)
+    try:
+        event = _issue(dst, src, stream, engine, wait_for)
+    except BaseException:
+        arena._release(dst, buf.kind)   # nothing was enqueued on it
+        raise
     if direction == "h2d":
         buf._device, buf.device_arena = dst, arena
     else:
@@ -172,6 +183,7 @@ def prefetch(buf: Buffer, *, arena=None):
         if arena is None:
             raise _state_error(buf, "prefetch", "it has never been in a device arena",
                                "pass arena=<DeviceArena>")
+        _check_location(arena, "device", "prefetch")
         return _copy_to_new(buf, arena, buf._host, "h2d",
                             (buf._pending[0],) if in_flight else ())
 
@@ -199,6 +211,7 @@ def offload(buf: Buffer, *, arena=None):
         if arena is None:
             raise _state_error(buf, "offload", "no host arena is known for it",
                                "pass arena=<HostArena>")
+        _check_location(arena, "host", "offload")
         return _copy_to_new(buf, arena, buf._device, "d2h")
 
 
@@ -217,8 +230,8 @@ def evict(buf: Buffer) -> None:
         if in_flight and buf._pending[1] == "h2d":
             raise _state_error(buf, "evict", "a prefetch into the device copy is in "
                                "flight", "synchronize(buf) first")
-        dev, buf._device = buf._device, None
-        dev.arena._release(dev, buf.kind)
+        buf._device.arena._release(buf._device, buf.kind)
+        buf._device = None
 
 
 def drop_host(buf: Buffer) -> None:
@@ -235,8 +248,8 @@ def drop_host(buf: Buffer) -> None:
         if buf._device is None:
             raise _state_error(buf, "drop the host copy of", "the host copy is the only "
                                "copy", "prefetch(buf) first, or buf.free() to discard it")
-        host, buf._host = buf._host, None
-        host.arena._release(host, buf.kind)
+        buf._host.arena._release(buf._host, buf.kind)
+        buf._host = None
 
 
 def copy(dst: Buffer, src: Buffer):

@@ -175,3 +175,65 @@ def test_every_adaptor_forwards_stream_ordered_frees():
     without_poison.deallocate(c, stream=s, ordered=True)
     assert core.stats().pending_bytes == c.size        # reached the core as ordered
     core._check_invariants()
+
+
+# ------------------------------------------- refused operations change nothing
+
+def test_poison_adaptor_refuses_a_bad_free_before_poisoning():
+    # A double free of a block merged into a neighbour, or a foreign block, points
+    # at bytes that may belong to a live buffer: they must not be poisoned.
+    from rtmem.errors import DoubleFreeError, InvalidPointerError
+    a = DeviceArena(4096, debug=True)
+    al = a.allocator
+    b1, b2 = al.allocate(256), al.allocate(256)
+    al.deallocate(b2)
+    al.deallocate(b1)                    # b2's bytes now part of one free block
+    live = a.alloc(512)
+    live.numpy()[:] = 7
+    with pytest.raises(DoubleFreeError):
+        al.deallocate(b2)
+    foreign = DeviceArena(4096).allocator.allocate(512)
+    with pytest.raises(InvalidPointerError):
+        al.deallocate(foreign)
+    with pytest.raises(InvalidPointerError):
+        al.deallocate(object())
+    assert (live.numpy() == 7).all()
+    live.free()
+    a._check_invariants()
+
+
+class _BrokenSink(io.StringIO):
+    """A trace sink whose writes fail while ``broken`` is set (a full disk)."""
+
+    broken = False
+
+    def write(self, text):
+        if self.broken:
+            raise OSError("no space left on device")
+        return super().write(text)
+
+
+def test_tracing_adaptor_sink_failure_leaves_the_arena_unchanged():
+    sink = _BrokenSink()
+    a = DeviceArena(1 << 16, adaptors=[lambda up: TracingAdaptor(up, sink)])
+    x = a.alloc(1024, kind="activation")
+    x.numpy()[:] = 5
+
+    def held(st):   # what is allocated (the operation counters may move)
+        return (st.allocated_bytes, st.requested_bytes, st.live_blocks,
+                st.largest_free_bytes, st.bytes_by_kind, st.count_by_kind)
+    before = held(a.stats())
+    sink.broken = True
+    with pytest.raises(OSError):
+        a.alloc(2048, kind="activation")            # refused: nothing allocated
+    with pytest.raises(OSError):
+        x.free()                                    # refused: x stays whole
+    assert held(a.stats()) == before
+    a._check_invariants()
+    assert x.residency == "device" and (x.numpy() == 5).all()
+    sink.broken = False
+    x.free()                                        # the retry succeeds
+    a._check_invariants()
+    assert a.stats().allocated_bytes == 0
+    ops = [json.loads(line)["op"] for line in sink.getvalue().splitlines()]
+    assert ops == ["alloc", "free"]                 # the trace matches what happened

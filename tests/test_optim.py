@@ -170,6 +170,29 @@ def test_numpy_adam_rejects_bad_input():
         opt.step([p, p])
 
 
+def test_numpy_adam_refused_state_dict_changes_nothing():
+    # Checked in full before any copy: param 0's state must not be loaded when
+    # param 1's is bad.
+    rng = np.random.default_rng(2)
+    ps = [rng.standard_normal(n).astype(np.float32) for n in (4, 3)]
+    opt = optim.NumpyAdam(ps, lr=1e-2)
+    opt.step([rng.standard_normal(p.shape).astype(np.float32) for p in ps])
+    before = opt.state_dict()
+    for key, value, fragment in [("step", None, "step is None"),
+                                 ("step", "x", "step is 'x'"),
+                                 ("step", -1, "step is -1"),
+                                 ("exp_avg", np.ones(3, np.complex64), "complex64")]:
+        bad = opt.state_dict()
+        bad["state"][0]["exp_avg"][:] = 42.0
+        bad["state"][0]["step"] = 99
+        bad["state"][1][key] = value
+        with pytest.raises(OptimizerError, match=fragment):
+            opt.load_state_dict(bad)
+        for st, ref in zip(opt.state, before["state"]):
+            assert st["step"] == ref["step"]
+            assert st["exp_avg"].tobytes() == ref["exp_avg"].tobytes()
+
+
 # --------------------------------------------------------------------------- torch front end
 
 torch = pytest.importorskip("torch")
@@ -449,7 +472,7 @@ def test_bad_params_and_grads_are_rejected_before_anything_changes():
         opt.step()
     for p, b in zip(ours, before):
         assert torch.equal(p.detach(), b)
-    assert all(float(st["step"]) == 0.0 for st in opt.state.values())
+    assert not opt.state     # refused steps made no (lazily created) state either
 
 
 def test_load_state_dict_rejects_state_of_another_model():
@@ -461,6 +484,29 @@ def test_load_state_dict_rejects_state_of_another_model():
     other = [torch.zeros(5, requires_grad=True) for _ in a]
     with pytest.raises(OptimizerError, match="another model"):
         optim.CPUAdam(other).load_state_dict(opt.state_dict())
+
+
+def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
+    a, _ = _models(24)
+    opt = optim.CPUAdam(a, lr=0.1)
+    for p in a:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(good)
+    bad["param_groups"][0]["lr"] = 123.0
+    bad["state"][0]["exp_avg"].fill_(42.0)
+    bad["state"][0]["step"].fill_(99.0)
+    bad["state"][2]["exp_avg"] = torch.zeros(5)          # another model's state
+    with pytest.raises(OptimizerError, match="another model"):
+        opt.load_state_dict(bad)
+    now = opt.state_dict()
+    assert now["param_groups"] == good["param_groups"]
+    for k, st in good["state"].items():
+        for key, v in st.items():
+            assert torch.equal(now["state"][k][key], v), (k, key)
+    opt.step()                                           # and it still works
+    assert float(opt.state[a[0]]["step"]) == 2.0
 
 
 def test_optim_all_lists_exactly_its_public_classes():

@@ -99,3 +99,26 @@ def test_placed_module_trains_like_the_original(arena):
     gc.collect()
     assert arena.stats().allocated_bytes == 0
     loss_fn(model(x), y)          # the module still works on ordinary memory
+
+
+def test_placement_keeps_existing_gradients_and_is_all_or_nothing(arena):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    model(torch.randn(2, 64)).sum().backward()
+    data = [p.data for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+    # room for the first layer's weight, gradient and bias only: placement fails
+    small = rtmem.HostArena(3 * 16384 + 2 * 256)
+    with pytest.raises(rtmem.errors.OutOfMemoryError):
+        place_parameters(model, small)
+    for p, d, g in zip(model.parameters(), data, grads):
+        # the very same memory and gradient tensors, untouched
+        assert p.data.data_ptr() == d.data_ptr() and p.grad is g
+    gc.collect()
+    assert small.stats().allocated_bytes == 0
+    # when it succeeds, the arena gradients start from the gradients p had
+    placement = place_parameters(model, arena)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+        assert p.grad.data_ptr() == placement.grads[p].numpy().ctypes.data
+    placement.release()

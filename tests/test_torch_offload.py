@@ -122,3 +122,50 @@ def test_bad_arguments(setup):
                        torch.zeros(2, dtype=torch.float64, requires_grad=True)])
     with pytest.raises(OptimizerError, match="chunk_elements"):
         OffloadedAdam(model.parameters(), chunk_elements=0)
+
+
+def test_refusals_change_nothing(setup):
+    import numpy as np
+    model, loss_fn, batches = setup
+    with pytest.raises(OptimizerError, match="lr"):
+        OffloadedAdam(model.parameters(), lr=-1.0)       # at construction, not in step
+    with pytest.raises(OptimizerError, match="beta2"):
+        OffloadedAdam(model.parameters(), betas=(0.9, 1.5))
+    small = rtmem.HostArena(1 << 12)                      # too small for the state
+    with pytest.raises(rtmem.errors.OutOfMemoryError):
+        OffloadedAdam(model.parameters(), host_arena=small)
+    assert small.stats().allocated_bytes == 0             # nothing left behind
+    # a step refused by the kernel (hyperparameters broken after construction)
+    # does not count: the retry is step 1, as in a clean run
+    twin = copy.deepcopy(model)
+    runs = []
+    for m, broken in ((model, True), (twin, False)):
+        off = OffloadedAdam(m.parameters(), lr=1e-2)
+        x, y = batches[0]
+        loss_fn(m(x), y).backward()
+        if broken:
+            off.hyper["lr"] = -1.0
+            with pytest.raises(OptimizerError, match="lr"):
+                off.step()
+            assert off.step_count == 0
+            off.hyper["lr"] = 1e-2
+        assert off.step() and off.step_count == 1
+        runs.append(off)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    for off in runs:
+        off.close()
+    # a closed optimizer refuses to step instead of writing into freed memory
+    given = rtmem.HostArena(1 << 22)
+    off = OffloadedAdam(model.parameters(), host_arena=given)
+    x, y = batches[1]
+    loss_fn(model(x), y).backward()
+    off.close()
+    other = given.alloc(shape=(given.stats().free_bytes // 4,), dtype=np.float32)
+    other.numpy()[:] = 1.0                       # reuses the optimizer's old bytes
+    for call in (off.step, off.zero_grad):
+        with pytest.raises(OptimizerError, match="closed"):
+            call()
+    assert (other.numpy() == 1.0).all()
+    other.free()
+    given.close()

@@ -282,3 +282,85 @@ def test_event_of_a_placement_covers_earlier_copies_on_the_other_stream(arenas):
     assert (to_dev.numpy() == 5).all() and (to_host.numpy() == 5).all()
     to_dev.free()
     to_host.free()
+
+
+class _FailFreeOnce:
+    """Adaptor factory: the arena's next free raises before reaching the allocator."""
+
+    def __init__(self):
+        self.armed = False
+
+    def __call__(self, upstream):
+        from rtmem.adaptors import AllocatorAdaptor
+        outer = self
+
+        class Failing(AllocatorAdaptor):
+            def deallocate(self, block, **kw):
+                if outer.armed:
+                    outer.armed = False
+                    raise RuntimeError("injected free failure")
+                self.upstream.deallocate(block, **kw)
+        return Failing(upstream)
+
+
+def test_free_failing_on_one_placement_keeps_the_buffer_on_the_rest(arenas):
+    # The device placement is released first; when the host one then fails, the
+    # buffer must stay live on the host (never keep the released device block,
+    # which the allocator hands to the next request).
+    d, _ = arenas
+    fail = _FailFreeOnce()
+    h = HostArena("1MiB", backend="host", adaptors=[fail])
+    b = d.alloc(shape=(256,), dtype=np.float32)
+    b.numpy()[:] = np.arange(256)
+    T.offload(b, arena=h)
+    T.synchronize(b)
+    fail.armed = True
+    with pytest.raises(RuntimeError, match="injected"):
+        b.free()
+    assert b.residency == "host" and b.placement("device") is None
+    np.testing.assert_array_equal(b.numpy(), np.arange(256))
+    assert d.stats().allocated_bytes == 0
+    b.free()                                    # the retry frees the rest
+    assert b.residency == "freed" and h.stats().allocated_bytes == 0
+    h._check_invariants()
+
+
+def test_failed_copy_frees_its_destination(arenas):
+    d, _ = arenas
+    h = HostArena("1MiB", backend="host")
+    x = h.alloc(shape=(64,), dtype=np.float32)
+    h.close()                                   # the source's memory is gone
+    with pytest.raises(Exception, match="released slabs"):
+        T.prefetch(x, arena=d)
+    assert d.stats().allocated_bytes == 0 and x.placement("device") is None
+
+
+def test_moves_refuse_an_arena_of_the_wrong_kind(arenas):
+    d, h = arenas
+    dev = d.alloc(shape=(8,), dtype=np.float32)
+    host = h.alloc(shape=(8,), dtype=np.float32)
+    with pytest.raises(ValueError, match="offload needs a host arena"):
+        T.offload(dev, arena=d)
+    with pytest.raises(ValueError, match="prefetch needs a device arena"):
+        T.prefetch(host, arena=h)
+    assert dev.residency == "device" and host.residency == "host"
+    assert d.stats().live_blocks == 1 and h.stats().live_blocks == 1
+    dev.free()
+    host.free()
+
+
+def test_backend_out_of_memory_while_growing_is_an_oom_with_stats(arenas, monkeypatch):
+    from rtmem.backends import host as host_backend
+    d = DeviceArena(4096, backend="host", max_bytes=1 << 20, growth_bytes=4096)
+    x = d.alloc(4096)
+    before = d.stats()
+
+    def no_memory(nbytes):
+        raise MemoryError
+    monkeypatch.setattr(host_backend, "_page_aligned", no_memory)
+    with pytest.raises(OutOfMemoryError, match="growing by a 4,096-byte slab") as e:
+        d.alloc(1000)
+    assert e.value.requested == 1000 and e.value.stats.allocated_bytes == 4096
+    assert d.stats() == before
+    x.free()
+    d._check_invariants()

@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from ..errors import BackendError
+from ..errors import BackendError, OutOfMemoryError
 from . import Backend, Slab
 
 __all__ = ["HostBackend", "HostEvent", "HostStream"]
@@ -207,8 +207,9 @@ class HostBackend(Backend):
         try:
             arr, base = _page_aligned(nbytes)
         except MemoryError as exc:
-            raise BackendError(f"the host could not allocate {nbytes:,} bytes for a "
-                               f"{location} slab; use a smaller arena") from exc
+            raise OutOfMemoryError(f"the host could not allocate {nbytes:,} bytes for "
+                                   f"a {location} slab; use a smaller arena",
+                                   requested=nbytes) from exc
         ptr = arr.ctypes.data
         return Slab(self, nbytes, ptr, location=location,
                     device_ptr=ptr if (location == "device" or mapped) else None,

@@ -180,15 +180,19 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
 
     Each parameter's data is copied into a ``kind="weight"`` buffer of ``arena``
     and the parameter then views it (``p.data = as_tensor(buf)``), so the module
-    works unchanged. With ``grads=True`` a zeroed ``kind="gradient"`` buffer (in
-    ``grad_arena``, default ``arena``) becomes ``p.grad``; autograd accumulates into
-    it in place, so clear gradients with ``zero_grad(set_to_none=False)`` to keep
-    them there. ``device_alias=True`` places weights in a mapped host arena viewed
-    from the GPU (the DHA layers of MemFerry). Returns a :class:`ModulePlacement`.
+    works unchanged. With ``grads=True`` a ``kind="gradient"`` buffer (in
+    ``grad_arena``, default ``arena``) becomes ``p.grad``, holding the gradient
+    ``p`` had (zeros if none); autograd accumulates into it in place, so clear
+    gradients with ``zero_grad(set_to_none=False)`` to keep them there.
+    ``device_alias=True`` places weights in a mapped host arena viewed from the
+    GPU (the DHA layers of MemFerry). Returns a :class:`ModulePlacement`. All or
+    nothing: if a buffer cannot be made, every parameter keeps its own tensors.
     """
     placement = ModulePlacement()
+    before = {}     # parameter -> (its data, its grad) before placement
     try:
         for p in dict.fromkeys(module.parameters()):   # shared parameters once
+            before[p] = (p.data, p.grad)
             buf = from_tensor(p.data, arena, kind="weight")
             placement.weights[p] = buf
             p.data = as_tensor(buf, dtype=p.dtype, device_alias=device_alias)
@@ -197,9 +201,17 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
                     shape=tuple(p.shape), dtype=numpy_dtype(p.dtype), kind="gradient")
                 placement.grads[p] = gbuf
                 g = as_tensor(gbuf, dtype=p.dtype, device_alias=device_alias)
-                g.zero_()
+                old = before[p][1]
+                if old is None:
+                    g.zero_()
+                else:
+                    g.copy_(old)
                 p.grad = g
     except BaseException:
-        placement.release()   # all or nothing: the module is as it was
+        for p, (data, grad) in before.items():   # the module is exactly as it was
+            p.data = data
+            p.grad = grad
+        for buf in (*placement.weights.values(), *placement.grads.values()):
+            buf.free()
         raise
     return placement

@@ -30,6 +30,7 @@ import torch
 
 from rtmem.errors import OptimizerError
 from rtmem.kernels import adam_update
+from rtmem.optim import _check_hyper, _check_num_threads
 
 from .bridge import as_tensor, numpy_dtype
 
@@ -77,12 +78,14 @@ class OffloadedAdam:
         if int(chunk_elements) != chunk_elements or chunk_elements < 1:
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
+        _check_hyper(lr, betas, eps, weight_decay)
+        self.num_threads = _check_num_threads(num_threads)
         self.dtype = next(iter(dtypes))
         self.hyper = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                           weight_decay=weight_decay, decoupled_weight_decay=adamw)
         self.chunk = int(chunk_elements)
-        self.num_threads = num_threads
         self.step_count = 0
+        self._closed = False
         self.offsets = np.cumsum([0] + [p.numel() for p in self.params])
         n = int(self.offsets[-1])
         item = torch.empty(0, dtype=self.dtype).element_size()
@@ -91,12 +94,19 @@ class OffloadedAdam:
         # finalizer: a dropped arena would keep its slabs pinned until exit)
         self._own_arena = host_arena is None
         self.arena = host_arena if host_arena is not None else HostArena(need)
-        alloc = self.arena.alloc
-        self._bufs = [alloc(shape=(n,), dtype=np.float32, kind="weight"),
-                      alloc(shape=(n,), dtype=np.float32, kind="optimizer-state"),
-                      alloc(shape=(n,), dtype=np.float32, kind="optimizer-state"),
-                      alloc(shape=(n,), dtype=numpy_dtype(self.dtype), kind="gradient"),
-                      alloc(shape=(n,), dtype=numpy_dtype(self.dtype), kind="workspace")]
+        self._bufs = []
+        try:
+            for dtype, kind in ((np.float32, "weight"), (np.float32, "optimizer-state"),
+                                (np.float32, "optimizer-state"),
+                                (numpy_dtype(self.dtype), "gradient"),
+                                (numpy_dtype(self.dtype), "workspace")):
+                self._bufs.append(self.arena.alloc(shape=(n,), dtype=dtype, kind=kind))
+        except BaseException:   # e.g. a host_arena too small: give back what we took
+            for b in self._bufs:
+                b.free()
+            if self._own_arena:
+                self.arena.close()
+            raise
         self.master, self.exp_avg, self.exp_avg_sq = (b.numpy() for b in self._bufs[:3])
         grad_buf, stage_buf = self._bufs[3:]
         self._grad_t = as_tensor(grad_buf, dtype=self.dtype)
@@ -174,6 +184,7 @@ class OffloadedAdam:
         """Update every parameter from the flushed gradients (chunked, overlapped
         with the uploads). Returns False when no gradient was flushed since the
         last step (nothing to do)."""
+        self._check_open("step")
         if all(self._fresh):
             return False
         if self._streams is not None:
@@ -184,7 +195,7 @@ class OffloadedAdam:
             if fresh:                             # no gradient: contributes zero
                 lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
                 self._grad_t[lo:hi].zero_()
-        self.step_count += 1
+        step = self.step_count + 1      # counted once the update is done
         fmt = _FORMATS[self.dtype]
         grad = self._grad_np
         n = int(self.offsets[-1])
@@ -192,7 +203,7 @@ class OffloadedAdam:
         for lo in range(0, n, self.chunk):
             hi = min(n, lo + self.chunk)
             adam_update(self.master, grad, self.exp_avg, self.exp_avg_sq,
-                        step=self.step_count, grad_format=fmt, out=self._stage_np,
+                        step=step, grad_format=fmt, out=self._stage_np,
                         out_format=fmt, start=lo, stop=hi, num_threads=self.num_threads,
                         **self.hyper)
             if h2d is not None:                   # rule 2: upload k while updating k+1
@@ -202,14 +213,21 @@ class OffloadedAdam:
                 self._upload(lo, hi)
         if h2d is not None:                       # rule 3
             torch.cuda.current_stream().wait_stream(h2d)
+        self.step_count = step
         self._fresh = [True] * len(self.params)
         return True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise OptimizerError(f"cannot {what}: this OffloadedAdam was closed (its host "
+                                 f"buffers are freed); make a new one", argument="self")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget flushed gradients (they are overwritten at the next flush anyway).
 
         ``set_to_none`` is accepted for torch.optim compatibility: device gradients
         are always dropped, since they live on the host once flushed."""
+        self._check_open("zero_grad")
         # (copies still in flight are ordered before the next ones on the D2H
         # stream, and step() waits for that stream before reading or writing)
         self._fresh = [True] * len(self.params)
@@ -228,7 +246,12 @@ class OffloadedAdam:
         if self._streams is not None:   # no copy may still use the buffers
             for stream in self._streams:
                 stream.synchronize()
+        self._closed = True
+        # no view of the freed memory may outlive it (a later step would write
+        # into whatever the arena hands out next)
         del self._grad_t, self._stage_t
+        self.master = self.exp_avg = self.exp_avg_sq = None
+        self._grad_np = self._stage_np = None
         for b in self._bufs:
             b.free()
         self._bufs = []
