@@ -16,6 +16,8 @@ aligned size / requested bytes / number of this arena's live placements of kind
 
 from __future__ import annotations
 
+import math
+import operator
 import threading
 from dataclasses import dataclass
 
@@ -57,6 +59,32 @@ class ArenaStats:
         if allocator is None or name.startswith("__"):
             raise AttributeError(name)
         return getattr(allocator, name)
+
+
+def _shape(shape) -> tuple:
+    """``shape`` (an int or a sequence of ints >= 0) as a tuple of ints."""
+    dims = (shape,) if np.isscalar(shape) else shape
+    try:
+        out = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") \
+            from None
+    if any(d < 0 for d in out):
+        raise ValueError(f"shape must be non-negative, got {out}")
+    return out
+
+
+def _plain_dtype(dtype, default) -> np.dtype:
+    """``dtype`` (default ``default``) as a numpy dtype of plain bytes: buffers
+    hold raw memory, so object (pointer) dtypes are refused."""
+    try:
+        dt = np.dtype(default if dtype is None else dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype {dtype!r} is not a numpy dtype ({exc})") from None
+    if dt.hasobject:
+        raise TypeError(f"dtype {dt} holds Python objects; arena buffers hold raw "
+                        f"bytes: use a numeric dtype")
+    return dt
 
 
 class _Arena:
@@ -157,18 +185,16 @@ class _Arena:
         elif shape is None:
             if nbytes is None:
                 raise ValueError("give nbytes= (bytes) or shape= (and dtype=)")
-            dtype = np.dtype(np.uint8 if dtype is None else dtype)
+            dtype = _plain_dtype(dtype, np.uint8)
             nbytes = parse_bytes(nbytes)
             if nbytes % dtype.itemsize:
                 raise ValueError(f"nbytes={nbytes} is not a multiple of the {dtype} "
                                  f"item size ({dtype.itemsize} bytes); pass shape=")
             shape = (nbytes // dtype.itemsize,)
         else:
-            shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
-            if any(s < 0 for s in shape):
-                raise ValueError(f"shape must be non-negative, got {shape}")
-            dtype = np.dtype(np.float32 if dtype is None else dtype)
-            need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            shape = _shape(shape)
+            dtype = _plain_dtype(dtype, np.float32)
+            need = math.prod(shape) * dtype.itemsize     # Python ints: no overflow
             if nbytes is None:
                 nbytes = need
             else:

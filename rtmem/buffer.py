@@ -150,6 +150,12 @@ class Buffer:
             raise UseAfterFreeError(
                 f"this {self.kind} buffer ({self.nbytes:,} bytes) was freed; allocate "
                 f"a new buffer instead of keeping references to freed ones")
+        for p in (self._device, self._host):
+            if p is not None and p.arena._closed:
+                raise UseAfterFreeError(
+                    f"the {p.arena.location} arena of this {self.kind} buffer "
+                    f"({self.nbytes:,} bytes) was closed, which released its memory; "
+                    f"close an arena only after its buffers are done with")
 
     def _settle(self) -> bool:
         """Clear a completed pending move; True if one is still in flight."""
@@ -210,7 +216,8 @@ class Buffer:
         """
         if self._freed or self._free_requested:
             raise DoubleFreeError(f"{self!r} was already freed; free each buffer once")
-        self.arena.free(self)
+        # (not self.arena: freeing stays legal after the arena was closed)
+        (self._device if self._device is not None else self._host).arena.free(self)
 
     def _pin(self) -> None:
         with self._lock:
@@ -235,7 +242,7 @@ class Buffer:
             if self._freed or not self._free_requested or self._pins:
                 return
             self._free_requested = False
-            arena = self.arena
+            arena = (self._device if self._device is not None else self._host).arena
         arena.free(self)
 
     # ------------------------------------------------------------ views

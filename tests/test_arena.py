@@ -54,6 +54,20 @@ def test_alloc_by_shape_and_bytes(dev):
         dev.alloc(10, dtype=np.float64)
     with pytest.raises(ValueError, match="smaller"):
         dev.alloc(8, shape=(4,), dtype=np.float32)
+    before = dev.stats()
+    # sizes are exact integers: a shape whose size overflows int64 is refused as
+    # too large, never wrapped around to a small buffer
+    for shape, dtype in (((2**40, 2**40), np.float32), ((2**61 + 1, 8), np.uint8)):
+        with pytest.raises(OutOfMemoryError) as e:
+            dev.alloc(shape=shape, dtype=dtype)
+        assert e.value.requested == np.prod(shape, dtype=object) * np.dtype(dtype).itemsize
+    with pytest.raises(TypeError, match="raw bytes"):
+        dev.alloc(shape=(2, 3), dtype=object)
+    with pytest.raises(TypeError, match="sequence of ints"):
+        dev.alloc(shape=2.5)
+    with pytest.raises(TypeError, match="not a numpy dtype"):
+        dev.alloc(shape=(2,), dtype="foo")
+    assert dev.stats() == before
     for buf in (a, b, c):
         buf.free()
 

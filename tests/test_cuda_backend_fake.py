@@ -349,9 +349,12 @@ def test_copy_of_a_released_slab_is_refused(fake, backend):
     d = DeviceArena(1 << 20, backend=backend)
     h = HostArena(1 << 20, backend=backend)
     b = d.alloc(4096)
+    slab = d.slabs[0]
     d.close()
+    with pytest.raises(UseAfterFreeError, match="was closed"):
+        T.offload(b, arena=h)       # the buffer layer refuses first ...
     with pytest.raises(BackendError, match="released"):
-        T.offload(b, arena=h)
+        backend.copy_async(h.slabs[0], 0, slab, 0, 16, None)   # ... and the backend
 
 
 def test_debug_arena_poisons_and_catches_a_gpu_write_after_free(fake, backend):

@@ -169,3 +169,23 @@ def test_refusals_change_nothing(setup):
     assert (other.numpy() == 1.0).all()
     other.free()
     given.close()
+
+
+def test_one_open_optimizer_per_parameter(setup):
+    import gc
+    model, loss_fn, batches = setup
+    first = OffloadedAdam(model.parameters(), lr=1e-2)
+    with pytest.raises(OptimizerError, match="another open OffloadedAdam"):
+        OffloadedAdam(model.parameters())
+    made = first.arena
+    del first                     # dropped without close(), e.g. to change lr
+    gc.collect()
+    assert made.slabs == ()       # its hooks are gone and its own arena closed
+    second = OffloadedAdam(model.parameters(), lr=1e-3)
+    x, y = batches[0]
+    loss_fn(model(x), y).backward()          # only the new hooks run
+    assert all(p.grad is None for p in model.parameters())
+    assert second.step() and second.step_count == 1
+    second.close()
+    third = OffloadedAdam(model.parameters())   # free again after close()
+    third.close()

@@ -12,7 +12,7 @@ import pytest
 from rtmem import transfers as T
 from rtmem.arena import DeviceArena, HostArena
 from rtmem.backends import get_backend
-from rtmem.errors import OutOfMemoryError, ResidencyError
+from rtmem.errors import OutOfMemoryError, ResidencyError, UseAfterFreeError
 
 
 @pytest.fixture
@@ -325,14 +325,30 @@ def test_free_failing_on_one_placement_keeps_the_buffer_on_the_rest(arenas):
     h._check_invariants()
 
 
-def test_failed_copy_frees_its_destination(arenas):
-    d, _ = arenas
-    h = HostArena("1MiB", backend="host")
+def test_failed_copy_frees_its_destination(arenas, monkeypatch):
+    d, h = arenas
     x = h.alloc(shape=(64,), dtype=np.float32)
-    h.close()                                   # the source's memory is gone
-    with pytest.raises(Exception, match="released slabs"):
+
+    def refuse(*args):
+        raise RuntimeError("injected copy failure")
+    monkeypatch.setattr(d.backend, "copy_async", refuse)
+    with pytest.raises(RuntimeError, match="injected"):
         T.prefetch(x, arena=d)
-    assert d.stats().allocated_bytes == 0 and x.placement("device") is None
+    assert d.stats().allocated_bytes == 0 and x.residency == "host"
+    monkeypatch.undo()
+    x.free()
+
+
+def test_buffers_of_a_closed_arena_say_so(arenas):
+    _, h = arenas
+    d = DeviceArena("1MiB", backend="host")
+    z = d.alloc(shape=(32,), dtype=np.float32)
+    d.close()
+    for use in (z.numpy, z.to_numpy, lambda: T.offload(z, arena=h)):
+        with pytest.raises(UseAfterFreeError, match="arena .*was closed"):
+            use()
+    z.free()                                    # cleaning up stays legal
+    assert z.residency == "freed"
 
 
 def test_moves_refuse_an_arena_of_the_wrong_kind(arenas):

@@ -25,8 +25,11 @@ numerics are tested on any machine.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem.errors import OptimizerError
 from rtmem.kernels import adam_update
@@ -37,6 +40,33 @@ from .bridge import as_tensor, numpy_dtype
 __all__ = ["OffloadedAdam"]
 
 _FORMATS = {torch.float32: None, torch.float16: None, torch.bfloat16: "bfloat16"}
+
+# parameter -> weak reference to the open OffloadedAdam whose hook flushes its
+# gradient: a second optimizer's hook would find p.grad already taken. (Keyed by
+# identity: tensors compare elementwise.)
+_owners = WeakIdKeyDictionary()
+
+
+def _hook(ref, k: int):
+    """Parameter k's post-accumulate-grad hook, holding the optimizer weakly."""
+    def flush(p):
+        opt = ref()
+        if opt is not None:
+            opt._flush(k, p)
+    return flush
+
+
+def _drop(hooks, params, arena) -> None:
+    """Finalizer of an OffloadedAdam dropped without close(): remove its hooks and
+    ownership (a new optimizer may take the parameters) and close its own arena."""
+    for h in hooks:
+        h.remove()
+    for p in params:
+        ref = _owners.get(p)
+        if ref is not None and ref() is None:
+            del _owners[p]
+    if arena is not None:
+        arena.close()
 
 
 class OffloadedAdam:
@@ -75,6 +105,13 @@ class OffloadedAdam:
             raise OptimizerError(f"all parameters must share one dtype among float32, "
                                  f"float16, bfloat16; got {sorted(map(str, dtypes))}",
                                  argument="params")
+        for i, p in enumerate(self.params):
+            owner = _owners.get(p)
+            if owner is not None and owner() is not None:
+                raise OptimizerError(
+                    f"parameter {i} (shape {tuple(p.shape)}) already has its gradients "
+                    f"flushed by another open OffloadedAdam; close() that one first",
+                    argument="params")
         if int(chunk_elements) != chunk_elements or chunk_elements < 1:
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
@@ -120,42 +157,51 @@ class OffloadedAdam:
         self._partial = {}     # k -> event of a staged gradient not yet added (or None)
         cuda = any(p.is_cuda for p in self.params)
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(k))
+        # The hooks reach the optimizer through a weak reference, so dropping it
+        # without close() lets it be collected; its finalizer then removes them
+        # (and closes the arena it made).
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(_hook(me, k))
                        for k, p in enumerate(self.params) if p.requires_grad]
+        for p in self.params:
+            _owners[p] = me
+        self._finalizer = weakref.finalize(
+            self, _drop, self._hooks, self.params,
+            self.arena if self._own_arena else None)
 
     # ------------------------------------------------------------ internals
     def _slices(self):
         for k, p in enumerate(self.params):
             yield p, int(self.offsets[k]), int(self.offsets[k + 1])
 
-    def _make_hook(self, k: int):
+    def _flush(self, k: int, p) -> None:
+        """Parameter k's gradient hook: move ``p.grad`` to the host."""
         lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
-
-        def flush(p):
-            g = p.grad.reshape(-1)
-            fresh = self._fresh[k]
-            if not fresh:
-                # A later micro-batch: land it in the (idle until step) staging
-                # buffer and add it on the CPU once that copy is done, lazily, so
-                # backward never waits for the GPU (NOTE [ Offloaded Adam ], 1).
-                self._settle(k)
-            dst = (self._grad_t if fresh else self._stage_t)[lo:hi]
-            done = None
-            if self._streams is not None:   # rule 1: async D2H on its own stream
-                d2h = self._streams[1]
-                d2h.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(d2h):
-                    dst.copy_(g, non_blocking=True)
-                    g.record_stream(d2h)
-                    if not fresh:
-                        done = d2h.record_event()
-            else:
-                dst.copy_(g)
-            if not fresh:
-                self._partial[k] = done
-            self._fresh[k] = False
-            p.grad = None          # the device gradient is freed right away
-        return flush
+        if p.grad is None:
+            return
+        g = p.grad.reshape(-1)
+        fresh = self._fresh[k]
+        if not fresh:
+            # A later micro-batch: land it in the (idle until step) staging
+            # buffer and add it on the CPU once that copy is done, lazily, so
+            # backward never waits for the GPU (NOTE [ Offloaded Adam ], 1).
+            self._settle(k)
+        dst = (self._grad_t if fresh else self._stage_t)[lo:hi]
+        done = None
+        if self._streams is not None:   # rule 1: async D2H on its own stream
+            d2h = self._streams[1]
+            d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(d2h):
+                dst.copy_(g, non_blocking=True)
+                g.record_stream(d2h)
+                if not fresh:
+                    done = d2h.record_event()
+        else:
+            dst.copy_(g)
+        if not fresh:
+            self._partial[k] = done
+        self._fresh[k] = False
+        p.grad = None          # the device gradient is freed right away
 
     def _settle(self, k: int) -> None:
         """Add parameter k's staged partial gradient (if any) into its host
@@ -241,6 +287,10 @@ class OffloadedAdam:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self.params:
+            if _owners.get(p) is not None and _owners[p]() is self:
+                del _owners[p]
+        self._finalizer.detach()
         if not self._bufs:
             return
         if self._streams is not None:   # no copy may still use the buffers
