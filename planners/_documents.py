@@ -46,11 +46,24 @@ def parse_document(text, *, kind: str, error, **kwargs) -> dict:
     return check_document(d, kind=kind, error=error, **kwargs)
 
 
+def read_text(path, *, kind: str, error, **error_kw) -> str:
+    """The UTF-8 text of the ``kind`` document at ``path``; a file that is not
+    UTF-8 text raises ``error`` (a missing file raises the usual OSError)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise error(f"{os.fspath(path)!r} is not a {kind} document (not UTF-8 text: "
+                    f"{e.reason} at byte {e.start})", **error_kw) from e
+
+
 class JsonFile:
     """``save(path)`` / ``load(path)`` for a document class with ``to_json(indent=)``
-    and ``from_json(text)`` (chains and plans)."""
+    and ``from_json(text)`` (chains and plans). Subclasses name their document
+    kind and error class in ``_DOCUMENT``."""
 
     __slots__ = ()
+    _DOCUMENT = ("document", ValueError)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the document as JSON to ``path``."""
@@ -60,5 +73,5 @@ class JsonFile:
     @classmethod
     def load(cls, path: str | os.PathLike):
         """Read a document written by :meth:`save`."""
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+        kind, error = cls._DOCUMENT
+        return cls.from_json(read_text(path, kind=kind, error=error))

@@ -82,6 +82,8 @@ class Chain(JsonFile):
     o_loss: int = 0
     name: str = field(default="")
 
+    _DOCUMENT = ("chain", ChainError)
+
     def __post_init__(self):
         u_f = as_vector("u_f", self.u_f, None, integral=False)
         n = u_f.shape[0]
@@ -184,6 +186,10 @@ class Chain(JsonFile):
         if unknown:
             raise ChainError(f"unknown chain field(s) {unknown}; known fields are "
                              f"{sorted(known)}")
+        missing = [k for k in ("u_f", "u_b", "x", "xbar") if k not in d]
+        if missing:
+            raise ChainError(f"chain document lacks the field(s) {missing}; a chain needs "
+                             f"u_f, u_b, x and xbar (see Chain.to_dict)", field=missing[0])
         kwargs = {k: d[k] for k in known - {"format", "version", "n"} if k in d}
         chain = cls(**kwargs)
         if "n" in d and d["n"] != chain.n:

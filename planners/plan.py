@@ -54,6 +54,8 @@ class Plan(JsonFile):
     algorithm: str
     info: dict = field(default_factory=dict)
 
+    _DOCUMENT = ("plan", ScheduleError)
+
     def __post_init__(self):
         if not isinstance(self.schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule, got {type(self.schedule).__name__}")

@@ -15,6 +15,10 @@ __all__ = ["Platform", "CHANNELS"]
 #: link per direction, each at the full bandwidth (weight-offloading.md §1.1).
 CHANNELS = ("shared", "duplex")
 
+# Budgets from here up are unlimited (the jitted simulator and planners hold
+# byte counts in int64).
+_UNLIMITED = 2**62
+
 
 @dataclass(frozen=True)
 class Platform:
@@ -25,8 +29,8 @@ class Platform:
     memory:
         Device memory available to the schedule, in bytes (> 0). Everything the
         simulator tracks counts against it: activations, weights, weight
-        gradients, temporaries. ``math.inf`` means unlimited. Strings such as
-        ``"12GiB"`` are accepted.
+        gradients, temporaries. ``math.inf`` (or anything >= 2**62 bytes) means
+        unlimited. Strings such as ``"12GiB"`` are accepted.
     bandwidth:
         Host<->device bandwidth in bytes/s (> 0, default ``inf``: transfers take
         no time). Strings such as ``"12 GB/s"`` are accepted.
@@ -51,6 +55,8 @@ class Platform:
             if mem <= 0:
                 raise PlatformError(f"memory must be > 0 bytes, got {self.memory!r}; give "
                                     "the device memory budget, e.g. Platform('12GiB')")
+            if mem >= _UNLIMITED:
+                mem = math.inf   # 4 EiB and more: no schedule comes near it
         try:
             bw = parse_bandwidth(self.bandwidth)
         except UnitError as e:
@@ -63,7 +69,7 @@ class Platform:
     @property
     def memory_limit(self) -> int:
         """Memory limit as an int64-safe integer (``2**62`` stands for unlimited)."""
-        return 2**62 if math.isinf(self.memory) else int(self.memory)
+        return _UNLIMITED if math.isinf(self.memory) else int(self.memory)
 
     def __str__(self) -> str:
         return (f"{format_bytes(self.memory)} device memory, "

@@ -51,6 +51,23 @@ def min_feasible_memory(chain: Chain) -> int:
     return _fixed_bytes(chain) + mm
 
 
+def _check_table(n: int, slots: int) -> int:
+    """Bytes of the DP table for ``n`` stages and ``slots`` memory slots; raise
+    when over :data:`MAX_TABLE_BYTES`, saying what would fit."""
+    cells = (n + 1) * (n + 2) // 2
+    table_bytes = cells * (slots + 1) * 8
+    if table_bytes <= MAX_TABLE_BYTES:
+        return table_bytes
+    fits = MAX_TABLE_BYTES // (8 * cells) - 1
+    advice = (f"use at most {fits} slots" if fits >= 1 else
+              "no slot count fits: describe the model with fewer, coarser stages "
+              "(group layers), or plan with the sequential or revolve baselines")
+    raise RtmemError(
+        f"the DP table would take {table_bytes:,} bytes ({format_bytes(table_bytes)}) "
+        f"for {n} stages and {slots} slots, more than {format_bytes(MAX_TABLE_BYTES)}; "
+        f"{advice}")
+
+
 def _plan(chain, schedule, budget, info) -> Plan:
     res = simulate(chain, schedule, Platform(budget))
     return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
@@ -107,6 +124,10 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         raise RtmemError(f"slots must be an integer >= 1, got {slots!r}")
     if slot_bytes is not None and (int(slot_bytes) != slot_bytes or slot_bytes < 1):
         raise RtmemError(f"slot_bytes must be an integer >= 1, got {slot_bytes!r}")
+    if slot_bytes is None:
+        # the table has about `slots` columns: refuse an impossible size before the
+        # O(n^2)-memory, O(n^3)-time least-memory pass below
+        _check_table(chain.n, int(slots))
     t0 = time.perf_counter()
     arrays = stage_arrays(chain)
     fixed = _fixed_bytes(chain)
@@ -131,12 +152,7 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
     slot = int(slot_bytes) if slot_bytes is not None else max(1, m_bytes // int(slots))
     M = m_bytes // slot
     N = chain.n + 1
-    table_bytes = N * (N + 1) // 2 * (M + 1) * 8
-    if table_bytes > MAX_TABLE_BYTES:
-        raise RtmemError(
-            f"the DP table would take {table_bytes:,} bytes ({format_bytes(table_bytes)}) "
-            f"for {chain.n} stages and {M} slots, more than {format_bytes(MAX_TABLE_BYTES)}; "
-            "use fewer slots (e.g. the default 500) or a larger slot_bytes")
+    table_bytes = _check_table(chain.n, M)
     say(f"rotor: {chain.n} stages, {M} slots of {format_bytes(slot)}, "
         f"table {format_bytes(table_bytes)}")
     disc = discretize(arrays, slot)

@@ -39,7 +39,7 @@ import numpy as np
 
 from rtmem.errors import ScheduleError
 
-from ._documents import parse_document
+from ._documents import parse_document, read_text
 
 __all__ = ["Op", "Schedule"]
 
@@ -223,13 +223,13 @@ class Schedule:
                     f"op {k}: cannot read {tok!r}; expected e.g. 'F_ck 3', 'B 2', 'L' or "
                     "'offload abar4'", op_index=k, reason="parse")
             if head in _PARSE_STAGE:
-                if not parts[1].isdigit():
+                if not parts[1].isdigit() or len(parts[1]) > 18:   # int64-safe
                     raise ScheduleError(f"op {k}: stage in {tok!r} must be a non-negative "
-                                        "integer", op_index=k, reason="parse")
+                                        "integer below 10**18", op_index=k, reason="parse")
                 op[k], stage[k] = _PARSE_STAGE[head], int(parts[1])
             elif head in _PARSE_ACT:
                 m = _ACT_RE.match(parts[1].lower())
-                if m is None:
+                if m is None or len(m.group(2)) > 18:
                     raise ScheduleError(
                         f"op {k}: {parts[1]!r} in {tok!r} is not an activation; write "
                         "a<k> or abar<k>, e.g. 'offload abar3'", op_index=k, reason="parse")
@@ -269,6 +269,5 @@ class Schedule:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Schedule":
         """Read a schedule written by :meth:`save` (JSON or text, by content)."""
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = read_text(path, kind="schedule", error=ScheduleError, reason="parse")
         return cls.from_json(text) if text.lstrip().startswith("{") else cls.from_text(text)

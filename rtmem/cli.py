@@ -19,7 +19,10 @@ from rtmem._table import format_table
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
-__all__ = ["main", "load_chain", "load_schedule"]
+__all__ = ["main", "load_chain", "load_schedule", "output_file"]
+
+#: File types a plot can be written as (matplotlib picks the format by suffix).
+PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
 
 # modules that add subcommands with register(subparsers)
 _PLUGINS = ("rtmem.cli_plan", "rtmem.doctor", "rtmem.cli_bench")
@@ -28,9 +31,13 @@ _PLUGINS = ("rtmem.cli_plan", "rtmem.doctor", "rtmem.cli_bench")
 def load_chain(spec: str):
     """A chain from a path to a chain JSON file, a built-in name or a generator spec
     (``gpt2:layers=6``)."""
+    from rtmem.errors import ChainError
     from rtmem.planners import Chain, from_spec
     if os.path.exists(spec):
         return Chain.load(spec)
+    if spec.lower().endswith(".json"):
+        raise ChainError(f"no chain file {spec!r}; give an existing chain JSON file, a "
+                         f"built-in name (rtmem chains) or a spec like gpt2:layers=6")
     return from_spec(spec)
 
 
@@ -38,9 +45,16 @@ def load_schedule(spec: str, chain):
     """A schedule from a file (text or JSON), ``store-all``, ``sequential:K`` (K
     segments) or literal schedule text."""
     from rtmem.errors import ScheduleError
-    from rtmem.planners import Schedule, sequential_schedule, store_all_schedule
+    from rtmem.planners import Plan, Schedule, sequential_schedule, store_all_schedule
+    from rtmem.planners._documents import read_text
     if os.path.exists(spec):
+        text = read_text(spec, kind="schedule", error=ScheduleError, reason="parse")
+        if text.lstrip().startswith("{") and '"rtmem.plan"' in text:
+            return Plan.from_json(text).schedule     # a plan saved by `rtmem plan`
         return Schedule.load(spec)
+    if not spec.strip():
+        raise ScheduleError("the schedule is empty; give a path, 'store-all', "
+                            "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
     if spec == "store-all":
         return store_all_schedule(chain.n)
     if spec.startswith("sequential:"):
@@ -48,10 +62,43 @@ def load_schedule(spec: str, chain):
         if not k.isdigit():
             raise ScheduleError(f"sequential:K needs an integer K, got {spec!r}")
         return sequential_schedule(chain.n, int(k))
-    if "," in spec or spec.strip().split()[0] in ("F_ck", "F_all", "F_none", "L"):
+    if "," in spec or "\n" in spec or spec.split()[0].lower() in _OP_WORDS:
         return Schedule.from_text(spec)
     raise ScheduleError(f"no schedule file {spec!r}; give a path, 'store-all', "
                         "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
+
+
+# first words of the operations of the schedule text form (Schedule.from_text)
+_OP_WORDS = frozenset(("f_none", "f_ck", "f_all", "b", "l", "loss", "delete", "offload",
+                       "prefetch", "w_offload", "w_delete", "w_prefetch", "g_offload"))
+
+
+def output_file(*suffixes):
+    """An argparse ``type=`` for a file to write: refuses folders and, when
+    ``suffixes`` are given, other file types, before any work is done."""
+    def check(value: str) -> str:
+        if value.endswith(("/", os.sep)) or os.path.isdir(value):
+            raise argparse.ArgumentTypeError(f"{value!r} is a folder; give a file name")
+        ext = os.path.splitext(value)[1].lower().lstrip(".")
+        if suffixes and ext not in suffixes:
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: the file name must end in ."
+                + ", .".join(suffixes[:-1]) + f" or .{suffixes[-1]}")
+        return value
+    return check
+
+
+def _at_least(low: int):
+    """An argparse ``type=`` for an integer >= ``low``."""
+    def check(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+    return check
 
 
 def _platform(args):
@@ -119,9 +166,30 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _demo_problem(args) -> str | None:
+    """What is wrong with the demo's arguments, checked before any work, or None."""
+    if args.hidden % args.heads:
+        return f"--hidden {args.hidden} must be a multiple of --heads {args.heads}"
+    if args.device is not None:
+        import torch
+        try:
+            dev = torch.device(args.device)
+        except RuntimeError:
+            return f"--device {args.device!r} is not a torch device; use cpu or cuda"
+        if dev.type not in ("cpu", "cuda"):
+            return f"--device {args.device!r}: the demo runs on cpu or cuda"
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            return "--device cuda: torch sees no CUDA device here; use --device cpu"
+    return None
+
+
 def _cmd_demo(args) -> int:
     """Profile a small GPT-2, plan under a budget, train with and without the plan."""
     from rtmem.demo import run_demo
+    problem = _demo_problem(args)
+    if problem:
+        print(f"rtmem demo: error: {problem}", file=sys.stderr)
+        return 2
     run_demo(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
              batch=args.batch, vocab=args.vocab, steps=args.steps, memory=args.memory,
              slots=args.slots, out=args.out, device=args.device)
@@ -142,14 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("chain", help="built-in name, generator spec or chain JSON file")
     p.add_argument("schedule", help="schedule file, 'store-all', 'sequential:K' or text")
     _add_platform_args(p)
-    p.add_argument("--plot", help="write a Gantt chart + memory plot to this file (.png)")
+    p.add_argument("--plot", type=output_file(*PLOT_SUFFIXES),
+                   help="write a Gantt chart + memory plot to this file (.png, .pdf, .svg)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("demo", help="the README's main job: profile, plan and train a "
                        "small GPT-2 under a memory budget, with and without rtmem")
     for name, default in (("layers", 6), ("hidden", 128), ("heads", 4), ("seq", 128),
                           ("batch", 4), ("vocab", 512), ("steps", 5), ("slots", 500)):
-        p.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
+        p.add_argument(f"--{name}", type=_at_least(2 if name == "vocab" else 1),
+                       default=default, help=f"default {default}")
     p.add_argument("--memory", default=None,
                    help="device budget, e.g. 40MiB (default: half the no-remat peak)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
@@ -175,7 +245,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except RtmemError as e:
+    except (RtmemError, OSError) as e:   # OSError: a file that cannot be read or written
         print(f"rtmem {args.command}: error: {e}", file=sys.stderr)
         return 1
 

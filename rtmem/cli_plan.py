@@ -16,6 +16,8 @@ import math
 import sys
 import time
 
+from rtmem.cli import PLOT_SUFFIXES, output_file
+
 __all__ = ["COMPARISON_HEADERS", "ProgressBar", "comparison_rows", "register"]
 
 
@@ -137,8 +139,11 @@ def register(subparsers) -> None:
                    help="device memory budget including weights, e.g. 8GiB")
     p.add_argument("--slots", type=int, default=500,
                    help="memory slots of the DP (default 500; more: closer to optimal, slower)")
-    p.add_argument("--plot", help="write a Gantt chart + memory plot of the rotor plan here")
-    p.add_argument("--save", help="write the rotor plan as JSON here")
+    p.add_argument("--plot", type=output_file(*PLOT_SUFFIXES),
+                   help="write a Gantt chart + memory plot of the rotor plan here (.png, "
+                        ".pdf, .svg)")
+    p.add_argument("--save", type=output_file(),
+                   help="write the rotor plan as JSON here (rtmem simulate reads it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd_remat)

@@ -54,6 +54,7 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
     from rtmem.units import format_bytes, format_seconds
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    os.makedirs(out, exist_ok=True)   # an unusable folder fails now, not after training
     torch.manual_seed(0)
     model, loss_fn, make_batch = gpt2_model(layers=layers, hidden=hidden, heads=heads,
                                             seq=seq, vocab=vocab)
@@ -123,7 +124,6 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
     say(f"\nlosses of the two runs differ by at most {same:.2e} over {steps} steps; "
         f"step time ratio {planned[1] / plain[1]:.2f} (simulated "
         f"{plan.makespan / full.makespan:.2f})")
-    os.makedirs(out, exist_ok=True)
     paths = [plot_schedule(chain, plan.schedule, Platform(budget),
                            os.path.join(out, "rotor_plan.png"),
                            title=f"rotor plan for {chain.name} under {format_bytes(budget)}"),

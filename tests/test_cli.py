@@ -57,6 +57,70 @@ def test_errors_exit_1_with_message(capsys, argv, fragment):
     assert code == 1 and fragment in err
 
 
+def _files(tmp_path):
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "binary.json").write_bytes(bytes(range(128, 256)))
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["simulate", "gpt2-small", "", "--memory", "8GiB"], "schedule is empty"),
+    (["simulate", "gpt2-small", "   ", "--memory", "8GiB"], "schedule is empty"),
+    (["simulate", "gpt2-small", "B 0", "--memory", "8GiB"], "next backward step"),
+    (["simulate", "gpt2-small", "F_all 99999999999999999999", "--memory", "8GiB"],
+     "below 10**18"),
+    (["simulate", "{tmp}/missing.json", "store-all", "--memory", "8GiB"], "no chain file"),
+    (["simulate", "{tmp}/empty.json", "store-all", "--memory", "8GiB"], "lacks the field"),
+    (["simulate", "{tmp}/binary.json", "store-all", "--memory", "8GiB"], "not UTF-8"),
+    (["simulate", "{tmp}", "store-all", "--memory", "8GiB"], "Is a directory"),
+    (["simulate", "gpt2-small", "{tmp}/binary.json", "--memory", "8GiB"], "not UTF-8"),
+    (["plan", "remat", "gpt2:layers=5000", "--memory", "400GiB", "--slots", "50"],
+     "use at most 20 slots"),
+])
+def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment):
+    # a one-line message naming the problem, never a traceback (and the too-large
+    # DP table is refused before the minutes-long least-memory pass)
+    argv = [a.replace("{tmp}", str(_files(tmp_path))) for a in argv]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]      # (plan prints progress lines before it)
+    assert last.startswith("rtmem ") and "error:" in last and fragment in last
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["simulate", "gpt2-small", "store-all", "--memory", "8GiB", "--plot", "x.txt"],
+     "must end in .png"),
+    (["simulate", "gpt2-small", "store-all", "--memory", "8GiB", "--plot", "{tmp}/"],
+     "is a folder"),
+    (["plan", "remat", "gpt2-small", "--memory", "8GiB", "--save", "{tmp}"], "is a folder"),
+    (["demo", "--steps", "0"], "at least 1"),
+    (["demo", "--vocab", "1"], "at least 2"),
+    (["demo", "--layers", "x"], "not an integer"),
+    (["demo", "--heads", "3"], "multiple of --heads"),
+    (["demo", "--device", "tpu"], "cpu or cuda"),
+])
+def test_bad_arguments_exit_2_before_any_work(capsys, tmp_path, argv, fragment):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        code = main(argv)
+        raise SystemExit(code)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_simulate_reads_a_saved_plan_and_huge_budgets(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "remat", "gpt2-small", "--memory", "8GiB",
+                     "--save", str(plan))
+    assert code == 0
+    code, out, _ = run(capsys, "simulate", "gpt2-small", str(plan), "--memory", "8GiB",
+                       "--json")
+    assert code == 0 and json.loads(out)["peak_bytes"] <= 8 * 2**30
+    code, out, _ = run(capsys, "simulate", "gpt2-small", "store-all", "--memory",
+                       "1e30GiB", "--json")          # beyond int64: unlimited
+    assert code == 0 and json.loads(out)["memory_bytes"] == 2**62
+
+
 def test_demo(capsys, tmp_path):
     code, out, _ = run(capsys, "demo", "--layers", "2", "--hidden", "32", "--heads", "4",
                        "--seq", "32", "--batch", "2", "--vocab", "64", "--steps", "2",

@@ -234,3 +234,14 @@ def test_profile_matches_storage_accounting(setup):
     assert (chain.xbar >= chain.x).all() and (chain.x > 0).all()
     assert chain.w.sum() == sum(p.numel() * p.element_size() for p in setup[0].parameters())
     assert chain.x0 == setup[2].numel() * setup[2].element_size()
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(layers=-1), "layers"), (dict(hidden=0), "hidden"), (dict(heads=3), "multiple"),
+    (dict(seq=0), "seq"), (dict(vocab=0), "vocab"), (dict(layers=2.5), "layers"),
+    (dict(dropout=1.0), "dropout"),
+])
+def test_gpt2_model_refuses_bad_sizes(kwargs, fragment):
+    from rtmem.torch import gpt2_model
+    with pytest.raises(ValueError, match=fragment):
+        gpt2_model(**{"hidden": 64, "heads": 4, **kwargs})

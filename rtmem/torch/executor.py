@@ -198,7 +198,12 @@ class ScheduleExecutor:
 
     def step(self, inputs, target) -> torch.Tensor:
         """One forward + backward pass following the schedule; returns the loss
-        (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``."""
+        (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``.
+
+        If the step raises, the weights are all back on the device, but the
+        gradients it produced before the error stay where they went (``.grad``,
+        or the :meth:`host_grads` of ``g_offload``), as after a failed
+        ``loss.backward()``: zero both before retrying the batch."""
         if inputs.device.type == "cuda" and self.host_arena is not None and \
                 self.host_arena.backend.name == "cuda":
             # the host arena reuses its blocks in the order of CuPy's current

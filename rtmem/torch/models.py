@@ -87,6 +87,14 @@ def gpt2_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 32,
     draws random token ids and next-token targets (int64 tensors of shape
     (batch, seq)).
     """
+    for name, value, low in (("layers", layers, 0), ("hidden", hidden, 1),
+                             ("heads", heads, 1), ("seq", seq, 1), ("vocab", vocab, 1)):
+        if isinstance(value, bool) or int(value) != value or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if hidden % heads:
+        raise ValueError(f"hidden = {hidden} must be a multiple of heads = {heads}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
     model = nn.Sequential(GPTEmbedding(vocab, hidden, seq, dropout),
                           *[GPTBlock(hidden, heads, dropout) for _ in range(layers)],
                           GPTHead(hidden, vocab))
