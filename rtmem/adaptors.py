@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .allocator import align_up
 from .errors import OutOfMemoryError, UseAfterFreeError
-from .units import format_bytes
+from .units import format_bytes, parse_bytes
 
 __all__ = ["AllocatorAdaptor", "LimitAdaptor", "PoisonAdaptor", "ReplayResult",
            "Statistics", "StatisticsAdaptor", "TracingAdaptor", "load_trace", "replay"]
@@ -152,10 +152,7 @@ class LimitAdaptor(AllocatorAdaptor):
 
     def __init__(self, upstream, budget_bytes: int):
         super().__init__(upstream)
-        budget_bytes = int(budget_bytes)
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = parse_bytes(budget_bytes)   # bytes, or a string like "2GiB"
         self._lock = threading.Lock()
         self._used = 0
         self._sizes = {}

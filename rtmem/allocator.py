@@ -244,8 +244,8 @@ class BestFitAllocator:
     # ------------------------------------------------------------------ slabs
     def _add_slab(self, nbytes: int) -> None:
         if nbytes >= _MAX_SLAB_BYTES:
-            raise ValueError(f"a slab of {nbytes} B exceeds the 1 TiB per-slab limit; "
-                             f"use several smaller slabs (growth_bytes=)")
+            raise ValueError(f"a slab of {nbytes:,} B is too large: slabs must be smaller "
+                             f"than 1 TiB; use several smaller slabs (growth_bytes=)")
         if self._next_slab >= (1 << _SLAB_BITS):
             raise ValueError("more than 65536 slabs; use a larger growth_bytes")
         handle = self.slab_source.add_slab(nbytes) if self.slab_source is not None else None

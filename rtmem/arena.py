@@ -377,6 +377,9 @@ class HostArena(_Arena):
     location = "host"
 
     def __init__(self, nbytes, *, pinned: bool = True, mapped: bool = False, **kwargs):
+        for name, flag in (("pinned", pinned), ("mapped", mapped)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.pinned = bool(pinned or mapped)
         self.mapped = bool(mapped)
         super().__init__(nbytes, **kwargs)

@@ -84,6 +84,9 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
                          f"(op {alloc[i]}); lifetimes are inclusive [alloc, free]")
     if (nbytes < 0).any():
         raise ValueError("buffer sizes must be >= 0 bytes")
+    if isinstance(alignment, bool) or int(alignment) != alignment or alignment < 1 \
+            or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment!r}")
     sizes = -(-np.maximum(nbytes, 1) // alignment) * alignment
     order = np.lexsort((alloc, -sizes))
     offsets = np.full(len(sizes), -1, np.int64)

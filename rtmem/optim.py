@@ -164,6 +164,10 @@ class NumpyAdam:
                  amsgrad=False, *, maximize=False, bias_correction=True, num_threads=None,
                  state_arena=None):
         _check_hyper(lr, betas, eps, weight_decay)
+        if isinstance(params, (np.ndarray, Buffer)):
+            raise OptimizerError("params must be a list of arrays, got a single "
+                                 f"{type(params).__name__}; pass [params]",
+                                 argument="params")
         self.params = [_host_view(p, f"params[{i}]") for i, p in enumerate(params)]
         if not self.params:
             raise OptimizerError("params is empty; pass at least one float32 array.",
@@ -233,6 +237,9 @@ class NumpyAdam:
     def load_state_dict(self, state_dict) -> None:
         """Restore :meth:`state_dict` output, copying into the existing state arrays
         (their memory stays where it was allocated)."""
+        if not isinstance(state_dict, dict) or not {"state", "hyper"} <= set(state_dict):
+            raise OptimizerError("state_dict must be a dict with 'hyper' and 'state', as "
+                                 "returned by state_dict()", argument="state_dict")
         states = state_dict["state"]
         if len(states) != len(self.state):
             raise OptimizerError(f"state_dict has state for {len(states)} params, this "
@@ -359,6 +366,11 @@ def _build_torch_optimizers():
         if values is None:
             return {}
         if isinstance(values, dict):
+            ids = {id(p) for p in params}
+            if any(id(k) not in ids for k in values):
+                raise OptimizerError(f"{name} has a key that is not a parameter of this "
+                                     f"optimizer; key the dict by the parameters passed "
+                                     f"to it", argument=name)
             return {id(k): v for k, v in values.items()}
         values = list(values)
         if len(values) != len(params):
@@ -490,6 +502,11 @@ def _build_torch_optimizers():
             it was."""
             # torch installs new state and group dicts; the checks below run after
             # it, so keep the old ones to put back.
+            if not isinstance(state_dict, dict) or \
+                    not {"state", "param_groups"} <= set(state_dict):
+                raise OptimizerError("state_dict must be a dict with 'state' and "
+                                     "'param_groups', as returned by state_dict()",
+                                     argument="state_dict")
             old_state, old_groups = self.state, self.param_groups
             try:
                 self._load_checked(state_dict)

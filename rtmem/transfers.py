@@ -136,6 +136,19 @@ def _issue(dst, src, stream, engine, wait_for=()):
     return event
 
 
+def _check_buffer(buf, what: str) -> None:
+    if not isinstance(buf, Buffer):
+        raise TypeError(f"{what} takes an rtmem Buffer (from arena.alloc), got "
+                        f"{type(buf).__name__}")
+
+
+def _check_event(obj, what: str) -> None:
+    if not (callable(getattr(obj, "synchronize", None))
+            and callable(getattr(obj, "query", None))):
+        raise TypeError(f"{what} takes a Buffer, an event (returned by prefetch, "
+                        f"offload or copy) or None, got {type(obj).__name__}")
+
+
 def _check_location(arena, location: str, what: str) -> None:
     if getattr(arena, "location", None) != location:
         want = "DeviceArena" if location == "device" else "HostArena"
@@ -172,6 +185,7 @@ def prefetch(buf: Buffer, *, arena=None):
     host copy is still running: the copy waits for it). The device block is
     reserved now; ``wait(buf)`` before computing on it.
     """
+    _check_buffer(buf, "prefetch")
     with buf._lock:
         buf._check_alive()
         in_flight = buf._settle()
@@ -195,6 +209,7 @@ def offload(buf: Buffer, *, arena=None):
     device copy stays (evict it to free device memory; that may be done at once,
     the free then waits for the copy). Legal from ``"device"`` residency.
     """
+    _check_buffer(buf, "offload")
     with buf._lock:
         buf._check_alive()
         if buf._settle():
@@ -219,6 +234,7 @@ def evict(buf: Buffer) -> None:
     """Drop the device copy of ``buf`` (it must have a host copy, possibly still
     being written by an offload: the device block is then freed when that copy
     completes). Residency becomes ``"host"``."""
+    _check_buffer(buf, "evict")
     with buf._lock:
         buf._check_alive()
         in_flight = buf._settle()
@@ -237,6 +253,7 @@ def evict(buf: Buffer) -> None:
 def drop_host(buf: Buffer) -> None:
     """Free the host copy of ``buf`` (a device copy must exist and no transfer be
     in flight). Residency becomes ``"device"``."""
+    _check_buffer(buf, "drop_host")
     with buf._lock:
         buf._check_alive()
         if buf._settle():
@@ -264,6 +281,7 @@ def copy(dst: Buffer, src: Buffer):
     or reading ``dst`` through such a view needs ``synchronize(dst)`` (host
     code) or ``wait(dst)`` (work on the compute stream) first."""
     for b in (dst, src):
+        _check_buffer(b, "copy")
         b._check_alive()
     if dst is src:
         raise ValueError("copy(dst, src) needs two different buffers")
@@ -298,6 +316,7 @@ def wait(obj=None) -> None:
         obj._settle()
         return
     if obj is not None:
+        _check_event(obj, "wait")
         get_backend().current_stream().wait_event(obj)
         return
     engine = get_engine()
@@ -316,6 +335,7 @@ def synchronize(obj=None) -> None:
             obj._settle()
         return
     if obj is not None:
+        _check_event(obj, "synchronize")
         obj.synchronize()
         return
     get_engine().synchronize()

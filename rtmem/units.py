@@ -32,7 +32,11 @@ _INF = {"inf", "infinity", "unlimited", "∞"}
 def _number(value, what):
     if isinstance(value, bool):
         raise UnitError(f"{what} must be a number or a string like '12GiB', got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UnitError(f"{what} must be a number or a string like '12GiB', got "
+                        f"{value!r}") from None
 
 
 def parse_bytes(value) -> int:

@@ -50,6 +50,9 @@ def test_limit_adaptor_fills_to_budget_then_refuses():
     assert lim.used_bytes == 0
     with pytest.raises(ValueError):
         LimitAdaptor(core, -1)
+    with pytest.raises(ValueError, match="cannot read '12XB'"):
+        LimitAdaptor(core, "12XB")
+    assert LimitAdaptor(core, "1KiB").budget_bytes == 1024    # like every size argument
     with pytest.raises(TypeError, match="allocator"):
         LimitAdaptor(object(), 10)
 

@@ -293,3 +293,9 @@ def test_free_waits_for_pinned_views_and_survives_a_collection_inside_the_alloca
     del view
     assert buf.is_freed and dev.stats().allocated_bytes == 0
     dev._check_invariants()
+
+
+def test_host_arena_flags_must_be_booleans():
+    for kwargs in (dict(pinned="no"), dict(mapped=1)):
+        with pytest.raises(TypeError, match="True or False"):
+            HostArena(4096, backend="host", **kwargs)

@@ -109,3 +109,9 @@ def test_layout_matches_trace_in_an_arena():
     lay = layout_for(chain, sched)
     assert np.all(lay.offsets + lay.sizes <= lay.reserved_bytes)
     assert lay.reserved_bytes <= 1.01 * lay.peak_live_bytes
+
+
+@pytest.mark.parametrize("alignment", [0, 3, -256, 2.5])
+def test_alignment_must_be_a_power_of_two(alignment):
+    with pytest.raises(ValueError, match="power of two"):
+        plan_layout([0], [1], [8], alignment=alignment)

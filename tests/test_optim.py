@@ -509,6 +509,21 @@ def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     assert float(opt.state[a[0]]["step"]) == 2.0
 
 
+def test_malformed_arguments_get_optimizer_errors():
+    p = torch.nn.Parameter(torch.ones(3))
+    cases = [
+        (lambda: optim.NumpyAdam(np.ones(4, np.float32)), "list of arrays"),
+        (lambda: optim.NumpyAdam([np.ones(4, np.float32)]).load_state_dict({}), "'hyper'"),
+        (lambda: optim.CPUAdam([p]).load_state_dict({"foo": 1}), "'param_groups'"),
+        # a dict keyed by something else would silently update nothing
+        (lambda: optim.CPUAdam([p]).step(grads={torch.ones(3): torch.ones(3)}),
+         "not a parameter"),
+    ]
+    for call, fragment in cases:
+        with pytest.raises(OptimizerError, match=fragment):
+            call()
+
+
 def test_optim_all_lists_exactly_its_public_classes():
     defined = {n for n in dir(optim) if not n.startswith("_")
                and getattr(getattr(optim, n), "__module__", None) == "rtmem.optim"}

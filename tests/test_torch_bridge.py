@@ -122,3 +122,24 @@ def test_placement_keeps_existing_gradients_and_is_all_or_nothing(arena):
         assert torch.equal(p.grad, g)
         assert p.grad.data_ptr() == placement.grads[p].numpy().ctypes.data
     placement.release()
+
+
+def test_wrong_argument_types_are_named(arena):
+    from rtmem.errors import OptimizerError
+    from rtmem.planners import store_all_schedule
+    from rtmem.torch import ExecutionError, OffloadedAdam, ScheduleExecutor
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    loss = torch.nn.functional.mse_loss
+    for call, error, fragment in (
+            (lambda: from_tensor(np.zeros(3), arena), TypeError, "torch.Tensor"),
+            (lambda: place_parameters([1], arena), TypeError, "nn.Module"),
+            (lambda: place_parameters(m, None), TypeError, "DeviceArena or HostArena"),
+            (lambda: ScheduleExecutor(m, store_all_schedule(1), None), ExecutionError,
+             "callable"),
+            (lambda: ScheduleExecutor(m, store_all_schedule(1), loss, host_arena="x"),
+             ExecutionError, "HostArena"),
+            (lambda: OffloadedAdam(m.parameters(), host_arena="x"), OptimizerError,
+             "HostArena")):
+        with pytest.raises(error, match=fragment):
+            call()
+    assert arena.stats().allocated_bytes == 0

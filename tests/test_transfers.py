@@ -380,3 +380,17 @@ def test_backend_out_of_memory_while_growing_is_an_oom_with_stats(arenas, monkey
     assert d.stats() == before
     x.free()
     d._check_invariants()
+
+
+def test_wrong_argument_types_are_named(arenas):
+    d, _ = arenas
+    b = d.alloc(64)
+    for call, fragment in ((lambda: T.prefetch(np.zeros(3)), "prefetch takes an rtmem Buffer"),
+                           (lambda: T.copy(np.zeros(4), b), "copy takes an rtmem Buffer"),
+                           (lambda: T.wait("foo"), "wait takes a Buffer, an event"),
+                           (lambda: T.synchronize(42), "synchronize takes a Buffer")):
+        with pytest.raises(TypeError, match=fragment):
+            call()
+    with pytest.raises(ValueError, match="offload needs a host arena"):
+        T.offload(b, arena="x")
+    b.free()

@@ -137,9 +137,19 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
     return t
 
 
+def _check_arena(arena, name: str) -> None:
+    if getattr(arena, "location", None) not in ("device", "host") or \
+            not callable(getattr(arena, "alloc", None)):
+        raise TypeError(f"{name} must be an rtmem.DeviceArena or HostArena, got {arena!r}")
+
+
 def from_tensor(tensor: torch.Tensor, arena, *, kind: str = "activation") -> Buffer:
     """Copy ``tensor`` into a new buffer of ``arena`` (same shape; bfloat16 and float8
     held as integer bits) and return the buffer."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"from_tensor copies a torch.Tensor, got {type(tensor).__name__}; "
+                        f"convert it with torch.as_tensor first")
+    _check_arena(arena, "arena")
     tensor = tensor.detach()
     buf = arena.alloc(shape=tuple(tensor.shape), dtype=numpy_dtype(tensor.dtype), kind=kind)
     try:
@@ -188,6 +198,12 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     GPU (the DHA layers of MemFerry). Returns a :class:`ModulePlacement`. All or
     nothing: if a buffer cannot be made, every parameter keeps its own tensors.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"place_parameters moves a torch.nn.Module's parameters, got "
+                        f"{type(module).__name__}")
+    _check_arena(arena, "arena")
+    if grad_arena is not None:
+        _check_arena(grad_arena, "grad_arena")
     placement = ModulePlacement()
     before = {}     # parameter -> (its data, its grad) before placement
     try:

@@ -142,6 +142,12 @@ class ScheduleExecutor:
         if not isinstance(schedule, Schedule):
             raise ExecutionError(f"schedule must be a Schedule or a Plan, got "
                                  f"{type(schedule).__name__}")
+        if not callable(loss_fn):
+            raise ExecutionError(f"loss_fn must be callable as loss_fn(output, target), "
+                                 f"got {type(loss_fn).__name__}")
+        if host_arena is not None and getattr(host_arena, "location", None) != "host":
+            raise ExecutionError(f"host_arena must be an rtmem.HostArena or None, got "
+                                 f"{host_arena!r}")
         self.n = len(model)
         try:   # structural check: ranges, order, inputs present, complete backward
             simulate(Chain.homogeneous(self.n), schedule, Platform(math.inf))

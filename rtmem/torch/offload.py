@@ -96,6 +96,9 @@ class OffloadedAdam:
     def __init__(self, params, *, host_arena=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, adamw=False, chunk_elements=1 << 22, num_threads=None):
         from rtmem.arena import HostArena
+        if host_arena is not None and not isinstance(host_arena, HostArena):
+            raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
+                                 f"{host_arena!r}", argument="host_arena")
         self.params = list(dict.fromkeys(params))
         if not self.params:
             raise OptimizerError("params is empty; pass the model's parameters",
