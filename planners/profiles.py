@@ -200,6 +200,8 @@ def from_spec(spec: str) -> Chain:
         key, eq, value = item.partition("=")
         if not eq:
             raise ChainError(f"cannot read {item!r} in {spec!r}; write key=value")
+        if key.strip() in kwargs:
+            raise ChainError(f"{key.strip()} is given twice in {spec!r}")
         try:
             num = float(value)
         except ValueError as e:

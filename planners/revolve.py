@@ -78,6 +78,8 @@ def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
 
 def binomial_makespan(l: int, m: int, u_f: float = 1.0, u_b: float = 1.0) -> float:
     """Griewank-Walther closed form of Opt_0(l, m) (thesis §2.3, property 15)."""
+    if l < 0 or m < 0:
+        raise ValueError(f"l and m must be >= 0, got l={l}, m={m}")
     if l > 0 and m < 3:
         return math.inf
     if l == 0:
@@ -141,6 +143,8 @@ def revolve_schedule(n: int, m: int, arg=None) -> Schedule:
     """Revolve with ``m`` slots converted to Table 2.1 operations for a chain of ``n``
     stages (the thesis' "revolve" baseline, §4): ADJCHAIN(n, m) whose B_{n+1} is
     the loss; each other B_k is preceded by F_all of its stage."""
+    if n < 1:
+        raise ValueError(f"a chain has at least one stage, got n={n}")
     ops = []
     prev_store = False
     for op in revolve_ops(n, m, arg=arg):

@@ -103,3 +103,13 @@ def test_from_spec():
     with pytest.raises(ChainError, match="available"):
         builtin("gpt5")
     assert resnet(depth=18, image=32, batch=1).n == 10
+
+
+def test_spec_refuses_a_repeated_key():
+    with pytest.raises(ChainError, match="layers is given twice"):
+        from_spec("gpt2:layers=2,layers=3")
+
+
+def test_chain_document_without_its_arrays_is_a_chain_error():
+    with pytest.raises(ChainError, match="lacks the field"):
+        Chain.from_json("{}")

@@ -181,3 +181,11 @@ def test_validator_rejects_bad_schedules():
     with pytest.raises(ScheduleError, match="expected nothing"):
         simulate_multichain(good, (1,), 2, b=(0,))
     assert list(itertools.islice(map(str, good), 2)) == ["S^0_0", "F^0_1"]
+
+
+def test_revolve_refuses_impossible_sizes():
+    from rtmem.planners.revolve import binomial_makespan, revolve_schedule
+    with pytest.raises(ValueError, match=">= 0"):
+        binomial_makespan(-1, -1)
+    with pytest.raises(ValueError, match="at least one stage"):
+        revolve_schedule(0, 1)

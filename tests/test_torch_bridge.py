@@ -143,3 +143,15 @@ def test_wrong_argument_types_are_named(arena):
         with pytest.raises(error, match=fragment):
             call()
     assert arena.stats().allocated_bytes == 0
+
+
+def test_a_placed_module_cannot_be_placed_again_until_released(arena):
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    placement = place_parameters(m, arena)
+    used = arena.stats().allocated_bytes
+    with pytest.raises(ValueError, match="already in an arena"):
+        place_parameters(m, arena)
+    assert arena.stats().allocated_bytes == used
+    placement.release()
+    again = place_parameters(m, arena)          # fine once released
+    again.release()

@@ -24,10 +24,12 @@ those bytes to another allocation while a tensor can still read them.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem.buffer import Buffer, PinnedExport
 from rtmem.errors import ResidencyError
@@ -137,6 +139,11 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
     return t
 
 
+# parameter -> weak reference to the ModulePlacement that put it in an arena (keyed
+# by identity: tensors compare elementwise)
+_placed = WeakIdKeyDictionary()
+
+
 def _check_arena(arena, name: str) -> None:
     if getattr(arena, "location", None) not in ("device", "host") or \
             not callable(getattr(arena, "alloc", None)):
@@ -183,6 +190,9 @@ class ModulePlacement:
         self.weights.clear()
         self.grads.clear()
 
+    def _holds(self, p) -> bool:
+        return p in self.weights
+
 
 def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
                      grad_arena=None, device_alias: bool = False) -> ModulePlacement:
@@ -204,6 +214,11 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     _check_arena(arena, "arena")
     if grad_arena is not None:
         _check_arena(grad_arena, "grad_arena")
+    for i, p in enumerate(dict.fromkeys(module.parameters())):
+        ref = _placed.get(p)
+        if ref is not None and ref() is not None and ref()._holds(p):
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is already in an "
+                             f"arena; call release() on its ModulePlacement first")
     placement = ModulePlacement()
     before = {}     # parameter -> (its data, its grad) before placement
     try:
@@ -230,4 +245,7 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
         for buf in (*placement.weights.values(), *placement.grads.values()):
             buf.free()
         raise
+    ref = weakref.ref(placement)
+    for p in placement.weights:
+        _placed[p] = ref
     return placement
