@@ -13,6 +13,7 @@ numba.cuda is imported inside the functions that need it, so the CPU twins
 from __future__ import annotations
 
 import math
+import operator
 import threading
 
 import numpy as np
@@ -212,12 +213,56 @@ def check_ids(ids, name: str = "ids", n_tokens: int | None = None) -> None:
 
 
 def check_eps(eps: float) -> float:
-    """LayerNorm epsilon: a finite number > 0 (it keeps 1/sqrt(var + eps) finite)."""
-    eps = float(eps)
-    if not (eps > 0.0 and math.isfinite(eps)):
-        raise KernelArgumentError(f"eps must be a finite number > 0, got {eps!r}",
+    """LayerNorm epsilon: a finite number > 0 that stays > 0 in float32 (it keeps
+    1/sqrt(var + eps) finite in the GPU kernels, which compute in float32)."""
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise KernelArgumentError(f"eps must be a number > 0, got {eps!r}",
+                                  argument="eps") from None
+    if not (value > 0.0 and math.isfinite(value)) or np.float32(value) == 0:
+        raise KernelArgumentError(f"eps must be a finite number > 0 (at least about "
+                                  f"1e-45, the smallest float32), got {eps!r}",
                                   argument="eps")
-    return eps
+    return value
+
+
+def check_flag(value, name: str) -> bool:
+    """A boolean switch (``accumulate``, ``check``): a string such as "no" would
+    otherwise count as True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise KernelArgumentError(f"{name} must be True or False, got {value!r}",
+                                  argument=name)
+    return bool(value)
+
+
+def _span(a) -> tuple[int, int]:
+    """[start, end) byte addresses of the (C-contiguous) array ``a``: host
+    addresses for numpy arrays, device addresses for device arrays, the wrapped
+    numpy array's for the simulator's."""
+    if isinstance(a, np.ndarray):
+        start = a.ctypes.data
+    elif getattr(a, "_ary", None) is not None and simulator_active():
+        start = a._ary.ctypes.data
+    else:
+        start = int(a.__cuda_array_interface__["data"][0])
+    return start, start + int(a.size) * np.dtype(a.dtype).itemsize
+
+
+def check_disjoint(writes: dict, reads: dict) -> None:
+    """Every array the kernel writes (``writes``: name -> array) must not share
+    memory with any other argument (``reads`` or another write): the kernels read
+    inputs while outputs are written, so an alias gives silently wrong results.
+    None entries are skipped."""
+    outs = [(n, _span(a)) for n, a in writes.items() if a is not None and a.size]
+    spans = outs + [(n, _span(a)) for n, a in reads.items() if a is not None and a.size]
+    for i, (name, (s0, e0)) in enumerate(outs):
+        for other, (s1, e1) in spans[i + 1:]:   # later outputs, then every input
+            if s0 < e1 and s1 < e0:
+                raise KernelArgumentError(
+                    f"{name} and {other} overlap in memory; the kernel reads {other} "
+                    f"while it writes {name}, so the result would be wrong: pass "
+                    f"separate arrays", argument=name)
 
 
 def word_dtype(width: int) -> np.dtype:
@@ -234,7 +279,12 @@ def word_dtype(width: int) -> np.dtype:
 def word_value(value: int, width: int):
     """``value`` as a ``width``-byte unsigned word (its low 8 * width bits): the
     fill value / XOR mask of the write and read-modify-write probes."""
-    return word_dtype(width).type(int(value) & ((1 << (8 * width)) - 1))
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise KernelArgumentError(f"the fill value / mask must be an integer, got "
+                                  f"{value!r}", argument="value") from None
+    return word_dtype(width).type(value & ((1 << (8 * width)) - 1))
 
 
 def check_words(nbytes: int, width: int, name: str) -> int:
@@ -271,8 +321,17 @@ def grid_size(blocks, n_items: int) -> int:
     """``blocks`` checked (>= 1), or :func:`stream_blocks` of ``n_items`` when None."""
     if blocks is None:
         return stream_blocks(n_items)
-    if int(blocks) < 1:
-        raise KernelArgumentError(f"blocks must be >= 1, got {blocks!r}", argument="blocks")
+    return check_blocks(blocks)
+
+
+def check_blocks(blocks) -> int | None:
+    """A probe's ``blocks`` argument: None or an integer >= 1 (the CPU twins
+    check it too, so a call that fails on the GPU fails on the CPU)."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)) or blocks < 1:
+        raise KernelArgumentError(f"blocks must be an integer >= 1, got {blocks!r}",
+                                  argument="blocks")
     return int(blocks)
 
 
@@ -318,11 +377,18 @@ def scratch(tag: str, shape, dtype, stream):
     return arr
 
 
+def _check_hidden(h: int) -> None:
+    if h < 1:
+        raise KernelArgumentError("x has 0 features (shape [T, 0]); LayerNorm needs at "
+                                  "least one to normalize over", argument="x")
+
+
 def check_layernorm_forward(x, gamma, beta, out, mean, rstd) -> tuple[int, int]:
     """Shapes of a LayerNorm forward: x, out [T, H]; gamma, beta [H]; mean, rstd [T].
     Returns (T, H); raises KernelArgumentError naming the first bad array."""
     check_array(x, "x", ndim=2)
     T, H = x.shape
+    _check_hidden(H)
     for a, n in ((gamma, "gamma"), (beta, "beta")):
         check_array(a, n, ndim=1, shape=(H,))
     check_array(out, "out", ndim=2, shape=(T, H))
@@ -359,6 +425,7 @@ def check_layernorm_backward(grad_out, x, mean, rstd, gamma, grad_gamma, grad_be
     grad_gamma, grad_beta [H]. Returns (T, H)."""
     check_array(x, "x", ndim=2)
     T, H = x.shape
+    _check_hidden(H)
     check_array(grad_out, "grad_out", ndim=2, shape=(T, H))
     for a, n in ((mean, "mean"), (rstd, "rstd")):
         check_array(a, n, ndim=1, shape=(T,))

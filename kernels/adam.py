@@ -237,23 +237,55 @@ def adam_coefficients(*, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
     if maximize:
         gmul = -gmul
     if bias_correction:
-        bc1 = 1.0 - beta1 ** int(step)
-        bc2 = 1.0 - beta2 ** int(step)
+        bc1 = 1.0 - _power(beta1, int(step))
+        bc2 = 1.0 - _power(beta2, int(step))
     else:
         bc1 = bc2 = 1.0
     c = np.empty(_N_COEFFS, dtype=np.float32)
-    c[_GMUL] = gmul
-    c[_L2] = 0.0 if decoupled_weight_decay else weight_decay
-    c[_DECAY] = 1.0 - lr * weight_decay if decoupled_weight_decay else 1.0
-    c[_B1] = beta1
-    c[_OMB1] = 1.0 - beta1
-    c[_B2] = beta2
-    c[_OMB2] = 1.0 - beta2
-    # beta1 == 0 and step 1 keeps bc1 = 1; bc1 > 0 always since beta1 < 1.
-    c[_STEP_SIZE] = lr / bc1
-    c[_INV_BC2_SQRT] = 1.0 / math.sqrt(bc2)
-    c[_EPS] = eps
+    with np.errstate(over="ignore", under="ignore"):   # checked right below
+        c[_GMUL] = gmul
+        c[_L2] = 0.0 if decoupled_weight_decay else weight_decay
+        c[_DECAY] = 1.0 - lr * weight_decay if decoupled_weight_decay else 1.0
+        c[_B1] = beta1
+        c[_OMB1] = 1.0 - beta1
+        c[_B2] = beta2
+        c[_OMB2] = 1.0 - beta2
+        # beta1 == 0 and step 1 keeps bc1 = 1; bc1 > 0 always since beta1 < 1.
+        c[_STEP_SIZE] = lr / bc1
+        c[_INV_BC2_SQRT] = 1.0 / math.sqrt(bc2)
+        c[_EPS] = eps
+    # Valid in float64 is not enough: the kernel computes in float32, where e.g.
+    # eps=1e-46 is 0 (0/0 on a zero gradient) and lr/bc1 > 3.4e38 is inf.
+    for what, argument, ok in (
+            ("eps", "eps", c[_EPS] > 0),
+            ("1/grad_scale", "grad_scale", np.isfinite(c[_GMUL]) and c[_GMUL] != 0),
+            ("weight_decay", "weight_decay", np.isfinite(c[_L2])),
+            ("lr * weight_decay", "lr", np.isfinite(c[_DECAY])),
+            ("lr / (1 - beta1**step)", "lr", np.isfinite(c[_STEP_SIZE]))):
+        if not ok:
+            raise OptimizerError(
+                f"{what} is not representable in float32 (the kernel's precision) for "
+                f"lr={lr!r}, eps={eps!r}, grad_scale={grad_scale!r}, weight_decay="
+                f"{weight_decay!r}; use values within float32 range", argument=argument)
     return c
+
+
+def _power(beta: float, step: int) -> float:
+    """beta ** step for beta in [0, 1): 0.0 when step is too large for a float
+    (the power underflowed long before)."""
+    try:
+        return beta ** step
+    except OverflowError:
+        return 0.0
+
+
+def _check_coefficients(c) -> None:
+    if not (isinstance(c, np.ndarray) and c.dtype == np.float32 and c.shape == (_N_COEFFS,)
+            and c.flags.c_contiguous):
+        raise OptimizerError(f"coefficients must be the float32 vector of "
+                             f"{_N_COEFFS} returned by adam_coefficients, got "
+                             f"{getattr(c, 'dtype', type(c).__name__)} "
+                             f"{getattr(c, 'shape', '')}", argument="coefficients")
 
 
 def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.999,
@@ -334,12 +366,14 @@ class PreparedUpdate:
     def grads_finite(self, coefficients, start=0, stop=None) -> bool:
         """True if every gradient in [start, stop) times the unscale factor held
         in ``coefficients`` (from :func:`adam_coefficients`) is finite."""
-        stop = self.size if stop is None else stop
+        _check_coefficients(coefficients)
+        start, stop = _check_range(start, stop, self.size)
         return not _count_nonfinite(self.g, coefficients[_GMUL], start, stop)
 
     def apply(self, coefficients, start=0, stop=None) -> None:
         """Run the fused update on elements [start, stop) (no finite check)."""
-        stop = self.size if stop is None else stop
+        _check_coefficients(coefficients)
+        start, stop = _check_range(start, stop, self.size)
         if stop - start > BLOCK_ELEMENTS:
             _adam_kernel(self.p, self.g, self.m, self.v, self.vmax, self.out, coefficients,
                          start, stop, BLOCK_ELEMENTS)

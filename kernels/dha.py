@@ -52,10 +52,11 @@ from numba import cuda
 
 from rtmem.errors import KernelArgumentError
 
-from ._launch import (THREADS, as_device, check_array, check_embedding, check_eps,
-                      check_layernorm_backward, check_layernorm_forward, check_linear,
-                      device_words, grid_size, numba_stream, row_threads, scratch,
-                      simulator_active, stream_blocks, synchronize, word_value)
+from ._launch import (THREADS, as_device, check_array, check_disjoint, check_embedding,
+                      check_eps, check_flag, check_layernorm_backward,
+                      check_layernorm_forward, check_linear, device_words, grid_size,
+                      numba_stream, row_threads, scratch, simulator_active, stream_blocks,
+                      synchronize, word_value)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum", "gpu_delay",
            "embedding_forward", "embedding_backward",
@@ -166,6 +167,14 @@ def _embedding_fwd_kernel(weight, ids, out, bad):
         else:
             for h in range(cuda.threadIdx.x, H, cuda.blockDim.x):
                 out[t, h] = weight[v, h]
+
+
+@cuda.jit
+def _count_bad_ids_kernel(ids, n_rows, bad):
+    for t in range(cuda.grid(1), ids.shape[0], cuda.gridDim.x * cuda.blockDim.x):
+        v = ids[t]
+        if v < 0 or v >= n_rows:
+            cuda.atomic.add(bad, 0, 1)
 
 
 @cuda.jit
@@ -424,9 +433,9 @@ def gpu_delay(seconds: float, *, stream=0) -> None:
     queued everything, so the events bracket device time, not Python's launch
     overhead. A no-op under the CUDA simulator (no ``nanosleep``, no timings).
     """
-    if seconds < 0:
-        raise KernelArgumentError(f"gpu_delay needs seconds >= 0, got {seconds}",
-                                  argument="seconds")
+    if not (isinstance(seconds, (int, float, np.number)) and 0 <= seconds < math.inf):
+        raise KernelArgumentError(f"gpu_delay needs a finite number of seconds >= 0, "
+                                  f"got {seconds!r}", argument="seconds")
     if simulator_active():
         return
     _delay_kernel[1, 1, numba_stream(stream)](max(1, int(seconds * 1e6)))
@@ -459,13 +468,13 @@ def _zeroed_counter(s):
 
 
 def _raise_bad_ids(bad, stream, n_rows):
+    # called before the kernel that writes the output is launched
     host = bad.copy_to_host(stream=stream)
     synchronize(stream)
     if int(host[0]):
         raise KernelArgumentError(
-            f"{int(host[0])} token id(s) outside [0, {n_rows}); their rows were "
-            "zeroed (forward) or skipped (backward). Clamp or remap the ids",
-            argument="ids")
+            f"{int(host[0])} token id(s) outside [0, {n_rows}); nothing was written. "
+            "Clamp or remap the ids", argument="ids")
 
 
 def embedding_forward(weight, ids, out, *, stream=0, check: bool = True) -> None:
@@ -473,19 +482,22 @@ def embedding_forward(weight, ids, out, *, stream=0, check: bool = True) -> None
 
     ``weight`` [V, H] float32 (HBM or mapped host: DHA reads only the T*H*4 bytes
     of the gathered rows), ``ids`` [T] int32/int64, ``out`` [T, H] float32.
-    Out-of-range ids are never dereferenced; with ``check`` (default) the wrapper
-    waits for the stream and raises :class:`~rtmem.errors.KernelArgumentError` if
-    any was found. Pass ``check=False`` to stay asynchronous.
+    Out-of-range ids are never dereferenced. With ``check`` (default) the wrapper
+    counts them first, waits for that count and raises
+    :class:`~rtmem.errors.KernelArgumentError` before anything is written; with
+    ``check=False`` it stays asynchronous and their rows are zeroed.
     """
     weight, ids, out = (as_device(weight, "weight"), as_device(ids, "ids"),
                         as_device(out, "out"))
     V, H, _ = check_embedding(weight, ids, out, "weight", "out")
+    check_disjoint({"out": out}, {"weight": weight, "ids": ids})
     s = numba_stream(stream)
     bad = _zeroed_counter(s)
+    if check_flag(check, "check") and ids.shape[0]:
+        _count_bad_ids_kernel[stream_blocks(ids.shape[0]), THREADS, s](ids, V, bad)
+        _raise_bad_ids(bad, s, V)
     grid = stream_blocks(ids.shape[0], threads=1, blocks_per_sm=16)
     _embedding_fwd_kernel[grid, row_threads(H), s](weight, ids, out, bad)
-    if check:
-        _raise_bad_ids(bad, s, V)
 
 
 def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False, stream=0,
@@ -498,11 +510,14 @@ def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False, 
     for unused rows); ``accumulate=True`` adds into the rows the ids touch and
     leaves the others untouched. Uses (V + T)*4 bytes of HBM scratch. The
     embedding backward never reads the weight. ``check`` as in
-    :func:`embedding_forward`.
+    :func:`embedding_forward` (with ``check=False`` tokens with bad ids are
+    skipped).
     """
     grad_out, ids, grad_weight = (as_device(grad_out, "grad_out"), as_device(ids, "ids"),
                                   as_device(grad_weight, "grad_weight"))
     V, H, T = check_embedding(grad_weight, ids, grad_out, "grad_weight", "grad_out")
+    check_disjoint({"grad_weight": grad_weight}, {"grad_out": grad_out, "ids": ids})
+    accumulate, check = check_flag(accumulate, "accumulate"), check_flag(check, "check")
     if T >= 2**31:
         raise KernelArgumentError(f"{T} tokens exceed the int32 token lists; split the "
                                   "batch", argument="ids")
@@ -513,11 +528,11 @@ def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False, 
     _fill_int32_kernel[stream_blocks(V), THREADS, s](head, -1)
     if T:
         _embedding_link_kernel[stream_blocks(T), THREADS, s](ids, V, head, nxt, bad)
+        if check:   # the link pass counted them; grad_weight is still untouched
+            _raise_bad_ids(bad, s, V)
     grid = stream_blocks(V, threads=1, blocks_per_sm=16)
     _embedding_grad_kernel[grid, row_threads(H), s](grad_out, head, nxt, grad_weight,
-                                                      bool(accumulate))
-    if check:
-        _raise_bad_ids(bad, s, V)
+                                                      accumulate)
 
 
 def _staging(nfloats: int) -> tuple[bool, int]:
@@ -539,6 +554,8 @@ def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,
         (rstd, "rstd")))
     T, H = check_layernorm_forward(x, gamma, beta, out, mean, rstd)
     eps = np.float32(check_eps(eps))
+    check_disjoint({"out": out, "mean": mean, "rstd": rstd},
+                   {"x": x, "gamma": gamma, "beta": beta})
     staged, shared = _staging(2 * H)
     grid = stream_blocks(T, threads=1, blocks_per_sm=2)
     _layernorm_fwd_kernel[grid, row_threads(H), numba_stream(stream), shared](
@@ -577,10 +594,15 @@ def layernorm_backward(grad_out, x, mean, rstd, gamma, grad_x, grad_gamma, grad_
         (grad_out, "grad_out"), (x, "x"), (mean, "mean"), (rstd, "rstd"),
         (gamma, "gamma"), (grad_gamma, "grad_gamma"), (grad_beta, "grad_beta")))
     T, H = check_layernorm_backward(grad_out, x, mean, rstd, gamma, grad_gamma, grad_beta)
+    accumulate = check_flag(accumulate, "accumulate")
     s = numba_stream(stream)
     if grad_x is not None:
         grad_x = as_device(grad_x, "grad_x")
         check_array(grad_x, "grad_x", ndim=2, shape=(T, H))
+    check_disjoint({"grad_x": grad_x, "grad_gamma": grad_gamma, "grad_beta": grad_beta},
+                   {"grad_out": grad_out, "x": x, "mean": mean, "rstd": rstd,
+                    "gamma": gamma})
+    if grad_x is not None:
         staged, shared = _staging(H)
         grid = stream_blocks(T, threads=1, blocks_per_sm=2)
         _layernorm_dx_kernel[grid, row_threads(H), s, shared](
@@ -613,6 +635,7 @@ def linear_forward(x, weight, bias, out, *, stream=0) -> None:
     if bias is not None:
         bias = as_device(bias, "bias")
         check_array(bias, "bias", ndim=1, shape=(N,))
+    check_disjoint({"out": out}, {"x": x, "weight": weight, "bias": bias})
     _gemm(x, weight, out, bias, False, True, False, numba_stream(stream))
 
 
@@ -632,13 +655,19 @@ def linear_backward(grad_out, x, weight, grad_x, grad_weight, grad_bias, *,
         (grad_out, "grad_out"), (x, "x"), (weight, "weight"), (grad_weight, "grad_weight")))
     T, K, N = check_linear(x, weight, grad_out, "grad_out")
     check_array(grad_weight, "grad_weight", ndim=2, shape=(N, K))
+    accumulate = check_flag(accumulate, "accumulate")
     s = numba_stream(stream)
+    # every check before the first launch: a refused call changes nothing
     if grad_x is not None:
         grad_x = as_device(grad_x, "grad_x")
         check_array(grad_x, "grad_x", ndim=2, shape=(T, K))
-        _gemm(grad_out, weight, grad_x, None, False, False, False, s)
-    _gemm(grad_out, x, grad_weight, None, True, False, accumulate, s)
     if grad_bias is not None:
         grad_bias = as_device(grad_bias, "grad_bias")
         check_array(grad_bias, "grad_bias", ndim=1, shape=(N,))
+    check_disjoint({"grad_x": grad_x, "grad_weight": grad_weight, "grad_bias": grad_bias},
+                   {"grad_out": grad_out, "x": x, "weight": weight})
+    if grad_x is not None:
+        _gemm(grad_out, weight, grad_x, None, False, False, False, s)
+    _gemm(grad_out, x, grad_weight, None, True, False, accumulate, s)
+    if grad_bias is not None:
         _column_sums(grad_out, None, ((0, grad_bias),), accumulate, s)

@@ -23,9 +23,10 @@ from numba import prange
 
 from rtmem.errors import KernelArgumentError
 
-from ._launch import (as_host, check_array, check_embedding, check_eps,
-                      check_layernorm_backward, check_layernorm_forward, check_linear,
-                      check_words, word_dtype, word_value)
+from ._launch import (as_host, check_array, check_blocks, check_disjoint, check_embedding,
+                      check_eps, check_flag, check_layernorm_backward,
+                      check_layernorm_forward, check_linear, check_words, word_dtype,
+                      word_value)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -141,6 +142,9 @@ def _matmul_into(a, b, c, accumulate):
 
 def _words(buf, width: int, name: str, writable: bool):
     a = as_host(buf, name, writable=writable)
+    if a.dtype.hasobject:
+        raise KernelArgumentError(f"{name} holds Python objects ({a.dtype}), not bytes; "
+                                  "pass a numeric array", argument=name)
     if not a.flags.c_contiguous:
         raise KernelArgumentError(f"{name} must be C-contiguous to be streamed as words",
                                   argument=name)
@@ -158,6 +162,7 @@ def dha_read(src, *, width: int = 8, blocks: int | None = None, stream=None,
     """Read every ``width``-byte word of ``src``; returns uint64 partial XOR
     checksums (one per 64 Ki-word chunk; ``blocks`` and ``out`` are accepted for
     signature compatibility and ignored). Fold them with :func:`xor_checksum`."""
+    check_blocks(blocks)
     words = _words(src, width, "src", writable=False)
     n = words.shape[0]
     full = n // _CHUNK
@@ -175,6 +180,7 @@ def xor_checksum(partials) -> int:
 def dha_write(dst, value: int, *, width: int = 8, blocks: int | None = None,
               stream=None) -> None:
     """Fill ``dst`` with the ``width``-byte word ``value`` (``dst.nbytes`` written)."""
+    check_blocks(blocks)
     words = _words(dst, width, "dst", writable=True)
     words[...] = word_value(value, width)
 
@@ -182,6 +188,7 @@ def dha_write(dst, value: int, *, width: int = 8, blocks: int | None = None,
 def dha_rmw(buf, mask: int, *, width: int = 8, blocks: int | None = None,
             stream=None) -> None:
     """XOR every ``width``-byte word of ``buf`` with ``mask`` in place."""
+    check_blocks(blocks)
     words = _words(buf, width, "buf", writable=True)
     np.bitwise_xor(words, word_value(mask, width), out=words)
 
@@ -203,6 +210,7 @@ def embedding_forward(weight, ids, out, *, stream=None, check: bool = True) -> N
     weight, ids = as_host(weight, "weight"), as_host(ids, "ids")
     out = as_host(out, "out", writable=True)
     V, _, _ = check_embedding(weight, ids, out, "weight", "out")
+    check_disjoint({"out": out}, {"weight": weight, "ids": ids})
     _check_id_range(ids, V)
     _gather(weight, ids, out)
 
@@ -215,8 +223,9 @@ def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False,
     grad_out, ids = as_host(grad_out, "grad_out"), as_host(ids, "ids")
     grad_weight = as_host(grad_weight, "grad_weight", writable=True)
     V, _, _ = check_embedding(grad_weight, ids, grad_out, "grad_weight", "grad_out")
+    check_disjoint({"grad_weight": grad_weight}, {"grad_out": grad_out, "ids": ids})
     _check_id_range(ids, V)
-    _scatter_add(grad_out, ids, grad_weight, bool(accumulate))
+    _scatter_add(grad_out, ids, grad_weight, check_flag(accumulate, "accumulate"))
 
 
 def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,
@@ -228,7 +237,10 @@ def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,
     out, mean, rstd = (as_host(out, "out", True), as_host(mean, "mean", True),
                        as_host(rstd, "rstd", True))
     T, H = check_layernorm_forward(x, gamma, beta, out, mean, rstd)
-    _layernorm_fwd(x, gamma, beta, out, mean, rstd, check_eps(eps))
+    eps = check_eps(eps)
+    check_disjoint({"out": out, "mean": mean, "rstd": rstd},
+                   {"x": x, "gamma": gamma, "beta": beta})
+    _layernorm_fwd(x, gamma, beta, out, mean, rstd, eps)
 
 
 def layernorm_backward(grad_out, x, mean, rstd, gamma, grad_x, grad_gamma, grad_beta, *,
@@ -241,11 +253,16 @@ def layernorm_backward(grad_out, x, mean, rstd, gamma, grad_x, grad_gamma, grad_
     grad_gamma = as_host(grad_gamma, "grad_gamma", writable=True)
     grad_beta = as_host(grad_beta, "grad_beta", writable=True)
     T, H = check_layernorm_backward(grad_out, x, mean, rstd, gamma, grad_gamma, grad_beta)
+    accumulate = check_flag(accumulate, "accumulate")
     if grad_x is not None:
         grad_x = as_host(grad_x, "grad_x", writable=True)
         check_array(grad_x, "grad_x", ndim=2, shape=(T, H))
+    check_disjoint({"grad_x": grad_x, "grad_gamma": grad_gamma, "grad_beta": grad_beta},
+                   {"grad_out": grad_out, "x": x, "mean": mean, "rstd": rstd,
+                    "gamma": gamma})
+    if grad_x is not None:
         _layernorm_dx(grad_out, x, mean, rstd, gamma, grad_x)
-    _column_sums(grad_out, x, mean, rstd, True, grad_beta, grad_gamma, bool(accumulate))
+    _column_sums(grad_out, x, mean, rstd, True, grad_beta, grad_gamma, accumulate)
 
 
 def linear_forward(x, weight, bias, out, *, stream=None) -> None:
@@ -254,10 +271,12 @@ def linear_forward(x, weight, bias, out, *, stream=None) -> None:
     x, weight = as_host(x, "x"), as_host(weight, "weight")
     out = as_host(out, "out", writable=True)
     T, K, N = check_linear(x, weight, out, "out")
-    _matmul_into(x, weight.T, out, False)
     if bias is not None:
         bias = as_host(bias, "bias")
         check_array(bias, "bias", ndim=1, shape=(N,))
+    check_disjoint({"out": out}, {"x": x, "weight": weight, "bias": bias})
+    _matmul_into(x, weight.T, out, False)
+    if bias is not None:
         out += bias
 
 
@@ -271,14 +290,20 @@ def linear_backward(grad_out, x, weight, grad_x, grad_weight, grad_bias, *,
     grad_weight = as_host(grad_weight, "grad_weight", writable=True)
     T, K, N = check_linear(x, weight, grad_out, "grad_out")
     check_array(grad_weight, "grad_weight", ndim=2, shape=(N, K))
+    accumulate = check_flag(accumulate, "accumulate")
+    # every check before the first write: a refused call changes nothing
     if grad_x is not None:
         grad_x = as_host(grad_x, "grad_x", writable=True)
         check_array(grad_x, "grad_x", ndim=2, shape=(T, K))
-        _matmul_into(grad_out, weight, grad_x, False)
-    _matmul_into(grad_out.T, x, grad_weight, bool(accumulate))
     if grad_bias is not None:
         grad_bias = as_host(grad_bias, "grad_bias", writable=True)
         check_array(grad_bias, "grad_bias", ndim=1, shape=(N,))
+    check_disjoint({"grad_x": grad_x, "grad_weight": grad_weight, "grad_bias": grad_bias},
+                   {"grad_out": grad_out, "x": x, "weight": weight})
+    if grad_x is not None:
+        _matmul_into(grad_out, weight, grad_x, False)
+    _matmul_into(grad_out.T, x, grad_weight, accumulate)
+    if grad_bias is not None:
         # x, mean, rstd and out1 are unused without xhat: any arrays of the right rank.
         _column_sums(grad_out, grad_out, grad_bias, grad_bias, False, grad_bias, grad_bias,
                      bool(accumulate))

@@ -50,6 +50,7 @@ SIGNATURES = {
     "_write_kernel": [(u64, t.uint64), (u32, t.uint32)],
     "_rmw_kernel": [(u64, t.uint64), (u32, t.uint32)],
     "_embedding_fwd_kernel": [(A2, i64, A2, i32), (A2_any, i32, A2, i32)],
+    "_count_bad_ids_kernel": [(i64, t.int64, i32), (i32, t.int64, i32)],
     "_fill_int32_kernel": [(i32, t.int64)],
     "_embedding_link_kernel": [(i64, t.int64, i32, i32, i32), (i32, t.int64, i32, i32, i32)],
     "_embedding_grad_kernel": [(A2, i32, i32, A2, b)],

@@ -457,3 +457,41 @@ def test_kernels_all_lists_exactly_the_public_names():
     public = {n for n in dir(K) if not n.startswith("_")
               and not isinstance(getattr(K, n), type(K))}
     assert set(K.__all__) == public
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(eps=1e-46), "eps"),                       # 0 in float32: 0/0 on a zero grad
+    (dict(lr=1e39), "lr"),                          # lr / bc1 overflows float32
+    (dict(lr=1e30, beta1=1 - 1e-12), "lr"),
+    (dict(grad_scale=1e-40), "grad_scale"),         # 1/grad_scale is inf in float32
+    (dict(lr=1e30, weight_decay=1e10, decoupled_weight_decay=True), "lr"),
+])
+def test_hyperparameters_outside_float32_are_refused(kwargs, argument):
+    rng = np.random.default_rng(9)
+    p = rng.standard_normal(8).astype(np.float32)
+    before = p.copy()
+    with pytest.raises(OptimizerError, match="float32") as e:
+        adam_update(p, np.zeros(8, np.float32), np.zeros(8, np.float32),
+                    np.zeros(8, np.float32), **{"lr": 1e-3, "step": 1, **kwargs})
+    assert e.value.argument == argument
+    assert p.tobytes() == before.tobytes()
+
+
+def test_huge_step_counts_bias_correction_as_converged():
+    c = K.adam_coefficients(lr=1e-3, step=10**400)
+    np.testing.assert_allclose(c, K.adam_coefficients(lr=1e-3, step=10**6))
+
+
+def test_prepared_update_checks_what_it_is_given():
+    from rtmem.kernels.adam import prepare_update
+    p, g, m, v = (np.ones(4, np.float32) for _ in range(4))
+    u = prepare_update(p, g, m, v)
+    c = K.adam_coefficients(lr=1e-3, step=1)
+    for call, fragment in ((lambda: u.apply(np.ones(2, np.float32)), "coefficients"),
+                           (lambda: u.apply(c.astype(np.float64)), "coefficients"),
+                           (lambda: u.apply(c, -3), "start"),
+                           (lambda: u.apply(c, 0, 100), "inside"),
+                           (lambda: u.grads_finite(np.ones(0, np.float32)), "coefficients")):
+        with pytest.raises(OptimizerError, match=fragment):
+            call()
+    assert (p == 1).all() and (m == 1).all()

@@ -279,6 +279,86 @@ def test_linear_argument_errors(be):
         be.k.linear_forward(x, w, None, be.empty((5, 4)).T)
 
 
+# ------------------------------------------- refused calls write nothing
+
+def test_aliased_outputs_are_refused(be):
+    # The kernels read their inputs while writing their outputs: an output that
+    # shares memory with another argument would give silently wrong results.
+    rng = np.random.default_rng(45)
+    T, H = 3, 6
+    go, x = be.act(_rand(rng, T, H)), be.act(_rand(rng, T, H))
+    mean, rstd = be.act(_rand(rng, T)), be.act(_rand(rng, T))
+    gamma = be.param(_rand(rng, H))
+    gg, gb = be.param(_rand(rng, H)), be.param(_rand(rng, H))
+    before = be.host(go).copy()
+    cases = [
+        ("grad_x", lambda: be.k.layernorm_backward(go, x, mean, rstd, gamma, go, gg, gb)),
+        ("grad_gamma", lambda: be.k.layernorm_backward(go, x, mean, rstd, gamma, None, gg,
+                                                       gg)),
+        ("out", lambda: be.k.layernorm_forward(x, gamma, gamma, x, mean, rstd)),
+        ("grad_x", lambda: be.k.linear_backward(go, x, be.param(_rand(rng, H, H)), go,
+                                                be.param(_rand(rng, H, H)), None)),
+        ("out", lambda: be.k.linear_forward(x, be.param(_rand(rng, H, H)), None, x)),
+    ]
+    w = be.param(_rand(rng, 3, H))           # a [V, H] table with V == T
+    ids = be.act(np.array([2, 1, 0], dtype=np.int64))
+    cases.append(("out", lambda: be.k.embedding_forward(w, ids, w)))
+    for name, call in cases:
+        with pytest.raises(KernelArgumentError, match="overlap") as e:
+            call()
+        assert e.value.argument == name
+    np.testing.assert_array_equal(be.host(go), before)
+
+
+def test_refused_calls_leave_outputs_untouched(be):
+    rng = np.random.default_rng(46)
+    T, K, N = 3, 4, 5
+    gy, x, w = be.act(_rand(rng, T, N)), be.act(_rand(rng, T, K)), be.param(_rand(rng, N, K))
+    gw0 = _rand(rng, N, K)
+    gw, gx = be.param(gw0), be.empty((T, K))
+    with pytest.raises(KernelArgumentError, match="grad_bias"):
+        # a bad grad_bias is found before grad_weight is accumulated into
+        be.k.linear_backward(gy, x, w, gx, gw, be.param(_rand(rng, N + 1)), accumulate=True)
+    np.testing.assert_array_equal(be.host(gw), gw0)
+    out0 = _rand(rng, T, N)
+    out = be.act(out0)
+    with pytest.raises(KernelArgumentError, match="bias"):
+        be.k.linear_forward(x, w, be.param(_rand(rng, N + 1)), out)
+    np.testing.assert_array_equal(be.host(out), out0)
+    # out-of-range ids: nothing written, also with accumulate (a retry must not
+    # add the valid rows twice)
+    V, H = 7, 5
+    gw0 = _rand(rng, V, H)
+    gwe = be.param(gw0)
+    bad_ids = be.act(np.array([0, -1, 2], dtype=np.int64))
+    with pytest.raises(KernelArgumentError, match="nothing was written"):
+        be.k.embedding_backward(be.act(_rand(rng, 3, H)), bad_ids, gwe, accumulate=True)
+    np.testing.assert_array_equal(be.host(gwe), gw0)
+    emb0 = _rand(rng, 3, H)
+    emb = be.act(emb0)
+    with pytest.raises(KernelArgumentError, match="nothing was written"):
+        be.k.embedding_forward(be.param(gw0), bad_ids, emb)
+    np.testing.assert_array_equal(be.host(emb), emb0)
+
+
+def test_degenerate_layernorm_arguments_are_refused(be):
+    rng = np.random.default_rng(47)
+    T, H = 2, 4
+    x, g = be.act(_rand(rng, T, H)), be.param(_rand(rng, H))
+    mean, rstd, out = be.empty((T,)), be.empty((T,)), be.empty((T, H))
+    for eps, fragment in ((1e-46, "smallest float32"), ("a", "must be a number"),
+                          (0.0, "> 0")):
+        with pytest.raises(KernelArgumentError, match=fragment):
+            be.k.layernorm_forward(x, g, g, out, mean, rstd, eps=eps)
+    empty = be.act(np.zeros((T, 0), np.float32))
+    e1 = be.param(np.zeros(0, np.float32))
+    with pytest.raises(KernelArgumentError, match="0 features"):
+        be.k.layernorm_forward(empty, e1, e1, be.empty((T, 0)), mean, rstd)
+    with pytest.raises(KernelArgumentError, match="True or False"):
+        be.k.layernorm_backward(x, x, mean, rstd, g, None, be.param(_rand(rng, H)),
+                                be.param(_rand(rng, H)), accumulate="no")
+
+
 # ------------------------------------------------- memory kinds, launch, errors
 
 def test_gpu_kernels_refuse_host_arrays():
@@ -346,3 +426,20 @@ def test_cli_bench_runs_pcie_and_dha(capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     args = parser.parse_args(["bench"])
     assert args.func(args) == 2                # no benchmark named: usage
+
+
+def test_probe_arguments_must_be_integers(be):
+    buf = be.param(np.arange(16, dtype=np.uint64))
+    for kwargs, fragment in ((dict(value="x"), "integer"), (dict(value=1.7), "integer"),
+                             (dict(value=1, blocks=2.7), "blocks"),
+                             (dict(value=1, blocks=float("nan")), "blocks")):
+        with pytest.raises(KernelArgumentError, match=fragment):
+            be.k.dha_write(buf, **kwargs)
+    np.testing.assert_array_equal(be.host(buf), np.arange(16, dtype=np.uint64))
+
+
+def test_gpu_delay_refuses_non_finite_seconds():
+    from rtmem.kernels import dha
+    for bad in (float("nan"), float("inf"), -1.0, "1"):
+        with pytest.raises(KernelArgumentError, match="seconds"):
+            dha.gpu_delay(bad)
