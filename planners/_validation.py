@@ -59,4 +59,24 @@ def as_scalar(name: str, value, *, integral: bool):
         raise ChainError(f"{name} must be a number, got {value!r}", field=name) from e
     if not math.isfinite(v) or v < 0:
         raise ChainError(f"{name} = {value!r} must be finite and >= 0", field=name)
+    if integral and v >= 2**62:
+        raise ChainError(f"{name} = {value!r} bytes is too large (limit 2**62)", field=name)
     return int(math.ceil(v)) if integral else v
+
+
+def check_chain(chain, what: str) -> None:
+    """``chain`` must be a :class:`~rtmem.planners.Chain` (``what``: the caller)."""
+    from .chain import Chain
+    if not isinstance(chain, Chain):
+        raise TypeError(f"{what} plans a Chain (rtmem.planners.Chain, builtin(), "
+                        f"from_spec() or profile_sequential()), got "
+                        f"{type(chain).__name__}")
+
+
+def check_count(name: str, value) -> int:
+    """A count argument (slots, segments, slot_bytes): an integer >= 1."""
+    from rtmem.errors import RtmemError
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise RtmemError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from rtmem.errors import ChainError, InfeasibleError
 from rtmem.units import format_bytes
 
+from ._validation import check_chain
 from .chain import Chain
 from .plan import Plan, as_budget
 from .platform import Platform
@@ -40,7 +43,8 @@ def segment_bounds(n: int, segments: int) -> list[tuple[int, int]]:
     """Stage ranges ``[start, end)`` that ``torch.utils.checkpoint.checkpoint_sequential``
     uses: ``segments - 1`` segments of ``n // segments`` stages, the rest in the last."""
     n = _check_n(n)
-    if isinstance(segments, bool) or int(segments) != segments or not 1 <= segments <= n:
+    if isinstance(segments, bool) or not isinstance(segments, (int, np.integer)) \
+            or not 1 <= segments <= n:
         raise ChainError(f"segments must be an integer in 1..{n} for a chain of {n} "
                          f"stages, got {segments!r}")
     size = n // segments
@@ -97,6 +101,7 @@ def plan_store_all(chain: Chain, memory) -> Plan:
 
     ``memory``: budget in bytes (int, ``"12GiB"`` or a Platform). Raises
     :class:`~rtmem.errors.InfeasibleError` when the peak (bytes) exceeds it."""
+    check_chain(chain, "plan_store_all")
     return simulated_plan(chain, store_all_schedule(chain.n), memory, "store-all")
 
 
@@ -132,6 +137,7 @@ def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:
     ``info["segments"]`` says which. Raises
     :class:`~rtmem.errors.InfeasibleError` with the least peak over all counts
     when none fits."""
+    check_chain(chain, "plan_sequential")
     counts = range(1, chain.n + 1) if segments is None else [segments]
     return fastest_fitting(chain, memory,
                            ((k, sequential_schedule(chain.n, k)) for k in counts),
@@ -142,6 +148,7 @@ def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:
 def plan_sqrt(chain: Chain, memory) -> Plan:
     """Chen et al.'s sqrt(n) strategy: ``checkpoint_sequential`` with
     round(sqrt(n)) segments (at least 1). ``memory`` in bytes."""
+    check_chain(chain, "plan_sqrt")
     k = max(1, min(chain.n, int(round(math.sqrt(chain.n)))))
     plan = plan_sequential(chain, memory, segments=k)
     return Plan(plan.schedule, plan.makespan, plan.peak, plan.budget, "sqrt", plan.info)

@@ -110,6 +110,15 @@ class Chain(JsonFile):
         object.__setattr__(self, "x0", as_scalar("x0", self.x0, integral=True))
         object.__setattr__(self, "u_loss", as_scalar("u_loss", self.u_loss, integral=False))
         object.__setattr__(self, "o_loss", as_scalar("o_loss", self.o_loss, integral=True))
+        # The simulator and the DPs add these up in int64: keep every total in range
+        # (Python ints here, so the check itself cannot overflow).
+        total = (self.x0 + self.o_loss + sum(int(v) for v in values["xbar"])
+                 + 2 * sum(int(v) for v in values["w"]) + int(values["o_f"].max())
+                 + int(values["o_b"].max()))
+        if total >= 2**62:
+            raise ChainError(f"the chain's sizes add up to {total:,} bytes, beyond the "
+                             f"2**62 the planners count in; express sizes in larger units "
+                             f"or use fewer stages", field="xbar")
         object.__setattr__(self, "name", str(self.name))
 
     # ------------------------------------------------------------------ basics

@@ -30,7 +30,11 @@ reads abar: a sub-problem entered after F_all has l = s, so it cannot move its
 input), and 16: the printed recurrence lacks Case A with l > s (move the floating
 activation by F_none, then F_all), so C_FL(s, t, t) = inf for s < t and the
 erratum's instance gets 42 instead of 39. With Case A generalised as above the
-DP equals exhaustive search (tests/test_remat_floating.py). The requirement
+DP matches exhaustive search on the chains of tests/test_remat_floating.py, but
+it is not optimal over all schedules: unrestricted search
+(:func:`rtmem.planners.testing.brute_force_remat`) sometimes does better by
+running one stage twice in a row (F_all s, then F_none s), a move the recurrence
+does not model (about 1 random 1-4-stage chain in 150). The requirement
 checks are those of the simulator, op by op, so no gate such as m >= m_none is
 needed.
 
@@ -47,6 +51,7 @@ import numpy as np
 from rtmem.errors import InfeasibleError, RtmemError
 from rtmem.units import format_bytes
 
+from ._validation import check_chain, check_count
 from .chain import Chain
 from .plan import Plan, as_budget
 from .platform import Platform
@@ -206,7 +211,10 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     in :func:`~rtmem.planners.plan_remat`. Raises
     :class:`~rtmem.errors.InfeasibleError` when no schedule fits (``min_feasible``
     is not computed: ``None``)."""
+    check_chain(chain, "plan_floating")
     budget = as_budget(memory)
+    if slots is not None:
+        slots = check_count("slots", slots)
     if math.isinf(budget):
         raise RtmemError("plan_floating needs a finite budget; use plan_store_all for "
                          "unlimited memory")

@@ -59,12 +59,23 @@ class Plan(JsonFile):
     def __post_init__(self):
         if not isinstance(self.schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule, got {type(self.schedule).__name__}")
-        object.__setattr__(self, "makespan", float(self.makespan))
-        object.__setattr__(self, "peak", int(self.peak))
-        budget = float(self.budget) if math.isinf(float(self.budget)) else int(self.budget)
-        object.__setattr__(self, "budget", budget)
+        try:
+            makespan, peak, budget = (float(v) for v in (self.makespan, self.peak,
+                                                         self.budget))
+            info = dict(self.info)
+        except (TypeError, ValueError) as e:
+            raise ScheduleError(f"plan: makespan, peak and budget must be numbers and info "
+                                f"a dict ({e})", reason="parse") from None
+        if not (makespan >= 0 and 0 <= peak < 2**62 and budget > 0) \
+                or math.isnan(makespan) or math.isnan(budget):
+            raise ScheduleError(f"plan: makespan {self.makespan!r} and peak {self.peak!r} "
+                                f"must be >= 0 and budget {self.budget!r} > 0",
+                                reason="parse")
+        object.__setattr__(self, "makespan", makespan)
+        object.__setattr__(self, "peak", int(peak))
+        object.__setattr__(self, "budget", budget if math.isinf(budget) else int(budget))
         object.__setattr__(self, "algorithm", str(self.algorithm))
-        object.__setattr__(self, "info", dict(self.info))
+        object.__setattr__(self, "info", info)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Plan):

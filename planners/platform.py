@@ -49,7 +49,7 @@ class Platform:
             mem = math.inf
         if not (isinstance(mem, float) and math.isinf(mem) and mem > 0):
             try:
-                mem = parse_bytes(mem)
+                mem = parse_bytes(mem, round_down=True)   # a budget: never above it
             except UnitError as e:
                 raise PlatformError(f"invalid memory {self.memory!r}: {e}") from e
             if mem <= 0:

@@ -22,6 +22,7 @@ from rtmem.errors import InfeasibleError, RtmemError
 from rtmem.units import format_bytes
 
 from .baselines import plan_sequential, plan_sqrt, plan_store_all, store_all_schedule
+from ._validation import check_chain, check_count
 from .chain import Chain
 from .plan import Plan, as_budget
 from .platform import Platform
@@ -47,11 +48,12 @@ def min_feasible_memory(chain: Chain) -> int:
     """Least budget (bytes) for which :func:`plan_remat` returns a plan: the
     chain input, the weights, and the least memory of a persistent schedule
     (computed exactly in bytes, no discretization)."""
+    check_chain(chain, "min_feasible_memory")
     mm, _ = min_memory(stage_arrays(chain))
     return _fixed_bytes(chain) + mm
 
 
-def _check_table(n: int, slots: int) -> int:
+def _check_table(n: int, slots: int, fixed_slot_bytes: bool = False) -> int:
     """Bytes of the DP table for ``n`` stages and ``slots`` memory slots; raise
     when over :data:`MAX_TABLE_BYTES`, saying what would fit."""
     cells = (n + 1) * (n + 2) // 2
@@ -59,7 +61,8 @@ def _check_table(n: int, slots: int) -> int:
     if table_bytes <= MAX_TABLE_BYTES:
         return table_bytes
     fits = MAX_TABLE_BYTES // (8 * cells) - 1
-    advice = (f"use at most {fits} slots" if fits >= 1 else
+    advice = (("use a slot_bytes giving at most {fits} slots" if fixed_slot_bytes else
+               f"use at most {fits} slots").format(fits=fits) if fits >= 1 else
               "no slot count fits: describe the model with fewer, coarser stages "
               "(group layers), or plan with the sequential or revolve baselines")
     raise RtmemError(
@@ -119,40 +122,41 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         carries that value in bytes.
     """
     say = progress or (lambda msg: None)
+    check_chain(chain, "plan_remat")
     budget = as_budget(memory)
-    if isinstance(slots, bool) or int(slots) != slots or slots < 1:
-        raise RtmemError(f"slots must be an integer >= 1, got {slots!r}")
-    if slot_bytes is not None and (int(slot_bytes) != slot_bytes or slot_bytes < 1):
-        raise RtmemError(f"slot_bytes must be an integer >= 1, got {slot_bytes!r}")
+    slots = check_count("slots", slots)
+    if slot_bytes is not None:
+        slot_bytes = check_count("slot_bytes", slot_bytes)
+    t0 = time.perf_counter()
+    store_all = store_all_schedule(chain.n)
+    peak_all = simulate(chain, store_all, Platform(math.inf)).peak
+    if budget >= peak_all:
+        # every budget from here on reaches the no-recomputation makespan
+        # (no min_feasible here: its O(n^3) pass is what this shortcut avoids)
+        info = {"method": "store-all", "dp_makespan": float(chain.compute_time),
+                "solve_seconds": time.perf_counter() - t0}
+        return _plan(chain, store_all, budget, info)
     if slot_bytes is None:
         # the table has about `slots` columns: refuse an impossible size before the
         # O(n^2)-memory, O(n^3)-time least-memory pass below
         _check_table(chain.n, int(slots))
-    t0 = time.perf_counter()
     arrays = stage_arrays(chain)
     fixed = _fixed_bytes(chain)
     mm, choice = min_memory(arrays)
     min_feasible = fixed + mm
     if budget < min_feasible:
         raise InfeasibleError(
-            f"no schedule of {chain.name or 'the chain'} fits in {budget:,} bytes "
+            f"no persistent schedule of {chain.name or 'the chain'} fits in {budget:,} bytes "
             f"({format_bytes(budget)}): it needs at least {min_feasible:,} bytes "
             f"({format_bytes(min_feasible)}) = chain input and weights {fixed:,} + "
             f"activations {mm:,}. Give more memory or a smaller batch",
             budget=budget, min_feasible=min_feasible)
     info = {"min_feasible": min_feasible}
-    store_all = store_all_schedule(chain.n)
-    peak_all = simulate(chain, store_all, Platform(math.inf)).peak
-    if budget >= peak_all:
-        # every budget from here on reaches the no-recomputation makespan
-        info.update(method="store-all", dp_makespan=float(chain.compute_time),
-                    solve_seconds=time.perf_counter() - t0)
-        return _plan(chain, store_all, budget, info)
     m_bytes = int(budget) - fixed
     slot = int(slot_bytes) if slot_bytes is not None else max(1, m_bytes // int(slots))
     M = m_bytes // slot
     N = chain.n + 1
-    table_bytes = _check_table(chain.n, M)
+    table_bytes = _check_table(chain.n, M, slot_bytes is not None)
     say(f"rotor: {chain.n} stages, {M} slots of {format_bytes(slot)}, "
         f"table {format_bytes(table_bytes)}")
     disc = discretize(arrays, slot)
@@ -184,6 +188,7 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     ``sequential`` (best segment count), ``sqrt`` and ``revolve`` (Revolve
     converted with ``F_all`` before each ``B``), in that order.
     """
+    check_chain(chain, "compare_remat")
     from .revolve import plan_revolve
 
     say = progress or (lambda msg: None)

@@ -39,6 +39,7 @@ import numpy as np
 from rtmem.errors import InfeasibleError
 
 from .baselines import fastest_fitting
+from ._validation import check_chain
 from .chain import Chain
 from .plan import Plan
 from .schedule import Op, Schedule
@@ -167,6 +168,7 @@ def plan_revolve(chain: Chain, memory) -> Plan:
     ``info["slots"]`` is the chosen m. Revolve never keeps abar across a phase, so
     it cannot use memory beyond m = n+2. Raises
     :class:`~rtmem.errors.InfeasibleError` with the least peak over all m."""
+    check_chain(chain, "plan_revolve")
     n = chain.n
     arg = opt0_table(n, n + 2)[1]
     # most slots first: ties go to the schedule that recomputes least

@@ -74,7 +74,8 @@ _PARSE_STAGE = {v.lower(): k for k, v in _STAGE_NAMES.items()}
 _PARSE_STAGE.update({"f_∅": Op.F_NONE, "fnone": Op.F_NONE, "fck": Op.F_CK,
                      "fall": Op.F_ALL, "f_ø": Op.F_NONE})
 _PARSE_ACT = {v: k for k, v in _ACT_NAMES.items()}
-_ACT_RE = re.compile(r"^(a|abar)(\d+)$")
+_ACT_RE = re.compile(r"^(a|abar)([0-9]+)$")
+_DIGITS = re.compile(r"[0-9]+")      # ASCII only: str.isdigit also accepts "²", "٣"
 _FORMAT = "rtmem.schedule"
 _VERSION = 1
 
@@ -125,6 +126,10 @@ class Schedule:
             k = int(np.flatnonzero(stage < 0)[0])
             raise ScheduleError(f"op {k}: negative stage index {int(stage[k])}",
                                 op_index=k, reason="stage-range")
+        if (stage >= 2**31).any():   # stored as int32 below: would wrap around
+            k = int(np.flatnonzero(stage >= 2**31)[0])
+            raise ScheduleError(f"op {k}: stage index {int(stage[k])} is beyond any chain "
+                                f"(at most 2**31 - 1)", op_index=k, reason="stage-range")
         is_act = np.isin(op, [int(o) for o in ACTIVATION_OPS])
         bad = ~np.isin(aux, (0, 1)) | ((aux != 0) & ~is_act)
         if bad.any():
@@ -223,7 +228,7 @@ class Schedule:
                     f"op {k}: cannot read {tok!r}; expected e.g. 'F_ck 3', 'B 2', 'L' or "
                     "'offload abar4'", op_index=k, reason="parse")
             if head in _PARSE_STAGE:
-                if not parts[1].isdigit() or len(parts[1]) > 18:   # int64-safe
+                if not _DIGITS.fullmatch(parts[1]) or len(parts[1]) > 18:   # int64-safe
                     raise ScheduleError(f"op {k}: stage in {tok!r} must be a non-negative "
                                         "integer below 10**18", op_index=k, reason="parse")
                 op[k], stage[k] = _PARSE_STAGE[head], int(parts[1])

@@ -39,11 +39,12 @@ def _number(value, what):
                         f"{value!r}") from None
 
 
-def parse_bytes(value) -> int:
+def parse_bytes(value, *, round_down: bool = False) -> int:
     """Parse a size into bytes (an ``int``).
 
     Accepts numbers (bytes) and strings such as ``"512"``, ``"4 KiB"``, ``"1.5GB"``,
-    ``"12GiB"``. Fractional byte counts are rounded up. Raises :class:`UnitError`
+    ``"12GiB"``. Fractional byte counts are rounded up (what a request needs), or
+    down with ``round_down`` (what a budget allows). Raises :class:`UnitError`
     for anything else, including negative or non-finite values.
     """
     if isinstance(value, str):
@@ -56,7 +57,7 @@ def parse_bytes(value) -> int:
         nbytes = _number(value, "a size")
     if not math.isfinite(nbytes) or nbytes < 0:
         raise UnitError(f"a size must be finite and >= 0 bytes, got {value!r}")
-    return int(math.ceil(nbytes))
+    return int(math.floor(nbytes) if round_down else math.ceil(nbytes))
 
 
 def parse_bandwidth(value) -> float:

@@ -113,3 +113,12 @@ def test_spec_refuses_a_repeated_key():
 def test_chain_document_without_its_arrays_is_a_chain_error():
     with pytest.raises(ChainError, match="lacks the field"):
         Chain.from_json("{}")
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(w=[2**61] * 4), "add up to"),          # each fits int64, the total does not
+    (dict(x0=1e30), "x0"), (dict(o_loss=2**70), "o_loss"),
+])
+def test_sizes_the_planners_cannot_count_are_refused(kwargs, fragment):
+    with pytest.raises(ChainError, match=fragment):
+        Chain(**{"u_f": [1] * 4, "u_b": [1] * 4, "x": [1] * 4, "xbar": [1] * 4, **kwargs})

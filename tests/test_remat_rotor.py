@@ -255,3 +255,35 @@ def test_table_filled_in_bands_equals_one_pass():
     np.testing.assert_array_equal(banded[0], whole[0])
     np.testing.assert_array_equal(banded[1], whole[1])
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 3
+
+
+def test_planner_arguments_are_checked():
+    import math as _math
+
+    from rtmem.errors import RtmemError
+    from rtmem.planners import (Chain, min_feasible_memory, plan_floating, plan_remat,
+                                plan_revolve, plan_sequential, plan_store_all)
+    ch = Chain.homogeneous(3)
+    for planner in (plan_remat, plan_store_all, plan_revolve, plan_floating):
+        with pytest.raises(TypeError, match="plans a Chain"):
+            planner(None, 100)
+    with pytest.raises(TypeError, match="plans a Chain"):
+        min_feasible_memory("gpt2")
+    for call in (lambda: plan_floating(ch, 38, 0), lambda: plan_floating(ch, 38, 1.5),
+                 lambda: plan_remat(ch, 100, slots=_math.inf),
+                 lambda: plan_remat(ch, 100, slot_bytes=True)):
+        with pytest.raises(RtmemError, match="integer >= 1"):
+            call()
+    with pytest.raises(RtmemError, match="segments"):
+        plan_sequential(ch, 100, segments=float("nan"))
+
+
+def test_budgets_round_down_and_unlimited_budgets_skip_the_dp():
+    from rtmem.errors import InfeasibleError
+    from rtmem.planners import Chain, plan_remat, plan_store_all
+    ch = Chain(u_f=[1], u_b=[1], x=[1], xbar=[100])
+    with pytest.raises(InfeasibleError):
+        plan_store_all(ch, 100.5)                 # 100.5 bytes allow 100, not 101
+    # a chain whose DP table would be too large still plans when memory is unlimited
+    plan = plan_remat(Chain.homogeneous(1500), "inf")
+    assert plan.info["method"] == "store-all"
