@@ -61,10 +61,13 @@ def _check_table(n: int, slots: int, fixed_slot_bytes: bool = False) -> int:
     if table_bytes <= MAX_TABLE_BYTES:
         return table_bytes
     fits = MAX_TABLE_BYTES // (8 * cells) - 1
-    advice = (("use a slot_bytes giving at most {fits} slots" if fixed_slot_bytes else
-               f"use at most {fits} slots").format(fits=fits) if fits >= 1 else
-              "no slot count fits: describe the model with fewer, coarser stages "
-              "(group layers), or plan with the sequential or revolve baselines")
+    if fits < 1:
+        advice = ("no slot count fits: describe the model with fewer, coarser stages "
+                  "(group layers), or plan with the sequential or revolve baselines")
+    elif fixed_slot_bytes:
+        advice = f"use a slot_bytes giving at most {fits} slots"
+    else:
+        advice = f"use at most {fits} slots"
     raise RtmemError(
         f"the DP table would take {table_bytes:,} bytes ({format_bytes(table_bytes)}) "
         f"for {n} stages and {slots} slots, more than {format_bytes(MAX_TABLE_BYTES)}; "

@@ -274,5 +274,11 @@ class Schedule:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Schedule":
         """Read a schedule written by :meth:`save` (JSON or text, by content)."""
-        text = read_text(path, kind="schedule", error=ScheduleError, reason="parse")
+        return cls.parse(read_text(path, kind="schedule", error=ScheduleError,
+                                   reason="parse"))
+
+    @classmethod
+    def parse(cls, text: str) -> "Schedule":
+        """A schedule from its JSON document or its text form (told apart by the
+        leading ``{``)."""
         return cls.from_json(text) if text.lstrip().startswith("{") else cls.from_text(text)

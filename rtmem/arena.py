@@ -87,6 +87,12 @@ def _plain_dtype(dtype, default) -> np.dtype:
     return dt
 
 
+def is_arena(obj, location: str | None = None) -> bool:
+    """True if ``obj`` is a DeviceArena or HostArena (of ``location``, "device" or
+    "host", when given): the check every API taking an arena makes."""
+    return isinstance(obj, _Arena) and (location is None or obj.location == location)
+
+
 class _Arena:
     """Common machinery of device and host arenas (see the subclasses)."""
 

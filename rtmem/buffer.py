@@ -216,8 +216,13 @@ class Buffer:
         """
         if self._freed or self._free_requested:
             raise DoubleFreeError(f"{self!r} was already freed; free each buffer once")
-        # (not self.arena: freeing stays legal after the arena was closed)
-        (self._device if self._device is not None else self._host).arena.free(self)
+        self._home_arena.free(self)
+
+    @property
+    def _home_arena(self):
+        """The arena :meth:`free` goes through: :attr:`arena` without the liveness
+        check, since freeing stays legal after the arena was closed."""
+        return (self._device if self._device is not None else self._host).arena
 
     def _pin(self) -> None:
         with self._lock:
@@ -242,7 +247,7 @@ class Buffer:
             if self._freed or not self._free_requested or self._pins:
                 return
             self._free_requested = False
-            arena = (self._device if self._device is not None else self._host).arena
+            arena = self._home_arena
         arena.free(self)
 
     # ------------------------------------------------------------ views

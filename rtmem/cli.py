@@ -49,9 +49,14 @@ def load_schedule(spec: str, chain):
     from rtmem.planners._documents import read_text
     if os.path.exists(spec):
         text = read_text(spec, kind="schedule", error=ScheduleError, reason="parse")
-        if text.lstrip().startswith("{") and '"rtmem.plan"' in text:
-            return Plan.from_json(text).schedule     # a plan saved by `rtmem plan`
-        return Schedule.load(spec)
+        if text.lstrip().startswith("{"):
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                doc = None                           # Schedule.parse reports it
+            if isinstance(doc, dict) and doc.get("format") == "rtmem.plan":
+                return Plan.from_dict(doc).schedule  # a plan saved by `rtmem plan`
+        return Schedule.parse(text)
     if not spec.strip():
         raise ScheduleError("the schedule is empty; give a path, 'store-all', "
                             "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")

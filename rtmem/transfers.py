@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from .arena import is_arena
 from .backends import Backend, get_backend
 from .buffer import Buffer
 from .errors import ResidencyError
@@ -150,7 +151,7 @@ def _check_event(obj, what: str) -> None:
 
 
 def _check_location(arena, location: str, what: str) -> None:
-    if getattr(arena, "location", None) != location:
+    if not is_arena(arena, location):
         want = "DeviceArena" if location == "device" else "HostArena"
         raise ValueError(f"{what} needs a {location} arena (a {want}), got {arena!r}; "
                          f"pass arena=<{want}>")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rtmem.arena import is_arena
 from rtmem.buffer import Buffer, PinnedExport
 from rtmem.errors import ResidencyError
 
@@ -145,8 +146,7 @@ _placed = WeakIdKeyDictionary()
 
 
 def _check_arena(arena, name: str) -> None:
-    if getattr(arena, "location", None) not in ("device", "host") or \
-            not callable(getattr(arena, "alloc", None)):
+    if not is_arena(arena):
         raise TypeError(f"{name} must be an rtmem.DeviceArena or HostArena, got {arena!r}")
 
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from rtmem.arena import is_arena
 from rtmem.errors import RtmemError, ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 
@@ -145,7 +146,7 @@ class ScheduleExecutor:
         if not callable(loss_fn):
             raise ExecutionError(f"loss_fn must be callable as loss_fn(output, target), "
                                  f"got {type(loss_fn).__name__}")
-        if host_arena is not None and getattr(host_arena, "location", None) != "host":
+        if host_arena is not None and not is_arena(host_arena, "host"):
             raise ExecutionError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}")
         self.n = len(model)

@@ -56,15 +56,19 @@ def _hook(ref, k: int):
     return flush
 
 
-def _drop(hooks, params, arena) -> None:
+def _disown(params, ref) -> None:
+    """Forget the parameters ``ref`` (an optimizer's weak reference) owns."""
+    for p in params:
+        if _owners.get(p) is ref:
+            del _owners[p]
+
+
+def _drop(hooks, params, ref, arena) -> None:
     """Finalizer of an OffloadedAdam dropped without close(): remove its hooks and
     ownership (a new optimizer may take the parameters) and close its own arena."""
     for h in hooks:
         h.remove()
-    for p in params:
-        ref = _owners.get(p)
-        if ref is not None and ref() is None:
-            del _owners[p]
+    _disown(params, ref)
     if arena is not None:
         arena.close()
 
@@ -95,8 +99,8 @@ class OffloadedAdam:
 
     def __init__(self, params, *, host_arena=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, adamw=False, chunk_elements=1 << 22, num_threads=None):
-        from rtmem.arena import HostArena
-        if host_arena is not None and not isinstance(host_arena, HostArena):
+        from rtmem.arena import HostArena, is_arena
+        if host_arena is not None and not is_arena(host_arena, "host"):
             raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}", argument="host_arena")
         self.params = list(dict.fromkeys(params))
@@ -163,13 +167,13 @@ class OffloadedAdam:
         # The hooks reach the optimizer through a weak reference, so dropping it
         # without close() lets it be collected; its finalizer then removes them
         # (and closes the arena it made).
-        me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(_hook(me, k))
+        self._ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(_hook(self._ref, k))
                        for k, p in enumerate(self.params) if p.requires_grad]
         for p in self.params:
-            _owners[p] = me
+            _owners[p] = self._ref
         self._finalizer = weakref.finalize(
-            self, _drop, self._hooks, self.params,
+            self, _drop, self._hooks, self.params, self._ref,
             self.arena if self._own_arena else None)
 
     # ------------------------------------------------------------ internals
@@ -179,9 +183,9 @@ class OffloadedAdam:
 
     def _flush(self, k: int, p) -> None:
         """Parameter k's gradient hook: move ``p.grad`` to the host."""
-        lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
         if p.grad is None:
             return
+        lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
         g = p.grad.reshape(-1)
         fresh = self._fresh[k]
         if not fresh:
@@ -290,9 +294,7 @@ class OffloadedAdam:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for p in self.params:
-            if _owners.get(p) is not None and _owners[p]() is self:
-                del _owners[p]
+        _disown(self.params, self._ref)
         self._finalizer.detach()
         if not self._bufs:
             return
