@@ -200,6 +200,20 @@ class LimitAdaptor(AllocatorAdaptor):
         return new
 
 
+@dataclass(frozen=True)
+class _Span:
+    """Bytes ``[offset, offset + size)`` of slab ``slab``: what the poison
+    callbacks read of a block, for the parts of one a resize frees."""
+
+    slab: int
+    offset: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
 class PoisonAdaptor(AllocatorAdaptor):
     """Debug aid: fills freed blocks with :attr:`POISON` and checks, on each
     allocation, that the poison is intact; a mismatch means something wrote to
@@ -207,9 +221,10 @@ class PoisonAdaptor(AllocatorAdaptor):
     :class:`~rtmem.errors.UseAfterFreeError`.
 
     ``fill(block, value)`` and ``check(block, value) -> first bad byte or -1`` touch
-    the memory (the arena provides them). Every free byte must be poisoned when
-    the adaptor is installed (arenas poison new slabs in debug mode). A free
-    gated by an event waits for the event first: slow, by design.
+    the memory (the arena provides them; they read ``slab``, ``offset`` and
+    ``size``). Every free byte must be poisoned when the adaptor is installed
+    (arenas poison new slabs in debug mode). A free gated by an event waits for
+    the event first: slow, by design. Calls are serialized by a lock.
     """
 
     POISON = 0xDB
@@ -218,33 +233,65 @@ class PoisonAdaptor(AllocatorAdaptor):
         super().__init__(upstream)
         self._fill = fill
         self._check = check
+        self._lock = threading.RLock()
+        # Blocks a moving resize freed: the caller copies their data to the new
+        # block after resize returns, so they are poisoned at the next call.
+        self._stale = []
+
+    def _poison_stale(self) -> None:
+        while self._stale:
+            self._fill(self._stale.pop(), self.POISON)
 
     def allocate(self, nbytes: int, stream=None):
         """Allocate, verifying that the block's free bytes were not written."""
-        block = self.upstream.allocate(nbytes, stream)
-        bad = self._check(block, self.POISON)
-        if bad >= 0:
-            self._fill(block, self.POISON)
-            self.upstream.deallocate(block)
-            raise UseAfterFreeError(
-                f"freed memory was written after its free: byte {bad} of the "
-                f"{block.size}-byte block at slab {block.slab} offset {block.offset} "
-                f"lost its poison; a view of a freed buffer is still in use",
-                offset=block.offset + bad)
-        return block
+        with self._lock:
+            self._poison_stale()
+            block = self.upstream.allocate(nbytes, stream)
+            bad = self._check(block, self.POISON)
+            if bad >= 0:
+                self._fill(block, self.POISON)
+                self.upstream.deallocate(block)
+                raise UseAfterFreeError(
+                    f"freed memory was written after its free: byte {bad} of the "
+                    f"{block.size}-byte block at slab {block.slab} offset {block.offset} "
+                    f"lost its poison; a view of a freed buffer is still in use",
+                    offset=block.offset + bad)
+            return block
 
     def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
         """Poison ``block`` (after its event, or its stream for an ordered free)
         and free it."""
-        # Refuse a double free or a foreign block before poisoning: its bytes may
-        # belong to a live buffer now.
-        _check_live(self.upstream, block)
-        if event is not None:
-            event.synchronize()
-        elif ordered and stream is not None:
-            stream.synchronize()
-        self._fill(block, self.POISON)
-        self.upstream.deallocate(block)
+        with self._lock:
+            self._poison_stale()
+            # Refuse a double free or a foreign block before poisoning: its bytes
+            # may belong to a live buffer now.
+            _check_live(self.upstream, block)
+            if event is not None:
+                event.synchronize()
+            elif ordered and stream is not None:
+                stream.synchronize()
+            self._fill(block, self.POISON)
+            self.upstream.deallocate(block)
+
+    def resize(self, block, nbytes: int, stream=None):
+        """Shrink in place, poisoning the freed tail; grow by moving to a new,
+        poison-checked block (never into a free neighbour, whose bytes would
+        escape the check). A moved-from block is poisoned at the next call."""
+        with self._lock:
+            self._poison_stale()
+            _check_live(self.upstream, block)
+            if nbytes <= block.size:    # block.size is aligned: fits in place
+                size = block.size
+                block = self.upstream.resize(block, nbytes, stream)
+                if block.size < size:
+                    self._fill(_Span(block.slab, block.offset + block.size,
+                                     size - block.size), self.POISON)
+                return block
+            new = self.allocate(nbytes, stream)     # checks the poison
+            old = _Span(block.slab, block.offset, block.size)
+            self.upstream.deallocate(block, stream=stream)
+            self._stale.append(old)
+            return new
 
 
 class TracingAdaptor(AllocatorAdaptor):

@@ -29,7 +29,13 @@ __all__ = [
 
 
 class RtmemError(Exception):
-    """Base class of every error raised by rtmem."""
+    """Base class of every error raised by rtmem.
+
+    Subclasses take the message positionally and their attributes as optional
+    keywords, so the default exception pickling (``type(err)(*err.args)`` and
+    then the instance ``__dict__``) restores them: errors survive being sent
+    from a worker process or a copy thread's queue without a custom reducer.
+    """
 
 
 class ChainError(RtmemError, ValueError):
@@ -43,13 +49,6 @@ class ChainError(RtmemError, ValueError):
         super().__init__(message)
         self.field = field
         self.index = index
-
-    def __reduce__(self):
-        return (_rebuild_chain_error, (self.args[0], self.field, self.index))
-
-
-def _rebuild_chain_error(message, field, index):
-    return ChainError(message, field=field, index=index)
 
 
 class ScheduleError(RtmemError, ValueError):
@@ -74,14 +73,6 @@ class ScheduleError(RtmemError, ValueError):
         self.reason = reason
         self.over_bytes = over_bytes
 
-    def __reduce__(self):
-        return (_rebuild_schedule_error,
-                (self.args[0], self.op_index, self.reason, self.over_bytes))
-
-
-def _rebuild_schedule_error(message, op_index, reason, over_bytes):
-    return ScheduleError(message, op_index=op_index, reason=reason, over_bytes=over_bytes)
-
 
 class PlatformError(RtmemError, ValueError):
     """A :class:`~rtmem.planners.Platform` was given an invalid memory size,
@@ -105,13 +96,6 @@ class InfeasibleError(RtmemError):
         self.budget = budget
         self.min_feasible = min_feasible
 
-    def __reduce__(self):
-        return (_rebuild_infeasible, (self.args[0], self.budget, self.min_feasible))
-
-
-def _rebuild_infeasible(message, budget, min_feasible):
-    return InfeasibleError(message, budget=budget, min_feasible=min_feasible)
-
 
 class OutOfMemoryError(RtmemError, MemoryError):
     """An allocator could not satisfy a request.
@@ -125,13 +109,6 @@ class OutOfMemoryError(RtmemError, MemoryError):
         super().__init__(message)
         self.requested = requested
         self.stats = stats
-
-    def __reduce__(self):
-        return (_rebuild_oom, (self.args[0], self.requested, self.stats))
-
-
-def _rebuild_oom(message, requested, stats):
-    return OutOfMemoryError(message, requested=requested, stats=stats)
 
 
 class BackendError(RtmemError, RuntimeError):
@@ -160,13 +137,6 @@ class UseAfterFreeError(RtmemError, RuntimeError):
         super().__init__(message)
         self.offset = offset
 
-    def __reduce__(self):
-        return (_rebuild_use_after_free, (self.args[0], self.offset))
-
-
-def _rebuild_use_after_free(message, offset):
-    return UseAfterFreeError(message, offset=offset)
-
 
 class ResidencyError(RtmemError, RuntimeError):
     """An illegal residency move: prefetching data with no host copy, offloading
@@ -180,13 +150,6 @@ class ResidencyError(RtmemError, RuntimeError):
         super().__init__(message)
         self.state = state
         self.action = action
-
-    def __reduce__(self):
-        return (_rebuild_residency, (self.args[0], self.state, self.action))
-
-
-def _rebuild_residency(message, state, action):
-    return ResidencyError(message, state=state, action=action)
 
 
 class OptimizerError(RtmemError, ValueError):
@@ -202,13 +165,6 @@ class OptimizerError(RtmemError, ValueError):
         super().__init__(message)
         self.argument = argument
 
-    def __reduce__(self):
-        return (_rebuild_optimizer_error, (self.args[0], self.argument))
-
-
-def _rebuild_optimizer_error(message, argument):
-    return OptimizerError(message, argument=argument)
-
 
 class LayoutError(RtmemError, ValueError):
     """A static memory layout places two buffers that are live at the same time
@@ -217,13 +173,6 @@ class LayoutError(RtmemError, ValueError):
     def __init__(self, message: str, *, pair: tuple | None = None):
         super().__init__(message)
         self.pair = pair
-
-    def __reduce__(self):
-        return (_rebuild_layout_error, (self.args[0], self.pair))
-
-
-def _rebuild_layout_error(message, pair):
-    return LayoutError(message, pair=pair)
 
 
 class KernelArgumentError(RtmemError, ValueError):
@@ -240,9 +189,4 @@ class KernelArgumentError(RtmemError, ValueError):
         super().__init__(message)
         self.argument = argument
 
-    def __reduce__(self):
-        return (_rebuild_kernel_argument_error, (self.args[0], self.argument))
 
-
-def _rebuild_kernel_argument_error(message, argument):
-    return KernelArgumentError(message, argument=argument)

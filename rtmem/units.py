@@ -20,7 +20,8 @@ _PREFIX = {
     "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
     "Ki": 2**10, "KI": 2**10, "ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
 }
-_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+# A sign is read so that "-5GiB" is refused for being negative, not as unreadable.
+_NUMBER = r"([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 _SIZE_RE = re.compile(r"^\s*" + _NUMBER + r"\s*([kKMGTP]i?)?\s*(B|bytes?)?\s*$")
 _BW_RE = re.compile(r"^\s*" + _NUMBER + r"\s*([kKMGTP]i?)?\s*(B/s|Bps|bytes?/s)?\s*$")
 _TIME_RE = re.compile(r"^\s*" + _NUMBER + r"\s*(s|ms|us|µs|ns|min|h)?\s*$")

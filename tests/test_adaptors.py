@@ -144,6 +144,57 @@ def test_poison_adaptor_alone():
     assert core.stats().allocated_bytes == 0
 
 
+def _poisoned_memory(nbytes):
+    """A byte array whose free bytes start poisoned, with the adaptor callbacks."""
+    mem = bytearray([PoisonAdaptor.POISON]) * nbytes
+
+    def fill(block, value):
+        mem[block.offset:block.end] = bytes([value]) * block.size
+
+    def check(block, value):
+        bad = [i for i in range(block.offset, block.end) if mem[i] != value]
+        return bad[0] - block.offset if bad else -1
+    return mem, fill, check
+
+
+def test_poison_adaptor_resize_keeps_free_bytes_poisoned():
+    # A shrink used to free the tail unpoisoned: the next allocation there
+    # raised UseAfterFreeError although nothing was written after a free.
+    mem, fill, check = _poisoned_memory(4096)
+    core = BestFitAllocator(4096, alignment=256)
+    p = PoisonAdaptor(core, fill=fill, check=check)
+    b = p.allocate(1024)
+    mem[b.offset:b.end] = bytes(range(1, 5)) * 256            # the user's data
+    assert p.resize(b, 256) is b and b.size == 256
+    assert mem[:256] == bytes(range(1, 5)) * 64                # kept
+    assert set(mem[256:1024]) == {PoisonAdaptor.POISON}        # freed tail poisoned
+    c = p.allocate(512)                                         # no false alarm
+    # Growth moves to a checked block; the old bytes stay readable for the
+    # caller's copy until the next call, then are poisoned.
+    mem[c.offset:c.end] = b"\x07" * 512
+    grown = p.resize(c, 1024)
+    assert grown is not c and grown.size == 1024 and core.owns(grown)
+    assert mem[c.offset:c.end] == b"\x07" * 512
+    p.deallocate(b)
+    assert set(mem[c.offset:c.end]) == {PoisonAdaptor.POISON}
+    p.deallocate(grown)
+    assert core.stats().allocated_bytes == 0
+    core._check_invariants()
+
+
+def test_poison_adaptor_resize_detects_writes_after_free():
+    mem, fill, check = _poisoned_memory(4096)
+    core = BestFitAllocator(4096, alignment=256)
+    p = PoisonAdaptor(core, fill=fill, check=check)
+    b = p.allocate(1024)
+    p.resize(b, 256)
+    mem[300] = 1                        # a stale view writes into the freed tail
+    with pytest.raises(UseAfterFreeError) as info:
+        p.resize(b, 2048)               # the grown block covers byte 300
+    assert info.value.offset == 300
+    assert core.owns(b) and b.size == 256 and core.stats().allocated_bytes == 256
+
+
 class _Stream:
     """A stream whose events are complete once recorded; counts synchronizes."""
 

@@ -55,6 +55,7 @@ def test_errors_module_exports_every_exception():
 
 
 def test_errors_pickle_with_their_attributes():
+    import inspect
     import pickle
 
     import rtmem.errors as errors
@@ -63,3 +64,14 @@ def test_errors_pickle_with_their_attributes():
     assert (back.op_index, back.reason, back.over_bytes, str(back)) == (3, "memory-limit", 7, "m")
     oom = pickle.loads(pickle.dumps(errors.OutOfMemoryError("x", requested=5)))
     assert oom.requested == 5 and isinstance(oom, MemoryError)
+    # every error class, every attribute: a distinct value per keyword comes back
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        init = vars(cls).get("__init__")  # the classes without one take only a message
+        keywords = [] if init is None else [
+            p.name for p in inspect.signature(init).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        err = cls("what went wrong", **{k: (k, i) for i, k in enumerate(keywords)})
+        again = pickle.loads(pickle.dumps(err))
+        assert type(again) is cls and str(again) == "what went wrong"
+        assert vars(again) == vars(err) == {k: (k, i) for i, k in enumerate(keywords)}

@@ -22,6 +22,14 @@ def test_parse_bytes_errors(bad):
         parse_bytes(bad)
 
 
+def test_negative_quantities_are_called_negative():
+    # "-5GiB" used to be reported as unreadable, hiding the real problem
+    for parse, text in ((parse_bytes, "-5GiB"), (parse_bandwidth, "-3 GB/s"),
+                        (parse_seconds, "-2 ms")):
+        with pytest.raises(UnitError, match=">"):
+            parse(text)
+
+
 def test_bandwidth_and_time():
     assert parse_bandwidth("12 GB/s") == 12e9
     assert parse_bandwidth("16GiB/s") == 16 * 2**30
