@@ -297,6 +297,9 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                 if not dev[s + 1, kind]:
                     dev[s + 1, kind] = True
                     ready[s + 1, kind] = end
+                    # A fresh copy: no transfer touches it yet (one that moved an
+                    # earlier copy of the same value must not delay its release).
+                    busy_until[s + 1, kind] = 0.0
                     mem += abar_size[s + 1] if kind == 1 else a_size[s + 1]
             cursor = end
         elif code == _DELETE or code == _OFFLOAD or code == _PREFETCH:

@@ -629,8 +629,11 @@ class BestFitAllocator:
         """Resize a live block to ``nbytes`` bytes; return the (possibly new) block.
 
         Shrinking and growing into a ready free neighbour happen in place (the
-        same Block is returned); otherwise a new block is allocated and the old
-        one freed, and the caller copies the data (``result is not block``).
+        same Block is returned, its bytes kept); otherwise a new block is
+        allocated and the old one freed at once (``result is not block``). The
+        old bytes are then free memory: another thread or stream may be handed
+        them before the caller reads them, so a caller that needs the data in a
+        shared allocator allocates, copies and frees itself, in that order.
         Raises :class:`~rtmem.errors.OutOfMemoryError` with ``block`` still live.
         """
         nbytes = int(nbytes)

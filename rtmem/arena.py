@@ -11,7 +11,10 @@ NOTE [ Arena accounting ]
 ``_bytes_by_kind[k]`` / ``_requested_by_kind[k]`` / ``_count_by_kind[k]`` sum the
 aligned size / requested bytes / number of this arena's live placements of kind
 ``k``; their total equals the allocator's ``allocated_bytes`` (Rule checked by
-``_check_invariants``). Guarded by ``self._lock``; the allocator has its own lock.
+``_check_invariants``). Updated together with the allocator call they account
+for, under ``self._acct_lock``, which ``stats()`` also takes: a snapshot's per-kind
+totals always equal its ``allocated_bytes``. ``self._lock`` guards the slab list
+(the allocator calls ``add_slab`` with its own lock held, so it must be another).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class _Arena:
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
         self.debug = bool(debug)
         self._lock = threading.Lock()
+        self._acct_lock = threading.Lock()     # NOTE [ Arena accounting ]
         self._slabs = []
         self._bytes_by_kind = dict.fromkeys(KINDS, 0)
         self._requested_by_kind = dict.fromkeys(KINDS, 0)
@@ -218,8 +222,8 @@ class _Arena:
             raise InvalidPointerError(f"{self!r} is closed; create a new arena")
         if _deferred.queue:     # frees a garbage collection postponed (outside locks)
             _deferred.flush()
-        block = self.allocator.allocate(nbytes, stream)
-        with self._lock:
+        with self._acct_lock:
+            block = self.allocator.allocate(nbytes, stream)
             self._bytes_by_kind[kind] += block.size
             self._requested_by_kind[kind] += block.requested
             self._count_by_kind[kind] += 1
@@ -240,20 +244,35 @@ class _Arena:
         block = placement.block
         size, requested = block.size, block.requested
         compute = self.backend.current_stream()
+        # Streams whose queued work may still touch the block: the last
+        # transfer's while it runs (rare: a free racing its own copy), and the
+        # stream the block was allocated for when that is not the compute stream.
+        # Such a block may come from that stream's pending frees, whose earlier
+        # use it took over on the strength of stream order alone (NOTE
+        # [ Stream-ordered frees ] in allocator.py); freeing it for everyone now
+        # would let the CPU or another stream overwrite bytes a queued copy reads.
+        gates = []
         if placement.event is not None and not placement.event.query():
-            # A copy still reads or writes the block (rare: a free racing its own
-            # transfer): gate the free on the copy stream, after the compute work
-            # enqueued so far, with an event recorded now.
-            stream = placement.stream
-            stream.wait_event(self._record_event(compute))
-            self.allocator.deallocate(block, stream=stream,
-                                      event=self._record_event(stream))
-        elif compute.synchronous:
-            # Host compute has finished with the block: reusable by all at once.
-            self.allocator.deallocate(block)
-        else:
-            self._free_after(block, compute)
-        with self._lock:
+            gates.append(placement.stream)
+        home = block.stream
+        if home is not None and home is not compute and all(home is not g for g in gates):
+            gates.append(home)
+        stream = event = None
+        if gates:
+            # Free on the first gate stream behind an event recorded now, after
+            # the other gates and the compute work enqueued so far.
+            stream = gates[0]
+            for other in (*gates[1:], compute):
+                stream.wait_event(self._record_event(other))
+            event = self._record_event(stream)
+        with self._acct_lock:
+            if event is not None:
+                self.allocator.deallocate(block, stream=stream, event=event)
+            elif compute.synchronous:
+                # Host compute has finished with the block: reusable by all at once.
+                self.allocator.deallocate(block)
+            else:
+                self._free_after(block, compute)
             self._bytes_by_kind[kind] -= size
             self._requested_by_kind[kind] -= requested
             self._count_by_kind[kind] -= 1
@@ -292,9 +311,10 @@ class _Arena:
             buf._freed = True
 
     def stats(self) -> ArenaStats:
-        """Allocator stats (top of the stack) plus per-kind bytes and counts."""
-        st = self.allocator.stats()
-        with self._lock:
+        """Allocator stats (top of the stack) plus per-kind bytes and counts, one
+        consistent snapshot."""
+        with self._acct_lock:
+            st = self.allocator.stats()
             # Copies: the snapshot never changes with the arena.
             return ArenaStats(st, dict(self._bytes_by_kind),
                               dict(self._requested_by_kind), dict(self._count_by_kind))
@@ -302,8 +322,8 @@ class _Arena:
     def _check_invariants(self) -> None:
         """Check the allocator core and NOTE [ Arena accounting ]."""
         self.core._check_invariants()
-        st = self.core.stats()
-        with self._lock:
+        with self._acct_lock:
+            st = self.core.stats()
             assert sum(self._bytes_by_kind.values()) == st.allocated_bytes
             assert sum(self._requested_by_kind.values()) == st.requested_bytes
             assert sum(self._count_by_kind.values()) == st.live_blocks
@@ -317,9 +337,13 @@ class _Arena:
                 return
             self._closed = True
             slabs, self._slabs = self._slabs, []
-        self.backend.synchronize()
-        for slab in slabs:
-            self.backend.release(slab)
+        try:
+            self.backend.synchronize()
+        finally:
+            # Released even when waiting raised (a failed copy on a host stream):
+            # the arena is closed either way, and its memory must not leak.
+            for slab in slabs:
+                self.backend.release(slab)
 
     def __enter__(self):
         return self

@@ -158,14 +158,19 @@ class Buffer:
                     f"close an arena only after its buffers are done with")
 
     def _settle(self) -> bool:
-        """Clear a completed pending move; True if one is still in flight."""
-        pending = self._pending
-        if pending is None:
-            return False
-        if pending[0].query():
-            self._pending = None
-            return False
-        return True
+        """Clear a completed pending move; True if one is still in flight.
+
+        Under the buffer's lock: ``wait``/``synchronize`` call it without holding
+        it, and an unlocked read-then-clear could erase a move another thread
+        had just started (its residency checks would then pass illegal moves)."""
+        with self._lock:
+            pending = self._pending
+            if pending is None:
+                return False
+            if pending[0].query():
+                self._pending = None
+                return False
+            return True
 
     @property
     def residency(self) -> str:

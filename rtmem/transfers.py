@@ -26,10 +26,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from . import _deferred
 from .arena import is_arena
 from .backends import Backend, get_backend
 from .buffer import Buffer
-from .errors import ResidencyError
+from .errors import ResidencyError, UseAfterFreeError
 
 __all__ = ["TransferEngine", "copy", "drop_host", "evict", "get_engine", "offload",
            "prefetch", "synchronize", "wait"]
@@ -77,11 +78,14 @@ class TransferEngine:
             return len(self._inflight)
 
     def synchronize(self) -> None:
-        """Block until both transfer streams are idle; release kept memory."""
-        self.h2d.synchronize()
-        self.d2h.synchronize()
-        with self._lock:
-            self._poll_locked()
+        """Block until both transfer streams are idle; release kept memory.
+        A stream's failure is raised after both were waited for."""
+        try:
+            self.h2d.synchronize()
+        finally:
+            self.d2h.synchronize()
+            with self._lock:
+                self._poll_locked()
 
 
 _engines: dict = {}
@@ -138,9 +142,25 @@ def _issue(dst, src, stream, engine, wait_for=()):
 
 
 def _check_buffer(buf, what: str) -> None:
+    """Type check at a transfer's entry, which also runs the frees a garbage
+    collection postponed: here, before any buffer lock is taken, and not in the
+    middle of a move (NOTE [ Frees from finalizers ] in rtmem/_deferred.py)."""
     if not isinstance(buf, Buffer):
         raise TypeError(f"{what} takes an rtmem Buffer (from arena.alloc), got "
                         f"{type(buf).__name__}")
+    if _deferred.queue:
+        _deferred.flush()
+
+
+def _check_movable(buf) -> None:
+    """Raise UseAfterFreeError for a freed buffer, and for one whose ``free()``
+    waits for its last zero-copy view (NOTE [ Pinned views ] in buffer.py): a
+    move would attach memory the pending free may have released already."""
+    buf._check_alive()
+    if buf._free_requested:
+        raise UseAfterFreeError(
+            f"this {buf.kind} buffer ({buf.nbytes:,} bytes) was freed (the release "
+            f"waits for views of it still alive); do not move a freed buffer")
 
 
 def _check_event(obj, what: str) -> None:
@@ -188,7 +208,7 @@ def prefetch(buf: Buffer, *, arena=None):
     """
     _check_buffer(buf, "prefetch")
     with buf._lock:
-        buf._check_alive()
+        _check_movable(buf)
         in_flight = buf._settle()
         if buf._device is not None:
             raise _state_error(buf, "prefetch", "it already has a device copy"
@@ -212,7 +232,7 @@ def offload(buf: Buffer, *, arena=None):
     """
     _check_buffer(buf, "offload")
     with buf._lock:
-        buf._check_alive()
+        _check_movable(buf)
         if buf._settle():
             raise _state_error(buf, "offload", "a transfer is in flight",
                                "call rtmem.transfers.wait(buf) or synchronize(buf) first")
@@ -237,7 +257,7 @@ def evict(buf: Buffer) -> None:
     completes). Residency becomes ``"host"``."""
     _check_buffer(buf, "evict")
     with buf._lock:
-        buf._check_alive()
+        _check_movable(buf)
         in_flight = buf._settle()
         if buf._device is None:
             raise _state_error(buf, "evict", "it has no device copy", "nothing to do")
@@ -256,7 +276,7 @@ def drop_host(buf: Buffer) -> None:
     in flight). Residency becomes ``"device"``."""
     _check_buffer(buf, "drop_host")
     with buf._lock:
-        buf._check_alive()
+        _check_movable(buf)
         if buf._settle():
             raise _state_error(buf, "drop the host copy of", "a transfer is in flight",
                                "synchronize(buf) first")
@@ -273,8 +293,9 @@ def drop_host(buf: Buffer) -> None:
 def copy(dst: Buffer, src: Buffer):
     """Copy ``src``'s bytes into ``dst`` (primary placements, ``dst.nbytes >=
     src.nbytes``) on the transfer stream of the direction (H2D when ``dst`` is on
-    the device, else D2H); return the event. ``dst`` is in flight until it
-    completes; both blocks stay reserved until then, and new views of ``src``
+    the device, else D2H); return the event. ``dst`` must have one copy
+    (residency ``"device"`` or ``"host"``): with both, one would go stale.
+    ``dst`` is in flight until it completes; both blocks stay reserved until then, and new views of ``src``
     (``numpy()``, tensors) wait for it, so writing through them cannot race it.
 
     Views made *before* the call are not ordered after it (a numpy array or
@@ -283,7 +304,7 @@ def copy(dst: Buffer, src: Buffer):
     code) or ``wait(dst)`` (work on the compute stream) first."""
     for b in (dst, src):
         _check_buffer(b, "copy")
-        b._check_alive()
+        b._check_alive()    # before the size check: a freed buffer's sizes mean nothing
     if dst is src:
         raise ValueError("copy(dst, src) needs two different buffers")
     if dst.nbytes < src.nbytes:
@@ -291,6 +312,15 @@ def copy(dst: Buffer, src: Buffer):
                          f"{src.nbytes:,}; allocate a larger destination")
     first, second = sorted((dst, src), key=id)      # lock order avoids deadlock
     with first._lock, second._lock:
+        for b in (dst, src):
+            _check_movable(b)
+        if dst._device is not None and dst._host is not None:
+            # Only the primary (device) copy would be written; the host copy would
+            # stay attached but stale, and evict() would then keep the stale one.
+            raise _state_error(dst, "copy into", "it has a device and a host copy "
+                               "(or a move between them in flight), and a copy writes "
+                               "only one", "drop_host(dst) or evict(dst) first "
+                               "(after synchronize(dst) if a move is in flight)")
         d, s = dst.primary, src.primary
         engine = _engine_for(d.arena, s.arena, "copy")
         if d.arena.location == "device":

@@ -259,6 +259,23 @@ def test_host_stream_failure_is_reported():
         s.synchronize()
 
 
+def test_close_releases_slabs_when_waiting_raises():
+    # close() marked the arena closed and emptied its slab list, then the
+    # backend's synchronize raised a stream failure: the slabs leaked.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    arena = DeviceArena("64KiB", backend=be)
+    slab = arena.slabs[0]
+
+    def boom():
+        raise RuntimeError("copy failed")
+    bad = be.new_stream("bad")      # the backend holds its streams weakly
+    bad.launch_host_func(boom)
+    with pytest.raises(BackendError, match="copy failed"):
+        arena.close()
+    assert slab.host_array is None and arena.slabs == ()
+
+
 def test_free_waits_for_pinned_views_and_survives_a_collection_inside_the_allocator():
     # NOTE [ Pinned views ] + NOTE [ Frees from finalizers ]: the last view of a
     # freed buffer may die in a garbage collection that starts while the allocator

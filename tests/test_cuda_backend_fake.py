@@ -301,7 +301,9 @@ def test_compute_stream_frees_record_no_event_and_fence_other_streams(
     copy = backend.new_stream("copy")
     other = d.alloc(1 << 15, stream=copy)      # another stream gets other bytes
     assert other.offset != offset and made == []
-    other.free()
+    other.free()        # a copy-stream block: freed behind an event on that stream
+    assert len(made) == 2       # (and one fencing the compute work before it)
+    made.clear()
     # Only the freed bytes fit: the copy stream's allocation stamps the compute
     # stream's frees with one event and waits for it, i.e. for the gated work.
     threading.Timer(0.2, gate.set).start()

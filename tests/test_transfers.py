@@ -211,6 +211,97 @@ def test_copy_between_buffers(arenas):
         b.free()
 
 
+def test_copy_into_a_buffer_with_two_copies_is_refused(arenas):
+    # It used to write the device copy only: the host copy stayed attached but
+    # stale, and evict() then kept the stale one (the new data was lost).
+    d, h = arenas
+    src = d.alloc(shape=(4,), dtype=np.float32)
+    src.numpy()[:] = 7
+    dst = d.alloc(shape=(4,), dtype=np.float32)
+    dst.numpy()[:] = 1
+    T.offload(dst, arena=h)
+    for _ in range(2):          # in flight, then settled in "both"
+        with pytest.raises(ResidencyError, match="drop_host.*evict") as info:
+            T.copy(dst, src)
+        assert info.value.action == "copy into"
+        T.synchronize(dst)
+    assert dst.residency == "both"
+    T.drop_host(dst)
+    T.copy(dst, src)
+    T.synchronize(dst)
+    assert np.all(dst.numpy() == 7)
+    src.free()
+    dst.free()
+
+
+def test_moves_refuse_a_buffer_whose_free_waits_for_views(arenas):
+    # Transfers used to accept a buffer freed while a pinned view lived; when
+    # the view died in a garbage collection, the prefetch's own allocation ran
+    # the queued free mid-move and leaked the new device block.
+    d, h = arenas
+    b = h.alloc(4096)
+    b.numpy()[:] = 9
+    b.device_arena = d
+    view = b.numpy(pin=True)
+    b.free()                                    # waits for the view
+    for move in (T.prefetch, T.drop_host, T.evict):
+        with pytest.raises(UseAfterFreeError, match="freed"):
+            move(b)
+    other = h.alloc(16)
+    with pytest.raises(UseAfterFreeError):
+        T.copy(b, other)
+    other.free()
+    cycle = [view]
+    cycle.append(cycle)
+    del view, cycle
+    gc.collect()                                # the free is queued by the collection
+    with pytest.raises(UseAfterFreeError):
+        T.prefetch(b)                           # runs the queued free first
+    assert b.is_freed
+    T.synchronize()
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+
+
+def test_synchronize_cannot_erase_a_move_started_meanwhile(arenas, monkeypatch):
+    # synchronize(buf) cleared a completed move without the buffer's lock: a
+    # prefetch started between its read and its clear was erased, and evict()
+    # was then accepted during the prefetch. The poller's query is slowed to
+    # open that window every time.
+    from rtmem.backends import host as H
+    d, h = arenas
+    eng = T.get_engine("host")
+    b = d.alloc(4096)
+    b.numpy()[:] = 3
+    T.offload(b, arena=h)
+    T.synchronize(b)
+    T.evict(b)
+    done = T.copy(*(h.alloc(64) for _ in range(2)))
+    done.synchronize()
+    b._pending = (done, "d2h", eng.d2h)         # a completed move, not yet cleared
+    query, in_window = H.HostEvent.query, threading.Event()
+
+    def slow_query(event):
+        result = query(event)
+        if threading.current_thread().name == "poller":
+            in_window.set()
+            threading.Event().wait(0.2)
+        return result
+    monkeypatch.setattr(H.HostEvent, "query", slow_query)
+    poller = threading.Thread(target=T.synchronize, args=(b,), name="poller")
+    poller.start()
+    in_window.wait()
+    gate = gate_stream(eng.h2d)
+    ev = T.prefetch(b)
+    poller.join()
+    assert not ev.query() and b.residency == "in-flight"
+    with pytest.raises(ResidencyError, match="prefetch"):
+        T.evict(b)
+    gate.set()
+    T.synchronize(b)
+    assert b.residency == "both" and np.all(b.numpy() == 3)
+    b.free()
+
+
 def test_views_of_a_copy_source_wait_for_the_copy(arenas):
     # The source of copy() is not in flight itself, but the copy still reads it:
     # refilling it through a view (a pinned staging buffer's next batch) must
@@ -248,6 +339,32 @@ def test_free_during_copy_keeps_block_reserved(arenas):
     assert h.stats().pending_bytes == 0 and d.stats().allocated_bytes == 0
     again = d.alloc(4 << 20)
     again.free()
+
+
+def test_block_reused_on_a_copy_stream_stays_gated_when_freed(arenas):
+    # A device block freed behind a queued offload was taken over by an
+    # allocation on that copy stream (legal: stream order), then freed with no
+    # transfer of its own. It used to become free for everyone at once: the CPU
+    # got the bytes the offload still read, and the only copy of b was corrupted.
+    d, h = arenas
+    eng = T.get_engine("host")
+    b = d.alloc(1 << 20)
+    b.numpy()[:] = 1
+    gate = gate_stream(eng.d2h)
+    T.offload(b, arena=h)
+    T.evict(b)                                      # freed behind the offload
+    x = d.alloc(1 << 20, stream=eng.d2h)            # the same block, same stream
+    assert x.offset == 0
+    x.free()
+    assert d.stats().pending_bytes >= 1 << 20       # still behind the offload
+    y = d.alloc(1 << 20)                            # the CPU: another block
+    assert y.offset != 0
+    y.numpy()[:] = 99
+    gate.set()
+    T.synchronize(b)
+    assert b.residency == "host" and np.all(b.numpy("host") == 1)
+    y.free()
+    b.free()
 
 
 def test_wait_all_and_backend_sync(arenas):

@@ -138,6 +138,7 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
                 out_t = ("abar", s + 1) if op == Op.F_ALL else ("a", s + 1)
                 if out_t not in on_device:
                     on_device[out_t] = end
+                    transfer_end.pop(out_t, None)     # a fresh copy: no transfer yet
                     used += size[out_t]
             clock = end
         elif op in (Op.DELETE, Op.OFFLOAD, Op.PREFETCH):
