@@ -189,3 +189,120 @@ def test_one_open_optimizer_per_parameter(setup):
     second.close()
     third = OffloadedAdam(model.parameters())   # free again after close()
     third.close()
+
+
+class _Heads(torch.nn.Module):
+    """A frozen input layer, a trunk, an auxiliary head used only in some steps
+    (between parameters that always get gradients, so the update splits into
+    runs) and the main head."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Linear(6, 8)
+        self.trunk = torch.nn.Linear(8, 8)
+        self.aux = torch.nn.Linear(8, 1)
+        self.head = torch.nn.Linear(8, 1)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, use_aux):
+        h = torch.tanh(self.trunk(torch.tanh(self.frozen(x))))
+        return self.head(h) + (self.aux(h) if use_aux else 0)
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+def test_parameters_without_gradient_match_torch(monkeypatch, adamw):
+    # torch.optim.Adam/AdamW skip a parameter whose grad is None (no moment decay,
+    # no weight decay) and bias-correct each with its own step count; the aux
+    # head's first gradient arrives at step 2, and the frozen layer (weight decay
+    # > 0) is unfrozen at step 5, after its hooks would have been registered
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    mine = _Heads()
+    ref = copy.deepcopy(mine)
+    frozen0 = [p.detach().clone() for p in mine.frozen.parameters()]
+    off = OffloadedAdam(mine.parameters(), lr=0.05, weight_decay=0.1, adamw=adamw,
+                        chunk_elements=7)     # chunks straddle runs and parameters
+    Ref = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref_opt = Ref(ref.parameters(), lr=0.05, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    uses = [False, False, True, False, True, True, False, True]
+    for step, use_aux in enumerate(uses):
+        if step == 5:
+            for m in (mine, ref):
+                m.frozen.requires_grad_(True)
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
+        for m, opt in ((mine, off), (ref, ref_opt)):
+            torch.nn.functional.mse_loss(m(x, use_aux), y).backward()
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: (
+                f"step {step}, {name}: {m}"))
+        if step < 5:      # frozen: not even weight decay moves it
+            for p, p0 in zip(mine.frozen.parameters(), frozen0):
+                assert torch.equal(p, p0)
+    steps = [int(ref_opt.state[q]["step"]) if q in ref_opt.state else 0
+             for q in ref.parameters()]
+    assert off.steps.tolist() == steps == [3, 3, 8, 8, 4, 4, 8, 8]
+    assert off.step_count == len(uses)
+    off.close()
+
+
+def test_non_contiguous_parameters_match_torch(monkeypatch):
+    # a channels_last convolution (the standard CNN set-up) and a transposed
+    # weight have no flat view; their master state is in logical order and each
+    # is uploaded whole once its last chunk is updated
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                              torch.nn.Linear(64, 5, bias=False))
+    net[2].weight = torch.nn.Parameter(torch.randn(64, 5).t())   # strides (1, 5)
+    net = net.to(memory_format=torch.channels_last)
+    assert not net[0].weight.is_contiguous() and not net[2].weight.is_contiguous()
+    ref = copy.deepcopy(net)
+    off = OffloadedAdam(net.parameters(), lr=0.01, weight_decay=0.01,
+                        chunk_elements=37)    # each weight spans several chunks
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, weight_decay=0.01)
+    g = torch.Generator().manual_seed(2)
+    for step in range(5):
+        x = torch.randn(2, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+        y = torch.randn(2, 5, generator=g)
+        for m, opt in ((net, off), (ref, ref_opt)):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            assert opt.step() is not False
+            opt.zero_grad()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            assert p.stride() == q.stride()          # the layout is kept
+    # the host master copy is the parameters' logical order
+    for p, lo, hi in off._slices():
+        assert torch.equal(torch.from_numpy(off.master[lo:hi]).view(p.shape), p.detach())
+    off.close()
+
+
+def test_overlapping_parameter_is_refused():
+    # an expanded parameter has elements sharing memory: no update can write it
+    shared = torch.nn.Parameter(torch.randn(3).expand(4, 3))
+    with pytest.raises(OptimizerError, match="sharing memory.*clone"):
+        OffloadedAdam([torch.nn.Parameter(torch.randn(2)), shared])
+
+
+def test_replaced_parameter_refused_before_any_change(monkeypatch):
+    # a step that cannot upload must be refused before the master weights,
+    # moments or step counts change (they would disagree with the device copy)
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    off = OffloadedAdam(net.parameters(), lr=0.1)
+    torch.nn.functional.mse_loss(net(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+    before = [a.copy() for a in (off.master, off.exp_avg, off.exp_avg_sq)]
+    weight = net[1].weight.data
+    net[1].weight.data = torch.randn(1, 2)         # 2 elements where 4 were
+    with pytest.raises(OptimizerError, match="parameter 2 .*replaced.*new OffloadedAdam"):
+        off.step()
+    for a, b in zip((off.master, off.exp_avg, off.exp_avg_sq), before):
+        assert (a == b).all()
+    assert off.step_count == 0 and off.steps.tolist() == [0, 0, 0, 0]
+    net[1].weight.data = weight                    # restored: the step goes through
+    assert off.step() and off.steps.tolist() == [1, 1, 1, 1]
+    off.close()

@@ -12,12 +12,25 @@ Following offloaded-optimizer-study.md (§0, proposals 2 and 3):
    gradient accumulation, a later micro-batch's gradient lands in the staging
    buffer (idle until the update) and is added on the CPU at the parameter's next
    flush or at :meth:`step`, so the hook never blocks on the GPU.
-2. The CPU update runs chunk by chunk (:func:`rtmem.kernels.adam_update` on an
-   element range) and writes the new parameters, already converted to the
-   device dtype, into a pinned staging buffer; the upload of chunk k is enqueued
-   on the H2D stream before chunk k+1 is updated, so the copy overlaps the CPU
-   work instead of following it.
+2. The CPU update runs chunk by chunk (the fused kernel of
+   :func:`rtmem.kernels.adam_update`, on an element range) and writes the new
+   parameters, already converted to the device dtype, into a pinned staging
+   buffer; the upload of chunk k is enqueued on the H2D stream before chunk k+1
+   is updated, so the copy overlaps the CPU work instead of following it.
 3. The compute stream waits for the uploads only at the end of :meth:`step`.
+
+As in ``torch.optim.Adam``, a step updates only the parameters that received a
+gradient since the last step (a head unused this step, a frozen parameter: no
+moment decay, no weight decay), and bias correction uses each parameter's own
+step count (:attr:`OffloadedAdam.steps`, torch's ``state["step"]``). The update
+runs over maximal runs of consecutive parameters that have a gradient and share
+a step count: in the usual step, where every parameter has one, that is a single
+run over all elements, chunked as above.
+
+Master weights and moments are kept in the parameters' logical (row-major)
+order. A non-contiguous parameter (e.g. a channels_last convolution weight) is
+uploaded whole, by a strided copy, once the chunk holding its last element is
+updated; contiguous ones are uploaded chunk by chunk.
 
 On the host backend every copy is synchronous and the same code runs, so the
 numerics are tested on any machine.
@@ -32,7 +45,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem.errors import OptimizerError
-from rtmem.kernels import adam_update
+from rtmem.kernels.adam import adam_coefficients, prepare_update, threads
 from rtmem.optim import _check_hyper, _check_num_threads
 
 from .bridge import as_tensor, numpy_dtype
@@ -54,6 +67,20 @@ def _hook(ref, k: int):
         if opt is not None:
             opt._flush(k, p)
     return flush
+
+
+def _overlaps(t) -> bool:
+    """True unless the layout of ``t`` provably maps distinct elements to distinct
+    memory (checked on the strides: sorted by stride, each dimension must step
+    past everything the smaller ones span). Expanded (stride-0) tensors overlap;
+    permuted (channels_last, transposed) and sliced ones do not."""
+    extent = 0   # largest offset reached by the dimensions seen so far
+    for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride())
+                               if sz > 1):
+        if stride <= extent:
+            return True
+        extent += (size - 1) * stride
+    return False
 
 
 def _disown(params, ref) -> None:
@@ -94,7 +121,16 @@ class OffloadedAdam:
 
     Call :meth:`step` after backward; gradients are already on the host by then.
     Gradients of several backward passes accumulate (in the parameter dtype)
-    until the next :meth:`step`.
+    until the next :meth:`step`. Parameters without a gradient since the last
+    step are left alone, as by ``torch.optim.Adam``.
+
+    Attributes
+    ----------
+    step_count:
+        Number of steps applied (calls to :meth:`step` that returned True).
+    steps:
+        int64 array, one entry per parameter: the steps that updated it (its
+        Adam bias-correction step, torch's ``state["step"]``).
     """
 
     def __init__(self, params, *, host_arena=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -119,6 +155,12 @@ class OffloadedAdam:
                     f"parameter {i} (shape {tuple(p.shape)}) already has its gradients "
                     f"flushed by another open OffloadedAdam; close() that one first",
                     argument="params")
+            if _overlaps(p):
+                raise OptimizerError(
+                    f"parameter {i} (shape {tuple(p.shape)}, strides {p.stride()}) has "
+                    f"elements sharing memory (e.g. made by expand()), so no update can "
+                    f"write it element by element; make it a real tensor first "
+                    f"(p.data = p.data.clone())", argument="params")
         if int(chunk_elements) != chunk_elements or chunk_elements < 1:
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
@@ -129,6 +171,7 @@ class OffloadedAdam:
                           weight_decay=weight_decay, decoupled_weight_decay=adamw)
         self.chunk = int(chunk_elements)
         self.step_count = 0
+        self.steps = np.zeros(len(self.params), dtype=np.int64)
         self._closed = False
         self.offsets = np.cumsum([0] + [p.numel() for p in self.params])
         n = int(self.offsets[-1])
@@ -156,6 +199,11 @@ class OffloadedAdam:
         self._grad_t = as_tensor(grad_buf, dtype=self.dtype)
         self._stage_t = as_tensor(stage_buf, dtype=self.dtype)
         self._grad_np, self._stage_np = grad_buf.numpy(), stage_buf.numpy()
+        fmt = _FORMATS[self.dtype]
+        # validated once: the arrays never change while the optimizer is open
+        self._update = prepare_update(self.master, self._grad_np, self.exp_avg,
+                                      self.exp_avg_sq, grad_format=fmt,
+                                      out=self._stage_np, out_format=fmt)
         self.exp_avg[:] = 0
         self.exp_avg_sq[:] = 0
         for p, lo, hi in self._slices():
@@ -222,51 +270,110 @@ class OffloadedAdam:
         self._grad_t[lo:hi].add_(self._stage_t[lo:hi])
 
     def _upload(self, lo: int, hi: int):
-        """Copy staged elements [lo, hi) into the device parameters they cover."""
-        first = int(np.searchsorted(self.offsets, lo, side="right")) - 1
-        k = first
+        """Copy staged elements [lo, hi) into the device parameters they cover.
+
+        A non-contiguous parameter has no flat view to copy a range into: it is
+        copied whole (a strided copy from its staged logical-order elements) by
+        the call whose range reaches its last element; the update writes every
+        element of a parameter before that call, since runs hold whole ones."""
+        non_blocking = self._streams is not None
+        k = int(np.searchsorted(self.offsets, lo, side="right")) - 1
         while k < len(self.params) and self.offsets[k] < hi:
             p = self.params[k]
-            a, b = max(lo, int(self.offsets[k])), min(hi, int(self.offsets[k + 1]))
-            dst = p.data.view(-1)[a - int(self.offsets[k]):b - int(self.offsets[k])]
-            dst.copy_(self._stage_t[a:b], non_blocking=self._streams is not None)
+            start, end = int(self.offsets[k]), int(self.offsets[k + 1])
+            a, b = max(lo, start), min(hi, end)
+            dst = p.data
+            if dst.is_contiguous():
+                dst.view(-1)[a - start:b - start].copy_(self._stage_t[a:b],
+                                                        non_blocking=non_blocking)
+            elif b == end:
+                dst.copy_(self._stage_t[start:end].view(dst.shape),
+                          non_blocking=non_blocking)
             k += 1
+
+    def _check_params(self) -> None:
+        """Refuse a step, before anything changes, if a parameter no longer matches
+        the host state made for it (its data replaced since construction)."""
+        for k, p in enumerate(self.params):
+            size = int(self.offsets[k + 1] - self.offsets[k])
+            if p.dtype != self.dtype or p.numel() != size:
+                raise OptimizerError(
+                    f"parameter {k} is now {p.dtype} with {p.numel()} elements (shape "
+                    f"{tuple(p.shape)}), but this optimizer holds {self.dtype} state "
+                    f"for {size} elements: its data was replaced after construction; "
+                    f"make a new OffloadedAdam for the changed model", argument="params")
+            if not p.is_contiguous() and _overlaps(p):
+                raise OptimizerError(
+                    f"parameter {k} (shape {tuple(p.shape)}, strides {p.stride()}) now "
+                    f"has elements sharing memory (e.g. made by expand()); give it its "
+                    f"own memory (p.data = p.data.clone())", argument="params")
+            if p.grad is not None and p.grad.numel() != size:
+                raise OptimizerError(
+                    f"parameter {k} has a gradient of {p.grad.numel()} elements for "
+                    f"{size} parameter elements; set p.grad to a tensor of the "
+                    f"parameter's shape", argument="params")
+
+    def _runs(self, fresh):
+        """Maximal runs ``(lo, hi, step)`` of consecutive parameters that have a
+        gradient (not ``fresh``) and the same next step: one coefficient vector
+        per run, and a single run in a step where every parameter has a gradient."""
+        runs = []
+        for k, f in enumerate(fresh):
+            if f:
+                continue
+            step = int(self.steps[k]) + 1
+            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            if runs and runs[-1][1] == lo and runs[-1][2] == step:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, step])
+        return runs
 
     # ------------------------------------------------------------ public API
     def step(self) -> bool:
-        """Update every parameter from the flushed gradients (chunked, overlapped
-        with the uploads). Returns False when no gradient was flushed since the
-        last step (nothing to do)."""
+        """Update the parameters that received a gradient since the last step
+        (chunked, overlapped with the uploads); the others, frozen ones included,
+        keep their values and state. Returns False when no gradient was flushed
+        since the last step (nothing to do).
+
+        Everything that can be refused (hyperparameters, replaced parameters) is
+        checked before any host state or parameter changes."""
         self._check_open("step")
-        if all(self._fresh):
+        self._check_params()
+        # A gradient still on the device had no hook to flush it: the parameter
+        # was frozen at construction and unfrozen since, or p.grad was set by hand.
+        pending = [k for k, p in enumerate(self.params) if p.grad is not None]
+        fresh = list(self._fresh)
+        for k in pending:
+            fresh[k] = False
+        if all(fresh):
             return False
+        runs = self._runs(fresh)
+        # one coefficient vector per distinct step, all computed (validated) first
+        coeffs = {step: adam_coefficients(step=step, **self.hyper)
+                  for step in {r[2] for r in runs}}
+        for k in pending:
+            self._flush(k, self.params[k])
         if self._streams is not None:
             self._streams[1].synchronize()        # every gradient is on the host
         for k in list(self._partial):             # before the staging buffer is reused
             self._settle(k)
-        for k, fresh in enumerate(self._fresh):
-            if fresh:                             # no gradient: contributes zero
-                lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
-                self._grad_t[lo:hi].zero_()
-        step = self.step_count + 1      # counted once the update is done
-        fmt = _FORMATS[self.dtype]
-        grad = self._grad_np
-        n = int(self.offsets[-1])
         h2d = self._streams[0] if self._streams is not None else None
-        for lo in range(0, n, self.chunk):
-            hi = min(n, lo + self.chunk)
-            adam_update(self.master, grad, self.exp_avg, self.exp_avg_sq,
-                        step=step, grad_format=fmt, out=self._stage_np,
-                        out_format=fmt, start=lo, stop=hi, num_threads=self.num_threads,
-                        **self.hyper)
-            if h2d is not None:                   # rule 2: upload k while updating k+1
-                with torch.cuda.stream(h2d):
-                    self._upload(lo, hi)
-            else:
-                self._upload(lo, hi)
+        with threads(self.num_threads):
+            for lo, hi, step in runs:
+                c = coeffs[step]
+                for a in range(lo, hi, self.chunk):
+                    b = min(hi, a + self.chunk)
+                    self._update.apply(c, a, b)
+                    if h2d is not None:           # rule 2: upload k while updating k+1
+                        with torch.cuda.stream(h2d):
+                            self._upload(a, b)
+                    else:
+                        self._upload(a, b)
         if h2d is not None:                       # rule 3
             torch.cuda.current_stream().wait_stream(h2d)
-        self.step_count = step
+        self.steps[[k for k, f in enumerate(fresh) if not f]] += 1
+        self.step_count += 1
         self._fresh = [True] * len(self.params)
         return True
 
@@ -306,7 +413,7 @@ class OffloadedAdam:
         # into whatever the arena hands out next)
         del self._grad_t, self._stage_t
         self.master = self.exp_avg = self.exp_avg_sq = None
-        self._grad_np = self._stage_np = None
+        self._grad_np = self._stage_np = self._update = None
         for b in self._bufs:
             b.free()
         self._bufs = []
