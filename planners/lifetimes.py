@@ -130,9 +130,14 @@ def lifetimes(chain: Chain, schedule: Schedule) -> Lifetimes:
         if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
             end(new(j, o_f[s], _WORK, f"o_f{s}"), j)
             k = 1 if op == Op.F_ALL else 0
+            out_bytes, out_name = (abar[s + 1] if k else a[s + 1]), f"{'abar' if k else 'a'}{s + 1}"
             if (s + 1, k) not in act:
-                act[(s + 1, k)] = new(j, abar[s + 1] if k else a[s + 1], _ACT,
-                                      f"{'abar' if k else 'a'}{s + 1}")
+                act[(s + 1, k)] = new(j, out_bytes, _ACT, out_name)
+            else:
+                # A re-run whose output is already resident still writes a
+                # fresh output, dropped at the end of the op (the simulator
+                # counts it during the op, and the executor computes it).
+                end(new(j, out_bytes, _WORK, f"{out_name} (recomputed)"), j)
             if op == Op.F_NONE:
                 end(take(act, (s, 0), j, f"a{s}"), j)
         elif op == Op.LOSS:

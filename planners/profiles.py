@@ -13,7 +13,10 @@ e.g. ``from_spec("gpt2:layers=48,hidden=1600,batch=4")``.
 from __future__ import annotations
 
 import json
+import math
 from importlib import resources
+
+import numpy as np
 
 from rtmem.errors import ChainError
 
@@ -37,6 +40,20 @@ SHIPPED = {
 }
 
 
+def _check_sizes(family: str, flops, **sizes) -> None:
+    """ChainError unless every size is a positive integer and ``flops`` a finite
+    positive FLOP/s (finiteness first: ``int(inf)`` and ``int(nan)`` raise)."""
+    for key, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(v) or int(v) != v or v < 1:
+            raise ChainError(f"{family}: {key} must be a positive integer, got {v!r}",
+                             field=key)
+    if isinstance(flops, bool) or not isinstance(flops, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(flops) and flops > 0):
+        raise ChainError(f"{family}: flops must be a finite number > 0 FLOP/s, got "
+                         f"{flops!r}", field="flops")
+
+
 def gpt2(layers: int = 12, hidden: int = 768, heads: int = 12, seq: int = 1024,
          batch: int = 8, vocab: int = 50257, act_bytes: int = 2, weight_bytes: int = 2,
          flops: float = DEFAULT_FLOPS, name: str | None = None) -> Chain:
@@ -52,15 +69,11 @@ def gpt2(layers: int = 12, hidden: int = 768, heads: int = 12, seq: int = 1024,
     ``weight_bytes`` each. The LM head outputs ``b s vocab`` logits, and the loss
     needs a float32 softmax of them as temporary memory.
     """
-    for key, v in dict(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch,
-                       vocab=vocab, act_bytes=act_bytes, weight_bytes=weight_bytes).items():
-        if int(v) != v or v < 1:
-            raise ChainError(f"gpt2: {key} must be a positive integer, got {v!r}", field=key)
+    _check_sizes("gpt2", flops, layers=layers, hidden=hidden, heads=heads, seq=seq,
+                 batch=batch, vocab=vocab, act_bytes=act_bytes, weight_bytes=weight_bytes)
     if hidden % heads:
         raise ChainError(f"gpt2: hidden = {hidden} must be a multiple of heads = {heads}",
                          field="heads")
-    if not flops > 0:
-        raise ChainError(f"gpt2: flops must be > 0 FLOP/s, got {flops!r}", field="flops")
     s, b, h, a, p, V = seq, batch, hidden, heads, act_bytes, vocab
     sbh = s * b * h
     attn = a * s * s * b
@@ -112,11 +125,8 @@ def resnet(depth: int = 50, image: int = 224, batch: int = 32, classes: int = 10
     if depth not in _RESNET_LAYOUT:
         raise ChainError(f"resnet: depth must be one of {sorted(_RESNET_LAYOUT)}, got "
                          f"{depth!r}", field="depth")
-    for key, v in dict(image=image, batch=batch, classes=classes, act_bytes=act_bytes,
-                       weight_bytes=weight_bytes).items():
-        if int(v) != v or v < 1:
-            raise ChainError(f"resnet: {key} must be a positive integer, got {v!r}",
-                             field=key)
+    _check_sizes("resnet", flops, image=image, batch=batch, classes=classes,
+                 act_bytes=act_bytes, weight_bytes=weight_bytes)
     if image < 32:
         raise ChainError(f"resnet: image must be >= 32 pixels, got {image}", field="image")
     kind, blocks = _RESNET_LAYOUT[depth]

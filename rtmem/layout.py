@@ -74,7 +74,14 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
     """
     alloc = np.asarray(alloc, np.int64)
     free = np.asarray(free, np.int64)
-    nbytes = np.asarray(nbytes, np.int64)
+    raw = np.asarray(nbytes)
+    if raw.dtype.kind == "f":
+        # Fractional sizes (e.g. from a Chain's scaled profile) round up, as the
+        # docstring says: truncating gave a 256.5-byte buffer 256 bytes.
+        if not np.isfinite(raw).all():
+            raise ValueError("buffer sizes must be finite numbers of bytes")
+        raw = np.ceil(raw)
+    nbytes = raw.astype(np.int64)
     if not (alloc.shape == free.shape == nbytes.shape) or alloc.ndim != 1:
         raise ValueError(f"alloc, free and nbytes must be 1-D of one length, got "
                          f"shapes {alloc.shape}, {free.shape}, {nbytes.shape}")

@@ -122,3 +122,13 @@ def test_chain_document_without_its_arrays_is_a_chain_error():
 def test_sizes_the_planners_cannot_count_are_refused(kwargs, fragment):
     with pytest.raises(ChainError, match=fragment):
         Chain(**{"u_f": [1] * 4, "u_b": [1] * 4, "x": [1] * 4, "xbar": [1] * 4, **kwargs})
+
+
+@pytest.mark.parametrize("spec", ["resnet:flops=0", "gpt2:layers=inf", "gpt2:layers=nan",
+                                  "gpt2:flops=inf", "resnet:batch=inf", "gpt2:flops=-1"])
+def test_specs_with_non_finite_or_zero_values_are_chain_errors(spec):
+    # ZeroDivisionError / OverflowError / ValueError escaped (a traceback from the
+    # CLI), and flops=inf gave a chain of zero times.
+    from rtmem.planners import from_spec
+    with pytest.raises(ChainError, match="must be"):
+        from_spec(spec)

@@ -115,3 +115,27 @@ def test_layout_matches_trace_in_an_arena():
 def test_alignment_must_be_a_power_of_two(alignment):
     with pytest.raises(ValueError, match="power of two"):
         plan_layout([0], [1], [8], alignment=alignment)
+
+
+def test_fractional_sizes_round_up():
+    # They were truncated: a 10.5-byte buffer got 10 bytes, and its last byte
+    # belonged to the next buffer.
+    lay = plan_layout([0, 0], [1, 1], [10.5, 5.0], alignment=1)
+    assert list(lay.sizes) == [11, 5]
+    verify_layout(lay.offsets, lay.sizes, lay.alloc, lay.free)
+    assert lay.offsets[1] >= 11 or lay.offsets[0] >= 5
+    with pytest.raises(ValueError, match="finite"):
+        plan_layout([0], [1], [float("inf")])
+
+
+def test_a_forward_rerun_over_a_resident_output_is_counted():
+    # lifetimes() gave a re-run whose output was already resident no buffer, so
+    # its peak (and layout_for's reservation) fell short of the simulator's.
+    import math
+    chain = P.Chain(u_f=[1], u_b=[1], x=[10], xbar=[100], x0=1)
+    sched = P.Schedule.from_text("F_all 0, F_all 0, L, B 0")
+    res = P.simulate(chain, sched, P.Platform(math.inf))
+    lt = lifetimes(chain, sched)
+    assert lt.live_bytes()[1:-1].tolist() == res.timeline["mem"].tolist()
+    assert lt.peak_live() == res.peak == 201
+    assert layout_for(chain, sched, alignment=1).reserved_bytes >= 201
