@@ -7,26 +7,47 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
 
 1. ``F_none i`` / ``F_ck i``: stage i under ``no_grad``; F_none drops its plain
    input, F_ck keeps it. The output is a plain tensor a_{i+1}.
-2. ``F_all i``: stage i under ``enable_grad`` from a detached copy of its input
-   that requires grad; the recorded graph (its saved tensors) and the output form
+2. ``F_all i``: stage i under ``enable_grad`` from a detached leaf that requires
+   grad (its ``.grad`` becomes delta_i), handed to the stage through an identity
+   autograd op so that in-place ops at the start of a stage work as in plain
+   training. The recorded graph (its saved tensors) and the output form
    abar_{i+1}. Saved tensors go through ``saved_tensors_hooks`` so the executor
-   knows their storages (for accounting and offload).
+   knows their storages (for accounting and offload); views of the stage's
+   parameters, buffers and input are re-derived when the backward reads them.
 3. ``L``: the loss on a_n; its gradient is delta_n. ``B i``: backward through the
    graph of abar_{i+1} with delta_{i+1}; the input's ``.grad`` is delta_i.
-   Parameter gradients accumulate in ``.grad`` as with ``loss.backward()``.
-4. ``offload`` copies the storages of a tensor (abar: output and saved tensors,
-   minus parameters and the stage input) to host memory; ``delete`` frees the
-   device storages with ``untyped_storage().resize_(0)``, which keeps every tensor
-   object (and the autograd graph) intact; ``prefetch`` re-allocates and copies
-   back. Storage-level copies do not bump version counters, so autograd's
-   in-place checks stay quiet.
+   Parameter gradients accumulate in ``.grad`` as with ``loss.backward()``. A B i
+   with nothing to backpropagate (a frozen or parameter-free stage on integer
+   inputs, or an output nothing used) is skipped, and delta_i is None.
+4. ``offload`` copies the storages of a tensor (abar: output and saved tensors)
+   to host memory; ``delete`` frees the device storages with
+   ``untyped_storage().resize_(0)``, which keeps every tensor object (and the
+   autograd graph) intact; ``prefetch`` re-allocates and copies back.
+   Storage-level copies do not bump version counters, so autograd's in-place
+   checks stay quiet. A storage is *protected* (:meth:`ScheduleExecutor._protected`)
+   and never freed when it belongs to a parameter or buffer of the model, to
+   the caller's inputs or target, or to the output or saved tensors of another
+   resident stored tensor (an ``nn.Identity`` or view stage returns its input's
+   storage, batch norm saves its running statistics): a delete leaves it on the
+   device, as its other owner needs it. Conversely, dropping a tensor also frees
+   its storages that other stored tensors hold without needing them (the leaf
+   input of an abar built from it, a deleted view of it), as the simulator does.
 5. ``w_offload``/``w_delete``/``w_prefetch`` swap the parameters' ``.data`` with an
    empty placeholder and back (a host copy of this step's weights is kept);
    ``g_offload i`` moves the stage's parameter gradients into host accumulators
-   (:meth:`host_grads`).
+   (:meth:`host_grads`). Schedules that move the weights of a parameter shared
+   by several stages (tied weights), or weights or gradients that
+   :func:`~rtmem.torch.place_parameters` put in an arena, are refused with
+   :class:`ExecutionError` before any work: a move would free a weight another
+   stage still reads, or take it out of its arena.
 6. Every execution of a stage after its first restores the RNG state of the first
    (dropout draws the same masks) and the module buffers (batch-norm running
    statistics are updated once per step, as in plain training).
+7. A stored tensor records its version counter. A stage (or the loss) may modify
+   its input in place, but a stored tensor read again after such a change (to
+   recompute from it, or by a backward that saved it) would give wrong values,
+   so reading it raises :class:`ExecutionError`, where plain autograd raises its
+   "modified by an inplace operation" error for saved tensors.
 
 On a CUDA device every move (activations, weights, gradients) is a copy on a
 dedicated H2D / D2H stream to or from pinned memory, so it overlaps compute:
@@ -56,6 +77,8 @@ from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
 
+_WEIGHT_MOVES = (Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH)
+
 
 class ExecutionError(RtmemError):
     """A schedule could not be executed on a model (wrong length, bad state)."""
@@ -73,6 +96,38 @@ def _storages(tensors):
     return out
 
 
+def _check_output(i: int, stage, y) -> None:
+    """Stage outputs are the chain's activations a_{i+1}: single tensors."""
+    if not isinstance(y, torch.Tensor):
+        raise ExecutionError(
+            f"stage {i} ({type(stage).__name__}) returned a {type(y).__name__}; every stage "
+            f"of the nn.Sequential must return a single tensor (the activation a{i + 1}). "
+            f"Put the stages that pass tuples or dicts between them into one stage, or "
+            f"pack the values into one tensor")
+
+
+class _Alias(torch.autograd.Function):
+    """Identity whose output shares its input's storage and version counter but is
+    neither a leaf nor a view, so in-place ops on it are allowed (on the leaf
+    itself, or on a view of it, autograd refuses them)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _grad_input(x: torch.Tensor):
+    """``(leaf, arg)`` to run a stage (or a loss) on ``x`` under autograd: ``leaf``
+    requires grad and receives the input gradient in ``.grad``; ``arg`` is what the
+    stage gets (:class:`_Alias`). Call under ``enable_grad``."""
+    leaf = x.detach().requires_grad_(True)
+    return leaf, _Alias.apply(leaf)
+
+
 def _used_on(storages, stream):
     """Tell torch's caching allocator that work queued on ``stream`` uses these
     device storages, so a block freed meanwhile (on the compute stream) is not
@@ -86,11 +141,19 @@ class _Stored:
     """One schedule tensor on the device: a plain a_k or an abar_k (graph + output)."""
 
     out: torch.Tensor
-    inp: torch.Tensor | None = None          # detached input of F_all (abar only)
+    inp: torch.Tensor | None = None          # leaf input of F_all (abar only)
     saved: list = field(default_factory=list)  # tensors saved by autograd (abar only)
-    movable: dict | None = None              # storage key -> device storage to move
+    storages: list = field(default_factory=list)  # device storages of out and saved;
+    #                                          moves pair them with host copies by position
+    version: int = 0                         # out._version when stored (NOTE rule 7)
     ready: object = None                     # CUDA event of the last prefetch
     resident: bool = True                    # False between delete and prefetch
+
+    @classmethod
+    def of(cls, out, inp=None, saved=()):
+        saved = list(saved)
+        return cls(out=out, inp=inp, saved=saved,
+                   storages=list(_storages([out, *saved]).values()), version=out._version)
 
     def all_tensors(self):
         return [self.out, self.inp, *self.saved]
@@ -102,14 +165,18 @@ class ScheduleExecutor:
     Parameters
     ----------
     model:
-        An ``nn.Sequential`` whose children are the chain's stages. Their
-        parameters and buffers are listed once, here: build a new executor after
-        adding or replacing any (``.data`` swaps and in-place updates are fine).
+        An ``nn.Sequential`` whose children are the chain's stages, each taking
+        and returning a single tensor. Their parameters and buffers are listed
+        once, here: build a new executor after adding or replacing any (``.data``
+        swaps and in-place updates are fine).
     schedule:
         A :class:`~rtmem.planners.Schedule`, or any object with a ``.schedule``
         (a planner's ``Plan``). It is validated against ``len(model)`` stages
         first; a plan for another chain length is refused with
-        :class:`ExecutionError`.
+        :class:`ExecutionError`, and so is one that moves the weights of a
+        parameter shared by several stages, or the weights or gradients of
+        parameters placed in an arena (NOTE [ Executor ] rule 5; placement is
+        checked again at every step).
     loss_fn:
         ``loss_fn(output, target) -> scalar tensor``.
     preserve_rng_state:
@@ -127,10 +194,10 @@ class ScheduleExecutor:
 
     After :meth:`step` with ``track_memory``, ``peak_bytes`` is the largest number
     of activation bytes (unique device storages of stored tensors and gradients,
-    parameters excluded) held between two operations, the quantity the simulator's
-    memory counts for activations, and ``resident_bytes`` that count after each
-    operation. Without tracking, ``peak_bytes`` is ``None`` and ``resident_bytes``
-    empty.
+    parameters and buffers excluded) held between two operations, the quantity
+    the simulator's memory counts for activations, and ``resident_bytes`` that
+    count after each operation. Without tracking, ``peak_bytes`` is ``None`` and
+    ``resident_bytes`` empty.
     """
 
     def __init__(self, model: nn.Sequential, schedule, loss_fn, *,
@@ -165,6 +232,16 @@ class ScheduleExecutor:
         # tree for every F_all was ~9% of a CPU step of small stages.
         self._stage_params = [list(stage.parameters()) for stage in self.stages]
         self._stage_buffers = [list(stage.buffers()) for stage in self.stages]
+        self._param_names = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self._param_names.setdefault(p, name)
+        # stage -> the weight and gradient moves the schedule makes on it
+        self._moves: dict[int, set] = {}
+        for op, s, _ in schedule:
+            if op in _WEIGHT_MOVES or op == Op.G_OFFLOAD:
+                self._moves.setdefault(s, set()).add(op)
+        self._check_shared_weights()
+        self._check_placement()
         self.peak_bytes: int | None = 0 if track_memory else None
         self.resident_bytes: list[int] = []
         # parameter -> pinned host copy of this step's weights; stage -> the CUDA
@@ -177,18 +254,75 @@ class ScheduleExecutor:
         # yet added to it: (parameter, pinned copy, D2H event or None)
         self._g_host: dict = {}
         self._g_pending: list = []
-        # (k, aux) -> (host copies of the movable storages in order, the CUDA event
-        # of their D2H copy or None). Kept across recomputations of the tensor: a
-        # recomputed value equals the offloaded one, so a later instance may be
-        # deleted and prefetched from the same copy (the simulator's Rule 5 keeps
-        # host copies the same way).
+        # (k, aux) -> (host copies aligned with the tensor's storages, None for
+        # those never freed, the CUDA event of their D2H copy or None). Kept
+        # across recomputations of the tensor: a recomputed value equals the
+        # offloaded one, so a later instance may be deleted and prefetched from
+        # the same copy (the simulator's Rule 5 keeps host copies the same way).
         self._host: dict = {}
         self.host_arena = host_arena
         self._host_bufs: list = []
         self._streams = None
+        self._plain: dict[int, _Stored] = {}
+        self._bar: dict[int, _Stored] = {}
+        self._delta = None
+        self._caller_keys: set = set()
+        self._op_index = 0   # of the operation running, for error messages
         # If the schedule frees a0, work on a private copy: the caller's batch may share
         # its storage with other tensors (targets are often a view of the same tokens).
         self._own_input = any(op == Op.DELETE and k == 0 for op, k, _ in schedule)
+
+    def _param_label(self, p) -> str:
+        return f"{self._param_names.get(p, '?')!r} (shape {tuple(p.shape)})"
+
+    def _check_shared_weights(self):
+        """Refuse weight moves of a stage holding a parameter (or a parameter storage)
+        another stage also uses: freeing it between that stage's ops would empty a
+        weight the other stage still reads (NOTE rule 5)."""
+        owners: dict = {}   # storage key -> stages using it
+        for i, params in enumerate(self._stage_params):
+            for p in params:
+                s = p.untyped_storage()
+                key = s.data_ptr() if s.nbytes() else id(p)
+                if i not in owners.setdefault(key, []):
+                    owners[key].append(i)
+        for i in sorted(self._moves):
+            if not self._moves[i] & set(_WEIGHT_MOVES):
+                continue
+            for p in self._stage_params[i]:
+                s = p.untyped_storage()
+                stages = owners[s.data_ptr() if s.nbytes() else id(p)]
+                if len(stages) > 1:
+                    raise ExecutionError(
+                        f"parameter {self._param_label(p)} is shared by stages "
+                        f"{', '.join(map(str, stages))} (tied weights), so the schedule's "
+                        f"weight moves of stage {i} would free it while another stage still "
+                        f"reads it; remove the w_offload/w_delete/w_prefetch ops of stages "
+                        f"{', '.join(map(str, stages))} from the schedule, or untie the weights")
+
+    def _check_placement(self):
+        """Refuse weight moves of parameters, and gradient moves of gradients, that
+        :func:`~rtmem.torch.place_parameters` put in an arena: the moves swap in
+        ordinary torch tensors, silently taking them out of the arena."""
+        from .bridge import _placed
+        for i in sorted(self._moves):
+            ops = self._moves[i]
+            for p in self._stage_params[i]:
+                ref = _placed.get(p)
+                placement = ref() if ref is not None else None
+                if placement is None:
+                    continue
+                weights = p in placement.weights and bool(ops & set(_WEIGHT_MOVES))
+                grads = p in placement.grads and Op.G_OFFLOAD in ops
+                if weights or grads:
+                    what = "weight" if weights else "gradient"
+                    raise ExecutionError(
+                        f"parameter {self._param_label(p)} of stage {i} has its {what} in an "
+                        f"arena (rtmem.torch.place_parameters), and the schedule's "
+                        f"{' / '.join(sorted(op.name.lower() for op in ops))} of stage {i} "
+                        f"would replace it with ordinary torch memory, out of the arena; call "
+                        f"release() on its ModulePlacement first, or remove the weight and "
+                        f"gradient moves of stage {i} from the schedule")
 
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
@@ -206,11 +340,19 @@ class ScheduleExecutor:
     def step(self, inputs, target) -> torch.Tensor:
         """One forward + backward pass following the schedule; returns the loss
         (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``.
+        ``inputs`` and ``target`` are never freed or moved (a0 is a private copy
+        when the schedule deletes it).
 
         If the step raises, the weights are all back on the device, but the
         gradients it produced before the error stay where they went (``.grad``,
         or the :meth:`host_grads` of ``g_offload``), as after a failed
         ``loss.backward()``: zero both before retrying the batch."""
+        if torch.is_inference_mode_enabled() or inputs.is_inference():
+            raise ExecutionError(
+                "step() trains, so it cannot run under torch.inference_mode() or on an "
+                "inference tensor (autograd refuses to record them); call it outside "
+                "inference_mode, with a batch made (or cloned) outside it")
+        self._check_placement()   # a placement may have been made after __init__
         if inputs.device.type == "cuda" and self.host_arena is not None and \
                 self.host_arena.backend.name == "cuda":
             # the host arena reuses its blocks in the order of CuPy's current
@@ -223,24 +365,26 @@ class ScheduleExecutor:
     def _step(self, inputs, target) -> torch.Tensor:
         device = inputs.device
         self._device = device
+        self._caller_keys = {t.untyped_storage().data_ptr() for t in (inputs, target)
+                             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()}
         if self._own_input or (inputs.untyped_storage().nbytes()
                                != inputs.numel() * inputs.element_size()):
             # a compact private copy: its bytes are exactly the chain's x0
             inputs = inputs.clone(memory_format=torch.contiguous_format)
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        self._plain: dict[int, _Stored] = {0: _Stored(out=inputs, movable=_storages([inputs]))}
-        self._bar: dict[int, _Stored] = {}
+        self._plain = {0: _Stored.of(inputs)}
+        self._bar = {}
         self._delta = None
         self._first: dict[int, tuple] = {}
         track = self.track_memory
         self.peak_bytes = 0 if track else None
         self.resident_bytes = []
-        if track:
-            self._refresh_param_ptrs()
+        self._refresh_state_ptrs()
         loss = None
         try:
-            for op, s, aux in self.schedule:
+            for j, (op, s, aux) in enumerate(self.schedule):
+                self._op_index = j
                 if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
                     self._forward(op, s)
                 elif op == Op.LOSS:
@@ -249,7 +393,7 @@ class ScheduleExecutor:
                     self._backward(s)
                 elif op in (Op.OFFLOAD, Op.DELETE, Op.PREFETCH):
                     self._move(op, s, aux)
-                elif op in (Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH):
+                elif op in _WEIGHT_MOVES:
                     self._weights(op, s)
                 else:
                     self._grads_to_host(s)
@@ -259,6 +403,7 @@ class ScheduleExecutor:
             self._plain.clear()
             self._bar.clear()
             self._delta = None
+            self._caller_keys = set()
             if self._streams is not None:
                 # the optimizer and the next step run on the compute stream: every
                 # weight prefetched and gradient offloaded must be in place by then
@@ -308,10 +453,25 @@ class ScheduleExecutor:
         tensors = [self._delta]
         for st in list(self._plain.values()) + list(self._bar.values()):
             tensors += st.all_tensors()
-        params = self._param_ptrs
-        nbytes = sum(s.nbytes() for k, s in _storages(tensors).items() if k not in params)
+        state = self._state_ptrs
+        nbytes = sum(s.nbytes() for k, s in _storages(tensors).items() if k not in state)
         self.resident_bytes.append(nbytes)
         self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def _protected(self, skip: _Stored | None = None) -> set:
+        """Keys (:func:`_storages`) of the device storages that a delete or a drop
+        must leave alone (NOTE [ Executor ] rule 4): the model's parameters and
+        buffers, the caller's inputs and target, delta, and the output and saved
+        tensors of every resident stored tensor but ``skip``. A stored tensor
+        can share a storage with any of them: an ``nn.Identity``, flatten or
+        in-place stage returns its input's storage, batch norm saves its
+        running statistics, a first stage may return the caller's batch."""
+        tensors = [self._delta]
+        for st in (*self._plain.values(), *self._bar.values()):
+            if st is not skip and st.resident:
+                tensors.append(st.out)
+                tensors += st.saved
+        return self._state_ptrs | self._caller_keys | set(_storages(tensors))
 
     def _resident(self, k: int, plain_only: bool = False) -> _Stored:
         st = self._plain.get(k)
@@ -324,6 +484,15 @@ class ScheduleExecutor:
 
     def _source(self, k: int, plain_only: bool = False) -> torch.Tensor:
         st = self._resident(k, plain_only)
+        if st.out._version != st.version:
+            name = f"a{k}" if st.inp is None else f"abar{k}"
+            raise ExecutionError(
+                f"{name} was modified in place after the executor stored it (a stage or "
+                f"the loss modifies its input in place), and operation {self._op_index} of "
+                f"the schedule ({self.schedule.op_text(self._op_index)}) reads it again, which "
+                f"would compute with the modified values; make that in-place operation "
+                f"out-of-place (x = x * 2 instead of x.mul_(2)) or move it to the end of "
+                f"the previous stage, or use a schedule that does not recompute from a{k}")
         self._wait(st)
         return st.out.detach()
 
@@ -340,76 +509,91 @@ class ScheduleExecutor:
             cuda = (torch.cuda.get_rng_state(self._device)
                     if self.preserve_rng_state and self._device.type == "cuda" else None)
             self._first[i] = (cpu, cuda)
-            return stage(x)
-        buffers = [b.detach().clone() for b in self._stage_buffers[i]]
-        devices = [self._device] if self._device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state):
-            if self.preserve_rng_state:
-                cpu, cuda = self._first[i]
-                torch.set_rng_state(cpu)
-                if cuda is not None:
-                    torch.cuda.set_rng_state(cuda, self._device)
             y = stage(x)
-        with torch.no_grad():   # recomputation must not update running statistics again
-            for b, saved in zip(self._stage_buffers[i], buffers):
-                b.copy_(saved)
+        else:
+            buffers = [b.detach().clone() for b in self._stage_buffers[i]]
+            devices = [self._device] if self._device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state):
+                if self.preserve_rng_state:
+                    cpu, cuda = self._first[i]
+                    torch.set_rng_state(cpu)
+                    if cuda is not None:
+                        torch.cuda.set_rng_state(cuda, self._device)
+                y = stage(x)
+            with torch.no_grad():   # recomputation must not update running statistics again
+                for b, saved in zip(self._stage_buffers[i], buffers):
+                    b.copy_(saved)
+        _check_output(i, stage, y)
         return y
 
     def _forward(self, op, i: int):
         x = self._source(i, plain_only=op == Op.F_NONE)
         self._wait_weights(i)
         if op == Op.F_ALL:
-            if x.is_floating_point():
-                x = x.requires_grad_(True)
-            saved = []
-            params = {p.untyped_storage().data_ptr(): p for p in self._stage_params[i]}
-            protect = {x.untyped_storage().data_ptr()} | set(params)
+            self._forward_all(i, x)
+            return
+        with torch.no_grad():
+            y = self._run_stage(i, x)
+        old = self._plain.get(i + 1)
+        if old is None or not old.resident:
+            self._plain[i + 1] = _Stored.of(y)
+        if op == Op.F_NONE:   # after storing a_{i+1}, which may share a_i's storage
+            self._drop(self._plain, i)
 
-            x_key = x.untyped_storage().data_ptr()
+    def _forward_all(self, i: int, x: torch.Tensor):
+        saved = []
+        state = {t.untyped_storage().data_ptr(): t
+                 for t in (*self._stage_params[i], *self._stage_buffers[i])
+                 if t.untyped_storage().nbytes()}
+        x_key = x.untyped_storage().data_ptr() if x.untyped_storage().nbytes() else None
+        x_version = x._version
 
-            def pack(t):
-                # A saved view of a weight (linear saves weight.t()) is re-derived from
-                # the parameter at unpack time, so that w_delete / w_offload really free
-                # the weights between F_all i and B i (Rule 6 of the simulator). A saved
-                # view of the input is re-derived from whichever copy of a_i or abar_i
-                # is resident at B i (B i needs one of them, Table 2.1), so deleting
-                # the copy F_all i happened to read does not break the graph.
-                key = t.untyped_storage().data_ptr()
-                if key == x_key:
-                    return (i, t.size(), t.stride(), t.storage_offset())
-                p = params.get(key)
-                if p is not None:
-                    return (p, t.size(), t.stride(), t.storage_offset())
-                saved.append(t)
+        def pack(t):
+            # A saved view of a weight (linear saves weight.t()) or of a buffer
+            # (batch norm saves its running statistics) is re-derived from the
+            # module at unpack time, so that w_delete / w_offload really free the
+            # weights between F_all i and B i (Rule 6 of the simulator). A saved view
+            # of the input is re-derived from whichever copy of a_i or abar_i is
+            # resident at B i (B i needs one of them, Table 2.1), so deleting the
+            # copy F_all i happened to read does not break the graph; unless the
+            # stage modified its input before saving it: then no copy of a_i holds
+            # those values, and the graph keeps the tensor, as autograd would.
+            key = t.untyped_storage().data_ptr()
+            base = state.get(key)
+            if base is not None and base.dtype == t.dtype:
+                return (base, t.size(), t.stride(), t.storage_offset())
+            if key == x_key and t._version == x_version and t.dtype == x.dtype:
+                return (i, t.size(), t.stride(), t.storage_offset())
+            saved.append(t)
+            return (t, t._version)
+
+        def unpack(packed):
+            if len(packed) == 2:
+                t, version = packed
+                if t._version != version:   # autograd's own check is off under hooks
+                    raise ExecutionError(
+                        f"a tensor stage {i} saved for its backward was modified in place "
+                        f"afterwards (later in the stage, or by the next stage or the loss "
+                        f"modifying its input in place); plain autograd refuses this too. "
+                        f"Make that operation out-of-place (x = x * 2 instead of x.mul_(2))")
                 return t
+            base, size, stride, offset = packed
+            base = self._source(base) if isinstance(base, int) else base.detach()
+            return base.as_strided(size, stride, offset)
 
-            def unpack(packed):
-                if isinstance(packed, tuple):
-                    base, size, stride, offset = packed
-                    base = self._source(base) if isinstance(base, int) else base.detach()
-                    return base.as_strided(size, stride, offset)
-                return packed
-
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                y = self._run_stage(i, x)
-            movable = {k: s for k, s in _storages([y, *saved]).items() if k not in protect}
-            self._bar[i + 1] = _Stored(out=y, inp=x, saved=saved, movable=movable)
-        else:
-            with torch.no_grad():
-                y = self._run_stage(i, x)
-            if op == Op.F_NONE:
-                del self._plain[i]
-            if i + 1 not in self._plain or not self._plain[i + 1].resident:
-                self._plain[i + 1] = _Stored(out=y, movable=_storages([y]))
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            leaf, arg = _grad_input(x) if x.is_floating_point() else (x, x)
+            y = self._run_stage(i, arg)
+        self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=saved)
 
     def _loss(self, target):
         k = self.n
         src = self._source(k)
-        z = src.requires_grad_(True)
         with torch.enable_grad():
+            leaf, z = _grad_input(src) if src.is_floating_point() else (src, src)
             loss = self.loss_fn(z, target)
         loss.backward()
-        self._delta = z.grad
+        self._delta = leaf.grad
         self._consume_plain(k)
         return loss.detach()
 
@@ -421,8 +605,11 @@ class ScheduleExecutor:
         # each one as soon as its node has run, as in native PyTorch (holding them
         # for the whole call raised the in-backward peak by ~10% on GPT-2 blocks).
         bar.saved.clear()
-        bar.movable = None
-        torch.autograd.backward(bar.out, self._delta)
+        bar.storages = []
+        if self._delta is not None and bar.out.requires_grad:
+            torch.autograd.backward(bar.out, self._delta)
+        # else nothing flows back (NOTE rule 3): a frozen or parameter-free stage on
+        # integer inputs, or an output the rest of the model did not use
         self._delta = bar.inp.grad if bar.inp is not None and bar.inp.requires_grad else None
         self._consume_plain(i)
 
@@ -430,46 +617,84 @@ class ScheduleExecutor:
         """B and L consume a resident plain a_k unless abar_k is resident (Table 2.1)."""
         plain, bar = self._plain.get(k), self._bar.get(k)
         if plain is not None and plain.resident and not (bar is not None and bar.resident):
-            del self._plain[k]
+            self._drop(self._plain, k)
+
+    def _drop(self, entries: dict, k: int):
+        """Forget the stored tensor ``entries[k]``. Its storages go with the last
+        reference to them, but other stored tensors may hold some without needing
+        them (the leaf input of an abar built from a_k, a deleted view of a_k);
+        those are freed here, as the simulator frees a dropped tensor at once."""
+        st = entries.pop(k)
+        mine = {s.data_ptr(): s for s in st.storages if s.nbytes()}
+        if not mine:
+            return
+        # only these can hold a storage without needing it (a resident tensor's
+        # output and saved tensors need theirs: _protected)
+        holders = [o.inp for o in self._bar.values()]
+        holders += [t for o in (*self._plain.values(), *self._bar.values())
+                    if not o.resident for t in o.all_tensors()]
+        held = mine.keys() & _storages(holders).keys()
+        if held:
+            protected = self._protected()
+            for key in held - protected:
+                mine[key].resize_(0)
 
     def _move(self, op, k: int, aux: int):
-        st = (self._bar if aux else self._plain).get(k)
+        entries = self._bar if aux else self._plain
+        name = f"{'abar' if aux else 'a'}{k}"
+        st = entries.get(k)
         if st is None:
             raise ExecutionError(
-                f"cannot {op.name.lower()} {'abar' if aux else 'a'}{k}: that tensor was "
+                f"cannot {op.name.lower()} {name}: that tensor was "
                 "consumed; the executor moves a tensor only between its production and "
                 "its consumption (recompute it instead)")
-        storages = list(st.movable.values())
         if op == Op.OFFLOAD:
-            host = [self._host_storage(s.nbytes()) for s in storages]
+            # storages that are never freed (rule 4) need no host copy
+            keep = self._state_ptrs | self._caller_keys
+            host = [self._host_storage(s.nbytes()) if s.nbytes() and s.data_ptr() not in keep
+                    else None for s in st.storages]
+            pairs = [(h, s) for h, s in zip(host, st.storages) if h is not None]
             # the tensor may be dropped (F_none, B, delete) while the copy still
             # reads it: _copy marks its storages used on the D2H stream
-            done = self._copy("d2h", list(zip(host, storages)), storages)
+            done = self._copy("d2h", pairs, [s for _, s in pairs])
             self._host[(k, aux)] = (host, done)
-        elif op == Op.DELETE:
-            if (k, aux) not in self._host:   # a discard: nothing will bring it back
-                del (self._bar if aux else self._plain)[k]
-                return
-            for s in storages:   # freed behind the D2H copy (_copy), not blocking compute
-                s.resize_(0)
+            return
+        if op == Op.DELETE and (k, aux) not in self._host:
+            self._drop(entries, k)   # a discard: nothing will bring it back
+            return
+        host, done = self._host[(k, aux)]
+        if len(host) != len(st.storages) or any(
+                h is not None and s.nbytes() not in (0, h.nbytes())
+                for s, h in zip(st.storages, host)):
+            raise ExecutionError(f"cannot {op.name.lower()} {name}: its host copy does not "
+                                 "match the tensor on the device")
+        if op == Op.DELETE:
+            protected = self._protected(skip=st)
+            for s, h in zip(st.storages, host):
+                # freed behind the D2H copy (_copy), not blocking compute; a
+                # protected storage stays, as its other owner needs it (rule 4)
+                if h is not None and s.nbytes() and s.data_ptr() not in protected:
+                    s.resize_(0)
             st.resident = False
         else:  # PREFETCH
             st.resident = True
-            host, done = self._host[(k, aux)]
-            if len(host) != len(storages):
-                raise ExecutionError(f"cannot prefetch {'abar' if aux else 'a'}{k}: its host "
-                                     "copy does not match the tensor on the device")
             # allocated on the compute stream, so the caching allocator ties the
-            # blocks to the stream that uses and frees them; compute waits (_wait)
-            for s, h in zip(storages, host):
+            # blocks to the stream that uses and frees them; compute waits (_wait).
+            # A storage still (or again, through a tensor sharing it) on the device
+            # holds these very bytes.
+            pairs = [(s, h) for s, h in zip(st.storages, host)
+                     if h is not None and s.nbytes() == 0]
+            for s, h in pairs:
                 s.resize_(h.nbytes())
-            st.ready = self._copy("h2d", list(zip(storages, host)), storages, after=done)
+            st.ready = self._copy("h2d", pairs, [s for s, _ in pairs], after=done)
 
-    def _refresh_param_ptrs(self):
-        """Storages of the parameters, excluded from activation accounting; they
-        change only when weight moves swap ``.data``."""
-        self._param_ptrs = {p.untyped_storage().data_ptr()
-                            for ps in self._stage_params for p in ps if p.numel()}
+    def _refresh_state_ptrs(self):
+        """Storages of the parameters and buffers: never freed by a move (rule 4)
+        and excluded from activation accounting. They change only when weight
+        moves swap ``.data``."""
+        self._state_ptrs = {t.untyped_storage().data_ptr()
+                            for ts in (*self._stage_params, *self._stage_buffers)
+                            for t in ts if t.untyped_storage().nbytes()}
 
     def _wait_weights(self, i: int):
         """Order compute after the H2D copy of stage i's prefetched weights."""
@@ -535,8 +760,7 @@ class ScheduleExecutor:
                 self._w_saved[i] = event
             for p in params:   # freed behind the D2H copy (_to_host marked them used)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        if self.track_memory:
-            self._refresh_param_ptrs()
+        self._refresh_state_ptrs()
 
     def _grads_to_host(self, i: int):
         params = [p for p in self._stage_params[i] if p.grad is not None]

@@ -7,10 +7,12 @@ output's shape, and:
 
 - ``x``: bytes of the output's storage;
 - ``xbar``: bytes of the unique storages of the output and of every saved tensor,
-  minus parameters and the stage input (they are accounted as weights and as the
+  minus the model's parameters and buffers (batch norm saves its running
+  statistics) and the stage input (they are accounted as weights and as the
   previous activation);
 - ``u_f``, ``u_b``: median seconds over ``repeats`` runs (CUDA events on a GPU,
-  ``perf_counter`` on the CPU);
+  ``perf_counter`` on the CPU); ``u_b`` is 0 for a stage whose output needs no
+  gradient (a frozen or parameter-free stage on integer inputs);
 - ``o_f``, ``o_b``: temporary bytes, from ``torch.cuda.max_memory_allocated`` on a
   GPU (peak minus what is live before and after); 0 on the CPU, where no allocator
   reports a peak;
@@ -21,7 +23,10 @@ output's shape, and:
 
 Byte counts use the same storage accounting as
 :class:`~rtmem.torch.ScheduleExecutor`, so simulated activation memory and the
-executor's measured memory agree.
+executor's measured memory agree. Stages get their input as the executor hands
+it (NOTE [ Executor ]), so in-place operations at the start of a stage work;
+such a stage is timed on the input its previous run modified (sizes and times do
+not depend on the values), and the first stage runs on a copy of ``inputs``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from torch import nn
 from rtmem.errors import RtmemError
 from rtmem.planners import Chain
 
-from .executor import _storages
+from .executor import _check_output, _grad_input, _storages
 
 __all__ = ["profile_sequential"]
 
@@ -70,9 +75,12 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
 
     ``inputs``/``target`` are a representative batch and ``loss_fn(output, target)``
     the loss. ``repeats`` (>= 1) timed runs per operation, median kept. Parameter
-    gradients, module buffers and the RNG state are restored afterwards, so
-    profiling does not perturb training. Returns a :class:`~rtmem.planners.Chain`
-    with times in seconds and sizes in bytes.
+    gradients (the same ``.grad`` objects, with their values), module buffers
+    and the RNG state are restored afterwards, also after an error, so profiling
+    does not perturb training. Returns a :class:`~rtmem.planners.Chain` with
+    times in seconds and sizes in bytes. Raises
+    :class:`~rtmem.torch.ExecutionError` when a stage does not return a single
+    tensor.
     """
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise RtmemError("profile_sequential needs a non-empty nn.Sequential of stages")
@@ -82,14 +90,18 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     timer = _Timer(device)
     buffers = {b: b.detach().clone() for b in model.buffers()}
     grads = {p: p.grad for p in model.parameters()}
+    # the backward passes below accumulate into .grad in place: profile with
+    # none, and put the caller's tensors back afterwards
+    for p in grads:
+        p.grad = None
     rng = torch.get_rng_state()
     cuda = device.type == "cuda"
     cols = {k: [] for k in ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")}
-    x = inputs.detach()
+    # never counted as activations: the executor's accounting (its _state_ptrs)
+    state = {t.untyped_storage().data_ptr() for t in (*grads, *buffers)}
+    x = inputs.detach().clone()   # a first stage may modify its input in place
     try:
-        for stage in model.children():
-            params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-            xin = x.detach().requires_grad_(x.is_floating_point())
+        for i, stage in enumerate(model.children()):
             saved = []
 
             def pack(t, saved=saved):
@@ -105,15 +117,18 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     base = torch.cuda.memory_allocated(device)
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                         pack, lambda t: t):
-                    y, t_f = timer(lambda: stage(xin))
+                    xin, arg = _grad_input(x) if x.is_floating_point() else (x, x)
+                    y, t_f = timer(lambda: stage(arg))
+                _check_output(i, stage, y)
                 fwd_times.append(t_f)
-            xbar = _storage_bytes([y, *saved], exclude=params | {xin.untyped_storage().data_ptr()})
+            xbar = _storage_bytes([y, *saved], exclude=state | {xin.untyped_storage().data_ptr()})
             o_f = 0
             if cuda:
                 o_f = max(0, torch.cuda.max_memory_allocated(device) - base - xbar)
             delta = torch.randn_like(y) if y.is_floating_point() else None
-            bwd_times = []
-            for r in range(repeats):
+            # nothing to backpropagate through a frozen stage on integer inputs
+            bwd_times = [] if y.requires_grad else [0.0]
+            for r in range(repeats if y.requires_grad else 0):
                 if cuda:
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
@@ -123,7 +138,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 bwd_times.append(t_b)
                 xin.grad = None
             o_b = 0
-            if cuda:
+            if cuda and y.requires_grad:
                 o_b = max(0, torch.cuda.max_memory_allocated(device) - base
                           - _storage_bytes([xin]))
             cols["u_f"].append(statistics.median(fwd_times))
@@ -134,14 +149,15 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             cols["o_f"].append(o_f)
             cols["o_b"].append(o_b)
             x = y.detach()
-        z = x.detach().requires_grad_(True)
         loss_times = []
         for _ in range(repeats):
+            with torch.enable_grad():
+                _, z = _grad_input(x)   # as the executor's L hands it to loss_fn
+
             def run():
                 with torch.enable_grad():
                     loss_fn(z, target).backward()
             loss_times.append(timer(run)[1])
-            z.grad = None
     finally:
         with torch.no_grad():
             for b, v in buffers.items():

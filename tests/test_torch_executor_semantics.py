@@ -1,0 +1,348 @@
+"""The executor on models that stress its storage handling (NOTE [ Executor ] in
+rtmem/torch/executor.py): batch norm, stages that alias their input, frozen
+stages, in-place ops, tied and placed weights, tuple outputs. Every schedule here
+is accepted by the simulator; the executor must train exactly as plain PyTorch,
+never free memory it does not own, or refuse up front with ExecutionError."""
+
+import copy
+import gc
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import rtmem  # noqa: E402
+from rtmem.errors import RtmemError  # noqa: E402
+from rtmem.planners import (Chain, Platform, Schedule, sequential_schedule,  # noqa: E402
+                            simulate, store_all_schedule)
+from rtmem.torch import (ExecutionError, ScheduleExecutor, gpt2_model,  # noqa: E402
+                         place_parameters, profile_sequential)
+
+mse = nn.functional.mse_loss
+
+
+def _sched(text: str, n: int) -> Schedule:
+    s = Schedule.from_text(text)
+    simulate(Chain.homogeneous(n), s, Platform(math.inf))   # a valid schedule
+    return s
+
+
+def _train(model, x, y, loss_fn, sched, seed=7):
+    """One executor step on a copy of ``model`` and one plain step on another;
+    returns (executor copy, executor, its loss, plain copy, plain loss)."""
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(seed)
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    ex = ScheduleExecutor(m, sched, loss_fn)
+    torch.manual_seed(seed)
+    loss = ex.step(x, y)
+    return m, ex, loss, ref, ref_loss.detach()
+
+
+def _assert_same(m, ex, loss, ref, ref_loss):
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    host = ex.host_grads()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        g = p.grad
+        if p in host:
+            g = host[p] if g is None else g + host[p]
+        if q.grad is None:
+            assert g is None, name
+        else:
+            torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    for b, c in zip(m.buffers(), ref.buffers()):
+        assert torch.equal(b, c)
+
+
+def _intact(t) -> bool:
+    return t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------- defect 1
+def _bn_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(),
+                          nn.Sequential(nn.Flatten(), nn.Linear(64, 1)))
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2)
+    return model, torch.randn(3, 2, 4, 4), torch.randn(3, 1)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_moving_a_batchnorm_abar_keeps_its_running_statistics(mode):
+    # autograd saves BatchNorm's running_mean/var (train and eval) in abar2;
+    # deleting abar2 must not free them, even while stage 1 is recomputed
+    # (train mode wrote into the freed storage: a segfault)
+    model, x, y = _bn_model()
+    getattr(model, mode)()
+    sched = _sched("F_all 0, F_all 1, offload abar2, F_all 2, delete abar2, F_all 3, L, "
+                   "B 3, F_ck 1, prefetch abar2, B 2, B 1, B 0", 4)
+    m, ex, *rest = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, *rest)
+    assert all(_intact(t) for t in (*m.parameters(), *m.buffers()))
+
+
+def test_a_failed_step_after_a_delete_leaves_module_buffers_whole():
+    model, x, y = _bn_model()
+    model.eval()
+    sched = _sched("F_all 0, F_all 1, F_all 2, offload abar2, delete abar2, F_all 3, L, "
+                   "B 3, prefetch abar2, B 2, B 1, B 0", 4)
+    before = [b.clone() for b in model.buffers()]
+
+    def bad_loss(out, target):
+        raise ValueError("bad target")
+    with pytest.raises(ValueError, match="bad target"):
+        ScheduleExecutor(model, sched, bad_loss).step(x, y)
+    for b, c in zip(model.buffers(), before):
+        assert _intact(b) and torch.equal(b, c)
+    model(x)   # still usable
+
+
+@pytest.mark.parametrize("stage, text", [
+    # a2 (Flatten of a1) deleted while a1 is kept for F_all 1
+    (nn.Flatten(), ("F_ck 0, F_ck 1, offload a2, F_all 2, delete a2, F_all 3, F_all 4, L, "
+                    "B 4, B 3, F_all 1, B 2, B 1, F_all 0, B 0")),
+    # a1 deleted while a2 (the same tensor, nn.Identity) is read by F_all 2
+    (nn.Identity(), ("F_ck 0, F_ck 1, offload a1, delete a1, F_all 2, F_all 3, F_all 4, L, "
+                     "B 4, B 3, B 2, prefetch a1, F_all 1, B 1, F_all 0, B 0")),
+])
+def test_deleting_a_tensor_that_shares_its_storage_keeps_the_other_one(stage, text):
+    torch.manual_seed(0)
+    head = nn.Linear(32, 8) if isinstance(stage, nn.Flatten) else nn.Linear(8, 8)
+    first = nn.Conv2d(2, 2, 3, padding=1) if isinstance(stage, nn.Flatten) else nn.Linear(8, 8)
+    model = nn.Sequential(first, stage, head, nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(3, 2, 4, 4) if isinstance(stage, nn.Flatten) else torch.randn(3, 8)
+    _assert_same(*_train(model, x, torch.randn(3, 1), mse, _sched(text, 5)))
+
+
+def test_the_callers_batch_and_target_are_never_freed():
+    # stage 0 returns the caller's batch itself: a1 *is* x
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), nn.Linear(8, 8), nn.Linear(8, 1))
+    x, y = torch.randn(3, 8), torch.randn(3, 1)
+    x0, y0 = x.clone(), y.clone()
+    sched = _sched("F_ck 0, F_all 1, offload a1, delete a1, F_all 2, L, B 2, prefetch a1, "
+                   "B 1, F_all 0, B 0", 3)
+
+    def bad_loss(out, target):
+        raise ValueError("loss failed")
+    with pytest.raises(ValueError, match="loss failed"):
+        ScheduleExecutor(copy.deepcopy(model), sched, bad_loss).step(x, y)
+    assert _intact(x) and torch.equal(x, x0) and torch.equal(y, y0)
+    _assert_same(*_train(model, x, y, mse, sched))
+    assert torch.equal(x, x0)
+
+
+# ---------------------------------------------------------------- defect 2
+@pytest.mark.parametrize("segments", [None, 2])
+def test_a_frozen_first_stage_on_token_inputs_trains(segments):
+    torch.manual_seed(0)
+    model, loss_fn, make = gpt2_model(layers=2, hidden=16, heads=2, seq=8, vocab=32)
+    model[0].requires_grad_(False)     # frozen embeddings, as in fine-tuning
+    x, y = make(2, torch.Generator().manual_seed(1))
+    n = len(model)
+    sched = store_all_schedule(n) if segments is None else sequential_schedule(n, segments)
+    _assert_same(*_train(model, x, y, loss_fn, sched))
+    chain = profile_sequential(model, x, y, loss_fn, repeats=1)
+    assert chain.u_b[0] == 0 and (chain.u_b[1:] > 0).all()
+
+
+# ---------------------------------------------------------------- defect 3
+@pytest.mark.parametrize("fail", [False, True])
+def test_profiling_leaves_existing_gradients_unchanged(fail):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    mse(model(x), y).backward()          # gradients already accumulated
+    grads = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in grads]
+
+    def loss_fn(out, target):
+        loss = mse(out, target)
+        if fail:   # after the stage backward passes have run
+            raise ValueError("loss failed")
+        return loss
+    if fail:
+        with pytest.raises(ValueError, match="loss failed"):
+            profile_sequential(model, x, y, loss_fn, repeats=3)
+    else:
+        profile_sequential(model, x, y, loss_fn, repeats=3)
+    for p, g, v in zip(model.parameters(), grads, values):
+        assert p.grad is g and torch.equal(g, v)
+
+
+# ---------------------------------------------------------------- defect 4
+class _ScaleInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(2).add_(1)     # parameter-free, in place: fine in plain torch
+
+
+class _HalveThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(0.5)                  # the linear saves the modified input
+        return self.lin(x)
+
+
+def _in_place_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _ScaleInPlace(), _HalveThenLinear(), nn.Tanh(),
+                          nn.Linear(8, 1))
+    return model, torch.randn(4, 8), torch.randn(4, 1)
+
+
+@pytest.mark.parametrize("segments", [None, 2])
+def test_in_place_ops_on_stage_and_loss_inputs_train_like_plain_torch(segments):
+    model, x, y = _in_place_model()
+
+    def loss_fn(out, target):
+        return out.sub_(target).pow(2).mean()   # in place on the loss input too
+    sched = store_all_schedule(5) if segments is None else sequential_schedule(5, segments)
+    _assert_same(*_train(model, x, y, loss_fn, sched))
+    chain = profile_sequential(model, x, y, loss_fn, repeats=2)
+    assert (chain.x > 0).all()
+
+
+def test_recomputing_from_an_input_modified_in_place_is_refused():
+    # F_ck 1 modifies the stored a1 in place; F_all 1 would recompute from it
+    model, x, y = _in_place_model()
+    sched = _sched("F_all 0, F_ck 1, F_all 2, F_all 3, F_all 4, L, B 4, B 3, B 2, F_all 1, "
+                   "B 1, B 0", 5)
+    ex = ScheduleExecutor(model, sched, mse)
+    with pytest.raises(ExecutionError, match=r"abar1 was modified in place.*F_all 1"):
+        ex.step(x, y)
+
+
+def test_modifying_a_saved_tensor_in_place_is_refused_as_in_autograd():
+    # tanh saves its output a1, which stage 1 then modifies in place: plain
+    # autograd refuses the backward, the executor must not compute a wrong one
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _ScaleInPlace(),
+                          nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    with pytest.raises(RuntimeError, match="inplace"):
+        mse(copy.deepcopy(model)(x), y).backward()
+    with pytest.raises(ExecutionError, match="modified in place"):
+        ScheduleExecutor(model, store_all_schedule(3), mse).step(x, y)
+
+
+# ---------------------------------------------------------------- defect 5
+def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
+    # a1 is discarded after F_all 1 read it (abar2's graph still holds its leaf
+    # input), then recomputed for B 1
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Linear(256, 16),
+                          nn.Sequential(nn.Linear(16, 64), nn.Tanh()), nn.Linear(64, 1))
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    acts = Chain(u_f=chain.u_f, u_b=chain.u_b, x=chain.x, xbar=chain.xbar, x0=chain.x0)
+    sched = Schedule.from_text("F_ck 0, F_all 1, delete a1, F_all 2, F_all 3, L, B 3, B 2, "
+                               "F_ck 0, B 1, F_all 0, B 0")
+    sim = simulate(acts, sched, Platform(math.inf))
+    m, ex, *rest = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, *rest)
+    last_b = len(sched) - 1      # B 0 holds delta_0, which the executor needs not
+    assert ex.resident_bytes[:last_b] == sim.timeline["mem_after"][:last_b].tolist()
+    assert ex.peak_bytes <= sim.peak
+
+
+# ---------------------------------------------------------------- defect 6
+def _tied_model():
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight                  # tied, as in GPT-2
+    model = nn.Sequential(emb, nn.Sequential(nn.Linear(8, 8), nn.Tanh()), head)
+    x, y = torch.randint(16, (2, 5)), torch.randint(16, (2, 5))
+
+    def loss_fn(out, target):
+        return nn.functional.cross_entropy(out.reshape(-1, 16), target.reshape(-1))
+    return model, x, y, loss_fn
+
+
+def test_weight_moves_of_tied_parameters_are_refused_up_front():
+    model, x, y, loss_fn = _tied_model()
+    sched = _sched("F_all 0, w_delete 0, F_all 1, F_all 2, L, B 2, B 1, w_prefetch 0, B 0", 3)
+    with pytest.raises(ExecutionError, match=r"'0\.weight'.*shared by stages 0, 2"):
+        ScheduleExecutor(model, sched, loss_fn)
+    # gradient moves are fine: the host accumulator and .grad add up
+    sched = _sched("F_all 0, F_all 1, F_all 2, L, B 2, g_offload 2, B 1, B 0, g_offload 0", 3)
+    _assert_same(*_train(model, x, y, loss_fn, sched))
+
+
+# ---------------------------------------------------------------- defect 7
+@pytest.fixture
+def arena(monkeypatch):
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    a = rtmem.HostArena(1 << 20)
+    yield a
+    gc.collect()
+    a._check_invariants()
+
+
+@pytest.mark.parametrize("text, what", [
+    ("F_all 0, w_delete 0, F_all 1, F_all 2, L, B 2, B 1, w_prefetch 0, B 0", "weight"),
+    ("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0, g_offload 0", "gradient"),
+])
+def test_moves_of_placed_parameters_are_refused(arena, text, what):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    sched = _sched(text, 3)
+    placement = place_parameters(model, arena)
+    with pytest.raises(ExecutionError, match=f"'0.weight'.*its {what} in an arena"):
+        ScheduleExecutor(model, sched, mse)
+    placement.release()
+    ex = ScheduleExecutor(model, sched, mse)     # fine once released...
+    placement = place_parameters(model, arena)   # ...and checked again at every step
+    with pytest.raises(ExecutionError, match="in an arena"):
+        ex.step(x, y)
+    w = model[0].weight
+    assert w.untyped_storage().data_ptr() == placement.weights[w].numpy().ctypes.data
+    placement.release()
+
+
+def test_placed_parameters_without_moves_train_in_their_arena(arena):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    ref = copy.deepcopy(model)
+    placement = place_parameters(model, arena)
+    ScheduleExecutor(model, sequential_schedule(3, 2), mse).step(x, y)
+    mse(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.untyped_storage().data_ptr() == placement.grads[p].numpy().ctypes.data
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    placement.release()
+
+
+# ---------------------------------------------------------------- defect 8
+class _Split(nn.Module):
+    def forward(self, x):
+        return x[:, :4], x[:, 4:]
+
+
+class _Join(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, xs):
+        return self.lin(xs[0] * xs[1])
+
+
+def test_stages_with_tuple_outputs_are_refused():
+    model = nn.Sequential(nn.Linear(8, 8), _Split(), _Join())
+    x, y = torch.randn(3, 8), torch.randn(3, 1)
+    with pytest.raises(ExecutionError, match=r"stage 1 \(_Split\) returned a tuple.*single "
+                                             r"tensor"):
+        ScheduleExecutor(model, store_all_schedule(3), mse).step(x, y)
+    with pytest.raises(ExecutionError, match="single tensor"):
+        profile_sequential(model, x, y, mse, repeats=1)
+    assert issubclass(ExecutionError, RtmemError)
