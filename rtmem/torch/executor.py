@@ -72,60 +72,13 @@ import torch
 from torch import nn
 
 from rtmem.arena import is_arena
-from rtmem.errors import RtmemError, ScheduleError
+from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 
+from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _storages,
+                      check_placement, check_shared_weights)
+
 __all__ = ["ScheduleExecutor", "ExecutionError"]
-
-_WEIGHT_MOVES = (Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH)
-
-
-class ExecutionError(RtmemError):
-    """A schedule could not be executed on a model (wrong length, bad state)."""
-
-
-def _storages(tensors):
-    """Unique untyped storages of ``tensors`` keyed by data pointer (0-byte ones kept
-    by identity so freed storages still count once they come back)."""
-    out = {}
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        out[id(s) if s.nbytes() == 0 else s.data_ptr()] = s
-    return out
-
-
-def _check_output(i: int, stage, y) -> None:
-    """Stage outputs are the chain's activations a_{i+1}: single tensors."""
-    if not isinstance(y, torch.Tensor):
-        raise ExecutionError(
-            f"stage {i} ({type(stage).__name__}) returned a {type(y).__name__}; every stage "
-            f"of the nn.Sequential must return a single tensor (the activation a{i + 1}). "
-            f"Put the stages that pass tuples or dicts between them into one stage, or "
-            f"pack the values into one tensor")
-
-
-class _Alias(torch.autograd.Function):
-    """Identity whose output shares its input's storage and version counter but is
-    neither a leaf nor a view, so in-place ops on it are allowed (on the leaf
-    itself, or on a view of it, autograd refuses them)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def _grad_input(x: torch.Tensor):
-    """``(leaf, arg)`` to run a stage (or a loss) on ``x`` under autograd: ``leaf``
-    requires grad and receives the input gradient in ``.grad``; ``arg`` is what the
-    stage gets (:class:`_Alias`). Call under ``enable_grad``."""
-    leaf = x.detach().requires_grad_(True)
-    return leaf, _Alias.apply(leaf)
 
 
 def _used_on(storages, stream):
@@ -240,8 +193,8 @@ class ScheduleExecutor:
         for op, s, _ in schedule:
             if op in _WEIGHT_MOVES or op == Op.G_OFFLOAD:
                 self._moves.setdefault(s, set()).add(op)
-        self._check_shared_weights()
-        self._check_placement()
+        check_shared_weights(self._stage_params, self._moves, self._param_names)
+        check_placement(self._stage_params, self._moves, self._param_names)
         self.peak_bytes: int | None = 0 if track_memory else None
         self.resident_bytes: list[int] = []
         # parameter -> pinned host copy of this step's weights; stage -> the CUDA
@@ -272,58 +225,6 @@ class ScheduleExecutor:
         # its storage with other tensors (targets are often a view of the same tokens).
         self._own_input = any(op == Op.DELETE and k == 0 for op, k, _ in schedule)
 
-    def _param_label(self, p) -> str:
-        return f"{self._param_names.get(p, '?')!r} (shape {tuple(p.shape)})"
-
-    def _check_shared_weights(self):
-        """Refuse weight moves of a stage holding a parameter (or a parameter storage)
-        another stage also uses: freeing it between that stage's ops would empty a
-        weight the other stage still reads (NOTE rule 5)."""
-        owners: dict = {}   # storage key -> stages using it
-        for i, params in enumerate(self._stage_params):
-            for p in params:
-                s = p.untyped_storage()
-                key = s.data_ptr() if s.nbytes() else id(p)
-                if i not in owners.setdefault(key, []):
-                    owners[key].append(i)
-        for i in sorted(self._moves):
-            if not self._moves[i] & set(_WEIGHT_MOVES):
-                continue
-            for p in self._stage_params[i]:
-                s = p.untyped_storage()
-                stages = owners[s.data_ptr() if s.nbytes() else id(p)]
-                if len(stages) > 1:
-                    raise ExecutionError(
-                        f"parameter {self._param_label(p)} is shared by stages "
-                        f"{', '.join(map(str, stages))} (tied weights), so the schedule's "
-                        f"weight moves of stage {i} would free it while another stage still "
-                        f"reads it; remove the w_offload/w_delete/w_prefetch ops of stages "
-                        f"{', '.join(map(str, stages))} from the schedule, or untie the weights")
-
-    def _check_placement(self):
-        """Refuse weight moves of parameters, and gradient moves of gradients, that
-        :func:`~rtmem.torch.place_parameters` put in an arena: the moves swap in
-        ordinary torch tensors, silently taking them out of the arena."""
-        from .bridge import _placed
-        for i in sorted(self._moves):
-            ops = self._moves[i]
-            for p in self._stage_params[i]:
-                ref = _placed.get(p)
-                placement = ref() if ref is not None else None
-                if placement is None:
-                    continue
-                weights = p in placement.weights and bool(ops & set(_WEIGHT_MOVES))
-                grads = p in placement.grads and Op.G_OFFLOAD in ops
-                if weights or grads:
-                    what = "weight" if weights else "gradient"
-                    raise ExecutionError(
-                        f"parameter {self._param_label(p)} of stage {i} has its {what} in an "
-                        f"arena (rtmem.torch.place_parameters), and the schedule's "
-                        f"{' / '.join(sorted(op.name.lower() for op in ops))} of stage {i} "
-                        f"would replace it with ordinary torch memory, out of the arena; call "
-                        f"release() on its ModulePlacement first, or remove the weight and "
-                        f"gradient moves of stage {i} from the schedule")
-
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
         """Parameter -> host gradient (CPU tensor, pinned on CUDA) accumulated by
@@ -352,7 +253,8 @@ class ScheduleExecutor:
                 "step() trains, so it cannot run under torch.inference_mode() or on an "
                 "inference tensor (autograd refuses to record them); call it outside "
                 "inference_mode, with a batch made (or cloned) outside it")
-        self._check_placement()   # a placement may have been made after __init__
+        # a placement may have been made after __init__
+        check_placement(self._stage_params, self._moves, self._param_names)
         if inputs.device.type == "cuda" and self.host_arena is not None and \
                 self.host_arena.backend.name == "cuda":
             # the host arena reuses its blocks in the order of CuPy's current

@@ -40,7 +40,7 @@ from torch import nn
 from rtmem.errors import RtmemError
 from rtmem.planners import Chain
 
-from .executor import _check_output, _grad_input, _storages
+from ._stages import _check_output, _grad_input, _storages
 
 __all__ = ["profile_sequential"]
 

@@ -1,0 +1,120 @@
+"""What the executor and the profiler share: how a stage is handed its input
+and what it must return, storage bookkeeping, and the construction checks of
+:class:`~rtmem.torch.ScheduleExecutor` (NOTE [ Executor ] rules 2, 5 and 7 in
+``executor.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from rtmem.errors import RtmemError
+from rtmem.planners import Op
+
+__all__ = ["ExecutionError", "check_placement", "check_shared_weights", "param_label"]
+
+_WEIGHT_MOVES = (Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH)
+
+
+class ExecutionError(RtmemError):
+    """A schedule could not be executed on a model (wrong length, bad state)."""
+
+
+def _storages(tensors):
+    """Unique untyped storages of ``tensors`` keyed by data pointer (0-byte ones kept
+    by identity so freed storages still count once they come back)."""
+    out = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        out[id(s) if s.nbytes() == 0 else s.data_ptr()] = s
+    return out
+
+
+def _check_output(i: int, stage, y) -> None:
+    """Stage outputs are the chain's activations a_{i+1}: single tensors."""
+    if not isinstance(y, torch.Tensor):
+        raise ExecutionError(
+            f"stage {i} ({type(stage).__name__}) returned a {type(y).__name__}; every stage "
+            f"of the nn.Sequential must return a single tensor (the activation a{i + 1}). "
+            f"Put the stages that pass tuples or dicts between them into one stage, or "
+            f"pack the values into one tensor")
+
+
+class _Alias(torch.autograd.Function):
+    """Identity whose output shares its input's storage and version counter but is
+    neither a leaf nor a view, so in-place ops on it are allowed (on the leaf
+    itself, or on a view of it, autograd refuses them)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _grad_input(x: torch.Tensor):
+    """``(leaf, arg)`` to run a stage (or a loss) on ``x`` under autograd: ``leaf``
+    requires grad and receives the input gradient in ``.grad``; ``arg`` is what the
+    stage gets (:class:`_Alias`). Call under ``enable_grad``."""
+    leaf = x.detach().requires_grad_(True)
+    return leaf, _Alias.apply(leaf)
+
+
+def param_label(names: dict, p) -> str:
+    """``'name' (shape ...)`` of parameter ``p`` for error messages."""
+    return f"{names.get(p, '?')!r} (shape {tuple(p.shape)})"
+
+
+def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
+    """Refuse weight moves of a stage holding a parameter (or a parameter storage)
+    another stage also uses: freeing it between that stage's ops would empty a
+    weight the other stage still reads (NOTE rule 5)."""
+    owners: dict = {}   # storage key -> stages using it
+    for i, params in enumerate(stage_params):
+        for p in params:
+            s = p.untyped_storage()
+            key = s.data_ptr() if s.nbytes() else id(p)
+            if i not in owners.setdefault(key, []):
+                owners[key].append(i)
+    for i in sorted(moves):
+        if not moves[i] & set(_WEIGHT_MOVES):
+            continue
+        for p in stage_params[i]:
+            s = p.untyped_storage()
+            stages = owners[s.data_ptr() if s.nbytes() else id(p)]
+            if len(stages) > 1:
+                raise ExecutionError(
+                    f"parameter {param_label(names, p)} is shared by stages "
+                    f"{', '.join(map(str, stages))} (tied weights), so the schedule's "
+                    f"weight moves of stage {i} would free it while another stage still "
+                    f"reads it; remove the w_offload/w_delete/w_prefetch ops of stages "
+                    f"{', '.join(map(str, stages))} from the schedule, or untie the weights")
+
+
+
+def check_placement(stage_params, moves: dict, names: dict) -> None:
+    """Refuse weight moves of parameters, and gradient moves of gradients, that
+    :func:`~rtmem.torch.place_parameters` put in an arena: the moves swap in
+    ordinary torch tensors, silently taking them out of the arena."""
+    from .bridge import _placed   # bridge imports nothing of the executor
+    for i in sorted(moves):
+        ops = moves[i]
+        for p in stage_params[i]:
+            ref = _placed.get(p)
+            placement = ref() if ref is not None else None
+            if placement is None:
+                continue
+            weights = p in placement.weights and bool(ops & set(_WEIGHT_MOVES))
+            grads = p in placement.grads and Op.G_OFFLOAD in ops
+            if weights or grads:
+                what = "weight" if weights else "gradient"
+                raise ExecutionError(
+                    f"parameter {param_label(names, p)} of stage {i} has its {what} in an "
+                    f"arena (rtmem.torch.place_parameters), and the schedule's "
+                    f"{' / '.join(sorted(op.name.lower() for op in ops))} of stage {i} "
+                    f"would replace it with ordinary torch memory, out of the arena; call "
+                    f"release() on its ModulePlacement first, or remove the weight and "
+                    f"gradient moves of stage {i} from the schedule")
