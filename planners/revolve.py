@@ -174,4 +174,6 @@ def plan_revolve(chain: Chain, memory) -> Plan:
     # most slots first: ties go to the schedule that recomputes least
     return fastest_fitting(chain, memory,
                            ((m, revolve_schedule(n, m, arg)) for m in range(n + 2, 2, -1)),
-                           "revolve", "slots", "slot count")
+                           "revolve", "slots", "slot count",
+                           # n+2 slots: each stage runs once forward, once in F_all
+                           first_is_fastest=True)

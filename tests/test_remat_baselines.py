@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rtmem.errors import InfeasibleError, ScheduleError
-from rtmem.planners import Platform, builtin, sequential_schedule, simulate
-from rtmem.planners.baselines import plan_sequential, plan_sqrt, plan_store_all
+from rtmem.planners import Platform, Schedule, builtin, sequential_schedule, simulate
+from rtmem.planners.baselines import plan_sequential, plan_sqrt, plan_store_all, segment_bounds
 from rtmem.planners.plan import Plan, as_budget
 from rtmem.planners.remat import compare_remat, plan_remat
 from rtmem.planners.revolve import plan_revolve
@@ -113,3 +113,46 @@ def test_compare_remat_reports_every_planner():
         other = results[name]
         if isinstance(other, Plan):
             assert rotor.makespan <= other.makespan * 1.001, name
+
+
+def _sequential_by_ops(n, segments):
+    """The checkpoint_sequential schedule op by op (the definition the numpy
+    construction of sequential_schedule must reproduce)."""
+    bounds = segment_bounds(n, segments)
+    ops = []
+    for s, e in bounds[:-1]:
+        ops += [(Op.F_CK, s)] + [(Op.F_NONE, i) for i in range(s + 1, e)]
+    s, e = bounds[-1]
+    ops += [(Op.F_ALL, i) for i in range(s, e)] + [(Op.LOSS, 0)]
+    ops += [(Op.B, i) for i in reversed(range(s, e))]
+    for s, e in reversed(bounds[:-1]):
+        ops += [(Op.F_ALL, i) for i in range(s, e)] + [(Op.B, i) for i in reversed(range(s, e))]
+    return Schedule.from_ops(ops)
+
+
+def test_sequential_schedule_matches_its_definition():
+    for n in range(1, 14):
+        for k in range(1, n + 1):
+            assert sequential_schedule(n, k) == _sequential_by_ops(n, k), (n, k)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(1, 7))
+def test_early_exit_returns_what_a_full_scan_returns(chain):
+    # plan_sequential / plan_revolve stop at their first candidate when it fits
+    # (it recomputes nothing); a scan of every candidate must agree.
+    from rtmem.planners.baselines import fastest_fitting
+    from rtmem.planners.revolve import opt0_table, revolve_schedule
+    n = chain.n
+    arg = opt0_table(n, n + 2)[1]
+    families = {
+        "sequential": (plan_sequential, [(k, sequential_schedule(n, k)) for k in range(1, n + 1)]),
+        "revolve": (plan_revolve, [(m, revolve_schedule(n, m, arg))
+                                   for m in range(n + 2, 2, -1)]),
+    }
+    for name, (planner, candidates) in families.items():
+        peaks = [simulate(chain, s, Platform(math.inf)).peak for _, s in candidates]
+        for budget in sorted(set(peaks) - {0}):      # a budget is > 0 bytes
+            fast = planner(chain, budget)
+            full = fastest_fitting(chain, budget, candidates, name, "x", "candidate")
+            assert fast.schedule == full.schedule and fast.makespan == full.makespan
