@@ -38,7 +38,10 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
     Parameters
     ----------
     min_stages, max_stages:
-        Range of the number of stages (>= 1).
+        Range of the number of stages (>= 1). Each heterogeneous stage takes
+        about 20 draws, which Hypothesis's input buffer bounds: keep
+        ``max_stages`` below ~200 (or ``homogeneous=True``, a few draws in all);
+        for longer chains use :class:`~rtmem.planners.Chain` or the profiles.
     homogeneous:
         ``True``: all stages identical (the Revolve setting); ``False``: every
         value drawn per stage; ``None``: either.
