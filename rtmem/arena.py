@@ -31,7 +31,7 @@ from .adaptors import PoisonAdaptor
 from .allocator import DEFAULT_ALIGNMENT, AllocatorStats, BestFitAllocator
 from .backends import Backend, get_backend
 from .buffer import KINDS, Buffer, Placement
-from .errors import DoubleFreeError, InvalidPointerError
+from .errors import BackendError, DoubleFreeError, InvalidPointerError
 from .units import parse_bytes
 
 __all__ = ["ArenaStats", "DeviceArena", "HostArena"]
@@ -297,7 +297,11 @@ class _Arena:
             if buf._pins:   # NOTE [ Pinned views ] in buffer.py: release on last view
                 buf._free_requested = True
                 return
-            buf._settle()
+            try:
+                buf._settle()
+            except BackendError:
+                pass    # a failed move, undone by _settle; free what remains
+            placements = [p for p in (buf._device, buf._host) if p is not None]
             for p in placements:
                 # Detach each placement once its block is freed: if a release
                 # raises, the buffer stays live with the placements it still owns

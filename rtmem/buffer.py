@@ -37,7 +37,7 @@ import threading
 import numpy as np
 
 from ._deferred import run_or_defer, track
-from .errors import DoubleFreeError, ResidencyError, UseAfterFreeError
+from .errors import BackendError, DoubleFreeError, ResidencyError, UseAfterFreeError
 
 __all__ = ["Buffer", "KINDS", "RESIDENCIES"]
 
@@ -167,10 +167,32 @@ class Buffer:
             pending = self._pending
             if pending is None:
                 return False
-            if pending[0].query():
-                self._pending = None
-                return False
-            return True
+            if not pending[0].query():
+                return True
+            self._pending = None
+            error = getattr(pending[0], "error", None)   # host streams report it here
+            if error is not None:
+                self._undo_failed_move(pending, error)
+            return False
+
+    def _undo_failed_move(self, pending, error) -> None:
+        """A move's copy failed (NOTE [ Host stream failures ]): the placement it
+        made holds garbage, so it is released and the buffer keeps the copy it
+        had; the error is raised once, here."""
+        event, direction, _, made = pending
+        side = "device" if direction == "h2d" else "host"
+        if made:
+            p = self._device if direction == "h2d" else self._host
+            p.arena._release(p, self.kind)
+            if direction == "h2d":
+                self._device = None
+            else:
+                self._host = None
+        raise BackendError(
+            f"the {direction.upper()} copy into the {side} side of this {self.kind} buffer "
+            f"({self.nbytes:,} bytes) failed: {error!r}; "
+            + ("that copy was dropped and the buffer keeps its other copy; retry the move"
+               if made else "the buffer's bytes are not valid; copy into it again"))
 
     @property
     def residency(self) -> str:
@@ -178,8 +200,11 @@ class Buffer:
         with self._lock:
             if self._freed:
                 return "freed"
-            if self._settle():
-                return "in-flight"
+            try:
+                if self._settle():
+                    return "in-flight"
+            except BackendError:
+                pass    # a failed move was undone: the state below is consistent
             if self._device is not None and self._host is not None:
                 return "both"
             return "device" if self._device is not None else "host"

@@ -30,7 +30,7 @@ from . import _deferred
 from .arena import is_arena
 from .backends import Backend, get_backend
 from .buffer import Buffer
-from .errors import ResidencyError, UseAfterFreeError
+from .errors import BackendError, ResidencyError, UseAfterFreeError
 
 __all__ = ["TransferEngine", "copy", "drop_host", "evict", "get_engine", "offload",
            "prefetch", "synchronize", "wait"]
@@ -194,7 +194,7 @@ def _copy_to_new(buf: Buffer, arena, src, direction: str, wait_for=()):
         buf._device, buf.device_arena = dst, arena
     else:
         buf._host, buf.host_arena = dst, arena
-    buf._pending = (event, direction, stream)
+    buf._pending = (event, direction, stream, True)    # made a placement
     return event
 
 
@@ -295,8 +295,9 @@ def copy(dst: Buffer, src: Buffer):
     src.nbytes``) on the transfer stream of the direction (H2D when ``dst`` is on
     the device, else D2H); return the event. ``dst`` must have one copy
     (residency ``"device"`` or ``"host"``): with both, one would go stale.
-    ``dst`` is in flight until it completes; both blocks stay reserved until then, and new views of ``src``
-    (``numpy()``, tensors) wait for it, so writing through them cannot race it.
+    ``dst`` is in flight until it completes; both blocks stay reserved until
+    then, and new views of ``src`` (``numpy()``, tensors) wait for it, so
+    writing through them cannot race it.
 
     Views made *before* the call are not ordered after it (a numpy array or
     tensor holds a raw address; nothing runs when it is used): writing ``src``
@@ -329,7 +330,7 @@ def copy(dst: Buffer, src: Buffer):
             stream, direction = engine.d2h, "d2h"
         waits = [p[0] for p in (dst._pending, src._pending) if p is not None]
         event = _issue(d, s, stream, engine, waits)
-        dst._pending = (event, direction, stream)
+        dst._pending = (event, direction, stream, False)
         return event
 
 
@@ -343,7 +344,10 @@ def wait(obj=None) -> None:
         if pending is None:
             return
         backend = obj.primary.arena.backend
-        backend.current_stream().wait_event(pending[0])
+        try:
+            backend.current_stream().wait_event(pending[0])
+        except BackendError:
+            pass        # as in synchronize()
         obj._settle()
         return
     if obj is not None:
@@ -362,7 +366,10 @@ def synchronize(obj=None) -> None:
     if isinstance(obj, Buffer):
         pending = obj._pending
         if pending is not None:
-            pending[0].synchronize()
+            try:
+                pending[0].synchronize()
+            except BackendError:
+                pass    # _settle undoes the failed move and raises a clearer error
             obj._settle()
         return
     if obj is not None:

@@ -12,7 +12,7 @@ import pytest
 from rtmem import transfers as T
 from rtmem.arena import DeviceArena, HostArena
 from rtmem.backends import get_backend
-from rtmem.errors import OutOfMemoryError, ResidencyError, UseAfterFreeError
+from rtmem.errors import BackendError, OutOfMemoryError, ResidencyError, UseAfterFreeError
 
 
 @pytest.fixture
@@ -300,6 +300,58 @@ def test_synchronize_cannot_erase_a_move_started_meanwhile(arenas, monkeypatch):
     T.synchronize(b)
     assert b.residency == "both" and np.all(b.numpy() == 3)
     b.free()
+
+
+def test_a_failed_copy_is_undone_and_reported(arenas, monkeypatch):
+    # A copy failing on the H2D thread was reported by synchronize(), yet the
+    # buffer moved to "both" and drop_host() then discarded the only good copy.
+    from rtmem.backends import host as H
+    d, h = arenas
+    b = h.alloc(4096)
+    b.numpy()[:] = 42
+    b.device_arena = d
+    real = H._copy
+
+    def failing(dst, src):
+        monkeypatch.setattr(H, "_copy", real)       # fail once
+        raise MemoryError("simulated copy failure")
+    monkeypatch.setattr(H, "_copy", failing)
+    T.prefetch(b)
+    with pytest.raises(BackendError, match="H2D copy.*dropped"):
+        T.synchronize(b)
+    assert b.residency == "host" and d.stats().allocated_bytes == 0
+    with pytest.raises(ResidencyError, match="only copy"):
+        T.drop_host(b)
+    T.synchronize(T.prefetch(b))                    # the stream serves later work
+    assert b.residency == "both" and np.all(b.numpy() == 42)
+    b.free()
+
+
+def test_stream_failures_reach_dependents_only():
+    # The first failure was kept forever: events that completed before it raised
+    # too, work ordered after it on another stream did not, and the stream (the
+    # process-wide engine's) stayed broken.
+    be = get_backend("host")
+    a, c = be.new_stream("a"), be.new_stream("c")
+    before = be.new_event().record(a)
+    before.synchronize()
+
+    def boom():
+        raise RuntimeError("copy failed")
+    gate = gate_stream(a)
+    a.launch_host_func(boom)
+    failed = be.new_event().record(a)
+    c.wait_event(failed)
+    dependent = be.new_event().record(c)
+    gate.set()
+    for ev in (failed, dependent):
+        with pytest.raises(BackendError, match="copy failed"):
+            ev.synchronize()
+    before.synchronize()                            # completed before: clean
+    assert before.error is None and isinstance(failed.error, RuntimeError)
+    later = be.new_event().record(a)
+    later.synchronize()                             # reported once, then recovered
+    c.synchronize()
 
 
 def test_views_of_a_copy_source_wait_for_the_copy(arenas):

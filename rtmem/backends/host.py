@@ -16,6 +16,7 @@ offered by buffers on this backend.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import queue
@@ -39,39 +40,68 @@ def _page_aligned(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     return base[skip:skip + nbytes], base
 
 
-class HostEvent:
-    """A CUDA-like event. NOTE: ``_done`` is replaced (never reset) on each record,
-    so waiters that captured the previous recording are not confused; guarded by
-    the GIL (a single attribute store)."""
+def _complete(done, box, failure) -> None:
+    # Run by a stream's worker when it reaches a recorded event: the event
+    # reports the failures of the work before it that no earlier event reported.
+    box[0], failure.error = failure.error, None
+    done.set()
 
-    __slots__ = ("_done", "_stream")
+
+def _wait_for(done, box) -> None:
+    # Run by a stream's worker for wait_event: later work waits, and a failure
+    # of the awaited work becomes this stream's too (as a dependency would).
+    done.wait()
+    if box[0] is not None:
+        raise box[0]
+
+
+class HostEvent:
+    """A CUDA-like event. NOTE: ``_done`` and ``_box`` are replaced (never reset)
+    on each record, so waiters that captured the previous recording are not
+    confused; guarded by the GIL (single attribute stores).
+
+    NOTE [ Host stream failures ]: work that raises on a stream's worker is
+    reported by the first event recorded on that stream after it (its
+    :attr:`error`, raised by :meth:`synchronize` and ``stream.synchronize()``),
+    and by every event of a stream that waited on that event; events whose work
+    completed before the failure stay clean, and the stream serves later work
+    normally. :meth:`query` only says whether the work is over, failed or not.
+    """
+
+    __slots__ = ("_done", "_box")
 
     def __init__(self):
         self._done = threading.Event()
         self._done.set()            # never recorded: complete, as in CUDA
-        self._stream = None
+        self._box = [None, None]    # [the failure this recording reports, stream name]
 
     def record(self, stream=None) -> "HostEvent":
         """Capture the work enqueued so far on ``stream`` (default: compute stream)."""
-        done = threading.Event()
-        self._done = done
+        done, box = threading.Event(), [None, getattr(stream, "name", "compute")]
+        self._done, self._box = done, box
         if stream is None or isinstance(stream, HostNullStream):
             done.set()              # the compute stream is synchronous
-            self._stream = None
         else:
-            self._stream = stream
-            stream._put(done.set)
+            stream._put(functools.partial(_complete, done, box, stream._failure))
         return self
 
     def query(self) -> bool:
-        """True when the captured work is done."""
+        """True when the captured work is over (see :attr:`error`)."""
         return self._done.is_set()
 
+    @property
+    def error(self):
+        """The exception of failed work this event covers, once it is over; None
+        when it succeeded (NOTE [ Host stream failures ])."""
+        return self._box[0] if self._done.is_set() else None
+
     def synchronize(self) -> None:
-        """Block until the captured work is done; raise a stream's failure."""
+        """Block until the captured work is done; raise its failure."""
         self._done.wait()
-        if self._stream is not None:
-            self._stream._raise_error()
+        err = self._box[0]
+        if err is not None:
+            raise BackendError(f"work on host stream {self._box[1]!r} failed: {err!r}; "
+                               f"the data that work wrote is not valid") from err
 
     @property
     def done(self) -> bool:
@@ -102,7 +132,8 @@ class HostNullStream:
 
 
 class _Failure:
-    """Holds a stream's first failure; shared by the stream and its worker."""
+    """Holds a stream's first failure not yet reported by an event; shared by the
+    stream and its worker."""
 
     __slots__ = ("error",)
 
@@ -127,9 +158,9 @@ def _serve(q, failure) -> None:
 class HostStream:
     """An in-order work queue served by one daemon thread.
 
-    NOTE: ``_queue`` is a thread-safe FIFO; ``_failure.error`` (the first failure;
-    every later synchronize raises it) is written only by the worker thread;
-    ``_thread`` is started once under ``_start_lock``.
+    NOTE: ``_queue`` is a thread-safe FIFO; ``_failure.error`` (the first failure
+    no event has reported yet: NOTE [ Host stream failures ]) is written only by
+    the worker thread; ``_thread`` is started once under ``_start_lock``.
     """
 
     synchronous = False
@@ -151,17 +182,12 @@ class HostStream:
                     self._thread.start()
         self._queue.put(fn)
 
-    def _raise_error(self) -> None:
-        err = self._failure.error
-        if err is not None:
-            raise BackendError(f"work on host stream {self.name!r} failed: {err!r}; "
-                               f"later work on it is suspect, create a new stream") from err
-
     def wait_event(self, event: HostEvent) -> None:
-        """Make later work on this stream wait for ``event`` (does not block)."""
-        done = event._done
-        if not done.is_set():
-            self._put(done.wait)
+        """Make later work on this stream wait for ``event`` (does not block); a
+        failure ``event`` reports is reported by this stream's next event too."""
+        done, box = event._done, event._box
+        if not done.is_set() or box[0] is not None:
+            self._put(functools.partial(_wait_for, done, box))
 
     def launch_host_func(self, fn) -> None:
         """Run ``fn()`` on the worker once earlier work on this stream is done."""
