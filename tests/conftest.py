@@ -52,3 +52,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def arena(monkeypatch):
+    """A 4 MiB host arena on the host backend, checked for consistency after the
+    test (once the collection has run the frees of dropped tensor views)."""
+    import gc
+
+    import rtmem
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    a = rtmem.HostArena(1 << 22)
+    yield a
+    gc.collect()
+    a._check_invariants()

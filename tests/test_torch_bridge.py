@@ -14,15 +14,6 @@ from rtmem.torch import (ModulePlacement, as_tensor, from_tensor, gpt2_model,  #
                          place_parameters)
 
 
-@pytest.fixture
-def arena(monkeypatch):
-    monkeypatch.setenv("RTMEM_BACKEND", "host")
-    a = rtmem.HostArena(1 << 22)
-    yield a
-    gc.collect()
-    a._check_invariants()
-
-
 def test_zero_copy_both_ways(arena):
     buf = arena.alloc(shape=(4, 5), dtype=np.float32)
     rng = np.random.default_rng(0)

@@ -5,7 +5,6 @@ is accepted by the simulator; the executor must train exactly as plain PyTorch,
 never free memory it does not own, or refuse up front with ExecutionError."""
 
 import copy
-import gc
 import math
 
 import pytest
@@ -13,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-import rtmem  # noqa: E402
 from rtmem.errors import RtmemError  # noqa: E402
 from rtmem.planners import (Chain, Platform, Schedule, sequential_schedule,  # noqa: E402
                             simulate, store_all_schedule)
@@ -277,15 +275,6 @@ def test_weight_moves_of_tied_parameters_are_refused_up_front():
 
 
 # ---------------------------------------------------------------- defect 7
-@pytest.fixture
-def arena(monkeypatch):
-    monkeypatch.setenv("RTMEM_BACKEND", "host")
-    a = rtmem.HostArena(1 << 20)
-    yield a
-    gc.collect()
-    a._check_invariants()
-
-
 @pytest.mark.parametrize("text, what", [
     ("F_all 0, w_delete 0, F_all 1, F_all 2, L, B 2, B 1, w_prefetch 0, B 0", "weight"),
     ("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0, g_offload 0", "gradient"),
