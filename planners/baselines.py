@@ -63,7 +63,7 @@ def sequential_schedule(n: int, segments: int) -> Schedule:
     """
     # Built with numpy, not op by op: plan_sequential builds one schedule per
     # segment count (n of them), which took ~20 s in Python for 2,000 stages.
-    bounds = segment_bounds(n, segments)
+    segment_bounds(n, segments)             # validates n and segments
     size = n // segments                    # every segment but the last
     head = (segments - 1) * size            # stages of the earlier segments
     fwd_op = np.full(head, int(Op.F_NONE), np.int64)
@@ -76,7 +76,6 @@ def sequential_schedule(n: int, segments: int) -> Schedule:
     op = np.concatenate((fwd_op, np.full(len(last), int(Op.F_ALL)), [int(Op.LOSS)],
                          np.full(len(last), int(Op.B)), recompute_op))
     stage = np.concatenate((np.arange(head), last, [0], last[::-1], recompute))
-    assert bounds[-1] == (head, n)
     return Schedule(op, stage)
 
 

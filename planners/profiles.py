@@ -40,16 +40,20 @@ SHIPPED = {
 }
 
 
+def _finite(v) -> bool:
+    """A finite real number (not a bool)."""
+    return (not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating))
+            and math.isfinite(v))
+
+
 def _check_sizes(family: str, flops, **sizes) -> None:
     """ChainError unless every size is a positive integer and ``flops`` a finite
     positive FLOP/s (finiteness first: ``int(inf)`` and ``int(nan)`` raise)."""
     for key, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(v) or int(v) != v or v < 1:
+        if not _finite(v) or int(v) != v or v < 1:
             raise ChainError(f"{family}: {key} must be a positive integer, got {v!r}",
                              field=key)
-    if isinstance(flops, bool) or not isinstance(flops, (int, float, np.integer, np.floating)) \
-            or not (math.isfinite(flops) and flops > 0):
+    if not (_finite(flops) and flops > 0):
         raise ChainError(f"{family}: flops must be a finite number > 0 FLOP/s, got "
                          f"{flops!r}", field="flops")
 

@@ -31,7 +31,7 @@ from .adaptors import PoisonAdaptor
 from .allocator import DEFAULT_ALIGNMENT, AllocatorStats, BestFitAllocator
 from .backends import Backend, get_backend
 from .buffer import KINDS, Buffer, Placement
-from .errors import BackendError, DoubleFreeError, InvalidPointerError
+from .errors import DoubleFreeError, InvalidPointerError
 from .units import parse_bytes
 
 __all__ = ["ArenaStats", "DeviceArena", "HostArena"]
@@ -297,10 +297,7 @@ class _Arena:
             if buf._pins:   # NOTE [ Pinned views ] in buffer.py: release on last view
                 buf._free_requested = True
                 return
-            try:
-                buf._settle()
-            except BackendError:
-                pass    # a failed move, undone by _settle; free what remains
+            buf._settle(report=False)    # a failed move is undone; free what remains
             placements = [p for p in (buf._device, buf._host) if p is not None]
             for p in placements:
                 # Detach each placement once its block is freed: if a release

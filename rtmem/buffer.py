@@ -157,8 +157,9 @@ class Buffer:
                     f"({self.nbytes:,} bytes) was closed, which released its memory; "
                     f"close an arena only after its buffers are done with")
 
-    def _settle(self) -> bool:
-        """Clear a completed pending move; True if one is still in flight.
+    def _settle(self, report: bool = True) -> bool:
+        """Clear a completed pending move; True if one is still in flight. A
+        failed move is undone, and raised as BackendError when ``report``.
 
         Under the buffer's lock: ``wait``/``synchronize`` call it without holding
         it, and an unlocked read-then-clear could erase a move another thread
@@ -172,14 +173,14 @@ class Buffer:
             self._pending = None
             error = getattr(pending[0], "error", None)   # host streams report it here
             if error is not None:
-                self._undo_failed_move(pending, error)
+                self._undo_failed_move(pending, error, report)
             return False
 
-    def _undo_failed_move(self, pending, error) -> None:
+    def _undo_failed_move(self, pending, error, report: bool) -> None:
         """A move's copy failed (NOTE [ Host stream failures ]): the placement it
         made holds garbage, so it is released and the buffer keeps the copy it
-        had; the error is raised once, here."""
-        event, direction, _, made = pending
+        had; the error is raised once, here, when ``report``."""
+        _, direction, _, made = pending
         side = "device" if direction == "h2d" else "host"
         if made:
             p = self._device if direction == "h2d" else self._host
@@ -188,6 +189,8 @@ class Buffer:
                 self._device = None
             else:
                 self._host = None
+        if not report:
+            return
         raise BackendError(
             f"the {direction.upper()} copy into the {side} side of this {self.kind} buffer "
             f"({self.nbytes:,} bytes) failed: {error!r}; "
@@ -200,11 +203,9 @@ class Buffer:
         with self._lock:
             if self._freed:
                 return "freed"
-            try:
-                if self._settle():
-                    return "in-flight"
-            except BackendError:
-                pass    # a failed move was undone: the state below is consistent
+            # a failed move is undone, not raised: the state below is consistent
+            if self._settle(report=False):
+                return "in-flight"
             if self._device is not None and self._host is not None:
                 return "both"
             return "device" if self._device is not None else "host"

@@ -31,6 +31,13 @@ def _storages(tensors):
     return out
 
 
+def _storage_ptrs(tensors) -> set:
+    """Data pointers of the non-empty storages of ``tensors`` (None and non-tensors
+    skipped): the keys :func:`_storages` gives them."""
+    return {s.data_ptr() for t in tensors if isinstance(t, torch.Tensor)
+            for s in (t.untyped_storage(),) if s.nbytes()}
+
+
 def _check_output(i: int, stage, y) -> None:
     """Stage outputs are the chain's activations a_{i+1}: single tensors."""
     if not isinstance(y, torch.Tensor):

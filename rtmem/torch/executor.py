@@ -75,8 +75,8 @@ from rtmem.arena import is_arena
 from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 
-from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _storages,
-                      check_placement, check_shared_weights)
+from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _storage_ptrs,
+                      _storages, check_placement, check_shared_weights)
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
 
@@ -267,8 +267,7 @@ class ScheduleExecutor:
     def _step(self, inputs, target) -> torch.Tensor:
         device = inputs.device
         self._device = device
-        self._caller_keys = {t.untyped_storage().data_ptr() for t in (inputs, target)
-                             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()}
+        self._caller_keys = _storage_ptrs((inputs, target))
         if self._own_input or (inputs.untyped_storage().nbytes()
                                != inputs.numel() * inputs.element_size()):
             # a compact private copy: its bytes are exactly the chain's x0
@@ -594,9 +593,8 @@ class ScheduleExecutor:
         """Storages of the parameters and buffers: never freed by a move (rule 4)
         and excluded from activation accounting. They change only when weight
         moves swap ``.data``."""
-        self._state_ptrs = {t.untyped_storage().data_ptr()
-                            for ts in (*self._stage_params, *self._stage_buffers)
-                            for t in ts if t.untyped_storage().nbytes()}
+        self._state_ptrs = _storage_ptrs(
+            t for ts in (*self._stage_params, *self._stage_buffers) for t in ts)
 
     def _wait_weights(self, i: int):
         """Order compute after the H2D copy of stage i's prefetched weights."""

@@ -83,6 +83,16 @@ def _overlaps(t) -> bool:
     return False
 
 
+def _check_own_memory(k: int, p) -> None:
+    """OptimizerError if parameter ``k`` has elements sharing memory."""
+    if _overlaps(p):
+        raise OptimizerError(
+            f"parameter {k} (shape {tuple(p.shape)}, strides {p.stride()}) has elements "
+            f"sharing memory (e.g. made by expand()), so no update can write it element "
+            f"by element; give it its own memory first (p.data = p.data.clone())",
+            argument="params")
+
+
 def _disown(params, ref) -> None:
     """Forget the parameters ``ref`` (an optimizer's weak reference) owns."""
     for p in params:
@@ -155,12 +165,7 @@ class OffloadedAdam:
                     f"parameter {i} (shape {tuple(p.shape)}) already has its gradients "
                     f"flushed by another open OffloadedAdam; close() that one first",
                     argument="params")
-            if _overlaps(p):
-                raise OptimizerError(
-                    f"parameter {i} (shape {tuple(p.shape)}, strides {p.stride()}) has "
-                    f"elements sharing memory (e.g. made by expand()), so no update can "
-                    f"write it element by element; make it a real tensor first "
-                    f"(p.data = p.data.clone())", argument="params")
+            _check_own_memory(i, p)
         if int(chunk_elements) != chunk_elements or chunk_elements < 1:
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
@@ -302,11 +307,8 @@ class OffloadedAdam:
                     f"{tuple(p.shape)}), but this optimizer holds {self.dtype} state "
                     f"for {size} elements: its data was replaced after construction; "
                     f"make a new OffloadedAdam for the changed model", argument="params")
-            if not p.is_contiguous() and _overlaps(p):
-                raise OptimizerError(
-                    f"parameter {k} (shape {tuple(p.shape)}, strides {p.stride()}) now "
-                    f"has elements sharing memory (e.g. made by expand()); give it its "
-                    f"own memory (p.data = p.data.clone())", argument="params")
+            if not p.is_contiguous():
+                _check_own_memory(k, p)
             if p.grad is not None and p.grad.numel() != size:
                 raise OptimizerError(
                     f"parameter {k} has a gradient of {p.grad.numel()} elements for "

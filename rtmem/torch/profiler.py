@@ -40,7 +40,7 @@ from torch import nn
 from rtmem.errors import RtmemError
 from rtmem.planners import Chain
 
-from ._stages import _check_output, _grad_input, _storages
+from ._stages import _check_output, _grad_input, _storage_ptrs, _storages
 
 __all__ = ["profile_sequential"]
 
@@ -98,7 +98,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     cuda = device.type == "cuda"
     cols = {k: [] for k in ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")}
     # never counted as activations: the executor's accounting (its _state_ptrs)
-    state = {t.untyped_storage().data_ptr() for t in (*grads, *buffers)}
+    state = _storage_ptrs((*grads, *buffers))
     x = inputs.detach().clone()   # a first stage may modify its input in place
     try:
         for i, stage in enumerate(model.children()):
