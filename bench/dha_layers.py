@@ -214,8 +214,8 @@ def main(argv=None) -> int:
                     help="tokens per batch, batch x sequence (default 4096)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
     args = ap.parse_args(argv)
-    tokens = args.tokens or (1024 if args.quick else 4096)
-    repeats = args.repeats or (3 if args.quick else 5)
+    tokens = (1024 if args.quick else 4096) if args.tokens is None else args.tokens
+    repeats = (3 if args.quick else 5) if args.repeats is None else args.repeats
     if tokens < 1 or repeats < 1:
         ap.error("--tokens and --repeats must be at least 1")   # nothing to time
     device, why = find_gpu()

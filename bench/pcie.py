@@ -365,12 +365,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per point")
     ap.add_argument("--plot", default=None, help="plot path (default next to the JSON)")
     args = ap.parse_args(argv)
-    max_size = parse_bytes(args.max_size or ("64MiB" if args.quick else "1GiB"))
+    max_size = parse_bytes(("64MiB" if args.quick else "1GiB") if args.max_size is None
+                           else args.max_size)
     if max_size < MIN_SIZE:
         # The sweep starts at 4 KiB and the latency probes copy up to 4 KiB into
         # the max_size buffers: smaller ones would be overrun.
         ap.error(f"--max-size must be at least {format_bytes(MIN_SIZE)}")
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = (3 if args.quick else 5) if args.repeats is None else args.repeats
     if repeats < 1:
         ap.error("--repeats must be at least 1")     # a median of nothing
     device, why = find_gpu()

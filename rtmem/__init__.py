@@ -20,7 +20,7 @@ from .buffer import KINDS, Buffer
 from .errors import (BackendError, ChainError, DoubleFreeError, InfeasibleError,
                      InvalidPointerError, KernelArgumentError, LayoutError, OptimizerError,
                      OutOfMemoryError, PlatformError, ResidencyError, RtmemError,
-                     ScheduleError, UnitError, UseAfterFreeError)
+                     ScheduleError, TraceError, UnitError, UseAfterFreeError)
 from .transfers import drop_host, evict, offload, prefetch, synchronize, wait
 
 # name -> module that defines it, imported on first access
@@ -43,7 +43,7 @@ __all__ = [
     "BackendError", "ChainError", "DoubleFreeError", "InfeasibleError",
     "InvalidPointerError", "KernelArgumentError", "LayoutError", "OptimizerError",
     "OutOfMemoryError", "PlatformError", "ResidencyError", "RtmemError", "ScheduleError",
-    "UnitError", "UseAfterFreeError",
+    "TraceError", "UnitError", "UseAfterFreeError",
     # loaded on first use
     *_LAZY,
 ]

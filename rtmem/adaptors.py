@@ -20,19 +20,20 @@ import time
 from dataclasses import dataclass
 
 from .allocator import align_up
-from .errors import OutOfMemoryError, UseAfterFreeError
+from .errors import OutOfMemoryError, TraceError, UseAfterFreeError
 from .units import format_bytes, parse_bytes
 
 __all__ = ["AllocatorAdaptor", "LimitAdaptor", "PoisonAdaptor", "ReplayResult",
            "Statistics", "StatisticsAdaptor", "TracingAdaptor", "load_trace", "replay"]
 
 
-def _check_live(upstream, block) -> None:
-    """Raise the double-free / foreign-pointer error ``upstream`` would raise when
-    freeing ``block`` (upstreams without ``check_live`` are not asked)."""
-    check = getattr(upstream, "check_live", None)
+def _check_free(upstream, block, stream=None, event=None, ordered=False) -> None:
+    """Raise what ``upstream`` would raise when freeing ``block`` with these
+    arguments (double free, foreign pointer, bad stream arguments); upstreams
+    without ``check_free`` are not asked."""
+    check = getattr(upstream, "check_free", None)
     if check is not None:
-        check(block)
+        check(block, stream=stream, event=event, ordered=ordered)
 
 
 class AllocatorAdaptor:
@@ -114,21 +115,23 @@ class StatisticsAdaptor(AllocatorAdaptor):
 
     def allocate(self, nbytes: int, stream=None):
         """Allocate and count ``nbytes`` bytes."""
-        block = self.upstream.allocate(nbytes, stream)
         with self._lock:
+            block = self.upstream.allocate(nbytes, stream)
             self._add(block, int(nbytes))
         return block
 
     def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
         """Free and uncount ``block``."""
-        self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
+        # Under the lock with the upstream call, as allocate is, so a snapshot
+        # never sees the free without its uncounting.
         with self._lock:
+            self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
             self._remove(block)
 
     def resize(self, block, nbytes: int, stream=None):
         """Resize, counting the new size (a moved block counts as a new one)."""
-        new = self.upstream.resize(block, nbytes, stream)
         with self._lock:
+            new = self.upstream.resize(block, nbytes, stream)
             self._remove(block)
             self._add(new, int(nbytes))
         return new
@@ -183,17 +186,24 @@ class LimitAdaptor(AllocatorAdaptor):
 
     def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
         """Free ``block`` and return its bytes to the budget."""
-        self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
+        # Under the lock, as allocate is: a budget check never sees the bytes
+        # freed upstream but still counted here.
         with self._lock:
+            self.upstream.deallocate(block, stream=stream, event=event, ordered=ordered)
             self._used -= self._sizes.pop(block, 0)
 
     def resize(self, block, nbytes: int, stream=None):
-        """Resize within the budget."""
+        """Resize within the budget. A resize that moves the block holds the old
+        and the new block at once, so it must fit ``used + new size``; one that
+        stays in place (upstream ``fits_in_place``) only the difference."""
         size = align_up(max(int(nbytes), 1), self.upstream.alignment)
         with self._lock:
             old = self._sizes.get(block, 0)
-            if self._used - old + size > self.budget_bytes:
-                self._refuse(int(nbytes), size - old)
+            fits_in_place = getattr(self.upstream, "fits_in_place", None)
+            in_place = fits_in_place is not None and fits_in_place(block, nbytes)
+            extra = size - old if in_place else size
+            if self._used + extra > self.budget_bytes:
+                self._refuse(int(nbytes), extra)
             new = self.upstream.resize(block, nbytes, stream)
             self._used += new.size - self._sizes.pop(block, 0)
             self._sizes[new] = new.size
@@ -240,7 +250,19 @@ class PoisonAdaptor(AllocatorAdaptor):
 
     def _poison_stale(self) -> None:
         while self._stale:
-            self._fill(self._stale.pop(), self.POISON)
+            span, handle = self._stale.pop()
+            try:
+                current = self.upstream.slab_handle(span.slab)
+            except KeyError:
+                continue        # the slab was trimmed meanwhile: nothing to poison
+            if current is handle:   # not a new slab that reuses the id
+                self._fill(span, self.POISON)
+
+    def trim(self) -> int:
+        """Poison what a moving resize left, then release free slabs upstream."""
+        with self._lock:
+            self._poison_stale()
+            return self.upstream.trim()
 
     def allocate(self, nbytes: int, stream=None):
         """Allocate, verifying that the block's free bytes were not written."""
@@ -265,7 +287,7 @@ class PoisonAdaptor(AllocatorAdaptor):
             self._poison_stale()
             # Refuse a double free or a foreign block before poisoning: its bytes
             # may belong to a live buffer now.
-            _check_live(self.upstream, block)
+            _check_free(self.upstream, block, stream, event, ordered)
             if event is not None:
                 event.synchronize()
             elif ordered and stream is not None:
@@ -279,7 +301,7 @@ class PoisonAdaptor(AllocatorAdaptor):
         escape the check). A moved-from block is poisoned at the next call."""
         with self._lock:
             self._poison_stale()
-            _check_live(self.upstream, block)
+            _check_free(self.upstream, block)
             if nbytes <= block.size:    # block.size is aligned: fits in place
                 size = block.size
                 block = self.upstream.resize(block, nbytes, stream)
@@ -289,8 +311,9 @@ class PoisonAdaptor(AllocatorAdaptor):
                 return block
             new = self.allocate(nbytes, stream)     # checks the poison
             old = _Span(block.slab, block.offset, block.size)
+            handle = self.upstream.slab_handle(block.slab)
             self.upstream.deallocate(block, stream=stream)
-            self._stale.append(old)
+            self._stale.append((old, handle))
             return new
 
 
@@ -349,8 +372,9 @@ class TracingAdaptor(AllocatorAdaptor):
         return block
 
     def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:
-        """Record the free, then free (a failing sink leaves the block live)."""
-        _check_live(self.upstream, block)
+        """Record the free, then free (a failing sink leaves the block live; a
+        free the upstream would refuse is refused before anything is written)."""
+        _check_free(self.upstream, block, stream, event, ordered)
         with self._lock:
             self._write(op="free", id=self._ids.get(block, -1),
                         stream=self._stream_id(stream))
@@ -376,22 +400,42 @@ class TracingAdaptor(AllocatorAdaptor):
                 self._file.close()
 
 
+_TRACE_OPS = ("alloc", "free", "resize")
+
+
 def load_trace(source) -> list[tuple]:
     """Read a JSON-lines trace (path, text file, or iterable of dicts/lines) into
-    ``(op, id, nbytes, stream)`` tuples; ``oom`` records are skipped."""
+    ``(op, id, nbytes, stream)`` tuples; ``oom`` records are skipped. A malformed
+    record raises :class:`~rtmem.errors.TraceError` naming its line."""
     if isinstance(source, (str, os.PathLike)):
         with open(source, encoding="utf-8") as f:
             return load_trace(f)
     out = []
-    for rec in source:
+    for line, rec in enumerate(source, 1):
         if isinstance(rec, str):
             if not rec.strip():
                 continue
-            rec = json.loads(rec)
-        op = rec["op"]
+            try:
+                rec = json.loads(rec)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"trace line {line} is not JSON ({exc.msg}): "
+                                 f"{rec.strip()[:80]!r}; a truncated file? Each line must "
+                                 f"be one record written by TracingAdaptor",
+                                 line=line) from None
+        if not isinstance(rec, dict):
+            raise TraceError(f"trace record {line} is a {type(rec).__name__}, not an "
+                             f"object with op/id/nbytes/stream", line=line)
+        op = rec.get("op")
         if op == "oom":
             continue
-        out.append((op, rec["id"], rec.get("nbytes", 0), rec.get("stream")))
+        if op not in _TRACE_OPS:
+            raise TraceError(f"trace record {line} has op {op!r}; expected one of "
+                             f"{', '.join(_TRACE_OPS)} or oom", line=line)
+        bid, nbytes = rec.get("id"), rec.get("nbytes", 0)
+        if not isinstance(bid, int) or not isinstance(nbytes, int) or nbytes < 0:
+            raise TraceError(f"trace record {line} ({op}) needs an integer id and "
+                             f"nbytes >= 0, got id={bid!r} nbytes={nbytes!r}", line=line)
+        out.append((op, bid, nbytes, rec.get("stream")))
     return out
 
 
@@ -425,15 +469,40 @@ def replay(trace, allocator, *, measure_extent: bool = False,
     (the naive baseline of ``bench/allocator.py`` too). Streams are replayed as
     their integer ids. ``measure_extent`` tracks block ends (needs ``offset``,
     ``size`` and ``slab`` on blocks; slows the loop). Leftover live blocks are
-    freed at the end unless ``free_leftovers`` is False.
+    freed at the end unless ``free_leftovers`` is False, and always when the
+    replay raises. A refused allocation or resize counts in ``ooms`` (a refused
+    resize leaves its block as it was); an allocator without ``resize`` replays
+    one as allocate-then-free.
     """
     if isinstance(trace, (str, os.PathLike, io.IOBase)):
         trace = load_trace(trace)
     live = {}
     alloc, dealloc = allocator.allocate, allocator.deallocate
-    pairs = ooms = cur = peak = 0
+    resize = getattr(allocator, "resize", None)
+    if resize is None:
+        def resize(block, nbytes, stream):
+            new = alloc(nbytes, stream)
+            dealloc(block)
+            return new
     ends = {}
-    t0 = time.perf_counter()
+    done = False
+    try:
+        t0 = time.perf_counter()
+        pairs, ooms, peak = _replay_loop(trace, live, alloc, dealloc, resize, ends,
+                                         measure_extent)
+        seconds = time.perf_counter() - t0
+        done = True
+    finally:
+        if free_leftovers or not done:
+            for block, _ in live.values():
+                dealloc(block)
+    return ReplayResult(pairs, seconds, peak,
+                        sum(ends.values()) if measure_extent else None, ooms)
+
+
+def _replay_loop(trace, live, alloc, dealloc, resize, ends, measure_extent):
+    """The timed loop of :func:`replay`; returns (pairs, ooms, peak live bytes)."""
+    pairs = ooms = cur = peak = 0
     for op, bid, nbytes, stream in trace:
         if op == "alloc":
             try:
@@ -460,15 +529,14 @@ def replay(trace, allocator, *, measure_extent: bool = False,
                 entry = block = None
         elif op == "resize" and bid in live:
             block, old = live[bid]
-            block = allocator.resize(block, nbytes, stream)
+            try:
+                block = resize(block, nbytes, stream)
+            except OutOfMemoryError:
+                ooms += 1
+                continue
             live[bid] = (block, nbytes)
             cur += nbytes - old
             peak = max(peak, cur)
             if measure_extent:
                 ends[block.slab] = max(ends.get(block.slab, 0), block.offset + block.size)
-    seconds = time.perf_counter() - t0
-    if free_leftovers:
-        for block, _ in live.values():
-            dealloc(block)
-    return ReplayResult(pairs, seconds, peak,
-                        sum(ends.values()) if measure_extent else None, ooms)
+    return pairs, ooms, peak

@@ -33,6 +33,9 @@ Invariants (checked by ``_check_invariants()``; all guarded by ``self._lock``):
 5. ``_allocated`` is the sum of live block sizes, ``_requested`` the sum of their
    requested bytes, ``_reserved`` the sum of slab sizes, ``_pending_bytes`` the
    sum of pending block sizes.
+6. A Block object is handed out at most once: reusing the bytes of a block
+   freed before gives them a fresh object (``_fresh``) and kills the old one,
+   so a stale handle can never free or resize someone else's allocation.
 
 Index keys are ints ``size << 56 | slab << 40 | offset`` kept sorted in plain
 lists, so best fit is one ``bisect`` and ties go to the lowest address;
@@ -138,7 +141,7 @@ class Block:
 
     def __repr__(self) -> str:
         return (f"<Block slab={self.slab} offset={self.offset} size={self.size} "
-                f"requested={self.requested} {_STATE_NAMES.get(self.state, 'merged')}>")
+                f"requested={self.requested} {_STATE_NAMES.get(self.state, 'dead')}>")
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,7 @@ class BestFitAllocator:
         self._lock = threading.Lock()
         self._slabs = {}            # slab id -> (handle, nbytes, first block)
         self._next_slab = 0
+        self._free_ids = []         # ids of trimmed slabs, for reuse
         self._ready = []            # sorted keys of ready free blocks
         self._pending = {}          # stream -> sorted keys of pending free blocks
         self._fifo = {}             # stream -> deque of (event, block) in record order
@@ -246,11 +250,16 @@ class BestFitAllocator:
         if nbytes >= _MAX_SLAB_BYTES:
             raise ValueError(f"a slab of {nbytes:,} B is too large: slabs must be smaller "
                              f"than 1 TiB; use several smaller slabs (growth_bytes=)")
-        if self._next_slab >= (1 << _SLAB_BITS):
+        if not self._free_ids and self._next_slab >= (1 << _SLAB_BITS):
             raise ValueError("more than 65536 slabs; use a larger growth_bytes")
         handle = self.slab_source.add_slab(nbytes) if self.slab_source is not None else None
-        sid = self._next_slab
-        self._next_slab += 1
+        if self._free_ids:
+            # Ids of trimmed slabs are reused (addresses pack 16 bits of slab id);
+            # no index or live block names them any more.
+            sid = self._free_ids.pop()
+        else:
+            sid = self._next_slab
+            self._next_slab += 1
         block = Block(sid, 0, nbytes, self)
         self._slabs[sid] = (handle, nbytes, block)
         self._reserved += nbytes
@@ -278,6 +287,7 @@ class BestFitAllocator:
                     continue
                 self._remove_ready(first)
                 del self._slabs[sid]
+                self._free_ids.append(sid)
                 self._reserved -= nbytes
                 released += nbytes
                 if self.slab_source is not None:
@@ -405,6 +415,9 @@ class BestFitAllocator:
             block = self._best_fit(size, stream)
         if block is None:
             grow = max(self.growth_bytes, size)
+            if self._reserved + grow > self.max_bytes:
+                # A last, smaller slab: max_bytes need not be initial + k * growth.
+                grow = max(size, self.max_bytes - self._reserved)
             if self._reserved + grow <= self.max_bytes:
                 try:
                     self._add_slab(grow)
@@ -475,6 +488,10 @@ class BestFitAllocator:
                     bsize = block.size
                     event, block.event = block.event, None
                     i = -1
+            if block.requested >= 0:
+                # Handed out before: a stale handle to it must stay dead, so the new
+                # allocation gets a fresh Block in its place (Rule 6).
+                block = self._fresh(block)
             if bsize > size:
                 # Split off the remainder (a spare block if any) into the block's index
                 # (a pending tail keeps the event); a ready key may reuse slot i.
@@ -518,6 +535,27 @@ class BestFitAllocator:
         finally:
             lock.release()
 
+    def _fresh(self, block: Block) -> Block:
+        """Replace ``block`` (free, in no index, handed out before) in its slab's
+        list by a new Block object covering the same bytes; the old object dies,
+        so a stale handle's free raises instead of freeing the new owner."""
+        spare = self._spare
+        new = spare.pop() if spare else Block.__new__(Block)
+        new.slab, new.offset, new.size, new.addr = block.slab, block.offset, \
+            block.size, block.addr
+        new.owner, new.state, new.requested = self, block.state, -1
+        new.stream, new.event = block.stream, None
+        prev, nxt = new.prev, new.next = block.prev, block.next
+        if prev is not None:
+            prev.next = new
+        else:
+            handle, nbytes, _ = self._slabs[block.slab]
+            self._slabs[block.slab] = (handle, nbytes, new)
+        if nxt is not None:
+            nxt.prev = new
+        block.state = _DEAD
+        return new
+
     def _check_owned_live(self, block) -> None:
         if type(block) is not Block or block.owner is not self:
             raise InvalidPointerError(
@@ -527,6 +565,21 @@ class BestFitAllocator:
             raise DoubleFreeError(
                 f"{block!r} is not allocated (double free or use of a freed block); "
                 f"each allocation must be freed exactly once")
+
+    def _check_free_args(self, stream, event, ordered) -> None:
+        if ordered:
+            if self.event_source is None:
+                raise ValueError("this allocator has no event_source, so it cannot order "
+                                 "a free on a stream; construct it with event_source=, "
+                                 "or free with event=")
+            if stream is None or event is not None:
+                raise ValueError("an ordered free needs a stream and no event; pass "
+                                 "stream=, or drop ordered= and free with event=")
+        elif event is not None and stream is None:
+            # Stream None is also the key of allocations that name no stream, which
+            # would reuse the block before the event (the CPU is ordered with none).
+            raise ValueError("an event-gated free needs the stream the event was "
+                             "recorded on; pass stream=")
 
     def deallocate(self, block: Block, *, stream=None, event=None,
                    ordered: bool = False) -> None:
@@ -543,14 +596,8 @@ class BestFitAllocator:
         :class:`~rtmem.errors.DoubleFreeError`, blocks of another allocator
         :class:`~rtmem.errors.InvalidPointerError`; the state is then unchanged.
         """
-        if ordered:
-            if self.event_source is None:
-                raise ValueError("this allocator has no event_source, so it cannot order "
-                                 "a free on a stream; construct it with event_source=, "
-                                 "or free with event=")
-            if stream is None or event is not None:
-                raise ValueError("an ordered free needs a stream and no event; pass "
-                                 "stream=, or drop ordered= and free with event=")
+        if ordered or event is not None:
+            self._check_free_args(stream, event, ordered)
         lock = self._lock
         lock.acquire()
         try:
@@ -643,8 +690,7 @@ class BestFitAllocator:
         with self._lock:
             self._check_owned_live(block)
             nxt = block.next
-            if size <= block.size or (nxt is not None and nxt.state == _READY
-                                      and block.size + nxt.size >= size):
+            if self._fits_in_place(block, size):
                 if size > block.size:
                     self._remove_ready(nxt)
                     self._allocated += nxt.size
@@ -667,14 +713,30 @@ class BestFitAllocator:
         self.deallocate(block, stream=stream)
         return new
 
+    @staticmethod
+    def _fits_in_place(block: Block, size: int) -> bool:
+        nxt = block.next
+        return size <= block.size or (nxt is not None and nxt.state == _READY
+                                      and block.size + nxt.size >= size)
+
+    def fits_in_place(self, block: Block, nbytes: int) -> bool:
+        """True if :meth:`resize` of live ``block`` to ``nbytes`` bytes would keep
+        it in place now (a shrink, or growth into a ready free neighbour)."""
+        size = align_up(max(int(nbytes), 1), self.alignment)
+        with self._lock:
+            self._check_owned_live(block)
+            return self._fits_in_place(block, size)
+
     def owns(self, block) -> bool:
         """True if ``block`` is a live block of this allocator."""
         return type(block) is Block and block.owner is self and block.state == _LIVE
 
-    def check_live(self, block) -> None:
-        """Raise what :meth:`deallocate` would for ``block`` if it is not a live
-        block of this allocator (adaptors that act on a block before freeing it
-        check first, so a refused free changes nothing)."""
+    def check_free(self, block, *, stream=None, event=None, ordered: bool = False) -> None:
+        """Raise what :meth:`deallocate` would raise for these arguments, changing
+        nothing (adaptors that act on a block before freeing it check first, so
+        a refused free leaves them unchanged too)."""
+        if ordered or event is not None:
+            self._check_free_args(stream, event, ordered)
         if not self.owns(block):
             with self._lock:
                 self._check_owned_live(block)
@@ -721,7 +783,7 @@ class BestFitAllocator:
 
     # ------------------------------------------------------------- invariants
     def _check_invariants(self) -> None:
-        """Assert NOTE [ Allocator structure ] Rules 1-5; raise AssertionError."""
+        """Assert NOTE [ Allocator structure ] Rules 1-6; raise AssertionError."""
         with self._lock:
             a = self.alignment
             allocated = requested = reserved = pending = n_live = n_free = 0

@@ -87,6 +87,14 @@ def _plain_dtype(dtype, default) -> np.dtype:
     if dt.hasobject:
         raise TypeError(f"dtype {dt} holds Python objects; arena buffers hold raw "
                         f"bytes: use a numeric dtype")
+    if dt.subdtype is not None:
+        base, sub = dt.subdtype
+        raise TypeError(f"dtype {dt} is a subarray dtype; pass its item dtype and fold "
+                        f"its shape into shape= (dtype={base}, shape=(..., "
+                        f"{', '.join(map(str, sub))}))")
+    if dt.itemsize == 0:
+        raise TypeError(f"dtype {dt} has no item size; give a sized dtype such as "
+                        f"'S16' or 'U8' (a buffer's bytes are fixed at allocation)")
     return dt
 
 
@@ -310,6 +318,12 @@ class _Arena:
                     buf._host = None
             buf._pending = None
             buf._freed = True
+
+    def trim(self) -> int:
+        """Give back every growth slab that is entirely free (waiting for pending
+        frees first); returns the bytes released. The first slab is kept."""
+        with self._acct_lock:
+            return self.allocator.trim()
 
     def stats(self) -> ArenaStats:
         """Allocator stats (top of the stack) plus per-kind bytes and counts, one

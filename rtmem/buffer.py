@@ -112,7 +112,7 @@ class Buffer:
 
     __slots__ = ("nbytes", "dtype", "shape", "kind", "_device", "_host", "_pending",
                  "_freed", "_lock", "device_arena", "host_arena", "_pins", "_free_requested",
-                 "__weakref__")
+                 "_exports", "__weakref__")
 
     def __init__(self, placement: Placement, nbytes: int, dtype: np.dtype, shape: tuple,
                  kind: str):
@@ -134,6 +134,7 @@ class Buffer:
         # so the arena never hands the bytes out while a tensor still reads them.
         self._pins = 0
         self._free_requested = False
+        self._exports = None        # slab arrays behind __array_interface__ exports
         self._attach(placement)
 
     def _attach(self, placement: Placement) -> None:
@@ -371,7 +372,16 @@ class Buffer:
         if self.primary.slab.host_array is None:
             raise AttributeError("cuda device memory has no __array_interface__; use "
                                  "__cuda_array_interface__, DLPack or to_numpy()")
-        return self.numpy().__array_interface__
+        slab_array = self.primary.slab.host_array
+        interface = self.numpy().__array_interface__
+        # numpy makes this Buffer the base of the array it builds from the dict, not
+        # a view of the slab, so the Buffer keeps the slab array alive: on the host
+        # backend the memory then outlives arena.close() as numpy() views do.
+        with self._lock:
+            exports = self._exports if self._exports is not None else {}
+            exports[id(slab_array)] = slab_array
+            self._exports = exports
+        return interface
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -397,9 +407,20 @@ class Buffer:
         arr = self.cupy()
         return arr.__dlpack__(stream=stream, **kwargs)
 
+    def __reduce__(self):
+        # A copy would be a second handle on the same blocks: freeing both would
+        # free whatever the arena had handed out in between. Pickling cannot carry
+        # arena memory either.
+        raise TypeError(
+            "a Buffer cannot be copied or pickled (it is a handle on arena memory); "
+            "pass the Buffer itself, or copy its data with buf.to_numpy()")
+
     def __repr__(self) -> str:
         state = self.residency
-        where = "" if self._freed else f" offset={self.offset}"
+        # No liveness check: repr must work in error messages about freed buffers
+        # and buffers of closed arenas.
+        p = self._device if self._device is not None else self._host
+        where = "" if self._freed or p is None else f" offset={p.block.offset}"
         return (f"<Buffer {self.kind} {self.shape} {self.dtype} {self.nbytes:,} B "
                 f"{state}{where}>")
 

@@ -25,6 +25,7 @@ __all__ = [
     "OptimizerError",
     "KernelArgumentError",
     "LayoutError",
+    "TraceError",
 ]
 
 
@@ -190,3 +191,13 @@ class KernelArgumentError(RtmemError, ValueError):
         self.argument = argument
 
 
+
+
+class TraceError(RtmemError, ValueError):
+    """An allocation trace (:func:`rtmem.adaptors.load_trace`) is malformed: a
+    line that is not JSON, a record without ``op``/``id``, an unknown op.
+    ``line`` is the 1-based line (or record) number when known."""
+
+    def __init__(self, message: str, *, line: int | None = None):
+        super().__init__(message)
+        self.line = line

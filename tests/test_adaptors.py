@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 
 import pytest
 
@@ -11,7 +12,8 @@ from rtmem.adaptors import (LimitAdaptor, PoisonAdaptor, Statistics, StatisticsA
                             TracingAdaptor, load_trace, replay)
 from rtmem.allocator import BestFitAllocator
 from rtmem.arena import DeviceArena
-from rtmem.errors import OutOfMemoryError, UseAfterFreeError
+from _threads import run_on_threads
+from rtmem.errors import OutOfMemoryError, TraceError, UseAfterFreeError
 
 
 def test_statistics_adaptor_counts_requested_bytes():
@@ -291,3 +293,115 @@ def test_tracing_adaptor_sink_failure_leaves_the_arena_unchanged():
     assert a.stats().allocated_bytes == 0
     ops = [json.loads(line)["op"] for line in sink.getvalue().splitlines()]
     assert ops == ["alloc", "free"]                 # the trace matches what happened
+
+
+def test_adaptor_counters_balance_under_threads():
+    # Each adaptor's table update happens under its lock with the upstream call:
+    # with a free outside it, another thread's allocation could be counted first.
+    core = BestFitAllocator(1 << 22)
+    stats = StatisticsAdaptor(core)
+    limit = LimitAdaptor(stats, 1 << 22)
+
+    def work(tid):
+        rng, live = random.Random(tid), []
+        for _ in range(2000):
+            if live and rng.random() < 0.5:
+                limit.deallocate(live.pop(rng.randrange(len(live))))
+            else:
+                live.append(limit.allocate(rng.randrange(1, 4096)))
+        for b in live:
+            limit.deallocate(b)
+    run_on_threads(work, 4)
+    assert limit.used_bytes == 0 and core.stats().allocated_bytes == 0
+    st = stats.statistics()
+    assert st.current_bytes == 0 and st.current_count == 0
+    core._check_invariants()
+
+
+def test_limit_adaptor_counts_both_blocks_of_a_moving_resize():
+    core = BestFitAllocator(8192)
+    lim = LimitAdaptor(core, 4096)
+    a, b = lim.allocate(1024), lim.allocate(2048)
+    # a cannot grow in place (b follows it): old and new block would both be live
+    with pytest.raises(OutOfMemoryError):
+        lim.resize(a, 2048)                 # 3072 used + 2048 > 4096
+    assert lim.used_bytes == 3072 and a.is_live and core.stats().peak_bytes == 3072
+    lim.deallocate(b)
+    c = lim.resize(a, 3072)                 # in place into the freed neighbour
+    assert c is a and lim.used_bytes == 3072 and core.stats().peak_bytes <= 4096
+
+
+def test_tracing_writes_nothing_for_a_free_the_upstream_refuses():
+    sink = io.StringIO()
+    tr = TracingAdaptor(BestFitAllocator(4096), sink)
+    b = tr.allocate(100)
+    with pytest.raises(ValueError, match="event_source"):
+        tr.deallocate(b, stream="s", ordered=True)       # the core has no event_source
+    tr.deallocate(b)
+    assert [op for op, *_ in load_trace(io.StringIO(sink.getvalue()))] == ["alloc", "free"]
+
+
+def test_replay_counts_refused_resizes_and_frees_leftovers_on_errors():
+    trace = [("alloc", 0, 1000, None), ("resize", 0, 8000, None), ("free", 0, 0, None)]
+    core = BestFitAllocator(4096)
+    res = replay(trace, core)
+    assert res.ooms == 1 and res.pairs == 1 and core.stats().live_blocks == 0
+
+    class Failing:                      # an allocator that breaks mid-trace
+        def __init__(self):
+            self.core = BestFitAllocator(4096)
+
+        def allocate(self, nbytes, stream=None):
+            if nbytes == 13:
+                raise RuntimeError("broken")
+            return self.core.allocate(nbytes, stream)
+
+        def deallocate(self, block):
+            self.core.deallocate(block)
+    f = Failing()
+    with pytest.raises(RuntimeError):
+        replay([("alloc", 0, 100, None), ("alloc", 1, 13, None)], f,
+               free_leftovers=False)
+    assert f.core.stats().live_blocks == 0          # freed though the replay raised
+
+    class NoResize:                     # allocate/deallocate only: resize = move
+        def __init__(self):
+            self.core = BestFitAllocator(4096)
+            self.allocate, self.deallocate = self.core.allocate, self.core.deallocate
+    n = NoResize()
+    res = replay(trace[:2] + [("resize", 0, 200, None), trace[2]], n)
+    assert res.pairs == 1 and res.ooms == 1 and n.core.stats().live_blocks == 0
+
+
+@pytest.mark.parametrize("lines, line, fragment", [
+    (['{"op":"alloc","id":0,"nbytes":8}', '{"op":"free","id"'], 2, "not JSON"),
+    (['{"op":"free","nbytes":0}'], 1, "integer id"),
+    (['{"op":"alloc","id":0,"nbytes":-4}'], 1, "nbytes >= 0"),
+    (['{"op":"bogus","id":0}'], 1, "op 'bogus'"),
+    (['[1, 2]'], 1, "not an object"),
+])
+def test_load_trace_names_the_bad_line(lines, line, fragment):
+    with pytest.raises(TraceError, match=fragment) as info:
+        load_trace(io.StringIO("\n".join(lines) + "\n"))
+    assert info.value.line == line
+
+
+def test_poison_adaptor_survives_a_trim_after_a_moving_resize():
+    a = DeviceArena(4096, max_bytes=8192, growth_bytes=4096, debug=True)
+    al = a.allocator
+    fill = al.allocate(3072)
+    blk = al.allocate(2048)                 # grows slab 1
+    al.deallocate(fill)
+    new = al.resize(blk, 3000)              # moves to slab 0: slab 1's span is stale
+    assert new.slab == 0
+    assert a.core.trim() == 4096            # behind the adaptor's back
+    y = a.core.allocate(2048)               # a new slab that reuses slab id 1
+    assert y.slab == 1
+    a.backend.fill(a._slab_of(y), y.offset, 2048, 7)
+    x = al.allocate(256)                    # the stale span is skipped: no KeyError,
+    assert (a.backend.read(a._slab_of(y), y.offset, 2048) == 7).all()   # y intact
+    for b in (x, new):
+        al.deallocate(b)
+    a.core.deallocate(y)
+    assert a.trim() == 4096                 # arenas trim through the adaptors
+    a._check_invariants()

@@ -365,8 +365,10 @@ def test_spare_blocks_are_recycled_but_handed_out_blocks_never():
     tail = y.next
     a.deallocate(y)                                # y absorbs the tail: tail is spare
     assert a._spare == [tail] and tail.requested == -1
-    z = a.allocate(2048)                           # the split reuses the spare object
-    assert z is y and z.next is tail and tail.offset == 1024 + 2048
+    z = a.allocate(2048)                           # y was handed out: a fresh handle,
+    assert z is tail and z is not y and z.offset == 1024   # recycled from the spares
+    with pytest.raises(DoubleFreeError):
+        a.deallocate(y)                            # the stale handle stays dead
     a._check_invariants()
     a.deallocate(x)
     a.deallocate(z)                                # z merges into x: z is dead, not spare
@@ -596,3 +598,68 @@ AllocatorMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+def test_a_stale_handle_never_frees_the_next_owner_of_its_bytes():
+    # Reused bytes get a fresh Block (NOTE [ Allocator structure ] Rule 6): the
+    # old handle's double free raises instead of freeing the new allocation.
+    a = BestFitAllocator(1 << 16)
+    x = a.allocate(1000)
+    a.deallocate(x)
+    y = a.allocate(1000)
+    assert y.offset == x.offset and y is not x
+    for stale_call in (lambda: a.deallocate(x), lambda: a.resize(x, 10),
+                       lambda: a.fits_in_place(x, 10)):
+        with pytest.raises(DoubleFreeError):
+            stale_call()
+    assert y.is_live and a.allocate(1000).offset != y.offset
+    a._check_invariants()
+
+
+def test_an_event_gated_free_needs_its_stream():
+    # Stream None is the key of allocations naming no stream: a free filed there
+    # behind an event would be reused before the event completes.
+    a = BestFitAllocator(1024)
+    b = a.allocate(1024)
+    with pytest.raises(ValueError, match="pass stream="):
+        a.deallocate(b, event=FakeEvent())
+    assert b.is_live and a.stats().pending_bytes == 0       # nothing changed
+    with pytest.raises(ValueError, match="pass stream="):
+        a.check_free(b, event=FakeEvent())
+    ev = FakeEvent()
+    a.deallocate(b, stream="s", event=ev)
+    a.allocate(1024)                        # another stream: only after the event
+    assert ev.syncs == 1
+    a._check_invariants()
+
+
+def test_slab_ids_of_trimmed_slabs_are_reused():
+    a = BestFitAllocator(256, max_bytes=512)
+    a.allocate(256)
+    for _ in range((1 << 16) + 10):        # more cycles than there are slab ids
+        a.deallocate(a.allocate(256))       # grows by a slab
+        assert a.trim() == 256
+    assert a.stats().slabs == 1
+    a._check_invariants()
+
+
+def test_growth_reaches_max_bytes_with_a_smaller_last_slab():
+    a = BestFitAllocator(4096, max_bytes=6144, growth_bytes=4096)
+    a.allocate(4096)
+    b = a.allocate(256)                     # a 2 KiB slab: what max_bytes leaves
+    assert a.stats().reserved_bytes == 6144 and b.slab == 1
+    a.allocate(1792)
+    with pytest.raises(OutOfMemoryError):
+        a.allocate(256)
+    a._check_invariants()
+
+
+def test_fits_in_place_predicts_resize():
+    a = BestFitAllocator(4096)
+    x, y = a.allocate(1024), a.allocate(1024)
+    a.deallocate(y)
+    assert a.fits_in_place(x, 100) and a.fits_in_place(x, 4096)
+    assert not a.fits_in_place(x, 4097)
+    z = a.allocate(1024)                    # takes the neighbour back
+    assert not a.fits_in_place(x, 2048)
+    assert a.resize(x, 2048) is not x and a.fits_in_place(z, 1024)

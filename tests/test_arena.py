@@ -316,3 +316,66 @@ def test_host_arena_flags_must_be_booleans():
     for kwargs in (dict(pinned="no"), dict(mapped=1)):
         with pytest.raises(TypeError, match="True or False"):
             HostArena(4096, backend="host", **kwargs)
+
+
+def test_arrays_from_the_array_interface_outlive_close():
+    # numpy makes the Buffer the base of np.asarray(buf): the Buffer keeps the
+    # slab memory alive, as numpy() views do (a segfault before).
+    arena = DeviceArena(64 << 20, backend="host")   # big: numpy's memory is mmapped
+    buf = arena.alloc(shape=(1 << 20,), dtype=np.float32)
+    data = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+    buf.numpy()[:] = data
+    arr = np.asarray(buf)
+    for _ in range(3):
+        np.asarray(buf)                     # one kept slab array, not one per call
+    assert arr.base is buf and len(buf._exports) == 1
+    arena.close()
+    import gc
+    gc.collect()
+    assert np.array_equal(arr, data)
+
+
+def test_buffers_cannot_be_copied_or_pickled(dev):
+    import copy
+    buf = dev.alloc(64)
+    for op in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            op(buf)
+    buf.free()          # a copy would have been a second handle on the block
+
+
+def test_repr_of_buffers_of_closed_arenas():
+    arena = DeviceArena(1 << 16, backend="host")
+    other = DeviceArena(1 << 16, backend="host")
+    b = arena.alloc(100)
+    arena.close()
+    assert "offset=0" in repr(b)
+    with pytest.raises(InvalidPointerError):    # not the UseAfterFreeError of repr
+        other.free(b)
+    other.close()
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(nbytes=16, dtype=str), "no item size"),
+    (dict(nbytes=16, dtype="V0"), "no item size"),
+    (dict(shape=(4,), dtype="S"), "no item size"),
+    (dict(shape=(4,), dtype=("f4", (3,))), "subarray"),
+])
+def test_unsized_and_subarray_dtypes_are_refused(dev, kwargs, fragment):
+    before = dev.stats()
+    with pytest.raises(TypeError, match=fragment):
+        dev.alloc(**kwargs)
+    assert dev.stats() == before
+
+
+def test_trim_gives_growth_slabs_back():
+    arena = DeviceArena(1 << 20, max_bytes=3 << 20, backend="host")
+    bufs = [arena.alloc(1 << 20) for _ in range(3)]
+    assert arena.stats().slabs == 3
+    bufs[1].free()
+    assert arena.trim() == 1 << 20 and arena.stats().slabs == 2
+    for b in (bufs[0], bufs[2]):
+        b.free()
+    assert arena.trim() == 1 << 20 and arena.stats().reserved_bytes == 1 << 20
+    arena._check_invariants()
+    arena.close()

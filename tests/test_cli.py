@@ -147,3 +147,20 @@ def test_demo_result_values(tmp_path):
 def test_no_command_prints_help(capsys):
     code, out, _ = run(capsys)
     assert code == 2 and "simulate" in out
+
+
+def test_python_dash_m_rtmem_runs_the_cli():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "rtmem", "--version"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.startswith("rtmem ")
+
+
+@pytest.mark.parametrize("argv", [("bench", "dha", "--tokens", "0"),
+                                  ("bench", "dha", "--repeats", "0"),
+                                  ("bench", "pcie", "--repeats", "0")])
+def test_zero_bench_counts_are_refused_not_replaced(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    assert info.value.code == 2 and "at least 1" in capsys.readouterr().err
