@@ -228,7 +228,19 @@ def main(argv=None) -> int:
           f"median of {repeats}, times in ms")
     layers = []
     for spec in layer_specs(h):
-        layers.append(measure_layer(spec, tokens, repeats, rng))
+        try:
+            layers.append(measure_layer(spec, tokens, repeats, rng))
+        except Exception as e:  # noqa: BLE001 - reported with what was measured
+            # The first kernel launch compiles: a missing NVVM shows here.
+            error = f"{type(e).__name__}: {e}"
+            path = write_results("dha_layers", {
+                "format": "rtmem.dha_layers/1", "device": device, "model": args.model,
+                "hidden": h, "tokens": tokens, "layers": layers, "partial": True,
+                "error": f"{spec['name']}: {error}"})
+            print(f"measuring {spec['name']} failed: {error}\n(`rtmem doctor` says whether "
+                  f"numba-cuda finds NVVM; see CUDA_HOME there); wrote {path}",
+                  file=sys.stderr)
+            return 1
         print(f"  measured {spec['name']}", flush=True)
     rows = [[r["name"], r["kind"], f"{r['param_bytes'] / 2**20:.2f}",
              f"{r['transfer_s'] * 1e3:.3f}"]

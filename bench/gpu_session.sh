@@ -33,9 +33,15 @@ unset NUMBA_ENABLE_CUDASIM
 # numba-cuda needs libNVVM; without the nvidia-nvvm wheel it may look under
 # CUDA_HOME, but once CUDA_HOME is set it looks nowhere else: set it only to a
 # toolkit that has NVVM.
-if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda/nvvm ]; then
-    export CUDA_HOME=/usr/local/cuda
+if [ -z "${CUDA_HOME:-}" ]; then
+    nvcc=$(command -v nvcc 2>/dev/null) && nvcc=$(readlink -f "$nvcc")
+    for home in /usr/local/cuda ${nvcc:+"$(dirname "$(dirname "$nvcc")")"}; do
+        if [ -d "$home/nvvm" ]; then export CUDA_HOME=$home; break; fi
+    done
 fi
+echo "CUDA_HOME=${CUDA_HOME:-unset}; $(python3 -c 'import numpy, numba, cupy, torch
+print("numpy", numpy.__version__, "numba", numba.__version__, "cupy", cupy.__version__,
+      "torch", torch.__version__)' 2>&1 | tail -n 1)"
 all_steps="doctor gpu-tests pcie dha-layers allocator train adam"
 q=
 steps=
@@ -97,7 +103,7 @@ step gpu-tests 240 python3 -m pytest -q -rs -m gpu tests
 step pcie 120 python3 bench/pcie.py $q
 step dha-layers 90 python3 bench/dha_layers.py $q
 step allocator 90 python3 bench/allocator.py
-step train 540 python3 bench/train.py --skip-cpu --gpu-time-s 240 --gpu-deadline-s 460
+step train 540 python3 bench/train.py --skip-cpu --gpu-time-s 240 --gpu-deadline-s 420
 step adam 300 python3 bench/adam.py --sizes 1e7,5e7,1e8 --budget 6
 pack
 exit $status

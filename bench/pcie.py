@@ -102,11 +102,31 @@ class Timer:
         self.delay_s = self.MIN_DELAY_S
         #: runs whose start event had passed even behind the longest delay
         self.uncovered = 0
+        from rtmem.kernels.dha import gpu_delay
+        self._delay, self.delay_kind = gpu_delay, "numba"
+
+    def check_delay(self, stream) -> None:
+        """Launch the delay once. numba's kernel needs NVVM to compile; without
+        it fall back to a CuPy kernel (NVRTC), and without that to no delay
+        (events then include the launch path: ``delay_kind`` says so)."""
+        try:
+            self._delay(self.MIN_DELAY_S, stream=stream)
+            stream.synchronize()
+            return
+        except Exception as e:  # noqa: BLE001 - recorded; the copies are still timed
+            print(f"  numba delay kernel unavailable ({type(e).__name__}: {e})", flush=True)
+        try:
+            self._delay, self.delay_kind = _cupy_delay(self.cp), "cupy"
+            self._delay(self.MIN_DELAY_S, stream=stream)
+            stream.synchronize()
+        except Exception as e:  # noqa: BLE001
+            print(f"  no delay kernel ({type(e).__name__}: {e}): event timings include "
+                  f"the launch path", flush=True)
+            self._delay, self.delay_kind = (lambda seconds, *, stream: None), "none"
 
     def hold(self, stream) -> None:
         """Queue the current delay on ``stream`` (before a start event)."""
-        from rtmem.kernels.dha import gpu_delay
-        gpu_delay(self.delay_s, stream=stream)
+        self._delay(self.delay_s, stream=stream)
 
     def covered(self, start) -> bool:
         """Call right after queueing a run: True when ``start`` has not been
@@ -147,7 +167,32 @@ class Timer:
 
     def summary(self) -> dict:
         """The delay the runs ended with and the runs it did not cover (JSON)."""
-        return {"final_delay_s": self.delay_s, "uncovered_runs": self.uncovered}
+        return {"final_delay_s": self.delay_s, "uncovered_runs": self.uncovered,
+                "delay_kernel": self.delay_kind}
+
+
+_DELAY_SOURCE = r"""
+extern "C" __global__ void rtmem_delay(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
+
+def _cupy_delay(cp):
+    """The delay of :func:`rtmem.kernels.dha.gpu_delay` as a CuPy RawKernel,
+    compiled by NVRTC (which CuPy has even where numba finds no NVVM)."""
+    import numpy as np
+    kernel = cp.RawKernel(_DELAY_SOURCE, "rtmem_delay")
+
+    def delay(seconds, *, stream):
+        with stream:            # RawKernel launches on the current stream
+            kernel((1,), (1,), (np.uint64(max(1, int(seconds * 1e9))),))
+    return delay
 
 
 def _concurrent(cp, timer, first, second, s1, s2):
@@ -222,6 +267,7 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
     def copy(dst, src, n, kind, stream):
         return lambda: rt.memcpyAsync(dst, src, n, kind, stream.ptr)
 
+    timer.check_delay(s1)
     dha_error = None
     try:   # first launch compiles: no NVVM (or a kernel bug) shows here
         dha.dha_write(mapped[:min_size], 5, stream=s1)

@@ -386,7 +386,13 @@ class Buffer:
     @property
     def __cuda_array_interface__(self) -> dict:
         """CUDA array interface v3 over the device placement, else the device
-        alias of a mapped host placement (cuda backend only)."""
+        alias of a mapped host placement (cuda backend only).
+
+        ``"stream"`` is None: a copy still in flight into the buffer is ordered
+        before later work on the *current* (compute) stream only, by a wait put
+        there when the interface is read. A consumer that runs on another stream
+        must first make that stream wait for the buffer (``rtmem.wait(buf)`` on
+        it, or ``rtmem.synchronize(buf)``)."""
         return self._cuda_interface()
 
     def __dlpack_device__(self) -> tuple[int, int]:

@@ -42,6 +42,13 @@ def _numba_info() -> dict:
         info["numba_cuda_nvvm"] = bool(nvvm.is_available())
     except Exception:   # simulator or no numba.cuda: no NVVM to report
         info["numba_cuda_nvvm"] = None
+    if info["numba_cuda_nvvm"] is False:
+        try:            # is_available() hides why: loading it again says
+            nvvm.NVVM()
+        except Exception as exc:  # noqa: BLE001 - reported, doctor never raises
+            info["numba_cuda_nvvm_error"] = f"{type(exc).__name__}: {exc}"
+    # numba-cuda looks for libNVVM under CUDA_HOME once it is set, and only there.
+    info["CUDA_HOME"] = os.environ.get("CUDA_HOME")
     return info
 
 
@@ -87,7 +94,11 @@ def _lines(r: dict) -> list[str]:
     nvvm = {True: "yes", False: "no (kernels cannot compile)", None: "unknown"}[
         r.get("numba_cuda_nvvm")]
     out.append(f"numba-cuda       {nc}; usable: "
-               f"{'yes' if r.get('numba_cuda_available') else 'no'}; NVVM: {nvvm}")
+               f"{'yes' if r.get('numba_cuda_available') else 'no'}; NVVM: {nvvm}; "
+               f"CUDA_HOME={r.get('CUDA_HOME') or 'unset'}")
+    if r.get("numba_cuda_nvvm_error"):
+        out.append(f"  ! {r['numba_cuda_nvvm_error']} (set CUDA_HOME to a CUDA toolkit "
+                   f"that has nvvm/, or install the nvidia-nvvm wheel)")
     lim = cuda.get("memlock_limit_bytes")
     avail = cuda.get("host_available_bytes")
     # cudaHostAlloc pins through the driver, bounded by host memory; RLIMIT_MEMLOCK

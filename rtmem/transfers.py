@@ -164,8 +164,9 @@ def _check_movable(buf) -> None:
 
 
 def _check_event(obj, what: str) -> None:
+    # query(): rtmem, torch and host events; a CuPy event has the .done property.
     if not (callable(getattr(obj, "synchronize", None))
-            and callable(getattr(obj, "query", None))):
+            and (callable(getattr(obj, "query", None)) or hasattr(obj, "done"))):
         raise TypeError(f"{what} takes a Buffer, an event (returned by prefetch, "
                         f"offload or copy) or None, got {type(obj).__name__}")
 

@@ -95,6 +95,7 @@ import queue
 import threading
 import time
 import types
+import weakref
 
 import numpy as np
 
@@ -153,9 +154,11 @@ class FakeCupy:
         self.live = {}                 # addr -> _Alloc
         self.device_used = self.host_used = 0
         self.fail_malloc = self.fail_host_alloc = False
+        self.raw_kernels = True        # False: RawKernel fails as without NVRTC
         self._lock = threading.Lock()
         self._ids = itertools.count(0x5000, 0x10)
         self._streams = {}             # ptr -> Stream (all live streams)
+        self._events = weakref.WeakValueDictionary()   # ptr -> Event
         self._tls = threading.local()
         self._closed = False
         self.modules = self._build_modules()
@@ -412,10 +415,17 @@ class FakeCupy:
             fake.synchronize_all()
             fake._raise_sticky()
 
+        def streamWaitEvent(stream, event, flags=0):
+            fake._log("streamWaitEvent", stream, event, flags)
+            ev = fake._events.get(int(event))
+            if ev is None:
+                raise CUDARuntimeError(400)         # cudaErrorInvalidResourceHandle
+            fake._stream_of(stream).wait_event(ev)
+
         for f in (getDeviceCount, getDevice, getDeviceProperties, driverGetVersion,
                   runtimeGetVersion, memGetInfo, malloc, hostAlloc, free, freeHost,
                   pointerGetAttributes, memcpyAsync, memcpy, memsetAsync, memset,
-                  streamSynchronize, deviceSynchronize):
+                  streamSynchronize, deviceSynchronize, streamWaitEvent):
             setattr(rt, f.__name__, f)
 
         class _Mark(threading.Event):
@@ -433,6 +443,7 @@ class FakeCupy:
                 self.block, self.disable_timing = block, disable_timing
                 self.ptr = next(fake._ids)
                 self._flag = None
+                fake._events[self.ptr] = self
 
             def record(self, stream=None):
                 s = fake._current() if stream is None else stream
@@ -720,6 +731,9 @@ class FakeCupy:
         allocator_state = {"global": default_pool.malloc}
 
         def set_allocator(allocator=None):
+            if getattr(fake._tls, "allocator", None):       # as CuPy's memory.pyx
+                raise ValueError("Can't change the global allocator inside "
+                                 "`using_allocator` context manager")
             allocator_state["global"] = allocator
 
         def get_allocator():
@@ -844,6 +858,24 @@ class FakeCupy:
                 raise NotImplementedError("the fake cupy.empty is C-order only")
             return ndarray._allocate(shape, dtype)
 
+        class RawKernel:
+            """``cupy.RawKernel(code, name)``: no compiler here, so only the delay
+            kernel of bench/pcie.py (a nap of ``args[0]`` ns on the current
+            stream) runs; ``fake.raw_kernels = False`` plays a missing NVRTC."""
+
+            def __init__(self, code, name, options=(), backend="nvrtc"):
+                if not fake.raw_kernels:
+                    raise RuntimeError("nvrtc: libnvrtc.so cannot be loaded")
+                if f"void {name}(" not in code or name != "rtmem_delay":
+                    raise NotImplementedError(f"the fake RawKernel only runs rtmem_delay, "
+                                              f"got {name!r}")
+                self.code, self.name = code, name
+
+            def __call__(self, grid, block, args, *, shared_mem=0):
+                fake._log("RawKernel", self.name, grid, block, args)
+                ns = int(args[0])
+                fake._current()._enqueue(lambda: time.sleep(ns * 1e-9))
+
         cuda = types.ModuleType("cupy.cuda")
         memory = types.ModuleType("cupy.cuda.memory")
         for name, obj in (("BaseMemory", BaseMemory), ("UnownedMemory", UnownedMemory),
@@ -862,6 +894,7 @@ class FakeCupy:
         cupy = types.ModuleType("cupy")
         cupy.__version__ = "14.2.0+fake"
         cupy.cuda, cupy.ndarray, cupy.asarray, cupy.empty = cuda, ndarray, asarray, empty
+        cupy.RawKernel = RawKernel
         for name in ("uint8", "int32", "int64", "uint64", "float32", "float64"):
             setattr(cupy, name, getattr(np, name))      # CuPy re-exports numpy's types
         cupy.get_default_memory_pool = lambda: default_pool

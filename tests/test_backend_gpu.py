@@ -42,6 +42,26 @@ def test_doctor_reports_and_exit_code(capsys, monkeypatch):
         assert args.func(args) == 1
 
 
+def test_doctor_says_why_nvvm_is_missing(monkeypatch):
+    # numba's nvvm.is_available() is a bare bool: the doctor reports the load
+    # error and CUDA_HOME, which decides where numba-cuda looks.
+    from rtmem import doctor
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    monkeypatch.setenv("CUDA_HOME", "/opt/no-toolkit")
+    from numba.cuda.cudadrv import nvvm
+
+    def missing():
+        raise RuntimeError("libNVVM cannot be found")
+    monkeypatch.setattr(nvvm, "is_available", lambda: False)
+    monkeypatch.setattr(nvvm, "NVVM", missing)
+    report = doctor.collect()
+    assert report["CUDA_HOME"] == "/opt/no-toolkit" and report["numba_cuda_nvvm"] is False
+    assert report["numba_cuda_nvvm_error"] == "RuntimeError: libNVVM cannot be found"
+    text = "\n".join(doctor._lines(report))
+    assert "CUDA_HOME=/opt/no-toolkit" in text and "NVVM: no" in text
+    assert "! RuntimeError: libNVVM cannot be found (set CUDA_HOME" in text
+
+
 @pytest.mark.skipif(HAS_CUPY, reason="CuPy is installed")
 def test_missing_cupy_names_the_extra():
     from rtmem.backends import get_backend

@@ -288,6 +288,48 @@ def test_pcie_without_dha_kernels_measures_copies_and_saves_each_size(bench, mon
     assert all(len(points) == 1 for points in doc["curves"].values())
 
 
+@pytest.mark.parametrize("nvrtc", [True, False])
+def test_pcie_times_copies_when_numba_cannot_compile_the_delay(bench, monkeypatch, nvrtc):
+    # Without NVVM numba compiles no kernel, the Timer's delay included: the
+    # copies are then timed behind a CuPy (NVRTC) delay, or, without NVRTC
+    # too, behind none.
+    pcie = bench.load("pcie")
+    bench.stub_kernels()
+    from rtmem.kernels import dha
+
+    def no_nvvm(*args, **kwargs):
+        raise RuntimeError("libNVVM cannot be found")
+    for name in ("gpu_delay", "dha_write"):
+        monkeypatch.setattr(dha, name, no_nvvm)
+    bench.fake.raw_kernels = nvrtc
+    assert pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1"]) == 0
+    doc = bench.json("pcie")
+    assert doc["timer"]["delay_kernel"] == ("cupy" if nvrtc else "none")
+    assert set(doc["curves"]) == set(pcie.PATHS) - set(pcie.KERNEL_PATHS)
+    for points in doc["curves"].values():
+        assert all(_rate_ok(p["bytes_per_s"]) for p in points)
+    naps = bench.fake.calls_named("RawKernel")        # (name, grid, block, args)
+    assert bool(naps) == nvrtc and all(args[0] > 0 for _, _, _, args in naps)
+    if nvrtc:
+        assert doc["timer"]["uncovered_runs"] == 0
+
+
+def test_dha_layers_reports_a_kernel_failure_with_what_it_measured(bench, monkeypatch,
+                                                                   capsys):
+    dl = bench.load("dha_layers")
+    bench.stub_kernels()
+    from rtmem.kernels import dha
+
+    def no_nvvm(*args, **kwargs):
+        raise RuntimeError("libNVVM cannot be found")
+    monkeypatch.setattr(dha, "layernorm_forward", no_nvvm)
+    assert dl.main(["--quick", "--model", "tiny", "--tokens", "40", "--repeats", "1"]) == 1
+    doc = bench.json("dha_layers")
+    assert doc["partial"] is True and [layer["name"] for layer in doc["layers"]] == ["wte"]
+    assert doc["error"] == "ln: RuntimeError: libNVVM cannot be found"
+    assert "rtmem doctor" in capsys.readouterr().err
+
+
 def test_pcie_refuses_sizes_the_latency_probes_would_overrun(bench):
     pcie = bench.load("pcie")
     with pytest.raises(SystemExit):

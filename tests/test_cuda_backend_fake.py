@@ -418,6 +418,8 @@ def test_cupy_allocator_hook(fake, backend):
         assert cp.cuda.get_allocator() is not cp.get_default_memory_pool().malloc
         held = cp.cuda.get_allocator()(10)
         assert d.stats().count_by_kind["workspace"] >= 1
+        with pytest.raises(RuntimeError, match="outside that block"):
+            rtcupy.install(d)                     # CuPy refuses inside using_allocator
     del held
     gc.collect()
     assert d.stats().count_by_kind["workspace"] == 0
@@ -519,3 +521,35 @@ def test_as_tensor_waits_for_a_prefetch_on_torchs_current_stream(fake, backend,
         assert backend.current_stream().ptr == side.ptr
     del export
     b.free()
+
+
+def test_wait_takes_torch_and_cupy_events(fake, backend):
+    # transfers.wait(event) passed a torch.cuda.Event's query/synchronize check
+    # and then failed on .raw; both foreign kinds now order the compute stream.
+    cp = fake.modules["cupy"]
+    eng = T.get_engine(backend)
+    gate = threading.Event()
+    eng.d2h.launch_host_func(gate.wait)
+    cupy_event = cp.cuda.Event()
+    cupy_event.record(eng.d2h.raw)
+
+    class TorchEvent:               # torch.cuda.Event's surface: cuda_event handle
+        def __init__(self, handle):
+            self.cuda_event = handle
+
+        def query(self):
+            return cupy_event.done
+
+        def synchronize(self):
+            cupy_event.synchronize()
+    compute = backend.current_stream()
+    for event in (cupy_event, TorchEvent(cupy_event.ptr), TorchEvent(0)):
+        T.wait(event)
+    waits = fake.calls_named("streamWaitEvent")
+    assert [(s, e) for s, e, _ in waits] == [(compute.ptr, cupy_event.ptr)] * 2
+    done = compute.raw.record()
+    assert not done.done                   # the compute stream waits for the gate
+    gate.set()
+    done.synchronize()
+    with pytest.raises(TypeError, match="cannot wait for a"):
+        compute.wait_event(TorchEvent("not a handle"))

@@ -43,6 +43,9 @@ def cuda(monkeypatch):
     if not cuda_available():
         _no_gpu("no usable CUDA GPU through CuPy")
     monkeypatch.setenv("RTMEM_BACKEND", "cuda")
+    # Tensor.is_pinned() is False for every pointer until torch has initialized
+    # CUDA (lazily, at its first CUDA op): tests must not depend on their order.
+    torch.cuda.init()
     # exact fp32 matmuls: the reference and the plans then differ only by the
     # order of float32 additions, not by TF32 rounding of different operands
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

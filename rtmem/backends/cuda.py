@@ -64,9 +64,24 @@ class CudaStream:
     def __hash__(self):
         return hash(self.ptr)
 
-    def wait_event(self, event: "CudaEvent") -> None:
-        """Later work on this stream waits for ``event`` (host not blocked)."""
-        self.raw.wait_event(event.raw)
+    def wait_event(self, event) -> None:
+        """Later work on this stream waits for ``event`` (host not blocked): an
+        rtmem event, a CuPy event, or a ``torch.cuda.Event``."""
+        raw = getattr(event, "raw", None)
+        if raw is not None:
+            self.raw.wait_event(raw)
+            return
+        # A torch.cuda.Event: its cudaEvent_t is made at its first record (0 until
+        # then: nothing to wait for). A CuPy event: its handle is .ptr.
+        handle = getattr(event, "cuda_event", None)
+        if handle is None:
+            handle = getattr(event, "ptr", None)
+        if not isinstance(handle, int):
+            raise TypeError(f"cannot wait for a {type(event).__name__} on a CUDA stream; "
+                            f"pass an rtmem, CuPy or torch.cuda event")
+        if handle:
+            from cupy.cuda import runtime
+            runtime.streamWaitEvent(self.ptr, handle, 0)
 
     def synchronize(self) -> None:
         """Block the host until this stream's work is done."""

@@ -62,8 +62,15 @@ def install(arena, *, kind: str = "workspace"):
     """Make ``arena`` CuPy's allocator; return the previous one (for
     :func:`uninstall`)."""
     cp = _cupy()
+    allocator = allocator_for(arena, kind=kind)
     previous = cp.cuda.get_allocator()
-    cp.cuda.set_allocator(allocator_for(arena, kind=kind))
+    try:
+        cp.cuda.set_allocator(allocator)
+    except ValueError as exc:   # CuPy refuses inside cupy.cuda.using_allocator
+        raise RuntimeError(
+            f"cannot install an arena as CuPy's global allocator inside "
+            f"cupy.cuda.using_allocator / rtmem.integrations.cupy.using ({exc}); "
+            f"install it outside that block, or use using() alone") from exc
     return previous
 
 
