@@ -44,9 +44,20 @@ _FORMAT_NAMES = {"float16": FLOAT16, "fp16": FLOAT16, "half": FLOAT16,
 
 
 def half_format_code(fmt, argument="fmt") -> int:
-    """Map a format name (``"float16"``/``"bfloat16"``, or a numpy/torch dtype
-    spelled that way) to its kernel code; raise :class:`OptimizerError` otherwise."""
-    name = getattr(fmt, "name", None) or str(fmt)
+    """Map a 16-bit float format to its kernel code: a name (``"float16"``,
+    ``"fp16"``, ``"half"``, ``"bfloat16"``, ``"bf16"``), a numpy dtype or scalar
+    type (``np.float16``, ``np.dtype("float16")``, ml_dtypes' bfloat16) or a torch
+    dtype (``torch.float16``, ``torch.bfloat16``). Raise :class:`OptimizerError`
+    otherwise."""
+    if isinstance(fmt, str):
+        name = fmt
+    else:
+        try:
+            # np.dtype() names numpy scalar types too: the type object np.float16
+            # has no usable ``.name`` (and its str() is "<class 'numpy.float16'>").
+            name = np.dtype(fmt).name
+        except (TypeError, ValueError):
+            name = getattr(fmt, "name", None) or str(fmt)    # torch.bfloat16, ...
     name = name.replace("torch.", "")
     code = _FORMAT_NAMES.get(name)
     if code is None:
@@ -252,14 +263,22 @@ def decode_half(bits, fmt, *, _soft=False) -> np.ndarray:
     ----------
     bits:
         uint16 array of ``fmt`` bit patterns (any shape, C-contiguous), or a numpy
-        float16 array (then ``fmt`` must be ``"float16"``).
+        float16 array (then ``fmt`` must be a float16 format; anything else raises
+        :class:`OptimizerError` rather than reading fp16 bits as bfloat16).
     fmt:
-        ``"float16"`` or ``"bfloat16"``.
+        ``"float16"`` or ``"bfloat16"``, or a numpy/torch dtype of either (see
+        :func:`half_format_code`).
 
     Returns a new float32 array of the same shape (4 bytes per element); the
     conversion is exact.
     """
     code = _code(fmt, _soft)
+    bits = np.asarray(bits)
+    if bits.dtype == np.float16 and code not in (FLOAT16, _FLOAT16_SOFT):
+        raise OptimizerError(
+            f"bits is a float16 array but fmt={fmt!r}; its bits are fp16, so pass "
+            f"fmt='float16' (or a uint16 array holding {fmt!r} bit patterns).",
+            argument="fmt")
     bits = _as_bits(bits, "bits")
     out = np.empty(bits.shape, dtype=np.float32)
     _decode_into(bits.reshape(-1), code, out.reshape(-1))
@@ -274,7 +293,8 @@ def encode_half(x, fmt, *, _soft=False) -> np.ndarray:
     x:
         float32 array (any shape, C-contiguous).
     fmt:
-        ``"float16"`` or ``"bfloat16"``.
+        ``"float16"`` or ``"bfloat16"``, or a numpy/torch dtype of either (see
+        :func:`half_format_code`).
 
     Returns a new uint16 array of bit patterns (2 bytes per element); use
     ``.view(np.float16)`` on a float16 result.

@@ -230,12 +230,7 @@ def adam_coefficients(*, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
         raise OptimizerError(
             f"step={step!r} must be an int >= 1 (the 1-based index of the step being "
             f"taken); bias correction divides by 1 - beta**step.", argument="step")
-    gmul = 1.0
-    if grad_scale is not None:
-        grad_scale = _check_real("grad_scale", grad_scale, low=0.0, low_inclusive=False)
-        gmul = 1.0 / grad_scale
-    if maximize:
-        gmul = -gmul
+    gmul = _unscale_factor(grad_scale, maximize)
     if bias_correction:
         bc1 = 1.0 - _power(beta1, int(step))
         bc2 = 1.0 - _power(beta2, int(step))
@@ -258,7 +253,6 @@ def adam_coefficients(*, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
     # eps=1e-46 is 0 (0/0 on a zero gradient) and lr/bc1 > 3.4e38 is inf.
     for what, argument, ok in (
             ("eps", "eps", c[_EPS] > 0),
-            ("1/grad_scale", "grad_scale", np.isfinite(c[_GMUL]) and c[_GMUL] != 0),
             ("weight_decay", "weight_decay", np.isfinite(c[_L2])),
             ("lr * weight_decay", "lr", np.isfinite(c[_DECAY])),
             ("lr / (1 - beta1**step)", "lr", np.isfinite(c[_STEP_SIZE]))):
@@ -268,6 +262,36 @@ def adam_coefficients(*, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
                 f"lr={lr!r}, eps={eps!r}, grad_scale={grad_scale!r}, weight_decay="
                 f"{weight_decay!r}; use values within float32 range", argument=argument)
     return c
+
+
+# float64 magnitudes a cast to float32 rounds to 0 (at most 2**-150, half the
+# smallest subnormal; the tie goes to even, 0) or to inf (from float32's largest
+# finite value plus half an ulp; the tie goes to even, inf).
+_F32_ROUNDS_TO_ZERO = 2.0 ** -150
+_F32_ROUNDS_TO_INF = 2.0 ** 128 * (1.0 - 2.0 ** -25)
+
+
+def _unscale_factor(grad_scale, maximize=False) -> np.float32:
+    """The kernels' gradient multiplier ``1/grad_scale`` (1 without a loss scale),
+    negated for ``maximize``, as a float32 (dimensionless).
+
+    One place for :func:`adam_coefficients` and :func:`grads_finite`: a scale
+    that is valid in float64 can still give an inf or 0 multiplier in float32
+    (grad_scale=1e-40), which would make every gradient look non-finite (or
+    zero); that is refused here instead.
+    """
+    gmul = 1.0
+    if grad_scale is not None:
+        grad_scale = _check_real("grad_scale", grad_scale, low=0.0, low_inclusive=False)
+        gmul = 1.0 / grad_scale
+        # Compared as Python floats, before the cast: cheaper than np.errstate
+        # around it (this runs once per tensor per step).
+        if not _F32_ROUNDS_TO_ZERO < gmul < _F32_ROUNDS_TO_INF:
+            raise OptimizerError(
+                f"1/grad_scale is not representable in float32 (the kernel's precision) "
+                f"for grad_scale={grad_scale!r}; use a loss scale within float32 range "
+                f"(about 3e-38 to 3e38).", argument="grad_scale")
+    return np.float32(-gmul if maximize else gmul)
 
 
 def _power(beta: float, step: int) -> float:
@@ -316,7 +340,12 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=
     out, out_format:
         Optional array (same shape) that receives a copy of the updated
         parameters in the same pass: float32, numpy float16, or uint16 with
-        ``out_format="float16"|"bfloat16"``. Rounded to nearest even.
+        ``out_format="float16"|"bfloat16"``. Rounded to nearest even. An fp16
+        copy overflows to +-inf where an updated master value has magnitude
+        >= 65520 (fp16's largest finite value is 65504): the float32 master
+        stays finite, and the step still counts as applied (the finite check
+        covers gradients, not the copy). Use bfloat16 copies for parameters
+        that large.
     start, stop:
         Element range to update (default: all). Lets a caller update chunk k
         while chunk k-1 is being copied.
@@ -417,10 +446,7 @@ def grads_finite(grad, *, grad_scale=None, grad_format=None, start=0, stop=None,
     the loss scale (finite, > 0) or None.
     """
     g = _flat_operand(grad, "grad", grad_format, "grad_format", None)
-    gmul = np.float32(1.0)
-    if grad_scale is not None:
-        gmul = np.float32(1.0 / _check_real("grad_scale", grad_scale, low=0.0,
-                                            low_inclusive=False))
+    gmul = _unscale_factor(grad_scale)       # the same float32 factor as adam_update's
     start, stop = _check_range(start, stop, g.size)
     with threads(num_threads):
         return not _count_nonfinite(g, gmul, start, stop)

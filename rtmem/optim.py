@@ -32,6 +32,11 @@ from .kernels.adam import adam_coefficients, prepare_update, threads
 __all__ = ["CPUAdam", "CPUAdamW", "NumpyAdam", "NumpyAdamW"]
 
 _TORCH_CLASSES = ("CPUAdam", "CPUAdamW")
+# The kernel's argument names -> NumpyAdam.step's keywords, for error reports.
+_NUMPY_ARGUMENTS = {"grad": "grads", "out": "copies", "out_format": "copy_format"}
+# ... and -> CPUAdam.step's (formats come from the tensors' dtypes).
+_TORCH_ARGUMENTS = {"grad": "grads", "grad_format": "grads", "out": "copies",
+                    "out_format": "copies", "copy": "copies"}
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
@@ -76,6 +81,46 @@ def _zeros_state(shape, arena):
         buf.free()          # deferred by the view's pin: freed with the optimizer
     view[...] = 0.0
     return view
+
+
+def _checked_step(step, where) -> int:
+    """A saved step count as an int; raise OptimizerError naming ``where`` (the
+    parameter) unless it is an integer >= 0 (a Python/numpy number or a
+    one-element tensor; -3, NaN and 2.5 are refused)."""
+    try:
+        count = int(step)
+        ok = bool(count == step) and count >= 0
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        ok = False
+    if not ok:
+        raise OptimizerError(f"{where}: step is {step!r}; expected an integer >= 0.",
+                             argument="state_dict")
+    return count
+
+
+def _named(where, exc, arguments):
+    """``exc`` (an OptimizerError from the kernel's checks, which know an array
+    only as "grad" or "out") again, prefixed with the parameter it is about and
+    with its argument renamed to the caller's keyword (``arguments``)."""
+    return OptimizerError(f"{where}: {exc}",
+                          argument=arguments.get(exc.argument, exc.argument))
+
+
+def _check_disjoint(params) -> None:
+    """Refuse parameters whose memory overlaps (the same array twice, or views of
+    one array): each would be updated once per occurrence per step. Params are
+    C-contiguous, so each spans [address, address + nbytes); sorting by address
+    finds any overlap between neighbours, O(n log n)."""
+    spans = sorted((p.__array_interface__["data"][0], p.nbytes, i)
+                   for i, p in enumerate(params) if p.nbytes)
+    for (lo, size, i), (next_lo, _, j) in zip(spans, spans[1:]):
+        if next_lo < lo + size:
+            i, j = sorted((i, j))
+            raise OptimizerError(
+                f"params[{i}] and params[{j}] overlap in memory (the same array twice, "
+                f"or views of one array); each would be updated once per occurrence "
+                f"every step. Pass each parameter once, with its own memory.",
+                argument="params")
 
 
 def _check_num_threads(num_threads):
@@ -130,9 +175,10 @@ class NumpyAdam:
     params:
         Iterable of C-contiguous, writeable float32 numpy arrays, or rtmem
         Buffers in host memory (a :class:`~rtmem.HostArena`; any arena on the
-        host backend), updated in place. The optimizer keeps zero-copy views that
-        pin the buffers: a buffer freed meanwhile is released when the optimizer
-        is dropped.
+        host backend), updated in place, no two sharing memory (the same array
+        twice or overlapping views are refused: each occurrence would be
+        updated). The optimizer keeps zero-copy views that pin the buffers: a
+        buffer freed meanwhile is released when the optimizer is dropped.
     lr:
         Learning rate, >= 0.
     betas:
@@ -178,11 +224,15 @@ class NumpyAdam:
                           bias_correction=bool(bias_correction))
         self.num_threads = _check_num_threads(num_threads)
         self.state = []
-        for p in self.params:
+        for i, p in enumerate(self.params):
             # Validates the parameter (dtype, contiguity, writeability) up front;
             # np.zeros is lazily zeroed memory, unlike copies of it.
             shape = getattr(p, "shape", ())
-            prepare_update(p, *(np.zeros(shape, dtype=np.float32) for _ in range(3)))
+            try:
+                prepare_update(p, *(np.zeros(shape, dtype=np.float32) for _ in range(3)))
+            except OptimizerError as exc:
+                raise _named(f"params[{i}]", exc, {"param": "params"}) from None
+        _check_disjoint(self.params)
         keys = _STATE_KEYS if amsgrad else _STATE_KEYS[:2]
         for p in self.params:
             st = {"step": 0}
@@ -201,7 +251,8 @@ class NumpyAdam:
         in the kernel); ``check_finite`` defaults to ``grad_scale is not None``.
         ``copies`` optionally gives, per parameter, an array (float32, float16,
         or uint16 with ``copy_format``) that receives the updated parameter in
-        the same pass. See NOTE [ Skipped steps ].
+        the same pass (a float16 copy is +-inf where the parameter exceeds fp16's
+        range, see :func:`rtmem.kernels.adam_update`). See NOTE [ Skipped steps ].
         """
         grads = list(grads)
         if len(grads) != len(self.params):
@@ -219,10 +270,13 @@ class NumpyAdam:
             if g is None:
                 continue
             g, out = _host_view(g, f"grads[{i}]"), _host_view(out, f"copies[{i}]")
-            update = prepare_update(p, g, st["exp_avg"], st["exp_avg_sq"],
-                                    max_exp_avg_sq=st.get("max_exp_avg_sq"),
-                                    grad_format=grad_format, out=out,
-                                    out_format=copy_format)
+            try:
+                update = prepare_update(p, g, st["exp_avg"], st["exp_avg_sq"],
+                                        max_exp_avg_sq=st.get("max_exp_avg_sq"),
+                                        grad_format=grad_format, out=out,
+                                        out_format=copy_format)
+            except OptimizerError as exc:
+                raise _named(f"param {i}", exc, _NUMPY_ARGUMENTS) from None
             c = _coefficients(self.hyper, st["step"] + 1, self.decoupled_weight_decay,
                               grad_scale)
             items.append((update, c, st))
@@ -236,7 +290,9 @@ class NumpyAdam:
 
     def load_state_dict(self, state_dict) -> None:
         """Restore :meth:`state_dict` output, copying into the existing state arrays
-        (their memory stays where it was allocated)."""
+        (their memory stays where it was allocated). ``hyper`` must hold every
+        hyperparameter, with this optimizer's ``amsgrad``; each ``step`` must be an
+        integer >= 0. A refused dict leaves the optimizer as it was."""
         if not isinstance(state_dict, dict) or not {"state", "hyper"} <= set(state_dict):
             raise OptimizerError("state_dict must be a dict with 'hyper' and 'state', as "
                                  "returned by state_dict()", argument="state_dict")
@@ -244,8 +300,33 @@ class NumpyAdam:
         if len(states) != len(self.state):
             raise OptimizerError(f"state_dict has state for {len(states)} params, this "
                                  f"optimizer has {len(self.state)}.", argument="state_dict")
-        hyper = dict(state_dict["hyper"])
+        hyper = state_dict["hyper"]
+        if not isinstance(hyper, dict):
+            raise OptimizerError(f"state_dict['hyper'] is a {type(hyper).__name__}; expected "
+                                 f"the dict of hyperparameters state_dict() returns.",
+                                 argument="state_dict")
+        missing = [key for key in self.hyper if key not in hyper]
+        if missing:
+            raise OptimizerError(f"state_dict['hyper'] lacks {', '.join(map(repr, missing))}; "
+                                 f"expected all of {sorted(self.hyper)}, as returned by "
+                                 f"state_dict().", argument="state_dict")
         _check_hyper(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"])
+        if bool(hyper["amsgrad"]) != self.hyper["amsgrad"]:
+            # The state arrays were allocated for this optimizer's setting (and the
+            # checks below hold the saved state to them): a flag that contradicts
+            # them would be reported while the other algorithm runs.
+            raise OptimizerError(
+                f"state_dict['hyper'] has amsgrad={hyper['amsgrad']!r} but this optimizer "
+                f"was built with amsgrad={self.hyper['amsgrad']} (its state "
+                f"{'has' if self.hyper['amsgrad'] else 'has no'} max_exp_avg_sq); build "
+                f"it with the amsgrad setting the state was saved with.",
+                argument="state_dict")
+        betas = hyper["betas"]
+        hyper = {**hyper, "lr": float(hyper["lr"]),
+                 "betas": (float(betas[0]), float(betas[1])), "eps": float(hyper["eps"]),
+                 "weight_decay": float(hyper["weight_decay"]),
+                 "amsgrad": bool(hyper["amsgrad"]), "maximize": bool(hyper["maximize"]),
+                 "bias_correction": bool(hyper["bias_correction"])}
         for i, (src, dst) in enumerate(zip(states, self.state)):
             for key in _STATE_KEYS:
                 if (key in src) != (key in dst):
@@ -264,14 +345,7 @@ class NumpyAdam:
                         raise OptimizerError(f"param {i}: {key} has dtype {a.dtype}; "
                                              f"expected real floating point.",
                                              argument="state_dict")
-            step = src.get("step")
-            try:
-                ok = int(step) == step and int(step) >= 0
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise OptimizerError(f"param {i}: step is {step!r}; expected an integer "
-                                     f">= 0.", argument="state_dict")
+            _checked_step(src.get("step"), f"param {i}")
         # Everything checked: copying can no longer fail half-way.
         for src, dst in zip(states, self.state):
             for key in _STATE_KEYS:
@@ -319,6 +393,14 @@ def _build_torch_optimizers():
     def as_numpy(t, name):
         """(numpy view, 16-bit format or None) of a CPU tensor, zero-copy."""
         if isinstance(t, np.ndarray):
+            if t.dtype == np.uint16:
+                # The kernel's advice (grad_format=) does not apply here: CPUAdam
+                # takes the format from the tensor's dtype.
+                raise OptimizerError(
+                    f"{name} is a numpy uint16 array, whose bits could be bfloat16 or "
+                    f"float16. Pass bfloat16 as a torch.bfloat16 tensor (zero-copy: "
+                    f"torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)) and "
+                    f"float16 as a float16 array or tensor.", argument=name)
             return t, None
         if not isinstance(t, torch.Tensor):
             raise OptimizerError(f"{name} must be a torch.Tensor or numpy array, got "
@@ -379,6 +461,23 @@ def _build_torch_optimizers():
                                  f"dict {{param: tensor}}.", argument=name)
         return {id(p): v for p, v in zip(params, values)}
 
+    def bump_versions(tensors):
+        """Tell autograd the ``tensors`` were modified in place.
+
+        The kernel writes them through numpy views, which autograd cannot see:
+        without this, backward through a graph that saved a parameter before the
+        step would silently use the new values, where torch.optim.Adam's in-place
+        update makes it raise "modified by an inplace operation".
+        """
+        increment = getattr(torch.autograd.graph, "increment_version", None)
+        for t in tensors:
+            if increment is not None:
+                increment(t)           # one tensor per call: older torch takes no lists
+            elif not t.is_inference():  # inference tensors have no version counter
+                # Any in-place op bumps the (shared) counter, even on no elements.
+                with torch.no_grad():
+                    t.view(-1)[:0].zero_()
+
     class CPUAdam(torch.optim.Optimizer):
         """Adam on CPU float32 parameters with rtmem's fused kernel.
 
@@ -393,32 +492,81 @@ def _build_torch_optimizers():
         ``torch.optim.Adam`` so state dicts move between the two.
 
         ``lr`` >= 0, ``betas`` in [0, 1), ``eps`` > 0, ``weight_decay`` >= 0 (an
-        L2 term; :class:`CPUAdamW` decouples it); ``num_threads`` as in
+        L2 term added to the gradient; with ``decoupled_weight_decay=True``, as
+        in ``torch.optim.Adam``, the decoupled decay ``p *= 1 - lr*weight_decay``
+        of AdamW, which :class:`CPUAdamW` always uses); ``num_threads`` as in
         :func:`rtmem.kernels.adam_update`.
+
+        ``decoupled_weight_decay`` is a per-group hyperparameter, as in
+        ``torch.optim.Adam`` (torch >= 2.6): a state dict carries it, so loading
+        one from ``torch.optim.Adam(decoupled_weight_decay=True)`` or ``AdamW``
+        keeps AdamW. The step bumps the autograd version counter of every
+        updated parameter and copy, as torch's in-place update does. Copies,
+        pickles and ``torch.save`` of the optimizer keep ``num_threads`` and
+        the skipped-step counters.
         """
 
+        #: The class's ``decoupled_weight_decay``: the default for groups (and
+        #: loaded state dicts) without one. The step honours each group's value.
         decoupled_weight_decay = False
 
         def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                      weight_decay=0.0, amsgrad=False, *, maximize=False,
-                     bias_correction=True, num_threads=None):
+                     bias_correction=True, decoupled_weight_decay=False, num_threads=None):
             _check_hyper(lr, betas, eps, weight_decay)
+            self._check_decoupled(decoupled_weight_decay, "decoupled_weight_decay")
             self.num_threads = _check_num_threads(num_threads)
             self.last_step_skipped = False
             self.skipped_steps = 0
             defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                             amsgrad=bool(amsgrad), maximize=bool(maximize),
-                            bias_correction=bool(bias_correction))
+                            bias_correction=bool(bias_correction),
+                            decoupled_weight_decay=bool(decoupled_weight_decay))
             super().__init__(tensors_of(params), defaults)
 
+        def _check_decoupled(self, value, where):
+            """Refuse a ``decoupled_weight_decay`` this class cannot honour."""
+            if not isinstance(value, (bool, np.bool_)):
+                raise OptimizerError(f"{where}={value!r} must be True or False.",
+                                     argument="decoupled_weight_decay")
+
+        # torch.optim.Optimizer pickles (and deep-copies) only defaults, state and
+        # param_groups; these attributes are this class's own, with the values a
+        # pickle made without them gets.
+        _EXTRA_STATE = (("num_threads", None), ("skipped_steps", 0),
+                        ("last_step_skipped", False))
+
+        def __getstate__(self):
+            state = super().__getstate__()
+            state.update((name, getattr(self, name, default))
+                         for name, default in self._EXTRA_STATE)
+            return state
+
+        def __setstate__(self, state):
+            # Also called by torch's load_state_dict with only state and groups:
+            # attributes already set are kept.
+            super().__setstate__(state)
+            for name, default in self._EXTRA_STATE:
+                if name not in self.__dict__:
+                    setattr(self, name, default)
+            self.defaults.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+            for group in self.param_groups:
+                group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+
         def add_param_group(self, param_group):
-            """Add a group (see ``torch.optim.Optimizer.add_param_group``); its
-            hyperparameters and parameters are validated first."""
+            """Add a group (see ``torch.optim.Optimizer.add_param_group``); rtmem
+            Buffers in it are taken as in the constructor, and its hyperparameters
+            and parameters are validated first."""
+            if isinstance(param_group, dict) and "params" in param_group:
+                param_group = tensors_of([param_group])[0]
             super().add_param_group(param_group)
             group = self.param_groups[-1]
             try:
                 _check_hyper(group["lr"], group["betas"], group["eps"],
                              group["weight_decay"])
+                self._check_decoupled(group["decoupled_weight_decay"],
+                                      f"group {len(self.param_groups) - 1}: "
+                                      f"decoupled_weight_decay")
                 for i, p in enumerate(group["params"]):
                     if p.dtype != torch.float32:
                         raise OptimizerError(
@@ -451,9 +599,14 @@ def _build_torch_optimizers():
             skip that parameter. ``grad_scale`` is the loss scale the gradients
             carry (divided out in the kernel); ``check_finite`` defaults to
             ``grad_scale is not None``. ``copies`` (same forms) receives each
-            updated parameter as float32/float16/bfloat16 in the same pass.
-            Whether the step was skipped is recorded in ``last_step_skipped``
-            (NOTE [ Skipped steps ]).
+            updated parameter as float32/float16/bfloat16 in the same pass; a
+            float16 copy of a master value of magnitude >= 65520 (beyond fp16's
+            largest finite 65504) is +-inf, while the float32 master stays
+            finite and the step counts as applied (the finite check covers the
+            gradients only). Whether the step was skipped is recorded in
+            ``last_step_skipped`` (NOTE [ Skipped steps ]). An applied step
+            bumps the autograd version counter of each updated parameter and
+            copy tensor.
             """
             loss = None
             if closure is not None:
@@ -465,41 +618,54 @@ def _build_torch_optimizers():
             for group in self.param_groups:
                 _check_hyper(group["lr"], group["betas"], group["eps"],
                              group["weight_decay"])
-            items, created = [], []
+            items, created, written = [], [], []
             try:
-                for group in self.param_groups:
-                    for p in group["params"]:
+                for gi, group in enumerate(self.param_groups):
+                    decoupled = bool(group.get("decoupled_weight_decay",
+                                               self.decoupled_weight_decay))
+                    for pi, p in enumerate(group["params"]):
                         g = grad_of.get(id(p), None) if grads is not None else p.grad
                         if g is None:
                             continue
-                        g_np, g_fmt = as_numpy(g, "grad")
                         out = copy_of.get(id(p))
-                        o_np, o_fmt = (None, None) if out is None else as_numpy(out,
-                                                                                "copies")
-                        if not self.state.get(p):
-                            created.append(p)
-                        st = self._state_for(p, group)
-                        update = prepare_update(
-                            p.detach().numpy(), g_np, st["exp_avg"].numpy(),
-                            st["exp_avg_sq"].numpy(),
-                            max_exp_avg_sq=(st["max_exp_avg_sq"].numpy()
-                                            if group["amsgrad"] else None),
-                            grad_format=g_fmt, out=o_np, out_format=o_fmt)
-                        c = _coefficients(group, int(st["step"].item()) + 1,
-                                          self.decoupled_weight_decay, grad_scale)
+                        try:
+                            g_np, g_fmt = as_numpy(g, "grad")
+                            o_np, o_fmt = ((None, None) if out is None
+                                           else as_numpy(out, "copy"))
+                            if not self.state.get(p):
+                                created.append(p)
+                            st = self._state_for(p, group)
+                            update = prepare_update(
+                                p.detach().numpy(), g_np, st["exp_avg"].numpy(),
+                                st["exp_avg_sq"].numpy(),
+                                max_exp_avg_sq=(st["max_exp_avg_sq"].numpy()
+                                                if group["amsgrad"] else None),
+                                grad_format=g_fmt, out=o_np, out_format=o_fmt)
+                        except OptimizerError as exc:
+                            raise _named(f"group {gi} param {pi}", exc,
+                                         _TORCH_ARGUMENTS) from None
+                        c = _coefficients(group, int(st["step"].item()) + 1, decoupled,
+                                          grad_scale)
                         items.append((update, c, st))
+                        written.append(p)
+                        if isinstance(out, torch.Tensor):
+                            written.append(out)
             except BaseException:
                 for p in created:        # a refused step leaves no new state behind
                     self.state.pop(p, None)
                 raise
-            _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite)
+            if _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite):
+                bump_versions(written)
             return loss
 
         def load_state_dict(self, state_dict):
             """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
             The state is copied into fresh contiguous float32 tensors, so the
-            loaded dict is never aliased. A refused dict leaves the optimizer as
-            it was."""
+            loaded dict is never aliased; each saved step must be an integer >= 0.
+            Groups keep the saved ``decoupled_weight_decay`` (the class default
+            where the dict has none; :class:`CPUAdamW`, like
+            ``torch.optim.AdamW``, always decouples). A refused dict leaves the
+            optimizer as it was."""
             # torch installs new state and group dicts; the checks below run after
             # it, so keep the old ones to put back.
             if not isinstance(state_dict, dict) or \
@@ -516,11 +682,14 @@ def _build_torch_optimizers():
 
         def _load_checked(self, state_dict):
             super().load_state_dict(state_dict)
-            for group in self.param_groups:
-                for p in group["params"]:
+            for gi, group in enumerate(self.param_groups):
+                self._check_decoupled(group["decoupled_weight_decay"],
+                                      f"group {gi}: decoupled_weight_decay")
+                for pi, p in enumerate(group["params"]):
                     st = self.state.get(p)
                     if not st:
                         continue
+                    step = _checked_step(st.get("step", 0), f"group {gi} param {pi}")
                     for key in _STATE_KEYS:
                         if key not in st:
                             continue
@@ -532,7 +701,7 @@ def _build_torch_optimizers():
                                 f"another model.", argument="state_dict")
                         st[key] = t.detach().to(device="cpu", dtype=torch.float32).clone(
                             memory_format=torch.contiguous_format)
-                    st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
+                    st["step"] = torch.tensor(float(step), dtype=torch.float32)
 
     class CPUAdamW(CPUAdam):
         """AdamW (decoupled weight decay, ``p *= 1 - lr*weight_decay``) on CPU
@@ -543,7 +712,23 @@ def _build_torch_optimizers():
 
         def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                      weight_decay=1e-2, amsgrad=False, **kwargs):
+            kwargs.setdefault("decoupled_weight_decay", True)
             super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+        def _check_decoupled(self, value, where):
+            super()._check_decoupled(value, where)
+            if not value:
+                raise OptimizerError(
+                    f"{where}=False: CPUAdamW always decouples weight decay; use "
+                    f"CPUAdam for an L2 penalty added to the gradient.",
+                    argument="decoupled_weight_decay")
+
+        def __setstate__(self, state):
+            # As torch.optim.AdamW: state loaded into AdamW stays AdamW (a
+            # torch.optim.Adam dict says decoupled_weight_decay=False).
+            super().__setstate__(state)
+            for group in self.param_groups:
+                group["decoupled_weight_decay"] = True
 
     for cls in (CPUAdam, CPUAdamW):
         cls.__module__ = __name__

@@ -495,3 +495,60 @@ def test_prepared_update_checks_what_it_is_given():
         with pytest.raises(OptimizerError, match=fragment):
             call()
     assert (p == 1).all() and (m == 1).all()
+
+
+# --------------------------------------------------------------------------- audit fixes
+
+def test_format_may_be_given_as_a_numpy_or_torch_dtype():
+    x = np.array([1.5, -2.25, 65504.0], np.float32)
+    fp16 = x.astype(np.float16).view(np.uint16)
+    for fmt in ("float16", "fp16", "half", np.float16, np.dtype("float16")):
+        assert np.array_equal(encode_half(x, fmt), fp16), fmt
+        assert np.array_equal(decode_half(fp16, fmt), x), fmt
+    bf16 = encode_half(x, "bfloat16")
+    torch = pytest.importorskip("torch")
+    assert np.array_equal(encode_half(x, torch.float16), fp16)
+    assert np.array_equal(encode_half(x, torch.bfloat16), bf16)
+    for fmt in (np.float32, np.dtype("uint16"), torch.int16, "int8", None):
+        with pytest.raises(OptimizerError, match="not a 16-bit float format"):
+            encode_half(x, fmt)
+
+
+def test_decode_half_refuses_float16_input_in_another_format():
+    # fp16 bits read as bfloat16 would be silently wrong (1.0 -> 0.0078125).
+    torch = pytest.importorskip("torch")
+    h = np.array([1.0, 2.0], np.float16)
+    for fmt in ("bfloat16", torch.bfloat16):
+        with pytest.raises(OptimizerError, match="float16 array") as info:
+            decode_half(h, fmt)
+        assert info.value.argument == "fmt"
+    assert np.array_equal(decode_half(h, np.float16), [1.0, 2.0])
+    assert np.array_equal(decode_half(h, "float16", _soft=True), [1.0, 2.0])
+
+
+def test_grads_finite_refuses_a_scale_whose_reciprocal_leaves_float32():
+    import warnings
+    z = np.zeros(8, np.float32)
+    for scale in (1e-40, 1e46):          # 1/scale is inf, resp. 0, in float32
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # no numpy overflow warning either
+            with pytest.raises(OptimizerError, match="float32") as info:
+                grads_finite(z, grad_scale=scale)
+        assert info.value.argument == "grad_scale"
+        with pytest.raises(OptimizerError, match="float32"):    # the same check
+            adam_update(np.ones(8, np.float32), z, np.zeros(8, np.float32),
+                        np.zeros(8, np.float32), lr=1e-3, step=1, grad_scale=scale)
+    # Scales near the float32 limits that are representable still work.
+    assert grads_finite(z, grad_scale=1e-37) and grads_finite(z, grad_scale=1e38)
+    assert not grads_finite(np.full(8, 10.0, np.float32), grad_scale=1e-37 / 8)  # 8e38
+
+
+def test_fp16_copy_overflows_to_inf_as_documented():
+    p = np.array([65519.0, 65520.0, 70000.0, -1e6], np.float32)
+    zeros = [np.zeros(4, np.float32) for _ in range(3)]
+    out = np.empty(4, np.float16)
+    assert adam_update(p, zeros[0], zeros[1], zeros[2], lr=1e-3, step=1, out=out,
+                       grad_scale=1024.0)
+    assert np.isfinite(p).all()
+    assert out[0] == 65504 and np.isinf(out[1:]).all() and out[3] < 0
+    assert "65504" in adam_update.__doc__ and "inf" in adam_update.__doc__

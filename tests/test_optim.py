@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -191,6 +192,66 @@ def test_numpy_adam_refused_state_dict_changes_nothing():
         for st, ref in zip(opt.state, before["state"]):
             assert st["step"] == ref["step"]
             assert st["exp_avg"].tobytes() == ref["exp_avg"].tobytes()
+
+
+def test_numpy_adam_refuses_params_that_share_memory():
+    # Each occurrence would be updated once per step: two Adam steps a step.
+    p = np.zeros(3, np.float32)
+    base = np.zeros(16, np.float32)
+    for params, pair in [([p, p], "params[0] and params[1]"),
+                         ([np.ones(2, np.float32), base[:6], base[4:]],
+                          "params[1] and params[2]"),
+                         ([base[8:], base, np.ones(2, np.float32)],     # one inside another
+                          "params[0] and params[1]"),
+                         ([base.reshape(4, 4)[1:3], base[4:5]], "params[0] and params[1]")]:
+        with pytest.raises(OptimizerError, match=r"overlap in memory") as info:
+            optim.NumpyAdam(params, lr=0.1)
+        assert pair in str(info.value) and info.value.argument == "params"
+    assert not base.any() and not p.any()
+    # Adjacent, disjoint views of one array are fine (and zero-size ones touch nothing).
+    opt = optim.NumpyAdam([base[:8], base[8:], base[8:8]], lr=0.1)
+    assert opt.step([np.ones(8, np.float32), np.ones(8, np.float32),
+                     np.ones(0, np.float32)])
+    np.testing.assert_allclose(base, -0.1, rtol=1e-6)
+
+
+def test_numpy_load_state_dict_checks_the_hyperparameters_it_is_given():
+    opt = optim.NumpyAdam([np.ones(4, np.float32)], lr=1e-2, amsgrad=True)
+    opt.step([np.ones(4, np.float32)])
+    before = opt.state_dict()
+    for key in ("lr", "amsgrad", "maximize"):
+        bad = opt.state_dict()
+        del bad["hyper"][key]
+        bad["state"][0]["step"] = 7
+        with pytest.raises(OptimizerError, match=f"lacks '{key}'"):
+            opt.load_state_dict(bad)
+    # amsgrad=False with max_exp_avg_sq state: the flag would contradict the algorithm.
+    bad = opt.state_dict()
+    bad["hyper"]["amsgrad"] = False
+    bad["state"][0]["step"] = 7
+    with pytest.raises(OptimizerError, match="amsgrad=False") as info:
+        opt.load_state_dict(bad)
+    assert info.value.argument == "state_dict"
+    assert opt.hyper == before["hyper"] and opt.state[0]["step"] == 1
+    good = opt.state_dict()
+    good["hyper"]["lr"] = np.float64(0.5)
+    opt.load_state_dict(good)
+    assert opt.hyper["lr"] == 0.5 and type(opt.hyper["lr"]) is float
+
+
+def test_numpy_adam_errors_name_the_param_and_the_keyword():
+    ps = [np.ones(4, np.float32) for _ in range(3)]
+    opt = optim.NumpyAdam(ps, lr=1e-2)
+    ok = np.ones(4, np.float32)
+    with pytest.raises(OptimizerError, match=r"^param 1: grad has shape \(5,\)") as info:
+        opt.step([ok, np.ones(5, np.float32), ok])
+    assert info.value.argument == "grads"
+    with pytest.raises(OptimizerError, match=r"^param 2: out") as info:
+        opt.step([ok, ok, ok], copies=[None, None, np.ones(8, np.float32)[::2]])
+    assert info.value.argument == "copies"
+    with pytest.raises(OptimizerError, match=r"^params\[1\]: param is not C-contiguous"):
+        optim.NumpyAdam([ok, np.ones(8, np.float32)[::2]])
+    assert all((p == 1).all() for p in ps)
 
 
 # --------------------------------------------------------------------------- torch front end
@@ -529,3 +590,233 @@ def test_optim_all_lists_exactly_its_public_classes():
                and getattr(getattr(optim, n), "__module__", None) == "rtmem.optim"}
     assert set(optim.__all__) == defined
     assert issubclass(optim.CPUAdamW, torch.optim.Optimizer)
+
+
+# --------------------------------------------------------------------------- audit fixes
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_applied_step_bumps_the_autograd_version_of_params_and_copies(fallback,
+                                                                      monkeypatch):
+    # The kernel writes through numpy views; without the bump, backward through
+    # a graph that saved the old parameter silently used the new one.
+    if fallback:          # a torch without torch.autograd.graph.increment_version
+        monkeypatch.delattr(torch.autograd.graph, "increment_version")
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(3, requires_grad=True)
+    copy_t = torch.empty(3, dtype=torch.bfloat16)
+    opt = optim.CPUAdam([w], lr=0.5)
+    loss = (w * x).sum()                  # saves w for d loss / d x
+    versions = (w._version, copy_t._version)
+    opt.step(grads=[torch.full((3,), float("inf"))], grad_scale=2.0, copies=[copy_t])
+    assert opt.last_step_skipped                          # nothing written, no bump
+    assert (w._version, copy_t._version) == versions
+    opt.step(grads=[torch.ones(3)], copies=[copy_t])
+    assert w._version > versions[0] and copy_t._version > versions[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    ref_w = torch.randn(3, requires_grad=True)            # as torch.optim.Adam does
+    ref_loss = (ref_w * x).sum()
+    ref_w.grad = torch.ones(3)
+    torch.optim.Adam([ref_w], lr=0.5).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref_loss.backward()
+
+
+def test_copies_and_pickles_keep_threads_and_skip_counters():
+    p = torch.randn(5, requires_grad=True)
+    opt = optim.CPUAdamW([p], lr=1e-2, num_threads=1)
+    opt.step(grads=[torch.randn(5)])
+    opt.step(grads=[torch.full((5,), float("nan"))], grad_scale=4.0)
+    assert opt.last_step_skipped and opt.skipped_steps == 1
+
+    def via_torch_save(o):
+        buf = io.BytesIO()
+        torch.save(o, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    g = torch.randn(5)
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt)), via_torch_save(opt)):
+        assert type(clone) is type(opt)
+        assert (clone.num_threads, clone.skipped_steps, clone.last_step_skipped) == (1, 1, True)
+        q = clone.param_groups[0]["params"][0]
+        assert torch.equal(q, p) and q is not p
+        twin = copy.deepcopy(opt)
+        clone.step(grads=[g])
+        twin.step(grads=[g])
+        assert torch.equal(q, twin.param_groups[0]["params"][0])
+        assert not clone.last_step_skipped and clone.skipped_steps == 1
+    # A pickle made without them (an older rtmem) gets the constructor's values.
+    state = copy.deepcopy(opt.__getstate__())
+    for name in ("num_threads", "skipped_steps", "last_step_skipped"):
+        del state[name]
+    old = optim.CPUAdamW.__new__(optim.CPUAdamW)
+    old.__setstate__(state)
+    assert (old.num_threads, old.skipped_steps, old.last_step_skipped) == (None, 0, False)
+    old.step(grads=[g])
+    assert float(old.state[old.param_groups[0]["params"][0]]["step"]) == 2.0
+
+
+@pytest.mark.parametrize("bad", [-3.0, float("nan"), 2.5, float("inf")])
+def test_load_state_dict_refuses_a_step_that_is_not_a_count(bad):
+    a, _ = _models(25, shapes=((4,), (6,)))
+    opt = optim.CPUAdam(a, lr=1e-2)
+    for p in a:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    sd = copy.deepcopy(good)
+    sd["state"][1]["step"] = torch.tensor(bad)
+    sd["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(OptimizerError, match=r"group 0 param 1: step is tensor\(") as info:
+        opt.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    now = opt.state_dict()
+    assert now["param_groups"] == good["param_groups"]
+    for k, st in good["state"].items():
+        for key, v in st.items():
+            assert torch.equal(now["state"][k][key], v), (k, key)
+    sd["state"][1]["step"] = 3                   # a plain int (old torch) is a count
+    opt.load_state_dict(sd)
+    assert float(opt.state[a[1]]["step"]) == 3.0
+
+
+def test_add_param_group_takes_rtmem_buffers(arena):
+    bufs = [arena.alloc(shape=(8,), dtype=np.float32, kind="weight") for _ in range(3)]
+    for b in bufs:
+        b.numpy()[...] = 1.0
+    opt = optim.CPUAdam([bufs[0]], lr=1e-2)
+    opt.add_param_group({"params": [bufs[1]], "lr": 1e-1})
+    opt.add_param_group({"params": bufs[2]})            # a single Buffer, too
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1, 1]
+    opt.step(grads=[torch.ones(8)] * 3)
+    for b, lr in zip(bufs, (1e-2, 1e-1, 1e-2)):         # updated in the arena's memory
+        np.testing.assert_allclose(b.numpy(), 1.0 - lr, rtol=1e-6)
+    del opt
+
+
+def _step_mixed(ours, theirs, opt, their_opt, gen, steps):
+    """As _step_twins, for twins of different dtypes (float32 vs float64)."""
+    for _ in range(steps):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            q.grad = p.grad.to(q.dtype)
+        opt.step()
+        their_opt.step()
+
+
+def _adamw_twins(seed, ours_cls, theirs_cls, ours_kw=None, theirs_kw=None, steps=6):
+    """Run ours (float32) and torch's optimizer (float64) on the same gradients."""
+    ours, ref = _models(seed, shapes=((30, 4), (7,)))
+    opt = ours_cls(ours, lr=1e-2, weight_decay=0.5, **(ours_kw or {}))
+    ref_opt = theirs_cls(ref, lr=1e-2, weight_decay=0.5, **(theirs_kw or {}))
+    gen = torch.Generator().manual_seed(seed)
+    _step_mixed(ours, ref, opt, ref_opt, gen, steps)
+    return ours, ref, opt, ref_opt, gen
+
+
+def _needs_torch_decoupled_flag():
+    import inspect
+    if "decoupled_weight_decay" not in inspect.signature(torch.optim.Adam).parameters:
+        pytest.skip("torch.optim.Adam has no decoupled_weight_decay (torch < 2.6)")
+
+
+def test_state_dicts_keep_decoupled_weight_decay_between_torch_and_cpu_adam():
+    _needs_torch_decoupled_flag()
+    # torch Adam(decoupled_weight_decay=True) -> CPUAdam: the loaded groups say
+    # AdamW, and the step honours them (it ran L2-Adam before).
+    _, ref, _, ref_opt, gen = _adamw_twins(
+        26, optim.CPUAdam, torch.optim.Adam, theirs_kw=dict(decoupled_weight_decay=True))
+    fresh = [q.detach().float().clone().requires_grad_() for q in ref]
+    moved = optim.CPUAdam(fresh, lr=1e-2, weight_decay=0.5)
+    moved.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    assert moved.param_groups[0]["decoupled_weight_decay"] is True
+    _step_mixed(fresh, ref, moved, ref_opt, gen, steps=4)
+    assert max(_rel_err(p.detach(), q.detach()) for p, q in zip(fresh, ref)) < 1e-5
+    # CPUAdamW -> torch Adam(decoupled_weight_decay=True): its groups now say so
+    # (torch read the missing key as False: L2-Adam).
+    ours, ref, opt, ref_opt, gen = _adamw_twins(27, optim.CPUAdamW, torch.optim.AdamW)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    back = [p.detach().double().clone().requires_grad_() for p in ours]
+    torch_adam = torch.optim.Adam(back, lr=1e-2, weight_decay=0.5,
+                                  decoupled_weight_decay=True)
+    torch_adam.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert torch_adam.param_groups[0]["decoupled_weight_decay"] is True
+    _step_mixed(back, ref, torch_adam, ref_opt, gen, steps=4)
+    assert max(_rel_err(p.detach(), q.detach()) for p, q in zip(back, ref)) < 1e-5
+
+
+def test_cpu_adam_takes_decoupled_weight_decay_per_group_like_torch():
+    _needs_torch_decoupled_flag()
+    ours, ref, opt, _, _ = _adamw_twins(
+        28, optim.CPUAdam, torch.optim.Adam, dict(decoupled_weight_decay=True),
+        dict(decoupled_weight_decay=True))
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    assert max(_rel_err(p.detach(), q.detach()) for p, q in zip(ours, ref)) < 1e-5
+    # A group's own setting wins over the optimizer's default.
+    a, b = _models(29, shapes=((30, 4), (7,)))
+    mixed = optim.CPUAdam([{"params": a[:1]}, {"params": a[1:], "decoupled_weight_decay": True}],
+                          lr=1e-2, weight_decay=0.5)
+    ref_mixed = torch.optim.Adam([{"params": b[:1]},
+                                  {"params": b[1:], "decoupled_weight_decay": True}],
+                                 lr=1e-2, weight_decay=0.5)
+    _step_mixed(a, b, mixed, ref_mixed, torch.Generator().manual_seed(30), steps=4)
+    assert max(_rel_err(p.detach(), q.detach()) for p, q in zip(a, b)) < 1e-5
+    assert [g["decoupled_weight_decay"] for g in mixed.param_groups] == [False, True]
+
+
+def test_cpu_adamw_refuses_coupled_weight_decay():
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(OptimizerError, match="CPUAdamW always decouples") as info:
+        optim.CPUAdamW([p], decoupled_weight_decay=False)
+    assert info.value.argument == "decoupled_weight_decay"
+    opt = optim.CPUAdamW([p])
+    with pytest.raises(OptimizerError, match="group 1: decoupled_weight_decay=False"):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)],
+                             "decoupled_weight_decay": False})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(OptimizerError, match="True or False"):
+        optim.CPUAdam([p], decoupled_weight_decay="yes")
+    # Like torch.optim.AdamW, a torch.optim.Adam state dict loaded into CPUAdamW
+    # stays AdamW.
+    sd = torch.optim.Adam([torch.zeros(3, requires_grad=True)]).state_dict()
+    sd["param_groups"][0]["decoupled_weight_decay"] = False
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_grad_and_copy_errors_name_the_param():
+    ps = [torch.randn(4, requires_grad=True) for _ in range(5)]
+    groups = [{"params": ps[:2]}, {"params": ps[2:]}]
+    opt = optim.CPUAdam(groups, lr=1e-2)
+    grads = [torch.randn(4) for _ in range(5)]
+    cases = [
+        (dict(grads=grads[:3] + [torch.randn(5)] + grads[4:]),
+         r"^group 1 param 1: grad has shape \(5,\)", "grads"),
+        (dict(grads=grads[:2] + [torch.randn(8)[::2]] + grads[3:]),
+         r"^group 1 param 0: grad is not contiguous", "grads"),
+        (dict(grads=grads, copies={ps[1]: torch.empty(3, dtype=torch.float16)}),
+         r"^group 0 param 1: out has shape \(3,\)", "copies"),
+        (dict(grads=grads, copies={ps[4]: torch.empty(4, dtype=torch.int32)}),
+         r"^group 1 param 2: copy has dtype torch.int32", "copies"),
+    ]
+    for kwargs, fragment, argument in cases:
+        with pytest.raises(OptimizerError, match=fragment) as info:
+            opt.step(**kwargs)
+        assert info.value.argument == argument
+    # numpy uint16 bits: CPUAdam.step has no grad_format=, so say what does work.
+    with pytest.raises(OptimizerError, match="torch.bfloat16 tensor") as info:
+        opt.step(grads=[np.zeros(4, np.uint16)] * 5)
+    assert "grad_format" not in str(info.value) and info.value.argument == "grads"
+    assert str(info.value).startswith("group 0 param 0: ")
+    assert not opt.state
+
+
+def test_fp16_copy_overflow_is_documented_and_leaves_the_master_finite():
+    p = torch.tensor([65519.0, 65520.0, 7e4, -1e6], requires_grad=True)
+    out = torch.empty(4, dtype=torch.float16)
+    opt = optim.CPUAdam([p], lr=1e-3)
+    opt.step(grads=[torch.zeros(4)], copies=[out], grad_scale=1024.0)
+    assert not opt.last_step_skipped and torch.isfinite(p).all()
+    assert out[0] == 65504 and out[1:].isinf().all() and out[3] < 0
+    assert "65504" in optim.CPUAdam.step.__doc__
