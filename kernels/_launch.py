@@ -83,7 +83,11 @@ def numba_stream(stream):
     """
     if stream is None or stream == 0:
         return 0
-    ptr = getattr(stream, "ptr", None)
+    if isinstance(stream, bool):
+        raise KernelArgumentError(f"stream={stream!r} is not a stream; pass 0, a stream "
+                                  f"object or a cudaStream_t handle", argument="stream")
+    # A bare int is a cudaStream_t handle (torch's .cuda_stream, CuPy's .ptr).
+    ptr = stream if isinstance(stream, (int, np.integer)) else getattr(stream, "ptr", None)
     if ptr is None:
         ptr = getattr(stream, "cuda_stream", None)
     if ptr is not None and not simulator_active():
@@ -205,6 +209,25 @@ def check_array(a, name: str, *, ndim: int, dtypes=_FLOAT, shape=None) -> None:
         raise KernelArgumentError(
             f"{name} must be C-contiguous (row-major); make a contiguous copy",
             argument=name)
+    # A float32/int access at an address that is not a multiple of the item size
+    # is a "misaligned address" fault on the GPU, which poisons the whole CUDA
+    # context; arenas with alignment < 4 can hand such buffers out.
+    ptr = _data_pointer(a)
+    if ptr is not None and ptr % dt.itemsize:
+        raise KernelArgumentError(
+            f"{name} starts at address {ptr:#x}, not a multiple of its {dt.itemsize}-byte "
+            f"items; allocate it aligned (arenas align to 256 bytes by default)",
+            argument=name)
+
+
+def _data_pointer(a) -> int | None:
+    """The address of ``a``'s first byte (device or host), or None if unknown."""
+    for attr in ("__cuda_array_interface__", "__array_interface__"):
+        try:
+            return int(getattr(a, attr)["data"][0])
+        except (AttributeError, KeyError, TypeError):
+            continue
+    return None
 
 
 def check_ids(ids, name: str = "ids", n_tokens: int | None = None) -> None:
@@ -353,9 +376,9 @@ _SCRATCH_MAX = 64          # entries kept; the oldest is dropped beyond that
 def scratch(tag: str, shape, dtype, stream):
     """A device array for temporary use by one launch sequence on ``stream``.
 
-    Reused by later calls with the same (tag, shape, dtype, stream): work on one
-    stream runs in order, so the previous user has finished before the next
-    kernel touches it. Saves a cudaMalloc per call (tens of microseconds, and a
+    Reused by later calls with the same (tag, shape, dtype, stream) from the same
+    host thread: work on one stream runs in order, so the previous user has
+    finished before the next kernel touches it. Saves a cudaMalloc per call (tens of microseconds, and a
     possible device synchronization) in the layer wrappers. Never share the
     result across streams.
     """
@@ -365,8 +388,11 @@ def scratch(tag: str, shape, dtype, stream):
         skey = id(stream)
     else:                                        # ctypes handle, or a cuda-python CUstream
         skey = handle.value if hasattr(handle, "value") else int(handle)
+    # Per host thread too: a wrapper's kernels share the scratch through a sequence
+    # of launches, which two threads on one stream would interleave; and the
+    # per-thread default stream has one handle for many real streams.
     key = (tag, tuple(int(d) for d in np.atleast_1d(shape)), np.dtype(dtype).str,
-           skey if stream != 0 else 0)
+           skey if stream != 0 else 0, threading.get_ident())
     with _SCRATCH_LOCK:
         arr = _SCRATCH.pop(key, None)
         if arr is None:

@@ -567,12 +567,14 @@ def _column_sums(grad_out, saved, outs, accumulate, s):
     T, H = grad_out.shape
     chunks = max(1, math.ceil(T / _PARTIAL_ROWS))
     partials = scratch("col-partials", (2, chunks, H), np.float32, s)
+    # Whether to sum grad_out * xhat too: from the caller, not from comparing
+    # arrays (x may be the very array grad_out is, and still need dgamma).
+    with_xhat = saved is not None
     if saved is None:
         unused = scratch("unused", 1, np.float32, s)
         saved = (grad_out, unused, unused)
     grid = (max(1, math.ceil(H / THREADS)), min(chunks, 65535))
-    _column_partials_kernel[grid, THREADS, s](grad_out, *saved, partials,
-                                              saved[0] is not grad_out)
+    _column_partials_kernel[grid, THREADS, s](grad_out, *saved, partials, with_xhat)
     for which, out in outs:
         _column_finish_kernel[stream_blocks(H), THREADS, s](partials, which, out,
                                                              bool(accumulate))

@@ -11,8 +11,10 @@ parallel loops), so results are visible on return.
 Differences from the GPU kernels, all documented in their functions: LayerNorm
 statistics and the column sums (bias, gamma, beta gradients) accumulate in float64
 (more accurate, not bitwise equal to the GPU's float32),
-the embedding backward is deterministic, and bad token ids raise *before* any
-output is written (the GPU can only tell after the launch).
+the embedding backward is deterministic, and bad token ids always raise before
+any output is written (the GPU wrappers do so with ``check=True``, their default,
+at the cost of a wait; with ``check=False`` they stay asynchronous and zero those
+rows).
 """
 
 from __future__ import annotations

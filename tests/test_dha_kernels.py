@@ -443,3 +443,100 @@ def test_gpu_delay_refuses_non_finite_seconds():
     for bad in (float("nan"), float("inf"), -1.0, "1"):
         with pytest.raises(KernelArgumentError, match="seconds"):
             dha.gpu_delay(bad)
+
+
+def test_layernorm_backward_with_x_the_same_array_as_grad_out(be):
+    # The GPU wrapper chose whether to sum grad_out * xhat by comparing arrays:
+    # x passed as grad_out itself skipped dgamma, which then read stale scratch.
+    rng = np.random.default_rng(77)
+    T, H, eps = 4, 8, 1e-5
+    a = _rand(rng, T, H, scale=2.0)
+    gamma, beta = _rand(rng, H), _rand(rng, H)
+    _, mu, rstd, dx, dgamma, dbeta = _ln_reference(a, gamma, beta, a, eps)
+    mean, rs = be.act(mu.astype(np.float32)), be.act(rstd.astype(np.float32))
+    gamma_d = be.param(gamma)
+    # an earlier call of the same shape leaves its sums in the reused scratch
+    be.k.layernorm_backward(be.act(_rand(rng, T, H)), be.act(_rand(rng, T, H)), mean, rs,
+                            gamma_d, None, be.param(_rand(rng, H)), be.param(_rand(rng, H)))
+    same = be.act(a)
+    gg, gb = be.param(_rand(rng, H)), be.param(_rand(rng, H))
+    be.k.layernorm_backward(same, same, mean, rs, gamma_d, None, gg, gb)
+    np.testing.assert_allclose(be.host(gg), dgamma, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(be.host(gb), dbeta, rtol=1e-4, atol=1e-5)
+
+
+def test_scratch_is_per_host_thread():
+    # Each wrapper passes scratch between the kernels it enqueues: a call from
+    # another thread enqueued in between on the same stream (or on the
+    # per-thread default stream, one handle for many streams) must not share it.
+    import threading
+
+    from numba import cuda
+    from rtmem.kernels import dha
+    V, H, T = 6, 3, 8
+    rng = np.random.default_rng(5)
+
+    def job():
+        ids = rng.integers(0, V, T).astype(np.int64)
+        dy = _rand(rng, T, H)
+        ref = np.zeros((V, H))
+        np.add.at(ref, ids, dy.astype(np.float64))
+        return cuda.to_device(ids), cuda.to_device(dy), ref
+    (ids_a, dy_a, ref_a), (ids_b, dy_b, ref_b) = job(), job()
+    results = {}
+    real_link = dha._embedding_link_kernel
+
+    class OtherThreadAfterLink:      # thread B's whole call lands after A's link kernel
+        fired = False
+
+        def __getitem__(self, config):
+            def launch(*args):
+                real_link[config](*args)
+                if not OtherThreadAfterLink.fired:
+                    OtherThreadAfterLink.fired = True
+
+                    def b():
+                        gw = cuda.to_device(np.zeros((V, H), np.float32))
+                        dha.embedding_backward(dy_b, ids_b, gw)
+                        results["b"] = gw.copy_to_host()
+                    t = threading.Thread(target=b)
+                    t.start()        # joined at once: the simulator runs one launch
+                    t.join()         # at a time, so this is the interleaving, serialized
+            return launch
+    mp = pytest.MonkeyPatch()
+    mp.setattr(dha, "_embedding_link_kernel", OtherThreadAfterLink())
+    try:
+        gw_a = cuda.to_device(np.zeros((V, H), np.float32))
+        dha.embedding_backward(dy_a, ids_a, gw_a)
+    finally:
+        mp.undo()
+    np.testing.assert_allclose(results["b"], ref_b, atol=1e-5)
+    np.testing.assert_allclose(gw_a.copy_to_host(), ref_a, atol=1e-5)
+
+
+def test_arrays_not_aligned_to_their_items_are_refused():
+    # A float32 read at an odd address faults the GPU (and poisons the context);
+    # arenas with alignment < 4 can produce such buffers.
+    from rtmem.kernels import dha_cpu
+    from rtmem.kernels._launch import check_array
+    raw = np.zeros(4 * 16 + 1, dtype=np.uint8)
+    x = np.frombuffer(raw.data, dtype=np.float32, count=16, offset=1).reshape(4, 4)
+    gamma, beta = np.ones(4, np.float32), np.zeros(4, np.float32)
+    out, mean, rstd = np.empty((4, 4), np.float32), np.empty(4, np.float32), \
+        np.empty(4, np.float32)
+    with pytest.raises(KernelArgumentError, match="not a multiple of its 4-byte items"):
+        dha_cpu.layernorm_forward(x, gamma, beta, out, mean, rstd)
+
+    class DeviceView:                 # a device array as numba would see it
+        dtype, shape, flags = np.dtype(np.float32), (4,), {"C_CONTIGUOUS": True}
+        __cuda_array_interface__ = {"data": (0x7f0000000002, False), "shape": (4,),
+                                    "typestr": "<f4", "version": 3}
+    with pytest.raises(KernelArgumentError, match="0x7f0000000002"):
+        check_array(DeviceView(), "weight", ndim=1)
+
+
+def test_stream_arguments():
+    from rtmem.kernels._launch import numba_stream
+    assert numba_stream(None) == 0 and numba_stream(0) == 0
+    with pytest.raises(KernelArgumentError, match="not a stream"):
+        numba_stream(True)
