@@ -378,9 +378,9 @@ def scratch(tag: str, shape, dtype, stream):
 
     Reused by later calls with the same (tag, shape, dtype, stream) from the same
     host thread: work on one stream runs in order, so the previous user has
-    finished before the next kernel touches it. Saves a cudaMalloc per call (tens of microseconds, and a
-    possible device synchronization) in the layer wrappers. Never share the
-    result across streams.
+    finished before the next kernel touches it. Saves a cudaMalloc per call
+    (tens of microseconds, and a possible device synchronization) in the layer
+    wrappers. Never share the result across streams.
     """
     from numba import cuda
     handle = getattr(stream, "handle", None)
