@@ -113,6 +113,16 @@ class Bench:
         self._mp.setattr(dha, "gpu_delay", gpu_delay)
         return launches
 
+    def without_nvvm(self, *names):
+        """Make the ``names`` of rtmem.kernels.dha raise as a first launch does when
+        numba finds no NVVM to compile with."""
+        from rtmem.kernels import dha
+
+        def no_nvvm(*args, **kwargs):
+            raise RuntimeError("libNVVM cannot be found")
+        for name in names:
+            self._mp.setattr(dha, name, no_nvvm)
+
     def json(self, name):
         return json.loads((self.results / f"{name}.json").read_text())
 
@@ -259,11 +269,7 @@ def test_pcie_without_dha_kernels_measures_copies_and_saves_each_size(bench, mon
     # run stopped mid-sweep (a time limit's SIGINT) keeps the sizes it finished.
     pcie = bench.load("pcie")
     bench.stub_kernels()
-    from rtmem.kernels import dha
-
-    def no_nvvm(*args, **kwargs):
-        raise RuntimeError("libNVVM cannot be found")
-    monkeypatch.setattr(dha, "dha_write", no_nvvm)
+    bench.without_nvvm("dha_write")
     assert pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1"]) == 0
     doc = bench.json("pcie")
     assert doc["dha_error"] == "RuntimeError: libNVVM cannot be found"
@@ -289,18 +295,13 @@ def test_pcie_without_dha_kernels_measures_copies_and_saves_each_size(bench, mon
 
 
 @pytest.mark.parametrize("nvrtc", [True, False])
-def test_pcie_times_copies_when_numba_cannot_compile_the_delay(bench, monkeypatch, nvrtc):
+def test_pcie_times_copies_when_numba_cannot_compile_the_delay(bench, nvrtc):
     # Without NVVM numba compiles no kernel, the Timer's delay included: the
     # copies are then timed behind a CuPy (NVRTC) delay, or, without NVRTC
     # too, behind none.
     pcie = bench.load("pcie")
     bench.stub_kernels()
-    from rtmem.kernels import dha
-
-    def no_nvvm(*args, **kwargs):
-        raise RuntimeError("libNVVM cannot be found")
-    for name in ("gpu_delay", "dha_write"):
-        monkeypatch.setattr(dha, name, no_nvvm)
+    bench.without_nvvm("gpu_delay", "dha_write")
     bench.fake.raw_kernels = nvrtc
     assert pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1"]) == 0
     doc = bench.json("pcie")
@@ -314,15 +315,10 @@ def test_pcie_times_copies_when_numba_cannot_compile_the_delay(bench, monkeypatc
         assert doc["timer"]["uncovered_runs"] == 0
 
 
-def test_dha_layers_reports_a_kernel_failure_with_what_it_measured(bench, monkeypatch,
-                                                                   capsys):
+def test_dha_layers_reports_a_kernel_failure_with_what_it_measured(bench, capsys):
     dl = bench.load("dha_layers")
     bench.stub_kernels()
-    from rtmem.kernels import dha
-
-    def no_nvvm(*args, **kwargs):
-        raise RuntimeError("libNVVM cannot be found")
-    monkeypatch.setattr(dha, "layernorm_forward", no_nvvm)
+    bench.without_nvvm("layernorm_forward")
     assert dl.main(["--quick", "--model", "tiny", "--tokens", "40", "--repeats", "1"]) == 1
     doc = bench.json("dha_layers")
     assert doc["partial"] is True and [layer["name"] for layer in doc["layers"]] == ["wte"]
