@@ -92,6 +92,30 @@ fi
 if compgen -G ".whl/*" >/dev/null; then
     if python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
         --no-cache-dir --upgrade --target /tmp/site .whl/* >"$logs/wheels.log" 2>&1; then
+        # A carried package the image already has at least as new (typing_extensions,
+        # which torch imports too) must not shadow the image's copy.
+        python3 - <<'PY'
+import importlib.metadata as md, pathlib, shutil
+site = pathlib.Path("/tmp/site")
+for info in site.glob("*.dist-info"):
+    dist = md.PathDistribution(info)
+    name, carried = dist.metadata["Name"], dist.version
+    try:
+        mine = md.version(name)                 # the image's (no /tmp/site on the path)
+    except md.PackageNotFoundError:
+        continue
+    key = lambda v: tuple(int(p) if p.isdigit() else 0 for p in v.split(".")[:3])
+    if key(mine) >= key(carried):
+        paths = [site / f for f in (dist.files or ())]
+        for path in paths:
+            if path.is_file():
+                path.unlink()
+        for folder in sorted({p.parent for p in paths}, key=lambda p: -len(p.parts)):
+            if folder != site and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()                  # deepest first: emptied folders go
+        shutil.rmtree(info, ignore_errors=True)
+        print(f"kept the image's {name} {mine} (not the carried {carried})")
+PY
         export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
         echo "installed .whl/ into /tmp/site"
     else
