@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     print(f"per-layer cost on {device}: {args.model} (h={h}), {tokens} tokens, "
           f"median of {repeats}, times in ms")
+    doc = {"format": "rtmem.dha_layers/1", "device": device, "model": args.model,
+           "hidden": h, "tokens": tokens}
     layers = []
     for spec in layer_specs(h):
         try:
@@ -233,10 +235,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - reported with what was measured
             # The first kernel launch compiles: a missing NVVM shows here.
             error = f"{type(e).__name__}: {e}"
-            path = write_results("dha_layers", {
-                "format": "rtmem.dha_layers/1", "device": device, "model": args.model,
-                "hidden": h, "tokens": tokens, "layers": layers, "partial": True,
-                "error": f"{spec['name']}: {error}"})
+            path = write_results("dha_layers", {**doc, "layers": layers, "partial": True,
+                                                "error": f"{spec['name']}: {error}"})
             print(f"measuring {spec['name']} failed: {error}\n(`rtmem doctor` says whether "
                   f"numba-cuda finds NVVM; see CUDA_HOME there); wrote {path}",
                   file=sys.stderr)
@@ -252,15 +252,13 @@ def main(argv=None) -> int:
                        + [f"fwd {m}" for m in FORWARD_MODES]
                        + [f"bwd {m}" for m in BACKWARD_MODES] + ["dha/copy fwd", "bitwise"],
                        rows, align="ll" + "r" * (len(rows[0]) - 2)))
-    doc = {"format": "rtmem.dha_layers/1", "device": device, "model": args.model,
-           "hidden": h, "tokens": tokens, "dtype": "float32", "repeats": repeats,
-           "modes": {"gpu": "params and grads in HBM",
-                     "copy": "fwd: H2D copy of the params then compute; bwd: compute then "
-                             "D2H copy of the grads (serial)",
-                     "dha": "params in mapped host memory, grads to HBM",
-                     "gpu_go": "params in HBM, grads written to mapped host memory",
-                     "dha_go": "params and grads in mapped host memory"},
-           "layers": layers}
+    doc.update(dtype="float32", repeats=repeats, layers=layers, modes={
+        "gpu": "params and grads in HBM",
+        "copy": "fwd: H2D copy of the params then compute; bwd: compute then D2H copy "
+                "of the grads (serial)",
+        "dha": "params in mapped host memory, grads to HBM",
+        "gpu_go": "params in HBM, grads written to mapped host memory",
+        "dha_go": "params and grads in mapped host memory"})
     print(f"\nwrote {write_results('dha_layers', doc)}")
     return 0
 

@@ -212,22 +212,24 @@ def check_array(a, name: str, *, ndim: int, dtypes=_FLOAT, shape=None) -> None:
     # A float32/int access at an address that is not a multiple of the item size
     # is a "misaligned address" fault on the GPU, which poisons the whole CUDA
     # context; arenas with alignment < 4 can hand such buffers out.
-    ptr = _data_pointer(a)
-    if ptr is not None and ptr % dt.itemsize:
-        raise KernelArgumentError(
-            f"{name} starts at address {ptr:#x}, not a multiple of its {dt.itemsize}-byte "
-            f"items; allocate it aligned (arenas align to 256 bytes by default)",
-            argument=name)
+    check_aligned(a, dt.itemsize, name, f"its {dt.itemsize}-byte items",
+                  "allocate it aligned (arenas align to 256 bytes by default)")
 
 
-def _data_pointer(a) -> int | None:
-    """The address of ``a``'s first byte (device or host), or None if unknown."""
+def check_aligned(a, multiple: int, name: str, what: str, fix: str) -> None:
+    """Raise :class:`KernelArgumentError` (saying ``what`` the address must be a
+    multiple of, and the ``fix``) unless ``a``'s first byte, device or host, is
+    at a multiple of ``multiple`` bytes; arrays without an interface pass."""
+    ptr = None
     for attr in ("__cuda_array_interface__", "__array_interface__"):
         try:
-            return int(getattr(a, attr)["data"][0])
+            ptr = int(getattr(a, attr)["data"][0])
+            break
         except (AttributeError, KeyError, TypeError):
             continue
-    return None
+    if ptr is not None and ptr % multiple:
+        raise KernelArgumentError(f"{name} starts at address {ptr:#x}, not a multiple of "
+                                  f"{what}; {fix}", argument=name)
 
 
 def check_ids(ids, name: str = "ids", n_tokens: int | None = None) -> None:
@@ -331,13 +333,16 @@ def device_words(buf, width: int, name: str):
                                   argument=name)
     wdt = word_dtype(width)
     n = check_words(int(dev.size) * np.dtype(dev.dtype).itemsize, width, name)
-    iface = getattr(dev, "__cuda_array_interface__", None)
-    if iface is not None and iface["data"][0] % width:
-        raise KernelArgumentError(
-            f"{name} starts at address {iface['data'][0]:#x}, not aligned to the "
-            f"{width}-byte access width; pass width=4 or an aligned buffer", argument=name)
+    check_word_alignment(dev, width, name)
     flat = dev.reshape(dev.size) if len(dev.shape) != 1 else dev
     return flat.view(wdt), n
+
+
+def check_word_alignment(a, width: int, name: str) -> None:
+    """The streaming probes' check (GPU and CPU twin): ``a`` starts at a
+    multiple of the ``width``-byte access width."""
+    check_aligned(a, width, name, f"the {width}-byte access width",
+                  "pass width=4 or an aligned buffer")
 
 
 def grid_size(blocks, n_items: int) -> int:

@@ -27,8 +27,8 @@ from rtmem.errors import KernelArgumentError
 
 from ._launch import (as_host, check_array, check_blocks, check_disjoint, check_embedding,
                       check_eps, check_flag, check_layernorm_backward,
-                      check_layernorm_forward, check_linear, check_words, word_dtype,
-                      word_value)
+                      check_layernorm_forward, check_linear, check_word_alignment, check_words,
+                      word_dtype, word_value)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -152,10 +152,7 @@ def _words(buf, width: int, name: str, writable: bool):
                                   argument=name)
     wdt = word_dtype(width)
     check_words(a.nbytes, width, name)
-    if a.ctypes.data % width:
-        raise KernelArgumentError(
-            f"{name} is not aligned to the {width}-byte access width; pass width=4 "
-            "or an aligned buffer", argument=name)
+    check_word_alignment(a, width, name)
     return a.reshape(-1).view(np.uint8).view(wdt)
 
 

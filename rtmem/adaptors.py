@@ -485,15 +485,16 @@ def replay(trace, allocator, *, measure_extent: bool = False,
             dealloc(block)
             return new
     ends = {}
-    done = False
     try:
         t0 = time.perf_counter()
         pairs, ooms, peak = _replay_loop(trace, live, alloc, dealloc, resize, ends,
                                          measure_extent)
         seconds = time.perf_counter() - t0
-        done = True
+    except BaseException:
+        free_leftovers = True       # a failed replay never leaks its blocks
+        raise
     finally:
-        if free_leftovers or not done:
+        if free_leftovers:
             for block, _ in live.values():
                 dealloc(block)
     return ReplayResult(pairs, seconds, peak,

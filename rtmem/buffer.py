@@ -369,18 +369,18 @@ class Buffer:
         (AttributeError for cuda device memory, so consumers fall back to the
         CUDA array interface or DLPack)."""
         self._check_alive()
-        if self.primary.slab.host_array is None:
+        slab_array = self.primary.slab.host_array
+        if slab_array is None:
             raise AttributeError("cuda device memory has no __array_interface__; use "
                                  "__cuda_array_interface__, DLPack or to_numpy()")
-        slab_array = self.primary.slab.host_array
         interface = self.numpy().__array_interface__
         # numpy makes this Buffer the base of the array it builds from the dict, not
         # a view of the slab, so the Buffer keeps the slab array alive: on the host
         # backend the memory then outlives arena.close() as numpy() views do.
         with self._lock:
-            exports = self._exports if self._exports is not None else {}
-            exports[id(slab_array)] = slab_array
-            self._exports = exports
+            if self._exports is None:
+                self._exports = {}
+            self._exports[id(slab_array)] = slab_array
         return interface
 
     @property
