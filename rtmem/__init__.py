@@ -14,7 +14,7 @@ import importlib
 from . import adaptors, errors, layout, transfers
 from ._version import __version__
 from .allocator import AllocatorStats, BestFitAllocator
-from .arena import ArenaStats, DeviceArena, HostArena
+from .arena import UNORDERED, ArenaStats, DeviceArena, HostArena
 from .backends import get_backend
 from .buffer import KINDS, Buffer
 from .errors import (BackendError, ChainError, DoubleFreeError, InfeasibleError,
@@ -36,7 +36,7 @@ __all__ = [
     "__version__",
     # runtime
     "AllocatorStats", "ArenaStats", "BestFitAllocator", "Buffer", "DeviceArena",
-    "HostArena", "KINDS", "get_backend",
+    "HostArena", "KINDS", "UNORDERED", "get_backend",
     "drop_host", "evict", "offload", "prefetch", "synchronize", "wait",
     "adaptors", "errors", "layout", "transfers",
     # errors

@@ -66,7 +66,12 @@ def release(buf) -> None:
 def flush() -> int:
     """Do the frees deferred by garbage collections; returns how many ran."""
     n = 0
-    while queue:
-        queue.popleft()()
+    while True:
+        # Pop, then test: with ``while queue: queue.popleft()`` a thread could see
+        # one entry that another thread's flush takes first (IndexError).
+        try:
+            free = queue.popleft()
+        except IndexError:
+            return n
+        free()
         n += 1
-    return n

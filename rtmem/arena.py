@@ -34,7 +34,24 @@ from .buffer import KINDS, Buffer, Placement
 from .errors import DoubleFreeError, InvalidPointerError
 from .units import parse_bytes
 
-__all__ = ["ArenaStats", "DeviceArena", "HostArena"]
+__all__ = ["ArenaStats", "DeviceArena", "HostArena", "UNORDERED"]
+
+
+class _Unordered:
+    __slots__ = ()
+
+    def __repr__(self):
+        return "rtmem.UNORDERED"
+
+    def __reduce__(self):
+        return "UNORDERED"      # pickles as the one instance
+
+
+#: ``alloc(stream=UNORDERED)``: a buffer ordered with no stream. Its bytes come
+#: only from frees whose work has completed, so any stream, or the CPU, may use
+#: it at once (what a HostArena does by default). For memory that work on
+#: streams rtmem does not know about will use (e.g. numba's).
+UNORDERED = _Unordered()
 
 _BYTES = np.dtype(np.uint8)
 _KINDS = frozenset(KINDS)
@@ -193,7 +210,8 @@ class _Arena:
         whose order covers the buffer's first use; bytes freed on it are reused
         at once (default: the compute stream for a DeviceArena; for a HostArena
         the CPU, which reuses bytes only once the GPU work before their free is
-        done, since the CPU may touch a new buffer at once).
+        done, since the CPU may touch a new buffer at once). :data:`UNORDERED`
+        asks for that on any arena.
         """
         if kind not in _KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
@@ -222,6 +240,8 @@ class _Arena:
                                      f"{dtype} needs ({need} bytes)")
         if stream is None:
             stream = self._default_stream()
+        elif stream is UNORDERED:
+            stream = None           # the core's key of bytes no stream orders
         placement = self._allocate(nbytes, kind, stream)
         return Buffer(placement, nbytes, dtype, shape, kind)
 
@@ -259,14 +279,14 @@ class _Arena:
         # use it took over on the strength of stream order alone (NOTE
         # [ Stream-ordered frees ] in allocator.py); freeing it for everyone now
         # would let the CPU or another stream overwrite bytes a queued copy reads.
-        gates = []
-        if placement.event is not None and not placement.event.query():
-            gates.append(placement.stream)
-        home = block.stream
-        if home is not None and home is not compute and all(home is not g for g in gates):
-            gates.append(home)
+        last_copy, home = placement.event, block.stream
+        copying = last_copy is not None and not last_copy.query()
         stream = event = None
-        if gates:
+        if copying or (home is not None and home is not compute):
+            gates = [placement.stream] if copying else []
+            if home is not None and home is not compute and \
+                    all(home is not g for g in gates):
+                gates.append(home)
             # Free on the first gate stream behind an event recorded now, after
             # the other gates and the compute work enqueued so far.
             stream = gates[0]
@@ -297,25 +317,27 @@ class _Arena:
         with buf._lock:
             if buf._freed or buf._free_requested:
                 raise DoubleFreeError(f"{buf!r} was already freed; free each buffer once")
-            placements = [p for p in (buf._device, buf._host) if p is not None]
-            if not any(p.arena is self for p in placements):
+            device, host = buf._device, buf._host
+            if (device is None or device.arena is not self) and \
+                    (host is None or host.arena is not self):
                 raise InvalidPointerError(
                     f"{buf!r} does not live in {self!r} (foreign pointer); free it with "
                     f"buf.free() or the arena that allocated it")
             if buf._pins:   # NOTE [ Pinned views ] in buffer.py: release on last view
                 buf._free_requested = True
                 return
-            buf._settle(report=False)    # a failed move is undone; free what remains
-            placements = [p for p in (buf._device, buf._host) if p is not None]
-            for p in placements:
-                # Detach each placement once its block is freed: if a release
-                # raises, the buffer stays live with the placements it still owns
-                # (never with a block the allocator may hand to someone else).
-                p.arena._release(p, buf.kind)
-                if buf._device is p:
-                    buf._device = None
-                else:
-                    buf._host = None
+            if buf._pending is not None:
+                buf._settle(report=False)    # a failed move is undone; free what remains
+                device, host = buf._device, buf._host
+            # Detach each placement once its block is freed: if a release raises,
+            # the buffer stays live with the placements it still owns (never with
+            # a block the allocator may hand to someone else).
+            if device is not None:
+                device.arena._release(device, buf.kind)
+                buf._device = None
+            if host is not None:
+                host.arena._release(host, buf.kind)
+                buf._host = None
             buf._pending = None
             buf._freed = True
 

@@ -122,28 +122,23 @@ class Buffer:
         self.dtype = dtype
         self.shape = shape
         self.kind = kind
-        self._device = None
-        self._host = None
         self._pending = None        # (event, "h2d"|"d2h", stream) of the last move
         self._freed = False
         self._lock = threading.RLock()
-        self.device_arena = None    # where prefetch puts it back by default
-        self.host_arena = None      # where offload puts it by default
+        # device_arena / host_arena: where prefetch / offload put it by default.
+        arena = placement.arena
+        if arena.location == "device":
+            self._device, self._host = placement, None
+            self.device_arena, self.host_arena = arena, None
+        else:
+            self._device, self._host = None, placement
+            self.device_arena, self.host_arena = None, arena
         # NOTE [ Pinned views ]: zero-copy tensors made by rtmem.torch.as_tensor pin
         # the buffer; a free requested while pinned happens when the last view dies,
         # so the arena never hands the bytes out while a tensor still reads them.
         self._pins = 0
         self._free_requested = False
         self._exports = None        # slab arrays behind __array_interface__ exports
-        self._attach(placement)
-
-    def _attach(self, placement: Placement) -> None:
-        if placement.arena.location == "device":
-            self._device = placement
-            self.device_arena = placement.arena
-        else:
-            self._host = placement
-            self.host_arena = placement.arena
 
     # -------------------------------------------------------------- state
     def _check_alive(self) -> None:

@@ -29,6 +29,9 @@ def _numba_info() -> dict:
         info["numba_cuda"] = version("numba-cuda")
     except Exception:   # not installed as a separate package: numba's own cuda
         info["numba_cuda"] = None
+    # The simulator (NUMBA_ENABLE_CUDASIM=1) says "available" with no GPU and
+    # has no NVVM: report it as what it is.
+    info["numba_cuda_simulator"] = bool(getattr(numba.config, "ENABLE_CUDASIM", False))
     try:
         from numba import cuda
         info["numba_cuda_available"] = bool(cuda.is_available())
@@ -93,9 +96,13 @@ def _lines(r: dict) -> list[str]:
     nc = r.get("numba_cuda") or "numba's built-in numba.cuda"
     nvvm = {True: "yes", False: "no (kernels cannot compile)", None: "unknown"}[
         r.get("numba_cuda_nvvm")]
-    out.append(f"numba-cuda       {nc}; usable: "
-               f"{'yes' if r.get('numba_cuda_available') else 'no'}; NVVM: {nvvm}; "
-               f"CUDA_HOME={r.get('CUDA_HOME') or 'unset'}")
+    if r.get("numba_cuda_simulator"):
+        out.append(f"numba-cuda       {nc}; the CUDA simulator (NUMBA_ENABLE_CUDASIM=1): "
+                   f"kernels run on the CPU, no GPU is used")
+    else:
+        out.append(f"numba-cuda       {nc}; usable: "
+                   f"{'yes' if r.get('numba_cuda_available') else 'no'}; NVVM: {nvvm}; "
+                   f"CUDA_HOME={r.get('CUDA_HOME') or 'unset'}")
     if r.get("numba_cuda_nvvm_error"):
         out.append(f"  ! {r['numba_cuda_nvvm_error']} (set CUDA_HOME to a CUDA toolkit "
                    f"that has nvvm/, or install the nvidia-nvvm wheel)")

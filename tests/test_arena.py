@@ -312,6 +312,26 @@ def test_free_waits_for_pinned_views_and_survives_a_collection_inside_the_alloca
     dev._check_invariants()
 
 
+def test_deferred_frees_survive_a_concurrent_flush(monkeypatch):
+    # flush() tested the queue, then popped: a thread that saw one deferred free
+    # another thread's flush took first got IndexError out of an ordinary alloc.
+    import collections
+
+    from rtmem import _deferred
+    ran = []
+
+    class RacingQueue(collections.deque):
+        def __bool__(self):
+            nonempty = len(self) > 0
+            if nonempty:                  # another thread's flush empties it now
+                collections.deque.popleft(self)()
+            return nonempty
+
+    monkeypatch.setattr(_deferred, "queue", RacingQueue([lambda: ran.append(1)]))
+    _deferred.flush()
+    assert ran == [1] and not _deferred.queue
+
+
 def test_host_arena_flags_must_be_booleans():
     for kwargs in (dict(pinned="no"), dict(mapped=1)):
         with pytest.raises(TypeError, match="True or False"):

@@ -54,12 +54,27 @@ def test_doctor_says_why_nvvm_is_missing(monkeypatch):
         raise RuntimeError("libNVVM cannot be found")
     monkeypatch.setattr(nvvm, "is_available", lambda: False)
     monkeypatch.setattr(nvvm, "NVVM", missing)
+    import numba
+    monkeypatch.setattr(numba.config, "ENABLE_CUDASIM", False, raising=False)
     report = doctor.collect()
     assert report["CUDA_HOME"] == "/opt/no-toolkit" and report["numba_cuda_nvvm"] is False
     assert report["numba_cuda_nvvm_error"] == "RuntimeError: libNVVM cannot be found"
     text = "\n".join(doctor._lines(report))
     assert "CUDA_HOME=/opt/no-toolkit" in text and "NVVM: no" in text
     assert "! RuntimeError: libNVVM cannot be found (set CUDA_HOME" in text
+
+
+def test_doctor_names_the_cuda_simulator(monkeypatch):
+    # Under NUMBA_ENABLE_CUDASIM=1 it said "usable: yes; NVVM: no" with no GPU.
+    import numba
+
+    from rtmem import doctor
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    monkeypatch.setattr(numba.config, "ENABLE_CUDASIM", True, raising=False)
+    report = doctor.collect()
+    assert report["numba_cuda_simulator"] is True
+    line = next(x for x in doctor._lines(report) if x.startswith("numba-cuda"))
+    assert "CUDA simulator" in line and "usable" not in line
 
 
 @pytest.mark.skipif(HAS_CUPY, reason="CuPy is installed")

@@ -124,6 +124,30 @@ def test_slabs_use_the_right_calls_and_are_freed(fake, backend):
     assert len(fake.calls_named("free")) == 1 and len(fake.calls_named("freeHost")) == 2
 
 
+def test_dropped_arenas_give_their_slabs_back(fake, backend):
+    # _CudaAlloc had no finalizer: an arena dropped without close() kept its
+    # cudaMalloc / cudaHostAlloc slabs until the process ended.
+    for _ in range(3):
+        d = DeviceArena(8 << 20, backend=backend)
+        h = HostArena(4 << 20, mapped=True, backend=backend)
+        d.alloc(1000).free()
+        del d, h
+        gc.collect()
+        assert fake.live == {}
+    # A numpy view of pinned memory keeps the allocation alive, arena or not.
+    h = HostArena(1 << 16, backend=backend)
+    buf = h.alloc(shape=(16,), dtype=np.float32)
+    view = buf.numpy()[2:]
+    view[:] = np.arange(14, dtype=np.float32) + 0.5
+    del h, buf
+    gc.collect()
+    assert len(fake.live) == 1 and view[3] == 3.5
+    del view
+    gc.collect()
+    assert fake.live == {}
+    assert len(fake.calls_named("freeHost")) == 4 and len(fake.calls_named("free")) == 3
+
+
 def test_out_of_memory_leaves_the_arena_unchanged(fake, backend):
     with pytest.raises(OutOfMemoryError, match="cudaMalloc") as exc:
         DeviceArena(128 << 20, backend=backend)
@@ -425,6 +449,59 @@ def test_cupy_allocator_hook(fake, backend):
     assert d.stats().count_by_kind["workspace"] == 0
     with pytest.raises(ValueError, match="device memory"):
         rtcupy.allocator_for(HostArena(1 << 16, backend=backend))
+
+
+def test_cupy_hook_refuses_bad_arguments_and_leaks_nothing(fake, backend, monkeypatch):
+    from rtmem.integrations import cupy as rtcupy
+    cp = fake.modules["cupy"]
+    d = DeviceArena(1 << 20, backend=backend)
+    default = cp.cuda.get_allocator()
+    with pytest.raises(ValueError, match="kind must be one of"):
+        rtcupy.install(d, kind="weights")        # every allocation would fail
+    with pytest.raises(TypeError, match="DeviceArena"):
+        rtcupy.allocator_for(object())
+    assert cp.cuda.get_allocator() is default
+    alloc = rtcupy.allocator_for(d)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("UnownedMemory failed")
+    monkeypatch.setattr(cp.cuda, "UnownedMemory", broken)
+    with pytest.raises(RuntimeError, match="UnownedMemory failed"):
+        alloc(1000)
+    assert d.stats().count_by_kind["workspace"] == 0    # the buffer was freed again
+
+
+def test_unordered_buffers_reuse_only_completed_frees(fake, backend):
+    # alloc(stream=UNORDERED) is for memory used on streams rtmem does not see
+    # (numba's): it must not take bytes whose compute-stream free is still queued.
+    from rtmem import UNORDERED
+    d = DeviceArena(1 << 16, backend=backend)
+    gate = threading.Event()
+    compute = backend.current_stream()
+    compute.launch_host_func(gate.wait)         # work before the free still runs
+    b = d.alloc(1 << 14)
+    offset = b.offset
+    b.free()
+    other = d.alloc(1 << 14, stream=UNORDERED)
+    assert other.offset != offset
+    assert d.alloc(1 << 14).offset == offset    # the compute stream reuses it at once
+    gate.set()
+    compute.synchronize()
+    d._check_invariants()
+
+
+def test_numba_plugin_defers_frees_and_refuses_bad_installs():
+    # In a child process: numba.cuda without the simulator, on the fake CuPy.
+    # Frees ignored numba's defer_cleanup(); a refused install had already
+    # replaced the plugged-in arena; a failed memalloc kept its buffer.
+    import os
+    import subprocess
+    pytest.importorskip("numba.cuda")
+    script = pathlib.Path(__file__).with_name("_numba_emm_on_fake.py")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_read_waits_for_the_current_stream(fake, backend):

@@ -354,6 +354,45 @@ def test_stream_failures_reach_dependents_only():
     c.synchronize()
 
 
+def test_backend_synchronize_waits_for_every_stream_before_raising():
+    # It raised at the first failed stream it visited, while the others still
+    # ran: arena.close() then released memory that queued copies still used.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    bad, slow = be.new_stream("bad"), be.new_stream("slow")
+    be._streams = [bad, slow]                       # visit the failed one first
+
+    def boom():
+        raise RuntimeError("copy failed")
+    done = []
+    gate = gate_stream(slow)
+    slow.launch_host_func(lambda: done.append(1))
+    bad.launch_host_func(boom)
+    threading.Timer(0.2, gate.set).start()
+    with pytest.raises(BackendError, match="copy failed"):
+        be.synchronize()
+    assert done == [1]                              # the slow stream had finished
+
+
+def test_a_closed_host_stream_refuses_work_instead_of_hanging():
+    # Work enqueued after close() sat behind the stop marker and never ran, so
+    # synchronize() (the stream's, and the backend's) blocked forever.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    s = be.new_stream("closing")
+    ran = []
+    s.launch_host_func(lambda: ran.append("before"))
+    s.close()
+    with pytest.raises(BackendError, match="closed"):
+        s.launch_host_func(lambda: ran.append("after"))
+    with pytest.raises(BackendError, match="closed"):
+        be.new_event().record(s)
+    s.synchronize()                                 # waits for the work before close
+    be.synchronize()
+    assert ran == ["before"]
+    s.close()                                       # idempotent
+
+
 def test_views_of_a_copy_source_wait_for_the_copy(arenas):
     # The source of copy() is not in flight itself, but the copy still reads it:
     # refilling it through a view (a pinned staging buffer's next batch) must

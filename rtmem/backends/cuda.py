@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import sys
+import weakref
 
 import numpy as np
 
@@ -39,9 +41,12 @@ def import_cupy():
     return cupy
 
 
-def _host_view(ptr: int, nbytes: int) -> np.ndarray:
-    """A numpy uint8 view of ``nbytes`` bytes of host memory at ``ptr``."""
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+def _host_view(ptr: int, nbytes: int, owner) -> np.ndarray:
+    """A numpy uint8 view of ``nbytes`` bytes of host memory at ``ptr``; it and
+    every view of it keep ``owner`` (the allocation) alive."""
+    raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    raw.owner = owner           # numpy views reach it: array -> memoryview -> raw
+    return np.ctypeslib.as_array(raw)
 
 
 class CudaStream:
@@ -123,19 +128,32 @@ class CudaEvent:
         self.raw.synchronize()
 
 
-class _CudaAlloc:
-    """Owns one allocation at ``ptr``; ``free`` gives it back once with the
-    runtime call that matches how it was made (``free`` or ``freeHost``)."""
+def _free_unless_exiting(release, ptr) -> None:
+    # At interpreter exit the CUDA context may be gone already; the driver
+    # reclaims everything with the process anyway.
+    if not sys.is_finalizing():
+        release(ptr)
 
-    __slots__ = ("ptr", "_release")
+
+class _CudaAlloc:
+    """Owns one allocation at ``ptr``; gives it back once, with the runtime call
+    that matches how it was made (``free`` or ``freeHost``), on :meth:`free` or
+    when the last reference goes: an arena dropped without ``close()`` returns
+    its slabs as a host-backend one does. Whatever addresses the memory holds
+    this object (through the arena, or the ctypes array behind host views)."""
+
+    __slots__ = ("ptr", "_finalizer", "__weakref__")
 
     def __init__(self, ptr, release):
-        self.ptr, self._release = ptr, release
+        self.ptr = ptr
+        # No cudaFree runs inside rtmem's locks: a collection that drops this
+        # object only calls the runtime, which takes none of them.
+        self._finalizer = weakref.finalize(self, _free_unless_exiting, release, ptr)
+        self._finalizer.atexit = False
 
     def free(self):
-        if self.ptr:
-            self._release(self.ptr)
-            self.ptr = 0
+        self.ptr = 0
+        self._finalizer()       # runs the release once; later calls do nothing
 
 
 class CudaBackend(Backend):
@@ -194,12 +212,13 @@ class CudaBackend(Backend):
             ptr = int(rt.hostAlloc(nbytes, flags))
         except self._cuda_error as exc:
             raise self._oom("cudaHostAlloc", nbytes, exc) from exc
+        owner = _CudaAlloc(ptr, rt.freeHost)
         device_ptr = None
         if mapped:
             device_ptr = int(rt.pointerGetAttributes(ptr).devicePointer)
         return Slab(self, nbytes, ptr, location="host", device_ptr=device_ptr,
-                    host_array=_host_view(ptr, nbytes), pinned=True, mapped=mapped,
-                    owner=_CudaAlloc(ptr, rt.freeHost))
+                    host_array=_host_view(ptr, nbytes, owner), pinned=True,
+                    mapped=mapped, owner=owner)
 
     def release(self, slab: Slab) -> None:
         """Free the slab's memory (the caller synchronized its users)."""

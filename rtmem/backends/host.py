@@ -40,6 +40,11 @@ def _page_aligned(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     return base[skip:skip + nbytes], base
 
 
+def _stream_failed(name, err) -> BackendError:
+    return BackendError(f"work on host stream {name!r} failed: {err!r}; the data that "
+                        f"work wrote is not valid")
+
+
 def _complete(done, box, failure) -> None:
     # Run by a stream's worker when it reaches a recorded event: the event
     # reports the failures of the work before it that no earlier event reported.
@@ -100,8 +105,7 @@ class HostEvent:
         self._done.wait()
         err = self._box[0]
         if err is not None:
-            raise BackendError(f"work on host stream {self._box[1]!r} failed: {err!r}; "
-                               f"the data that work wrote is not valid") from err
+            raise _stream_failed(self._box[1], err) from err
 
     @property
     def done(self) -> bool:
@@ -170,17 +174,22 @@ class HostStream:
         self._queue = queue.SimpleQueue()
         self._failure = _Failure()
         self._thread = None
+        self._closed = False
         self._start_lock = threading.Lock()
 
     def _put(self, fn) -> None:
-        if self._thread is None:
-            with self._start_lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=_serve, args=(self._queue, self._failure), daemon=True,
-                        name=f"rtmem-{self.name}")
-                    self._thread.start()
-        self._queue.put(fn)
+        # Under the lock: work enqueued after close()'s stop marker would never run
+        # (and a synchronize() waiting for it would hang), so it is refused.
+        with self._start_lock:
+            if self._closed:
+                raise BackendError(f"host stream {self.name!r} is closed; enqueue work "
+                                   f"on a new stream (backend.new_stream())")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=_serve, args=(self._queue, self._failure), daemon=True,
+                    name=f"rtmem-{self.name}")
+                self._thread.start()
+            self._queue.put(fn)
 
     def wait_event(self, event: HostEvent) -> None:
         """Make later work on this stream wait for ``event`` (does not block); a
@@ -194,13 +203,27 @@ class HostStream:
         self._put(fn)
 
     def synchronize(self) -> None:
-        """Block until all work enqueued so far is done."""
-        HostEvent().record(self).synchronize()
+        """Block until all work enqueued so far is done; raise a failure no
+        event has reported (NOTE [ Host stream failures ])."""
+        with self._start_lock:
+            closed, thread = self._closed, self._thread
+        if not closed:
+            HostEvent().record(self).synchronize()
+            return
+        if thread is not None:
+            thread.join()           # it stops after the work enqueued before close()
+        err, self._failure.error = self._failure.error, None
+        if err is not None:
+            raise _stream_failed(self.name, err) from err
 
     def close(self) -> None:
-        """Stop the worker after the work already enqueued."""
-        if self._thread is not None:
-            self._queue.put(None)
+        """Stop the worker after the work already enqueued; later work is refused."""
+        with self._start_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._thread is not None:
+                self._queue.put(None)
 
     def __del__(self):
         try:
@@ -293,11 +316,20 @@ class HostBackend(Backend):
         return slab.host_array[offset:offset + nbytes].copy()
 
     def synchronize(self) -> None:
-        """Wait for every stream made by this backend."""
+        """Wait for every stream made by this backend; then raise the first
+        failure found, if any."""
         with self._lock:
             streams = list(self._streams)
+        first = None
         for s in streams:
-            s.synchronize()
+            # Every stream, even after one failed: callers (arena.close()) release
+            # memory once this returns, so no copy may still be running then.
+            try:
+                s.synchronize()
+            except BackendError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def describe(self) -> dict:
         """What the host backend runs on."""

@@ -8,3 +8,29 @@ naming the extra to install (``pip install rtmem[cuda12]``) when it is missing.
 """
 
 __all__ = ["cupy", "numba_emm"]
+
+
+def check_arena(arena, kind: str, library: str) -> None:
+    """Refuse, before anything changes, an arena or kind that ``library``'s
+    allocations could not come from (they would fail at every allocation)."""
+    from ..arena import is_arena
+    from ..buffer import KINDS
+    if not is_arena(arena):
+        raise TypeError(f"{library} needs an rtmem DeviceArena on the cuda backend; got "
+                        f"{type(arena).__name__}")
+    if arena.backend.name != "cuda" or arena.location != "device":
+        raise ValueError(f"{library} needs device memory of the cuda backend; got a "
+                         f"{arena.location} arena on the {arena.backend.name} backend")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+
+
+def alloc_exported(arena, nbytes: int, kind: str, stream, export):
+    """``export(buf)`` of a new buffer of ``nbytes`` bytes; the buffer is freed
+    again if the export raises, so a failed hand-over leaks nothing."""
+    buf = arena.alloc(nbytes, kind=kind, stream=stream)
+    try:
+        return export(buf)
+    except BaseException:
+        buf.free()
+        raise

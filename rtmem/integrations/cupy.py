@@ -20,6 +20,7 @@ import contextlib
 
 from ..backends.cuda import import_cupy as _cupy
 from .._deferred import flush, release, track
+from . import alloc_exported, check_arena
 
 __all__ = ["allocator_for", "flush", "install", "uninstall", "using"]
 
@@ -41,20 +42,19 @@ def allocator_for(arena, *, kind: str = "workspace"):
     """A CuPy allocator function ``(nbytes) -> cupy.cuda.MemoryPointer`` serving
     every request (bytes) from ``arena`` (a cuda-backend DeviceArena)."""
     cp = _cupy()
-    if arena.backend.name != "cuda" or arena.location != "device":
-        raise ValueError(f"CuPy needs device memory of the cuda backend; got a "
-                         f"{arena.location} arena on the {arena.backend.name} backend")
+    check_arena(arena, kind, "CuPy")
     device_id = arena.backend.device_id
     track()
 
+    def export(buf):
+        ptr = buf.__cuda_array_interface__["data"][0]
+        mem = cp.cuda.UnownedMemory(ptr, buf.nbytes, _BufferOwner(buf), device_id)
+        return cp.cuda.MemoryPointer(mem, 0)
+
     def allocate(nbytes):
         flush()
-        stream = arena.backend.current_stream()
-        buf = arena.alloc(max(int(nbytes), 1), kind=kind, stream=stream)
-        ptr = buf.__cuda_array_interface__["data"][0]
-        mem = cp.cuda.UnownedMemory(ptr, max(int(nbytes), 1), _BufferOwner(buf),
-                                    device_id)
-        return cp.cuda.MemoryPointer(mem, 0)
+        return alloc_exported(arena, max(int(nbytes), 1), kind,
+                              arena.backend.current_stream(), export)
     return allocate
 
 

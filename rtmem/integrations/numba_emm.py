@@ -20,6 +20,9 @@ import threading
 import weakref
 
 from .._deferred import flush, release, track
+from ..arena import UNORDERED
+from ..errors import OutOfMemoryError
+from . import alloc_exported, check_arena
 
 __all__ = ["install", "manager_class"]
 
@@ -93,32 +96,54 @@ def manager_class():
                 if _arena is None:
                     _arena = _default_arena()
                 self.arena = _arena
+            if not self.deallocations.memory_capacity:    # numba's 0: not set yet
+                # numba frees its pending deallocations in a batch once they
+                # exceed this share (CUDA_DEALLOCS_RATIO) of the memory.
+                self.deallocations.memory_capacity = self.arena.core.max_bytes
 
         def memalloc(self, size):
-            """Allocate ``size`` bytes of device memory from the arena."""
-            flush()
-            buf = self.arena.alloc(max(int(size), 1), kind="workspace",
-                                   stream=self.arena.backend.current_stream())
-            address = buf.__cuda_array_interface__["data"][0]
+            """Allocate ``size`` bytes of device memory from the arena.
 
-            def finalizer(buf=buf):
-                # may run inside a garbage collection: NOTE [ Frees from
-                # finalizers ] in rtmem/_deferred.py
-                release(buf)
-            ptr = _device_pointer(driver, address)
-            if takes_context:
-                return driver.MemoryPointer(weakref.proxy(self.context), ptr, size,
-                                            finalizer=finalizer)
-            return driver.MemoryPointer(ptr, size, finalizer=finalizer)
+            Frees go through numba's pending-deallocation queue, as numba's own
+            manager's do, so ``cuda.defer_cleanup()`` keeps the bytes reserved
+            while work may still use them. They are keyed to no stream: numba
+            kernels run on numba's streams, which rtmem does not see, so freed
+            bytes come back only once an event recorded on the compute stream
+            (the legacy default stream unless CuPy's current stream was changed),
+            and with it numba's blocking streams, has passed the free: what
+            numba's synchronizing cuMemFree guaranteed.
+            """
+            flush()
+            nbytes = max(int(size), 1)
+            deallocations = self.deallocations
+
+            def export(buf):
+                address = buf.__cuda_array_interface__["data"][0]
+
+                def finalizer(buf=buf):
+                    # release() may run inside a garbage collection: NOTE [ Frees
+                    # from finalizers ] in rtmem/_deferred.py
+                    deallocations.add_item(release, buf, buf.nbytes)
+                ptr = _device_pointer(driver, address)
+                if takes_context:
+                    return driver.MemoryPointer(weakref.proxy(self.context), ptr, size,
+                                                finalizer=finalizer)
+                return driver.MemoryPointer(ptr, size, finalizer=finalizer)
+            try:
+                return alloc_exported(self.arena, nbytes, "workspace", UNORDERED, export)
+            except OutOfMemoryError:
+                # As numba's _attempt_allocation: free what is pending, retry once.
+                deallocations.clear()
+                flush()
+                return alloc_exported(self.arena, nbytes, "workspace", UNORDERED, export)
 
         def get_memory_info(self):
             """(free, total) bytes of the arena."""
             st = self.arena.stats()
             return driver.MemoryInfo(free=st.free_bytes, total=st.reserved_bytes)
 
-        # reset() and defer_cleanup() are HostOnlyCUDAMemoryManager's: they
-        # handle numba's own host allocations; device buffers free themselves
-        # through their finalizers.
+        # reset() and defer_cleanup() are HostOnlyCUDAMemoryManager's: they act
+        # on self.deallocations, which holds the pending device frees too.
 
         @property
         def interface_version(self):
@@ -135,14 +160,21 @@ def install(arena=None, *, nbytes=None) -> None:
     """Plug rtmem into numba.cuda: allocations come from ``arena`` (or a new
     DeviceArena of ``nbytes`` bytes). Call before numba's context exists."""
     global _arena
+    if arena is not None and nbytes is not None:
+        raise ValueError("give an arena or nbytes=, not both")
+    # Everything that can fail before anything changes: a refused install
+    # leaves the plugged-in arena as it was and allocates nothing.
+    cuda, _ = _numba_cuda()
+    cls = manager_class()
     if arena is None and nbytes is not None:
         from ..arena import DeviceArena
         arena = DeviceArena(nbytes, backend="cuda")
+    if arena is not None:
+        check_arena(arena, "workspace", "numba.cuda")
     with _lock:
         if arena is not None:
             _arena = arena
-    cuda, _ = _numba_cuda()
-    cuda.set_memory_manager(manager_class())
+    cuda.set_memory_manager(cls)
 
 
 def __getattr__(name):

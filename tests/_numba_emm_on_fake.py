@@ -1,0 +1,96 @@
+"""Run by tests/test_cuda_backend_fake.py in a child process: the numba EMM plugin
+on the fake CuPy. The child runs numba.cuda without the simulator (which has no
+EMM), as a user with a GPU would; nothing here touches the CUDA driver."""
+
+import gc
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import _fake_cupy  # noqa: E402
+
+fc = _fake_cupy.build(device=0, device_count=1, device_bytes=64 << 20,
+                      host_bytes=64 << 20)
+sys.modules.update(fc.modules)
+
+from numba.cuda.cudadrv import driver  # noqa: E402
+
+from rtmem.arena import DeviceArena, HostArena  # noqa: E402
+from rtmem.integrations import numba_emm  # noqa: E402
+
+driver._logger = driver.make_logger()   # what initializing the real driver does
+
+arena = DeviceArena(1 << 20, backend="cuda")
+numba_emm.install(arena)
+# A refused install leaves the plugged-in arena in place.
+for bad, error in ((HostArena(1 << 16, backend="cuda"), ValueError),
+                   (DeviceArena(1 << 16, backend="host"), ValueError),
+                   (object(), TypeError)):
+    try:
+        numba_emm.install(bad)
+    except error:
+        pass
+    else:
+        raise AssertionError(f"install({bad!r}) was accepted")
+    assert numba_emm._arena is arena
+
+
+class Context:      # memalloc and defer_cleanup never touch the context
+    pass
+
+
+mgr = numba_emm.manager_class()(context=Context())
+mgr.initialize()
+assert mgr.arena is arena and mgr.deallocations.memory_capacity == arena.core.max_bytes
+
+
+def live():
+    return arena.stats().count_by_kind["workspace"]
+
+
+# numba's defer_cleanup keeps freed memory reserved while it is active.
+a = mgr.memalloc(4096)
+address = int(a.device_pointer)
+assert all(b.stream is None for b in arena.core.live_blocks())    # UNORDERED
+with mgr.defer_cleanup():
+    del a
+    gc.collect()
+    assert live() == 1, "freed inside defer_cleanup"
+    b = mgr.memalloc(4096)
+    assert int(b.device_pointer) != address, "reused inside defer_cleanup"
+mgr.deallocations.clear()
+assert live() == 1
+del b
+gc.collect()
+mgr.deallocations.clear()
+assert live() == 0
+
+# Pending frees are flushed when the arena runs out, as numba's own manager does.
+mgr.deallocations.memory_capacity = 1 << 40         # keep them pending
+held = [mgr.memalloc(300 << 10) for _ in range(3)]  # most of the arena
+del held
+gc.collect()
+assert live() == 3 and len(mgr.deallocations) == 3
+again = mgr.memalloc(300 << 10)
+assert live() == 1 and len(mgr.deallocations) == 0
+del again
+gc.collect()
+mgr.deallocations.clear()
+
+
+# A failed hand-over frees the buffer it allocated.
+def broken(driver, address):
+    raise RuntimeError("no pointer")
+
+
+numba_emm._device_pointer = broken
+try:
+    mgr.memalloc(4096)
+except RuntimeError:
+    pass
+else:
+    raise AssertionError("memalloc did not raise")
+assert live() == 0
+arena.close()
+fc.shutdown()
+print("ok")
