@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from rtmem.errors import ChainError
+from rtmem.errors import ChainError, ScheduleError
 
 
 def as_vector(name: str, values, n: int | None, *, integral: bool) -> np.ndarray:
@@ -80,3 +80,20 @@ def check_count(name: str, value) -> int:
             or value < 1:
         raise RtmemError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
+
+
+def check_ranges(chain, schedule) -> None:
+    """Raise ScheduleError for the first op whose stage or activation index is
+    out of range for ``chain`` (shared by the simulator and the lifetimes)."""
+    from .schedule import ACTIVATION_OPS, Op
+    n = chain.n
+    is_act = np.isin(schedule.op, [int(o) for o in ACTIVATION_OPS])
+    is_loss = schedule.op == int(Op.LOSS)
+    limit = np.where(is_act, n, n - 1)
+    bad = (~is_loss) & (schedule.stage > limit)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        what = f"activation index {int(schedule.stage[k])} (valid: 0..{n})" if is_act[k] \
+            else f"stage {int(schedule.stage[k])} (valid: 0..{n - 1})"
+        raise ScheduleError(f"op {k} ({schedule.op_text(k)}): {what} is out of range for "
+                            f"a chain of {n} stages", op_index=k, reason="stage-range")

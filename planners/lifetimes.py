@@ -37,6 +37,7 @@ import numpy as np
 
 from rtmem.errors import ScheduleError
 
+from ._validation import check_ranges
 from .chain import Chain
 from .schedule import Op, Schedule
 
@@ -89,8 +90,11 @@ def lifetimes(chain: Chain, schedule: Schedule) -> Lifetimes:
 
     The schedule should be valid (check it with :func:`~rtmem.planners.simulate`);
     a move of data that is not resident raises :class:`~rtmem.errors.ScheduleError`.
-    Zero-byte buffers are omitted.
+    Zero-byte buffers are omitted. Stage and activation indices out of range
+    for ``chain`` raise :class:`~rtmem.errors.ScheduleError` (an IndexError
+    before).
     """
+    check_ranges(chain, schedule)
     n = chain.n
     a, abar = chain.activation_sizes()
     w = np.asarray(chain.w, np.int64)

@@ -59,6 +59,7 @@ from .schedule import ACTIVATION_OPS, Op, Schedule
 
 __all__ = ["SimResult", "simulate"]
 
+from ._validation import check_ranges as _check_ranges  # noqa: E402
 from ._sim_errors import (_E_ALREADY_RESIDENT, _E_BACKWARD_ORDER, _E_GRAD_MISSING,  # noqa: E402
                           _E_HOST_COPY_EXISTS, _E_INCOMPLETE, _E_INITIAL_MEMORY,
                           _E_MEMORY, _E_MISSING_ABAR, _E_MISSING_INPUT,
@@ -412,20 +413,6 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
     stats[1] = moved_h2d
     stats[2] = moved_d2h
     return last_end, peak
-
-
-def _check_ranges(chain: Chain, schedule: Schedule) -> None:
-    n = chain.n
-    is_act = np.isin(schedule.op, [int(o) for o in ACTIVATION_OPS])
-    is_loss = schedule.op == int(Op.LOSS)
-    limit = np.where(is_act, n, n - 1)
-    bad = (~is_loss) & (schedule.stage > limit)
-    if bad.any():
-        k = int(np.flatnonzero(bad)[0])
-        what = f"activation index {int(schedule.stage[k])} (valid: 0..{n})" if is_act[k] \
-            else f"stage {int(schedule.stage[k])} (valid: 0..{n - 1})"
-        raise ScheduleError(f"op {k} ({schedule.op_text(k)}): {what} is out of range for "
-                            f"a chain of {n} stages", op_index=k, reason="stage-range")
 
 
 def simulate(chain: Chain, schedule: Schedule, platform: Platform) -> SimResult:

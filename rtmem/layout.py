@@ -94,6 +94,11 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
     if isinstance(alignment, bool) or int(alignment) != alignment or alignment < 1 \
             or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment!r}")
+    # Python ints: the sum of every aligned size bounds any offset + size, and
+    # int64 arithmetic below must not wrap (2 x 2**62 gave a reserve of 2**62).
+    if sum(-(-max(int(b), 1) // alignment) * alignment for b in nbytes.tolist()) >= 1 << 63:
+        raise ValueError("the buffers add up to 2**63 bytes or more; no layout of them "
+                         "fits a 64-bit address space")
     sizes = -(-np.maximum(nbytes, 1) // alignment) * alignment
     order = np.lexsort((alloc, -sizes))
     offsets = np.full(len(sizes), -1, np.int64)
@@ -127,6 +132,16 @@ def verify_layout(offsets, sizes, alloc, free) -> None:
     sizes = np.asarray(sizes, np.int64)
     alloc = np.asarray(alloc, np.int64)
     free = np.asarray(free, np.int64)
+    # Broadcasting would check mismatched arrays, and a negative size hides an
+    # overlap: refuse both rather than pass a layout that was never checked.
+    if not (offsets.shape == sizes.shape == alloc.shape == free.shape) or offsets.ndim != 1:
+        raise ValueError(f"offsets, sizes, alloc and free must be 1-D of one length, got "
+                         f"shapes {offsets.shape}, {sizes.shape}, {alloc.shape}, "
+                         f"{free.shape}")
+    if (sizes < 0).any():
+        raise ValueError(f"buffer {int(np.flatnonzero(sizes < 0)[0])} has a negative size")
+    if len(sizes) and int(offsets.max()) + int(sizes.max()) >= 1 << 63:
+        raise ValueError("a buffer ends beyond 2**63 bytes")
     if (offsets < 0).any():
         raise LayoutError(f"buffer {int(np.flatnonzero(offsets < 0)[0])} has no offset")
     ends = offsets + sizes
@@ -144,7 +159,17 @@ def verify_layout(offsets, sizes, alloc, free) -> None:
 
 def layout_for(chain, schedule, *, alignment: int = DEFAULT_ALIGNMENT) -> Layout:
     """Static layout of the buffers of ``schedule`` run on ``chain``
-    (:func:`rtmem.planners.lifetimes.lifetimes` then :func:`plan_layout`)."""
+    (:func:`rtmem.planners.lifetimes.lifetimes` then :func:`plan_layout`).
+
+    The schedule is validated first (:func:`~rtmem.planners.simulate` with no
+    memory limit): lifetimes of an invalid schedule, e.g. one with two losses,
+    would lay out buffers no execution has. Raises
+    :class:`~rtmem.errors.ScheduleError`.
+    """
+    import math
+
+    from .planners import Platform, simulate
     from .planners.lifetimes import lifetimes
+    simulate(chain, schedule, Platform(math.inf))
     lt = lifetimes(chain, schedule)
     return plan_layout(lt.alloc, lt.free, lt.nbytes, alignment=alignment)

@@ -139,3 +139,26 @@ def test_a_forward_rerun_over_a_resident_output_is_counted():
     assert lt.live_bytes()[1:-1].tolist() == res.timeline["mem"].tolist()
     assert lt.peak_live() == res.peak == 201
     assert layout_for(chain, sched, alignment=1).reserved_bytes >= 201
+
+
+def test_verify_layout_refuses_inputs_it_cannot_check():
+    # Broadcasting checked 3 lifetimes against 2 offsets, a negative size hid an
+    # overlap, and ends past 2**63 wrapped around: all were accepted.
+    with pytest.raises(ValueError, match="one length"):
+        verify_layout([0, 512], [256, 256], [0, 9, 0], [5, 9, 5])
+    with pytest.raises(ValueError, match="negative size"):
+        verify_layout([0, 256], [-512, 256], [0, 0], [5, 5])
+    big = 2 ** 62
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        verify_layout([big, big + 256], [big, 256], [0, 0], [1, 1])
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        plan_layout([0, 0], [1, 1], [big, big])      # its offsets wrapped to a 2**62 reserve
+
+
+def test_lifetimes_and_layout_for_refuse_invalid_schedules():
+    chain = P.Chain.homogeneous(2)
+    for text in ("F_all 0, F_all 1, F_all 2, L", "F_all 0, F_all 1, L, B 1, B 0, w_prefetch 5"):
+        with pytest.raises(ScheduleError, match="out of range"):      # IndexError before
+            lifetimes(chain, P.Schedule.from_text(text))
+    with pytest.raises(ScheduleError):                                # two losses
+        layout_for(chain, P.Schedule.from_text("F_all 0, F_all 1, L, L, B 1, B 0"))

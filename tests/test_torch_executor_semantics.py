@@ -335,3 +335,53 @@ def test_stages_with_tuple_outputs_are_refused():
     with pytest.raises(ExecutionError, match="single tensor"):
         profile_sequential(model, x, y, mse, repeats=1)
     assert issubclass(ExecutionError, RtmemError)
+
+
+# ------------------------------------------------- profiler accounting (audit)
+def test_a_stage_changing_its_input_before_saving_it_keeps_it_in_xbar():
+    # nn.ReLU(inplace=True) first: autograd saves the changed input, which the
+    # executor cannot re-derive from a1 and keeps with abar2. The profile left
+    # that storage out of xbar, so an offload plan held more than simulated.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256),
+                          nn.Sequential(nn.ReLU(inplace=True), nn.Linear(256, 8)),
+                          nn.Linear(8, 512), nn.Linear(512, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    assert chain.xbar[1] == chain.x[0] + chain.x[1]      # a1's storage + a2
+    acts = Chain(u_f=chain.u_f, u_b=chain.u_b, x=chain.x, xbar=chain.xbar, x0=chain.x0)
+    sched = Schedule.from_text("F_all 0, F_all 1, offload abar1, delete abar1, F_all 2, "
+                               "F_ck 3, L, F_all 3, B 3, B 2, prefetch abar1, B 1, B 0")
+    sim = simulate(acts, sched, Platform(math.inf))
+    m, ex, *rest = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, *rest)
+    assert all(e <= s for e, s in zip(ex.resident_bytes, sim.timeline["mem_after"]))
+    assert ex.peak_bytes <= sim.peak
+
+
+def test_a_module_repeated_in_the_sequential_is_one_stage_per_position():
+    # children() skips repeats: the profile had 4 stages for a model of 5, and
+    # the executor raised IndexError on a plan for 5.
+    torch.manual_seed(0)
+    act = nn.Tanh()
+    model = nn.Sequential(nn.Linear(8, 8), act, nn.Linear(8, 8), act, nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    assert chain.n == len(model) == 5
+    _assert_same(*_train(model, x, y, mse, sequential_schedule(5, 2)))
+
+
+def test_tied_weights_are_counted_once():
+    model, x, y, loss_fn = _tied_model()
+    chain = profile_sequential(model, x, y, loss_fn, repeats=1)
+    unique = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    assert chain.w.sum() == sum(unique.values())
+    assert chain.w[2] == 0                                # the head's weight is stage 0's
+
+
+@pytest.mark.parametrize("repeats", [2.0, True, "2", 0])
+def test_profile_repeats_must_be_a_positive_integer(repeats):
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(RtmemError, match="repeats must be an integer"):
+        profile_sequential(model, torch.randn(2, 4), torch.randn(2, 4), mse,
+                           repeats=repeats)

@@ -16,7 +16,7 @@ from rtmem.errors import ScheduleError
 from ..chain import Chain
 from ..platform import Platform
 from ..schedule import Op, Schedule
-from ..simulator import _check_ranges
+from .._validation import check_ranges as _check_ranges
 
 __all__ = ["reference_simulate"]
 

@@ -180,7 +180,8 @@ class ScheduleExecutor:
         self.loss_fn = loss_fn
         self.preserve_rng_state = preserve_rng_state
         self.track_memory = track_memory
-        self.stages = list(model.children())
+        # Iteration, not children(), which skips a module repeated in the Sequential.
+        self.stages = list(model)
         # Module structure is fixed while the executor lives: walking the module
         # tree for every F_all was ~9% of a CPU step of small stages.
         self._stage_params = [list(stage.parameters()) for stage in self.stages]

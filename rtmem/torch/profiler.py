@@ -9,21 +9,27 @@ output's shape, and:
 - ``xbar``: bytes of the unique storages of the output and of every saved tensor,
   minus the model's parameters and buffers (batch norm saves its running
   statistics) and the stage input (they are accounted as weights and as the
-  previous activation);
+  previous activation), unless the stage modified its input in place before
+  autograd saved it: then the executor keeps that storage with abar, and so
+  does ``xbar``;
 - ``u_f``, ``u_b``: median seconds over ``repeats`` runs (CUDA events on a GPU,
   ``perf_counter`` on the CPU); ``u_b`` is 0 for a stage whose output needs no
   gradient (a frozen or parameter-free stage on integer inputs);
 - ``o_f``, ``o_b``: temporary bytes, from ``torch.cuda.max_memory_allocated`` on a
   GPU (peak minus what is live before and after); 0 on the CPU, where no allocator
   reports a peak;
-- ``w``: bytes of the stage's parameters;
+- ``w``: bytes of the stage's parameters, each storage counted once, at the
+  first stage using it (tied weights, a module repeated in the Sequential);
 - ``x0``: bytes of the input, numel x element size (the executor works on a
   compact copy when the batch views a larger storage);
 - ``u_loss``: loss forward + backward seconds.
 
 Byte counts use the same storage accounting as
 :class:`~rtmem.torch.ScheduleExecutor`, so simulated activation memory and the
-executor's measured memory agree. Stages get their input as the executor hands
+executor's measured memory agree, except for a stage whose output shares its
+input's storage (``nn.Identity``, a view, an in-place activation as the whole
+stage): the chain cannot express sharing, so ``x`` counts that storage again,
+which overstates memory (the safe direction). Stages get their input as the executor hands
 it (NOTE [ Executor ]), so in-place operations at the start of a stage work;
 such a stage is timed on the input its previous run modified (sizes and times do
 not depend on the values), and the first stage runs on a copy of ``inputs``.
@@ -34,6 +40,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -84,8 +91,10 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     """
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise RtmemError("profile_sequential needs a non-empty nn.Sequential of stages")
-    if int(repeats) != repeats or repeats < 1:
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) \
+            or repeats < 1:
         raise RtmemError(f"repeats must be an integer >= 1, got {repeats!r}")
+    repeats = int(repeats)
     device = inputs.device
     timer = _Timer(device)
     buffers = {b: b.detach().clone() for b in model.buffers()}
@@ -94,18 +103,24 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     # none, and put the caller's tensors back afterwards
     for p in grads:
         p.grad = None
-    rng = torch.get_rng_state()
     cuda = device.type == "cuda"
+    # dropout and the random output gradients below draw from the generator of
+    # the input's device too
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
     cols = {k: [] for k in ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")}
     # never counted as activations: the executor's accounting (its _state_ptrs)
     state = _storage_ptrs((*grads, *buffers))
     x = inputs.detach().clone()   # a first stage may modify its input in place
+    seen_weights = set()
     try:
-        for i, stage in enumerate(model.children()):
+        # Indexing, not children(): a module repeated in the Sequential is one
+        # stage per position, as the executor runs it.
+        for i, stage in enumerate(model[k] for k in range(len(model))):
             saved = []
 
             def pack(t, saved=saved):
-                saved.append(t)
+                saved.append((t, t._version))
                 return t
 
             fwd_times = []
@@ -118,10 +133,19 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                         pack, lambda t: t):
                     xin, arg = _grad_input(x) if x.is_floating_point() else (x, x)
+                    x_version = arg._version
                     y, t_f = timer(lambda: stage(arg))
                 _check_output(i, stage, y)
                 fwd_times.append(t_f)
-            xbar = _storage_bytes([y, *saved], exclude=state | {xin.untyped_storage().data_ptr()})
+            # The executor re-derives a saved view of the input from a_i at B i
+            # (its _forward_all), unless the stage changed the input before
+            # saving it: then abar keeps the input's storage.
+            x_key = xin.untyped_storage().data_ptr()
+            exclude = state if any(
+                t.untyped_storage().data_ptr() == x_key
+                and (version != x_version or t.dtype != arg.dtype)
+                for t, version in saved) else state | {x_key}
+            xbar = _storage_bytes([y, *(t for t, _ in saved)], exclude=exclude)
             o_f = 0
             if cuda:
                 o_f = max(0, torch.cuda.max_memory_allocated(device) - base - xbar)
@@ -145,7 +169,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             cols["u_b"].append(statistics.median(bwd_times))
             cols["x"].append(_storage_bytes([y]))
             cols["xbar"].append(max(xbar, _storage_bytes([y])))
-            cols["w"].append(_storage_bytes(list(stage.parameters())))
+            params = list(stage.parameters())
+            cols["w"].append(_storage_bytes(params, exclude=seen_weights))
+            seen_weights |= _storage_ptrs(params)
             cols["o_f"].append(o_f)
             cols["o_b"].append(o_b)
             x = y.detach()
@@ -165,5 +191,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         for p, g in grads.items():
             p.grad = g
         torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
     return Chain(**cols, x0=inputs.numel() * inputs.element_size(),
                  u_loss=statistics.median(loss_times), name=name or f"profiled-{len(model)}-stages")
