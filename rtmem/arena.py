@@ -426,8 +426,14 @@ class DeviceArena(_Arena):
 
     def _free_after(self, block, stream) -> None:
         # No event per free: other streams wait for a later stamp
-        # (NOTE [ Stream-ordered frees ] in allocator.py).
-        self.allocator.deallocate(block, stream=stream, ordered=True)
+        # (NOTE [ Stream-ordered frees ] in allocator.py). Not for a per-thread
+        # default stream: a stamp recorded from another thread would land on
+        # that thread's stream, so its frees get their event now, here.
+        if getattr(stream, "thread", None) is not None:
+            self.allocator.deallocate(block, stream=stream,
+                                      event=self._record_event(stream))
+        else:
+            self.allocator.deallocate(block, stream=stream, ordered=True)
 
 
 class HostArena(_Arena):

@@ -504,6 +504,45 @@ def test_numba_plugin_defers_frees_and_refuses_bad_installs():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+def test_per_thread_default_streams_are_one_stream_per_thread(fake, backend, monkeypatch):
+    # Under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 every thread's default stream has
+    # the handle cudaStreamPerThread: compared by handle, a block freed on one
+    # thread's stream was reused at once on another's.
+    from rtmem.backends.cuda import PER_THREAD_STREAM
+    ptds = fake.modules["cupy"].cuda.Stream()
+    ptds.ptr = PER_THREAD_STREAM        # one stand-in queue; rtmem sees the handle
+    monkeypatch.setattr(backend, "_get_current_stream", lambda: ptds)
+    mine = backend.current_stream()
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(s=backend.current_stream()))
+    worker.start()
+    worker.join()
+    assert mine != box["s"] and hash(mine) != hash(box["s"])
+    assert backend.current_stream() == mine
+
+    d = DeviceArena(1 << 16, backend=backend)
+    made = []
+    real_new_event = backend.new_event
+    monkeypatch.setattr(backend, "new_event", lambda: made.append(1) or real_new_event())
+    gate = threading.Event()
+    ptds.launch_host_func(lambda _arg: gate.wait(), None)   # its work still runs
+    b = d.alloc(1 << 14)
+    offset = b.offset
+    b.free()
+    assert len(made) == 1           # an event now, from this thread: no later stamp
+    worker = threading.Thread(target=lambda: box.update(b=d.alloc(1 << 14)))
+    worker.start()
+    worker.join()
+    assert box["b"].offset != offset    # another thread's stream waits for the event
+    again = d.alloc(1 << 14)
+    assert again.offset == offset       # this thread's stream reuses it at once
+    gate.set()
+    for x in (again, box["b"]):
+        x.free()
+    ptds.synchronize()
+    d._check_invariants()
+
+
 def test_read_waits_for_the_current_stream(fake, backend):
     # to_numpy of device memory must see what a kernel on the *current* stream
     # wrote, even when that stream is not the legacy one the copy runs on.

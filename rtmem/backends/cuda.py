@@ -19,6 +19,7 @@ import ctypes
 import os
 import resource
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from ..errors import BackendError
 from . import Backend, Slab
 
-__all__ = ["CudaBackend", "CudaEvent", "CudaStream", "import_cupy"]
+__all__ = ["CudaBackend", "CudaEvent", "CudaStream", "PER_THREAD_STREAM", "import_cupy"]
 
 _INSTALL_HINT = ("the cuda backend needs CuPy: pip install rtmem[cuda12] (or "
                  "rtmem[cuda13]); set RTMEM_BACKEND=host to run without a GPU")
@@ -49,11 +50,18 @@ def _host_view(ptr: int, nbytes: int, owner) -> np.ndarray:
     return np.ctypeslib.as_array(raw)
 
 
-class CudaStream:
-    """A CuPy stream with rtmem's stream interface; equal iff same CUDA handle
-    (so the allocator's per-stream reuse recognises the current stream)."""
+#: ``cudaStreamPerThread``: the handle of every host thread's own default stream
+#: (CuPy's under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1).
+PER_THREAD_STREAM = 2
 
-    __slots__ = ("raw", "name", "ptr")
+
+class CudaStream:
+    """A CuPy stream with rtmem's stream interface; equal iff the same CUDA
+    stream (so the allocator's per-stream reuse recognises the current stream):
+    the same handle, and for the per-thread default stream the same host thread,
+    since that one handle names a different stream in every thread."""
+
+    __slots__ = ("raw", "name", "ptr", "thread", "_key")
     synchronous = False
 
     def __init__(self, raw, name="stream"):
@@ -62,12 +70,16 @@ class CudaStream:
         #: The ``cudaStream_t`` handle (fixed for the stream's life; read once
         #: because the allocator hashes streams on every allocation).
         self.ptr = int(raw.ptr)
+        #: The host thread whose default stream this is, for the per-thread
+        #: default stream; None for every other stream.
+        self.thread = threading.get_ident() if self.ptr == PER_THREAD_STREAM else None
+        self._key = self.ptr if self.thread is None else (self.ptr, self.thread)
 
     def __eq__(self, other):
-        return isinstance(other, CudaStream) and other.ptr == self.ptr
+        return isinstance(other, CudaStream) and other._key == self._key
 
     def __hash__(self):
-        return hash(self.ptr)
+        return hash(self._key)
 
     def wait_event(self, event) -> None:
         """Later work on this stream waits for ``event`` (host not blocked): an
@@ -241,7 +253,10 @@ class CudaBackend(Backend):
         # same stream object (a race between threads only makes a new wrapper).
         raw = self._get_current_stream()
         wrapped = self._compute
-        if wrapped is None or wrapped.raw is not raw:
+        if wrapped is None or wrapped.raw is not raw or (
+                wrapped.thread is not None and wrapped.thread != threading.get_ident()):
+            # CuPy's per-thread default stream is one object for all threads:
+            # each thread gets a wrapper of its own stream.
             wrapped = self._compute = CudaStream(raw, "compute")
         return wrapped
 
