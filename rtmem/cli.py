@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -149,10 +150,13 @@ def _cmd_simulate(args) -> int:
     doc = {"chain": chain.name, "ops": len(schedule), "makespan_s": r.makespan,
            "peak_bytes": r.peak, "compute_s": r.compute_time, "idle_s": r.idle_time,
            "h2d_bytes": r.h2d_bytes, "d2h_bytes": r.d2h_bytes,
-           "memory_bytes": platform.memory_limit, "bandwidth_Bps": platform.bandwidth,
+           # null for unlimited, as `plan --json` writes: JSON has no Infinity, and
+           # memory_limit's 2**62 stands for unlimited only inside rtmem
+           "memory_bytes": None if math.isinf(platform.memory) else platform.memory_limit,
+           "bandwidth_Bps": None if math.isinf(platform.bandwidth) else platform.bandwidth,
            "channel": platform.channel}
     if args.json:
-        print(json.dumps(doc, indent=1))
+        print(json.dumps(doc, indent=1, allow_nan=False))
     else:
         print(format_table(["quantity", "value"], [
             ["chain", f"{chain.name} ({chain.n} stages)"], ["operations", len(schedule)],
@@ -175,6 +179,15 @@ def _demo_problem(args) -> str | None:
     """What is wrong with the demo's arguments, checked before any work, or None."""
     if args.hidden % args.heads:
         return f"--hidden {args.hidden} must be a multiple of --heads {args.heads}"
+    if args.memory is not None:     # before minutes of profiling, not after
+        from rtmem.planners.plan import as_budget
+        try:
+            as_budget(args.memory)
+        except RtmemError as e:
+            return f"--memory {args.memory!r}: {e}"
+    for extra, module in (("torch", "torch"), ("plot", "matplotlib")):
+        if importlib.util.find_spec(module) is None:
+            return f"the demo needs {module}: pip install 'rtmem[{extra}]'"
     if args.device is not None:
         import torch
         try:
@@ -251,6 +264,9 @@ def main(argv=None) -> int:
     try:
         return int(args.func(args) or 0)
     except (RtmemError, OSError) as e:   # OSError: a file that cannot be read or written
+        print(f"rtmem {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as e:     # an optional extra (torch, matplotlib) missing
         print(f"rtmem {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -124,13 +124,14 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
     say(f"\nlosses of the two runs differ by at most {same:.2e} over {steps} steps; "
         f"step time ratio {planned[1] / plain[1]:.2f} (simulated "
         f"{plan.makespan / full.makespan:.2f})")
+    # The plan and chain first: they are written even if plotting fails.
+    plan.save(os.path.join(out, "rotor_plan.json"))
+    chain.save(os.path.join(out, "chain.json"))
     paths = [plot_schedule(chain, plan.schedule, Platform(budget),
                            os.path.join(out, "rotor_plan.png"),
                            title=f"rotor plan for {chain.name} under {format_bytes(budget)}"),
              plot_schedule(chain, full.schedule, Platform(math.inf),
                            os.path.join(out, "no_remat.png"))]
-    plan.save(os.path.join(out, "rotor_plan.json"))
-    chain.save(os.path.join(out, "chain.json"))
     say("wrote " + ", ".join(paths + [os.path.join(out, "rotor_plan.json"),
                                       os.path.join(out, "chain.json")]))
     return {"chain": chain, "plan": plan, "budget": budget, "plain_losses": plain[0],

@@ -98,6 +98,7 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["demo", "--layers", "x"], "not an integer"),
     (["demo", "--heads", "3"], "multiple of --heads"),
     (["demo", "--device", "tpu"], "cpu or cuda"),
+    (["demo", "--memory", "abc"], "--memory 'abc'"),    # was checked after profiling
 ])
 def test_bad_arguments_exit_2_before_any_work(capsys, tmp_path, argv, fragment):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -118,7 +119,35 @@ def test_simulate_reads_a_saved_plan_and_huge_budgets(capsys, tmp_path):
     assert code == 0 and json.loads(out)["peak_bytes"] <= 8 * 2**30
     code, out, _ = run(capsys, "simulate", "gpt2-small", "store-all", "--memory",
                        "1e30GiB", "--json")          # beyond int64: unlimited
-    assert code == 0 and json.loads(out)["memory_bytes"] == 2**62
+    assert code == 0 and json.loads(out)["memory_bytes"] is None
+
+
+def test_simulate_json_is_strict_json(capsys):
+    # The default bandwidth is unlimited: it was written as Infinity (not JSON),
+    # and unlimited memory as rtmem's internal 2**62.
+    code, out, _ = run(capsys, "simulate", "gpt2-small", "store-all", "--memory", "inf",
+                       "--json")
+
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+    doc = json.loads(out, parse_constant=refuse)
+    assert code == 0 and doc["bandwidth_Bps"] is None and doc["memory_bytes"] is None
+    code, out, _ = run(capsys, "simulate", "gpt2-small", "store-all", "--memory", "16GiB",
+                       "--bandwidth", "12 GB/s", "--json")
+    doc = json.loads(out, parse_constant=refuse)
+    assert doc["memory_bytes"] == 16 * 2**30 and doc["bandwidth_Bps"] == 12e9
+
+
+def test_a_missing_extra_is_one_line(capsys, monkeypatch):
+    import rtmem.plot
+
+    def missing():
+        raise ModuleNotFoundError("plotting needs matplotlib: pip install 'rtmem[plot]'")
+    monkeypatch.setattr(rtmem.plot, "_matplotlib", missing)
+    code = main(["simulate", "gpt2-small", "store-all", "--memory", "inf", "--plot",
+                 "x.png"])
+    err = capsys.readouterr().err
+    assert code == 1 and "rtmem[plot]" in err and "Traceback" not in err
 
 
 def test_demo(capsys, tmp_path):

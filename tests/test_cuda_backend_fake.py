@@ -613,6 +613,7 @@ def test_as_tensor_waits_for_a_prefetch_on_torchs_current_stream(fake, backend,
     side = backend.new_stream("torch side stream")
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: types.SimpleNamespace(cuda_stream=side.ptr))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: (obj, device))
     gate = threading.Event()
     T.get_engine(backend).h2d.launch_host_func(gate.wait)   # the prefetch runs late

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate, store_all_schedule
-from rtmem.planners.testing import reference_simulate, simulation_cases
+from rtmem.planners.testing import reference_simulate, simulation_cases, valid_schedules
 
 BIG = Platform(10**12)
 
@@ -212,6 +212,16 @@ def test_recomputed_copy_is_not_held_by_an_earlier_copys_offload():
     assert reference_simulate(chain, sched, Platform(math.inf, 1.0))["peak"] == 60
     limited = simulate(chain, sched, Platform(60, 1.0))
     assert limited.timeline[8]["start"] == 5.0 and limited.makespan == 11.0
+
+
+def test_generated_schedules_shrink_toward_store_all():
+    # The compute part took its recompute branch on False, the value Hypothesis
+    # shrinks a boolean to: the simplest schedule was the most recomputing one.
+    from hypothesis import find
+
+    found = find(valid_schedules(Chain.homogeneous(3), transfers=False), lambda s: True,
+                 settings=settings(max_examples=50, database=None, derandomize=True))
+    assert found == store_all_schedule(3), str(found)
 
 
 def test_generated_schedules_shrink_to_few_moves():

@@ -146,3 +146,15 @@ def test_a_placed_module_cannot_be_placed_again_until_released(arena):
     placement.release()
     again = place_parameters(m, arena)          # fine once released
     again.release()
+
+
+def test_on_torch_stream_is_a_no_op_without_cuda():
+    # The README wraps rtmem calls in it; on CPU-only torch it raised torch's
+    # "Torch not compiled with CUDA enabled" AssertionError.
+    from rtmem.torch import on_torch_stream
+    if torch.cuda.is_available():
+        pytest.skip("torch has CUDA here")
+    with on_torch_stream():
+        pass
+    with on_torch_stream(0):
+        pass

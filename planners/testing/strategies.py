@@ -112,7 +112,9 @@ def _persistent_compute(draw, n: int):
             else:
                 ops += [(Op.F_ALL, s), (Op.B, s)]
             continue
-        if draw(st.booleans()):
+        # False (what Hypothesis shrinks a boolean to) keeps everything, so a
+        # failure shrinks toward the store-all schedule, not toward recomputation.
+        if not draw(st.booleans()):
             ops.append((Op.F_ALL, s))
             stack += [("emit", (Op.B, s)), ("solve", s + 1, t, True)]
         else:
@@ -175,6 +177,11 @@ def valid_schedules(draw, chain: Chain, *, transfers: bool = True):
     placed between two uses of its data so that the schedule stays valid (see
     NOTE [ Simulator semantics ]). Use :func:`simulation_cases` to get a platform
     on which it fits.
+
+    Every op and every possible move takes a draw, which Hypothesis's input
+    buffer bounds: with ``transfers`` keep chains below ~200 stages (a few
+    hundred stages fail its ``large_base_example`` health check, resnet1001
+    does); without, any length works.
     """
     n = chain.n
     ops = draw(_persistent_compute(n))
@@ -228,6 +235,8 @@ def simulation_cases(draw, min_stages: int = 1, max_stages: int = 8, *,
 
     The platform memory is the schedule's peak with unlimited memory plus a random
     slack (the schedule then never waits for memory, so it stays valid).
+    A heterogeneous chain and its moves share Hypothesis's input buffer: keep
+    ``max_stages`` below ~120 (below ~200 with ``transfers=False``).
     """
     chain = draw(chains(min_stages, max_stages, small=small))
     schedule = draw(valid_schedules(chain, transfers=transfers))

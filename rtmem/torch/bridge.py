@@ -57,12 +57,19 @@ def on_torch_stream(device: int | torch.device | None = None):
     stream on ``device`` (default: torch's current device). Use it around rtmem
     calls whose results torch kernels consume while torch runs on a side stream.
     A no-op context when the two already agree (both on the legacy default
-    stream, the usual case).
+    stream, the usual case), and when torch has no CUDA or CuPy is not
+    installed (then no stream orders rtmem's work), so one training loop runs
+    on CPU and GPU.
     """
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
     from rtmem.backends.cuda import import_cupy
+    try:
+        cp = import_cupy()
+    except ModuleNotFoundError:
+        return contextlib.nullcontext()
     dev = torch.device("cuda", device) if isinstance(device, int) else device
     ptr = int(torch.cuda.current_stream(dev).cuda_stream)
-    cp = import_cupy()
     if int(cp.cuda.get_current_stream().ptr) == ptr:
         return contextlib.nullcontext()
     from_external = getattr(cp.cuda.Stream, "from_external", None)
