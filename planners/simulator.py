@@ -51,11 +51,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from rtmem.errors import ScheduleError
-
 from .chain import Chain
 from .platform import Platform
-from .schedule import ACTIVATION_OPS, Op, Schedule
+from .schedule import Op, Schedule
 
 __all__ = ["SimResult", "simulate"]
 

@@ -231,6 +231,18 @@ def test_modifying_a_saved_tensor_in_place_is_refused_as_in_autograd():
         ScheduleExecutor(model, store_all_schedule(3), mse).step(x, y)
 
 
+def _profiled_run(model, x, y, text):
+    """Profile ``model``, simulate schedule ``text`` on its activation chain and
+    train one step with it, checked against plain torch: (chain, sim, executor)."""
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    acts = Chain(u_f=chain.u_f, u_b=chain.u_b, x=chain.x, xbar=chain.xbar, x0=chain.x0)
+    sched = Schedule.from_text(text)
+    sim = simulate(acts, sched, Platform(math.inf))
+    m, ex, *rest = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, *rest)
+    return chain, sim, ex
+
+
 # ---------------------------------------------------------------- defect 5
 def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
     # a1 is discarded after F_all 1 read it (abar2's graph still holds its leaf
@@ -239,14 +251,9 @@ def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
     model = nn.Sequential(nn.Linear(16, 256), nn.Linear(256, 16),
                           nn.Sequential(nn.Linear(16, 64), nn.Tanh()), nn.Linear(64, 1))
     x, y = torch.randn(8, 16), torch.randn(8, 1)
-    chain = profile_sequential(model, x, y, mse, repeats=1)
-    acts = Chain(u_f=chain.u_f, u_b=chain.u_b, x=chain.x, xbar=chain.xbar, x0=chain.x0)
-    sched = Schedule.from_text("F_ck 0, F_all 1, delete a1, F_all 2, F_all 3, L, B 3, B 2, "
-                               "F_ck 0, B 1, F_all 0, B 0")
-    sim = simulate(acts, sched, Platform(math.inf))
-    m, ex, *rest = _train(model, x, y, mse, sched)
-    _assert_same(m, ex, *rest)
-    last_b = len(sched) - 1      # B 0 holds delta_0, which the executor needs not
+    _, sim, ex = _profiled_run(model, x, y, "F_ck 0, F_all 1, delete a1, F_all 2, F_all 3, "
+                               "L, B 3, B 2, F_ck 0, B 1, F_all 0, B 0")
+    last_b = len(ex.resident_bytes) - 1   # B 0 holds delta_0, which the executor needs not
     assert ex.resident_bytes[:last_b] == sim.timeline["mem_after"][:last_b].tolist()
     assert ex.peak_bytes <= sim.peak
 
@@ -347,14 +354,10 @@ def test_a_stage_changing_its_input_before_saving_it_keeps_it_in_xbar():
                           nn.Sequential(nn.ReLU(inplace=True), nn.Linear(256, 8)),
                           nn.Linear(8, 512), nn.Linear(512, 8))
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    chain = profile_sequential(model, x, y, mse, repeats=1)
+    chain, sim, ex = _profiled_run(model, x, y, "F_all 0, F_all 1, offload abar1, delete "
+                                   "abar1, F_all 2, F_ck 3, L, F_all 3, B 3, B 2, prefetch "
+                                   "abar1, B 1, B 0")
     assert chain.xbar[1] == chain.x[0] + chain.x[1]      # a1's storage + a2
-    acts = Chain(u_f=chain.u_f, u_b=chain.u_b, x=chain.x, xbar=chain.xbar, x0=chain.x0)
-    sched = Schedule.from_text("F_all 0, F_all 1, offload abar1, delete abar1, F_all 2, "
-                               "F_ck 3, L, F_all 3, B 3, B 2, prefetch abar1, B 1, B 0")
-    sim = simulate(acts, sched, Platform(math.inf))
-    m, ex, *rest = _train(model, x, y, mse, sched)
-    _assert_same(m, ex, *rest)
     assert all(e <= s for e, s in zip(ex.resident_bytes, sim.timeline["mem_after"]))
     assert ex.peak_bytes <= sim.peak
 
