@@ -281,11 +281,11 @@ class _Arena:
         # would let the CPU or another stream overwrite bytes a queued copy reads.
         last_copy, home = placement.event, block.stream
         copying = last_copy is not None and not last_copy.query()
+        elsewhere = home is not None and home is not compute
         stream = event = None
-        if copying or (home is not None and home is not compute):
+        if copying or elsewhere:
             gates = [placement.stream] if copying else []
-            if home is not None and home is not compute and \
-                    all(home is not g for g in gates):
+            if elsewhere and all(home is not g for g in gates):
                 gates.append(home)
             # Free on the first gate stream behind an event recorded now, after
             # the other gates and the compute work enqueued so far.

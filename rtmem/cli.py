@@ -263,10 +263,9 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (RtmemError, OSError) as e:   # OSError: a file that cannot be read or written
-        print(f"rtmem {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except ModuleNotFoundError as e:     # an optional extra (torch, matplotlib) missing
+    # OSError: a file that cannot be read or written; ModuleNotFoundError: an
+    # optional extra (torch, matplotlib) is not installed
+    except (RtmemError, OSError, ModuleNotFoundError) as e:
         print(f"rtmem {args.command}: error: {e}", file=sys.stderr)
         return 1
 

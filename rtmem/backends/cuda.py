@@ -154,17 +154,15 @@ class _CudaAlloc:
     its slabs as a host-backend one does. Whatever addresses the memory holds
     this object (through the arena, or the ctypes array behind host views)."""
 
-    __slots__ = ("ptr", "_finalizer", "__weakref__")
+    __slots__ = ("_finalizer", "__weakref__")
 
     def __init__(self, ptr, release):
-        self.ptr = ptr
         # No cudaFree runs inside rtmem's locks: a collection that drops this
         # object only calls the runtime, which takes none of them.
         self._finalizer = weakref.finalize(self, _free_unless_exiting, release, ptr)
         self._finalizer.atexit = False
 
     def free(self):
-        self.ptr = 0
         self._finalizer()       # runs the release once; later calls do nothing
 
 

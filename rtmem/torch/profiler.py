@@ -114,9 +114,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     x = inputs.detach().clone()   # a first stage may modify its input in place
     seen_weights = set()
     try:
-        # Indexing, not children(): a module repeated in the Sequential is one
+        # Iteration, not children(): a module repeated in the Sequential is one
         # stage per position, as the executor runs it.
-        for i, stage in enumerate(model[k] for k in range(len(model))):
+        for i, stage in enumerate(model):
             saved = []
 
             def pack(t, saved=saved):
