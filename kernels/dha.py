@@ -153,15 +153,13 @@ def _block_sum(sm, value):
 
 
 @cuda.jit
-def _embedding_fwd_kernel(weight, ids, out, bad):
+def _embedding_fwd_kernel(weight, ids, out):
     V, H = weight.shape
     for t in range(cuda.blockIdx.x, ids.shape[0], cuda.gridDim.x):
         v = ids[t]
         if v < 0 or v >= V:
             # Never dereference a wild row of a mapped pointer: zero the output
-            # row and count the id; the wrapper raises.
-            if cuda.threadIdx.x == 0:
-                cuda.atomic.add(bad, 0, 1)
+            # row (with check=True the wrapper counted the ids and raised first).
             for h in range(cuda.threadIdx.x, H, cuda.blockDim.x):
                 out[t, h] = 0
         else:
@@ -492,12 +490,12 @@ def embedding_forward(weight, ids, out, *, stream=0, check: bool = True) -> None
     V, H, _ = check_embedding(weight, ids, out, "weight", "out")
     check_disjoint({"out": out}, {"weight": weight, "ids": ids})
     s = numba_stream(stream)
-    bad = _zeroed_counter(s)
     if check_flag(check, "check") and ids.shape[0]:
+        bad = _zeroed_counter(s)
         _count_bad_ids_kernel[stream_blocks(ids.shape[0]), THREADS, s](ids, V, bad)
         _raise_bad_ids(bad, s, V)
     grid = stream_blocks(ids.shape[0], threads=1, blocks_per_sm=16)
-    _embedding_fwd_kernel[grid, row_threads(H), s](weight, ids, out, bad)
+    _embedding_fwd_kernel[grid, row_threads(H), s](weight, ids, out)
 
 
 def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False, stream=0,

@@ -49,7 +49,7 @@ SIGNATURES = {
     "_delay_kernel": [(t.int64,)],
     "_write_kernel": [(u64, t.uint64), (u32, t.uint32)],
     "_rmw_kernel": [(u64, t.uint64), (u32, t.uint32)],
-    "_embedding_fwd_kernel": [(A2, i64, A2, i32), (A2_any, i32, A2, i32)],
+    "_embedding_fwd_kernel": [(A2, i64, A2), (A2_any, i32, A2)],
     "_count_bad_ids_kernel": [(i64, t.int64, i32), (i32, t.int64, i32)],
     "_fill_int32_kernel": [(i32, t.int64)],
     "_embedding_link_kernel": [(i64, t.int64, i32, i32, i32), (i32, t.int64, i32, i32, i32)],
