@@ -11,8 +11,8 @@ allocation of a Python object, including one made while rtmem's allocator or an
 arena holds its (non-reentrant) lock: freeing right there would deadlock the
 thread, and a reentrant lock would let the free run on half-updated state. So a
 free that arrives during a collection is queued, and done by the next allocation
-from any arena (``_Arena._allocate``), by the integrations' hooks, or by
-:func:`flush`.
+from any arena (``_Arena._allocate``, which the integrations' hooks go
+through too) or by :func:`flush`.
 """
 
 from __future__ import annotations

@@ -422,12 +422,12 @@ class BestFitAllocator:
                 try:
                     self._add_slab(grow)
                 except OutOfMemoryError as exc:   # the backend has no memory left
+                    stats = self._stats_locked()
                     raise OutOfMemoryError(
                         f"out of memory: cannot allocate {nbytes:,} bytes: growing by a "
-                        f"{grow:,}-byte slab failed ({exc}); "
-                        f"{self._stats_locked().describe()}. Free buffers first or "
-                        f"plan with a smaller memory budget.",
-                        requested=nbytes, stats=self._stats_locked()) from exc
+                        f"{grow:,}-byte slab failed ({exc}); {stats.describe()}. Free "
+                        f"buffers first or plan with a smaller memory budget.",
+                        requested=nbytes, stats=stats) from exc
                 block = self._best_fit(size, stream)
         if block is None:
             stats = self._stats_locked()

@@ -263,8 +263,9 @@ class _Arena:
         raise NotImplementedError
 
     def _free_after(self, block, stream) -> None:
-        """Free ``block`` behind the work enqueued so far on ``stream``."""
-        raise NotImplementedError
+        """Free ``block`` behind the work enqueued so far on ``stream``: behind
+        an event recorded now (a DeviceArena usually defers it to a stamp)."""
+        self.allocator.deallocate(block, stream=stream, event=self._record_event(stream))
 
     def _release(self, placement: Placement, kind: str) -> None:
         """Free one placement, ordered after its last transfer and compute use
@@ -430,8 +431,7 @@ class DeviceArena(_Arena):
         # default stream: a stamp recorded from another thread would land on
         # that thread's stream, so its frees get their event now, here.
         if getattr(stream, "thread", None) is not None:
-            self.allocator.deallocate(block, stream=stream,
-                                      event=self._record_event(stream))
+            super()._free_after(block, stream)
         else:
             self.allocator.deallocate(block, stream=stream, ordered=True)
 
@@ -463,10 +463,7 @@ class HostArena(_Arena):
     def _default_stream(self):
         # The CPU, which is not ordered with any stream: a block freed on a stream
         # comes back only once its event completed (torch's pinned-memory
-        # allocator is as strict), so a new buffer can be written at once.
+        # allocator is as strict), so a new buffer can be written at once. Its
+        # frees take _Arena._free_after's event recorded now, not a later stamp,
+        # so the CPU gets the bytes back as soon as the GPU is past the free.
         return None
-
-    def _free_after(self, block, stream) -> None:
-        # An event recorded now, not a later stamp: the CPU gets the bytes back
-        # as soon as the GPU is past the free.
-        self.allocator.deallocate(block, stream=stream, event=self._record_event(stream))

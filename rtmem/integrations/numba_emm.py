@@ -19,7 +19,7 @@ import os
 import threading
 import weakref
 
-from .._deferred import flush, release, track
+from .._deferred import release, track
 from ..arena import UNORDERED
 from ..errors import OutOfMemoryError
 from . import alloc_exported, check_arena
@@ -113,8 +113,7 @@ def manager_class():
             and with it numba's blocking streams, has passed the free: what
             numba's synchronizing cuMemFree guaranteed.
             """
-            flush()
-            nbytes = max(int(size), 1)
+            nbytes = max(int(size), 1)     # arena.alloc does deferred frees first
             deallocations = self.deallocations
 
             def export(buf):
@@ -134,7 +133,6 @@ def manager_class():
             except OutOfMemoryError:
                 # As numba's _attempt_allocation: free what is pending, retry once.
                 deallocations.clear()
-                flush()
                 return alloc_exported(self.arena, nbytes, "workspace", UNORDERED, export)
 
         def get_memory_info(self):
