@@ -39,14 +39,20 @@ def store_all_schedule(n: int) -> Schedule:
     return Schedule.from_ops(ops)
 
 
-def segment_bounds(n: int, segments: int) -> list[tuple[int, int]]:
-    """Stage ranges ``[start, end)`` that ``torch.utils.checkpoint.checkpoint_sequential``
-    uses: ``segments - 1`` segments of ``n // segments`` stages, the rest in the last."""
+def _check_segments(n, segments) -> int:
+    """``n`` checked (see ``_check_n``) after checking ``segments`` fits it."""
     n = _check_n(n)
     if isinstance(segments, bool) or not isinstance(segments, (int, np.integer)) \
             or not 1 <= segments <= n:
         raise ChainError(f"segments must be an integer in 1..{n} for a chain of {n} "
                          f"stages, got {segments!r}")
+    return n
+
+
+def segment_bounds(n: int, segments: int) -> list[tuple[int, int]]:
+    """Stage ranges ``[start, end)`` that ``torch.utils.checkpoint.checkpoint_sequential``
+    uses: ``segments - 1`` segments of ``n // segments`` stages, the rest in the last."""
+    n = _check_segments(n, segments)
     size = n // segments
     bounds = [(k * size, (k + 1) * size) for k in range(segments - 1)]
     bounds.append(((segments - 1) * size, n))
@@ -63,7 +69,7 @@ def sequential_schedule(n: int, segments: int) -> Schedule:
     """
     # Built with numpy, not op by op: plan_sequential builds one schedule per
     # segment count (n of them), which took ~20 s in Python for 2,000 stages.
-    segment_bounds(n, segments)             # validates n and segments
+    n = _check_segments(n, segments)        # not segment_bounds: its list costs O(n)
     size = n // segments                    # every segment but the last
     head = (segments - 1) * size            # stages of the earlier segments
     fwd_op = np.full(head, int(Op.F_NONE), np.int64)

@@ -132,13 +132,15 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         slot_bytes = check_count("slot_bytes", slot_bytes)
     t0 = time.perf_counter()
     store_all = store_all_schedule(chain.n)
-    peak_all = simulate(chain, store_all, Platform(math.inf)).peak
-    if budget >= peak_all:
+    res = simulate(chain, store_all, Platform(math.inf))
+    if budget >= res.peak:
         # every budget from here on reaches the no-recomputation makespan
-        # (no min_feasible here: its O(n^3) pass is what this shortcut avoids)
+        # (no min_feasible here: its O(n^3) pass is what this shortcut avoids);
+        # within the budget it never waits for memory, so this run is the plan's
         info = {"method": "store-all", "dp_makespan": float(chain.compute_time),
                 "solve_seconds": time.perf_counter() - t0}
-        return _plan(chain, store_all, budget, info)
+        return Plan(schedule=store_all, makespan=res.makespan, peak=res.peak,
+                    budget=budget, algorithm="rotor", info=info)
     if slot_bytes is None:
         # the table has about `slots` columns: refuse an impossible size before the
         # O(n^2)-memory, O(n^3)-time least-memory pass below
