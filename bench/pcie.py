@@ -317,15 +317,28 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
         if save is not None:
             save({"sizes_bytes": sizes[:i + 1], "curves": curves, "dha_error": dha_error,
                   "partial": True})
-    if dha_error is not None:
-        return {"sizes_bytes": sizes, "curves": curves, "dha_error": dha_error,
-                "contention": None, "latency": _latency(cp, timer, copy, dev_a, pageable, s1),
-                "l2_bytes": l2, "timer": timer.summary()}
+    contention, dha_probe = None, None
+    if dha_error is None:
+        contention = _contention(cp, timer, copy, sizes[-1], mapped, partials, flush_l2,
+                                 (dev_a, dev_b, pin_a, pin_b), s1, s2, repeats)
 
-    # B4: DHA read against a copy in each direction, at the largest swept size
-    # (a power of two: a --max-size such as 100MB need not be a whole number of
-    # the probe's 8-byte words).
-    n = sizes[-1]
+        def dha_probe(m_n):
+            dha.dha_read(m_n, stream=s1, out=partials)
+    latency = _latency(cp, timer, copy, dev_a, pageable, s1, dha_probe, mapped)
+    return {"sizes_bytes": sizes, "curves": curves, "dha_error": dha_error,
+            "contention": contention, "latency": latency, "l2_bytes": l2,
+            "timer": timer.summary()}
+
+
+def _contention(cp, timer, copy, n, mapped, partials, flush_l2, buffers, s1, s2,
+                repeats) -> dict:
+    """B4: DHA read of ``n`` bytes on ``s1`` alone and against a pinned copy in
+    each direction on ``s2``. ``n`` is the largest swept size, a power of two: a
+    --max-size such as 100MB need not be a whole number of the probe's 8-byte words."""
+    from rtmem.kernels import dha
+    rt = cp.cuda.runtime
+    h2d, d2h = rt.memcpyHostToDevice, rt.memcpyDeviceToHost
+    dev_a, dev_b, pin_a, pin_b = buffers
     mapped_n = mapped[:n]
 
     def dha_read():
@@ -345,12 +358,7 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
         contention[f"dha_read+{other}"] = {
             "dha_read_bytes_per_s": n / t_dha, f"{other}_bytes_per_s": n / t_copy,
             "aggregate_bytes_per_s": 2 * n / t_all}
-
-    latency = _latency(cp, timer, copy, dev_a, pageable, s1,
-                       lambda m_n: dha.dha_read(m_n, stream=s1, out=partials), mapped)
-    return {"sizes_bytes": sizes, "curves": curves, "dha_error": None,
-            "contention": contention, "latency": latency, "l2_bytes": l2,
-            "timer": timer.summary()}
+    return contention
 
 
 def _latency(cp, timer, copy, dev_a, pageable, s1, dha_read=None, mapped=None) -> list:

@@ -74,6 +74,8 @@ _PARSE_STAGE = {v.lower(): k for k, v in _STAGE_NAMES.items()}
 _PARSE_STAGE.update({"f_∅": Op.F_NONE, "fnone": Op.F_NONE, "fck": Op.F_CK,
                      "fall": Op.F_ALL, "f_ø": Op.F_NONE})
 _PARSE_ACT = {v: k for k, v in _ACT_NAMES.items()}
+#: Every first word (lower case) an operation of the text form may start with.
+OP_WORDS = frozenset(_PARSE_STAGE) | frozenset(_PARSE_ACT) | {"l", "loss"}
 _ACT_RE = re.compile(r"^(a|abar)([0-9]+)$")
 _DIGITS = re.compile(r"[0-9]+")      # ASCII only: str.isdigit also accepts "²", "٣"
 _FORMAT = "rtmem.schedule"

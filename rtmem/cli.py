@@ -48,6 +48,7 @@ def load_schedule(spec: str, chain):
     from rtmem.errors import ScheduleError
     from rtmem.planners import Plan, Schedule, sequential_schedule, store_all_schedule
     from rtmem.planners._documents import read_text
+    from rtmem.planners.schedule import OP_WORDS
     if os.path.exists(spec):
         text = read_text(spec, kind="schedule", error=ScheduleError, reason="parse")
         if text.lstrip().startswith("{"):
@@ -68,15 +69,10 @@ def load_schedule(spec: str, chain):
         if not k.isdigit():
             raise ScheduleError(f"sequential:K needs an integer K, got {spec!r}")
         return sequential_schedule(chain.n, int(k))
-    if "," in spec or "\n" in spec or spec.split()[0].lower() in _OP_WORDS:
+    if "," in spec or "\n" in spec or spec.split()[0].lower() in OP_WORDS:
         return Schedule.from_text(spec)
     raise ScheduleError(f"no schedule file {spec!r}; give a path, 'store-all', "
                         "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
-
-
-# first words of the operations of the schedule text form (Schedule.from_text)
-_OP_WORDS = frozenset(("f_none", "f_ck", "f_all", "b", "l", "loss", "delete", "offload",
-                       "prefetch", "w_offload", "w_delete", "w_prefetch", "g_offload"))
 
 
 def output_file(*suffixes):

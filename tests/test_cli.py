@@ -45,6 +45,15 @@ def test_simulate_schedule_file_and_text(capsys, tmp_path):
     assert json.loads(out)["makespan_s"] == 4.0
 
 
+@pytest.mark.parametrize("text", ["Fall 0", "F_none 0", "loss", "w_prefetch 0"])
+def test_load_schedule_reads_every_op_word_as_text(text):
+    # a one-op schedule has no comma: its first word must be known as an operation
+    # (alias spellings included) or it is taken for a missing file
+    from rtmem.cli import load_schedule
+    from rtmem.planners import Chain, Schedule
+    assert load_schedule(text, Chain.homogeneous(2, x=10)) == Schedule.from_text(text)
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["simulate", "gpt2-small", "store-all", "--memory", "1GiB"], "exceed the limit"),
     (["simulate", "nochain", "store-all", "--memory", "1GiB"], "unknown chain"),
