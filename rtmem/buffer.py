@@ -27,6 +27,17 @@ Legal moves (anything else raises ResidencyError naming the state and the fix):
 4. ``drop_host``: both -> device. Refused during a transfer or for the only
    copy.
 
+``evict`` and ``drop_host`` are also refused while pinned views (NOTE [ Pinned
+views ]) read the copy they would drop.
+
+A copy that fails (NOTE [ Host stream failures ] in backends/host.py) is raised
+once, as BackendError, by the next call that looks at the buffer (a move,
+``wait``/``synchronize(buf)``, a view); ``residency`` and ``repr`` keep it for
+that call. The placement the copy wrote is released when another copy holds
+valid bytes, else kept and reported as not valid. A move chained on one that
+failed (a prefetch issued during the offload that made its source) fails with
+it, and both placements count as written by a failed copy.
+
 Fields are guarded by the buffer's ``_lock``; arenas guard their own accounting.
 """
 
@@ -54,15 +65,17 @@ class Placement:
 
     ``event``/``stream``: the last transfer that read or wrote the block, so that
     freeing it is stream-ordered (the block is not reused before that copy ends).
+    ``pins``: pinned views of this block (NOTE [ Pinned views ]).
     """
 
-    __slots__ = ("arena", "block", "event", "stream")
+    __slots__ = ("arena", "block", "event", "stream", "pins")
 
     def __init__(self, arena, block):
         self.arena = arena
         self.block = block
         self.event = None
         self.stream = None
+        self.pins = 0
 
     @property
     def slab(self):
@@ -75,19 +88,36 @@ class Placement:
         return self.block.offset
 
 
+class _Move:
+    """A buffer's pending copy: its ``event``, the ``side`` it writes
+    (``"device"`` for H2D, ``"host"`` for D2H), whether it ``made`` that
+    placement (prefetch, offload) or writes an existing one (``copy``), and the
+    ``prior`` move it was chained on (its copy waits for that one's event)."""
+
+    __slots__ = ("event", "side", "made", "prior")
+
+    def __init__(self, event, side: str, made: bool, prior=None):
+        self.event = event
+        self.side = side
+        self.made = made
+        self.prior = prior
+
 
 class PinnedExport:
     """Exports a buffer's memory through an array interface (``name`` is
     ``"__array_interface__"`` or ``"__cuda_array_interface__"``) and holds a pin
-    on the buffer until the consumer drops its last reference to this object,
-    which numpy and torch keep as the base of every view they make of it
-    (NOTE [ Pinned views ]). ``keep`` holds whatever owns the exported memory's
-    Python view (e.g. the numpy array the interface came from)."""
+    on the placement it exports until the consumer drops its last reference to
+    this object, which numpy and torch keep as the base of every view they make
+    of it (NOTE [ Pinned views ]). ``keep`` holds whatever owns the exported
+    memory's Python view (e.g. the numpy array the interface came from). Made by
+    :meth:`Buffer._export`, under the buffer's lock."""
 
-    def __init__(self, buf: "Buffer", name: str, interface: dict, keep=None):
+    def __init__(self, buf: "Buffer", placement: Placement, name: str, interface: dict,
+                 keep=None):
         track()     # __del__ may run in a garbage collection (see _unpin)
-        buf._pin()
+        buf._pin(placement)
         self._buf = buf
+        self._placement = placement
         self._keep = keep
         setattr(self, name, interface)
 
@@ -95,7 +125,8 @@ class PinnedExport:
         buf = getattr(self, "_buf", None)
         if buf is not None:
             self._buf = None
-            buf._unpin()
+            buf._unpin(self._placement)
+
 
 class Buffer:
     """A typed, shaped view of ``nbytes`` bytes living in one or two arenas.
@@ -110,19 +141,20 @@ class Buffer:
     not keep the Buffer object alive and must stay valid until the free.
     """
 
-    __slots__ = ("nbytes", "dtype", "shape", "kind", "_device", "_host", "_pending",
-                 "_freed", "_lock", "device_arena", "host_arena", "_pins", "_free_requested",
-                 "_exports", "__weakref__")
+    __slots__ = ("_nbytes", "_dtype", "_shape", "_kind", "_device", "_host", "_pending",
+                 "_failed", "_freed", "_lock", "device_arena", "host_arena", "_pins",
+                 "_free_requested", "__weakref__")
 
     def __init__(self, placement: Placement, nbytes: int, dtype: np.dtype, shape: tuple,
                  kind: str):
         # The arena validated and normalized every argument (an int, a numpy
         # dtype, a tuple of ints): this runs on every allocation.
-        self.nbytes = nbytes
-        self.dtype = dtype
-        self.shape = shape
-        self.kind = kind
-        self._pending = None        # (event, "h2d"|"d2h", stream) of the last move
+        self._nbytes = nbytes
+        self._dtype = dtype
+        self._shape = shape
+        self._kind = kind
+        self._pending = None        # the _Move in flight (or completed, not yet settled)
+        self._failed = None         # a failed move's BackendError not yet raised
         self._freed = False
         self._lock = threading.RLock()
         # device_arena / host_arena: where prefetch / offload put it by default.
@@ -138,7 +170,28 @@ class Buffer:
         # so the arena never hands the bytes out while a tensor still reads them.
         self._pins = 0
         self._free_requested = False
-        self._exports = None        # slab arrays behind __array_interface__ exports
+
+    # Read-only: the arena accounts bytes per kind, and views trust shape and dtype
+    # to stay inside the block (numpy users write ``a.shape = ...`` to reshape).
+    @property
+    def nbytes(self) -> int:
+        """Bytes requested (the block may be larger: alignment)."""
+        return self._nbytes
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Element type of the views."""
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple:
+        """Shape of the views (a tuple of ints)."""
+        return self._shape
+
+    @property
+    def kind(self) -> str:
+        """What the buffer holds, one of :data:`KINDS`."""
+        return self._kind
 
     # -------------------------------------------------------------- state
     def _check_alive(self) -> None:
@@ -155,43 +208,66 @@ class Buffer:
 
     def _settle(self, report: bool = True) -> bool:
         """Clear a completed pending move; True if one is still in flight. A
-        failed move is undone, and raised as BackendError when ``report``.
+        failed move is undone and its BackendError raised, once: now when
+        ``report``, else by the next call that reports.
 
         Under the buffer's lock: ``wait``/``synchronize`` call it without holding
         it, and an unlocked read-then-clear could erase a move another thread
         had just started (its residency checks would then pass illegal moves)."""
         with self._lock:
-            pending = self._pending
-            if pending is None:
-                return False
-            if not pending[0].query():
-                return True
-            self._pending = None
-            error = getattr(pending[0], "error", None)   # host streams report it here
-            if error is not None:
-                self._undo_failed_move(pending, error, report)
+            move = self._pending
+            if move is not None:
+                if not move.event.query():
+                    return True
+                self._pending = None
+                error = getattr(move.event, "error", None)  # host streams report it here
+                if error is not None:
+                    self._failed = self._undo_failed_move(move, error)
+            if report and self._failed is not None:
+                failed, self._failed = self._failed, None
+                raise failed
             return False
 
-    def _undo_failed_move(self, pending, error, report: bool) -> None:
-        """A move's copy failed (NOTE [ Host stream failures ]): the placement it
-        made holds garbage, so it is released and the buffer keeps the copy it
-        had; the error is raised once, here, when ``report``."""
-        _, direction, _, made = pending
-        side = "device" if direction == "h2d" else "host"
-        if made:
-            p = self._device if direction == "h2d" else self._host
-            p.arena._release(p, self.kind)
-            if direction == "h2d":
-                self._device = None
+    def _undo_failed_move(self, move: _Move, error) -> BackendError:
+        """A move's copy failed (NOTE [ Host stream failures ]). The placements
+        written by failed copies (this one's, and its prior move's when the
+        failure came from there) hold garbage: they are released when another
+        copy holds valid bytes, else the first is kept (pinned ones always are)
+        and reported as not valid. Returns the error to raise."""
+        garbage = [move.side]
+        prior = move.prior
+        if prior is not None and prior.side != move.side \
+                and getattr(prior.event, "error", None) is not None:
+            garbage.append(prior.side)
+        places = {"device": self._device, "host": self._host}
+        valid = [s for s, p in places.items() if p is not None and s not in garbage]
+        kept = []
+        for side in garbage:
+            p = places[side]
+            if p is None:
+                continue
+            if p.pins or not (valid or kept):
+                kept.append(side)
             else:
-                self._host = None
-        if not report:
-            return
-        raise BackendError(
-            f"the {direction.upper()} copy into the {side} side of this {self.kind} buffer "
+                self._drop(side)
+        what = "H2D" if move.side == "device" else "D2H"
+        return BackendError(
+            f"the {what} copy into the {move.side} side of this {self.kind} buffer "
             f"({self.nbytes:,} bytes) failed: {error!r}; "
-            + ("that copy was dropped and the buffer keeps its other copy; retry the move"
-               if made else "the buffer's bytes are not valid; copy into it again"))
+            + (f"the bytes of its {' and '.join(kept)} copy are not valid; write them "
+               "again (copy into it, or through a view)" if kept else
+               f"that copy was dropped and the buffer keeps its {valid[0]} copy; retry "
+               "the move"))
+
+    def _drop(self, side: str) -> None:
+        """Release the ``side`` placement (stream-ordered) and detach it. Under
+        the buffer's lock; the caller checked that it may go."""
+        p = self._device if side == "device" else self._host
+        p.arena._release(p, self._kind)
+        if side == "device":
+            self._device = None
+        else:
+            self._host = None
 
     @property
     def residency(self) -> str:
@@ -199,7 +275,7 @@ class Buffer:
         with self._lock:
             if self._freed:
                 return "freed"
-            # a failed move is undone, not raised: the state below is consistent
+            # a failed move is undone and kept for the next call that reports
             if self._settle(report=False):
                 return "in-flight"
             if self._device is not None and self._host is not None:
@@ -251,17 +327,19 @@ class Buffer:
         check, since freeing stays legal after the arena was closed."""
         return (self._device if self._device is not None else self._host).arena
 
-    def _pin(self) -> None:
+    def _pin(self, placement: Placement) -> None:
         with self._lock:
             self._check_alive()
             if self._free_requested:
                 raise UseAfterFreeError(f"{self!r} was freed (its release waits for "
                                         "existing views); do not make new views of it")
             self._pins += 1
+            placement.pins += 1
 
-    def _unpin(self) -> None:
+    def _unpin(self, placement: Placement) -> None:
         with self._lock:
             self._pins -= 1
+            placement.pins -= 1
             release = self._pins == 0 and self._free_requested and not self._freed
         if release:
             # The last view's finalizer may run inside a garbage collection:
@@ -270,16 +348,18 @@ class Buffer:
 
     def _free_after_views(self) -> None:
         """The free that ``free()`` postponed until the last view died."""
-        with self._lock:
+        with self._lock:    # held through the free: no window where it looks live
             if self._freed or not self._free_requested or self._pins:
                 return
             self._free_requested = False
-            arena = self._home_arena
-        arena.free(self)
+            self._home_arena.free(self)
 
     # ------------------------------------------------------------ views
     def _view_placement(self, where):
+        """The placement a view of ``where`` (None: primary) reads, after a
+        completed move was settled (its failure raised: the bytes may be garbage)."""
         self._check_alive()
+        self._settle()
         if where is None:
             return self.primary
         p = self.placement(where)
@@ -308,16 +388,19 @@ class Buffer:
         (default: primary). Host placements always qualify; device placements only
         on the host backend. Waits for an in-flight transfer first.
 
-        ``pin=True``: the view pins the buffer (NOTE [ Pinned views ]) for as long
-        as it or any array derived from it lives, so a ``free()`` meanwhile only
-        takes effect once the last of them is gone. For views kept beyond the
-        caller's control of the buffer (optimizer state, parameters).
+        ``pin=True``: the view pins the placement (NOTE [ Pinned views ]) for as
+        long as it or any array derived from it lives: a ``free()`` meanwhile only
+        takes effect once the last of them is gone, and ``evict``/``drop_host`` of
+        that copy are refused. For views kept beyond the caller's control of the
+        buffer (optimizer state, parameters).
         """
         if pin:
-            arr = self.numpy(where)
-            return np.asarray(PinnedExport(self, "__array_interface__",
-                                           arr.__array_interface__, keep=arr))
-        p = self._view_placement(where)
+            return np.asarray(self._export(where, cuda=False))
+        return self._typed(self._bytes(self._view_placement(where)))
+
+    def _bytes(self, p: Placement) -> np.ndarray:
+        """The uint8 slab slice of placement ``p`` (host-addressable ones only),
+        after the copies touching it."""
         slab = p.slab
         if slab.host_array is None:
             raise ResidencyError(
@@ -325,17 +408,33 @@ class Buffer:
                 "buf.cupy(), buf.to_numpy() (a copy), or offload the buffer first",
                 state=self.residency, action="numpy view")
         self._wait_if_in_flight(p, host=True)
-        count = int(np.prod(self.shape, dtype=np.int64))
-        raw = slab.host_array[p.offset:p.offset + count * self.dtype.itemsize]
-        return raw.view(self.dtype).reshape(self.shape)
+        return slab.host_array[p.offset:p.offset + self._view_nbytes()]
+
+    def _view_nbytes(self) -> int:
+        return int(np.prod(self._shape, dtype=np.int64)) * self._dtype.itemsize
+
+    def _typed(self, raw: np.ndarray) -> np.ndarray:
+        return raw.view(self._dtype).reshape(self._shape)
+
+    def _export(self, where, cuda: bool) -> PinnedExport:
+        """A :class:`PinnedExport` of placement ``where`` through the CUDA array
+        interface (``cuda``) or numpy's; placement, interface and pin are taken
+        under the lock, so no move can drop the placement in between."""
+        with self._lock:
+            p = self._view_placement(where)
+            if cuda:
+                return PinnedExport(self, p, "__cuda_array_interface__",
+                                    self._cuda_dict(p))
+            arr = self._typed(self._bytes(p))
+            return PinnedExport(self, p, "__array_interface__", arr.__array_interface__,
+                                keep=arr)
 
     def to_numpy(self) -> np.ndarray:
         """A host copy of the data (synchronous), whatever the residency."""
         p = self._view_placement(None)
         self._wait_if_in_flight(p, host=True)
-        count = int(np.prod(self.shape, dtype=np.int64))
-        raw = p.arena.backend.read(p.slab, p.offset, count * self.dtype.itemsize)
-        return raw.view(self.dtype).reshape(self.shape)
+        raw = p.arena.backend.read(p.slab, p.offset, self._view_nbytes())
+        return self._typed(raw)
 
     def cupy(self, where: str | None = None):
         """A zero-copy CuPy array over the device placement (or a mapped host one)."""
@@ -344,8 +443,9 @@ class Buffer:
         return cp.asarray(_CudaView(self._cuda_interface(where), self))
 
     def _cuda_interface(self, where=None) -> dict:
-        p = self._device if where is None and self._device is not None else \
-            self._view_placement(where or "host")
+        return self._cuda_dict(self._view_placement(where))
+
+    def _cuda_dict(self, p: Placement) -> dict:
         slab = p.slab
         if slab.device_ptr is None or p.arena.backend.name != "cuda":
             raise AttributeError(
@@ -354,7 +454,7 @@ class Buffer:
                 f"{self.residency!r} on the {p.arena.backend.name} backend); "
                 "use HostArena(..., mapped=True) or prefetch it")
         self._wait_if_in_flight(p, host=False)
-        return {"shape": self.shape, "typestr": self.dtype.str, "descr": self.dtype.descr,
+        return {"shape": self._shape, "typestr": self._dtype.str, "descr": self._dtype.descr,
                 "data": (slab.device_ptr + p.offset, False), "strides": None,
                 "version": 3, "stream": None}
 
@@ -363,20 +463,22 @@ class Buffer:
         """NumPy's array interface over the host-addressable primary placement
         (AttributeError for cuda device memory, so consumers fall back to the
         CUDA array interface or DLPack)."""
-        self._check_alive()
-        slab_array = self.primary.slab.host_array
-        if slab_array is None:
+        p = self._view_placement(None)
+        if p.slab.host_array is None:
             raise AttributeError("cuda device memory has no __array_interface__; use "
                                  "__cuda_array_interface__, DLPack or to_numpy()")
-        interface = self.numpy().__array_interface__
-        # numpy makes this Buffer the base of the array it builds from the dict, not
-        # a view of the slab, so the Buffer keeps the slab array alive: on the host
-        # backend the memory then outlives arena.close() as numpy() views do.
-        with self._lock:
-            if self._exports is None:
-                self._exports = {}
-            self._exports[id(slab_array)] = slab_array
-        return interface
+        # ``data`` is the slab slice itself (the buffer protocol), not an address:
+        # numpy makes it the base of the array it builds, so the slab lives as
+        # long as that array does (after arena.close() too, as numpy() views),
+        # and nothing here has to remember it.
+        return {"shape": self._shape, "typestr": self._dtype.str, "descr": self._dtype.descr,
+                "data": self._bytes(p), "strides": None, "version": 3}
+
+    def __array__(self, dtype=None, copy=None):
+        # numpy reaches this only when __array_interface__ is absent (cuda device
+        # memory); without it np.asarray(buf) made a 0-d object array.
+        raise TypeError("cuda device memory is not host-addressable: np.asarray cannot "
+                        "view it; use buf.to_numpy() (a copy) or buf.cupy()")
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -402,9 +504,9 @@ class Buffer:
         memory of the cuda backend (zero-copy either way)."""
         kwargs = {k: v for k, v in (("max_version", max_version), ("dl_device", dl_device),
                                     ("copy", copy)) if v is not None}
-        p = self.primary
+        p = self._view_placement(None)
         if p.slab.host_array is not None:
-            return self.numpy().__dlpack__(**kwargs)
+            return self._typed(self._bytes(p)).__dlpack__(**kwargs)
         arr = self.cupy()
         return arr.__dlpack__(stream=stream, **kwargs)
 

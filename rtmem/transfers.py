@@ -29,7 +29,7 @@ from collections import deque
 from . import _deferred
 from .arena import is_arena
 from .backends import Backend, get_backend
-from .buffer import Buffer
+from .buffer import Buffer, _Move
 from .errors import BackendError, ResidencyError, UseAfterFreeError
 
 __all__ = ["TransferEngine", "copy", "drop_host", "evict", "get_engine", "offload",
@@ -178,24 +178,25 @@ def _check_location(arena, location: str, what: str) -> None:
                          f"pass arena=<{want}>")
 
 
-def _copy_to_new(buf: Buffer, arena, src, direction: str, wait_for=()):
-    """The second half of prefetch ("h2d") and offload ("d2h"): a new placement
-    of ``buf`` in ``arena``, the copy from ``src`` into it on that direction's
-    stream, and the buffer marked in flight. Returns the copy's event. Called
-    with ``buf._lock`` held, after the residency checks."""
-    engine = _engine_for(arena, src.arena, "prefetch" if direction == "h2d" else "offload")
-    stream = engine.h2d if direction == "h2d" else engine.d2h
+def _copy_to_new(buf: Buffer, arena, src, side: str, prior=None):
+    """The second half of prefetch (``side`` "device") and offload ("host"): a
+    new placement of ``buf`` in ``arena``, the copy from ``src`` into it on that
+    direction's stream (after the ``prior`` move still in flight, if any), and the
+    buffer marked in flight. Returns the copy's event. Called with ``buf._lock``
+    held, after the residency checks."""
+    engine = _engine_for(arena, src.arena, "prefetch" if side == "device" else "offload")
+    stream = engine.h2d if side == "device" else engine.d2h
     dst = arena._allocate(buf.nbytes, buf.kind, engine.alloc_key())
     try:
-        event = _issue(dst, src, stream, engine, wait_for)
+        event = _issue(dst, src, stream, engine, () if prior is None else (prior.event,))
     except BaseException:
         arena._release(dst, buf.kind)   # nothing was enqueued on it
         raise
-    if direction == "h2d":
+    if side == "device":
         buf._device, buf.device_arena = dst, arena
     else:
         buf._host, buf.host_arena = dst, arena
-    buf._pending = (event, direction, stream, True)    # made a placement
+    buf._pending = _Move(event, side, True, prior)
     return event
 
 
@@ -220,8 +221,8 @@ def prefetch(buf: Buffer, *, arena=None):
             raise _state_error(buf, "prefetch", "it has never been in a device arena",
                                "pass arena=<DeviceArena>")
         _check_location(arena, "device", "prefetch")
-        return _copy_to_new(buf, arena, buf._host, "h2d",
-                            (buf._pending[0],) if in_flight else ())
+        return _copy_to_new(buf, arena, buf._host, "device",
+                            buf._pending if in_flight else None)
 
 
 def offload(buf: Buffer, *, arena=None):
@@ -249,46 +250,48 @@ def offload(buf: Buffer, *, arena=None):
             raise _state_error(buf, "offload", "no host arena is known for it",
                                "pass arena=<HostArena>")
         _check_location(arena, "host", "offload")
-        return _copy_to_new(buf, arena, buf._device, "d2h")
+        return _copy_to_new(buf, arena, buf._device, "host")
 
 
 def evict(buf: Buffer) -> None:
     """Drop the device copy of ``buf`` (it must have a host copy, possibly still
     being written by an offload: the device block is then freed when that copy
     completes). Residency becomes ``"host"``."""
-    _check_buffer(buf, "evict")
-    with buf._lock:
-        _check_movable(buf)
-        in_flight = buf._settle()
-        if buf._device is None:
-            raise _state_error(buf, "evict", "it has no device copy", "nothing to do")
-        if buf._host is None:
-            raise _state_error(buf, "evict", "the device copy is the only copy",
-                               "offload(buf) first, or buf.free() to discard it")
-        if in_flight and buf._pending[1] == "h2d":
-            raise _state_error(buf, "evict", "a prefetch into the device copy is in "
-                               "flight", "synchronize(buf) first")
-        buf._device.arena._release(buf._device, buf.kind)
-        buf._device = None
+    _drop_copy(buf, "device", "evict")
 
 
 def drop_host(buf: Buffer) -> None:
     """Free the host copy of ``buf`` (a device copy must exist and no transfer be
     in flight). Residency becomes ``"device"``."""
-    _check_buffer(buf, "drop_host")
+    _drop_copy(buf, "host", "drop the host copy of")
+
+
+def _drop_copy(buf: Buffer, side: str, action: str) -> None:
+    """evict (``side`` "device") and drop_host ("host"): the checks of NOTE
+    [ Residency state machine ] rules 3 and 4, then the release."""
+    _check_buffer(buf, "evict" if side == "device" else "drop_host")
+    other = "host" if side == "device" else "device"
     with buf._lock:
         _check_movable(buf)
-        if buf._settle():
-            raise _state_error(buf, "drop the host copy of", "a transfer is in flight",
+        in_flight = buf._settle()
+        if in_flight and (side == "host" or buf._pending.side == "device"):
+            # an offload may go on while its source is evicted (its block is
+            # freed stream-ordered); any other copy reads or writes what is dropped
+            raise _state_error(buf, action, "a prefetch into the device copy is in flight"
+                               if side == "device" else "a transfer is in flight",
                                "synchronize(buf) first")
-        if buf._host is None:
-            raise _state_error(buf, "drop the host copy of", "it has no host copy",
-                               "nothing to do")
-        if buf._device is None:
-            raise _state_error(buf, "drop the host copy of", "the host copy is the only "
-                               "copy", "prefetch(buf) first, or buf.free() to discard it")
-        buf._host.arena._release(buf._host, buf.kind)
-        buf._host = None
+        mine, theirs = buf.placement(side), buf.placement(other)
+        if mine is None:
+            raise _state_error(buf, action, f"it has no {side} copy", "nothing to do")
+        if theirs is None:
+            fix = ("offload(buf) first" if side == "device" else "prefetch(buf) first")
+            raise _state_error(buf, action, f"the {side} copy is the only copy",
+                               f"{fix}, or buf.free() to discard it")
+        if mine.pins:
+            raise _state_error(buf, action, f"{mine.pins} pinned view(s) (numpy(pin=True), "
+                               f"rtmem.torch.as_tensor) still use its {side} copy",
+                               "drop those views first")
+        buf._drop(side)
 
 
 def copy(dst: Buffer, src: Buffer):
@@ -316,6 +319,7 @@ def copy(dst: Buffer, src: Buffer):
     with first._lock, second._lock:
         for b in (dst, src):
             _check_movable(b)
+            b._settle()         # a completed failed move: src's bytes may be garbage
         if dst._device is not None and dst._host is not None:
             # Only the primary (device) copy would be written; the host copy would
             # stay attached but stale, and evict() would then keep the stale one.
@@ -325,13 +329,11 @@ def copy(dst: Buffer, src: Buffer):
                                "(after synchronize(dst) if a move is in flight)")
         d, s = dst.primary, src.primary
         engine = _engine_for(d.arena, s.arena, "copy")
-        if d.arena.location == "device":
-            stream, direction = engine.h2d, "h2d"
-        else:
-            stream, direction = engine.d2h, "d2h"
-        waits = [p[0] for p in (dst._pending, src._pending) if p is not None]
+        side = d.arena.location
+        stream = engine.h2d if side == "device" else engine.d2h
+        waits = [m.event for m in (dst._pending, src._pending) if m is not None]
         event = _issue(d, s, stream, engine, waits)
-        dst._pending = (event, direction, stream, False)
+        dst._pending = _Move(event, side, False, dst._pending)
         return event
 
 
@@ -339,17 +341,11 @@ def wait(obj=None) -> None:
     """Make the compute stream wait for ``obj``: a Buffer's pending copy, an
     event, or (None) everything enqueued on the current backend's transfer
     streams. On the host backend this blocks (its compute stream is synchronous);
-    on cuda it does not block the host."""
+    on cuda it does not block the host. A Buffer's failed copy is raised here
+    (BackendError)."""
     if isinstance(obj, Buffer):
-        pending = obj._pending
-        if pending is None:
-            return
-        backend = obj.primary.arena.backend
-        try:
-            backend.current_stream().wait_event(pending[0])
-        except BackendError:
-            pass        # as in synchronize()
-        obj._settle()
+        _settle_after(obj, lambda event: obj.primary.arena.backend.current_stream()
+                      .wait_event(event))
         return
     if obj is not None:
         _check_event(obj, "wait")
@@ -363,18 +359,25 @@ def wait(obj=None) -> None:
 
 def synchronize(obj=None) -> None:
     """Block the host until ``obj`` (a Buffer's pending copy, an event) or, with
-    None, every transfer of the current backend has completed."""
+    None, every transfer of the current backend has completed. A Buffer's failed
+    copy is raised here (BackendError)."""
     if isinstance(obj, Buffer):
-        pending = obj._pending
-        if pending is not None:
-            try:
-                pending[0].synchronize()
-            except BackendError:
-                pass    # _settle undoes the failed move and raises a clearer error
-            obj._settle()
+        _settle_after(obj, lambda event: event.synchronize())
         return
     if obj is not None:
         _check_event(obj, "synchronize")
         obj.synchronize()
         return
     get_engine().synchronize()
+
+
+def _settle_after(buf: Buffer, wait_on) -> None:
+    """``wait_on(event)`` for ``buf``'s pending move, then settle it: a failure
+    is raised by ``_settle``, which undoes the move and says what is left."""
+    move = buf._pending
+    if move is not None:
+        try:
+            wait_on(move.event)
+        except BackendError:
+            pass
+    buf._settle()

@@ -194,19 +194,27 @@ def test_array_interfaces_point_at_the_right_bytes(fake, backend):
     # mapped host memory: the GPU sees the device alias, the CPU the host pointer
     mcai = mb.__cuda_array_interface__
     assert mcai["data"][0] == m.slabs[0].device_ptr + mb.offset
-    assert mb.__array_interface__["data"][0] == m.slabs[0].ptr + mb.offset
+    assert np.asarray(mb).ctypes.data == m.slabs[0].ptr + mb.offset
+    with pytest.raises(TypeError, match="not host-addressable"):
+        np.asarray(db)                              # was a 0-d object array
     mb.numpy()[:] = np.arange(7) * 11
     np.testing.assert_array_equal(_device_view(fake, mb), np.arange(7) * 11)
     _device_view(fake, mb)[2] = -5                   # a kernel writes host memory
     assert mb.numpy()[2] == -5
     # pinned, not mapped: host only
     assert not hasattr(pb, "__cuda_array_interface__")
-    assert pb.__array_interface__["data"][0] == p.slabs[0].ptr + pb.offset
+    assert np.asarray(pb).ctypes.data == p.slabs[0].ptr + pb.offset
     # a kernel writes the device buffer; to_numpy copies it back
     _device_view(fake, db)[:] = np.arange(15, dtype=np.float32).reshape(3, 5)
     np.testing.assert_array_equal(db.to_numpy(), np.arange(15).reshape(3, 5))
     arr = db.cupy()
     assert arr.data.ptr == cai["data"][0] and arr.data.device_id == 1
+    # after close the pointers dangle: refused like numpy() and DLPack (the CUDA
+    # interface and cupy() handed them out)
+    d.close()
+    for use in (lambda: db.__cuda_array_interface__, db.cupy):
+        with pytest.raises(UseAfterFreeError, match="was closed"):
+            use()
 
 
 def test_dlpack_forwards_the_protocol_arguments(fake, backend):

@@ -12,6 +12,7 @@ import pytest
 from rtmem import transfers as T
 from rtmem.arena import DeviceArena, HostArena
 from rtmem.backends import get_backend
+from rtmem.buffer import _Move
 from rtmem.errors import BackendError, OutOfMemoryError, ResidencyError, UseAfterFreeError
 
 
@@ -277,7 +278,7 @@ def test_synchronize_cannot_erase_a_move_started_meanwhile(arenas, monkeypatch):
     T.evict(b)
     done = T.copy(*(h.alloc(64) for _ in range(2)))
     done.synchronize()
-    b._pending = (done, "d2h", eng.d2h)         # a completed move, not yet cleared
+    b._pending = _Move(done, "host", False)     # a completed move, not yet cleared
     query, in_window = H.HostEvent.query, threading.Event()
 
     def slow_query(event):
@@ -602,3 +603,126 @@ def test_wrong_argument_types_are_named(arenas):
     with pytest.raises(ValueError, match="offload needs a host arena"):
         T.offload(b, arena="x")
     b.free()
+
+
+def fail_next_copy(monkeypatch):
+    """Make the next copy on a host transfer thread raise (once)."""
+    from rtmem.backends import host as H
+    real = H._copy
+
+    def failing(dst, src):
+        monkeypatch.setattr(H, "_copy", real)
+        raise MemoryError("simulated copy failure")
+    monkeypatch.setattr(H, "_copy", failing)
+
+
+def settled(event):
+    """Wait for ``event`` and ignore its failure (the buffer reports it)."""
+    try:
+        event.synchronize()
+    except BackendError:
+        pass
+
+
+def test_pinned_views_refuse_evicting_or_dropping_the_copy_they_read(arenas):
+    # evict() released the device block a pinned view read; the next allocation
+    # reused it, and the view and the new buffer wrote each other's data.
+    d, h = arenas
+    b = d.alloc(shape=(256,), dtype=np.float32)
+    b.numpy()[:] = 1
+    view = b.numpy(pin=True)
+    T.synchronize(T.offload(b, arena=h))
+    with pytest.raises(ResidencyError, match="pinned view.*device copy") as info:
+        T.evict(b)
+    assert info.value.action == "evict" and b.residency == "both"
+    T.drop_host(b)                      # the host copy is not pinned
+    T.synchronize(T.offload(b, arena=h))
+    host_view = b.numpy("host", pin=True)
+    with pytest.raises(ResidencyError, match="pinned view.*host copy"):
+        T.drop_host(b)
+    del view
+    gc.collect()
+    T.evict(b)                          # the last device view is gone
+    other = d.alloc(shape=(256,), dtype=np.float32)
+    other.numpy()[:] = 99
+    assert np.all(host_view == 1) and b.residency == "host"
+    del host_view
+    b.free()
+    other.free()
+
+
+def test_a_failed_copy_is_raised_by_the_next_view_even_when_it_completed(arenas, monkeypatch):
+    # A copy that had failed and completed before the caller looked was taken as
+    # a success: numpy() returned the garbage device block, and residency/repr
+    # dropped the error for good.
+    d, h = arenas
+    b = h.alloc(shape=(64,), dtype=np.float32)
+    b.numpy()[:] = 7
+    fail_next_copy(monkeypatch)
+    settled(T.prefetch(b, arena=d))
+    assert b.residency == "host" and "host" in repr(b)    # undone, error kept
+    with pytest.raises(BackendError, match="H2D copy.*keeps its host copy"):
+        b.numpy()
+    assert np.all(b.numpy() == 7)                          # reported once
+    # copy() from a source whose move failed raises it instead of copying garbage
+    fail_next_copy(monkeypatch)
+    settled(T.prefetch(b, arena=d))
+    dst = h.alloc(shape=(64,), dtype=np.float32)
+    with pytest.raises(BackendError, match="H2D copy"):
+        T.copy(dst, b)
+    assert dst.residency == "host" and dst._pending is None
+    for x in (b, dst):
+        x.free()
+
+
+def test_an_offload_failing_after_evict_keeps_the_buffer_freeable(arenas, monkeypatch):
+    # offload, evict (legal during the offload), then the offload fails: both
+    # placements were dropped, numpy()/free() raised AttributeError, the buffer
+    # could not be freed and the message said it kept its other copy.
+    d, h = arenas
+    b = d.alloc(shape=(64,), dtype=np.float32)
+    fail_next_copy(monkeypatch)
+    gate = gate_stream(T.get_engine("host").d2h)
+    ev = T.offload(b, arena=h)
+    T.evict(b)
+    gate.set()
+    settled(ev)
+    with pytest.raises(BackendError, match="bytes of its host copy are not valid"):
+        T.synchronize(b)
+    assert b.residency == "host" and b.numpy().shape == (64,)
+    b.free()
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+
+
+def test_a_prefetch_chained_on_a_failed_offload_is_not_valid_either(arenas, monkeypatch):
+    # offload, evict, prefetch (which waits for the offload), then the offload
+    # fails: the prefetch failed with it, and its undo kept the garbage host
+    # copy as the good one; retrying the prefetch "succeeded" with zeros.
+    d, h = arenas
+    b = d.alloc(shape=(64,), dtype=np.float32)
+    b.numpy()[:] = 3
+    fail_next_copy(monkeypatch)
+    gate = gate_stream(T.get_engine("host").d2h)
+    T.offload(b, arena=h)
+    T.evict(b)
+    ev = T.prefetch(b)
+    gate.set()
+    settled(ev)
+    with pytest.raises(BackendError, match="not valid"):
+        T.synchronize(b)
+    assert b.residency == "device"          # one placement left, reported not valid
+    b.free()
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+
+
+def test_buffer_shape_dtype_and_kind_are_read_only(arenas):
+    # b.shape = (80,) on a 16-byte buffer let numpy() read its neighbour's data;
+    # b.kind = ... made the per-kind accounting go negative
+    d, _ = arenas
+    b = d.alloc(shape=(4,), dtype=np.float32)
+    for name, value in (("shape", (80,)), ("dtype", np.float64), ("kind", "weight"),
+                        ("nbytes", 1 << 20)):
+        with pytest.raises(AttributeError):
+            setattr(b, name, value)
+    b.free()
+    assert d.stats().bytes_by_kind["activation"] == 0

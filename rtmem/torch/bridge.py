@@ -32,7 +32,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem.arena import is_arena
-from rtmem.buffer import Buffer, PinnedExport
+from rtmem.buffer import Buffer
 from rtmem.errors import ResidencyError
 
 __all__ = ["as_tensor", "from_tensor", "place_parameters", "ModulePlacement",
@@ -99,7 +99,7 @@ def _cuda_export(buf: Buffer, where, device_id: int) -> torch.Tensor:
     """A CUDA tensor over ``buf``'s placement ``where`` (its CUDA array interface,
     with the in-flight wait on torch's current stream)."""
     with on_torch_stream(device_id):
-        export = PinnedExport(buf, "__cuda_array_interface__", buf._cuda_interface(where))
+        export = buf._export(where, cuda=True)
     return torch.as_tensor(export, device=f"cuda:{device_id}")
 
 
