@@ -329,16 +329,13 @@ class _Arena:
                 return
             if buf._pending is not None:
                 buf._settle(report=False)    # a failed move is undone; free what remains
-                device, host = buf._device, buf._host
-            # Detach each placement once its block is freed: if a release raises,
-            # the buffer stays live with the placements it still owns (never with
-            # a block the allocator may hand to someone else).
-            if device is not None:
-                device.arena._release(device, buf.kind)
-                buf._device = None
-            if host is not None:
-                host.arena._release(host, buf.kind)
-                buf._host = None
+            # Detach each placement once its block is freed (Buffer._drop): if a
+            # release raises, the buffer stays live with the placements it still
+            # owns (never with a block the allocator may hand to someone else).
+            if buf._device is not None:
+                buf._drop("device")
+            if buf._host is not None:
+                buf._drop("host")
             buf._pending = None
             buf._freed = True
 
