@@ -388,3 +388,144 @@ def test_profile_repeats_must_be_a_positive_integer(repeats):
     with pytest.raises(RtmemError, match="repeats must be an integer"):
         profile_sequential(model, torch.randn(2, 4), torch.randn(2, 4), mse,
                            repeats=repeats)
+
+
+# ------------------------------------------------ torch bridge / executor audit
+_W_MOVES = "F_all 0, F_all 1, w_offload 1, F_all 2, L, B 2, w_prefetch 1, B 1, B 0"
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+def test_weight_moves_keep_a_parameter_s_strides(layout):
+    # The host copy was contiguous, so a saved view of a channels-last or
+    # transposed weight was re-derived with the old strides over the new
+    # layout: wrong gradients for the earlier stages, no error.
+    torch.manual_seed(0)
+    if layout == "channels_last":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1),
+                              nn.Sequential(nn.Flatten(), nn.Linear(100, 1)))
+        model = model.to(memory_format=torch.channels_last)
+        x = torch.randn(2, 3, 5, 5).to(memory_format=torch.channels_last)
+    else:
+        model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 5), nn.Linear(5, 1))
+        model[1].weight = nn.Parameter(torch.randn(6, 5).t())      # stride (1, 5)
+        x = torch.randn(3, 5)
+    stride = model[1].weight.stride()
+    m, ex, loss, ref, ref_loss = _train(model, x, torch.randn(x.shape[0], 1), mse,
+                                        _sched(_W_MOVES, 3))
+    _assert_same(m, ex, loss, ref, ref_loss)
+    assert m[1].weight.stride() == stride
+
+
+def test_weight_moves_of_a_view_into_a_larger_storage_are_refused_up_front():
+    # a parameter at an offset in a flat buffer failed inside autograd's backward
+    # ("setStorage: ... out of bounds"), after the first gradients were written
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 5), nn.Linear(5, 1))
+    flat = torch.randn(36)
+    model[1].weight = nn.Parameter(flat[6:36].view(5, 6))
+    with pytest.raises(ExecutionError, match=r"'1\.weight'.*view into a larger storage"):
+        ScheduleExecutor(model, _sched(_W_MOVES, 3), mse)
+
+
+class _Scale(nn.Module):
+    """y = x * scale, then scale *= 10 (an update after use, as a codebook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        y = x * self.scale
+        with torch.no_grad():
+            self.scale.mul_(10)
+        return y
+
+
+def test_a_saved_buffer_modified_in_place_is_refused_as_in_autograd():
+    # the executor re-derived the saved buffer from the module at B and used the
+    # updated value: a 10x gradient where plain autograd raises
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Scale(), nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        mse(copy.deepcopy(model)(x), y).backward()
+    ex = ScheduleExecutor(model, store_all_schedule(3), mse)
+    with pytest.raises(ExecutionError, match="'1.scale'.*modified in place"):
+        ex.step(x, y)
+
+
+def test_a_plain_activation_consumed_after_its_offload_can_be_prefetched():
+    # The simulator keeps host copies past consumption; the executor refused the
+    # prefetch halfway through the step, after writing some gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    text = ("F_ck 0, offload a1, F_none 1, F_all 2, F_all 3, L, B 3, B 2, prefetch a1, "
+            "F_all 1, B 1, F_all 0, B 0")
+    _assert_same(*_train(model, x, y, mse, _sched(text, 4)))
+
+
+def test_a_move_of_a_graph_backward_consumed_is_refused_up_front():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    text = "F_all 0, F_all 1, offload abar2, F_all 2, L, B 2, B 1, prefetch abar2, B 0"
+    sched = Schedule.from_text(text)
+    try:
+        simulate(Chain.homogeneous(3), sched, Platform(math.inf))
+    except RtmemError:
+        pytest.skip("the simulator refuses this schedule itself")
+    with pytest.raises(ExecutionError, match=r"operation 7 .*prefetch abar2.*B 1"):
+        ScheduleExecutor(model, sched, mse)
+
+
+def test_offloaded_gradients_are_added_up_as_their_copies_end():
+    # With gradient accumulation and no host_grads() call, every micro-batch's
+    # copies stayed pending: one full host copy of the gradients per step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    sched = _sched("F_all 0, F_all 1, F_all 2, L, B 2, g_offload 2, B 1, B 0, g_offload 0", 3)
+    ex = ScheduleExecutor(model, sched, mse)
+    for _ in range(4):
+        x, y = torch.randn(3, 4), torch.randn(3, 1)
+        ex.step(x, y)
+        mse(ref(x), y).backward()
+        assert len(ex._g_pending) <= len(list(model.parameters()))
+    host = ex.host_grads()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = host[p] if p in host else p.grad
+        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (lambda out, y: mse(out, y).item(), "must return a scalar tensor.*float"),
+    (lambda out, y: (out - y) ** 2, r"scalar tensor.*shape \(3, 1\)"),
+])
+def test_a_loss_that_is_not_a_scalar_tensor_is_named(bad, fragment):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ex = ScheduleExecutor(model, store_all_schedule(2), bad)
+    with pytest.raises(ExecutionError, match=fragment):
+        ex.step(torch.randn(3, 4), torch.randn(3, 1))
+
+
+def test_executor_arguments_are_named():
+    with pytest.raises(ExecutionError, match="empty nn.Sequential"):
+        ScheduleExecutor(nn.Sequential(), store_all_schedule(1), mse)
+    ex = ScheduleExecutor(nn.Sequential(nn.Linear(3, 1)), store_all_schedule(1), mse)
+    with pytest.raises(ExecutionError, match="inputs must be a torch.Tensor.*list"):
+        ex.step([[1.0, 2.0, 3.0]], torch.zeros(1, 1))
+
+
+def test_placed_frozen_parameters_get_no_gradient(arena):
+    # a zero .grad made torch's optimizers apply weight decay to frozen weights
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    placement = place_parameters(model, arena)
+    assert model[0].weight.grad is None and model[1].weight.grad is not None
+    before = model[0].weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+    mse(model(torch.randn(3, 4)), torch.randn(3, 1)).backward()
+    opt.step()
+    assert torch.equal(model[0].weight, before)
+    placement.release()

@@ -122,6 +122,40 @@ def test_bad_arguments(setup):
                        torch.zeros(2, dtype=torch.float64, requires_grad=True)])
     with pytest.raises(OptimizerError, match="chunk_elements"):
         OffloadedAdam(model.parameters(), chunk_elements=0)
+    # each failed inside torch before (unhashable dict, a hook on a non-leaf, a
+    # reshape of a sparse gradient in backward, a copy out of a meta tensor)
+    leaf = torch.zeros(4, requires_grad=True)
+    for params, fragment in (([{"params": [leaf]}], "param groups"),
+                             ([leaf * 2], "not a leaf"),
+                             ([torch.zeros(3, requires_grad=True).to_sparse()], "sparse"),
+                             ([torch.zeros(3, device="meta", requires_grad=True)], "meta")):
+        with pytest.raises(OptimizerError, match=fragment):
+            OffloadedAdam(params)
+
+
+def test_a_failed_construction_gives_its_host_buffers_back(setup, monkeypatch):
+    # a failure after the allocations (hook registration, the initial copy of a
+    # parameter) left the five buffers allocated in the caller's arena
+    model = setup[0]
+    arena = rtmem.HostArena(1 << 20)
+    params = list(model.parameters())
+
+    real, made = type(params[0]).register_post_accumulate_grad_hook, []
+
+    def third_fails(p, hook):      # two hooks are made, the third fails
+        if len(made) == 2:
+            raise RuntimeError("injected hook failure")
+        made.append(real(p, hook))
+        return made[-1]
+    monkeypatch.setattr(type(params[0]), "register_post_accumulate_grad_hook", third_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        OffloadedAdam(params, host_arena=arena)
+    assert arena.stats().allocated_bytes == 0
+    monkeypatch.undo()
+    assert not any(p._post_accumulate_grad_hooks for p in params[:2])   # hooks removed
+    opt = OffloadedAdam(params, host_arena=arena)      # the parameters are free to take
+    opt.close()
+    arena.close()
 
 
 def test_refusals_change_nothing(setup):

@@ -78,7 +78,8 @@ def param_label(names: dict, p) -> str:
 def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
     """Refuse weight moves of a stage holding a parameter (or a parameter storage)
     another stage also uses: freeing it between that stage's ops would empty a
-    weight the other stage still reads (NOTE rule 5)."""
+    weight the other stage still reads (NOTE rule 5); or a parameter that is a
+    view into a larger storage."""
     owners: dict = {}   # storage key -> stages using it
     for i, params in enumerate(stage_params):
         for p in params:
@@ -91,6 +92,17 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
             continue
         for p in stage_params[i]:
             s = p.untyped_storage()
+            if s.nbytes() and (p.storage_offset() or
+                               s.nbytes() != p.numel() * p.element_size()):
+                # the moves copy each parameter into a storage of its own, and saved
+                # views of it are re-derived with their storage offsets
+                raise ExecutionError(
+                    f"parameter {param_label(names, p)} of stage {i} is a view into a "
+                    f"larger storage ({s.nbytes():,} bytes, element offset "
+                    f"{p.storage_offset()}), e.g. a flattened parameter buffer; weight "
+                    f"moves copy each parameter on its own. Give it a storage of its own "
+                    f"(p.data = p.data.clone()) or remove the w_offload/w_delete/"
+                    f"w_prefetch ops of stage {i}")
             stages = owners[s.data_ptr() if s.nbytes() else id(p)]
             if len(stages) > 1:
                 raise ExecutionError(

@@ -234,7 +234,9 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
             buf = from_tensor(p.data, arena, kind="weight")
             placement.weights[p] = buf
             p.data = as_tensor(buf, dtype=p.dtype, device_alias=device_alias)
-            if grads:
+            if grads and p.requires_grad:
+                # a frozen parameter keeps .grad None: optimizers skip only those
+                # (a zero gradient let weight decay and momentum move it)
                 gbuf = (grad_arena or arena).alloc(
                     shape=tuple(p.shape), dtype=numpy_dtype(p.dtype), kind="gradient")
                 placement.grads[p] = gbuf

@@ -76,7 +76,7 @@ from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _storage_ptrs,
-                      _storages, check_placement, check_shared_weights)
+                      _storages, check_placement, check_shared_weights, param_label)
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
 
@@ -87,6 +87,32 @@ def _used_on(storages, stream):
     handed out again before that work is done (``Tensor.record_stream``)."""
     for s in storages:
         torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).record_stream(stream)
+
+
+def _check_graph_moves(schedule) -> None:
+    """Refuse, before any work, a move of abar_k after ``B k-1`` ran its graph
+    and before an ``F_all k-1`` makes it again: backward frees the graph, so the
+    executor cannot bring it back (the simulator, which counts bytes, accepts
+    it; the step would fail halfway, after writing some gradients)."""
+    consumed = set()
+    for j, (op, s, aux) in enumerate(schedule):
+        if op == Op.F_ALL:
+            consumed.discard(s + 1)
+        elif op == Op.B:
+            consumed.add(s + 1)
+        elif aux and op in (Op.OFFLOAD, Op.DELETE, Op.PREFETCH) and s in consumed:
+            raise ExecutionError(
+                f"operation {j} of the schedule ({schedule.op_text(j)}) moves abar{s} "
+                f"after B {s - 1} consumed its graph; a graph backward has run through "
+                f"cannot be brought back. Remove the operation, or run F_all {s - 1} "
+                f"again before it")
+
+
+def _copy_matches(st, host) -> bool:
+    """Whether the host copies ``host`` (made by an offload) fit the storages of
+    the stored tensor ``st`` (a recomputation of the tensor gives the same)."""
+    return len(host) == len(st.storages) and all(
+        h is None or s.nbytes() in (0, h.nbytes()) for s, h in zip(st.storages, host))
 
 
 @dataclass
@@ -169,12 +195,16 @@ class ScheduleExecutor:
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise ExecutionError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}")
+        if len(model) == 0:
+            raise ExecutionError("model is an empty nn.Sequential; give it the stages the "
+                                 "schedule runs")
         self.n = len(model)
         try:   # structural check: ranges, order, inputs present, complete backward
             simulate(Chain.homogeneous(self.n), schedule, Platform(math.inf))
         except ScheduleError as e:
             raise ExecutionError(f"the schedule cannot run on this model of {self.n} stages "
                                  f"(was it planned for another chain?): {e}") from e
+        _check_graph_moves(schedule)
         self.model = model
         self.schedule = schedule
         self.loss_fn = loss_fn
@@ -189,6 +219,8 @@ class ScheduleExecutor:
         self._param_names = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self._param_names.setdefault(p, name)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            self._param_names.setdefault(b, name)   # for errors about saved buffers
         # stage -> the weight and gradient moves the schedule makes on it
         self._moves: dict[int, set] = {}
         for op, s, _ in schedule:
@@ -249,6 +281,9 @@ class ScheduleExecutor:
         gradients it produced before the error stay where they went (``.grad``,
         or the :meth:`host_grads` of ``g_offload``), as after a failed
         ``loss.backward()``: zero both before retrying the batch."""
+        if not isinstance(inputs, torch.Tensor):
+            raise ExecutionError(f"inputs must be a torch.Tensor (the first stage's "
+                                 f"input), got {type(inputs).__name__}")
         if torch.is_inference_mode_enabled() or inputs.is_inference():
             raise ExecutionError(
                 "step() trains, so it cannot run under torch.inference_mode() or on an "
@@ -424,7 +459,9 @@ class ScheduleExecutor:
                 y = stage(x)
             with torch.no_grad():   # recomputation must not update running statistics again
                 for b, saved in zip(self._stage_buffers[i], buffers):
-                    b.copy_(saved)
+                    # through .data: no version bump, which would fail the check of
+                    # the views of b the recomputation saved (unpack in _forward_all)
+                    b.data.copy_(saved)
         _check_output(i, stage, y)
         return y
 
@@ -463,9 +500,9 @@ class ScheduleExecutor:
             key = t.untyped_storage().data_ptr()
             base = state.get(key)
             if base is not None and base.dtype == t.dtype:
-                return (base, t.size(), t.stride(), t.storage_offset())
+                return (base, t.size(), t.stride(), t.storage_offset(), base._version)
             if key == x_key and t._version == x_version and t.dtype == x.dtype:
-                return (i, t.size(), t.stride(), t.storage_offset())
+                return (i, t.size(), t.stride(), t.storage_offset())   # a view of a_i
             saved.append(t)
             return (t, t._version)
 
@@ -479,9 +516,18 @@ class ScheduleExecutor:
                         f"modifying its input in place); plain autograd refuses this too. "
                         f"Make that operation out-of-place (x = x * 2 instead of x.mul_(2))")
                 return t
-            base, size, stride, offset = packed
-            base = self._source(base) if isinstance(base, int) else base.detach()
-            return base.as_strided(size, stride, offset)
+            if len(packed) == 5:    # a parameter or buffer: no copy of it was saved
+                base, size, stride, offset, version = packed
+                if base._version != version:
+                    raise ExecutionError(
+                        f"{param_label(self._param_names, base)}, which stage {i} saved for "
+                        f"its backward, "
+                        f"was modified in place afterwards (e.g. a running statistic "
+                        f"updated after use); plain autograd refuses this too. Update it "
+                        f"out-of-place or before the stage uses it")
+                return base.detach().as_strided(size, stride, offset)
+            k, size, stride, offset = packed
+            return self._source(k).as_strided(size, stride, offset)
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             leaf, arg = _grad_input(x) if x.is_floating_point() else (x, x)
@@ -494,6 +540,11 @@ class ScheduleExecutor:
         with torch.enable_grad():
             leaf, z = _grad_input(src) if src.is_floating_point() else (src, src)
             loss = self.loss_fn(z, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                    else f"a {type(loss).__name__}")
+            raise ExecutionError(f"loss_fn(output, target) must return a scalar tensor (0-d), "
+                                 f"got {what}; reduce it (e.g. .mean()) in loss_fn")
         loss.backward()
         self._delta = leaf.grad
         self._consume_plain(k)
@@ -525,7 +576,16 @@ class ScheduleExecutor:
         """Forget the stored tensor ``entries[k]``. Its storages go with the last
         reference to them, but other stored tensors may hold some without needing
         them (the leaf input of an abar built from a_k, a deleted view of a_k);
-        those are freed here, as the simulator frees a dropped tensor at once."""
+        those are freed here, as the simulator frees a dropped tensor at once.
+
+        A plain a_k with a host copy is deleted instead (kept, not resident): the
+        simulator keeps host copies past consumption (its Rule 5), so a later
+        ``prefetch a_k`` may bring it back."""
+        if entries is self._plain and (k, 0) in self._host:
+            host = self._host[(k, 0)][0]
+            if _copy_matches(entries[k], host):
+                self._delete(entries[k], host)
+                return
         st = entries.pop(k)
         mine = {s.data_ptr(): s for s in st.storages if s.nbytes()}
         if not mine:
@@ -565,19 +625,11 @@ class ScheduleExecutor:
             self._drop(entries, k)   # a discard: nothing will bring it back
             return
         host, done = self._host[(k, aux)]
-        if len(host) != len(st.storages) or any(
-                h is not None and s.nbytes() not in (0, h.nbytes())
-                for s, h in zip(st.storages, host)):
+        if not _copy_matches(st, host):
             raise ExecutionError(f"cannot {op.name.lower()} {name}: its host copy does not "
                                  "match the tensor on the device")
         if op == Op.DELETE:
-            protected = self._protected(skip=st)
-            for s, h in zip(st.storages, host):
-                # freed behind the D2H copy (_copy), not blocking compute; a
-                # protected storage stays, as its other owner needs it (rule 4)
-                if h is not None and s.nbytes() and s.data_ptr() not in protected:
-                    s.resize_(0)
-            st.resident = False
+            self._delete(st, host)
         else:  # PREFETCH
             st.resident = True
             # allocated on the compute stream, so the caching allocator ties the
@@ -589,6 +641,17 @@ class ScheduleExecutor:
             for s, h in pairs:
                 s.resize_(h.nbytes())
             st.ready = self._copy("h2d", pairs, [s for s, _ in pairs], after=done)
+
+    def _delete(self, st: _Stored, host: list):
+        """Free the device storages of ``st`` that have a host copy ``host``; it
+        stays known, not resident, for a prefetch."""
+        protected = self._protected(skip=st)
+        for s, h in zip(st.storages, host):
+            # freed behind the D2H copy (_copy), not blocking compute; a
+            # protected storage stays, as its other owner needs it (rule 4)
+            if h is not None and s.nbytes() and s.data_ptr() not in protected:
+                s.resize_(0)
+        st.resident = False
 
     def _refresh_state_ptrs(self):
         """Storages of the parameters and buffers: never freed by a move (rule 4)
@@ -628,7 +691,11 @@ class ScheduleExecutor:
         """New host tensors (pinned on CUDA) holding copies of device ``tensors``,
         and the copies' event (:meth:`_copy`)."""
         pinned = self._device.type == "cuda"
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
+        # the device layout (strides): saved views of a weight are re-derived with
+        # the strides they had (NOTE rule 5), so a transposed or channels-last
+        # weight must come back as it was (a contiguous copy scrambled them)
+        host = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=pinned)
+                for t in tensors]
         return host, self._copy("d2h", list(zip(host, tensors)),
                                 _storages(tensors).values())
 
@@ -664,6 +731,10 @@ class ScheduleExecutor:
         self._refresh_state_ptrs()
 
     def _grads_to_host(self, i: int):
+        # copies that ended are added now: with gradient accumulation and no
+        # host_grads() call between micro-batches they piled up, a full host copy
+        # of the gradients per micro-batch
+        self._settle_grads(wait=False)
         params = [p for p in self._stage_params[i] if p.grad is not None]
         if not params:
             return
@@ -676,11 +747,20 @@ class ScheduleExecutor:
                 self._g_host[p] = h
                 self._g_pending.append((p, None, event))
 
-    def _settle_grads(self):
-        """Wait for the gradient copies still running and add them up."""
-        pending, self._g_pending = self._g_pending, []
-        for p, h, event in pending:
-            if event is not None:
-                event.synchronize()
-            if h is not None:
-                self._g_host[p] += h
+    def _settle_grads(self, wait: bool = True):
+        """Add up the gradient copies that ended; with ``wait``, wait for the rest.
+        They run in order on one stream, so the first one still running stops
+        the loop (the sums stay in issue order)."""
+        pending = self._g_pending
+        done = 0
+        try:
+            for p, h, event in pending:
+                if event is not None:
+                    if not wait and not event.query():
+                        break
+                    event.synchronize()
+                if h is not None:
+                    self._g_host[p] += h
+                done += 1
+        finally:    # what was added is never added twice
+            del pending[:done]

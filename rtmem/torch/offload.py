@@ -93,6 +93,26 @@ def _check_own_memory(k: int, p) -> None:
             argument="params")
 
 
+def _check_param(k: int, p) -> None:
+    """OptimizerError for what OffloadedAdam cannot update: non-tensors (param
+    group dicts), sparse or meta tensors, tensors computed from others."""
+    import torch
+    if isinstance(p, dict):
+        raise OptimizerError("OffloadedAdam takes one flat list of parameters; torch-style "
+                             "param groups (dicts) are not supported: make one optimizer "
+                             "per group", argument="params")
+    if not isinstance(p, torch.Tensor):
+        raise OptimizerError(f"parameter {k} is a {type(p).__name__}, not a torch.Tensor",
+                             argument="params")
+    why = ("is sparse (use torch.optim.SparseAdam)" if p.layout != torch.strided else
+           "is a meta tensor (it has no data to update)" if p.is_meta else
+           "is not a leaf tensor (it is computed from others; gradient hooks need leaves)"
+           if not p.is_leaf else None)
+    if why is not None:
+        raise OptimizerError(f"parameter {k} (shape {tuple(p.shape)}) {why}",
+                             argument="params")
+
+
 def _disown(params, ref) -> None:
     """Forget the parameters ``ref`` (an optimizer's weak reference) owns."""
     for p in params:
@@ -149,6 +169,9 @@ class OffloadedAdam:
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}", argument="host_arena")
+        params = list(params)
+        for k, p in enumerate(params):
+            _check_param(k, p)
         self.params = list(dict.fromkeys(params))
         if not self.params:
             raise OptimizerError("params is empty; pass the model's parameters",
@@ -187,18 +210,26 @@ class OffloadedAdam:
         self._own_arena = host_arena is None
         self.arena = host_arena if host_arena is not None else HostArena(need)
         self._bufs = []
+        self._hooks = []
+        self._ref = weakref.ref(self)
         try:
-            for dtype, kind in ((np.float32, "weight"), (np.float32, "optimizer-state"),
-                                (np.float32, "optimizer-state"),
-                                (numpy_dtype(self.dtype), "gradient"),
-                                (numpy_dtype(self.dtype), "workspace")):
-                self._bufs.append(self.arena.alloc(shape=(n,), dtype=dtype, kind=kind))
+            self._setup(n)
         except BaseException:   # e.g. a host_arena too small: give back what we took
-            for b in self._bufs:
-                b.free()
-            if self._own_arena:
-                self.arena.close()
+            _drop(self._hooks, self.params, self._ref, None)
+            self._free_buffers()
             raise
+        self._finalizer = weakref.finalize(
+            self, _drop, self._hooks, self.params, self._ref,
+            self.arena if self._own_arena else None)
+
+    def _setup(self, n: int) -> None:
+        """The host buffers, the initial state and the gradient hooks of
+        ``__init__``, which undoes them all when this raises."""
+        for dtype, kind in ((np.float32, "weight"), (np.float32, "optimizer-state"),
+                            (np.float32, "optimizer-state"),
+                            (numpy_dtype(self.dtype), "gradient"),
+                            (numpy_dtype(self.dtype), "workspace")):
+            self._bufs.append(self.arena.alloc(shape=(n,), dtype=dtype, kind=kind))
         self.master, self.exp_avg, self.exp_avg_sq = (b.numpy() for b in self._bufs[:3])
         grad_buf, stage_buf = self._bufs[3:]
         self._grad_t = as_tensor(grad_buf, dtype=self.dtype)
@@ -220,14 +251,12 @@ class OffloadedAdam:
         # The hooks reach the optimizer through a weak reference, so dropping it
         # without close() lets it be collected; its finalizer then removes them
         # (and closes the arena it made).
-        self._ref = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(_hook(self._ref, k))
-                       for k, p in enumerate(self.params) if p.requires_grad]
+        for k, p in enumerate(self.params):
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    _hook(self._ref, k)))
         for p in self.params:
             _owners[p] = self._ref
-        self._finalizer = weakref.finalize(
-            self, _drop, self._hooks, self.params, self._ref,
-            self.arena if self._own_arena else None)
 
     # ------------------------------------------------------------ internals
     def _slices(self):
@@ -361,6 +390,10 @@ class OffloadedAdam:
         for k in list(self._partial):             # before the staging buffer is reused
             self._settle(k)
         h2d = self._streams[0] if self._streams is not None else None
+        if h2d is not None:
+            # the uploads replace p.data's contents: after all GPU work queued so
+            # far (a weight prefetch of the executor may still be writing p.data)
+            h2d.wait_stream(torch.cuda.current_stream())
         with threads(self.num_threads):
             for lo, hi, step in runs:
                 c = coeffs[step]
@@ -400,10 +433,9 @@ class OffloadedAdam:
     def close(self) -> None:
         """Remove the gradient hooks and free the host buffers; close the host
         arena too when the optimizer made it. Idempotent."""
-        for h in self._hooks:
-            h.remove()
+        # the finalizer's work, but the arena: closed after the buffers are freed
+        _drop(self._hooks, self.params, self._ref, None)
         self._hooks = []
-        _disown(self.params, self._ref)
         self._finalizer.detach()
         if not self._bufs:
             return
@@ -411,9 +443,13 @@ class OffloadedAdam:
             for stream in self._streams:
                 stream.synchronize()
         self._closed = True
-        # no view of the freed memory may outlive it (a later step would write
-        # into whatever the arena hands out next)
-        del self._grad_t, self._stage_t
+        self._free_buffers()
+
+    def _free_buffers(self) -> None:
+        """Free the host buffers and close the arena if this optimizer made it.
+        No view of the freed memory may outlive it (a later step would write into
+        whatever the arena hands out next)."""
+        self._grad_t = self._stage_t = None
         self.master = self.exp_avg = self.exp_avg_sq = None
         self._grad_np = self._stage_np = self._update = None
         for b in self._bufs:
