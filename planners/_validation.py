@@ -73,13 +73,28 @@ def check_chain(chain, what: str) -> None:
                         f"{type(chain).__name__}")
 
 
+def check_int(name: str, value, *, low: int = 0, high: int | None = None, error=None,
+              hint: str = "", **fields) -> int:
+    """An integer argument as a Python int: an ``int`` or numpy integer in
+    ``low..high`` (``high=None``: no upper bound). A bool, a float (even 2.0), a
+    string or a sequence is refused, never truncated or iterated: every count of
+    the planners (stages, slots, segments, branch lengths, flags) goes through
+    here, so they accept the same values. ``error`` is the exception type
+    (default :class:`~rtmem.errors.RtmemError`; ``fields`` go to it, e.g.
+    ``field=`` for :class:`~rtmem.errors.ChainError`); ``hint`` ends the message."""
+    from rtmem.errors import RtmemError
+    error = error or RtmemError
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < low or (high is not None and value > high):
+        want = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise error(f"{name} must be an integer {want}, got {value!r}"
+                    + (f"; {hint}" if hint else ""), **fields)
+    return int(value)
+
+
 def check_count(name: str, value) -> int:
     """A count argument (slots, segments, slot_bytes): an integer >= 1."""
-    from rtmem.errors import RtmemError
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or value < 1:
-        raise RtmemError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
+    return check_int(name, value, low=1)
 
 
 def check_ranges(chain, schedule) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 from rtmem.errors import ChainError, InfeasibleError
 from rtmem.units import format_bytes
 
-from ._validation import check_chain
+from ._validation import check_chain, check_int
 from .chain import Chain
 from .plan import Plan, as_budget
 from .platform import Platform
@@ -26,9 +26,7 @@ __all__ = ["store_all_schedule", "sequential_schedule", "segment_bounds",
 
 
 def _check_n(n) -> int:
-    if isinstance(n, bool) or int(n) != n or n < 1:
-        raise ChainError(f"the number of stages must be an integer >= 1, got {n!r}")
-    return int(n)
+    return check_int("the number of stages", n, low=1, error=ChainError, field="n")
 
 
 def store_all_schedule(n: int) -> Schedule:
@@ -42,10 +40,8 @@ def store_all_schedule(n: int) -> Schedule:
 def _check_segments(n, segments) -> int:
     """``n`` checked (see ``_check_n``) after checking ``segments`` fits it."""
     n = _check_n(n)
-    if isinstance(segments, bool) or not isinstance(segments, (int, np.integer)) \
-            or not 1 <= segments <= n:
-        raise ChainError(f"segments must be an integer in 1..{n} for a chain of {n} "
-                         f"stages, got {segments!r}")
+    check_int("segments", segments, low=1, high=n, error=ChainError, field="segments",
+              hint=f"a chain of {n} stages has 1 to {n} segments")
     return n
 
 
@@ -151,6 +147,10 @@ def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:
     :class:`~rtmem.errors.InfeasibleError` with the least peak over all counts
     when none fits."""
     check_chain(chain, "plan_sequential")
+    if segments is not None:
+        # a numpy integer would reach info and make the plan's JSON fail: plain int
+        _check_segments(chain.n, segments)
+        segments = int(segments)
     counts = range(1, chain.n + 1) if segments is None else [segments]
     return fastest_fitting(chain, memory,
                            ((k, sequential_schedule(chain.n, k)) for k in counts),

@@ -29,7 +29,7 @@ import numpy as np
 from rtmem.errors import ChainError
 
 from ._documents import JsonFile, check_document, parse_document
-from ._validation import as_scalar, as_vector
+from ._validation import as_scalar, as_vector, check_int
 
 __all__ = ["Chain"]
 
@@ -119,6 +119,21 @@ class Chain(JsonFile):
             raise ChainError(f"the chain's sizes add up to {total:,} bytes, beyond the "
                              f"2**62 the planners count in; express sizes in larger units "
                              f"or use fewer stages", field="xbar")
+        # Times are summed in float64 by the simulator and the DPs: finite but huge
+        # times overflow to inf there (an "inf" makespan, a JSON Infinity). Bound
+        # the makespan of any planner's schedule: no stage runs forward more than
+        # n + 1 times (Revolve with 3 slots: n (n + 1) / 2 forwards in all).
+        with np.errstate(over="ignore"):     # overflow is what is checked here
+            sum_f, sum_b = float(values["u_f"].sum()), float(values["u_b"].sum())
+            forward = (n + 1) * sum_f
+            bound = forward + sum_b + self.u_loss
+        if not np.isfinite(bound):
+            raise ChainError(
+                f"the chain's times are too large: (n + 1) * sum(u_f) + sum(u_b) + u_loss, "
+                f"the longest makespan a planner may compute, overflows a float64 "
+                f"(sum(u_f) = {sum_f:.3g} s, sum(u_b) = {sum_b:.3g} s, "
+                f"u_loss = {self.u_loss:.3g} s, {n} stages); express times in larger units",
+                field="u_f" if not np.isfinite(forward) else "u_b")
         object.__setattr__(self, "name", str(self.name))
 
     # ------------------------------------------------------------------ basics
@@ -165,8 +180,7 @@ class Chain(JsonFile):
 
         ``xbar`` defaults to ``x`` and ``x0`` to ``x`` (unit sizes everywhere).
         """
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ChainError(f"n must be an integer >= 1, got {n!r}", field="n")
+        n = check_int("n", n, low=1, error=ChainError, field="n")
         xbar = x if xbar is None else xbar
         x0 = x if x0 is None else x0
         return cls(u_f=[u_f] * n, u_b=[u_b] * n, x=[x] * n, xbar=[xbar] * n, w=[w] * n,

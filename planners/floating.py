@@ -60,7 +60,8 @@ from .rotor import StageArrays, discretize, stage_arrays
 from .schedule import Op, Schedule
 from .simulator import simulate
 
-__all__ = ["floating_table", "floating_schedule", "plan_floating", "MAX_FLOATING_STAGES"]
+__all__ = ["floating_table", "floating_schedule", "plan_floating", "MAX_FLOATING_STAGES",
+           "MAX_FLOATING_TABLE_BYTES"]
 
 #: Longest chain plan_floating accepts (the DP is O(M N^6)).
 MAX_FLOATING_STAGES = 12
@@ -154,13 +155,17 @@ def _fill(ub, xin, xo, xb, of, ob, G, Gb, P, M):
     return F
 
 
+def _check_stages(n: int) -> None:
+    if n > MAX_FLOATING_STAGES:
+        raise RtmemError(f"the floating DP is O(M N^6): {n} stages is too many "
+                         f"(max {MAX_FLOATING_STAGES}); use plan_remat (C_MP)")
+
+
 def floating_table(arrays: StageArrays, M: int):
     """Fill F(s, t, l, m) for m = 0..M (sizes of ``arrays`` in slots). Returns the
     table, ``F[s, t, l, m]`` in seconds (``inf``: infeasible)."""
     a = arrays
-    if a.N > MAX_FLOATING_STAGES + 1:
-        raise RtmemError(f"the floating DP is O(M N^6): {a.N - 1} stages is too many "
-                         f"(max {MAX_FLOATING_STAGES}); use plan_remat (C_MP)")
+    _check_stages(a.N - 1)
     P = np.concatenate(([0.0], np.cumsum(a.uf)))
     return _fill(a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, P, int(M))
 
@@ -201,6 +206,32 @@ def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
     return Schedule.from_ops(ops)
 
 
+#: Largest floating table plan_floating allocates, bytes (N^3 (M+1) float64).
+MAX_FLOATING_TABLE_BYTES = 2**30
+
+
+def _table_bytes(N: int, M: int) -> int:
+    return N ** 3 * (M + 1) * 8
+
+
+def _least_floating_budget(chain: Chain, arrays: StageArrays) -> int:
+    """Least budget (bytes) at which :func:`plan_floating` returns a plan: the
+    least m with a finite F(0, n, 0, m) in exact bytes, searched up to
+    :func:`~rtmem.planners.min_feasible_memory` (the floating DP has every
+    persistent schedule, so it is feasible there, and plan_floating falls back
+    to the persistent plan from there on). When that exact table is too large,
+    the persistent bound itself."""
+    from .remat import min_feasible_memory
+    lo = min_feasible_memory(chain)
+    fixed = _fixed_bytes(chain)
+    N = chain.n + 1
+    if _table_bytes(N, lo - fixed) > MAX_FLOATING_TABLE_BYTES:
+        return lo
+    F = floating_table(arrays, lo - fixed)
+    finite = np.flatnonzero(np.isfinite(F[0, N - 1, 0]))
+    return fixed + int(finite[0]) if finite.size else lo
+
+
 def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     """Optimal schedule of a small chain (<= ``MAX_FLOATING_STAGES`` stages) with
     the corrected floating DP.
@@ -208,9 +239,13 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     ``memory`` in bytes (int, string or Platform). ``slots=None`` uses one-byte
     slots (exact; the table has memory+1 columns, so keep budgets small),
     otherwise slot = floor(activation budget / slots) with sizes rounded up, as
-    in :func:`~rtmem.planners.plan_remat`. Raises
-    :class:`~rtmem.errors.InfeasibleError` when no schedule fits (``min_feasible``
-    is not computed: ``None``)."""
+    in :func:`~rtmem.planners.plan_remat`. When rounding leaves the DP no
+    schedule, it is retried in exact bytes if that table fits
+    :data:`MAX_FLOATING_TABLE_BYTES`, else the persistent plan
+    (:func:`~rtmem.planners.plan_remat`) is returned; ``info["method"]`` says
+    which (``"dp"``, ``"exact"`` or ``"persistent"``). Raises
+    :class:`~rtmem.errors.InfeasibleError` when no schedule fits, with
+    ``min_feasible`` the least budget (bytes) at which this returns a plan."""
     check_chain(chain, "plan_floating")
     budget = as_budget(memory)
     if slots is not None:
@@ -220,25 +255,49 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
                          "unlimited memory")
     fixed = _fixed_bytes(chain)
     m_bytes = int(budget) - fixed
+    N = chain.n + 1
+    _check_stages(chain.n)             # before the least-budget pass below
+    arrays = stage_arrays(chain)
+
+    def infeasible(what):
+        least = _least_floating_budget(chain, arrays)
+        return InfeasibleError(f"{what}; it needs at least {least:,} bytes "
+                               f"({format_bytes(least)}). Give more memory",
+                               budget=budget, min_feasible=least)
+
     if m_bytes < 0:
-        raise InfeasibleError(f"the chain input and weights alone need {fixed:,} bytes, "
-                              f"more than the budget {budget:,}", budget=budget,
-                              min_feasible=None)
+        raise infeasible(f"the chain input and weights alone need {fixed:,} bytes, "
+                         f"more than the budget {budget:,}")
     slot = 1 if slots is None else max(1, m_bytes // int(slots))
     M = m_bytes // slot
-    N = chain.n + 1
-    if N ** 3 * (M + 1) * 8 > 2**30:
-        raise RtmemError(f"the floating table would need {format_bytes(N ** 3 * (M + 1) * 8)}; "
+    if _table_bytes(N, M) > MAX_FLOATING_TABLE_BYTES:
+        raise RtmemError(f"the floating table would need {format_bytes(_table_bytes(N, M))}; "
                          "pass slots= (e.g. 200) to discretize the budget")
-    arrays = discretize(stage_arrays(chain), slot)
-    F = floating_table(arrays, M)
+    disc = discretize(arrays, slot)
+    F = floating_table(disc, M)
     value = float(F[0, N - 1, 0, M])
+    method = "dp"
+    if not math.isfinite(value) and slot > 1:
+        # rounding every size up to slots can leave no schedule although one
+        # exists (thesis §3.7): retry in exact bytes when that table is allowed,
+        # else return the persistent plan, which refines its own slots
+        from .remat import min_feasible_memory, plan_remat
+        if _table_bytes(N, m_bytes) <= MAX_FLOATING_TABLE_BYTES:
+            slot, M, disc = 1, m_bytes, arrays
+            F = floating_table(disc, M)
+            value = float(F[0, N - 1, 0, M])
+            method = "exact"
+        elif budget >= min_feasible_memory(chain):
+            plan = plan_remat(chain, budget, slots=slots)
+            return Plan(schedule=plan.schedule, makespan=plan.makespan, peak=plan.peak,
+                        budget=budget, algorithm="floating",
+                        info={"method": "persistent", "dp_makespan": None,
+                              "slot_bytes": slot, "slots": M, "persistent": plan.info})
     if not math.isfinite(value):
-        raise InfeasibleError(f"no schedule of {chain.name or 'the chain'} fits in "
-                              f"{budget:,} bytes ({format_bytes(budget)}) for the floating "
-                              "DP; give more memory", budget=budget, min_feasible=None)
-    schedule = floating_schedule(arrays, F, M)
+        raise infeasible(f"no schedule of {chain.name or 'the chain'} fits in {budget:,} "
+                         f"bytes ({format_bytes(budget)}) for the floating DP")
+    schedule = floating_schedule(disc, F, M)
     res = simulate(chain, schedule, Platform(budget))
     return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
-                algorithm="floating", info={"dp_makespan": value, "slot_bytes": slot,
-                                            "slots": M})
+                algorithm="floating", info={"method": method, "dp_makespan": value,
+                                            "slot_bytes": slot, "slots": M})

@@ -40,7 +40,13 @@ import numpy as np
 
 from rtmem.errors import ChainError, InfeasibleError, RtmemError, ScheduleError
 
+from ._validation import check_int
 from .revolve import opt0_table, revolve_ops
+
+#: Largest tables (bytes) the multi-chain DP allocates (its own and Revolve's).
+MAX_MULTICHAIN_TABLE_BYTES = 2 * 2**30
+#: Most inner steps the multi-chain DP may take: ~1.3 ns each, so ~15 s.
+MAX_MULTICHAIN_STEPS = 10**10
 
 __all__ = ["MultiOp", "min_slots", "MultiChainTable", "multichain_table",
            "multichain_opt", "multichain_schedule", "simulate_multichain"]
@@ -63,15 +69,50 @@ class MultiOp(NamedTuple):
 
 
 def _check_lengths(lengths, b):
-    L = tuple(int(v) for v in lengths)
-    if not L or any(v < 0 for v in L):
+    """``(L, b)`` as tuples of Python ints: one length >= 0 and one 0/1 flag per
+    branch, each a true integer (2.5 or "3" is refused, not truncated)."""
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
         raise ChainError(f"lengths must be a non-empty sequence of integers >= 0 (one per "
                          f"branch), got {lengths!r}", field="lengths")
-    b = (0,) * len(L) if b is None else tuple(int(v) for v in b)
-    if len(b) != len(L) or any(v not in (0, 1) for v in b):
+    L = tuple(check_int(f"lengths[{j}]", v, error=ChainError, field="lengths")
+              for j, v in enumerate(lengths))
+    if not L:
+        raise ChainError("lengths must be a non-empty sequence of integers >= 0 (one per "
+                         "branch), got an empty one", field="lengths")
+    if b is None:
+        return L, (0,) * len(L)
+    if isinstance(b, (str, bytes)) or not hasattr(b, "__iter__"):
+        raise ChainError(f"b must hold one 0/1 flag per branch ({len(L)}), got {b!r}",
+                         field="b")
+    b = tuple(check_int(f"b[{j}]", v, high=1, error=ChainError, field="b")
+              for j, v in enumerate(b))
+    if len(b) != len(L):
         raise ChainError(f"b must hold one 0/1 flag per branch ({len(L)}), got {b!r}",
                          field="b")
     return L, b
+
+
+def _check_slots(m, name: str = "m") -> int:
+    return check_int(name, m, error=ChainError, field=name,
+                     hint="m counts memory slots, each holding one value")
+
+
+def _check_size(L, m_max: int) -> None:
+    """Refuse an instance whose table (prod(L_j + 1) 2^K (m+1) float64) or fill
+    (about half the cells times sum(L) steps, plus Revolve's (l+1)^2 m / 2) is
+    beyond :data:`MAX_MULTICHAIN_TABLE_BYTES` / :data:`MAX_MULTICHAIN_STEPS`,
+    before numpy or numba try (a MemoryError, or minutes of filling)."""
+    cells = math.prod(v + 1 for v in L) * 2 ** len(L) * (m_max + 1)
+    lmax = max(max(L), 1)
+    table_bytes = cells * 8 + (lmax + 1) * (m_max + 1) * 16
+    steps = cells * sum(L) // 2 + (lmax + 1) ** 2 * (m_max + 1) // 2
+    if table_bytes > MAX_MULTICHAIN_TABLE_BYTES or steps > MAX_MULTICHAIN_STEPS:
+        raise RtmemError(
+            f"the multi-chain DP for lengths {L} and {m_max} slots needs {table_bytes:,} "
+            f"bytes of tables and about {steps:.2g} steps (limits "
+            f"{MAX_MULTICHAIN_TABLE_BYTES:,} bytes, {MAX_MULTICHAIN_STEPS:.0e} steps); "
+            "use shorter branches or fewer slots (slots beyond sum(L) + 2K never help), "
+            "or plan a single chain with plan_remat")
 
 
 def min_slots(lengths, b=None) -> int:
@@ -164,7 +205,8 @@ class MultiChainTable:
 
     def __init__(self, lengths, m_max, u_f, u_b, u_loss):
         self.lengths, _ = _check_lengths(lengths, None)
-        self.m_max = int(m_max)
+        self.m_max = _check_slots(m_max, "m_max")
+        _check_size(self.lengths, self.m_max)
         self.u_f, self.u_b, self.u_loss = float(u_f), float(u_b), float(u_loss)
         lmax = max(self.lengths)
         self.opt0, self.arg0 = opt0_table(max(lmax, 1), self.m_max, u_f, u_b)
@@ -180,20 +222,20 @@ class MultiChainTable:
     def opt(self, lengths, m, b=None) -> float:
         """Opt(L, m, b) (``inf`` when infeasible)."""
         L, b = _check_lengths(lengths, b)
+        m = _check_slots(m)
         if len(L) != len(self.lengths) or any(v > w for v, w in zip(L, self.lengths)):
             raise RtmemError(f"lengths {L} are outside the table built for {self.lengths}; "
                              "build a table for the larger instance")
         if m > self.m_max:
             raise RtmemError(f"m = {m} > m_max = {self.m_max} of this table; build it with "
                              f"m_max >= {m}")
-        if m < 0:
-            return math.inf
         li, bb = self._index(L, b)
         return float(self.T[li, bb, m])
 
     def schedule(self, m, b=None) -> list:
         """Optimal schedule of the full instance with m slots (§2.6 reconstruction)."""
         L, b = _check_lengths(self.lengths, b)
+        m = _check_slots(m)
         if not math.isfinite(self.opt(L, m, b)):
             need = min_slots(L, b)
             raise InfeasibleError(f"multi-chain {L} with b={b} needs at least {need} slots, "
@@ -241,8 +283,11 @@ def multichain_table(lengths, m_max, u_f=1.0, u_b=1.0, u_loss=1.0) -> MultiChain
 
 
 def multichain_opt(lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0) -> float:
-    """Opt(L, m, b) of eq. 1.4 (``inf`` if m < m_min)."""
-    return multichain_table(lengths, max(int(m), 0), u_f, u_b, u_loss).opt(lengths, m, b)
+    """Opt(L, m, b) of eq. 1.4 (``inf`` if m < m_min). ``lengths``: one integer
+    >= 0 per branch; ``m``: slots, an integer >= 0; ``b``: 0/1 flags. Raises
+    :class:`~rtmem.errors.RtmemError` when the tables would be too large or slow
+    (see ``MAX_MULTICHAIN_TABLE_BYTES``, ``MAX_MULTICHAIN_STEPS``)."""
+    return multichain_table(lengths, _check_slots(m), u_f, u_b, u_loss).opt(lengths, m, b)
 
 
 def multichain_schedule(lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0):
@@ -258,6 +303,7 @@ def simulate_multichain(ops, lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0):
     missing. At the end every branch must hold exactly its delta_0 if b_j = 1 and
     nothing if b_j = 0."""
     L, b = _check_lengths(lengths, b)
+    m = _check_slots(m)
     K = len(L)
     counts = [dict({0: 1}) for _ in range(K)]
     delta = [None] * K            # index of the branch's current delta, or "gone"

@@ -13,6 +13,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rtmem.errors import ScheduleError
 
 from ._documents import JsonFile, check_document, parse_document
@@ -71,9 +73,15 @@ class Plan(JsonFile):
             raise ScheduleError(f"plan: makespan {self.makespan!r} and peak {self.peak!r} "
                                 f"must be >= 0 and budget {self.budget!r} > 0",
                                 reason="parse")
+        if peak != math.floor(peak):
+            raise ScheduleError(f"plan: peak {self.peak!r} must be a whole number of bytes",
+                                reason="parse")
         object.__setattr__(self, "makespan", makespan)
-        object.__setattr__(self, "peak", int(peak))
-        object.__setattr__(self, "budget", budget if math.isinf(budget) else int(budget))
+        # integers stay exact: through float, peaks and budgets above 2**53 bytes
+        # would be rounded and differ from the simulator's (int) peak
+        object.__setattr__(self, "peak", _exact_int(self.peak, peak))
+        object.__setattr__(self, "budget", budget if math.isinf(budget)
+                           else _exact_int(self.budget, budget))
         object.__setattr__(self, "algorithm", str(self.algorithm))
         object.__setattr__(self, "info", info)
 
@@ -125,6 +133,14 @@ class Plan(JsonFile):
         return cls.from_dict(parse_document(text, kind="plan", fmt=_FORMAT, version=_VERSION,
                                             error=ScheduleError, required=_REQUIRED,
                                             reason="parse"))
+
+
+def _exact_int(value, as_float: float) -> int:
+    """``value`` as an int: exactly when it is an integer (``int(float(v))`` rounds
+    above 2**53), else its float ``as_float`` rounded down."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    return int(as_float)
 
 
 def as_budget(memory) -> float:

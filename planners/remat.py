@@ -4,6 +4,12 @@ The DP itself is in :mod:`rtmem.planners.rotor` (NOTE [ Persistent DP C_MP ]);
 this module turns a byte budget into slots, runs it, and checks the result in the
 simulator. ``compare_remat`` runs it next to every baseline for tables.
 
+Rounding to slots is conservative, so near the least budget the DP can miss
+schedules, or find none. plan_remat then retries with finer slots (bounded by
+the table size), and returns the fastest of the DP's schedule, the least-memory
+schedule (exact in bytes) and the cheap baselines (checkpoint_sequential,
+Revolve) that fit: never slower than a baseline at the same budget.
+
 Budget accounting. The simulator counts the chain input a_0 and all weights from
 the start, and each weight gradient from its backward on (NOTE [ Simulator
 semantics ] Rule 1). The first two are subtracted from the budget before the DP
@@ -31,12 +37,24 @@ from .rotor import (discretize, min_memory, min_memory_schedule, persistent_sche
 from .simulator import simulate
 
 __all__ = ["plan_remat", "min_feasible_memory", "compare_remat", "DEFAULT_SLOTS",
-           "MAX_TABLE_BYTES"]
+           "MAX_TABLE_BYTES", "REFINE_MAX_FACTOR", "REVOLVE_MAX_STAGES"]
 
 #: Memory slots of the discretized DP (thesis §3.7: 500 in all experiments).
 DEFAULT_SLOTS = 500
 #: Largest C_MP table plan_remat allocates, bytes.
 MAX_TABLE_BYTES = 2 * 2**30
+#: Longest chain on which plan_remat also tries Revolve's schedules: plan_revolve
+#: simulates one schedule per slot count, the smallest with ~n^2/2 operations, which
+#: takes ~0.5 s for resnet1001's 335 stages and grows as n^3.
+REVOLVE_MAX_STAGES = 400
+#: plan_remat's retries with finer slots stop at this many times the slots asked
+#: (and at MAX_TABLE_BYTES): 32,000 slots by default, enough for exact bytes on
+#: small test chains while a 3-stage chain with a 100 MB term cannot ask for a
+#: gigabyte table of one-byte slots.
+REFINE_MAX_FACTOR = 64
+# each DP retry divides the slot by this: the table grows 4x per retry, so the
+# retries together cost at most 4/3 of the last one
+_REFINE = 4
 
 
 def _fixed_bytes(chain: Chain) -> int:
@@ -74,10 +92,87 @@ def _check_table(n: int, slots: int, fixed_slot_bytes: bool = False) -> int:
         f"{advice}")
 
 
-def _plan(chain, schedule, budget, info) -> Plan:
-    res = simulate(chain, schedule, Platform(budget))
-    return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
-                algorithm="rotor", info=info)
+def _max_slots(n: int) -> int:
+    """Most memory slots M whose DP table for ``n`` stages stays within
+    :data:`MAX_TABLE_BYTES` (0 when even one slot is too many)."""
+    cells = (n + 1) * (n + 2) // 2
+    return max(0, MAX_TABLE_BYTES // (8 * cells) - 1)
+
+
+def _finer_slots(n: int, m_bytes: int, slot: int, slots: int):
+    """Slot sizes (bytes) finer than ``slot`` to retry the DP with, coarsest first:
+    each a quarter of the previous one, ending at the finest whose table has at
+    most :data:`REFINE_MAX_FACTOR` x ``slots`` slots and fits
+    :data:`MAX_TABLE_BYTES` (one byte, i.e. exact, for small budgets)."""
+    most = min(_max_slots(n), REFINE_MAX_FACTOR * slots)
+    finest = m_bytes // (most + 1) + 1               # m_bytes // finest <= most
+    while slot > finest:
+        slot = max(finest, slot // _REFINE)
+        yield slot
+
+
+def _dp(chain, arrays, m_bytes, slot, progress, say):
+    """Run C_MP with slots of ``slot`` bytes on an activation budget of ``m_bytes``;
+    return ``(value, schedule or None, M)``: the DP's makespan (s, inf when
+    infeasible at this rounding) and its schedule."""
+    M = m_bytes // slot
+    table_bytes = _check_table(chain.n, M, True)
+    disc = discretize(arrays, slot)
+    if min_memory(disc)[0] > M:
+        # the least-memory pass follows the same recurrence in O(n^3), no table:
+        # near the least budget it saves filling a table that has no schedule
+        return math.inf, None, M
+    say(f"rotor: {chain.n} stages, {M} slots of {format_bytes(slot)}, "
+        f"table {format_bytes(table_bytes)}")
+    table, _, idx, mall, mnone = persistent_table(disc, M,
+                                                  progress=getattr(progress, "update", None))
+    value = float(table[idx[0, chain.n], M])
+    schedule = persistent_schedule(disc, table, idx, mall, mnone, M) \
+        if np.isfinite(value) else None
+    return value, schedule, M
+
+
+def _refine(chain, arrays, m_bytes, slot, slots, progress, say):
+    """The DP with the coarsest finer slot (see :func:`_finer_slots`) at which it
+    is feasible, as :func:`_dp` returns it plus that slot (bytes), or None. _dp
+    checks feasibility before filling a table, so at exactly the least budget of
+    a long chain, where no rounding is fine enough, no table is filled."""
+    for fine in _finer_slots(chain.n, m_bytes, slot, slots):
+        value, schedule, M = _dp(chain, arrays, m_bytes, fine, progress, say)
+        if schedule is not None:
+            say(f"rotor: no schedule in slots of {format_bytes(slot)}; "
+                f"found one in slots of {format_bytes(fine)}")
+            return value, schedule, M, fine
+    return None
+
+
+def _baseline_plans(chain: Chain, budget: int, best: float, plans: dict) -> dict:
+    """Fill ``plans`` (``{name: Plan or InfeasibleError}``, entries already there are
+    kept) with the cheap baselines at ``budget`` (bytes): the best
+    ``checkpoint_sequential`` segment count and, on chains of at most
+    :data:`REVOLVE_MAX_STAGES` stages whose Revolve could still beat ``best``
+    (seconds) and the sequential plan, Revolve. Each simulates its schedules;
+    :func:`compare_remat` reuses them for its table."""
+    from .revolve import plan_revolve
+
+    def run(name, planner):
+        if name not in plans:
+            try:
+                plans[name] = planner(chain, budget)
+            except InfeasibleError as e:
+                plans[name] = e
+        return plans[name]
+
+    seq = run("sequential", plan_sequential)
+    if isinstance(seq, Plan):
+        best = min(best, seq.makespan)
+    # Revolve runs every stage's forward at least twice (F then F_all before B):
+    # when that bound is no faster than the best so far it cannot win, and its
+    # O(n^2)-op schedules are not built
+    revolve_bound = float(2 * chain.u_f.sum() + chain.u_b.sum() + chain.u_loss)
+    if chain.n <= REVOLVE_MAX_STAGES and revolve_bound < best:
+        run("revolve", plan_revolve)
+    return plans
 
 
 def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
@@ -98,10 +193,14 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         500, thesis §3.7). The slot is ``floor(activation budget / S)`` bytes
         (at least 1) and every size is rounded up to whole slots, so the plan is
         valid in bytes; more slots: closer to optimal, slower (time and table
-        memory grow linearly in S).
+        memory grow linearly in S). When rounding leaves the DP no schedule
+        (near the least budget), it is retried with slots a quarter the size,
+        and so on, up to :data:`REFINE_MAX_FACTOR` x S slots and a table of
+        :data:`MAX_TABLE_BYTES`.
     slot_bytes:
-        Use this slot size (bytes) instead of deriving it from ``slots``; with a
-        fixed slot the makespan is non-increasing in the budget.
+        Use this slot size (bytes) instead of deriving it from ``slots``, and
+        never retry with finer ones; with a fixed slot the makespan is
+        non-increasing in the budget.
     progress:
         Optional callable receiving short status strings (for CLIs); if it also
         has an ``update(fraction)`` method, that receives the DP's progress
@@ -111,12 +210,20 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
     -------
     Plan
         ``algorithm="rotor"``; ``makespan`` (s) and ``peak`` (bytes) from the
-        simulator; ``info`` holds ``dp_makespan`` (s, the DP's prediction),
-        ``slot_bytes``, ``slots`` (M, slots available to the DP),
-        ``min_feasible`` (bytes), ``solve_seconds`` and ``method``
-        (``"store-all"`` when the budget allows no recomputation, ``"dp"``, or
-        ``"min-memory"`` when rounding to slots made the DP infeasible although a
-        schedule exists: the least-memory schedule is returned then).
+        simulator. The plan is the fastest of these candidates that fit:
+        the DP's schedule, the least-memory schedule (exact in bytes), the best
+        ``checkpoint_sequential`` segment count and Revolve (on chains of at most
+        :data:`REVOLVE_MAX_STAGES` stages); rounding to slots can make the DP
+        miss schedules these find. ``info`` holds ``method`` (the winner:
+        ``"store-all"`` when the budget allows no recomputation, ``"dp"``,
+        ``"min-memory"``, ``"sequential"`` or ``"revolve"``), ``candidates``
+        (``{method: makespan in s}`` of every candidate that fit),
+        ``dp_makespan`` (s, the DP's prediction; ``None`` when the DP found no
+        schedule at any slot size tried), ``slot_bytes`` and ``slots`` (M,
+        slots available to the DP) of the last DP run, ``refined`` (whether that
+        run used finer slots than asked), ``min_feasible`` (bytes),
+        ``solve_seconds``, and ``segments`` or ``revolve_slots`` when a baseline
+        won.
 
     Raises
     ------
@@ -124,6 +231,13 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         When the budget is below :func:`min_feasible_memory`; ``min_feasible``
         carries that value in bytes.
     """
+    return _plan_remat(chain, memory, slots, slot_bytes, progress, None)
+
+
+def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
+    """:func:`plan_remat`; ``baselines``: None, or a dict (``{name: Plan or
+    InfeasibleError}``) in which the baseline plans it needs are looked up and the
+    ones it computes are left (:func:`compare_remat` shows them)."""
     say = progress or (lambda msg: None)
     check_chain(chain, "plan_remat")
     budget = as_budget(memory)
@@ -138,6 +252,7 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         # (no min_feasible here: its O(n^3) pass is what this shortcut avoids);
         # within the budget it never waits for memory, so this run is the plan's
         info = {"method": "store-all", "dp_makespan": float(chain.compute_time),
+                "candidates": {"store-all": float(res.makespan)},
                 "solve_seconds": time.perf_counter() - t0}
         return Plan(schedule=store_all, makespan=res.makespan, peak=res.peak,
                     budget=budget, algorithm="rotor", info=info)
@@ -156,34 +271,42 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
             f"({format_bytes(min_feasible)}) = chain input and weights {fixed:,} + "
             f"activations {mm:,}. Give more memory or a smaller batch",
             budget=budget, min_feasible=min_feasible)
-    info = {"min_feasible": min_feasible}
     m_bytes = int(budget) - fixed
     slot = int(slot_bytes) if slot_bytes is not None else max(1, m_bytes // int(slots))
-    M = m_bytes // slot
-    N = chain.n + 1
-    table_bytes = _check_table(chain.n, M, slot_bytes is not None)
-    say(f"rotor: {chain.n} stages, {M} slots of {format_bytes(slot)}, "
-        f"table {format_bytes(table_bytes)}")
-    disc = discretize(arrays, slot)
-    table, _, idx, mall, mnone = persistent_table(disc, M,
-                                                  progress=getattr(progress, "update", None))
-    value = float(table[idx[0, N - 1], M])
-    info.update(slot_bytes=slot, slots=M)
-    # The least-memory schedule (exact in bytes) is the fallback when rounding to
-    # slots makes the DP infeasible, and taking the better of the two keeps the
-    # makespan non-increasing in the budget at a fixed slot size.
-    fallback = min_memory_schedule(arrays, choice)
-    fallback_makespan = simulate(chain, fallback, Platform(budget)).makespan
-    if np.isfinite(value) and value <= fallback_makespan:
-        schedule = persistent_schedule(disc, table, idx, mall, mnone, M)
-        info.update(method="dp", dp_makespan=value)
-    else:
-        schedule = fallback
-        info.update(method="min-memory", dp_makespan=fallback_makespan)
-    del table
+    # with a derived slot, a table too large for the budget's M is refused with the
+    # advice for `slots`; _dp's own check then passes
+    _check_table(chain.n, m_bytes // slot, slot_bytes is not None)
+    value, schedule, M = _dp(chain, arrays, m_bytes, slot, progress, say)
+    refined = False
+    if schedule is None and slot_bytes is None:
+        retry = _refine(chain, arrays, m_bytes, slot, slots, progress, say)
+        if retry is not None:
+            value, schedule, M, slot = retry
+            refined = True
+    # Candidates, each simulated: with a fixed slot each is non-increasing in the
+    # budget, so their minimum is too. Ties go to the earlier (the DP first).
+    found = []
+    if schedule is not None:
+        found.append(("dp", schedule, {}))
+    found.append(("min-memory", min_memory_schedule(arrays, choice), {}))
+    runs = [(name, sched, simulate(chain, sched, Platform(budget)), extra)
+            for name, sched, extra in found]
+    best = min(r.makespan for _, _, r, _ in runs)
+    baselines = _baseline_plans(chain, budget, best, {} if baselines is None else baselines)
+    for name, key in (("sequential", "segments"), ("revolve", "revolve_slots")):
+        plan = baselines.get(name)
+        if isinstance(plan, Plan) and plan.peak <= budget:
+            runs.append((name, plan.schedule, plan,
+                         {key: plan.info["segments" if name == "sequential" else "slots"]}))
+    name, schedule, res, extra = min(runs, key=lambda r: r[2].makespan)   # first of ties
+    info = {"method": name, "min_feasible": min_feasible,
+            "dp_makespan": value if np.isfinite(value) else None,
+            "slot_bytes": slot, "slots": M, "refined": refined,
+            "candidates": {n: float(r.makespan) for n, _, r, _ in runs}, **extra}
     info["solve_seconds"] = time.perf_counter() - t0
-    say(f"rotor: solved in {info['solve_seconds']:.2f} s")
-    return _plan(chain, schedule, budget, info)
+    say(f"rotor: solved in {info['solve_seconds']:.2f} s ({name})")
+    return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
+                algorithm="rotor", info=info)
 
 
 def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=None) -> dict:
@@ -191,18 +314,31 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
 
     Returns ``{name: Plan or InfeasibleError}`` for ``rotor``, ``store-all``,
     ``sequential`` (best segment count), ``sqrt`` and ``revolve`` (Revolve
-    converted with ``F_all`` before each ``B``), in that order.
+    converted with ``F_all`` before each ``B``), in that order. The rotor plan is
+    never slower than a baseline that fits (it takes the fastest, see
+    :func:`plan_remat`), and the baselines it planned are shown, not planned again.
     """
     check_chain(chain, "compare_remat")
     from .revolve import plan_revolve
 
     say = progress or (lambda msg: None)
     out = {}
-    runs = [("rotor", lambda: plan_remat(chain, memory, slots, progress=progress)),
+    # rotor first: it refuses a too-large DP table before any baseline's
+    # O(n^2) schedules (or Revolve's O(n^3) table) are built
+    planned = {}
+
+    def reuse(name, planner):
+        if name in planned:
+            if isinstance(planned[name], InfeasibleError):
+                raise planned[name]
+            return planned[name]
+        return planner(chain, memory)
+
+    runs = [("rotor", lambda: _plan_remat(chain, memory, slots, None, progress, planned)),
             ("store-all", lambda: plan_store_all(chain, memory)),
-            ("sequential", lambda: plan_sequential(chain, memory)),
+            ("sequential", lambda: reuse("sequential", plan_sequential)),
             ("sqrt", lambda: plan_sqrt(chain, memory)),
-            ("revolve", lambda: plan_revolve(chain, memory))]
+            ("revolve", lambda: reuse("revolve", plan_revolve))]
     for name, run in runs:
         say(f"planning {name} ...")
         try:

@@ -36,10 +36,10 @@ from math import comb
 import numba
 import numpy as np
 
-from rtmem.errors import InfeasibleError
+from rtmem.errors import ChainError, InfeasibleError, RtmemError
 
 from .baselines import fastest_fitting
-from ._validation import check_chain
+from ._validation import check_chain, check_int
 from .chain import Chain
 from .plan import Plan
 from .schedule import Op, Schedule
@@ -68,19 +68,45 @@ def _opt0(l_max, m_max, u_f, u_b):
     return T, arg
 
 
+#: Largest Opt_0 tables (T and arg, bytes) opt0_table allocates.
+MAX_OPT0_TABLE_BYTES = 2 * 2**30
+#: Most inner steps of the Opt_0 fill, about (l_max + 1)^2 (m_max + 1) / 2:
+#: ~1 ns each, so ~10 s (plan_revolve on 2,700 stages).
+MAX_OPT0_STEPS = 10**10
+
+
+def _check_lm(steps, slots, what: str) -> tuple[int, int]:
+    """Steps l (>= 0) and slots m (>= 0) as Python ints (3.5 slots is refused: it
+    used to raise IndexError deep in the reconstruction)."""
+    return (check_int(f"{what} l", steps, error=ChainError, field="l"),
+            check_int(f"{what} m", slots, error=ChainError, field="m",
+                      hint="m counts memory slots, each holding one value"))
+
+
 def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
     """Opt_0(l, m) for l = 0..l_max, m = 0..m_max (NOTE [ Revolve DP Opt_0 ]).
 
     Returns ``(T, arg)``: ``T[l, m]`` in the units of ``u_f``/``u_b`` (seconds or
     step counts; ``inf`` when infeasible) and ``arg[l, m]`` the optimal first
-    checkpoint position i."""
-    return _opt0(int(l_max), int(m_max), float(u_f), float(u_b))
+    checkpoint position i. Raises :class:`~rtmem.errors.RtmemError` when the
+    tables or the fill would exceed ``MAX_OPT0_TABLE_BYTES`` / ``MAX_OPT0_STEPS``
+    (use :func:`binomial_makespan` for makespans of long chains)."""
+    l_max, m_max = _check_lm(l_max, m_max, "opt0_table:")
+    table_bytes = 16 * (l_max + 1) * (m_max + 1)
+    steps = (l_max + 1) ** 2 * (m_max + 1) // 2
+    if table_bytes > MAX_OPT0_TABLE_BYTES or steps > MAX_OPT0_STEPS:
+        raise RtmemError(
+            f"the Revolve table for l <= {l_max} and m <= {m_max} slots needs "
+            f"{table_bytes:,} bytes and about {steps:.2g} steps (limits "
+            f"{MAX_OPT0_TABLE_BYTES:,} bytes, {MAX_OPT0_STEPS:.0e} steps); use "
+            "binomial_makespan for the makespan, fewer slots (beyond l + 2 they never "
+            "help) or plan_remat")
+    return _opt0(l_max, m_max, float(u_f), float(u_b))
 
 
 def binomial_makespan(l: int, m: int, u_f: float = 1.0, u_b: float = 1.0) -> float:
     """Griewank-Walther closed form of Opt_0(l, m) (thesis §2.3, property 15)."""
-    if l < 0 or m < 0:
-        raise ValueError(f"l and m must be >= 0, got l={l}, m={m}")
+    _check_lm(l, m, "binomial_makespan:")       # ints (numpy ones included) pass as is
     if l > 0 and m < 3:
         return math.inf
     if l == 0:
@@ -104,6 +130,7 @@ def revolve_ops(l: int, m: int, *, branch: int = 0, offset: int = 0, arg=None) -
     m < 3 (l >= 1) or m < 2."""
     from .multichain import MultiOp
 
+    _check_lm(l, m, "revolve_ops:")             # ints (numpy ones included) pass as is
     if m < (3 if l > 0 else 2):
         raise InfeasibleError(f"ADJCHAIN({l}, {m}) needs at least {3 if l else 2} slots",
                               budget=m, min_feasible=3 if l else 2)
@@ -130,6 +157,7 @@ def single_chain_ops(L: int, m: int, *, branch: int = 0, arg=None) -> list:
     ``S a_{L-1}, F_L, Loss, B_L`` (thesis §2.3: SINGLE = Opt_0(L-1, m) + u_F + u_L)."""
     from .multichain import MultiOp
 
+    L = check_int("single_chain_ops: L", L, low=1, error=ChainError, field="L")
     out = []
     for op in revolve_ops(L - 1, m, branch=branch, arg=arg):
         if op.kind == "B" and op.index == L:
@@ -144,8 +172,8 @@ def revolve_schedule(n: int, m: int, arg=None) -> Schedule:
     """Revolve with ``m`` slots converted to Table 2.1 operations for a chain of ``n``
     stages (the thesis' "revolve" baseline, §4): ADJCHAIN(n, m) whose B_{n+1} is
     the loss; each other B_k is preceded by F_all of its stage."""
-    if n < 1:
-        raise ValueError(f"a chain has at least one stage, got n={n}")
+    n = check_int("n", n, low=1, error=ChainError, field="n",
+                  hint="a chain has at least one stage")
     ops = []
     prev_store = False
     for op in revolve_ops(n, m, arg=arg):

@@ -91,6 +91,29 @@ def _op_text(op: int, stage: int, aux: int) -> str:
     return f"{_STAGE_NAMES[op]} {stage}"
 
 
+def _int_array(name: str, values) -> np.ndarray:
+    """``values`` as int64, refusing what a cast would change: a stage of 1.7 was
+    silently truncated to 1, and a string "3" parsed."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as e:
+        raise ScheduleError(f"{name} must be an array of integers ({e})",
+                            reason="malformed") from None
+    if arr.dtype.kind in "iub" or (arr.size == 0 and arr.dtype.kind == "f"):
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(arr) | (arr != np.round(arr)) | (np.abs(arr) >= 2.0**62)
+        if not bad.any():
+            return arr.astype(np.int64)
+        k = int(np.flatnonzero(bad.ravel())[0])
+        raise ScheduleError(f"{name}[{k}] = {float(arr.ravel()[k])!r} is not an integer; "
+                            "operation codes and indices are whole numbers",
+                            op_index=k if arr.ndim == 1 else None, reason="malformed")
+    raise ScheduleError(f"{name} must be an array of integers, got dtype {arr.dtype}",
+                        reason="malformed")
+
+
 class Schedule:
     """An immutable sequence of operations.
 
@@ -98,7 +121,8 @@ class Schedule:
     ----------
     op, stage, aux:
         Parallel 1-D arrays: operation code (:class:`Op`), stage index (or
-        activation index for ``delete``/``offload``/``prefetch``), and the kind
+        activation index for ``delete``/``offload``/``prefetch``; stored as 0 for
+        the loss, which has none), and the kind
         of activation for those (0: a, 1: abar; 0 for every other op).
 
     Build one from text with :meth:`from_text`, from ``(Op, stage[, aux])`` tuples
@@ -110,9 +134,9 @@ class Schedule:
     __slots__ = ("op", "stage", "aux")
 
     def __init__(self, op, stage, aux=None):
-        op = np.asarray(op, dtype=np.int64)
-        stage = np.asarray(stage, dtype=np.int64)
-        aux = np.zeros_like(op) if aux is None else np.asarray(aux, dtype=np.int64)
+        op = _int_array("op", op)
+        stage = _int_array("stage", stage)
+        aux = np.zeros_like(op) if aux is None else _int_array("aux", aux)
         if not (op.ndim == stage.ndim == aux.ndim == 1) or not (
                 op.shape == stage.shape == aux.shape):
             raise ScheduleError(
@@ -132,6 +156,9 @@ class Schedule:
             k = int(np.flatnonzero(stage >= 2**31)[0])
             raise ScheduleError(f"op {k}: stage index {int(stage[k])} is beyond any chain "
                                 f"(at most 2**31 - 1)", op_index=k, reason="stage-range")
+        # The loss has no stage (its text form is a bare "L"): any stage given with
+        # it is dropped, so a schedule equals its own text and JSON round trip.
+        stage = np.where(op == int(Op.LOSS), 0, stage)
         is_act = np.isin(op, [int(o) for o in ACTIVATION_OPS])
         bad = ~np.isin(aux, (0, 1)) | ((aux != 0) & ~is_act)
         if bad.any():

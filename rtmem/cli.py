@@ -48,7 +48,7 @@ def load_schedule(spec: str, chain):
     from rtmem.errors import ScheduleError
     from rtmem.planners import Plan, Schedule, sequential_schedule, store_all_schedule
     from rtmem.planners._documents import read_text
-    from rtmem.planners.schedule import OP_WORDS
+    from rtmem.planners.schedule import _DIGITS, OP_WORDS
     if os.path.exists(spec):
         text = read_text(spec, kind="schedule", error=ScheduleError, reason="parse")
         if text.lstrip().startswith("{"):
@@ -66,8 +66,11 @@ def load_schedule(spec: str, chain):
         return store_all_schedule(chain.n)
     if spec.startswith("sequential:"):
         k = spec.partition(":")[2]
-        if not k.isdigit():
-            raise ScheduleError(f"sequential:K needs an integer K, got {spec!r}")
+        # ASCII digits only: str.isdigit also accepts "²" (int() then raises a raw
+        # ValueError) and "٣" (read as 3)
+        if not _DIGITS.fullmatch(k):
+            raise ScheduleError(f"sequential:K needs an integer K written in digits 0-9, "
+                                f"got {spec!r}")
         return sequential_schedule(chain.n, int(k))
     if "," in spec or "\n" in spec or spec.split()[0].lower() in OP_WORDS:
         return Schedule.from_text(spec)
@@ -143,6 +146,11 @@ def _cmd_simulate(args) -> int:
     schedule = load_schedule(args.schedule, chain)
     platform = _platform(args)
     r = simulate(chain, schedule, platform)
+    if not math.isfinite(r.makespan):
+        # Chain bounds the times of planners' schedules; a hand-written one can
+        # still repeat operations until the float64 sum overflows
+        raise RtmemError(f"the makespan of this schedule overflows a float64 ({len(schedule)} "
+                         "operations); express the chain's times in larger units")
     doc = {"chain": chain.name, "ops": len(schedule), "makespan_s": r.makespan,
            "peak_bytes": r.peak, "compute_s": r.compute_time, "idle_s": r.idle_time,
            "h2d_bytes": r.h2d_bytes, "d2h_bytes": r.d2h_bytes,

@@ -116,7 +116,8 @@ def _cmd_remat(args) -> int:
     if args.json:
         print(json.dumps({"chain": chain.name, "stages": chain.n,
                           "budget_bytes": None if math.isinf(budget) else budget,
-                          "no_remat_makespan_s": reference, "plans": docs}, indent=1))
+                          "no_remat_makespan_s": reference, "plans": docs}, indent=1,
+                         allow_nan=False))     # JSON has no Infinity (Chain bounds times)
     else:
         print(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}, "
               f"no-remat makespan {format_seconds(reference)}")

@@ -132,3 +132,28 @@ def test_specs_with_non_finite_or_zero_values_are_chain_errors(spec):
     from rtmem.planners import from_spec
     with pytest.raises(ChainError, match="must be"):
         from_spec(spec)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(u_f=[1e308, 1e308]), "u_f"),        # each finite, the sum is not
+    (dict(u_f=[1e308, 1e300]), "u_f"),        # sum finite, 3 x sum (recomputation) not
+    (dict(u_b=[1e308, 1e308]), "u_b"),
+    (dict(u_loss=1.7e308, u_b=[1e308, 0]), "u_b"),
+])
+def test_times_whose_makespan_overflows_are_refused(kwargs, field):
+    # compute_time was inf, plan_remat returned makespan inf and the CLI wrote JSON
+    # Infinity (or raised a raw ValueError)
+    args = {"u_f": [1, 1], "u_b": [1, 1], "x": [4, 5], "xbar": [8, 9], **kwargs}
+    with pytest.raises(ChainError, match="too large") as err:
+        Chain(**args)
+    assert err.value.field == field
+
+
+def test_huge_but_bounded_times_plan_to_finite_makespans():
+    import json
+
+    from rtmem.planners import min_feasible_memory, plan_remat
+    chain = Chain(u_f=[1e300, 1e300], u_b=[1, 1], x=[4, 5], xbar=[8, 9])
+    plan = plan_remat(chain, min_feasible_memory(chain))
+    assert math.isfinite(plan.makespan) and math.isfinite(chain.compute_time)
+    json.loads(plan.to_json(), parse_constant=lambda c: pytest.fail(f"JSON {c}"))

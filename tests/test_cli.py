@@ -58,6 +58,12 @@ def test_load_schedule_reads_every_op_word_as_text(text):
     (["simulate", "gpt2-small", "store-all", "--memory", "1GiB"], "exceed the limit"),
     (["simulate", "nochain", "store-all", "--memory", "1GiB"], "unknown chain"),
     (["simulate", "resnet50", "sequential:x", "--memory", "1GiB"], "integer K"),
+    # non-ASCII digits: str.isdigit accepts them, int() raised or read "٣" as 3
+    (["simulate", "resnet50", "sequential:\u00b2", "--memory", "1GiB"], "digits 0-9"),
+    (["simulate", "resnet50", "sequential:\u0663", "--memory", "1GiB"], "digits 0-9"),
+    (["simulate", "resnet50", "sequential:", "--memory", "1GiB"], "integer K"),
+    (["simulate", "resnet50", "sequential:99999999999999999999", "--memory", "1GiB"],
+     "segments must be"),
     (["simulate", "resnet50", "bogus", "--memory", "1GiB"], "no schedule file"),
     (["simulate", "resnet50", "store-all", "--memory", "lots"], "invalid memory"),
 ])
@@ -68,6 +74,11 @@ def test_errors_exit_1_with_message(capsys, argv, fragment):
 
 def _files(tmp_path):
     (tmp_path / "empty.json").write_text("{}")
+    # finite times whose sum overflows: the chain is refused, not simulated to inf
+    (tmp_path / "big.json").write_text(json.dumps(
+        {"u_f": [1e308, 1e308], "u_b": [1, 1], "x": [4, 5], "xbar": [8, 9]}))
+    (tmp_path / "slow.json").write_text(json.dumps(
+        {"u_f": [1e306], "u_b": [1], "x": [1], "xbar": [1], "x0": 1}))
     (tmp_path / "binary.json").write_bytes(bytes(range(128, 256)))
     return tmp_path
 
@@ -82,6 +93,13 @@ def _files(tmp_path):
     (["simulate", "{tmp}/empty.json", "store-all", "--memory", "8GiB"], "lacks the field"),
     (["simulate", "{tmp}/binary.json", "store-all", "--memory", "8GiB"], "not UTF-8"),
     (["simulate", "{tmp}", "store-all", "--memory", "8GiB"], "Is a directory"),
+    (["simulate", "{tmp}/big.json", "store-all", "--memory", "100", "--json"],
+     "times are too large"),
+    # a valid chain, but a hand-written schedule repeating a 1e306 s forward
+    (["simulate", "{tmp}/slow.json", ", ".join(["F_ck 0"] * 300) + ", F_all 0, L, B 0",
+      "--memory", "inf", "--json"], "overflows a float64"),
+    (["plan", "remat", "{tmp}/big.json", "--memory", "100", "--json"],
+     "times are too large"),
     (["simulate", "gpt2-small", "{tmp}/binary.json", "--memory", "8GiB"], "not UTF-8"),
     (["plan", "remat", "gpt2:layers=5000", "--memory", "400GiB", "--slots", "50"],
      "use at most 20 slots"),

@@ -156,3 +156,29 @@ def test_early_exit_returns_what_a_full_scan_returns(chain):
             fast = planner(chain, budget)
             full = fastest_fitting(chain, budget, candidates, name, "x", "candidate")
             assert fast.schedule == full.schedule and fast.makespan == full.makespan
+
+
+def test_numpy_segment_count_gives_a_json_plan():
+    import json
+
+    import numpy as np
+    chain = builtin("resnet50")
+    plan = plan_sequential(chain, math.inf, segments=np.int64(2))
+    assert type(plan.info["segments"]) is int
+    assert json.loads(plan.to_json())["info"]["segments"] == 2
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan_sqrt(chain, math.inf).to_json()
+
+
+def test_plan_keeps_integer_peaks_and_budgets_exact():
+    # int(float(peak)) rounded anything above 2**53 bytes
+    s = Schedule.from_text("F_all 0, L, B 0")
+    plan = Plan(s, 1.0, 2**60 + 1, 2**61 + 3, "test")
+    assert plan.peak == 2**60 + 1 and plan.budget == 2**61 + 3
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.peak == 2**60 + 1
+    import numpy as np
+    assert Plan(s, 1.0, np.int64(2**55 + 1), 2**56, "test").peak == 2**55 + 1
+    assert Plan(s, 1.0, 12.0, 100.5, "test").peak == 12           # budgets round down
+    with pytest.raises(ScheduleError, match="whole number"):
+        Plan(s, 1.0, 12.5, 100, "test")

@@ -11,6 +11,7 @@ from _remat_cases import erratum_16_chain, persistence_counterexample
 from rtmem.errors import InfeasibleError, RtmemError
 from rtmem.planners import Chain, Platform, simulate, store_all_schedule
 from rtmem.planners.floating import plan_floating
+from rtmem.planners.plan import Plan
 from rtmem.planners.remat import min_feasible_memory, plan_remat
 from rtmem.planners.schedule import Op
 from rtmem.planners.testing import chains
@@ -49,8 +50,11 @@ def test_floating_plan_is_valid_and_no_worse_than_persistent(case):
     chain, budget = case
     try:
         plan = plan_floating(chain, budget)
-    except InfeasibleError:
+    except InfeasibleError as e:
         assert budget < min_feasible_memory(chain)        # C_MP infeasible as well
+        # the least budget is stated, and it works
+        assert budget < e.min_feasible <= min_feasible_memory(chain)
+        assert plan_floating(chain, e.min_feasible).peak <= e.min_feasible
         return
     res = simulate(chain, plan.schedule, Platform(budget))
     assert res.peak <= budget and res.makespan == plan.info["dp_makespan"]
@@ -87,3 +91,38 @@ def test_refuses_long_chains_and_unlimited_memory():
         plan_floating(Chain.homogeneous(20), 100)
     with pytest.raises(RtmemError, match="finite"):
         plan_floating(Chain.homogeneous(3), "inf")
+
+
+def test_rounding_to_slots_retries_in_exact_bytes():
+    # audit: with 200 slots (13-byte) the DP has no schedule at the least budget,
+    # which 1-byte slots solve (38 s, as brute force and plan_remat find)
+    chain = Chain(u_f=[4, 1, 1, 1, 5], u_b=[3, 5, 3, 5, 1], x=[121, 330, 242, 530, 506],
+                  xbar=[757, 432, 498, 654, 1038], x0=113)
+    plan = plan_floating(chain, 2717, slots=200)
+    assert plan.makespan == 38.0 and plan.info["method"] == "exact"
+    assert plan.info["slot_bytes"] == 1
+    assert simulate(chain, plan.schedule, Platform(2717)).peak <= 2717
+    assert plan_floating(chain, 2717).info["method"] == "dp"      # exact from the start
+
+
+def test_infeasible_budget_states_the_least_budget():
+    chain = erratum_16_chain()
+    least = min_feasible_memory(chain)
+    for budget, slots in ((least - 1, None), (least - 1, 5), (1, None)):
+        with pytest.raises(InfeasibleError) as err:
+            plan_floating(chain, budget, slots=slots)
+        assert err.value.min_feasible == least and err.value.budget == budget
+        assert f"{least:,} bytes" in str(err.value)
+    assert plan_floating(chain, least).peak <= least
+
+
+def test_falls_back_to_the_persistent_plan_when_exact_bytes_are_too_many(monkeypatch):
+    import rtmem.planners.floating as floating
+    chain = Chain(u_f=[4, 1, 1, 1, 5], u_b=[3, 5, 3, 5, 1], x=[121, 330, 242, 530, 506],
+                  xbar=[757, 432, 498, 654, 1038], x0=113)
+    # the 200-slot table fits, the exact one (2,605 columns) does not
+    monkeypatch.setattr(floating, "MAX_FLOATING_TABLE_BYTES", 6 ** 3 * 1000 * 8)
+    plan = plan_floating(chain, 2717, slots=200)
+    assert plan.info["method"] == "persistent" and plan.algorithm == "floating"
+    assert plan.makespan == plan_remat(chain, 2717, slots=200).makespan == 38.0
+    assert Plan.from_json(plan.to_json()) == plan

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from rtmem.errors import InfeasibleError, ScheduleError
 from rtmem.planners import Chain, Platform, simulate
-from rtmem.planners.multichain import (MultiOp, min_slots, multichain_schedule,
-                                       multichain_table, simulate_multichain)
+from rtmem.planners.multichain import (MultiOp, min_slots, multichain_opt,
+                                       multichain_schedule, multichain_table,
+                                       simulate_multichain)
 from rtmem.planners.revolve import (binomial_makespan, opt0_table, revolve_schedule,
                                     single_chain_ops)
 from rtmem.planners.schedule import Op
@@ -189,3 +190,49 @@ def test_revolve_refuses_impossible_sizes():
         binomial_makespan(-1, -1)
     with pytest.raises(ValueError, match="at least one stage"):
         revolve_schedule(0, 1)
+
+
+@pytest.mark.parametrize("call, fragment", [
+    # were truncated to (2, 3), read as "2", "3", or b truncated to (0, 1)
+    (lambda: multichain_opt([2.5, 3], 6), r"lengths\[0\] must be an integer >= 0"),
+    (lambda: multichain_opt("23", 6), "lengths must be a non-empty sequence"),
+    (lambda: multichain_opt([], 6), "lengths must be a non-empty sequence"),
+    (lambda: multichain_opt([True, 3], 6), r"lengths\[0\]"),
+    (lambda: multichain_opt([2, 3], 6, b=[0.5, 1]), r"b\[0\] must be an integer in 0..1"),
+    (lambda: multichain_opt([2, 3], 6, b=[0, 2]), r"b\[1\] must be an integer in 0..1"),
+    (lambda: multichain_opt([2, 3], 6, b="01"), "one 0/1 flag per branch"),
+    (lambda: multichain_opt([2, 3], 6, b=[0]), "one 0/1 flag per branch"),
+    (lambda: multichain_opt([2, 3], 6.5), "m must be an integer >= 0, got 6.5"),
+    (lambda: multichain_opt([2, 3], -1), "m must be an integer >= 0"),
+    (lambda: min_slots([1.5]), r"lengths\[0\]"),
+    (lambda: simulate_multichain([], [1], 2.5), "m must be an integer"),
+    (lambda: revolve_schedule(3, 3.5), "m must be an integer >= 0, got 3.5"),  # IndexError
+    (lambda: revolve_schedule(2.0, 4), "n must be an integer >= 1"),
+    (lambda: opt0_table(3.5, 4), "l must be an integer"),
+    (lambda: binomial_makespan(3, "4"), "m must be an integer"),
+])
+def test_counts_must_be_true_integers(call, fragment):
+    from rtmem.errors import ChainError
+    with pytest.raises(ChainError, match=fragment):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: multichain_opt([2**40], 4),          # MemoryError from numba
+    lambda: multichain_opt([10**6], 5),          # minutes of filling
+    lambda: multichain_opt([3] * 40, 90),        # 2^40 flag combinations
+    lambda: multichain_opt([2, 3], 10**12),
+    lambda: opt0_table(10**6, 10),
+    lambda: opt0_table(10, 10**10),
+])
+def test_oversized_instances_are_refused_up_front(call):
+    from rtmem.errors import RtmemError
+    with pytest.raises(RtmemError, match="limits") as err:
+        call()
+    assert "steps" in str(err.value) and "bytes" in str(err.value)
+
+
+def test_numpy_integers_are_counts():
+    import numpy as np
+    assert multichain_opt(np.array([2, 3]), np.int64(6)) == multichain_opt([2, 3], 6)
+    assert revolve_schedule(np.int32(3), np.int64(4)) == revolve_schedule(3, 4)

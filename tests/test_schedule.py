@@ -100,3 +100,40 @@ def test_plan_documents_with_bad_numbers_are_schedule_errors():
                        ("info", [1])):
         with pytest.raises(ScheduleError, match="plan:"):
             Plan.from_dict({**d, key: value})
+
+
+def test_loss_stage_is_dropped_so_schedules_round_trip():
+    s = Schedule.from_ops([(Op.F_ALL, 0), (Op.LOSS, 1), (Op.B, 0)])
+    assert s[1] == (Op.LOSS, 0, 0)
+    assert s == Schedule.from_text("F_all 0, L, B 0")
+    assert Schedule.from_json(s.to_json()) == s
+    assert Schedule.from_text(str(s)) == s
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(list(Op)), st.integers(0, 9), st.integers(0, 1)),
+                max_size=12))
+def test_any_schedule_round_trips(rows):
+    from rtmem.planners.schedule import ACTIVATION_OPS
+    # aux is meaningful (a/abar) only for activation ops, and abar0 does not exist
+    rows = [(op, s, a if op in ACTIVATION_OPS and s > 0 else 0) for op, s, a in rows]
+    sched = Schedule.from_ops(rows)
+    assert Schedule.from_text(str(sched)) == sched
+    assert Schedule.from_json(sched.to_json()) == sched
+
+
+@pytest.mark.parametrize("op, stage, fragment", [
+    ([0], [1.7], r"stage\[0\] = 1.7 is not an integer"),      # was truncated to 1
+    ([0, 4], [0, float("nan")], r"stage\[1\] = nan"),
+    ([0.5], [1], r"op\[0\] = 0.5"),
+    ([0], ["1"], "array of integers"),                       # was parsed
+])
+def test_non_integral_codes_and_indices_are_refused(op, stage, fragment):
+    with pytest.raises(ScheduleError, match=fragment):
+        Schedule(op, stage)
+
+
+def test_integral_floats_and_numpy_integers_are_indices():
+    s = Schedule(np.array([2.0, 3.0, 4.0]), np.array([0.0, 0.0, 0.0]))
+    assert s == Schedule.from_ops([(Op.F_ALL, 0), (Op.LOSS, 0), (Op.B, 0)])
+    assert Schedule(np.zeros(0), np.zeros(0)) == Schedule.from_ops([])
