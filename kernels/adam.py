@@ -39,6 +39,7 @@ NOTE [ Finite check ]
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import contextmanager
 
 import numba
@@ -466,12 +467,19 @@ def threads(num_threads):
             f"num_threads={num_threads!r} must be an int in [1, {limit}] (numba's "
             f"thread pool size; raise it with the NUMBA_NUM_THREADS environment "
             f"variable before numba starts).", argument="num_threads")
+    # numba's OpenMP layer, started by a first set_num_threads, resets torch's
+    # intra-op thread count (OpenMP's global one) to numba's pool size: a caller
+    # that had set torch to 1 thread ran its next forward on all of them
+    torch = sys.modules.get("torch")
+    torch_threads = torch.get_num_threads() if torch is not None else None
     previous = numba.get_num_threads()
     numba.set_num_threads(int(num_threads))
     try:
         yield
     finally:
         numba.set_num_threads(previous)
+        if torch_threads is not None and torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
 
 
 # --------------------------------------------------------------------------- validation

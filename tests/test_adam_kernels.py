@@ -552,3 +552,26 @@ def test_fp16_copy_overflows_to_inf_as_documented():
     assert np.isfinite(p).all()
     assert out[0] == 65504 and np.isinf(out[1:]).all() and out[3] < 0
     assert "65504" in adam_update.__doc__ and "inf" in adam_update.__doc__
+
+
+def test_num_threads_leaves_torchs_thread_count_alone(monkeypatch):
+    # numba's OpenMP layer, when it starts inside numba.set_num_threads, resets
+    # OpenMP's global thread count, which is torch's intra-op count: after the
+    # first optimizer step bench/train.py's 1-thread rows ran torch on 2 threads.
+    # Whether a process hits it depends on what started the layer first, so the
+    # reset is played here by a set_num_threads that does what the layer did.
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    real = numba.set_num_threads
+
+    def set_and_reset_torch(n):
+        real(n)
+        torch.set_num_threads(2)
+    monkeypatch.setattr(numba, "set_num_threads", set_and_reset_torch)
+    try:
+        torch.set_num_threads(1)
+        a = [np.random.default_rng(i).random(64, dtype=np.float32) for i in range(4)]
+        adam_update(*a, lr=1e-3, step=1, num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
