@@ -240,6 +240,14 @@ def bench_size(n, repeats, seed, budget_s, evict=None):
     return rows, notes
 
 
+def _size_key(n: int) -> str:
+    """``"5e7"`` for 50,000,000, the exact count when that short form would round
+    (1.2e5 and 1e5 shared the key "1e5", so one size's ratios replaced the
+    other's)."""
+    short = f"{n:.0e}".replace("+0", "").replace("+", "")
+    return short if float(short) == n else str(n)
+
+
 def _ratio(rows, n, a, b, stat="median_s"):
     t = {r["impl"]: r[stat] for r in rows if r["size"] == n}
     if a in t and b in t:
@@ -262,7 +270,7 @@ def main(argv=None):
                     help="JSON output path (default: adam.json in bench/results or "
                          "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)
-    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    sizes = list(dict.fromkeys(int(float(s)) for s in args.sizes.split(",")))
     llc = last_level_cache_bytes()
     evict = None if args.warm_cache else CacheEvictor(2 * llc)
     t_start = time.perf_counter()
@@ -286,8 +294,8 @@ def main(argv=None):
         print(f"{name}: {note}")
 
     ratios = {}
-    for n in sizes:
-        key = f"{n:.0e}".replace("+0", "").replace("+", "")
+    keys = [_size_key(n) for n in sizes]
+    for key, n in zip(keys, sizes):
         ratios[key] = {
             "rtmem_fp32_over_torch_fused": _ratio(rows, n, "rtmem fp32", "torch fused"),
             "rtmem_fp32_over_deepspeed": _ratio(rows, n, "rtmem fp32", "deepspeed cpu_adam"),
@@ -309,7 +317,7 @@ def main(argv=None):
         ("rtmem_fp32_over_torch_fused", ("rtmem fp32", "torch fused")),
         ("rtmem_fp32_over_roofline", ("rtmem fp32", "roofline fp32")),
         ("rtmem_bf16_over_roofline_bf16", ("rtmem bf16", "roofline bf16")))}
-        for key, n in zip(ratios, sizes)}
+        for key, n in zip(keys, sizes)}
     print("\nratios (speed, >1 = first is faster):")
     for key, rs in ratios.items():
         print(f"  {key}: " + ", ".join(f"{k}={v:.2f}" for k, v in rs.items()

@@ -57,7 +57,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import write_results  # noqa: E402
-from pcie import Timer, find_gpu, no_gpu_exit  # noqa: E402
+from pcie import Timer, find_gpu, l2_flusher, no_gpu_exit  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 
@@ -174,7 +174,14 @@ def measure_layer(spec: dict, tokens: int, repeats: int, rng) -> dict:
     import cupy as cp
     stream = cp.cuda.Stream(non_blocking=True)
     timer = Timer(cp, repeats)
+    timer.check_delay(stream)       # no NVVM: a CuPy delay, recorded in "timer"
+    flush, _ = l2_flusher(cp, stream)
     p, g, fwd, bwd, (out, _keep), act_in, act_out = build(spec, tokens, rng, stream)
+
+    def timed(fn):
+        # L2 flushed before each run: layer inputs and weights of GPT-2 sizes fit
+        # in L2, so back-to-back runs would time L2, not a training step's memory
+        return timer.events(fn, stream, flush)
 
     def copy_fwd():
         p.copy("h2d", stream)
@@ -184,25 +191,26 @@ def measure_layer(spec: dict, tokens: int, repeats: int, rng) -> dict:
         bwd(p.dev, g.dev)
         g.copy("d2h", stream)
 
-    forward = {"gpu": timer.events(lambda: fwd(p.dev), stream),
-               "copy": timer.events(copy_fwd, stream),
-               "dha": timer.events(lambda: fwd(p.mapped), stream)}
+    forward = {"gpu": timed(lambda: fwd(p.dev)),
+               "copy": timed(copy_fwd),
+               "dha": timed(lambda: fwd(p.mapped))}
     fwd(p.dev)
     stream.synchronize()
     on_gpu = out.copy_to_host()
     fwd(p.mapped)
     stream.synchronize()
     matches = bool((on_gpu == out.copy_to_host()).all())
-    backward = {"gpu": timer.events(lambda: bwd(p.dev, g.dev), stream),
-                "copy": timer.events(copy_bwd, stream),
-                "dha": timer.events(lambda: bwd(p.mapped, g.dev), stream),
-                "gpu_go": timer.events(lambda: bwd(p.dev, g.mapped), stream),
-                "dha_go": timer.events(lambda: bwd(p.mapped, g.mapped), stream)}
+    backward = {"gpu": timed(lambda: bwd(p.dev, g.dev)),
+                "copy": timed(copy_bwd),
+                "dha": timed(lambda: bwd(p.mapped, g.dev)),
+                "gpu_go": timed(lambda: bwd(p.dev, g.mapped)),
+                "dha_go": timed(lambda: bwd(p.mapped, g.mapped))}
     return {**spec, "tokens": tokens, "param_bytes": p.nbytes, "grad_bytes": g.nbytes,
             "activation_in_bytes": act_in, "activation_out_bytes": act_out,
-            "transfer_s": timer.events(lambda: p.copy("h2d", stream), stream),
-            "grad_transfer_s": timer.events(lambda: g.copy("d2h", stream), stream),
-            "forward_s": forward, "backward_s": backward, "dha_matches_gpu": matches}
+            "transfer_s": timed(lambda: p.copy("h2d", stream)),
+            "grad_transfer_s": timed(lambda: g.copy("d2h", stream)),
+            "forward_s": forward, "backward_s": backward, "dha_matches_gpu": matches,
+            "timer": timer.summary()}
 
 
 def main(argv=None) -> int:

@@ -327,7 +327,8 @@ def cpu_section(args):
                         name=f"gpt2-cpu-{args.layers}L")
     profile_s = time.perf_counter() - t0
     n = chain.n
-    ks = sorted({2, max(1, min(n, round(math.sqrt(n)))), 4})
+    # segment counts of checkpoint_sequential: 2, ~sqrt(n), 4, those the chain has
+    ks = sorted(k for k in {2, round(math.sqrt(n)), 4} if 1 <= k <= n)
     contenders = build_contenders(model, loss_fn, x, y, chain, ks)
     model.zero_grad(set_to_none=True)
     ref = loss_fn(model(x), y)
@@ -480,7 +481,12 @@ def _jsonable(v):
 def cpu_report(args) -> dict:
     """Run the CPU section, print its tables, return its part of the JSON."""
     cpu = cpu_section(args)
+    # the count the section ran at (it sets --threads; kernels.adam.threads keeps
+    # numba's thread pool from changing it), checked here rather than assumed
     threads = torch.get_num_threads()
+    if threads != args.threads:
+        raise RuntimeError(f"torch ran on {threads} threads, not --threads "
+                           f"{args.threads}: something changed its thread count")
     rat = ratios(cpu)
     print_tables(cpu, rat)
     contenders = {name: {k: v for k, v in d.items()

@@ -253,6 +253,8 @@ def test_pcie_gpu_path(bench, capsys):
                           "dha_read_s"} for r in doc["latency"])
     assert plot.stat().st_size > 0 and f"wrote {bench.results / 'pcie.json'}" in out
     assert "dha/h2d" in out and "latency (us):" in out
+    assert doc["goals"] == {"min_bytes": 64 << 20, "sizes_counted": 0}   # sizes too small
+    assert "no size >= 64 MiB swept" in out
     assert set(launches) == {"_read_kernel", "_write_kernel"}
     # every event-timed run sat behind a delay that outlasted its queueing
     assert bench.delays and doc["timer"]["uncovered_runs"] == 0
@@ -410,3 +412,21 @@ def test_cli_bench_pcie_and_dha(bench, monkeypatch, capsys):
         ("tiny", 8, 1, 6)
     assert launches and "no CUDA GPU" not in capsys.readouterr().out
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"     # hidden from find_gpu only
+
+
+def test_pcie_goals_take_the_worst_size_of_at_least_64_mib(monkeypatch):
+    # the goal quantities were only printed per size, never recorded
+    monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)
+    import pcie
+    mib = 1 << 20
+    sizes = [16 * mib, 64 * mib, 256 * mib]
+    rates = {"h2d_pageable": [5, 6, 7], "d2h_pageable": [5, 6, 6], "h2d_pinned": [30, 50, 52],
+             "d2h_pinned": [30, 45, 48], "dha_read": [1, 40, 50]}
+    doc = {"sizes_bytes": sizes,
+           "curves": {p: [{"bytes": n, "bytes_per_s": r * 1e9} for n, r in zip(sizes, v)]
+                      for p, v in rates.items()}}
+    g = pcie.goals(doc)
+    assert g["sizes_counted"] == 2 and g["best_copy_bytes_per_s"] == 52e9
+    assert g["h2d_pinned_over_best_copy"] == pytest.approx(50 / 52)
+    assert g["d2h_pinned_over_best_copy"] == pytest.approx(45 / 52)
+    assert g["dha_read_over_h2d_pinned"] == pytest.approx(40 / 50)
