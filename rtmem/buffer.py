@@ -90,16 +90,14 @@ class Placement:
 
 class _Move:
     """A buffer's pending copy: its ``event``, the ``side`` it writes
-    (``"device"`` for H2D, ``"host"`` for D2H), whether it ``made`` that
-    placement (prefetch, offload) or writes an existing one (``copy``), and the
-    ``prior`` move it was chained on (its copy waits for that one's event)."""
+    (``"device"`` for H2D, ``"host"`` for D2H) and the ``prior`` move it was
+    chained on (its copy waits for that one's event)."""
 
-    __slots__ = ("event", "side", "made", "prior")
+    __slots__ = ("event", "side", "prior")
 
-    def __init__(self, event, side: str, made: bool, prior=None):
+    def __init__(self, event, side: str, prior=None):
         self.event = event
         self.side = side
-        self.made = made
         self.prior = prior
 
 

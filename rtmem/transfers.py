@@ -196,7 +196,7 @@ def _copy_to_new(buf: Buffer, arena, src, side: str, prior=None):
         buf._device, buf.device_arena = dst, arena
     else:
         buf._host, buf.host_arena = dst, arena
-    buf._pending = _Move(event, side, True, prior)
+    buf._pending = _Move(event, side, prior)
     return event
 
 
@@ -333,7 +333,7 @@ def copy(dst: Buffer, src: Buffer):
         stream = engine.h2d if side == "device" else engine.d2h
         waits = [m.event for m in (dst._pending, src._pending) if m is not None]
         event = _issue(d, s, stream, engine, waits)
-        dst._pending = _Move(event, side, False, dst._pending)
+        dst._pending = _Move(event, side, dst._pending)
         return event
 
 

@@ -278,7 +278,7 @@ def test_synchronize_cannot_erase_a_move_started_meanwhile(arenas, monkeypatch):
     T.evict(b)
     done = T.copy(*(h.alloc(64) for _ in range(2)))
     done.synchronize()
-    b._pending = _Move(done, "host", False)     # a completed move, not yet cleared
+    b._pending = _Move(done, "host")     # a completed move, not yet cleared
     query, in_window = H.HostEvent.query, threading.Event()
 
     def slow_query(event):

@@ -96,7 +96,6 @@ def _check_own_memory(k: int, p) -> None:
 def _check_param(k: int, p) -> None:
     """OptimizerError for what OffloadedAdam cannot update: non-tensors (param
     group dicts), sparse or meta tensors, tensors computed from others."""
-    import torch
     if isinstance(p, dict):
         raise OptimizerError("OffloadedAdam takes one flat list of parameters; torch-style "
                              "param groups (dicts) are not supported: make one optimizer "
