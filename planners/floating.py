@@ -55,7 +55,7 @@ from ._validation import check_chain, check_count
 from .chain import Chain
 from .plan import Plan, as_budget
 from .platform import Platform
-from .remat import _fixed_bytes
+from .remat import _fixed_bytes, min_feasible_memory, plan_remat
 from .rotor import StageArrays, discretize, stage_arrays
 from .schedule import Op, Schedule
 from .simulator import simulate
@@ -221,7 +221,6 @@ def _least_floating_budget(chain: Chain, arrays: StageArrays) -> int:
     persistent schedule, so it is feasible there, and plan_floating falls back
     to the persistent plan from there on). When that exact table is too large,
     the persistent bound itself."""
-    from .remat import min_feasible_memory
     lo = min_feasible_memory(chain)
     fixed = _fixed_bytes(chain)
     N = chain.n + 1
@@ -281,7 +280,6 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
         # rounding every size up to slots can leave no schedule although one
         # exists (thesis §3.7): retry in exact bytes when that table is allowed,
         # else return the persistent plan, which refines its own slots
-        from .remat import min_feasible_memory, plan_remat
         if _table_bytes(N, m_bytes) <= MAX_FLOATING_TABLE_BYTES:
             slot, M, disc = 1, m_bytes, arrays
             F = floating_table(disc, M)

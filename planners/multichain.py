@@ -41,7 +41,7 @@ import numpy as np
 from rtmem.errors import ChainError, InfeasibleError, RtmemError, ScheduleError
 
 from ._validation import check_int
-from .revolve import opt0_table, revolve_ops
+from .revolve import _opt0_cost, opt0_table, revolve_ops
 
 #: Largest tables (bytes) the multi-chain DP allocates (its own and Revolve's).
 MAX_MULTICHAIN_TABLE_BYTES = 2 * 2**30
@@ -103,9 +103,9 @@ def _check_size(L, m_max: int) -> None:
     beyond :data:`MAX_MULTICHAIN_TABLE_BYTES` / :data:`MAX_MULTICHAIN_STEPS`,
     before numpy or numba try (a MemoryError, or minutes of filling)."""
     cells = math.prod(v + 1 for v in L) * 2 ** len(L) * (m_max + 1)
-    lmax = max(max(L), 1)
-    table_bytes = cells * 8 + (lmax + 1) * (m_max + 1) * 16
-    steps = cells * sum(L) // 2 + (lmax + 1) ** 2 * (m_max + 1) // 2
+    revolve_bytes, revolve_steps = _opt0_cost(max(max(L), 1), m_max)
+    table_bytes = cells * 8 + revolve_bytes
+    steps = cells * sum(L) // 2 + revolve_steps
     if table_bytes > MAX_MULTICHAIN_TABLE_BYTES or steps > MAX_MULTICHAIN_STEPS:
         raise RtmemError(
             f"the multi-chain DP for lengths {L} and {m_max} slots needs {table_bytes:,} "

@@ -78,7 +78,7 @@ def _check_table(n: int, slots: int, fixed_slot_bytes: bool = False) -> int:
     table_bytes = cells * (slots + 1) * 8
     if table_bytes <= MAX_TABLE_BYTES:
         return table_bytes
-    fits = MAX_TABLE_BYTES // (8 * cells) - 1
+    fits = _max_slots(n)
     if fits < 1:
         advice = ("no slot count fits: describe the model with fewer, coarser stages "
                   "(group layers), or plan with the sequential or revolve baselines")
@@ -111,12 +111,12 @@ def _finer_slots(n: int, m_bytes: int, slot: int, slots: int):
         yield slot
 
 
-def _dp(chain, arrays, m_bytes, slot, progress, say):
+def _dp(chain, arrays, m_bytes, slot, progress, say, fixed_slot_bytes=True):
     """Run C_MP with slots of ``slot`` bytes on an activation budget of ``m_bytes``;
     return ``(value, schedule or None, M)``: the DP's makespan (s, inf when
     infeasible at this rounding) and its schedule."""
     M = m_bytes // slot
-    table_bytes = _check_table(chain.n, M, True)
+    table_bytes = _check_table(chain.n, M, fixed_slot_bytes)
     disc = discretize(arrays, slot)
     if min_memory(disc)[0] > M:
         # the least-memory pass follows the same recurrence in O(n^3), no table:
@@ -231,7 +231,7 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         When the budget is below :func:`min_feasible_memory`; ``min_feasible``
         carries that value in bytes.
     """
-    return _plan_remat(chain, memory, slots, slot_bytes, progress, None)
+    return _plan_remat(chain, memory, slots, slot_bytes, progress, {})
 
 
 def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
@@ -273,10 +273,8 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
             budget=budget, min_feasible=min_feasible)
     m_bytes = int(budget) - fixed
     slot = int(slot_bytes) if slot_bytes is not None else max(1, m_bytes // int(slots))
-    # with a derived slot, a table too large for the budget's M is refused with the
-    # advice for `slots`; _dp's own check then passes
-    _check_table(chain.n, m_bytes // slot, slot_bytes is not None)
-    value, schedule, M = _dp(chain, arrays, m_bytes, slot, progress, say)
+    value, schedule, M = _dp(chain, arrays, m_bytes, slot, progress, say,
+                             slot_bytes is not None)
     refined = False
     if schedule is None and slot_bytes is None:
         retry = _refine(chain, arrays, m_bytes, slot, slots, progress, say)
@@ -285,19 +283,16 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
             refined = True
     # Candidates, each simulated: with a fixed slot each is non-increasing in the
     # budget, so their minimum is too. Ties go to the earlier (the DP first).
-    found = []
-    if schedule is not None:
-        found.append(("dp", schedule, {}))
-    found.append(("min-memory", min_memory_schedule(arrays, choice), {}))
-    runs = [(name, sched, simulate(chain, sched, Platform(budget)), extra)
-            for name, sched, extra in found]
+    runs = [(name, s, simulate(chain, s, Platform(budget)), {})
+            for name, s in (("dp", schedule), ("min-memory", min_memory_schedule(arrays, choice)))
+            if s is not None]
     best = min(r.makespan for _, _, r, _ in runs)
-    baselines = _baseline_plans(chain, budget, best, {} if baselines is None else baselines)
-    for name, key in (("sequential", "segments"), ("revolve", "revolve_slots")):
+    _baseline_plans(chain, budget, best, baselines)
+    for name, param, key in (("sequential", "segments", "segments"),
+                             ("revolve", "slots", "revolve_slots")):
         plan = baselines.get(name)
-        if isinstance(plan, Plan) and plan.peak <= budget:
-            runs.append((name, plan.schedule, plan,
-                         {key: plan.info["segments" if name == "sequential" else "slots"]}))
+        if isinstance(plan, Plan):          # baselines only return plans that fit
+            runs.append((name, plan.schedule, plan, {key: plan.info[param]}))
     name, schedule, res, extra = min(runs, key=lambda r: r[2].makespan)   # first of ties
     info = {"method": name, "min_feasible": min_feasible,
             "dp_makespan": value if np.isfinite(value) else None,
@@ -327,20 +322,16 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     # O(n^2) schedules (or Revolve's O(n^3) table) are built
     planned = {}
 
-    def reuse(name, planner):
-        if name in planned:
-            if isinstance(planned[name], InfeasibleError):
-                raise planned[name]
-            return planned[name]
-        return planner(chain, memory)
-
     runs = [("rotor", lambda: _plan_remat(chain, memory, slots, None, progress, planned)),
             ("store-all", lambda: plan_store_all(chain, memory)),
-            ("sequential", lambda: reuse("sequential", plan_sequential)),
+            ("sequential", lambda: plan_sequential(chain, memory)),
             ("sqrt", lambda: plan_sqrt(chain, memory)),
-            ("revolve", lambda: reuse("revolve", plan_revolve))]
+            ("revolve", lambda: plan_revolve(chain, memory))]
     for name, run in runs:
         say(f"planning {name} ...")
+        if name in planned:
+            out[name] = planned[name]
+            continue
         try:
             out[name] = run()
         except InfeasibleError as e:

@@ -83,6 +83,11 @@ def _check_lm(steps, slots, what: str) -> tuple[int, int]:
                       hint="m counts memory slots, each holding one value"))
 
 
+def _opt0_cost(l_max: int, m_max: int) -> tuple[int, int]:
+    """Bytes of :func:`opt0_table`'s two tables and the steps of its fill."""
+    return 16 * (l_max + 1) * (m_max + 1), (l_max + 1) ** 2 * (m_max + 1) // 2
+
+
 def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
     """Opt_0(l, m) for l = 0..l_max, m = 0..m_max (NOTE [ Revolve DP Opt_0 ]).
 
@@ -92,8 +97,7 @@ def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
     tables or the fill would exceed ``MAX_OPT0_TABLE_BYTES`` / ``MAX_OPT0_STEPS``
     (use :func:`binomial_makespan` for makespans of long chains)."""
     l_max, m_max = _check_lm(l_max, m_max, "opt0_table:")
-    table_bytes = 16 * (l_max + 1) * (m_max + 1)
-    steps = (l_max + 1) ** 2 * (m_max + 1) // 2
+    table_bytes, steps = _opt0_cost(l_max, m_max)
     if table_bytes > MAX_OPT0_TABLE_BYTES or steps > MAX_OPT0_STEPS:
         raise RtmemError(
             f"the Revolve table for l <= {l_max} and m <= {m_max} slots needs "

@@ -346,7 +346,7 @@ def _min_memory_table(uf, ub, xo, xb, mall, mnone):
             mm[s, t] = best
             tm[s, t] = best_t
             ch[s, t] = arg
-    return mm, ch, tm
+    return mm, ch
 
 
 def min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
@@ -357,7 +357,7 @@ def min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
     is the fastest of the least-memory choices (see ``_min_memory_table``)."""
     a = arrays
     mall, mnone = _requirements(a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb)
-    mm, ch, _ = _min_memory_table(a.uf, a.ub, a.xo, a.xb, mall, mnone)
+    mm, ch = _min_memory_table(a.uf, a.ub, a.xo, a.xb, mall, mnone)
     return int(mm[0, a.N - 1]), ch
 
 
