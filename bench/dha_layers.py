@@ -45,12 +45,36 @@ forward_s.dha, T_BP = T_CBP = backward_s.gpu, T^H_BP = backward_s.dha and T_GBP 
 backward_s.gpu_go (notation of memferry.md §3.2 and §5.2). GPU only: without a
 GPU it says so and writes nothing.
 
+Crossover sweep (the size where DHA beats copy-then-compute, per layer type).
+Copying costs the same at any batch, DHA's cost grows with the tokens (an
+embedding gathers T rows, a linear re-reads its weight ceil(T / GEMM_TILE)
+times), so each layer is timed again at every ``--sweep`` token count (default
+64..65536 in powers of 4) and the JSON gets a ``sweep`` object::
+
+    {"tokens": [64, 256, ...], "compares": {...},     # what is compared, in words
+     "layers": [{"name", "kind", "dims",
+                 "points": [{"tokens", "transfer_s", "forward_s": {gpu, copy, dha},
+                             "backward_s": {gpu, dha}, "timer"}, ...],
+                 "forward":  <crossover>, "backward": <crossover>}, ...],
+     "by_kind": {"linear": {"forward": {"verdict", "crossing_tokens": [lo, hi],
+                                        "layers": {name: text}}, "backward": ...}}}
+
+A ``<crossover>`` (:func:`crossover`) has ``dha_over_copy`` per point,
+``dha_wins_at_tokens``, ``crossings`` (token counts, interpolated, where the
+winner changes) and a ``verdict`` ("dha", "copy", "dha below", "dha above",
+"mixed"). Forward compares T^H_FP with T_trans + T_FP (``forward_s.copy``);
+backward compares T^H_BP with T_trans + T_BP (a layer whose parameters are still
+on the host after a DHA forward: DHA again, or copy first, as DFGB does).
+MemFerry's finding to check: embedding and LayerNorm win, linear loses.
+
     python bench/dha_layers.py [--quick] [--model gpt2] [--tokens 4096] [--repeats 5]
+                               [--sweep 64,256,1024,4096,16384,65536 | none]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -169,63 +193,235 @@ def build(spec: dict, tokens: int, rng, stream):
     return params, grads, fwd, bwd, (out, keep), act_in, act_out
 
 
-def measure_layer(spec: dict, tokens: int, repeats: int, rng) -> dict:
-    """Every mode of one layer; the JSON entry described in the module docstring."""
-    import cupy as cp
-    stream = cp.cuda.Stream(non_blocking=True)
-    timer = Timer(cp, repeats)
-    timer.check_delay(stream)       # no NVVM: a CuPy delay, recorded in "timer"
-    flush, _ = l2_flusher(cp, stream)
-    p, g, fwd, bwd, (out, _keep), act_in, act_out = build(spec, tokens, rng, stream)
+class Rig:
+    """One layer built at one token count, on its own stream, with a delay-covered
+    event timer and an L2 flush before every timed run; times each mode of the
+    module docstring's table."""
 
-    def timed(fn):
+    def __init__(self, spec: dict, tokens: int, repeats: int, rng):
+        import cupy as cp
+        self.stream = stream = cp.cuda.Stream(non_blocking=True)
+        self.timer = Timer(cp, repeats)
+        self.timer.check_delay(stream)      # no NVVM: a CuPy delay, recorded in "timer"
+        self._flush, _ = l2_flusher(cp, stream)
+        (self.p, self.g, self._fwd, self._bwd, (self.out, self._keep), self.act_in,
+         self.act_out) = build(spec, tokens, rng, stream)
+
+    def timed(self, fn) -> float:
         # L2 flushed before each run: layer inputs and weights of GPT-2 sizes fit
         # in L2, so back-to-back runs would time L2, not a training step's memory
-        return timer.events(fn, stream, flush)
+        return self.timer.events(fn, self.stream, self._flush)
 
-    def copy_fwd():
-        p.copy("h2d", stream)
-        fwd(p.dev)
+    def forward_s(self, mode: str) -> float:
+        """Device seconds of the forward in ``mode`` (one of FORWARD_MODES)."""
+        p, fwd = self.p, self._fwd
+        run = {"gpu": lambda: fwd(p.dev),
+               "copy": lambda: (p.copy("h2d", self.stream), fwd(p.dev)),
+               "dha": lambda: fwd(p.mapped)}[mode]
+        return self.timed(run)
 
-    def copy_bwd():
-        bwd(p.dev, g.dev)
-        g.copy("d2h", stream)
+    def backward_s(self, mode: str) -> float:
+        """Device seconds of the backward in ``mode`` (one of BACKWARD_MODES)."""
+        p, g, bwd = self.p, self.g, self._bwd
+        run = {"gpu": lambda: bwd(p.dev, g.dev),
+               "copy": lambda: (bwd(p.dev, g.dev), g.copy("d2h", self.stream)),
+               "dha": lambda: bwd(p.mapped, g.dev),
+               "gpu_go": lambda: bwd(p.dev, g.mapped),
+               "dha_go": lambda: bwd(p.mapped, g.mapped)}[mode]
+        return self.timed(run)
 
-    forward = {"gpu": timed(lambda: fwd(p.dev)),
-               "copy": timed(copy_fwd),
-               "dha": timed(lambda: fwd(p.mapped))}
-    fwd(p.dev)
-    stream.synchronize()
-    on_gpu = out.copy_to_host()
-    fwd(p.mapped)
-    stream.synchronize()
-    matches = bool((on_gpu == out.copy_to_host()).all())
-    backward = {"gpu": timed(lambda: bwd(p.dev, g.dev)),
-                "copy": timed(copy_bwd),
-                "dha": timed(lambda: bwd(p.mapped, g.dev)),
-                "gpu_go": timed(lambda: bwd(p.dev, g.mapped)),
-                "dha_go": timed(lambda: bwd(p.mapped, g.mapped))}
-    return {**spec, "tokens": tokens, "param_bytes": p.nbytes, "grad_bytes": g.nbytes,
-            "activation_in_bytes": act_in, "activation_out_bytes": act_out,
-            "transfer_s": timed(lambda: p.copy("h2d", stream)),
-            "grad_transfer_s": timed(lambda: g.copy("d2h", stream)),
-            "forward_s": forward, "backward_s": backward, "dha_matches_gpu": matches,
-            "timer": timer.summary()}
+    def transfer_s(self, which: str = "params") -> float:
+        """Device seconds of the pinned copy of the parameters to HBM ("params",
+        T_trans) or of the gradients back to the host ("grads")."""
+        if which == "params":
+            return self.timed(lambda: self.p.copy("h2d", self.stream))
+        return self.timed(lambda: self.g.copy("d2h", self.stream))
+
+    def dha_matches_gpu(self) -> bool:
+        """Whether the forward with mapped parameters is bitwise the on-GPU one (B6)."""
+        self._fwd(self.p.dev)
+        self.stream.synchronize()
+        on_gpu = self.out.copy_to_host()
+        self._fwd(self.p.mapped)
+        self.stream.synchronize()
+        return bool((on_gpu == self.out.copy_to_host()).all())
+
+
+def measure_layer(spec: dict, tokens: int, repeats: int, rng) -> dict:
+    """Every mode of one layer; the JSON entry described in the module docstring."""
+    rig = Rig(spec, tokens, repeats, rng)
+    forward = {m: rig.forward_s(m) for m in FORWARD_MODES}
+    matches = rig.dha_matches_gpu()
+    backward = {m: rig.backward_s(m) for m in BACKWARD_MODES}
+    return {**spec, "tokens": tokens, "param_bytes": rig.p.nbytes,
+            "grad_bytes": rig.g.nbytes, "activation_in_bytes": rig.act_in,
+            "activation_out_bytes": rig.act_out, "transfer_s": rig.transfer_s("params"),
+            "grad_transfer_s": rig.transfer_s("grads"), "forward_s": forward,
+            "backward_s": backward, "dha_matches_gpu": matches,
+            "timer": rig.timer.summary()}
+
+
+def sweep_point(spec: dict, tokens: int, repeats: int, rng) -> dict:
+    """What the crossover needs of one layer at one token count (seconds):
+    ``transfer_s`` (T_trans), ``forward_s`` in every forward mode, and
+    ``backward_s`` on the GPU (T_BP) and by DHA (T^H_BP)."""
+    rig = Rig(spec, tokens, repeats, rng)
+    return {"tokens": tokens, "transfer_s": rig.transfer_s("params"),
+            "forward_s": {m: rig.forward_s(m) for m in FORWARD_MODES},
+            "backward_s": {m: rig.backward_s(m) for m in ("gpu", "dha")},
+            "timer": rig.timer.summary()}
+
+
+def crossover(tokens, dha_s, copy_s) -> dict:
+    """Where DHA stops (or starts) beating copy-then-compute along a token sweep.
+
+    ``tokens`` ascending token counts, ``dha_s`` / ``copy_s`` the seconds of the
+    two ways at each. DHA wins a point when ``dha / copy < 1`` (a tie goes to the
+    copy, which needs no mapped memory). Between two adjacent points with
+    different winners the crossing is interpolated where the ratio is 1, linearly
+    in log(tokens) vs log(ratio): the costs grow roughly as powers of the token
+    count. Returns ``dha_over_copy`` (per point), ``dha_wins_at_tokens``,
+    ``crossings`` (``{"tokens": T, "to": "copy" | "dha"}``: who wins above T),
+    ``verdict`` (``"dha"``: wins at every point, ``"copy"``: at none, ``"dha
+    below"`` / ``"dha above"``: one crossing, ``"mixed"``) and ``text``.
+    """
+    tokens, dha_s, copy_s = list(tokens), list(dha_s), list(copy_s)
+    if not (len(tokens) == len(dha_s) == len(copy_s)) or not tokens:
+        raise ValueError(f"need one dha and one copy time per token count; got "
+                         f"{len(tokens)} counts, {len(dha_s)} dha, {len(copy_s)} copy")
+    if any(b <= a for a, b in zip(tokens, tokens[1:])) or tokens[0] < 1:
+        raise ValueError(f"token counts must be positive and ascending; got {tokens}")
+    if not all(t > 0 and math.isfinite(t) for t in dha_s + copy_s):
+        raise ValueError("times must be positive and finite (seconds); got "
+                         f"dha {dha_s}, copy {copy_s}")
+    ratios = [d / c for d, c in zip(dha_s, copy_s)]
+    wins = [r < 1 for r in ratios]
+    crossings = []
+    for i in range(len(tokens) - 1):
+        if wins[i] != wins[i + 1]:
+            x0, x1 = math.log(tokens[i]), math.log(tokens[i + 1])
+            y0, y1 = math.log(ratios[i]), math.log(ratios[i + 1])
+            at = math.exp(x0 + (x1 - x0) * (0.0 - y0) / (y1 - y0))
+            crossings.append({"tokens": at, "to": "copy" if wins[i] else "dha"})
+    lo, hi = tokens[0], tokens[-1]
+    if all(wins):
+        verdict, text = "dha", f"DHA wins at every size measured ({lo}..{hi} tokens)"
+    elif not any(wins):
+        verdict, text = "copy", f"copy wins at every size measured ({lo}..{hi} tokens)"
+    elif len(crossings) == 1:
+        below = crossings[0]["to"] == "copy"
+        verdict = "dha below" if below else "dha above"
+        text = (f"DHA wins {'below' if below else 'above'} ~{crossings[0]['tokens']:.0f} "
+                f"tokens")
+    else:
+        verdict = "mixed"
+        text = "DHA wins at " + ", ".join(str(t) for t, w in zip(tokens, wins) if w) + \
+            " tokens"
+    return {"dha_over_copy": ratios,
+            "dha_wins_at_tokens": [t for t, w in zip(tokens, wins) if w],
+            "crossings": crossings, "verdict": verdict, "text": text}
+
+
+#: What the sweep's crossovers compare, per direction.
+SWEEP_COMPARES = {
+    "forward": "DHA forward (T^H_FP, forward_s.dha) vs copy-then-compute, serial "
+               "(T_trans + T_FP, forward_s.copy)",
+    "backward": "DHA backward of a layer whose parameters are still on the host "
+                "(T^H_BP, backward_s.dha) vs copying them first, serial (T_trans + T_BP)"}
+
+
+def sweep_layer(spec: dict, tokens_list, repeats: int, rng) -> dict:
+    """Per token count :func:`sweep_point`, and the forward and backward crossover."""
+    points = [sweep_point(spec, t, repeats, rng) for t in tokens_list]
+    fwd = crossover(tokens_list, [p["forward_s"]["dha"] for p in points],
+                    [p["forward_s"]["copy"] for p in points])
+    bwd = crossover(tokens_list, [p["backward_s"]["dha"] for p in points],
+                    [p["transfer_s"] + p["backward_s"]["gpu"] for p in points])
+    return {**spec, "points": points, "forward": fwd, "backward": bwd}
+
+
+def by_kind(layers: list[dict]) -> dict:
+    """Per layer type and direction: the verdict its layers agree on (else
+    "mixed") and the range of their crossing token counts (None without one)."""
+    out = {}
+    for kind in dict.fromkeys(layer["kind"] for layer in layers):
+        mine = [layer for layer in layers if layer["kind"] == kind]
+        out[kind] = {}
+        for direction in ("forward", "backward"):
+            verdicts = {layer[direction]["verdict"] for layer in mine}
+            at = [c["tokens"] for layer in mine for c in layer[direction]["crossings"]]
+            out[kind][direction] = {
+                "verdict": verdicts.pop() if len(verdicts) == 1 else "mixed",
+                "crossing_tokens": [min(at), max(at)] if at else None,
+                "layers": {layer["name"]: layer[direction]["text"] for layer in mine}}
+    return out
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``"64,256,1024"`` -> [64, 256, 1024] (ascending, distinct, >= 1); ``"none"``
+    -> []. Raises ValueError saying what was wrong."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--sweep takes comma-separated token counts such as "
+                         f"64,256,1024 (or none); got {text!r}") from None
+    if any(v < 1 for v in values) or any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"--sweep token counts must be ascending, distinct and >= 1; "
+                         f"got {text!r}")
+    if len(values) < 2:
+        raise ValueError(f"--sweep needs at least two token counts to find a crossover "
+                         f"(or none to skip it); got {text!r}")
+    return values
+
+
+#: Default token sweeps (batch x sequence), full and --quick.
+SWEEP_TOKENS, SWEEP_TOKENS_QUICK = "64,256,1024,4096,16384,65536", "64,512,4096"
+
+
+def _measure_all(what: str, specs, measure, doc: dict, key: str) -> list | None:
+    """``measure(spec)`` for every spec, in order; on a failure writes what was
+    measured (``doc[key]`` partial, with the error) and returns None."""
+    done = []
+    for spec in specs:
+        try:
+            done.append(measure(spec))
+        except Exception as e:  # noqa: BLE001 - reported with what was measured
+            # The first kernel launch compiles: a missing NVVM shows here.
+            error = f"{type(e).__name__}: {e}"
+            path = write_results("dha_layers", {**doc, key: done, "partial": True,
+                                                "error": f"{spec['name']}: {error}"})
+            print(f"{what} {spec['name']} failed: {error}\n(`rtmem doctor` says whether "
+                  f"numba-cuda finds NVVM; see CUDA_HOME there); wrote {path}",
+                  file=sys.stderr)
+            return None
+        print(f"  {what} {spec['name']}", flush=True)
+    return done
 
 
 def main(argv=None) -> int:
     """Run the benchmark; returns the exit code (0 also when no GPU is found)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1024 tokens, 3 repeats")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"1024 tokens, 3 repeats, sweep {SWEEP_TOKENS_QUICK}")
     ap.add_argument("--model", choices=sorted(HIDDEN), default="gpt2")
     ap.add_argument("--tokens", type=int, default=None,
                     help="tokens per batch, batch x sequence (default 4096)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
+    ap.add_argument("--sweep", default=None,
+                    help=f"token counts of the crossover sweep, comma-separated, or none "
+                         f"(default {SWEEP_TOKENS})")
     args = ap.parse_args(argv)
     tokens = (1024 if args.quick else 4096) if args.tokens is None else args.tokens
     repeats = (3 if args.quick else 5) if args.repeats is None else args.repeats
     if tokens < 1 or repeats < 1:
         ap.error("--tokens and --repeats must be at least 1")   # nothing to time
+    try:
+        sweep = parse_tokens(args.sweep if args.sweep is not None else
+                             SWEEP_TOKENS_QUICK if args.quick else SWEEP_TOKENS)
+    except ValueError as e:
+        ap.error(str(e))
     device, why = find_gpu()
     if device is None:
         return no_gpu_exit("bench dha", why)
@@ -236,20 +432,11 @@ def main(argv=None) -> int:
           f"median of {repeats}, times in ms")
     doc = {"format": "rtmem.dha_layers/1", "device": device, "model": args.model,
            "hidden": h, "tokens": tokens}
-    layers = []
-    for spec in layer_specs(h):
-        try:
-            layers.append(measure_layer(spec, tokens, repeats, rng))
-        except Exception as e:  # noqa: BLE001 - reported with what was measured
-            # The first kernel launch compiles: a missing NVVM shows here.
-            error = f"{type(e).__name__}: {e}"
-            path = write_results("dha_layers", {**doc, "layers": layers, "partial": True,
-                                                "error": f"{spec['name']}: {error}"})
-            print(f"measuring {spec['name']} failed: {error}\n(`rtmem doctor` says whether "
-                  f"numba-cuda finds NVVM; see CUDA_HOME there); wrote {path}",
-                  file=sys.stderr)
-            return 1
-        print(f"  measured {spec['name']}", flush=True)
+    specs = layer_specs(h)
+    layers = _measure_all("measured", specs,
+                          lambda spec: measure_layer(spec, tokens, repeats, rng), doc, "layers")
+    if layers is None:
+        return 1
     rows = [[r["name"], r["kind"], f"{r['param_bytes'] / 2**20:.2f}",
              f"{r['transfer_s'] * 1e3:.3f}"]
             + [f"{r['forward_s'][m] * 1e3:.3f}" for m in FORWARD_MODES]
@@ -267,6 +454,21 @@ def main(argv=None) -> int:
         "dha": "params in mapped host memory, grads to HBM",
         "gpu_go": "params in HBM, grads written to mapped host memory",
         "dha_go": "params and grads in mapped host memory"})
+    if sweep:
+        print(f"\ncrossover sweep over {','.join(map(str, sweep))} tokens", flush=True)
+        doc["sweep"] = {"tokens": sweep, "compares": SWEEP_COMPARES}
+        swept = _measure_all("swept", specs,
+                             lambda spec: sweep_layer(spec, sweep, repeats, rng),
+                             doc, "sweep_layers")
+        if swept is None:
+            return 1
+        doc["sweep"].update(layers=swept, by_kind=by_kind(swept))
+        rows = [[r["name"], r["kind"]]
+                + [f"{x:.2f}" for x in r["forward"]["dha_over_copy"]]
+                + [r["forward"]["text"], r["backward"]["text"]] for r in swept]
+        print(format_table(["layer", "kind"] + [f"fwd dha/copy @{t}" for t in sweep]
+                           + ["forward", "backward"], rows,
+                           align="ll" + "r" * len(sweep) + "ll"))
     print(f"\nwrote {write_results('dha_layers', doc)}")
     return 0
 

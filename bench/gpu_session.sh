@@ -10,7 +10,7 @@
 #
 # The device tool stops a command after 10 minutes, so a session splits the steps
 # over three calls, each inside the limit thanks to the per-step timeouts below:
-#   bash bench/gpu_session.sh doctor gpu-tests pcie dha-layers     (<= ~8 min)
+#   bash bench/gpu_session.sh doctor gpu-tests pcie dha-layers     (<= ~9 min)
 #   bash bench/gpu_session.sh train                                (<= ~9 min)
 #   bash bench/gpu_session.sh allocator adam                       (<= ~7 min)
 # The last call carries .whl/ (made here by bench/device_wheels.sh) so that
@@ -125,7 +125,7 @@ fi
 step doctor 30 python3 -m rtmem.cli doctor
 step gpu-tests 240 python3 -m pytest -q -rs -m gpu tests
 step pcie 120 python3 bench/pcie.py $q
-step dha-layers 90 python3 bench/dha_layers.py $q
+step dha-layers 150 python3 bench/dha_layers.py $q
 step allocator 90 python3 bench/allocator.py
 step train 540 python3 bench/train.py --skip-cpu --gpu-time-s 240 --gpu-deadline-s 420
 step adam 300 python3 bench/adam.py --sizes 1e7,5e7,1e8 --budget 6

@@ -57,7 +57,7 @@ def _cmd_pcie(args) -> int:
 
 
 def _cmd_dha(args) -> int:
-    return _run("dha_layers.py", _flags(args, ("model", "tokens", "repeats")))
+    return _run("dha_layers.py", _flags(args, ("model", "tokens", "repeats", "sweep")))
 
 
 def register(subparsers) -> None:
@@ -76,9 +76,13 @@ def register(subparsers) -> None:
     q.set_defaults(func=_cmd_pcie)
     q = sub.add_parser("dha", help="per-layer forward/backward time on-GPU vs DHA vs "
                        "copy-then-compute (GPT-2 layers); JSON for the DHA planner")
-    q.add_argument("--quick", action="store_true", help="1024 tokens, 3 repeats")
+    q.add_argument("--quick", action="store_true",
+                   help="1024 tokens, 3 repeats, sweep 64,512,4096")
     q.add_argument("--model", default=None,
                    help="gpt2, gpt2-medium, gpt2-large or gpt2-xl (default gpt2)")
     q.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 4096)")
     q.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
+    q.add_argument("--sweep", default=None,
+                   help="token counts of the DHA-vs-copy crossover sweep, comma-separated, "
+                        "or none (default 64,256,1024,4096,16384,65536)")
     q.set_defaults(func=_cmd_dha)

@@ -321,11 +321,39 @@ def test_dha_layers_reports_a_kernel_failure_with_what_it_measured(bench, capsys
     dl = bench.load("dha_layers")
     bench.stub_kernels()
     bench.without_nvvm("layernorm_forward")
-    assert dl.main(["--quick", "--model", "tiny", "--tokens", "40", "--repeats", "1"]) == 1
+    assert dl.main(["--quick", "--model", "tiny", "--tokens", "40", "--repeats", "1",
+                    "--sweep", "none"]) == 1
     doc = bench.json("dha_layers")
     assert doc["partial"] is True and [layer["name"] for layer in doc["layers"]] == ["wte"]
     assert doc["error"] == "ln: RuntimeError: libNVVM cannot be found"
     assert "rtmem doctor" in capsys.readouterr().err
+
+
+def test_dha_layers_keeps_the_table_when_the_sweep_fails(bench, monkeypatch, capsys):
+    dl = bench.load("dha_layers")
+    bench.stub_kernels()
+    point = dl.sweep_point
+
+    def fails_on_layernorm(spec, tokens, repeats, rng):
+        if spec["kind"] == "layernorm":
+            raise RuntimeError("out of memory")
+        return point(spec, tokens, repeats, rng)
+    monkeypatch.setattr(dl, "sweep_point", fails_on_layernorm)
+    assert dl.main(["--model", "tiny", "--tokens", "8", "--repeats", "1",
+                    "--sweep", "4,8"]) == 1
+    doc = bench.json("dha_layers")
+    assert doc["partial"] is True and doc["error"] == "ln: RuntimeError: out of memory"
+    assert len(doc["layers"]) == 6                         # the main table survives
+    assert [layer["name"] for layer in doc["sweep_layers"]] == ["wte"]
+    assert "swept ln failed" in capsys.readouterr().err
+
+
+def test_dha_layers_refuses_a_bad_sweep_before_looking_for_a_gpu(bench, capsys):
+    dl = bench.load("dha_layers")
+    with pytest.raises(SystemExit):
+        dl.main(["--sweep", "1024,64"])
+    assert "ascending" in capsys.readouterr().err
+    assert not (bench.results / "dha_layers.json").exists()
 
 
 def test_pcie_refuses_sizes_the_latency_probes_would_overrun(bench):
@@ -339,7 +367,8 @@ def test_pcie_refuses_sizes_the_latency_probes_would_overrun(bench):
 def test_dha_layers_gpu_path(bench, capsys):
     dl = bench.load("dha_layers")
     launches = bench.stub_kernels()
-    assert dl.main(["--quick", "--model", "tiny", "--tokens", "40", "--repeats", "1"]) == 0
+    assert dl.main(["--quick", "--model", "tiny", "--tokens", "40", "--repeats", "1",
+                    "--sweep", "8,16,32"]) == 0
     out = capsys.readouterr().out
     doc = bench.json("dha_layers")
     h, v = 48, 96
@@ -361,6 +390,25 @@ def test_dha_layers_gpu_path(bench, capsys):
         assert layer["dha_matches_gpu"] is True
         assert layer["tokens"] == 40 and layer["activation_in_bytes"] > 0
     assert "mlp.c_proj" in out and "bitwise" in out and "wrote" in out
+    # the crossover sweep: every layer at every token count, and a verdict each way
+    sweep = doc["sweep"]
+    assert sweep["tokens"] == [8, 16, 32] and set(sweep["compares"]) == {"forward", "backward"}
+    assert [layer["name"] for layer in sweep["layers"]] == list(params)
+    for layer in sweep["layers"]:
+        assert [p["tokens"] for p in layer["points"]] == [8, 16, 32]
+        for p in layer["points"]:
+            assert set(p["forward_s"]) == set(dl.FORWARD_MODES)
+            assert set(p["backward_s"]) == {"gpu", "dha"}
+            assert all(_rate_ok(t) for t in [p["transfer_s"], *p["forward_s"].values(),
+                                             *p["backward_s"].values()])
+        for direction in ("forward", "backward"):
+            c = layer[direction]
+            assert len(c["dha_over_copy"]) == 3 and c["verdict"] in \
+                {"dha", "copy", "dha below", "dha above", "mixed"}
+    assert set(sweep["by_kind"]) == {"embedding", "layernorm", "linear"}
+    assert set(sweep["by_kind"]["linear"]["forward"]["layers"]) == \
+        {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}
+    assert "fwd dha/copy @32" in out and "swept mlp.c_proj" in out
     assert {"_embedding_fwd_kernel", "_embedding_grad_kernel", "_layernorm_fwd_kernel",
             "_layernorm_dx_kernel", "_gemm_kernel", "_column_finish_kernel"} <= set(launches)
     # the copy mode's cudaMemcpyAsync calls go between pinned host and device memory
@@ -406,8 +454,9 @@ def test_cli_bench_pcie_and_dha(bench, monkeypatch, capsys):
     assert bench.json("pcie")["sizes_bytes"] == [4096]
     assert (bench.results / "pcie.png").stat().st_size > 0     # default: next to the JSON
     assert cli.main(["bench", "dha", "--quick", "--model", "tiny", "--tokens", "8",
-                     "--repeats", "1"]) == 0
+                     "--repeats", "1", "--sweep", "4,8"]) == 0
     doc = bench.json("dha_layers")
+    assert doc["sweep"]["tokens"] == [4, 8]
     assert (doc["model"], doc["tokens"], doc["repeats"], len(doc["layers"])) == \
         ("tiny", 8, 1, 6)
     assert launches and "no CUDA GPU" not in capsys.readouterr().out

@@ -14,3 +14,70 @@ def test_adam_ratio_keys_are_unique_per_size(monkeypatch):
     sizes = [100_000, 120_000, 1_000_000, 25_000_000, 50_000_000]
     keys = [adam._size_key(n) for n in sizes]
     assert keys == ["1e5", "120000", "1e6", "25000000", "5e7"]
+
+
+def _dha_layers(monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)
+    import dha_layers
+    return dha_layers
+
+
+def test_dha_crossover_interpolates_where_the_ratio_is_one(monkeypatch):
+    import pytest
+    dl = _dha_layers(monkeypatch)
+    tokens = [64, 256, 1024, 4096, 16384, 65536]
+    # power laws: the log-log interpolation is exact; dha/copy = 0.01 sqrt(T) = 1 at 1e4
+    dha = [1e-6 * t for t in tokens]
+    copy = [1e-4 * t ** 0.5 for t in tokens]
+    c = dl.crossover(tokens, dha, copy)
+    assert c["verdict"] == "dha below" and c["dha_wins_at_tokens"] == [64, 256, 1024, 4096]
+    assert len(c["crossings"]) == 1 and c["crossings"][0]["to"] == "copy"
+    assert c["crossings"][0]["tokens"] == pytest.approx(1e4)
+    assert c["dha_over_copy"][0] == pytest.approx(0.08)
+    assert "below ~10000 tokens" in c["text"]
+    up = dl.crossover(tokens, copy, dha)                 # the other way round
+    assert up["verdict"] == "dha above" and up["crossings"][0]["to"] == "dha"
+    assert up["crossings"][0]["tokens"] == pytest.approx(1e4)
+    assert dl.crossover(tokens, dha, [1.0] * 6)["verdict"] == "dha"
+    assert dl.crossover(tokens, [1.0] * 6, dha)["verdict"] == "copy"
+    ties = dl.crossover([1, 2], [1.0, 1.0], [1.0, 1.0])  # a tie goes to the copy
+    assert ties["verdict"] == "copy" and ties["crossings"] == []
+    mixed = dl.crossover([1, 2, 4], [0.5, 2.0, 0.5], [1.0, 1.0, 1.0])
+    assert mixed["verdict"] == "mixed" and [x["to"] for x in mixed["crossings"]] == \
+        ["copy", "dha"] and mixed["text"] == "DHA wins at 1, 4 tokens"
+
+
+def test_dha_crossover_refuses_what_it_cannot_read(monkeypatch):
+    import pytest
+    dl = _dha_layers(monkeypatch)
+    with pytest.raises(ValueError, match="one dha and one copy time"):
+        dl.crossover([1, 2], [1.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="ascending"):
+        dl.crossover([2, 1], [1.0, 1.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="positive and finite"):
+        dl.crossover([1, 2], [1.0, 0.0], [1.0, 1.0])
+    assert dl.parse_tokens("64, 256,1024") == [64, 256, 1024]
+    assert dl.parse_tokens("None") == []
+    for bad, why in [("64,x", "comma-separated"), ("256,64", "ascending"),
+                     ("0,4", ">= 1"), ("64", "at least two")]:
+        with pytest.raises(ValueError, match=why):
+            dl.parse_tokens(bad)
+
+
+def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
+    dl = _dha_layers(monkeypatch)
+    tokens = [10, 100, 1000]
+
+    def layer(name, kind, dha):
+        c = dl.crossover(tokens, dha, [1.0, 1.0, 1.0])
+        return {"name": name, "kind": kind, "forward": c, "backward": c}
+    layers = [layer("wte", "embedding", [0.1, 0.5, 0.9]),
+              layer("a", "linear", [0.5, 2.0, 4.0]), layer("b", "linear", [0.9, 1.1, 3.0]),
+              layer("ln", "layernorm", [0.5, 2.0, 0.5])]
+    k = dl.by_kind(layers)
+    assert list(k) == ["embedding", "linear", "layernorm"]
+    assert k["embedding"]["forward"] == {"verdict": "dha", "crossing_tokens": None,
+                                         "layers": {"wte": layers[0]["forward"]["text"]}}
+    lo, hi = k["linear"]["backward"]["crossing_tokens"]
+    assert k["linear"]["backward"]["verdict"] == "dha below" and 10 < lo < hi < 100
+    assert k["layernorm"]["forward"]["verdict"] == "mixed"
