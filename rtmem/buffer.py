@@ -452,9 +452,11 @@ class Buffer:
                 f"{self.residency!r} on the {p.arena.backend.name} backend); "
                 "use HostArena(..., mapped=True) or prefetch it")
         self._wait_if_in_flight(p, host=False)
+        # The interface asks for a 0 pointer when the array has no elements (a
+        # zero-byte block's address may be a neighbour's first byte).
+        ptr = slab.device_ptr + p.offset if self._view_nbytes() else 0
         return {"shape": self._shape, "typestr": self._dtype.str, "descr": self._dtype.descr,
-                "data": (slab.device_ptr + p.offset, False), "strides": None,
-                "version": 3, "stream": None}
+                "data": (ptr, False), "strides": None, "version": 3, "stream": None}
 
     @property
     def __array_interface__(self) -> dict:

@@ -217,6 +217,21 @@ def test_array_interfaces_point_at_the_right_bytes(fake, backend):
             use()
 
 
+def test_zero_size_buffers_export_a_null_cuda_pointer(fake, backend):
+    # the CUDA array interface asks for 0 when there are no elements; the block's
+    # address was handed out (the next allocation's first byte)
+    d = DeviceArena(1 << 20, backend=backend)
+    m = HostArena(1 << 20, mapped=True, backend=backend)
+    d.alloc(1000)
+    for arena in (d, m):
+        empty = arena.alloc(shape=(0, 4), dtype=np.float32)
+        cai = empty.__cuda_array_interface__
+        assert cai["data"] == (0, False) and cai["shape"] == (0, 4)
+        assert empty.cupy().size == 0
+        full = arena.alloc(shape=(2,), dtype=np.float32)
+        assert full.__cuda_array_interface__["data"][0] != 0
+
+
 def test_dlpack_forwards_the_protocol_arguments(fake, backend):
     d = DeviceArena(1 << 20, backend=backend)
     p = HostArena(1 << 20, backend=backend)
