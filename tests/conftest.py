@@ -18,6 +18,9 @@ def _wants_real_gpu(config) -> bool:
 
 
 def pytest_configure(config):
+    # Every ScheduleExecutor step in the suite checks its running byte count
+    # against a full recount after each operation (rtmem/torch/executor.py).
+    os.environ.setdefault("RTMEM_CHECK_ACCOUNTING", "1")
     if not _wants_real_gpu(config):
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
         # pytest may have imported numba already (pyproject's filterwarnings names a

@@ -529,3 +529,48 @@ def test_placed_frozen_parameters_get_no_gradient(arena):
     opt.step()
     assert torch.equal(model[0].weight, before)
     placement.release()
+
+
+# ------------------------------------------------------- running byte count
+class _ExpandBias(nn.Module):
+    """Returns a view of its own parameter: an activation that is model state."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x):
+        return self.b.expand(x.shape[0], 4) * 1.0 if x.requires_grad else self.b.expand(
+            x.shape[0], 4)
+
+
+@pytest.mark.parametrize("text", [
+    "F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0",
+    "F_ck 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, F_all 0, B 0",
+    "F_all 0, F_all 1, w_offload 1, F_all 2, L, B 2, w_prefetch 1, B 1, B 0",
+    "F_ck 0, F_ck 1, w_offload 1, F_all 2, L, B 2, w_prefetch 1, F_all 1, B 1, F_all 0, B 0",
+    "F_all 0, offload abar1, F_all 1, delete abar1, F_all 2, L, B 2, prefetch abar1, B 1, B 0"])
+def test_resident_bytes_are_counted_as_a_full_recount_does(text):
+    # The executor counts bytes as tensors come and go (a ledger), not by walking
+    # every stored tensor after each operation (O(ops x stored) per step). A stage
+    # whose output is a view of its parameter makes the parameters' exclusion
+    # and its change under weight moves count.
+    from rtmem.torch import executor as ex_module
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _ExpandBias(), nn.Linear(4, 2))
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    sched = _sched(text, 3)
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, loss, ref, ref_loss)
+    recounts = []
+    ex.track_memory = True
+    original = ex._account
+
+    def account():
+        original()
+        recounts.append(ex._recount())
+    ex._account = account
+    ex.step(x, y)
+    assert ex.resident_bytes == recounts and len(recounts) == len(sched)
+    assert max(recounts) == ex.peak_bytes > 0
+    assert ex_module._CHECK_ACCOUNTING      # the suite checks every executor step too

@@ -31,6 +31,92 @@ def _storages(tensors):
     return out
 
 
+class _Ledger:
+    """Bytes of the device storages that a changing set of tensors references,
+    kept current at O(1) per change: tensors come (:meth:`add`) and go
+    (:meth:`remove`), storages are resized (:meth:`resized`), and the excluded
+    data pointers (the model's state) change (:meth:`exclude`). :attr:`total`
+    equals summing :func:`_storages` of the whole set with the excluded keys left
+    out, which costs O(set) per query: O(operations x stored tensors) per step
+    when the executor accounts after every operation.
+
+    Storages are tracked by StorageImpl (``_cdata``: the same for every view and
+    kept across ``resize_``), bytes per data pointer as :func:`_storages` keys
+    them (two storages over the same memory count once). No storage object is
+    held, so the ledger never keeps memory alive; the tensors of the set do,
+    while they are counted."""
+
+    __slots__ = ("_refs", "_ptrs", "_excluded", "total")
+
+    def __init__(self, excluded=()):
+        self._refs: dict = {}            # _cdata -> [references, data_ptr, nbytes]
+        self._ptrs: dict = {}            # data_ptr -> [storages, nbytes], nbytes > 0
+        self._excluded = set(excluded)
+        #: bytes of the referenced storages outside the excluded pointers
+        self.total = 0
+
+    def _count(self, ptr: int, nbytes: int, step: int) -> None:
+        if not nbytes:
+            return
+        entry = self._ptrs.get(ptr)
+        if entry is None:                # step == 1: the first storage at ptr
+            entry = self._ptrs[ptr] = [0, nbytes]
+            if ptr not in self._excluded:
+                self.total += nbytes
+        entry[0] += step
+        if entry[0] == 0:
+            del self._ptrs[ptr]
+            if ptr not in self._excluded:
+                self.total -= entry[1]
+
+    def add(self, tensors) -> list:
+        """Count the storages of ``tensors`` (None skipped); returns the keys to
+        hand to :meth:`remove`, which holds even if a tensor's ``.data`` is
+        swapped meanwhile."""
+        keys = []
+        for t in tensors:
+            if t is None:
+                continue
+            s = t.untyped_storage()
+            key = s._cdata
+            ref = self._refs.get(key)
+            if ref is None:
+                ref = self._refs[key] = [0, s.data_ptr(), s.nbytes()]
+                self._count(ref[1], ref[2], 1)
+            ref[0] += 1
+            keys.append(key)
+        return keys
+
+    def remove(self, keys) -> None:
+        """Stop counting what :meth:`add` returned ``keys`` for."""
+        for key in keys:
+            ref = self._refs[key]
+            ref[0] -= 1
+            if ref[0] == 0:
+                del self._refs[key]
+                self._count(ref[1], ref[2], -1)
+
+    def resized(self, storage) -> None:
+        """Call after ``storage.resize_``: its bytes (and address) changed."""
+        ref = self._refs.get(storage._cdata)
+        if ref is None:
+            return
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if (ptr, nbytes) != (ref[1], ref[2]):
+            self._count(ref[1], ref[2], -1)
+            ref[1], ref[2] = ptr, nbytes
+            self._count(ptr, nbytes, 1)
+
+    def exclude(self, ptrs) -> None:
+        """Make ``ptrs`` the excluded data pointers (replacing the previous ones)."""
+        new = set(ptrs)
+        for ptr in self._excluded ^ new:
+            entry = self._ptrs.get(ptr)
+            if entry is not None:
+                self.total += -entry[1] if ptr in new else entry[1]
+        self._excluded = new
+
+
 def _storage_ptrs(tensors) -> set:
     """Data pointers of the non-empty storages of ``tensors`` (None and non-tensors
     skipped): the keys :func:`_storages` gives them."""

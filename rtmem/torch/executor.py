@@ -66,6 +66,7 @@ synchronously, so the semantics are tested on any machine.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +76,8 @@ from rtmem.arena import is_arena
 from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 
-from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _storage_ptrs,
+from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _Ledger,
+                      _storage_ptrs,
                       _storages, check_placement, check_shared_weights, param_label)
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
@@ -127,6 +129,7 @@ class _Stored:
     version: int = 0                         # out._version when stored (NOTE rule 7)
     ready: object = None                     # CUDA event of the last prefetch
     resident: bool = True                    # False between delete and prefetch
+    ledger_keys: list = field(default_factory=list)  # what _Entries counted for it
 
     @classmethod
     def of(cls, out, inp=None, saved=()):
@@ -136,6 +139,47 @@ class _Stored:
 
     def all_tensors(self):
         return [self.out, self.inp, *self.saved]
+
+
+class _Entries(dict):
+    """Stored tensors by index (the executor's plain and abar tensors). Every
+    insertion and removal counts or uncounts the tensor's storages in the
+    executor's :class:`_Ledger`, so the resident bytes are known after each
+    operation without walking every stored tensor."""
+
+    def __init__(self, ledger):
+        super().__init__()
+        self._ledger = ledger
+
+    def __setitem__(self, k, st: _Stored):
+        self.pop(k, None)
+        st.ledger_keys = self._ledger.add(st.all_tensors())
+        super().__setitem__(k, st)
+
+    def pop(self, k, *default):
+        if k not in self:
+            return super().pop(k, *default)
+        st = super().pop(k)
+        self._ledger.remove(st.ledger_keys)
+        return st
+
+    def __delitem__(self, k):
+        self.pop(k)
+
+    def clear(self):
+        for st in self.values():
+            self._ledger.remove(st.ledger_keys)
+        super().clear()
+
+    def _uncounted(self, *args, **kwargs):
+        raise TypeError("stored tensors are set, popped or cleared one by one (the "
+                        "ledger counts each)")
+    update = setdefault = popitem = _uncounted
+
+
+#: Set by the test suite (tests/conftest.py): every operation's ledger total is
+#: compared with a full recount of the stored tensors' storages.
+_CHECK_ACCOUNTING = os.environ.get("RTMEM_CHECK_ACCOUNTING") == "1"
 
 
 class ScheduleExecutor:
@@ -166,10 +210,12 @@ class ScheduleExecutor:
         Its buffers are freed at the end of every step. Without one, offloaded data
         goes to torch's pinned memory (CPU tensors on the host backend).
     track_memory:
-        Count the activation bytes after every operation (below). The count walks
-        every stored tensor, a Python cost per operation that is a visible share
-        of a step of small stages; a training loop that does not read the figures
-        passes ``False`` (the attribute may also be flipped between steps).
+        Record the activation bytes after every operation (below). The count is
+        kept up to date as tensors are stored, dropped, freed and restored (a
+        few dictionary updates per tensor; it used to walk every stored tensor
+        after every operation, which made a step of n small stages O(n^2));
+        ``False`` only skips recording it (the attribute may be flipped
+        between steps).
 
     After :meth:`step` with ``track_memory``, ``peak_bytes`` is the largest number
     of activation bytes (unique device storages of stored tensors and gradients,
@@ -249,9 +295,10 @@ class ScheduleExecutor:
         self.host_arena = host_arena
         self._host_bufs: list = []
         self._streams = None
-        self._plain: dict[int, _Stored] = {}
-        self._bar: dict[int, _Stored] = {}
-        self._delta = None
+        self._ledger = _Ledger()
+        self._plain = _Entries(self._ledger)
+        self._bar = _Entries(self._ledger)
+        self._delta_t, self._delta_keys = None, []
         self._caller_keys: set = set()
         self._op_index = 0   # of the operation running, for error messages
         # If the schedule frees a0, work on a private copy: the caller's batch may share
@@ -310,14 +357,16 @@ class ScheduleExecutor:
             inputs = inputs.clone(memory_format=torch.contiguous_format)
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        self._plain = {0: _Stored.of(inputs)}
-        self._bar = {}
-        self._delta = None
+        self._ledger = _Ledger()
+        self._plain = _Entries(self._ledger)
+        self._bar = _Entries(self._ledger)
+        self._delta_t, self._delta_keys = None, []
+        self._refresh_state_ptrs()
+        self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
         track = self.track_memory
         self.peak_bytes = 0 if track else None
         self.resident_bytes = []
-        self._refresh_state_ptrs()
         loss = None
         try:
             for j, (op, s, aux) in enumerate(self.schedule):
@@ -386,14 +435,34 @@ class ScheduleExecutor:
         return as_tensor(buf).untyped_storage()
 
     # ------------------------------------------------------------- internals
+    @property
+    def _delta(self):
+        """delta_i, the gradient flowing back (counted in the ledger)."""
+        return self._delta_t
+
+    @_delta.setter
+    def _delta(self, t):
+        self._ledger.remove(self._delta_keys)
+        self._delta_t, self._delta_keys = t, self._ledger.add((t,))
+
     def _account(self):
-        tensors = [self._delta]
-        for st in list(self._plain.values()) + list(self._bar.values()):
-            tensors += st.all_tensors()
-        state = self._state_ptrs
-        nbytes = sum(s.nbytes() for k, s in _storages(tensors).items() if k not in state)
+        nbytes = self._ledger.total
+        if _CHECK_ACCOUNTING:
+            recount = self._recount()
+            if nbytes != recount:
+                raise AssertionError(f"executor ledger says {nbytes} B resident after "
+                                     f"operation {self._op_index}, a recount {recount} B")
         self.resident_bytes.append(nbytes)
         self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def _recount(self) -> int:
+        """The ledger's figure from scratch: bytes of the storages of delta and of
+        every stored tensor (parameters and buffers excluded)."""
+        tensors = [self._delta]
+        for st in (*self._plain.values(), *self._bar.values()):
+            tensors += st.all_tensors()
+        state = self._state_ptrs
+        return sum(s.nbytes() for k, s in _storages(tensors).items() if k not in state)
 
     def _protected(self, skip: _Stored | None = None) -> set:
         """Keys (:func:`_storages`) of the device storages that a delete or a drop
@@ -600,6 +669,7 @@ class ScheduleExecutor:
             protected = self._protected()
             for key in held - protected:
                 mine[key].resize_(0)
+                self._ledger.resized(mine[key])
 
     def _move(self, op, k: int, aux: int):
         entries = self._bar if aux else self._plain
@@ -640,6 +710,7 @@ class ScheduleExecutor:
                      if h is not None and s.nbytes() == 0]
             for s, h in pairs:
                 s.resize_(h.nbytes())
+                self._ledger.resized(s)
             st.ready = self._copy("h2d", pairs, [s for s, _ in pairs], after=done)
 
     def _delete(self, st: _Stored, host: list):
@@ -651,6 +722,7 @@ class ScheduleExecutor:
             # protected storage stays, as its other owner needs it (rule 4)
             if h is not None and s.nbytes() and s.data_ptr() not in protected:
                 s.resize_(0)
+                self._ledger.resized(s)
         st.resident = False
 
     def _refresh_state_ptrs(self):
@@ -659,6 +731,7 @@ class ScheduleExecutor:
         moves swap ``.data``."""
         self._state_ptrs = _storage_ptrs(
             t for ts in (*self._stage_params, *self._stage_buffers) for t in ts)
+        self._ledger.exclude(self._state_ptrs)
 
     def _wait_weights(self, i: int):
         """Order compute after the H2D copy of stage i's prefetched weights."""
