@@ -1,0 +1,127 @@
+"""Python overhead of :class:`~rtmem.torch.ScheduleExecutor` against chain depth,
+next to plain torch in the same process.
+
+    .venv/bin/python bench/executor.py [--depths 25,100,400] [--repeats 7] [--threads 1]
+
+The model is ``depth`` thin stages (``Linear(64, 64)`` + ReLU, batch 8, CPU), so
+a stage's compute is tens of microseconds and the executor's per-operation work
+shows. Contenders, each a whole training step (forward, loss, backward; gradients
+zeroed outside the timed region), round-robin over ``--repeats`` rounds after a
+warm-up step each, median kept:
+
+- ``torch plain``: ``loss_fn(model(x), y).backward()``, the baseline;
+- ``exec store-all`` / ``exec seq``: ``store_all_schedule`` and
+  ``sequential_schedule(n, round(sqrt(n)))`` replayed by the executor, with
+  ``track_memory=True`` (the default: resident bytes recorded after every
+  operation, kept by the executor's ledger) and ``False``;
+- ``exec ... recount``: the same with the byte count taken by walking every
+  stored tensor after each operation (the executor's ``_recount``, which is how
+  it counted before the ledger), to show what the ledger saves. Its ratio over
+  the ledger's grows with depth (O(n^2) per step against O(n)).
+
+Ratios are over ``torch plain`` at the same depth. Writes a table to stdout and
+JSON to ``bench/results/executor.json`` (times in seconds; quote the ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_results  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from rtmem._table import format_table  # noqa: E402
+from rtmem.planners import sequential_schedule, store_all_schedule  # noqa: E402
+from rtmem.torch import ScheduleExecutor  # noqa: E402
+
+WIDTH, BATCH = 64, 8
+
+
+def _recounting(ex: ScheduleExecutor) -> ScheduleExecutor:
+    """``ex`` counting its bytes by a full walk after every operation."""
+    def account():
+        nbytes = ex._recount()
+        ex.resident_bytes.append(nbytes)
+        ex.peak_bytes = max(ex.peak_bytes, nbytes)
+    ex._account = account
+    return ex
+
+
+def measure(depth: int, repeats: int) -> dict:
+    """Median step seconds of every contender at ``depth`` stages."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())
+                            for _ in range(depth)])
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    loss_fn = nn.functional.mse_loss
+    schedules = {"store-all": store_all_schedule(depth),
+                 "seq": sequential_schedule(depth, max(1, round(math.sqrt(depth))))}
+    steps = {"torch plain": lambda: loss_fn(model(x), y).backward()}
+    for name, sched in schedules.items():
+        for label, track, recount in (("", True, False), (" untracked", False, False),
+                                      (" recount", True, True)):
+            ex = ScheduleExecutor(model, sched, loss_fn, track_memory=track)
+            if recount:
+                _recounting(ex)
+            steps[f"exec {name}{label}"] = (lambda e: lambda: e.step(x, y))(ex)
+    times = {name: [] for name in steps}
+    for name, step in steps.items():       # warm-up
+        model.zero_grad(set_to_none=True)
+        step()
+    for _ in range(repeats):
+        for name, step in steps.items():
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    base = med["torch plain"]
+    return {"depth": depth, "median_s": med,
+            "over_torch": {name: t / base for name, t in med.items()},
+            "recount_over_ledger": {name: med[f"exec {name} recount"] / med[f"exec {name}"]
+                                    for name in schedules}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--depths", default="25,100,400",
+                    help="stage counts, comma-separated (default 25,100,400)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed rounds (default 7)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = ap.parse_args(argv)
+    try:
+        depths = [int(d) for d in args.depths.split(",")]
+    except ValueError:
+        ap.error(f"--depths takes comma-separated stage counts, got {args.depths!r}")
+    if any(d < 1 for d in depths) or args.repeats < 1 or args.threads < 1:
+        ap.error("--depths, --repeats and --threads must be at least 1")
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    rows, results = [], []
+    for depth in depths:
+        r = measure(depth, args.repeats)
+        results.append(r)
+        for name, ratio in r["over_torch"].items():
+            rows.append([str(depth), name, f"{r['median_s'][name] * 1e3:.2f}", f"{ratio:.2f}"])
+        print(f"  depth {depth}: recount / ledger "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["recount_over_ledger"].items()),
+              flush=True)
+    print(format_table(["stages", "contender", "median ms", "t/torch"], rows, align="llrr"))
+    doc = {"command": "python bench/executor.py " + " ".join(argv or sys.argv[1:]),
+           "torch": torch.__version__, "threads": args.threads, "width": WIDTH,
+           "batch": BATCH, "repeats": args.repeats, "results": results,
+           "total_seconds": time.perf_counter() - t0}
+    print(f"wrote {write_results('executor', doc)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
