@@ -5,6 +5,7 @@ import copy
 import math
 import os
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -245,3 +246,30 @@ def test_gpt2_model_refuses_bad_sizes(kwargs, fragment):
     from rtmem.torch import gpt2_model
     with pytest.raises(ValueError, match=fragment):
         gpt2_model(**{"hidden": 64, "heads": 4, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"blocks": ()}, "blocks must be a non-empty sequence"),
+    ({"blocks": 3}, "blocks must be a non-empty sequence"),
+    ({"blocks": "22"}, "blocks must be a non-empty sequence"),
+    ({"blocks": (2, 0)}, r"blocks\[1\] must be an integer >= 1, got 0"),
+    ({"blocks": (2, 1.5)}, r"blocks\[1\] must be an integer >= 1, got 1.5"),
+    ({"width": 0}, "width must be an integer >= 1"),
+    ({"image": None}, "image must be an integer >= 1, got None"),
+    ({"classes": True}, "classes must be an integer >= 1, got True"),
+    ({"bottleneck": "yes"}, "bottleneck must be True or False"),
+])
+def test_resnet_model_names_a_bad_argument(kwargs, fragment):
+    # blocks=(2, 0) built a model whose widths skipped a group, width=0 failed
+    # inside Conv2d, image=None inside torch.randn at the first batch
+    with pytest.raises(ValueError, match=fragment):
+        resnet_model(**kwargs)
+
+
+def test_gpt2_model_names_a_bad_argument():
+    with pytest.raises(ValueError, match="seq must be an integer >= 1, got None"):
+        gpt2_model(seq=None)                      # was a TypeError from int(None)
+    with pytest.raises(ValueError, match="layers must be an integer >= 0, got 2.5"):
+        gpt2_model(layers=2.5)
+    model, _, _ = gpt2_model(layers=np.int64(1), hidden=8, heads=2, seq=4, vocab=16)
+    assert len(model) == 3

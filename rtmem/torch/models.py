@@ -9,6 +9,7 @@ of :mod:`rtmem.planners.profiles` (same structure, same names).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,13 @@ def _lm_loss(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
+def _check_ints(*checks) -> None:
+    """Each ``(name, value, low)``: ``value`` must be an integer >= ``low``."""
+    for name, value, low in checks:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 def gpt2_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 32,
                vocab: int = 128, dropout: float = 0.0):
     """A GPT-2-style model as ``nn.Sequential(embedding, block * layers, head)``.
@@ -87,10 +95,8 @@ def gpt2_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 32,
     draws random token ids and next-token targets (int64 tensors of shape
     (batch, seq)).
     """
-    for name, value, low in (("layers", layers, 0), ("hidden", hidden, 1),
-                             ("heads", heads, 1), ("seq", seq, 1), ("vocab", vocab, 1)):
-        if isinstance(value, bool) or int(value) != value or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    _check_ints(("layers", layers, 0), ("hidden", hidden, 1), ("heads", heads, 1),
+                ("seq", seq, 1), ("vocab", vocab, 1))
     if hidden % heads:
         raise ValueError(f"hidden = {hidden} must be a multiple of heads = {heads}")
     if not 0.0 <= dropout < 1.0:
@@ -148,6 +154,13 @@ def resnet_model(blocks=(1, 1), width: int = 8, bottleneck: bool = False,
     ``(model, loss_fn, make_batch)``; ``make_batch(batch, generator)`` draws
     images (batch, 3, image, image) and class labels.
     """
+    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__len__") or not blocks:
+        raise ValueError(f"blocks must be a non-empty sequence of block counts per group, "
+                         f"e.g. (2, 2), got {blocks!r}")
+    _check_ints(*((f"blocks[{g}]", n, 1) for g, n in enumerate(blocks)),
+                ("width", width, 1), ("image", image, 1), ("classes", classes, 1))
+    if not isinstance(bottleneck, bool):
+        raise ValueError(f"bottleneck must be True or False, got {bottleneck!r}")
     stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
                          nn.ReLU(True))
     stages, c_in = [stem], width
