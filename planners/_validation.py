@@ -64,13 +64,28 @@ def as_scalar(name: str, value, *, integral: bool):
     return int(math.ceil(v)) if integral else v
 
 
+def type_label(obj, expected: type) -> str:
+    """``obj``'s type name for a "got ..." message; when it is named like
+    ``expected`` but is another class, says where it comes from: the usual cause
+    is the source tree's ``planners/`` imported as a top-level package (running
+    from a checkout), a second copy of ``rtmem.planners`` whose classes are not
+    rtmem's."""
+    cls = type(obj)
+    if cls.__name__ != expected.__name__ or cls is expected:
+        return cls.__name__
+    return (f"{cls.__module__}.{cls.__qualname__}, a different class from "
+            f"{expected.__module__}.{expected.__qualname__} (a second import of the "
+            f"planners, e.g. `import planners` from a source checkout; import them "
+            f"from rtmem.planners)")
+
+
 def check_chain(chain, what: str) -> None:
     """``chain`` must be a :class:`~rtmem.planners.Chain` (``what``: the caller)."""
     from .chain import Chain
     if not isinstance(chain, Chain):
         raise TypeError(f"{what} plans a Chain (rtmem.planners.Chain, builtin(), "
                         f"from_spec() or profile_sequential()), got "
-                        f"{type(chain).__name__}")
+                        f"{type_label(chain, Chain)}")
 
 
 def check_int(name: str, value, *, low: int = 0, high: int | None = None, error=None,

@@ -574,3 +574,26 @@ def test_resident_bytes_are_counted_as_a_full_recount_does(text):
     assert ex.resident_bytes == recounts and len(recounts) == len(sched)
     assert max(recounts) == ex.peak_bytes > 0
     assert ex_module._CHECK_ACCOUNTING      # the suite checks every executor step too
+
+
+def test_a_schedule_from_a_second_import_of_the_planners_is_explained(monkeypatch):
+    # From a checkout, `import planners` gives a second copy of rtmem.planners;
+    # its Schedule was refused as "must be a Schedule or a Plan, got Schedule"
+    import pathlib
+    import sys
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1]))
+    before = set(sys.modules)
+    try:
+        import planners as second
+        other = second.Schedule.from_text("F_all 0, L, B 0")
+        assert type(other) is not Schedule
+        with pytest.raises(ExecutionError, match=r"got planners\.schedule\.Schedule, a "
+                           r"different class from rtmem\.planners\.schedule\.Schedule .*"
+                           r"import them from rtmem\.planners"):
+            ScheduleExecutor(nn.Sequential(nn.Linear(2, 2)), other, mse)
+        with pytest.raises(TypeError, match="second import of the planners"):
+            simulate(second.Chain.homogeneous(1), Schedule.from_text("F_all 0, L, B 0"),
+                     Platform(math.inf))
+    finally:
+        for name in set(sys.modules) - before:
+            del sys.modules[name]

@@ -75,6 +75,7 @@ from torch import nn
 from rtmem.arena import is_arena
 from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate
+from rtmem.planners._validation import type_label
 
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _Ledger,
                       _storage_ptrs,
@@ -234,7 +235,7 @@ class ScheduleExecutor:
         schedule = getattr(schedule, "schedule", schedule)
         if not isinstance(schedule, Schedule):
             raise ExecutionError(f"schedule must be a Schedule or a Plan, got "
-                                 f"{type(schedule).__name__}")
+                                 f"{type_label(schedule, Schedule)}")
         if not callable(loss_fn):
             raise ExecutionError(f"loss_fn must be callable as loss_fn(output, target), "
                                  f"got {type(loss_fn).__name__}")
