@@ -78,8 +78,8 @@ from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 from rtmem.planners._validation import type_label
 
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _Ledger,
-                      _storage_ptrs,
-                      _storages, check_placement, check_shared_weights, param_label)
+                      _storage_ptrs, _storages, check_placement, check_shared_weights,
+                      param_label)
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
 
@@ -296,10 +296,7 @@ class ScheduleExecutor:
         self.host_arena = host_arena
         self._host_bufs: list = []
         self._streams = None
-        self._ledger = _Ledger()
-        self._plain = _Entries(self._ledger)
-        self._bar = _Entries(self._ledger)
-        self._delta_t, self._delta_keys = None, []
+        self._new_ledger()
         self._caller_keys: set = set()
         self._op_index = 0   # of the operation running, for error messages
         # If the schedule frees a0, work on a private copy: the caller's batch may share
@@ -358,10 +355,7 @@ class ScheduleExecutor:
             inputs = inputs.clone(memory_format=torch.contiguous_format)
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        self._ledger = _Ledger()
-        self._plain = _Entries(self._ledger)
-        self._bar = _Entries(self._ledger)
-        self._delta_t, self._delta_keys = None, []
+        self._new_ledger()
         self._refresh_state_ptrs()
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
@@ -436,6 +430,13 @@ class ScheduleExecutor:
         return as_tensor(buf).untyped_storage()
 
     # ------------------------------------------------------------- internals
+    def _new_ledger(self):
+        """No stored tensors, no delta, nothing counted."""
+        self._ledger = _Ledger()
+        self._plain = _Entries(self._ledger)
+        self._bar = _Entries(self._ledger)
+        self._delta_t, self._delta_keys = None, []
+
     @property
     def _delta(self):
         """delta_i, the gradient flowing back (counted in the ledger)."""
