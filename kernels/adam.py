@@ -369,10 +369,10 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=
     start, stop = _check_range(start, stop, update.size)
     if check_finite is None:
         check_finite = grad_scale is not None
-    with threads(num_threads):
-        if check_finite and not update.grads_finite(c, start, stop):
+    with threads(num_threads):    # c and the range are checked: the unchecked halves
+        if check_finite and _count_nonfinite(update.g, c[_GMUL], start, stop):
             return False
-        update.apply(c, start, stop)
+        update._apply(c, start, stop)
     return True
 
 
@@ -403,7 +403,10 @@ class PreparedUpdate:
     def apply(self, coefficients, start=0, stop=None) -> None:
         """Run the fused update on elements [start, stop) (no finite check)."""
         _check_coefficients(coefficients)
-        start, stop = _check_range(start, stop, self.size)
+        self._apply(coefficients, *_check_range(start, stop, self.size))
+
+    def _apply(self, coefficients, start: int, stop: int) -> None:
+        # apply() without its checks, for callers that made them
         if stop - start > BLOCK_ELEMENTS:
             _adam_kernel(self.p, self.g, self.m, self.v, self.vmax, self.out, coefficients,
                          start, stop, BLOCK_ELEMENTS)

@@ -13,6 +13,10 @@ import numpy as np
 
 from rtmem.errors import ChainError, ScheduleError
 
+#: Byte counts the planners take stay below this (int64-safe sums; the
+#: Platform's stand-in for unlimited memory).
+MAX_BYTES = 2**62
+
 
 def as_vector(name: str, values, n: int | None, *, integral: bool) -> np.ndarray:
     """Return ``values`` as a 1-D finite, non-negative float64 or int64 array.
@@ -43,7 +47,7 @@ def as_vector(name: str, values, n: int | None, *, integral: bool) -> np.ndarray
         raise ChainError(f"{name}[{i}] = {arr[i]} is negative; times (s) and sizes (bytes) "
                          "must be >= 0", field=name, index=i)
     if integral:
-        if arr.size and arr.max() >= 2.0**62:
+        if arr.size and arr.max() >= float(MAX_BYTES):
             i = int(np.argmax(arr))
             raise ChainError(f"{name}[{i}] = {arr[i]:.3g} bytes is too large (limit 2**62)",
                              field=name, index=i)
@@ -59,7 +63,7 @@ def as_scalar(name: str, value, *, integral: bool):
         raise ChainError(f"{name} must be a number, got {value!r}", field=name) from e
     if not math.isfinite(v) or v < 0:
         raise ChainError(f"{name} = {value!r} must be finite and >= 0", field=name)
-    if integral and v >= 2**62:
+    if integral and v >= MAX_BYTES:
         raise ChainError(f"{name} = {value!r} bytes is too large (limit 2**62)", field=name)
     return int(math.ceil(v)) if integral else v
 

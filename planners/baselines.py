@@ -37,18 +37,18 @@ def store_all_schedule(n: int) -> Schedule:
     return Schedule.from_ops(ops)
 
 
-def _check_segments(n, segments) -> int:
-    """``n`` checked (see ``_check_n``) after checking ``segments`` fits it."""
+def _check_segments(n, segments) -> tuple[int, int]:
+    """``(n, segments)`` as Python ints: ``n`` checked (see ``_check_n``), then
+    ``segments`` checked to fit it."""
     n = _check_n(n)
-    check_int("segments", segments, low=1, high=n, error=ChainError, field="segments",
-              hint=f"a chain of {n} stages has 1 to {n} segments")
-    return n
+    return n, check_int("segments", segments, low=1, high=n, error=ChainError,
+                        field="segments", hint=f"a chain of {n} stages has 1 to {n} segments")
 
 
 def segment_bounds(n: int, segments: int) -> list[tuple[int, int]]:
     """Stage ranges ``[start, end)`` that ``torch.utils.checkpoint.checkpoint_sequential``
     uses: ``segments - 1`` segments of ``n // segments`` stages, the rest in the last."""
-    n = _check_segments(n, segments)
+    n, segments = _check_segments(n, segments)
     size = n // segments
     bounds = [(k * size, (k + 1) * size) for k in range(segments - 1)]
     bounds.append(((segments - 1) * size, n))
@@ -65,7 +65,7 @@ def sequential_schedule(n: int, segments: int) -> Schedule:
     """
     # Built with numpy, not op by op: plan_sequential builds one schedule per
     # segment count (n of them), which took ~20 s in Python for 2,000 stages.
-    n = _check_segments(n, segments)        # not segment_bounds: its list costs O(n)
+    n, segments = _check_segments(n, segments)   # not segment_bounds: its list costs O(n)
     size = n // segments                    # every segment but the last
     head = (segments - 1) * size            # stages of the earlier segments
     fwd_op = np.full(head, int(Op.F_NONE), np.int64)
@@ -148,9 +148,8 @@ def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:
     when none fits."""
     check_chain(chain, "plan_sequential")
     if segments is not None:
-        # a numpy integer would reach info and make the plan's JSON fail: plain int
-        _check_segments(chain.n, segments)
-        segments = int(segments)
+        # a plain int: a numpy integer would reach info and fail the plan's JSON
+        segments = _check_segments(chain.n, segments)[1]
     counts = range(1, chain.n + 1) if segments is None else [segments]
     return fastest_fitting(chain, memory,
                            ((k, sequential_schedule(chain.n, k)) for k in counts),

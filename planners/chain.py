@@ -29,7 +29,7 @@ import numpy as np
 from rtmem.errors import ChainError
 
 from ._documents import JsonFile, check_document, parse_document
-from ._validation import as_scalar, as_vector, check_int
+from ._validation import MAX_BYTES, as_scalar, as_vector, check_int
 
 __all__ = ["Chain"]
 
@@ -115,7 +115,7 @@ class Chain(JsonFile):
         total = (self.x0 + self.o_loss + sum(int(v) for v in values["xbar"])
                  + 2 * sum(int(v) for v in values["w"]) + int(values["o_f"].max())
                  + int(values["o_b"].max()))
-        if total >= 2**62:
+        if total >= MAX_BYTES:
             raise ChainError(f"the chain's sizes add up to {total:,} bytes, beyond the "
                              f"2**62 the planners count in; express sizes in larger units "
                              f"or use fewer stages", field="xbar")

@@ -55,8 +55,8 @@ from ._validation import check_chain, check_count
 from .chain import Chain
 from .plan import Plan, as_budget
 from .platform import Platform
-from .remat import _fixed_bytes, min_feasible_memory, plan_remat
-from .rotor import StageArrays, discretize, stage_arrays
+from .remat import _fixed_bytes, plan_remat
+from .rotor import StageArrays, discretize, min_memory, stage_arrays
 from .schedule import Op, Schedule
 from .simulator import simulate
 
@@ -214,15 +214,19 @@ def _table_bytes(N: int, M: int) -> int:
     return N ** 3 * (M + 1) * 8
 
 
-def _least_floating_budget(chain: Chain, arrays: StageArrays) -> int:
+def _least_persistent_budget(arrays: StageArrays, fixed: int) -> int:
+    """:func:`~rtmem.planners.min_feasible_memory` from what plan_floating holds."""
+    return fixed + min_memory(arrays)[0]
+
+
+def _least_floating_budget(chain: Chain, arrays: StageArrays, fixed: int) -> int:
     """Least budget (bytes) at which :func:`plan_floating` returns a plan: the
     least m with a finite F(0, n, 0, m) in exact bytes, searched up to
     :func:`~rtmem.planners.min_feasible_memory` (the floating DP has every
     persistent schedule, so it is feasible there, and plan_floating falls back
     to the persistent plan from there on). When that exact table is too large,
     the persistent bound itself."""
-    lo = min_feasible_memory(chain)
-    fixed = _fixed_bytes(chain)
+    lo = _least_persistent_budget(arrays, fixed)
     N = chain.n + 1
     if _table_bytes(N, lo - fixed) > MAX_FLOATING_TABLE_BYTES:
         return lo
@@ -259,7 +263,7 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     arrays = stage_arrays(chain)
 
     def infeasible(what):
-        least = _least_floating_budget(chain, arrays)
+        least = _least_floating_budget(chain, arrays, fixed)
         return InfeasibleError(f"{what}; it needs at least {least:,} bytes "
                                f"({format_bytes(least)}). Give more memory",
                                budget=budget, min_feasible=least)
@@ -267,7 +271,7 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     if m_bytes < 0:
         raise infeasible(f"the chain input and weights alone need {fixed:,} bytes, "
                          f"more than the budget {budget:,}")
-    slot = 1 if slots is None else max(1, m_bytes // int(slots))
+    slot = 1 if slots is None else max(1, m_bytes // slots)
     M = m_bytes // slot
     if _table_bytes(N, M) > MAX_FLOATING_TABLE_BYTES:
         raise RtmemError(f"the floating table would need {format_bytes(_table_bytes(N, M))}; "
@@ -285,7 +289,7 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
             F = floating_table(disc, M)
             value = float(F[0, N - 1, 0, M])
             method = "exact"
-        elif budget >= min_feasible_memory(chain):
+        elif budget >= _least_persistent_budget(arrays, fixed):
             plan = plan_remat(chain, budget, slots=slots)
             return Plan(schedule=plan.schedule, makespan=plan.makespan, peak=plan.peak,
                         budget=budget, algorithm="floating",

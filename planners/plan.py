@@ -18,6 +18,7 @@ import numpy as np
 from rtmem.errors import ScheduleError
 
 from ._documents import JsonFile, check_document, parse_document
+from ._validation import MAX_BYTES
 from .schedule import Schedule
 
 __all__ = ["Plan", "as_budget"]
@@ -68,7 +69,7 @@ class Plan(JsonFile):
         except (TypeError, ValueError) as e:
             raise ScheduleError(f"plan: makespan, peak and budget must be numbers and info "
                                 f"a dict ({e})", reason="parse") from None
-        if not (makespan >= 0 and 0 <= peak < 2**62 and budget > 0) \
+        if not (makespan >= 0 and 0 <= peak < MAX_BYTES and budget > 0) \
                 or math.isnan(makespan) or math.isnan(budget):
             raise ScheduleError(f"plan: makespan {self.makespan!r} and peak {self.peak!r} "
                                 f"must be >= 0 and budget {self.budget!r} > 0",

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from rtmem.errors import PlatformError, UnitError
 from rtmem.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
+from ._validation import MAX_BYTES
+
 __all__ = ["Platform", "CHANNELS"]
 
 #: Channel models: ``"shared"`` is one link used by one transfer at a time in
@@ -15,9 +17,8 @@ __all__ = ["Platform", "CHANNELS"]
 #: link per direction, each at the full bandwidth (weight-offloading.md §1.1).
 CHANNELS = ("shared", "duplex")
 
-# Budgets from here up are unlimited (the jitted simulator and planners hold
-# byte counts in int64).
-_UNLIMITED = 2**62
+# Budgets from MAX_BYTES up are unlimited (the jitted simulator and planners
+# hold byte counts in int64).
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Platform:
             if mem <= 0:
                 raise PlatformError(f"memory must be > 0 bytes, got {self.memory!r}; give "
                                     "the device memory budget, e.g. Platform('12GiB')")
-            if mem >= _UNLIMITED:
+            if mem >= MAX_BYTES:
                 mem = math.inf   # 4 EiB and more: no schedule comes near it
         try:
             bw = parse_bandwidth(self.bandwidth)
@@ -69,7 +70,7 @@ class Platform:
     @property
     def memory_limit(self) -> int:
         """Memory limit as an int64-safe integer (``2**62`` stands for unlimited)."""
-        return _UNLIMITED if math.isinf(self.memory) else int(self.memory)
+        return MAX_BYTES if math.isinf(self.memory) else int(self.memory)
 
     def __str__(self) -> str:
         return (f"{format_bytes(self.memory)} device memory, "

@@ -146,7 +146,7 @@ def _refine(chain, arrays, m_bytes, slot, slots, progress, say):
     return None
 
 
-def _baseline_plans(chain: Chain, budget: int, best: float, plans: dict) -> dict:
+def _baseline_plans(chain: Chain, budget: int, best: float, plans: dict) -> None:
     """Fill ``plans`` (``{name: Plan or InfeasibleError}``, entries already there are
     kept) with the cheap baselines at ``budget`` (bytes): the best
     ``checkpoint_sequential`` segment count and, on chains of at most
@@ -172,7 +172,6 @@ def _baseline_plans(chain: Chain, budget: int, best: float, plans: dict) -> dict
     revolve_bound = float(2 * chain.u_f.sum() + chain.u_b.sum() + chain.u_loss)
     if chain.n <= REVOLVE_MAX_STAGES and revolve_bound < best:
         run("revolve", plan_revolve)
-    return plans
 
 
 def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
@@ -235,8 +234,8 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
 
 
 def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
-    """:func:`plan_remat`; ``baselines``: None, or a dict (``{name: Plan or
-    InfeasibleError}``) in which the baseline plans it needs are looked up and the
+    """:func:`plan_remat`; ``baselines``: a dict (``{name: Plan or
+    InfeasibleError}``, possibly empty) in which the baseline plans it needs are looked up and the
     ones it computes are left (:func:`compare_remat` shows them)."""
     say = progress or (lambda msg: None)
     check_chain(chain, "plan_remat")
@@ -259,7 +258,7 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
     if slot_bytes is None:
         # the table has about `slots` columns: refuse an impossible size before the
         # O(n^2)-memory, O(n^3)-time least-memory pass below
-        _check_table(chain.n, int(slots))
+        _check_table(chain.n, slots)
     arrays = stage_arrays(chain)
     fixed = _fixed_bytes(chain)
     mm, choice = min_memory(arrays)
@@ -272,7 +271,7 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
             f"activations {mm:,}. Give more memory or a smaller batch",
             budget=budget, min_feasible=min_feasible)
     m_bytes = int(budget) - fixed
-    slot = int(slot_bytes) if slot_bytes is not None else max(1, m_bytes // int(slots))
+    slot = slot_bytes if slot_bytes is not None else max(1, m_bytes // slots)
     value, schedule, M = _dp(chain, arrays, m_bytes, slot, progress, say,
                              slot_bytes is not None)
     refined = False
