@@ -414,11 +414,10 @@ class BestFitAllocator:
             self._flush_pending()
             block = self._best_fit(size, stream)
         if block is None:
-            grow = max(self.growth_bytes, size)
-            if self._reserved + grow > self.max_bytes:
-                # A last, smaller slab: max_bytes need not be initial + k * growth.
-                grow = max(size, self.max_bytes - self._reserved)
-            if self._reserved + grow <= self.max_bytes:
+            # At most what max_bytes leaves: a last, smaller slab (max_bytes need
+            # not be initial + k * growth), when it still holds the request.
+            grow = min(max(self.growth_bytes, size), self.max_bytes - self._reserved)
+            if grow >= size:
                 try:
                     self._add_slab(grow)
                 except OutOfMemoryError as exc:   # the backend has no memory left

@@ -30,7 +30,7 @@ from . import _deferred
 from .adaptors import PoisonAdaptor
 from .allocator import DEFAULT_ALIGNMENT, AllocatorStats, BestFitAllocator
 from .backends import Backend, get_backend
-from .buffer import KINDS, Buffer, Placement
+from .buffer import KINDS, Buffer, Placement, bad_kind
 from .errors import DoubleFreeError, InvalidPointerError
 from .units import parse_bytes
 
@@ -214,7 +214,7 @@ class _Arena:
         asks for that on any arena.
         """
         if kind not in _KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+            raise bad_kind(kind)
         if shape is None and dtype is None and nbytes.__class__ is int and nbytes >= 0:
             # The common call, alloc(n): skip the parsing below.
             dtype, shape = _BYTES, (nbytes,)
@@ -285,14 +285,13 @@ class _Arena:
         elsewhere = home is not None and home is not compute
         stream = event = None
         if copying or elsewhere:
-            gates = [placement.stream] if copying else []
-            if elsewhere and all(home is not g for g in gates):
-                gates.append(home)
-            # Free on the first gate stream behind an event recorded now, after
-            # the other gates and the compute work enqueued so far.
-            stream = gates[0]
-            for other in (*gates[1:], compute):
-                stream.wait_event(self._record_event(other))
+            # Free on the copy's stream (else the home one) behind an event
+            # recorded now, after the home stream and the compute work enqueued
+            # so far.
+            stream = placement.stream if copying else home
+            if copying and elsewhere and home is not stream:
+                stream.wait_event(self._record_event(home))
+            stream.wait_event(self._record_event(compute))
             event = self._record_event(stream)
         with self._acct_lock:
             if event is not None:

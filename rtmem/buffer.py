@@ -43,6 +43,7 @@ Fields are guarded by the buffer's ``_lock``; arenas guard their own accounting.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -54,6 +55,14 @@ __all__ = ["Buffer", "KINDS", "RESIDENCIES"]
 
 #: What a buffer holds; arenas account bytes per kind.
 KINDS = ("activation", "weight", "gradient", "optimizer-state", "workspace")
+
+
+def bad_kind(kind) -> ValueError:
+    """The error for a ``kind`` not in :data:`KINDS` (callers test membership
+    themselves: the arena does it on every allocation)."""
+    return ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+
+
 #: Values of :attr:`Buffer.residency` (NOTE [ Residency state machine ]).
 RESIDENCIES = ("device", "host", "both", "in-flight", "freed")
 
@@ -284,6 +293,11 @@ class Buffer:
     def primary(self) -> Placement:
         """The device placement when present, else the host one."""
         self._check_alive()
+        return self._primary
+
+    @property
+    def _primary(self) -> Placement | None:
+        # no liveness check: free() and repr() use it on closed arenas
         return self._device if self._device is not None else self._host
 
     @property
@@ -323,7 +337,7 @@ class Buffer:
     def _home_arena(self):
         """The arena :meth:`free` goes through: :attr:`arena` without the liveness
         check, since freeing stays legal after the arena was closed."""
-        return (self._device if self._device is not None else self._host).arena
+        return self._primary.arena
 
     def _pin(self, placement: Placement) -> None:
         with self._lock:
@@ -409,7 +423,7 @@ class Buffer:
         return slab.host_array[p.offset:p.offset + self._view_nbytes()]
 
     def _view_nbytes(self) -> int:
-        return int(np.prod(self._shape, dtype=np.int64)) * self._dtype.itemsize
+        return math.prod(self._shape) * self._dtype.itemsize   # Python ints: exact
 
     def _typed(self, raw: np.ndarray) -> np.ndarray:
         return raw.view(self._dtype).reshape(self._shape)
@@ -436,12 +450,11 @@ class Buffer:
 
     def cupy(self, where: str | None = None):
         """A zero-copy CuPy array over the device placement (or a mapped host one)."""
-        from .backends.cuda import import_cupy
-        cp = import_cupy()
-        return cp.asarray(_CudaView(self._cuda_interface(where), self))
+        return self._cupy_of(self._view_placement(where))
 
-    def _cuda_interface(self, where=None) -> dict:
-        return self._cuda_dict(self._view_placement(where))
+    def _cupy_of(self, p: Placement):
+        from .backends.cuda import import_cupy
+        return import_cupy().asarray(_CudaView(self._cuda_dict(p), self))
 
     def _cuda_dict(self, p: Placement) -> dict:
         slab = p.slab
@@ -490,7 +503,7 @@ class Buffer:
         there when the interface is read. A consumer that runs on another stream
         must first make that stream wait for the buffer (``rtmem.wait(buf)`` on
         it, or ``rtmem.synchronize(buf)``)."""
-        return self._cuda_interface()
+        return self._cuda_dict(self._view_placement(None))
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """(kDLCUDA, device) for cuda device memory, else (kDLCPU, 0)."""
@@ -507,8 +520,7 @@ class Buffer:
         p = self._view_placement(None)
         if p.slab.host_array is not None:
             return self._typed(self._bytes(p)).__dlpack__(**kwargs)
-        arr = self.cupy()
-        return arr.__dlpack__(stream=stream, **kwargs)
+        return self._cupy_of(p).__dlpack__(stream=stream, **kwargs)
 
     def __reduce__(self):
         # A copy would be a second handle on the same blocks: freeing both would
@@ -522,7 +534,7 @@ class Buffer:
         state = self.residency
         # No liveness check: repr must work in error messages about freed buffers
         # and buffers of closed arenas.
-        p = self._device if self._device is not None else self._host
+        p = self._primary
         where = "" if self._freed or p is None else f" offset={p.block.offset}"
         return (f"<Buffer {self.kind} {self.shape} {self.dtype} {self.nbytes:,} B "
                 f"{state}{where}>")

@@ -167,6 +167,14 @@ def _coefficients(group, step, decoupled, grad_scale):
 
 # --------------------------------------------------------------------------- numpy front end
 
+def _hyper_dict(lr, betas, eps, weight_decay, amsgrad, maximize, bias_correction) -> dict:
+    """The hyperparameters as :attr:`NumpyAdam.hyper` holds them (checked before):
+    floats, a pair of floats, bools."""
+    return dict(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
+                weight_decay=float(weight_decay), amsgrad=bool(amsgrad),
+                maximize=bool(maximize), bias_correction=bool(bias_correction))
+
+
 class NumpyAdam:
     """Adam over numpy float32 arrays (no torch needed), with the fused CPU kernel.
 
@@ -218,10 +226,8 @@ class NumpyAdam:
         if not self.params:
             raise OptimizerError("params is empty; pass at least one float32 array.",
                                  argument="params")
-        self.hyper = dict(lr=float(lr), betas=(float(betas[0]), float(betas[1])),
-                          eps=float(eps), weight_decay=float(weight_decay),
-                          amsgrad=bool(amsgrad), maximize=bool(maximize),
-                          bias_correction=bool(bias_correction))
+        self.hyper = _hyper_dict(lr, betas, eps, weight_decay, amsgrad, maximize,
+                                 bias_correction)
         self.num_threads = _check_num_threads(num_threads)
         self.state = []
         for i, p in enumerate(self.params):
@@ -321,13 +327,10 @@ class NumpyAdam:
                 f"{'has' if self.hyper['amsgrad'] else 'has no'} max_exp_avg_sq); build "
                 f"it with the amsgrad setting the state was saved with.",
                 argument="state_dict")
-        betas = hyper["betas"]
-        hyper = {**hyper, "lr": float(hyper["lr"]),
-                 "betas": (float(betas[0]), float(betas[1])), "eps": float(hyper["eps"]),
-                 "weight_decay": float(hyper["weight_decay"]),
-                 "amsgrad": bool(hyper["amsgrad"]), "maximize": bool(hyper["maximize"]),
-                 "bias_correction": bool(hyper["bias_correction"])}
+        hyper = {**hyper, **_hyper_dict(**{key: hyper[key] for key in self.hyper})}
+        checked = []        # per param: (the state arrays as arrays, the step as int)
         for i, (src, dst) in enumerate(zip(states, self.state)):
+            arrays = {}
             for key in _STATE_KEYS:
                 if (key in src) != (key in dst):
                     raise OptimizerError(
@@ -336,7 +339,7 @@ class NumpyAdam:
                         f"state saved with the same amsgrad setting?",
                         argument="state_dict")
                 if key in dst:
-                    a = np.asarray(src[key])
+                    a = arrays[key] = np.asarray(src[key])
                     if a.shape != dst[key].shape:
                         raise OptimizerError(f"param {i}: {key} has shape {a.shape}, "
                                              f"expected {dst[key].shape}.",
@@ -345,13 +348,12 @@ class NumpyAdam:
                         raise OptimizerError(f"param {i}: {key} has dtype {a.dtype}; "
                                              f"expected real floating point.",
                                              argument="state_dict")
-            _checked_step(src.get("step"), f"param {i}")
+            checked.append((arrays, _checked_step(src.get("step"), f"param {i}")))
         # Everything checked: copying can no longer fail half-way.
-        for src, dst in zip(states, self.state):
-            for key in _STATE_KEYS:
-                if key in dst:
-                    np.copyto(dst[key], src[key], casting="same_kind")
-            dst["step"] = int(src["step"])
+        for (arrays, step), dst in zip(checked, self.state):
+            for key, a in arrays.items():
+                np.copyto(dst[key], a, casting="same_kind")
+            dst["step"] = step
         self.hyper = hyper
 
 

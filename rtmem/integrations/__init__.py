@@ -14,7 +14,7 @@ def check_arena(arena, kind: str, library: str) -> None:
     """Refuse, before anything changes, an arena or kind that ``library``'s
     allocations could not come from (they would fail at every allocation)."""
     from ..arena import is_arena
-    from ..buffer import KINDS
+    from ..buffer import KINDS, bad_kind
     if not is_arena(arena):
         raise TypeError(f"{library} needs an rtmem DeviceArena on the cuda backend; got "
                         f"{type(arena).__name__}")
@@ -22,7 +22,7 @@ def check_arena(arena, kind: str, library: str) -> None:
         raise ValueError(f"{library} needs device memory of the cuda backend; got a "
                          f"{arena.location} arena on the {arena.backend.name} backend")
     if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        raise bad_kind(kind)
 
 
 def alloc_exported(arena, nbytes: int, kind: str, stream, export):
