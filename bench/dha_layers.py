@@ -144,8 +144,27 @@ class Placement:
                 rt.memcpyAsync(host, dev, n, rt.memcpyDeviceToHost, stream.ptr)
 
 
-def build(spec: dict, tokens: int, rng, stream):
-    """(params, grads, forward(p), backward(p, g), output, act_in_bytes, act_out_bytes)."""
+def param_shapes(spec: dict) -> dict:
+    """Shapes of the parameters (and gradients) of a layer of ``layer_specs``."""
+    d = spec["dims"]
+    if spec["kind"] == "embedding":
+        return {"weight": (d["vocab"], d["hidden"])}
+    if spec["kind"] == "layernorm":
+        return {"gamma": (d["hidden"],), "beta": (d["hidden"],)}
+    return {"weight": (d["out"], d["in"]), "bias": (d["out"],)}
+
+
+def placements(spec: dict, rng) -> tuple:
+    """(params, grads): random parameters and zero gradients, each in HBM, mapped
+    and pinned host memory; they do not depend on the token count, so a sweep
+    makes them once per layer."""
+    shapes = param_shapes(spec)
+    return Placement(shapes, rng, fill=True), Placement(shapes, rng, fill=False)
+
+
+def build(spec: dict, tokens: int, rng, stream, placed=None):
+    """(params, grads, forward(p), backward(p, g), output, act_in_bytes, act_out_bytes);
+    ``placed``: the :func:`placements` to use (default: new ones)."""
     import cupy as cp
     import numpy as np
     from numba import cuda
@@ -163,7 +182,6 @@ def build(spec: dict, tokens: int, rng, stream):
         V, H = d["vocab"], d["hidden"]
         (ids, k1), (dy, k2), (out, k3) = act(T, ints=V), act(T, H), act(T, H)
         keep += [k1, k2, k3]
-        shapes = {"weight": (V, H)}
         fwd = lambda p: dha.embedding_forward(p["weight"], ids, out, stream=stream,  # noqa: E731
                                               check=False)
         bwd = lambda p, g: dha.embedding_backward(dy, ids, g["weight"], stream=stream,  # noqa: E731
@@ -174,7 +192,6 @@ def build(spec: dict, tokens: int, rng, stream):
         (x, k1), (dy, k2), (out, k3), (gx, k4) = act(T, H), act(T, H), act(T, H), act(T, H)
         (mean, k5), (rstd, k6) = act(T), act(T)
         keep += [k1, k2, k3, k4, k5, k6]
-        shapes = {"gamma": (H,), "beta": (H,)}
         fwd = lambda p: dha.layernorm_forward(x, p["gamma"], p["beta"], out, mean, rstd,  # noqa: E731
                                               stream=stream)
         bwd = lambda p, g: dha.layernorm_backward(  # noqa: E731
@@ -184,12 +201,11 @@ def build(spec: dict, tokens: int, rng, stream):
         K, N = d["in"], d["out"]
         (x, k1), (dy, k2), (out, k3), (gx, k4) = act(T, K), act(T, N), act(T, N), act(T, K)
         keep += [k1, k2, k3, k4]
-        shapes = {"weight": (N, K), "bias": (N,)}
         fwd = lambda p: dha.linear_forward(x, p["weight"], p["bias"], out, stream=stream)  # noqa: E731
         bwd = lambda p, g: dha.linear_backward(  # noqa: E731
             dy, x, p["weight"], gx, g["weight"], g["bias"], stream=stream)
         act_in, act_out = T * K * 4, T * N * 4
-    params, grads = Placement(shapes, rng, fill=True), Placement(shapes, rng, fill=False)
+    params, grads = placed or placements(spec, rng)
     return params, grads, fwd, bwd, (out, keep), act_in, act_out
 
 
@@ -198,14 +214,14 @@ class Rig:
     event timer and an L2 flush before every timed run; times each mode of the
     module docstring's table."""
 
-    def __init__(self, spec: dict, tokens: int, repeats: int, rng):
+    def __init__(self, spec: dict, tokens: int, repeats: int, rng, placed=None):
         import cupy as cp
         self.stream = stream = cp.cuda.Stream(non_blocking=True)
         self.timer = Timer(cp, repeats)
         self.timer.check_delay(stream)      # no NVVM: a CuPy delay, recorded in "timer"
         self._flush, _ = l2_flusher(cp, stream)
         (self.p, self.g, self._fwd, self._bwd, (self.out, self._keep), self.act_in,
-         self.act_out) = build(spec, tokens, rng, stream)
+         self.act_out) = build(spec, tokens, rng, stream, placed)
 
     def timed(self, fn) -> float:
         # L2 flushed before each run: layer inputs and weights of GPT-2 sizes fit
@@ -261,11 +277,11 @@ def measure_layer(spec: dict, tokens: int, repeats: int, rng) -> dict:
             "timer": rig.timer.summary()}
 
 
-def sweep_point(spec: dict, tokens: int, repeats: int, rng) -> dict:
+def sweep_point(spec: dict, tokens: int, repeats: int, rng, placed=None) -> dict:
     """What the crossover needs of one layer at one token count (seconds):
     ``transfer_s`` (T_trans), ``forward_s`` in every forward mode, and
     ``backward_s`` on the GPU (T_BP) and by DHA (T^H_BP)."""
-    rig = Rig(spec, tokens, repeats, rng)
+    rig = Rig(spec, tokens, repeats, rng, placed)
     return {"tokens": tokens, "transfer_s": rig.transfer_s("params"),
             "forward_s": {m: rig.forward_s(m) for m in FORWARD_MODES},
             "backward_s": {m: rig.backward_s(m) for m in ("gpu", "dha")},
@@ -332,7 +348,8 @@ SWEEP_COMPARES = {
 
 def sweep_layer(spec: dict, tokens_list, repeats: int, rng) -> dict:
     """Per token count :func:`sweep_point`, and the forward and backward crossover."""
-    points = [sweep_point(spec, t, repeats, rng) for t in tokens_list]
+    placed = placements(spec, rng)
+    points = [sweep_point(spec, t, repeats, rng, placed) for t in tokens_list]
     fwd = crossover(tokens_list, [p["forward_s"]["dha"] for p in points],
                     [p["forward_s"]["copy"] for p in points])
     bwd = crossover(tokens_list, [p["backward_s"]["dha"] for p in points],

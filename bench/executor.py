@@ -46,12 +46,14 @@ WIDTH, BATCH = 64, 8
 
 
 def _recounting(ex: ScheduleExecutor) -> ScheduleExecutor:
-    """``ex`` counting its bytes by a full walk after every operation."""
-    def account():
-        nbytes = ex._recount()
-        ex.resident_bytes.append(nbytes)
-        ex.peak_bytes = max(ex.peak_bytes, nbytes)
-    ex._account = account
+    """``ex`` also walking every stored tensor after every operation (the full
+    recount it did before the ledger; the ledger's figure, equal, is recorded)."""
+    account = ex._account
+
+    def recounting():
+        ex._recount()
+        account()
+    ex._account = recounting
     return ex
 
 

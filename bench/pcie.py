@@ -235,6 +235,13 @@ def l2_flusher(cp, stream):
     return flush, l2
 
 
+def _concurrent_medians(cp, timer, first, second, s1, s2, repeats):
+    """:func:`_concurrent` ``repeats`` times after one warm-up run: the median of
+    each of its three seconds."""
+    runs = [_concurrent(cp, timer, first, second, s1, s2) for _ in range(repeats + 1)][1:]
+    return tuple(statistics.median(r[k] for r in runs) for k in range(3))
+
+
 def _concurrent(cp, timer, first, second, s1, s2):
     """Run ``first`` on s1 and ``second`` on s2 from a common start (both queued
     behind ``timer``'s delay); returns (seconds of first, seconds of second,
@@ -322,10 +329,9 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
         m_n, hbm_n = mapped[:n], hbm[:n]
 
         def bidir():
-            both = [_concurrent(cp, timer, copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1),
-                                copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s2), s1, s2)[2]
-                    for _ in range(repeats + 1)]
-            return statistics.median(both[1:])
+            return _concurrent_medians(cp, timer, copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1),
+                                       copy(pin_b.ptr, dev_b.data.ptr, n, d2h, s2), s1, s2,
+                                       repeats)[2]
         run = {
             "h2d_pageable": lambda: timer.wall(
                 copy(dev_a.data.ptr, pageable.ctypes.data, n, h2d, s1), s1),
@@ -383,11 +389,8 @@ def _contention(cp, timer, copy, n, mapped, partials, flush_l2, buffers, s1, s2,
     contention = {"bytes": n, "alone_bytes_per_s": {k: n / v for k, v in alone.items()}}
     for other, src, dst, kind in (("h2d_pinned", pin_a.ptr, dev_a.data.ptr, h2d),
                                   ("d2h_pinned", dev_b.data.ptr, pin_b.ptr, d2h)):
-        runs = [_concurrent(cp, timer, dha_read, copy(dst, src, n, kind, s2), s1, s2)
-                for _ in range(repeats + 1)][1:]
-        t_dha = statistics.median(r[0] for r in runs)
-        t_copy = statistics.median(r[1] for r in runs)
-        t_all = statistics.median(r[2] for r in runs)
+        t_dha, t_copy, t_all = _concurrent_medians(
+            cp, timer, dha_read, copy(dst, src, n, kind, s2), s1, s2, repeats)
         contention[f"dha_read+{other}"] = {
             "dha_read_bytes_per_s": n / t_dha, f"{other}_bytes_per_s": n / t_copy,
             "aggregate_bytes_per_s": 2 * n / t_all}

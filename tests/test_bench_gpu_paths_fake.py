@@ -334,10 +334,10 @@ def test_dha_layers_keeps_the_table_when_the_sweep_fails(bench, monkeypatch, cap
     bench.stub_kernels()
     point = dl.sweep_point
 
-    def fails_on_layernorm(spec, tokens, repeats, rng):
+    def fails_on_layernorm(spec, tokens, repeats, rng, *placed):
         if spec["kind"] == "layernorm":
             raise RuntimeError("out of memory")
-        return point(spec, tokens, repeats, rng)
+        return point(spec, tokens, repeats, rng, *placed)
     monkeypatch.setattr(dl, "sweep_point", fails_on_layernorm)
     assert dl.main(["--model", "tiny", "--tokens", "8", "--repeats", "1",
                     "--sweep", "4,8"]) == 1
