@@ -12,7 +12,7 @@ from rtmem.planners import Op
 
 __all__ = ["ExecutionError", "check_placement", "check_shared_weights", "param_label"]
 
-_WEIGHT_MOVES = (Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH)
+_WEIGHT_MOVES = frozenset((Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH))
 
 
 class ExecutionError(RtmemError):
@@ -117,6 +117,13 @@ class _Ledger:
         self._excluded = new
 
 
+def _storage_bytes(tensors, exclude=()) -> int:
+    """Bytes of the distinct storages of ``tensors`` whose key (:func:`_storages`)
+    is not in ``exclude``: the executor's accounting, which the profiler uses
+    too, so planned and measured bytes agree."""
+    return sum(s.nbytes() for k, s in _storages(tensors).items() if k not in exclude)
+
+
 def _storage_ptrs(tensors) -> set:
     """Data pointers of the non-empty storages of ``tensors`` (None and non-tensors
     skipped): the keys :func:`_storages` gives them."""
@@ -156,6 +163,12 @@ def _grad_input(x: torch.Tensor):
     return leaf, _Alias.apply(leaf)
 
 
+def _stage_input(x: torch.Tensor):
+    """``(leaf, arg)`` of :func:`_grad_input` for a floating-point ``x``; other
+    inputs (token ids) carry no gradient and go in as they are: ``(x, x)``."""
+    return _grad_input(x) if x.is_floating_point() else (x, x)
+
+
 def param_label(names: dict, p) -> str:
     """``'name' (shape ...)`` of parameter ``p`` for error messages."""
     return f"{names.get(p, '?')!r} (shape {tuple(p.shape)})"
@@ -174,7 +187,7 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
             if i not in owners.setdefault(key, []):
                 owners[key].append(i)
     for i in sorted(moves):
-        if not moves[i] & set(_WEIGHT_MOVES):
+        if not moves[i] & _WEIGHT_MOVES:
             continue
         for p in stage_params[i]:
             s = p.untyped_storage()
@@ -204,15 +217,15 @@ def check_placement(stage_params, moves: dict, names: dict) -> None:
     """Refuse weight moves of parameters, and gradient moves of gradients, that
     :func:`~rtmem.torch.place_parameters` put in an arena: the moves swap in
     ordinary torch tensors, silently taking them out of the arena."""
-    from .bridge import _placed   # bridge imports nothing of the executor
+    from .bridge import _placement_of   # bridge imports nothing of the executor
     for i in sorted(moves):
         ops = moves[i]
+        moves_weights = bool(ops & _WEIGHT_MOVES)
         for p in stage_params[i]:
-            ref = _placed.get(p)
-            placement = ref() if ref is not None else None
+            placement = _placement_of(p)
             if placement is None:
                 continue
-            weights = p in placement.weights and bool(ops & set(_WEIGHT_MOVES))
+            weights = moves_weights      # placed: p is in placement.weights
             grads = p in placement.grads and Op.G_OFFLOAD in ops
             if weights or grads:
                 what = "weight" if weights else "gradient"

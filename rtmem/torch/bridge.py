@@ -197,8 +197,12 @@ class ModulePlacement:
         self.weights.clear()
         self.grads.clear()
 
-    def _holds(self, p) -> bool:
-        return p in self.weights
+
+def _placement_of(p):
+    """The live :class:`ModulePlacement` whose arena holds parameter ``p``, or None."""
+    ref = _placed.get(p)
+    placement = ref() if ref is not None else None
+    return placement if placement is not None and p in placement.weights else None
 
 
 def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
@@ -222,8 +226,7 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     if grad_arena is not None:
         _check_arena(grad_arena, "grad_arena")
     for i, p in enumerate(dict.fromkeys(module.parameters())):
-        ref = _placed.get(p)
-        if ref is not None and ref() is not None and ref()._holds(p):
+        if _placement_of(p) is not None:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is already in an "
                              f"arena; call release() on its ModulePlacement first")
     placement = ModulePlacement()

@@ -77,9 +77,9 @@ from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 from rtmem.planners._validation import type_label
 
-from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _grad_input, _Ledger,
-                      _storage_ptrs, _storages, check_placement, check_shared_weights,
-                      param_label)
+from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _Ledger, _stage_input,
+                      _storage_bytes, _storage_ptrs, _storages, check_placement,
+                      check_shared_weights, param_label)
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
 
@@ -463,8 +463,7 @@ class ScheduleExecutor:
         tensors = [self._delta]
         for st in (*self._plain.values(), *self._bar.values()):
             tensors += st.all_tensors()
-        state = self._state_ptrs
-        return sum(s.nbytes() for k, s in _storages(tensors).items() if k not in state)
+        return _storage_bytes(tensors, exclude=self._state_ptrs)
 
     def _protected(self, skip: _Stored | None = None) -> set:
         """Keys (:func:`_storages`) of the device storages that a delete or a drop
@@ -601,7 +600,7 @@ class ScheduleExecutor:
             return self._source(k).as_strided(size, stride, offset)
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            leaf, arg = _grad_input(x) if x.is_floating_point() else (x, x)
+            leaf, arg = _stage_input(x)
             y = self._run_stage(i, arg)
         self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=saved)
 
@@ -609,7 +608,7 @@ class ScheduleExecutor:
         k = self.n
         src = self._source(k)
         with torch.enable_grad():
-            leaf, z = _grad_input(src) if src.is_floating_point() else (src, src)
+            leaf, z = _stage_input(src)
             loss = self.loss_fn(z, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)

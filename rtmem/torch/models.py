@@ -9,11 +9,12 @@ of :mod:`rtmem.planners.profiles` (same structure, same names).
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rtmem.planners._validation import check_int
 
 __all__ = ["gpt2_model", "resnet_model", "GPTEmbedding", "GPTBlock", "GPTHead",
            "BasicBlock", "Bottleneck"]
@@ -81,10 +82,10 @@ def _lm_loss(logits, target):
 
 
 def _check_ints(*checks) -> None:
-    """Each ``(name, value, low)``: ``value`` must be an integer >= ``low``."""
+    """Each ``(name, value, low)``: ``value`` must be an integer >= ``low``
+    (ValueError otherwise)."""
     for name, value, low in checks:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        check_int(name, value, low=low, error=ValueError)
 
 
 def gpt2_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 32,

@@ -40,23 +40,17 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
 import torch
 from torch import nn
 
 from rtmem.errors import RtmemError
 from rtmem.planners import Chain
+from rtmem.planners._validation import check_int
 
-from ._stages import _check_output, _grad_input, _storage_ptrs, _storages
+from ._stages import (_check_output, _grad_input, _stage_input, _storage_bytes,
+                      _storage_ptrs)
 
 __all__ = ["profile_sequential"]
-
-
-def _storage_bytes(tensors, exclude=()):
-    """Bytes of the distinct storages of ``tensors`` whose data pointer is not in
-    ``exclude``: the executor's accounting (its ``_storages``), so planned and
-    measured bytes agree."""
-    return sum(s.nbytes() for k, s in _storages(tensors).items() if k not in exclude)
 
 
 class _Timer:
@@ -91,10 +85,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     """
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise RtmemError("profile_sequential needs a non-empty nn.Sequential of stages")
-    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) \
-            or repeats < 1:
-        raise RtmemError(f"repeats must be an integer >= 1, got {repeats!r}")
-    repeats = int(repeats)
+    repeats = check_int("repeats", repeats, low=1)
     device = inputs.device
     timer = _Timer(device)
     buffers = {b: b.detach().clone() for b in model.buffers()}
@@ -132,7 +123,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     base = torch.cuda.memory_allocated(device)
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                         pack, lambda t: t):
-                    xin, arg = _grad_input(x) if x.is_floating_point() else (x, x)
+                    xin, arg = _stage_input(x)
                     x_version = arg._version
                     y, t_f = timer(lambda: stage(arg))
                 _check_output(i, stage, y)
