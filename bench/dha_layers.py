@@ -38,7 +38,9 @@ forward order of::
      "grad_transfer_s": ...,   # D2H pinned copy of the gradients alone
      "forward_s":  {"gpu": ..., "copy": ..., "dha": ...},
      "backward_s": {"gpu": ..., "copy": ..., "dha": ..., "gpu_go": ..., "dha_go": ...},
-     "dha_matches_gpu": true}  # forward output bitwise equal with mapped weights (B6)
+     "dha_matches_gpu": true,  # forward output bitwise equal with mapped weights (B6)
+     "weight_reads": {"forward": 16, "backward": 16}}  # linear only (else null):
+                               # the GEMM re-read factor k, by construction
 
 A DHA planner reads T_FP = forward_s.gpu, T_trans = transfer_s, T^H_FP =
 forward_s.dha, T_BP = T_CBP = backward_s.gpu, T^H_BP = backward_s.dha and T_GBP =
@@ -47,14 +49,15 @@ GPU it says so and writes nothing.
 
 Crossover sweep (the size where DHA beats copy-then-compute, per layer type).
 Copying costs the same at any batch, DHA's cost grows with the tokens (an
-embedding gathers T rows, a linear re-reads its weight ceil(T / GEMM_TILE)
-times), so each layer is timed again at every ``--sweep`` token count (default
-64..65536 in powers of 4) and the JSON gets a ``sweep`` object::
+embedding gathers T rows, a linear re-reads its weight k = ceil(T / (32 r))
+times, r in 1..8 per shape: ``weight_reads``), so each layer is timed again at
+every ``--sweep`` token count (default 64..65536 in powers of 4) and the JSON
+gets a ``sweep`` object::
 
     {"tokens": [64, 256, ...], "compares": {...},     # what is compared, in words
      "layers": [{"name", "kind", "dims",
                  "points": [{"tokens", "transfer_s", "forward_s": {gpu, copy, dha},
-                             "backward_s": {gpu, dha}, "timer"}, ...],
+                             "backward_s": {gpu, dha}, "weight_reads", "timer"}, ...],
                  "forward":  <crossover>, "backward": <crossover>}, ...],
      "by_kind": {"linear": {"forward": {"verdict", "crossing_tokens": [lo, hi],
                                         "layers": {name: text}}, "backward": ...}}}
@@ -263,6 +266,17 @@ class Rig:
         return bool((on_gpu == self.out.copy_to_host()).all())
 
 
+def weight_reads(spec: dict, tokens: int) -> dict | None:
+    """A linear layer's GEMM re-read factor k at ``tokens`` (memferry.md §3.2),
+    ``{"forward": k, "backward": k}``: how many times the kernels read the weight,
+    by construction (:func:`rtmem.kernels.dha.linear_weight_reads`), not
+    measured. None for the other kinds, which read each parameter once."""
+    if spec["kind"] != "linear":
+        return None
+    from rtmem.kernels import dha
+    return dha.linear_weight_reads(tokens, spec["dims"]["in"], spec["dims"]["out"])
+
+
 def measure_layer(spec: dict, tokens: int, repeats: int, rng) -> dict:
     """Every mode of one layer; the JSON entry described in the module docstring."""
     rig = Rig(spec, tokens, repeats, rng)
@@ -274,7 +288,7 @@ def measure_layer(spec: dict, tokens: int, repeats: int, rng) -> dict:
             "activation_out_bytes": rig.act_out, "transfer_s": rig.transfer_s("params"),
             "grad_transfer_s": rig.transfer_s("grads"), "forward_s": forward,
             "backward_s": backward, "dha_matches_gpu": matches,
-            "timer": rig.timer.summary()}
+            "weight_reads": weight_reads(spec, tokens), "timer": rig.timer.summary()}
 
 
 def sweep_point(spec: dict, tokens: int, repeats: int, rng, placed=None) -> dict:
@@ -285,7 +299,7 @@ def sweep_point(spec: dict, tokens: int, repeats: int, rng, placed=None) -> dict
     return {"tokens": tokens, "transfer_s": rig.transfer_s("params"),
             "forward_s": {m: rig.forward_s(m) for m in FORWARD_MODES},
             "backward_s": {m: rig.backward_s(m) for m in ("gpu", "dha")},
-            "timer": rig.timer.summary()}
+            "weight_reads": weight_reads(spec, tokens), "timer": rig.timer.summary()}
 
 
 def crossover(tokens, dha_s, copy_s) -> dict:
@@ -455,12 +469,13 @@ def main(argv=None) -> int:
     if layers is None:
         return 1
     rows = [[r["name"], r["kind"], f"{r['param_bytes'] / 2**20:.2f}",
+             "-" if r["weight_reads"] is None else str(r["weight_reads"]["forward"]),
              f"{r['transfer_s'] * 1e3:.3f}"]
             + [f"{r['forward_s'][m] * 1e3:.3f}" for m in FORWARD_MODES]
             + [f"{r['backward_s'][m] * 1e3:.3f}" for m in BACKWARD_MODES]
             + [f"{r['forward_s']['dha'] / r['forward_s']['copy']:.2f}",
                "yes" if r["dha_matches_gpu"] else "NO"] for r in layers]
-    print(format_table(["layer", "kind", "MiB", "T_trans"]
+    print(format_table(["layer", "kind", "MiB", "k fwd", "T_trans"]
                        + [f"fwd {m}" for m in FORWARD_MODES]
                        + [f"bwd {m}" for m in BACKWARD_MODES] + ["dha/copy fwd", "bitwise"],
                        rows, align="ll" + "r" * (len(rows[0]) - 2)))

@@ -20,9 +20,10 @@ live in mapped host memory. Their CPU twins, with the same signatures, are in
 from ._half import decode_half, encode_half
 from .adam import BLOCK_ELEMENTS, adam_coefficients, adam_update, grads_finite
 
-_DHA = ("GEMM_TILE", "dha_read", "dha_rmw", "dha_write", "embedding_backward",
-        "embedding_forward", "layernorm_backward", "layernorm_forward", "linear_backward",
-        "linear_forward", "xor_checksum")
+_DHA = ("GEMM_ROW_TILES", "GEMM_TILE", "dha_read", "dha_rmw", "dha_write",
+        "embedding_backward", "embedding_forward", "gemm_row_tiles", "layernorm_backward",
+        "layernorm_forward", "linear_backward", "linear_forward", "linear_weight_reads",
+        "xor_checksum")
 
 __all__ = [
     "BLOCK_ELEMENTS",

@@ -352,15 +352,19 @@ def grid_size(blocks, n_items: int) -> int:
     return check_blocks(blocks)
 
 
+def check_count(value, name: str) -> int:
+    """An integer argument >= 1 as a Python int (a bool or a float is refused)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise KernelArgumentError(f"{name} must be an integer >= 1, got {value!r}",
+                                  argument=name)
+    return int(value)
+
+
 def check_blocks(blocks) -> int | None:
     """A probe's ``blocks`` argument: None or an integer >= 1 (the CPU twins
     check it too, so a call that fails on the GPU fails on the CPU)."""
-    if blocks is None:
-        return None
-    if isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)) or blocks < 1:
-        raise KernelArgumentError(f"blocks must be an integer >= 1, got {blocks!r}",
-                                  argument="blocks")
-    return int(blocks)
+    return None if blocks is None else check_count(blocks, "blocks")
 
 
 def row_threads(h: int) -> int:

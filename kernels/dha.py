@@ -37,9 +37,10 @@ NOTE [ PCIe traffic per call ] (bytes crossing the link when the weight is mappe
     rows_touched*H*4 read+written with accumulate.
     LayerNorm fwd/bwd: 2*H*4 per block (gamma/beta staged in shared memory);
     parameter grads 2*H*4 written.
-    linear fwd: N*K*4*ceil(T/32) (the GEMM re-reads each weight tile once per
-    32-row tile of x: re-read factor k = ceil(T/32)); bwd grad_x: N*K*4*ceil(T/32);
-    grad_weight: N*K*4 written (twice that with accumulate).
+    linear fwd: N*K*4*k (the GEMM re-reads each weight tile once per tile row of
+    x, 32*r tokens tall: re-read factor k = ceil(T/(32*r)), with r in 1..8 chosen
+    per shape by gemm_row_tiles; linear_weight_reads gives k); bwd grad_x:
+    N*K*4*k likewise; grad_weight: N*K*4 written (twice that with accumulate).
 """
 
 from __future__ import annotations
@@ -52,20 +53,26 @@ from numba import cuda
 
 from rtmem.errors import KernelArgumentError
 
-from ._launch import (THREADS, as_device, check_array, check_disjoint, check_embedding,
-                      check_eps, check_flag, check_layernorm_backward,
+from ._launch import (THREADS, as_device, check_array, check_count, check_disjoint,
+                      check_embedding, check_eps, check_flag, check_layernorm_backward,
                       check_layernorm_forward, check_linear, device_words, grid_size,
-                      numba_stream, row_threads, scratch, simulator_active, stream_blocks,
-                      synchronize, word_value)
+                      numba_stream, row_threads, scratch, simulator_active, sm_count,
+                      stream_blocks, synchronize, word_value)
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum", "gpu_delay",
            "embedding_forward", "embedding_backward",
            "layernorm_forward", "layernorm_backward",
-           "linear_forward", "linear_backward", "GEMM_TILE"]
+           "linear_forward", "linear_backward", "GEMM_TILE", "GEMM_ROW_TILES",
+           "gemm_row_tiles", "linear_weight_reads"]
 
-#: Output tile edge of the GEMM (a 32 x 32 tile per block of 32 x 8 threads,
-#: 4 outputs per thread). It sets the weight re-read factor ceil(T / GEMM_TILE).
+#: Output tile width of the GEMM, and its height unit: a block of 32 x 8 threads
+#: computes a (GEMM_TILE * r) x GEMM_TILE tile of the output, 4 * r outputs per
+#: thread, for r in GEMM_ROW_TILES.
 GEMM_TILE = 32
+#: Tile heights (in GEMM_TILE rows) the GEMM is built for. A taller tile re-reads
+#: the op(b) operand (the weight of a linear layer) fewer times: once per tile row,
+#: ceil(M / (GEMM_TILE * r)) times in all (see :func:`gemm_row_tiles`).
+GEMM_ROW_TILES = (1, 2, 4, 8)
 _GEMM_ROWS = 8                       # blockDim.y of the GEMM
 _PER_THREAD = GEMM_TILE // _GEMM_ROWS
 # Row length of the GEMM's shared tiles (one float of padding: no bank conflicts on
@@ -311,67 +318,81 @@ def _column_finish_kernel(partials, which, out, accumulate):
 
 
 @cuda.jit(device=True)
-def _stage_tile(src, tile, row0, col0, r, tx, transpose):
-    # One element of a GEMM tile: src[row0 + r, col0 + tx] (0 outside src) into
-    # tile[r, tx], or tile[tx, r] when the stored layout is the transpose of the
-    # tile's. Consecutive tx read consecutive addresses either way (coalesced).
-    v = numba.float32(0.0)
-    if row0 + r < src.shape[0] and col0 + tx < src.shape[1]:
-        v = src[row0 + r, col0 + tx]
-    if transpose:
-        tile[tx, r] = v
-    else:
-        tile[r, tx] = v
+def _element(src, row, col):
+    # src[row, col], or 0 outside src (the ragged edge of a GEMM tile)
+    if row < src.shape[0] and col < src.shape[1]:
+        return src[row, col]
+    return numba.float32(0.0)
 
 
-@cuda.jit
-def _gemm_kernel(a, b, c, bias, trans_a, trans_b, accumulate, has_bias):
-    # c[M, N] (=|+=) op(a) @ op(b) (+ bias[N]); op(a) is [M, K], op(b) is [K, N].
-    # Tiles are loaded so that consecutive threadIdx.x read consecutive addresses
-    # in either layout (coalesced PCIe requests when a or b is mapped).
-    M, N = c.shape
-    K = a.shape[0] if trans_a else a.shape[1]
-    sa = cuda.shared.array((GEMM_TILE, _TILE_PAD), numba.float32)  # [m][k]
-    sb = cuda.shared.array((GEMM_TILE, _TILE_PAD), numba.float32)  # [k][n]
-    acc = cuda.local.array(_PER_THREAD, numba.float32)
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
-    tiles_m = (M + GEMM_TILE - 1) // GEMM_TILE
-    tiles_n = (N + GEMM_TILE - 1) // GEMM_TILE
-    for tm in range(cuda.blockIdx.y, tiles_m, cuda.gridDim.y):
-        for tn in range(cuda.blockIdx.x, tiles_n, cuda.gridDim.x):
-            m0 = tm * GEMM_TILE
-            n0 = tn * GEMM_TILE
-            for i in range(_PER_THREAD):
-                acc[i] = 0
-            for k0 in range(0, K, GEMM_TILE):
-                for i in range(_PER_THREAD):
-                    r = ty + i * _GEMM_ROWS
-                    if trans_a:                      # a stored [K, M]
-                        _stage_tile(a, sa, k0, m0, r, tx, True)
-                    else:                            # a stored [M, K]
-                        _stage_tile(a, sa, m0, k0, r, tx, False)
-                    if trans_b:                      # b stored [N, K]
-                        _stage_tile(b, sb, n0, k0, r, tx, True)
-                    else:                            # b stored [K, N]
-                        _stage_tile(b, sb, k0, n0, r, tx, False)
-                cuda.syncthreads()
-                for kk in range(GEMM_TILE):
-                    bv = sb[kk, tx]
+def _make_gemm_kernel(row_tiles: int):
+    """The GEMM kernel for output tiles of ``GEMM_TILE * row_tiles`` rows x
+    ``GEMM_TILE`` columns (one numba specialization per height: shared and local
+    array shapes must be compile-time constants, which closure variables are)."""
+    tile_m = GEMM_TILE * row_tiles
+    per_thread = _PER_THREAD * row_tiles
+
+    def gemm(a, b, c, bias, trans_a, trans_b, accumulate, has_bias):
+        # c[M, N] (=|+=) op(a) @ op(b) (+ bias[N]); op(a) is [M, K], op(b) is [K, N].
+        # Tiles are loaded so that consecutive threadIdx.x read consecutive
+        # addresses in either layout (coalesced PCIe requests when a or b is
+        # mapped). Every c[m, n] sums k in ascending order whatever the tile
+        # height, so all heights give bitwise-equal results.
+        M, N = c.shape
+        K = a.shape[0] if trans_a else a.shape[1]
+        sa = cuda.shared.array((tile_m, _TILE_PAD), numba.float32)     # [m][k]
+        sb = cuda.shared.array((GEMM_TILE, _TILE_PAD), numba.float32)  # [k][n]
+        acc = cuda.local.array(per_thread, numba.float32)
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tiles_m = (M + tile_m - 1) // tile_m
+        tiles_n = (N + GEMM_TILE - 1) // GEMM_TILE
+        for tm in range(cuda.blockIdx.y, tiles_m, cuda.gridDim.y):
+            for tn in range(cuda.blockIdx.x, tiles_n, cuda.gridDim.x):
+                m0 = tm * tile_m
+                n0 = tn * GEMM_TILE
+                for i in range(per_thread):
+                    acc[i] = 0
+                for k0 in range(0, K, GEMM_TILE):
+                    for i in range(per_thread):
+                        r = ty + i * _GEMM_ROWS
+                        if trans_a:       # a stored [K, M]: r -> (k row, 32-column block of m)
+                            kr = r % GEMM_TILE
+                            mc = (r // GEMM_TILE) * GEMM_TILE + tx
+                            sa[mc, kr] = _element(a, k0 + kr, m0 + mc)
+                        else:             # a stored [M, K]
+                            sa[r, tx] = _element(a, m0 + r, k0 + tx)
                     for i in range(_PER_THREAD):
-                        acc[i] += sa[ty + i * _GEMM_ROWS, kk] * bv
-                cuda.syncthreads()
-            n = n0 + tx
-            for i in range(_PER_THREAD):
-                m = m0 + ty + i * _GEMM_ROWS
-                if m < M and n < N:
-                    v = acc[i]
-                    if has_bias:
-                        v += bias[n]
-                    if accumulate:
-                        c[m, n] += v
-                    else:
-                        c[m, n] = v
+                        r = ty + i * _GEMM_ROWS
+                        if trans_b:       # b stored [N, K]
+                            sb[tx, r] = _element(b, n0 + r, k0 + tx)
+                        else:             # b stored [K, N]
+                            sb[r, tx] = _element(b, k0 + r, n0 + tx)
+                    cuda.syncthreads()
+                    for kk in range(GEMM_TILE):
+                        bv = sb[kk, tx]
+                        for i in range(per_thread):
+                            acc[i] += sa[ty + i * _GEMM_ROWS, kk] * bv
+                    cuda.syncthreads()
+                n = n0 + tx
+                for i in range(per_thread):
+                    m = m0 + ty + i * _GEMM_ROWS
+                    if m < M and n < N:
+                        v = acc[i]
+                        if has_bias:
+                            v += bias[n]
+                        if accumulate:
+                            c[m, n] += v
+                        else:
+                            c[m, n] = v
+
+    gemm.__name__ = gemm.__qualname__ = f"_gemm_kernel_{row_tiles}"
+    return cuda.jit(gemm)
+
+
+#: The GEMM kernels by tile height (in GEMM_TILE rows). Compiled lazily, on a
+#: height's first launch.
+_GEMM_KERNELS = {r: _make_gemm_kernel(r) for r in GEMM_ROW_TILES}
 
 
 # ================================================================= wrappers
@@ -610,17 +631,51 @@ def layernorm_backward(grad_out, x, mean, rstd, gamma, grad_x, grad_gamma, grad_
     _column_sums(grad_out, (x, mean, rstd), ((1, grad_gamma), (0, grad_beta)), accumulate, s)
 
 
-def _gemm(a, b, c, bias, trans_a, trans_b, accumulate, s):
+def gemm_row_tiles(rows: int, cols: int) -> int:
+    """Tile height (in ``GEMM_TILE`` rows, one of ``GEMM_ROW_TILES``) of the GEMM
+    that writes a ``rows`` x ``cols`` output on the current device.
+
+    The tallest tile that still gives every SM a block (or as many blocks as the
+    shortest tile would, when that is fewer). A taller tile re-reads the weight
+    fewer times, which is what a DHA linear pays for over PCIe; below one block per
+    SM, the link would see fewer requests in flight and on-GPU GEMMs fewer busy SMs.
+    The weight crosses PCIe ``ceil(rows / (GEMM_TILE * r))`` times (rows = tokens).
+    """
+    rows, cols = check_count(rows, "rows"), check_count(cols, "cols")
+    col_tiles = -(-cols // GEMM_TILE)
+    want = min(col_tiles * -(-rows // GEMM_TILE), sm_count())
+    for r in reversed(GEMM_ROW_TILES):
+        if col_tiles * -(-rows // (GEMM_TILE * r)) >= want:
+            return r
+    return 1  # unreachable: the shortest tile gives exactly ``want`` or more
+
+
+def linear_weight_reads(tokens: int, in_features: int, out_features: int) -> dict:
+    """How many times :func:`linear_forward` and :func:`linear_backward` read a
+    linear layer's weight (the GEMM re-read factor k of memferry.md §3.2, by
+    construction): ``{"forward": k_fp, "backward": k_bp}`` for ``tokens`` rows of
+    input on the current device. The backward reads the weight only for
+    ``grad_x``; with ``grad_x=None`` it reads it 0 times. Bytes over PCIe for a
+    mapped float32 weight: ``k * in_features * out_features * 4``.
+    """
+    tokens = check_count(tokens, "tokens")
+    check_count(in_features, "in_features")
+    return {"forward": -(-tokens // (GEMM_TILE * gemm_row_tiles(tokens, out_features))),
+            "backward": -(-tokens // (GEMM_TILE * gemm_row_tiles(tokens, in_features)))}
+
+
+def _gemm(a, b, c, bias, trans_a, trans_b, accumulate, s, row_tiles=None):
     M, N = c.shape
+    r = gemm_row_tiles(M, N) if row_tiles is None else row_tiles
     grid = (min(max(1, math.ceil(N / GEMM_TILE)), 65535),
-            min(max(1, math.ceil(M / GEMM_TILE)), 65535))
+            min(max(1, math.ceil(M / (GEMM_TILE * r))), 65535))
     if simulator_active():
         grid = (min(grid[0], 2), 1)     # few blocks; exercises the grid-stride loops
     has_bias = bias is not None
     if not has_bias:
         bias = scratch("unused", 1, np.float32, s)
-    _gemm_kernel[grid, (GEMM_TILE, _GEMM_ROWS), s](a, b, c, bias, trans_a, trans_b,
-                                                   bool(accumulate), has_bias)
+    _GEMM_KERNELS[r][grid, (GEMM_TILE, _GEMM_ROWS), s](a, b, c, bias, trans_a, trans_b,
+                                                       bool(accumulate), has_bias)
 
 
 def linear_forward(x, weight, bias, out, *, stream=0) -> None:
@@ -628,7 +683,8 @@ def linear_forward(x, weight, bias, out, *, stream=0) -> None:
 
     ``x`` [T, K] float32 (HBM), ``weight`` [N, K] float32 and ``bias`` [N]
     float32 or None (HBM or mapped host), ``out`` [T, N] float32. In DHA mode the
-    weight crosses PCIe ceil(T/32) times (see the module note).
+    weight crosses PCIe ``linear_weight_reads(T, K, N)["forward"]`` times, between
+    ceil(T/256) and ceil(T/32) (see the module note).
     """
     x, weight, out = as_device(x, "x"), as_device(weight, "weight"), as_device(out, "out")
     T, K, N = check_linear(x, weight, out, "out")

@@ -58,12 +58,13 @@ SIGNATURES = {
     "_layernorm_dx_kernel": [(A2, A2, A1, A1, A1, A2, b)],
     "_column_partials_kernel": [(A2, A2, A1, A1, A3, b)],
     "_column_finish_kernel": [(A3, t.int64, A1, b)],
-    "_gemm_kernel": [(A2, A2, A2, A1, b, b, b, b)],
+    **{f"_gemm_kernel_{r}": [(A2, A2, A2, A1, b, b, b, b)] for r in dha.GEMM_ROW_TILES},
 }
 
 kernels = {name: obj for name, obj in vars(dha).items()
            if isinstance(obj, _dispatcher.CUDADispatcher)
            and not obj.targetoptions.get("device")}
+kernels.update({f"_gemm_kernel_{r}": k for r, k in dha._GEMM_KERNELS.items()})
 report = {"compiled": [], "failed": {}, "missing": sorted(set(kernels) - set(SIGNATURES))}
 for name, sigs in SIGNATURES.items():
     for sig in sigs:

@@ -103,6 +103,8 @@ class Bench:
         for name, obj in list(vars(dha).items()):
             if isinstance(obj, FakeCUDAKernel) and not obj._device:
                 self._mp.setattr(dha, name, Recorder(name))
+        for r in dha._GEMM_KERNELS:                   # one GEMM per tile height
+            self._mp.setitem(dha._GEMM_KERNELS, r, Recorder(f"_gemm_kernel_{r}"))
         # gpu_delay is a no-op under the simulator; here it really holds the
         # fake stream, so the Timer's "start event not reached yet" check works
         delays = self.delays = []
@@ -389,6 +391,9 @@ def test_dha_layers_gpu_path(bench, capsys):
         assert all(_rate_ok(t) for t in times)
         assert layer["dha_matches_gpu"] is True
         assert layer["tokens"] == 40 and layer["activation_in_bytes"] > 0
+        # one SM under the simulator: the 256-row tile, one read of the weight
+        reads = {"forward": 1, "backward": 1} if layer["kind"] == "linear" else None
+        assert layer["weight_reads"] == reads
     assert "mlp.c_proj" in out and "bitwise" in out and "wrote" in out
     # the crossover sweep: every layer at every token count, and a verdict each way
     sweep = doc["sweep"]
@@ -399,6 +404,7 @@ def test_dha_layers_gpu_path(bench, capsys):
         for p in layer["points"]:
             assert set(p["forward_s"]) == set(dl.FORWARD_MODES)
             assert set(p["backward_s"]) == {"gpu", "dha"}
+            assert (p["weight_reads"] is None) == (layer["kind"] != "linear")
             assert all(_rate_ok(t) for t in [p["transfer_s"], *p["forward_s"].values(),
                                              *p["backward_s"].values()])
         for direction in ("forward", "backward"):
@@ -410,7 +416,8 @@ def test_dha_layers_gpu_path(bench, capsys):
         {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}
     assert "fwd dha/copy @32" in out and "swept mlp.c_proj" in out
     assert {"_embedding_fwd_kernel", "_embedding_grad_kernel", "_layernorm_fwd_kernel",
-            "_layernorm_dx_kernel", "_gemm_kernel", "_column_finish_kernel"} <= set(launches)
+            "_layernorm_dx_kernel", "_column_finish_kernel"} <= set(launches)
+    assert any(name.startswith("_gemm_kernel_") for name in launches)
     # the copy mode's cudaMemcpyAsync calls go between pinned host and device memory
     rt = bench.fake.modules["cupy.cuda.runtime"]
     kinds = {c[3] for c in bench.fake.calls_named("memcpyAsync")}

@@ -279,6 +279,64 @@ def test_linear_argument_errors(be):
         be.k.linear_forward(x, w, None, be.empty((5, 4)).T)
 
 
+# the three layouts the linear layer uses: forward, grad_x, grad_weight
+@pytest.mark.parametrize("trans_a,trans_b", [(False, True), (False, False), (True, False)])
+def test_gemm_tile_heights_agree_bitwise(trans_a, trans_b):
+    # Every tile height sums k in the same order, so all give the same bits (a
+    # plan profiled with one height and run with another computes the same
+    # model). M = 70 cuts 32-, 64- and 128-row tiles raggedly and fits a 256-row
+    # one; K = 40 leaves a ragged k tile; both layouts of a and b are staged.
+    from numba import cuda
+    from rtmem.kernels import dha
+    rng = np.random.default_rng(47)
+    M, K, N = 70, 40, 34
+    a = _rand(rng, *((K, M) if trans_a else (M, K)))
+    b = _rand(rng, *((N, K) if trans_b else (K, N)))
+    bias = _rand(rng, N)
+    a64 = (a.T if trans_a else a).astype(np.float64)
+    b64 = (b.T if trans_b else b).astype(np.float64)
+    got = {}
+    for r in dha.GEMM_ROW_TILES:
+        c = cuda.to_device(np.full((M, N), np.nan, np.float32))
+        dha._gemm(cuda.to_device(a), cuda.to_device(b), c, cuda.to_device(bias),
+                  trans_a, trans_b, False, 0, row_tiles=r)
+        got[r] = c.copy_to_host()
+        np.testing.assert_allclose(got[r], a64 @ b64 + bias, rtol=1e-4, atol=1e-4)
+    for r in dha.GEMM_ROW_TILES[1:]:
+        np.testing.assert_array_equal(got[r], got[1])
+
+
+def test_gemm_row_tiles_is_the_tallest_tile_that_fills_the_gpu(monkeypatch):
+    from rtmem.kernels import dha
+
+    def blocks(rows, cols, r):
+        return -(-cols // 32) * -(-rows // (32 * r))
+
+    monkeypatch.setattr(dha, "sm_count", lambda: 132)
+    assert dha.gemm_row_tiles(4096, 768) == 8        # 24 x 16 = 384 blocks
+    assert dha.gemm_row_tiles(1024, 768) == 4        # 24 x 8 = 192; 8 rows: 96 < 132
+    assert dha.gemm_row_tiles(64, 768) == 1          # 48 blocks at most: keep them all
+    assert dha.linear_weight_reads(4096, 768, 3072) == {"forward": 16, "backward": 16}
+    assert dha.linear_weight_reads(1024, 768, 3072) == {"forward": 4, "backward": 8}
+    assert dha.linear_weight_reads(1, 768, 768) == {"forward": 1, "backward": 1}
+    rng = np.random.default_rng(48)
+    for sms in (1, 8, 132):
+        monkeypatch.setattr(dha, "sm_count", lambda sms=sms: sms)
+        for rows, cols in rng.integers(1, 20000, size=(200, 2)):
+            r = dha.gemm_row_tiles(rows, cols)
+            want = min(blocks(rows, cols, 1), sms)
+            assert blocks(rows, cols, r) >= want
+            taller = [t for t in dha.GEMM_ROW_TILES if t > r]
+            assert all(blocks(rows, cols, t) < want for t in taller), (rows, cols, r)
+            k = dha.linear_weight_reads(int(rows), 5, int(cols))["forward"]
+            assert k == -(-rows // (32 * r))
+    for bad in (0, -3, 2.0, True, "64"):
+        with pytest.raises(KernelArgumentError, match="tokens must be an integer >= 1"):
+            dha.linear_weight_reads(bad, 4, 4)
+        with pytest.raises(KernelArgumentError, match="cols must be an integer >= 1"):
+            dha.gemm_row_tiles(4, bad)
+
+
 # ------------------------------------------- refused calls write nothing
 
 def test_aliased_outputs_are_refused(be):
