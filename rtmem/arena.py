@@ -242,6 +242,13 @@ class _Arena:
             stream = self._default_stream()
         elif stream is UNORDERED:
             stream = None           # the core's key of bytes no stream orders
+        elif not isinstance(stream, self.backend.stream_types):
+            # A foreign object would key the allocator's reuse and make the
+            # buffer's free fail (it records and waits on its home stream).
+            raise TypeError(
+                f"stream must be a stream of this arena's {self.backend.name} backend "
+                f"(arena.backend.new_stream() or .current_stream()), rtmem.UNORDERED or "
+                f"None, got {type(stream).__name__} {stream!r}")
         placement = self._allocate(nbytes, kind, stream)
         return Buffer(placement, nbytes, dtype, shape, kind)
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 
-def run_on_threads(work, n: int = 8) -> None:
+def run_on_threads(work, n: int = 8, switch_interval: float = 1e-6) -> None:
     """Call ``work(tid)`` for ``tid`` in ``range(n)``, each on its own thread, and
     fail here with every exception a worker raised (a worker's assertion would
-    otherwise only be printed by the thread)."""
+    otherwise only be printed by the thread).
+
+    The interpreter switches threads every ``switch_interval`` seconds meanwhile
+    (default 1 us; Python's is 5 ms): at the default, a thread is almost never
+    interrupted inside a short critical section, so a missing lock would pass.
+    """
     errors = []
 
     def guarded(tid):
@@ -18,10 +24,15 @@ def run_on_threads(work, n: int = 8) -> None:
             errors.append(exc)
 
     threads = [threading.Thread(target=guarded, args=(t,)) for t in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(switch_interval)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(before)
     assert not errors, errors
 
 

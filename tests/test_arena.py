@@ -146,6 +146,24 @@ def test_oom_in_arena_carries_numbers(dev):
     keep.free()
 
 
+def test_alloc_refuses_a_stream_of_no_backend(dev, host):
+    # A foreign stream object would key the allocator's reuse and leave a buffer
+    # whose free fails (it waits on its home stream): refused, nothing allocated.
+    for arena in (dev, host):
+        before = arena.stats()
+        for bad in ("x", 3, object(), threading.Lock()):
+            with pytest.raises(TypeError, match="stream must be a stream of this arena's "
+                                                "host backend"):
+                arena.alloc(64, stream=bad)
+        assert arena.stats() == before
+        side = arena.backend.new_stream()
+        for stream in (side, arena.backend.current_stream()):
+            buf = arena.alloc(64, stream=stream)
+            buf.free()
+        arena.backend.synchronize()
+        assert arena.stats().allocated_bytes == before.allocated_bytes
+
+
 def test_growth_within_arena():
     a = DeviceArena(4096, max_bytes=4 * 4096, backend="host")
     bufs = [a.alloc(4096) for _ in range(4)]

@@ -331,6 +331,18 @@ def test_copies_wait_for_their_stream_and_free_is_stream_ordered(fake, backend):
     c.free()
 
 
+def test_alloc_takes_rtmem_cuda_streams_not_raw_cupy_ones(fake, backend):
+    d = DeviceArena(1 << 16, backend=backend)
+    raw = fake.modules["cupy"].cuda.Stream()
+    with pytest.raises(TypeError, match="cuda backend.*got Stream"):
+        d.alloc(256, stream=raw)                     # wrap it: CudaStream(raw)
+    assert d.stats().allocated_bytes == 0
+    side = backend.new_stream()
+    b = d.alloc(256, stream=side)
+    assert b._device.block.stream == side            # reuse keyed by the stream
+    b.free()
+
+
 def test_compute_stream_frees_record_no_event_and_fence_other_streams(
         fake, backend, monkeypatch):
     d = DeviceArena(1 << 16, backend=backend)

@@ -86,6 +86,9 @@ class Backend(abc.ABC):
     """
 
     name: str = "?"
+    #: The classes of this backend's streams (what ``new_stream`` and
+    #: ``current_stream`` return): the streams an arena of it accepts.
+    stream_types: tuple = ()
 
     @abc.abstractmethod
     def device_slab(self, nbytes: int) -> Slab:

@@ -170,6 +170,7 @@ class CudaBackend(Backend):
     """Slabs, streams and copies on the current CUDA device through CuPy."""
 
     name = "cuda"
+    stream_types = (CudaStream,)
 
     def __init__(self):
         cp = import_cupy()

@@ -243,6 +243,7 @@ class HostBackend(Backend):
     """Numpy slabs and threads with the cuda backend's semantics (module doc)."""
 
     name = "host"
+    stream_types = (HostNullStream, HostStream)
 
     def __init__(self):
         self._null = HostNullStream()
