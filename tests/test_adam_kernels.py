@@ -351,6 +351,39 @@ def test_chunk_leaves_elements_outside_it_alone():
         assert not np.array_equal(a[100:200], b[100:200])
 
 
+def _record_threads(monkeypatch):
+    """Replace the two parallel kernels by wrappers that note numba's thread count
+    at each call (what the kernel's parallel loop runs on)."""
+    from rtmem.kernels import adam
+    seen = []
+    for name in ("_adam_kernel", "_nonfinite_kernel"):
+        real = getattr(adam, name)
+
+        def wrapper(*args, _real=real, _name=name):
+            seen.append((_name, numba.get_num_threads()))
+            return _real(*args)
+        monkeypatch.setattr(adam, name, wrapper)
+    return seen
+
+
+def test_num_threads_is_what_the_parallel_kernels_run_on(monkeypatch):
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit < 2:
+        pytest.skip("one numba thread: a thread count cannot be told from the default")
+    seen = _record_threads(monkeypatch)
+    rng = np.random.default_rng(13)
+    p, m, v = _state(rng)[:3]
+    g = rng.standard_normal(N).astype(np.float32)
+    numba.set_num_threads(limit)
+    adam_update(p, g, m, v, lr=1e-3, step=1, grad_scale=2.0, num_threads=1)
+    assert grads_finite(g, num_threads=1)
+    assert seen == [("_nonfinite_kernel", 1), ("_adam_kernel", 1), ("_nonfinite_kernel", 1)]
+    assert numba.get_num_threads() == limit                 # restored
+    seen.clear()
+    adam_update(p, g, m, v, lr=1e-3, step=2)                # None: the count as it is
+    assert seen == [("_adam_kernel", limit)]
+
+
 def test_thread_count_does_not_change_results_and_is_restored():
     rng = np.random.default_rng(12)
     a = _state(rng)[:3]

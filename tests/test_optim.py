@@ -495,6 +495,22 @@ def test_num_threads_does_not_change_results():
         optim.CPUAdam(a, num_threads=0)
 
 
+def test_cpu_adam_steps_run_on_num_threads(monkeypatch):
+    import numba
+    from test_adam_kernels import _record_threads
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit < 2:
+        pytest.skip("one numba thread: a thread count cannot be told from the default")
+    seen = _record_threads(monkeypatch)
+    from rtmem.kernels import BLOCK_ELEMENTS
+    big = torch.nn.Parameter(torch.randn(3 * BLOCK_ELEMENTS))   # big enough for the pool
+    big.grad = torch.randn_like(big)
+    numba.set_num_threads(limit)
+    optim.CPUAdam([big], lr=1e-2, num_threads=1).step(grad_scale=4.0)
+    assert seen == [("_nonfinite_kernel", 1), ("_adam_kernel", 1)]
+    assert numba.get_num_threads() == limit
+
+
 @pytest.mark.parametrize("kwargs,fragment", [
     (dict(lr=-1e-3), "lr"),
     (dict(betas=(1.0, 0.999)), "beta1"),
