@@ -64,6 +64,10 @@ def test_bad_requests(arena):
         as_tensor(buf, device_alias=True)
     with pytest.raises(TypeError, match="Buffer"):
         as_tensor(np.zeros(3))
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        as_tensor(buf, dtype="float32")
+    with pytest.raises(TypeError, match="dense tensors.*sparse_coo.*to_dense"):
+        from_tensor(torch.eye(3).to_sparse(), arena)
     with pytest.raises(rtmem.OutOfMemoryError):
         from_tensor(torch.zeros(1 << 21), arena)      # 8 MiB into a 4 MiB arena
     assert arena.stats().count_by_kind["activation"] == 1   # nothing leaked
@@ -113,6 +117,33 @@ def test_placement_keeps_existing_gradients_and_is_all_or_nothing(arena):
         assert torch.equal(p.grad, g)
         assert p.grad.data_ptr() == placement.grads[p].numpy().ctypes.data
     placement.release()
+
+
+def test_gradients_go_where_the_parameters_compute(arena):
+    # Host backend: every tensor is a CPU tensor, so a DeviceArena's weights take
+    # gradients in a pinned HostArena as well.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    ref = copy.deepcopy(model)
+    host = rtmem.HostArena("1MiB", backend="host")
+    placement = place_parameters(model, arena, grad_arena=host)
+    x = torch.randn(5, 4)
+    for m in (model, ref):
+        m(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        assert placement.grads[p].host_arena is host
+    placement.release()
+    # Weights the GPU reads (device_alias) need gradients the GPU can write: an
+    # unmapped host arena is refused before anything moves.
+    before = [(p.data_ptr(), p.grad.data_ptr()) for p in model.parameters()]
+    mapped = rtmem.HostArena("1MiB", mapped=True, backend="host")
+    with pytest.raises(ValueError, match=r"DeviceArena or a HostArena\(mapped=True\)"):
+        place_parameters(model, mapped, grad_arena=host, device_alias=True)
+    assert [(p.data_ptr(), p.grad.data_ptr()) for p in model.parameters()] == before
+    assert mapped.stats().allocated_bytes == host.stats().allocated_bytes == 0
+    gc.collect()
+    host.close()
+    mapped.close()
 
 
 def test_wrong_argument_types_are_named(arena):

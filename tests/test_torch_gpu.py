@@ -159,6 +159,36 @@ def test_dha_placement_runs_on_mapped_host_weights(cuda):
     arena.close()
 
 
+@pytest.mark.parametrize("mode", ["dha", "gpu_go"])
+def test_mixed_placements_of_memferry_modes(cuda, mode):
+    # "dha": mapped weights, gradients in HBM; "gpu_go": weights in HBM,
+    # gradients written straight into mapped host memory (GO-MemFerry).
+    model, loss_fn, batches = _model(cuda, layers=2)
+    ref = copy.deepcopy(model)
+    device = rtmem.DeviceArena(64 << 20)
+    mapped = rtmem.HostArena(64 << 20, mapped=True)
+    if mode == "dha":
+        placement = place_parameters(model, mapped, grad_arena=device, device_alias=True)
+    else:
+        placement = place_parameters(model, device, grad_arena=mapped)
+    x, y = batches[0]
+    for m in (model, ref):
+        loss_fn(m(x), y).backward()
+    torch.cuda.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.is_cuda and p.grad.is_cuda
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        where = placement.grads[p]
+        assert (where.host_arena is mapped) == (mode == "gpu_go")
+        if mode == "gpu_go":                      # the host view holds the gradient
+            host = where.numpy().reshape(q.grad.shape)
+            np.testing.assert_allclose(host, q.grad.cpu().numpy(), rtol=1e-5, atol=1e-6)
+    placement.release()
+    gc.collect()
+    device.close()
+    mapped.close()
+
+
 def test_as_tensor_under_a_torch_side_stream_waits_for_the_prefetch(cuda):
     # torch kernels on a side stream read the buffer only after its H2D copy:
     # as_tensor orders torch's current stream, not CuPy's legacy one, after it

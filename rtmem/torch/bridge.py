@@ -125,6 +125,9 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
     """
     if not isinstance(buf, Buffer):
         raise TypeError(f"as_tensor needs an rtmem Buffer, got {type(buf).__name__}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got "
+                        f"{dtype!r}")
     if device_alias:
         p = buf._view_placement("host")
         if p.arena.backend.name != "cuda" or p.slab.device_ptr is None:
@@ -164,6 +167,9 @@ def from_tensor(tensor: torch.Tensor, arena, *, kind: str = "activation") -> Buf
         raise TypeError(f"from_tensor copies a torch.Tensor, got {type(tensor).__name__}; "
                         f"convert it with torch.as_tensor first")
     _check_arena(arena, "arena")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"from_tensor copies dense tensors; got a {tensor.layout} one: "
+                        f"convert it with .to_dense() first")
     tensor = tensor.detach()
     buf = arena.alloc(shape=tuple(tensor.shape), dtype=numpy_dtype(tensor.dtype), kind=kind)
     try:
@@ -216,8 +222,14 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     ``p`` had (zeros if none); autograd accumulates into it in place, so clear
     gradients with ``zero_grad(set_to_none=False)`` to keep them there.
     ``device_alias=True`` places weights in a mapped host arena viewed from the
-    GPU (the DHA layers of MemFerry). Returns a :class:`ModulePlacement`. All or
-    nothing: if a buffer cannot be made, every parameter keeps its own tensors.
+    GPU (the DHA layers of MemFerry). Gradients live where the parameter does
+    (torch requires it): in a DeviceArena, or in a mapped HostArena viewed from the
+    GPU when the parameter is a CUDA tensor, so each of MemFerry's modes can be
+    placed: weights and gradients mapped ("dha_go"), mapped weights with
+    ``grad_arena`` a DeviceArena ("dha"), device weights with ``grad_arena`` a
+    mapped HostArena (GO-MemFerry, "gpu_go"). Returns a :class:`ModulePlacement`.
+    All or nothing: if a buffer cannot be made, every parameter keeps its own
+    tensors.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"place_parameters moves a torch.nn.Module's parameters, got "
@@ -225,6 +237,16 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     _check_arena(arena, "arena")
     if grad_arena is not None:
         _check_arena(grad_arena, "grad_arena")
+    grads_in = grad_arena or arena
+    # Gradients of CUDA parameters must be CUDA tensors: device memory, or mapped
+    # host memory through its device alias. Decided once, before anything moves.
+    cuda_params = device_alias or (arena.location == "device"
+                                   and arena.backend.name == "cuda")
+    grad_alias = cuda_params and grads_in.location == "host"
+    if grads and grad_alias and not getattr(grads_in, "mapped", False):
+        raise ValueError("gradients of parameters the GPU computes with must be in a "
+                         "DeviceArena or a HostArena(mapped=True) the GPU can write; got "
+                         f"{grads_in!r} as the gradient arena")
     for i, p in enumerate(dict.fromkeys(module.parameters())):
         if _placement_of(p) is not None:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is already in an "
@@ -240,10 +262,10 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
             if grads and p.requires_grad:
                 # a frozen parameter keeps .grad None: optimizers skip only those
                 # (a zero gradient let weight decay and momentum move it)
-                gbuf = (grad_arena or arena).alloc(
+                gbuf = grads_in.alloc(
                     shape=tuple(p.shape), dtype=numpy_dtype(p.dtype), kind="gradient")
                 placement.grads[p] = gbuf
-                g = as_tensor(gbuf, dtype=p.dtype, device_alias=device_alias)
+                g = as_tensor(gbuf, dtype=p.dtype, device_alias=grad_alias)
                 old = before[p][1]
                 if old is None:
                     g.zero_()
