@@ -248,6 +248,29 @@ def test_executor_remat_gradients_equal_plain_autograd(cuda, segments):
     _check_same(m, ex, loss, ref, ref_loss)
 
 
+def test_executor_runs_dha_stages_on_mapped_weights(cuda):
+    # MemFerry's DHA layers inside a plan: the embedding and the head keep their
+    # weights (and gradients) in mapped host memory, read and written by the GPU
+    # over PCIe, while the blocks between them are rematerialized.
+    model, loss_fn, batches = _model(cuda, dropout=0.1)
+    x, y = batches[0]
+    ref, ref_loss = _reference(model, loss_fn, x, y)
+    m = copy.deepcopy(model)
+    mapped = rtmem.HostArena(64 << 20, mapped=True)
+    placements = [place_parameters(m[i], mapped, device_alias=True) for i in (0, len(m) - 1)]
+    ex = ScheduleExecutor(m, sequential_schedule(len(m), 2), loss_fn)
+    torch.manual_seed(7)
+    loss = ex.step(x, y)
+    torch.cuda.synchronize()
+    _check_same(m, ex, loss, ref, ref_loss)
+    for placement in placements:
+        for p, buf in placement.grads.items():            # the gradient is in host memory
+            assert p.grad.data_ptr() == buf.__cuda_array_interface__["data"][0]
+        placement.release()
+    gc.collect()
+    mapped.close()
+
+
 @pytest.mark.parametrize("side_stream", [False, True], ids=["default", "side-stream"])
 def test_executor_offload_through_the_pinned_arena_on_streams(cuda, side_stream):
     # side-stream: the whole training step runs under torch.cuda.stream(s), so
