@@ -685,6 +685,12 @@ def _build_torch_optimizers():
         def _load_checked(self, state_dict):
             super().load_state_dict(state_dict)
             for gi, group in enumerate(self.param_groups):
+                try:
+                    _check_hyper(group["lr"], group["betas"], group["eps"],
+                                 group["weight_decay"])
+                except OptimizerError as exc:
+                    raise OptimizerError(f"group {gi} of the state dict: {exc}",
+                                         argument=exc.argument) from None
                 self._check_decoupled(group["decoupled_weight_decay"],
                                       f"group {gi}: decoupled_weight_decay")
                 for pi, p in enumerate(group["params"]):

@@ -586,6 +586,27 @@ def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     assert float(opt.state[a[0]]["step"]) == 2.0
 
 
+@pytest.mark.parametrize("key, value, argument", [
+    ("lr", -1.0, "lr"), ("betas", (1.5, 0.9), "beta1"), ("betas", (0.9,), "betas"),
+    ("eps", 0.0, "eps"), ("weight_decay", float("nan"), "weight_decay")])
+def test_load_state_dict_checks_the_hyperparameters_it_is_given(key, value, argument):
+    # as NumpyAdam does: a bad group fails here, not at the next step()
+    a, _ = _models(25)
+    opt = optim.CPUAdam(a, lr=0.1)
+    for p in a:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(good)
+    bad["param_groups"][0][key] = value
+    with pytest.raises(OptimizerError, match=f"group 0 of the state dict: .*{argument}") \
+            as info:
+        opt.load_state_dict(bad)
+    assert info.value.argument == argument
+    assert opt.state_dict()["param_groups"] == good["param_groups"]
+    opt.step()
+
+
 def test_malformed_arguments_get_optimizer_errors():
     p = torch.nn.Parameter(torch.ones(3))
     cases = [
