@@ -199,8 +199,10 @@ def test_bad_plans_are_refused(setup):
         ScheduleExecutor(model, store_all_schedule(n + 1), loss_fn)
     with pytest.raises(ExecutionError, match="planned for another chain"):
         ScheduleExecutor(model, store_all_schedule(n - 1), loss_fn)
-    with pytest.raises(ExecutionError, match="nn.Sequential"):
-        ScheduleExecutor(list(model), store_all_schedule(n), loss_fn)
+    with pytest.raises(ExecutionError, match="nn.Sequential of stages or a list"):
+        ScheduleExecutor({"a": model}, store_all_schedule(n), loss_fn)
+    with pytest.raises(ExecutionError, match="nn.Sequential of stages or a list"):
+        ScheduleExecutor([*model, "relu"], store_all_schedule(n + 1), loss_fn)
     with pytest.raises(ExecutionError, match="Schedule or a Plan"):
         ScheduleExecutor(model, "F_all 0", loss_fn)
 

@@ -509,11 +509,44 @@ def test_a_loss_that_is_not_a_scalar_tensor_is_named(bad, fragment):
 
 
 def test_executor_arguments_are_named():
-    with pytest.raises(ExecutionError, match="empty nn.Sequential"):
-        ScheduleExecutor(nn.Sequential(), store_all_schedule(1), mse)
+    for empty in (nn.Sequential(), []):
+        with pytest.raises(ExecutionError, match="no stages"):
+            ScheduleExecutor(empty, store_all_schedule(1), mse)
     ex = ScheduleExecutor(nn.Sequential(nn.Linear(3, 1)), store_all_schedule(1), mse)
     with pytest.raises(ExecutionError, match="inputs must be a torch.Tensor.*list"):
         ex.step([[1.0, 2.0, 3.0]], torch.zeros(1, 1))
+
+
+def test_a_list_of_blocks_is_a_chain_of_stages():
+    # "an nn.Sequential (or a list of blocks)": profiled, planned and run as the
+    # same stages, sharing the blocks' parameters
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)] + [nn.Linear(4, 1)]
+    x, y = torch.randn(5, 4), torch.randn(5, 1)
+    chain = profile_sequential(blocks, x, y, mse, repeats=1)
+    assert chain.n == 4
+    ref = copy.deepcopy(nn.Sequential(*blocks))
+    ex = ScheduleExecutor(tuple(blocks), sequential_schedule(4, 2), mse)
+    torch.testing.assert_close(ex.step(x, y), mse(ref(x), y).detach())
+    mse(ref(x), y).backward()
+    for block, twin in zip(blocks, ref):
+        for p, q in zip(block.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_profiler_refuses_what_it_cannot_run_before_running_it():
+    model = nn.Sequential(nn.Linear(3, 1))
+    before = model[0].weight.detach().clone()
+    for args, fragment in ((([1, 2], torch.zeros(2, 1), mse), "inputs must be a torch.Tensor"),
+                           ((torch.zeros(2, 3), torch.zeros(2, 1), None), "loss_fn must be"),
+                           ((torch.zeros(2, 3), torch.zeros(2, 1), mse), None)):
+        if fragment is None:
+            with pytest.raises(ExecutionError, match="list of modules, got dict"):
+                profile_sequential({"m": model}, *args)
+            continue
+        with pytest.raises(ExecutionError, match=fragment):
+            profile_sequential(model, *args)
+        assert model[0].weight.grad is None and torch.equal(model[0].weight, before)
 
 
 def test_placed_frozen_parameters_get_no_gradient(arena):

@@ -6,6 +6,7 @@ and what it must return, storage bookkeeping, and the construction checks of
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from rtmem.errors import RtmemError
 from rtmem.planners import Op
@@ -17,6 +18,35 @@ _WEIGHT_MOVES = frozenset((Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH))
 
 class ExecutionError(RtmemError):
     """A schedule could not be executed on a model (wrong length, bad state)."""
+
+
+def as_stages(model, what: str) -> nn.Sequential:
+    """``model`` as the ``nn.Sequential`` of stages ``what`` runs: an
+    ``nn.Sequential``, or a list or tuple of modules (wrapped, the modules
+    shared, not copied). Raises :class:`ExecutionError` for anything else or for
+    no stages at all."""
+    if isinstance(model, (list, tuple)) and all(isinstance(m, nn.Module) for m in model):
+        model = nn.Sequential(*model)
+    if not isinstance(model, nn.Sequential):
+        raise ExecutionError(f"{what} needs an nn.Sequential of stages or a list of "
+                             f"modules, got {type(model).__name__}; wrap your blocks in "
+                             f"nn.Sequential")
+    if len(model) == 0:
+        raise ExecutionError(f"{what} got no stages (an empty model); give it the "
+                             f"blocks of the network, in order")
+    return model
+
+
+def check_step_arguments(inputs, loss_fn) -> None:
+    """Refuse, before any stage runs, a batch that is not a tensor or a loss that
+    cannot be called."""
+    if not isinstance(inputs, torch.Tensor):
+        raise ExecutionError(f"inputs must be a torch.Tensor (the first stage's "
+                             f"input), got {type(inputs).__name__}; convert it with "
+                             f"torch.as_tensor")
+    if not callable(loss_fn):
+        raise ExecutionError(f"loss_fn must be callable as loss_fn(output, target), got "
+                             f"{type(loss_fn).__name__}")
 
 
 def _storages(tensors):

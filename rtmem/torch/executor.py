@@ -78,8 +78,8 @@ from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 from rtmem.planners._validation import type_label
 
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _Ledger, _stage_input,
-                      _storage_bytes, _storage_ptrs, _storages, check_placement,
-                      check_shared_weights, param_label)
+                      _storage_bytes, _storage_ptrs, _storages, as_stages, check_placement,
+                      check_shared_weights, check_step_arguments, param_label)
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
 
@@ -189,7 +189,8 @@ class ScheduleExecutor:
     Parameters
     ----------
     model:
-        An ``nn.Sequential`` whose children are the chain's stages, each taking
+        An ``nn.Sequential`` (or a list of modules) whose items are the chain's
+        stages, each taking
         and returning a single tensor. Their parameters and buffers are listed
         once, here: build a new executor after adding or replacing any (``.data``
         swaps and in-place updates are fine).
@@ -229,9 +230,7 @@ class ScheduleExecutor:
     def __init__(self, model: nn.Sequential, schedule, loss_fn, *,
                  preserve_rng_state: bool = True, host_arena=None,
                  track_memory: bool = True):
-        if not isinstance(model, nn.Sequential):
-            raise ExecutionError(f"model must be an nn.Sequential of stages, got "
-                                 f"{type(model).__name__}; wrap your blocks in nn.Sequential")
+        model = as_stages(model, "ScheduleExecutor")
         schedule = getattr(schedule, "schedule", schedule)
         if not isinstance(schedule, Schedule):
             raise ExecutionError(f"schedule must be a Schedule or a Plan, got "
@@ -242,9 +241,6 @@ class ScheduleExecutor:
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise ExecutionError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}")
-        if len(model) == 0:
-            raise ExecutionError("model is an empty nn.Sequential; give it the stages the "
-                                 "schedule runs")
         self.n = len(model)
         try:   # structural check: ranges, order, inputs present, complete backward
             simulate(Chain.homogeneous(self.n), schedule, Platform(math.inf))
@@ -326,9 +322,7 @@ class ScheduleExecutor:
         gradients it produced before the error stay where they went (``.grad``,
         or the :meth:`host_grads` of ``g_offload``), as after a failed
         ``loss.backward()``: zero both before retrying the batch."""
-        if not isinstance(inputs, torch.Tensor):
-            raise ExecutionError(f"inputs must be a torch.Tensor (the first stage's "
-                                 f"input), got {type(inputs).__name__}")
+        check_step_arguments(inputs, self.loss_fn)
         if torch.is_inference_mode_enabled() or inputs.is_inference():
             raise ExecutionError(
                 "step() trains, so it cannot run under torch.inference_mode() or on an "

@@ -43,12 +43,11 @@ import time
 import torch
 from torch import nn
 
-from rtmem.errors import RtmemError
 from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
 from ._stages import (_check_output, _grad_input, _stage_input, _storage_bytes,
-                      _storage_ptrs)
+                      _storage_ptrs, as_stages, check_step_arguments)
 
 __all__ = ["profile_sequential"]
 
@@ -72,7 +71,8 @@ class _Timer:
 
 def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_fn, *,
                        repeats: int = 3, name: str = "") -> Chain:
-    """Profile ``model`` (an ``nn.Sequential`` of stages) on one batch.
+    """Profile ``model`` (an ``nn.Sequential`` of stages, or a list of modules) on
+    one batch.
 
     ``inputs``/``target`` are a representative batch and ``loss_fn(output, target)``
     the loss. ``repeats`` (>= 1) timed runs per operation, median kept. Parameter
@@ -80,11 +80,11 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     and the RNG state are restored afterwards, also after an error, so profiling
     does not perturb training. Returns a :class:`~rtmem.planners.Chain` with
     times in seconds and sizes in bytes. Raises
-    :class:`~rtmem.torch.ExecutionError` when a stage does not return a single
-    tensor.
+    :class:`~rtmem.torch.ExecutionError` for a model, batch or loss it cannot run
+    (before running any stage) and when a stage does not return a single tensor.
     """
-    if not isinstance(model, nn.Sequential) or len(model) == 0:
-        raise RtmemError("profile_sequential needs a non-empty nn.Sequential of stages")
+    model = as_stages(model, "profile_sequential")
+    check_step_arguments(inputs, loss_fn)
     repeats = check_int("repeats", repeats, low=1)
     device = inputs.device
     timer = _Timer(device)
