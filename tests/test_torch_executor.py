@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from rtmem.planners import (Chain, Platform, Schedule, sequential_schedule,  # noqa: E402
-                            simulate, store_all_schedule)
+from rtmem.planners import (Chain, Platform, Schedule, min_feasible_memory,  # noqa: E402
+                            plan_floating, plan_remat, plan_revolve, plan_sequential,
+                            sequential_schedule, simulate, store_all_schedule)
 from rtmem.planners.testing import valid_schedules  # noqa: E402
 from rtmem.torch import (ExecutionError, ScheduleExecutor, gpt2_model,  # noqa: E402
                          profile_sequential, resnet_model)
@@ -183,13 +184,40 @@ def test_random_valid_schedules(setup, data):
     sched = data.draw(valid_schedules(chain))
     m, ex, loss = _run(setup, sched)
     _assert_same_training(setup, m, ex, loss)
-    # activation memory measured between operations == simulated (weights aside)
-    acts_only = Chain(u_f=chain.u_f, u_b=chain.u_b, x=chain.x, xbar=chain.xbar, x0=chain.x0)
-    sim = simulate(acts_only, sched, Platform(math.inf))
-    # (from B 0 on, the simulator holds delta_0 while integer token inputs have none)
+    _check_measured_against(sched, chain, ex)
+
+
+def _acts_only(chain):
+    return Chain(u_f=chain.u_f, u_b=chain.u_b, x=chain.x, xbar=chain.xbar, x0=chain.x0)
+
+
+def _check_measured_against(sched, chain, ex):
+    """Activation bytes measured between operations equal the simulator's on the
+    activations-only chain (from B 0 on the simulator also holds delta_0, which
+    integer token inputs lack); returns that simulation."""
+    sim = simulate(_acts_only(chain), sched, Platform(math.inf))
     last_b = max(j for j, (op, s, _) in enumerate(sched) if op == op.B)
     assert ex.resident_bytes[:last_b] == sim.timeline["mem_after"][:last_b].tolist()
     assert ex.peak_bytes <= sim.peak
+    return sim
+
+
+@pytest.mark.parametrize("planner", [plan_remat, plan_floating, plan_revolve, plan_sequential])
+@pytest.mark.parametrize("where", [0.0, 0.5])
+def test_planner_output_trains_within_its_budget(setup, planner, where):
+    # A planner's plan, at the least feasible budget and halfway to store-all:
+    # the executor reproduces plain autograd, and what it holds (plus the
+    # weights, resident throughout) stays within the plan's simulated peak,
+    # itself within the budget.
+    chain = setup[-1]
+    lo = min_feasible_memory(chain)
+    hi = simulate(chain, store_all_schedule(chain.n), Platform(math.inf)).peak
+    budget = lo + int(where * (hi - lo))
+    plan = planner(chain, budget)
+    m, ex, loss = _run(setup, plan)
+    _assert_same_training(setup, m, ex, loss)
+    _check_measured_against(plan.schedule, chain, ex)
+    assert ex.peak_bytes + sum(chain.w) <= plan.peak <= budget
 
 
 def test_bad_plans_are_refused(setup):
