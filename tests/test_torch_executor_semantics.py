@@ -512,6 +512,10 @@ def test_executor_arguments_are_named():
     for empty in (nn.Sequential(), []):
         with pytest.raises(ExecutionError, match="no stages"):
             ScheduleExecutor(empty, store_all_schedule(1), mse)
+    for flag in ("preserve_rng_state", "track_memory"):
+        with pytest.raises(ExecutionError, match=f"{flag} must be True or False, got 'no'"):
+            ScheduleExecutor(nn.Sequential(nn.Linear(3, 1)), store_all_schedule(1), mse,
+                             **{flag: "no"})
     ex = ScheduleExecutor(nn.Sequential(nn.Linear(3, 1)), store_all_schedule(1), mse)
     with pytest.raises(ExecutionError, match="inputs must be a torch.Tensor.*list"):
         ex.step([[1.0, 2.0, 3.0]], torch.zeros(1, 1))

@@ -238,6 +238,10 @@ class ScheduleExecutor:
         if not callable(loss_fn):
             raise ExecutionError(f"loss_fn must be callable as loss_fn(output, target), "
                                  f"got {type(loss_fn).__name__}")
+        for flag, value in (("preserve_rng_state", preserve_rng_state),
+                            ("track_memory", track_memory)):
+            if not isinstance(value, bool):
+                raise ExecutionError(f"{flag} must be True or False, got {value!r}")
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise ExecutionError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}")
