@@ -8,6 +8,7 @@ so it is set here, at configure time, unless the run selects the real-GPU tests
 """
 
 import os
+import secrets
 
 import pytest
 
@@ -75,3 +76,13 @@ def arena(monkeypatch):
     yield a
     gc.collect()
     a._check_invariants()
+
+
+@pytest.fixture
+def fresh_seed() -> int:
+    """A new random seed at every run, so reference checks see fresh inputs, not
+    the same few forever. Printed (pytest shows it with a failure); replay a
+    failure with RTMEM_TEST_SEED=<seed>."""
+    seed = int(os.environ.get("RTMEM_TEST_SEED") or secrets.randbits(32))
+    print(f"fresh_seed = {seed} (replay: RTMEM_TEST_SEED={seed})")
+    return seed

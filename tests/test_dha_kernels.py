@@ -81,8 +81,8 @@ def _rand(rng, *shape, scale=1.0):
 # ----------------------------------------------------------------- probes
 
 @pytest.mark.parametrize("width", [4, 8])
-def test_read_probe_checksums_every_word(be, width):
-    rng = np.random.default_rng(11 + width)
+def test_read_probe_checksums_every_word(be, width, fresh_seed):
+    rng = np.random.default_rng([fresh_seed, width])
     data = rng.integers(1, 2**31, size=(37, 24), dtype=np.int64).astype(np.float32)
     partials = be.k.dha_read(be.param(data), width=width, blocks=3 if be.name == "sim" else None)
     words = data.reshape(-1).view(np.uint32 if width == 4 else np.uint64)
@@ -91,8 +91,8 @@ def test_read_probe_checksums_every_word(be, width):
         assert len(partials) == 3
 
 
-def test_write_and_rmw_probes(be):
-    rng = np.random.default_rng(5)
+def test_write_and_rmw_probes(be, fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     data = rng.integers(0, 2**62, size=301, dtype=np.int64).view(np.uint64)
     buf = be.param(data)
     mask = int(rng.integers(1, 2**62))
@@ -130,8 +130,8 @@ def test_device_views_name_what_is_wrong():
 
 # -------------------------------------------------------------- embedding
 
-def test_embedding_forward_gathers_rows(be):
-    rng = np.random.default_rng(21)
+def test_embedding_forward_gathers_rows(be, fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     V, H, T = 23, 40, 19
     w = _rand(rng, V, H)
     ids = rng.integers(0, V, T).astype(np.int64)
@@ -142,8 +142,8 @@ def test_embedding_forward_gathers_rows(be):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_embedding_backward_scatter_adds(be, accumulate):
-    rng = np.random.default_rng(22 + accumulate)
+def test_embedding_backward_scatter_adds(be, accumulate, fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     V, H, T = 17, 36, 25
     ids = rng.integers(0, V - 4, T).astype(np.int32)        # rows V-4.. stay unused
     ids[:4] = 2
@@ -193,8 +193,8 @@ def _ln_reference(x, gamma, beta, dy, eps):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_layernorm_forward_backward(be, accumulate):
-    rng = np.random.default_rng(31 + accumulate)
+def test_layernorm_forward_backward(be, accumulate, fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     T, H, eps = 5, 24, 1e-5
     x = _rand(rng, T, H, scale=3.0) + 2.0                  # non-zero mean per row
     gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
@@ -234,9 +234,9 @@ def test_layernorm_argument_errors(be):
 # ----------------------------------------------------------------- linear
 
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_linear_forward_backward(be, accumulate):
+def test_linear_forward_backward(be, accumulate, fresh_seed):
     # 2 x 2 output tiles on the simulator's 2 x 1 grid: the grid-stride loops run.
-    rng = np.random.default_rng(41 + accumulate)
+    rng = np.random.default_rng(fresh_seed)
     T, K, N = 33, 20, 34
     x, w, b, dy = _rand(rng, T, K), _rand(rng, N, K), _rand(rng, N), _rand(rng, T, N)
     x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
@@ -252,8 +252,8 @@ def test_linear_forward_backward(be, accumulate):
     np.testing.assert_allclose(be.host(gb), dy64.sum(0) + base_b, rtol=1e-4, atol=1e-4)
 
 
-def test_linear_without_bias_and_grad_x(be):
-    rng = np.random.default_rng(43)
+def test_linear_without_bias_and_grad_x(be, fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     T, K, N = 9, 12, 10
     x, w, dy = _rand(rng, T, K), _rand(rng, N, K), _rand(rng, T, N)
     out = be.empty((T, N))
@@ -281,14 +281,14 @@ def test_linear_argument_errors(be):
 
 # the three layouts the linear layer uses: forward, grad_x, grad_weight
 @pytest.mark.parametrize("trans_a,trans_b", [(False, True), (False, False), (True, False)])
-def test_gemm_tile_heights_agree_bitwise(trans_a, trans_b):
+def test_gemm_tile_heights_agree_bitwise(trans_a, trans_b, fresh_seed):
     # Every tile height sums k in the same order, so all give the same bits (a
     # plan profiled with one height and run with another computes the same
     # model). M = 70 cuts 32-, 64- and 128-row tiles raggedly and fits a 256-row
     # one; K = 40 leaves a ragged k tile; both layouts of a and b are staged.
     from numba import cuda
     from rtmem.kernels import dha
-    rng = np.random.default_rng(47)
+    rng = np.random.default_rng(fresh_seed)
     M, K, N = 70, 40, 34
     a = _rand(rng, *((K, M) if trans_a else (M, K)))
     b = _rand(rng, *((N, K) if trans_b else (K, N)))

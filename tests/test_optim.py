@@ -286,15 +286,15 @@ def _groups(params, wd):
 @pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("wd", [0.0, 0.05])
-def test_matches_torch_adam_in_float64(decoupled, amsgrad, wd):
-    ours, ref = _models(int(decoupled) + 2 * int(amsgrad) + int(wd * 100))
+def test_matches_torch_adam_in_float64(decoupled, amsgrad, wd, fresh_seed):
+    ours, ref = _models(fresh_seed)
     Ours = optim.CPUAdamW if decoupled else optim.CPUAdam
     Ref = torch.optim.AdamW if decoupled else torch.optim.Adam
     opt = Ours(_groups(ours, wd), lr=1e-2, betas=(0.85, 0.98), eps=1e-7, weight_decay=wd,
                amsgrad=amsgrad)
     ref_opt = Ref(_groups(ref, wd), lr=1e-2, betas=(0.85, 0.98), eps=1e-7, weight_decay=wd,
                   amsgrad=amsgrad)
-    gen = torch.Generator().manual_seed(99)
+    gen = torch.Generator().manual_seed(fresh_seed + 1)
     for _ in range(20):
         for p, q in zip(ours, ref):
             g = torch.randn(p.shape, generator=gen)
@@ -309,13 +309,17 @@ def test_matches_torch_adam_in_float64(decoupled, amsgrad, wd):
         assert float(opt.state[p]["step"]) == 20.0
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_gradients_match_torch_on_the_same_values(dtype):
+def test_half_gradients_match_torch_on_the_same_values(dtype, decoupled, amsgrad, fresh_seed):
     tdtype = getattr(torch, dtype)
-    ours, ref = _models(7)
-    opt = optim.CPUAdam(ours, lr=1e-2, weight_decay=0.01)
-    ref_opt = torch.optim.Adam(ref, lr=1e-2, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(8)
+    ours, ref = _models(fresh_seed)
+    Ours = optim.CPUAdamW if decoupled else optim.CPUAdam
+    Ref = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = Ours(ours, lr=1e-2, weight_decay=0.01, amsgrad=amsgrad)
+    ref_opt = Ref(ref, lr=1e-2, weight_decay=0.01, amsgrad=amsgrad)
+    gen = torch.Generator().manual_seed(fresh_seed + 1)
     for _ in range(10):
         grads = [torch.randn(p.shape, generator=gen).to(tdtype) for p in ours]
         opt.step(grads=grads)
@@ -324,6 +328,26 @@ def test_half_gradients_match_torch_on_the_same_values(dtype):
         ref_opt.step()
     for p, q in zip(ours, ref):
         assert p.grad is None
+        assert _rel_err(p.detach(), q.detach()) < 1e-5
+
+
+def test_without_bias_correction_matches_the_textbook_update(fresh_seed):
+    # bias_correction=False (torch has no such switch): m / (sqrt(v) + eps) with
+    # the raw moments, in float64 by hand
+    ours, ref = _models(fresh_seed)
+    opt = optim.CPUAdam(ours, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, bias_correction=False)
+    gen = torch.Generator().manual_seed(fresh_seed + 1)
+    m = [torch.zeros_like(q) for q in ref]
+    v = [torch.zeros_like(q) for q in ref]
+    for _ in range(5):
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad = g
+            m[i] = 0.8 * m[i] + 0.2 * g.double()
+            v[i] = 0.95 * v[i] + 0.05 * g.double() ** 2
+            q.data -= 1e-2 * m[i] / (v[i].sqrt() + 1e-6)
+        opt.step()
+    for p, q in zip(ours, ref):
         assert _rel_err(p.detach(), q.detach()) < 1e-5
 
 
