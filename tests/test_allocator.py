@@ -471,6 +471,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.live = {}          # id(block) -> (block, requested)
         self.gated = []         # (slab, offset, end, stream, event or model position)
         self.events = []        # StreamEvents in record order
+        self.peak = 0           # the most bytes allocated at any instant
 
     def _record(self, stream):
         return StreamEvent(self.events, stream)
@@ -554,6 +555,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if block is None:
             return
         self.live.pop(id(block))
+        allocated = self.a.stats().allocated_bytes
         try:
             new = self.a.resize(block, nbytes, stream)
         except OutOfMemoryError:
@@ -562,6 +564,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         if new is not block:
             assert not block.is_live
+            # a move allocates the new block before freeing the old one: for
+            # that instant both count (the peak must say so)
+            self.peak = max(self.peak, allocated + new.size)
         self._check_new(new, nbytes, stream)
         self.live[id(new)] = (new, nbytes)
 
@@ -579,9 +584,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         s = self.a.stats()
         assert s.allocated_bytes == sum(b.size for b, _ in self.live.values())
         assert s.requested_bytes == sum(r for _, r in self.live.values())
-        assert s.live_blocks == len(self.live)
-        assert 0.0 <= s.fragmentation <= 1.0
+        assert s.live_blocks == len(self.live) == s.alloc_count - s.free_count
+        assert s.free_bytes == s.reserved_bytes - s.allocated_bytes
         assert s.largest_free_bytes <= s.free_bytes
+        assert s.fragmentation == (1.0 - s.largest_free_bytes / s.free_bytes
+                                   if s.free_bytes else 0.0)
+        # the peak is the most ever allocated: it only grows, and is reached
+        self.peak = max(self.peak, s.allocated_bytes)
+        assert s.peak_bytes == self.peak
 
     def teardown(self):
         if not hasattr(self, "a"):
