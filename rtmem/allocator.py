@@ -68,6 +68,7 @@ stream, rtmem does once the stamp has completed.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from bisect import bisect_left, insort
 from collections import deque
@@ -92,6 +93,16 @@ _STATE_NAMES = {_LIVE: "live", _READY: "ready", _PENDING: "pending"}
 
 #: Deferred frees between two stamp-and-poll rounds (NOTE [ Stream-ordered frees ]).
 _MAINTAIN_EVERY = 256
+
+
+def _byte_count(value, name: str) -> int:
+    """An integer byte count as a Python int (numpy integers too). A bool, a float
+    or a string is refused, not truncated: the core takes exact byte counts (the
+    arenas parse "1MiB"-style sizes before they get here)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer number of bytes, got {value!r} "
+                        f"({type(value).__name__})")
+    return int(value)
 
 
 def align_up(nbytes: int, alignment: int) -> int:
@@ -212,21 +223,25 @@ class BestFitAllocator:
     def __init__(self, initial_bytes: int, *, alignment: int = DEFAULT_ALIGNMENT,
                  max_bytes: int | None = None, growth_bytes: int | None = None,
                  slab_source=None, event_source=None):
-        alignment = int(alignment)
+        alignment = _byte_count(alignment, "alignment")
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment}")
-        initial_bytes = int(initial_bytes)
+        initial_bytes = _byte_count(initial_bytes, "initial_bytes")
         if initial_bytes <= 0:
             raise ValueError(f"initial_bytes must be > 0 bytes, got {initial_bytes}; "
                              f"pass the slab size in bytes (e.g. 1 << 30)")
         self.alignment = alignment
         initial = align_up(initial_bytes, alignment)
-        self.max_bytes = initial if max_bytes is None else align_up(int(max_bytes), alignment)
+        self.max_bytes = initial if max_bytes is None else \
+            align_up(_byte_count(max_bytes, "max_bytes"), alignment)
         if self.max_bytes < initial:
             raise ValueError(f"max_bytes ({self.max_bytes} B) is below initial_bytes "
                              f"({initial} B); raise max_bytes or lower initial_bytes")
         self.growth_bytes = initial if growth_bytes is None else \
-            align_up(int(growth_bytes), alignment)
+            align_up(_byte_count(growth_bytes, "growth_bytes"), alignment)
+        if self.growth_bytes >= _MAX_SLAB_BYTES:
+            raise ValueError(f"growth_bytes={self.growth_bytes:,} B: slabs must be smaller "
+                             f"than 1 TiB; grow by smaller slabs")
         self.slab_source = slab_source
         self.event_source = event_source
         self._lock = threading.Lock()
@@ -417,7 +432,7 @@ class BestFitAllocator:
             # At most what max_bytes leaves: a last, smaller slab (max_bytes need
             # not be initial + k * growth), when it still holds the request.
             grow = min(max(self.growth_bytes, size), self.max_bytes - self._reserved)
-            if grow >= size:
+            if grow >= size and size < _MAX_SLAB_BYTES:   # no slab holds >= 1 TiB
                 try:
                     self._add_slab(grow)
                 except OutOfMemoryError as exc:   # the backend has no memory left
@@ -434,8 +449,10 @@ class BestFitAllocator:
                 f"out of memory: cannot allocate {nbytes:,} bytes "
                 f"({format_bytes(size)} aligned to {self.alignment} B); "
                 f"{stats.describe()}; growth limit max_bytes={self.max_bytes:,} B. "
-                f"Free buffers first, raise the arena size or max_bytes, or plan "
-                f"with a smaller memory budget.", requested=nbytes, stats=stats)
+                + ("No slab holds 1 TiB or more: split the allocation."
+                   if size >= _MAX_SLAB_BYTES else
+                   "Free buffers first, raise the arena size or max_bytes, or plan "
+                   "with a smaller memory budget."), requested=nbytes, stats=stats)
         (self._remove_ready if block.state == _READY else self._remove_pending)(block)
         return block
 
@@ -450,7 +467,7 @@ class BestFitAllocator:
         leaving every allocation untouched.
         """
         if nbytes.__class__ is not int:
-            nbytes = int(nbytes)
+            nbytes = _byte_count(nbytes, "nbytes")
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes} bytes)")
         a = self.alignment
@@ -682,7 +699,7 @@ class BestFitAllocator:
         shared allocator allocates, copies and frees itself, in that order.
         Raises :class:`~rtmem.errors.OutOfMemoryError` with ``block`` still live.
         """
-        nbytes = int(nbytes)
+        nbytes = _byte_count(nbytes, "nbytes")
         if nbytes < 0:
             raise ValueError(f"cannot resize to a negative size ({nbytes} bytes)")
         size = align_up(max(nbytes, 1), self.alignment)

@@ -6,6 +6,7 @@ import pickle
 import random
 import threading
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -305,6 +306,26 @@ def test_many_small_blocks_coalesce_back():
         a.deallocate(b)
     a._check_invariants()
     assert a.stats().largest_free_bytes == 1 << 20
+
+
+def test_sizes_must_be_integer_byte_counts():
+    # the core takes exact byte counts: '100' or 1.7 were once int()-ed silently
+    a = BestFitAllocator(1 << 16, max_bytes=1 << 41, growth_bytes=1 << 16)
+    assert a.allocate(np.int64(300)).size == 512
+    before = a.stats()
+    for bad in ("100", 1.7, True, None):
+        with pytest.raises(TypeError, match="nbytes must be an integer number of bytes"):
+            a.allocate(bad)
+    assert a.stats() == before
+    for kw in ({"alignment": True}, {"max_bytes": 2.5e6}, {"growth_bytes": "1MiB"}):
+        with pytest.raises(TypeError, match=f"{next(iter(kw))} must be an integer"):
+            BestFitAllocator(1 << 16, **kw)
+    with pytest.raises(ValueError, match="smaller than 1 TiB"):
+        BestFitAllocator(1 << 16, max_bytes=1 << 42, growth_bytes=1 << 40)
+    # a request no slab can hold is out of memory, saying why; nothing changes
+    with pytest.raises(OutOfMemoryError, match="No slab holds 1 TiB") as info:
+        a.allocate(1 << 40)
+    assert info.value.requested == 1 << 40 and a.stats() == before
 
 
 def test_concurrent_threads_no_corruption():
