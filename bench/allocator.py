@@ -10,8 +10,11 @@ Runs, side by side in one process:
 
 On the host backend the baseline is a plain Python best-fit (a linear scan of an
 address-ordered free list): the floor every allocator must beat. On a GPU the
-same traces also run against CuPy's MemoryPool and torch's caching allocator.
-Then the pinned-arena check: the bytes reserved for a 20.4 GiB pinned request.
+same traces also run against CuPy's MemoryPool and torch's caching allocator
+(pairs/s, and the bytes each pool reserved to serve the trace over its peak of
+live bytes). Then the pinned-arena check: the bytes reserved for a 20.4 GiB
+pinned request, and on a GPU what CuPy's PinnedMemoryPool (512-byte units) and
+torch's pinned CachingHostAllocator (powers of two) really take for it.
 
 Fairness: rtmem and the naive floor are driven by the same loop,
 :func:`rtmem.adaptors.replay`, calling ``allocate``/``deallocate`` directly on
@@ -252,7 +255,7 @@ class OrderedCore:
         self.core.deallocate(block, stream=self.backend.current_stream(), ordered=True)
 
 
-def gpu_baselines(trace, repeats, loops, slab_bytes):
+def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
     """Pairs/s on the GPU of rtmem's core (virtual slabs, as on the host), rtmem's
     DeviceArena path, CuPy's MemoryPool and torch's caching allocator, timed
     round-robin in one process; ratios rtmem / CuPy (goal: >= 1/1.5).
@@ -295,7 +298,16 @@ def gpu_baselines(trace, repeats, loops, slab_bytes):
     # Warm-up, untimed. replay() skips an allocation that raises rtmem's
     # OutOfMemoryError and goes on, so a too-small slab would time less work
     # than the pools do: count those refusals and report them.
+    if torch is not None and "torch_caching" in contenders:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch_base = torch.cuda.memory_reserved()
     ooms = {name: replay(trace, obj).ooms for name, obj in contenders.items()}
+    # What each pool reserved to serve the trace once (rtmem's best fit: the
+    # host section's extent, same core)
+    reserved = {"cupy_memorypool": contenders["cupy_memorypool"].pool.total_bytes()}
+    if "torch_caching" in contenders:
+        reserved["torch_caching"] = torch.cuda.max_memory_reserved() - torch_base
     rates = {name: [] for name in contenders}
     for k in range(repeats):
         names = list(contenders) if k % 2 == 0 else list(contenders)[::-1]
@@ -311,6 +323,9 @@ def gpu_baselines(trace, repeats, loops, slab_bytes):
         out[f"{name}_over_cupy"] = statistics.median(
             a / b for a, b in zip(rates[name], rates["cupy_memorypool"]))
     out["goal_over_cupy"] = 1 / 1.5
+    for name, nbytes in reserved.items():
+        out[f"{name}_reserved_bytes"] = nbytes
+        out[f"{name}_reserved_over_peak_live"] = nbytes / peak_live
     out["warmup_ooms"] = ooms
     if torch_skipped:
         out["torch_caching_skipped"] = torch_skipped
@@ -331,9 +346,52 @@ def pinned_check(request_bytes):
            "slab_bytes": arena.slabs[0].nbytes}
     arena.close()
     # torch's CachingHostAllocator rounds a request to the next power of two:
-    # the figure is computed from that policy, not measured (on any machine)
+    # the figure is computed from that policy here; pinned_pools measures it
     out["power_of_two_pool_bytes"] = 1 << (request_bytes - 1).bit_length()
     out["power_of_two_pool_bytes_is"] = "computed from the rounding policy"
+    return out
+
+
+def pinned_pools(request_bytes):
+    """Bytes the pinned pools of CuPy and torch really take for ``request_bytes``
+    (GPU only), one at a time, each given back before the next: CuPy's
+    PinnedMemoryPool (the allocation's ``mem.size``) and torch's
+    CachingHostAllocator behind ``pin_memory=True`` (the growth of
+    ``torch.cuda.host_memory_stats()``). A pool that cannot be measured gets an
+    ``*_error`` / ``*_skipped`` entry instead."""
+    out = {}
+    try:
+        import cupy
+        pool = cupy.cuda.PinnedMemoryPool()
+        mem = pool.malloc(request_bytes)
+        out["cupy_pinned_pool_bytes"] = int(mem.mem.size)
+        del mem
+        pool.free_all_blocks()
+    except Exception as exc:      # no host memory, no CuPy: report, do not fail
+        out["cupy_pinned_pool_error"] = repr(exc)
+    try:
+        import torch
+    except ImportError:
+        out["torch_pinned_skipped"] = "torch is not installed"
+        return out
+    if not torch.cuda.is_available():
+        out["torch_pinned_skipped"] = "torch.cuda.is_available() is False"
+        return out
+    try:
+        stats = torch.cuda.host_memory_stats
+        # "allocated_bytes" counts the pool's blocks in recent torch, "reserved_bytes"
+        # in older releases; either way the rounded size it asked CUDA for
+        key = next(k for k in ("allocated_bytes.current", "reserved_bytes.current")
+                   if k in stats())
+        before = stats()[key]
+        t = torch.empty(request_bytes, dtype=torch.uint8, pin_memory=True)
+        out["torch_pinned_bytes"] = stats()[key] - before
+        del t
+        empty = getattr(torch.cuda, "host_empty_cache", None)
+        if empty is not None:
+            empty()
+    except Exception as exc:
+        out["torch_pinned_error"] = repr(exc)
     return out
 
 
@@ -388,14 +446,17 @@ def main(argv=None) -> int:
         "goal_best_fit": 1.05, "goal_static": 1.01}
 
     if cuda_available():
-        results["gpu"] = {"random": gpu_baselines(rtrace, repeats, 1, 256 << 20),
+        results["gpu"] = {"random": gpu_baselines(rtrace, repeats, 1, 256 << 20,
+                                                  results["random"]["peak_live_bytes"]),
                           "gpt2": gpu_baselines(gtrace, repeats, loops,
-                                                align_up(peak * 5 // 4, 1 << 20))}
+                                                align_up(peak * 5 // 4, 1 << 20), peak)}
     else:
         results["gpu"] = {"skipped": "no usable CUDA GPU here: CuPy MemoryPool and "
                                      "torch caching allocator not measured"}
 
     results["pinned"] = pinned_check(int(20.4 * GIB))
+    if cuda_available():
+        results["pinned"]["pools"] = pinned_pools(int(20.4 * GIB))
 
     # ---------------------------------------------------------------- table
     r, g, p = results["random"], results["gpt2"], results["pinned"]
@@ -425,6 +486,9 @@ def main(argv=None) -> int:
                   f"(+{p['overhead_bytes']} B, {p['backend']} backend)"),
                  ("pinned 20.4 GiB: power-of-two pool would take",
                   f"{p['power_of_two_pool_bytes']:,}")]
+    for key, value in p.get("pools", {}).items():
+        rows.append((f"pinned 20.4 GiB: {key}",
+                     f"{value:,}" if isinstance(value, int) else value))
     if "skipped" in results["gpu"]:
         rows.append(("GPU baselines", results["gpu"]["skipped"]))
     else:
@@ -435,6 +499,10 @@ def main(argv=None) -> int:
             rows += [(f"GPU {tname}: {name} / CuPy pool (goal >= 0.67)",
                       f"{d[name + '_over_cupy']:.2f}")
                      for name in _RTMEM_GPU]
+            rows += [(f"GPU {tname}: {name} reserved / peak live",
+                      f"{d[name + '_reserved_over_peak_live']:.3f}")
+                     for name in ("cupy_memorypool", "torch_caching")
+                     if name + "_reserved_over_peak_live" in d]
             if "torch_caching_skipped" in d:
                 rows.append((f"GPU {tname}: torch_caching", d["torch_caching_skipped"]))
             rows += [(f"GPU {tname}: {name} refused allocations (OOM): timings invalid",

@@ -48,6 +48,8 @@ and CuPy's sources ``cupy_backends/cuda/api/runtime.pyx``,
 - ``cuda.alloc_pinned_memory(size) -> PinnedMemoryPointer`` (the default pinned
   pool: 512-byte units, ``hostAlloc(size, hostAllocPortable)``);
   ``cuda.PinnedMemory(size, flags=0)`` (``ptr``, ``size``);
+  ``cuda.PinnedMemoryPool()`` with ``malloc(size)`` (512-byte units, blocks back
+  to the pool with their last reference), ``free_all_blocks()``, ``n_free_blocks()``;
   ``cuda.PinnedMemoryPointer(mem, offset)`` with ``mem``, ``ptr``, ``size()`` (a
   method), ``__int__`` and the buffer protocol (``numpy.frombuffer``), as in
   ``cupy/cuda/pinned_memory.pyx``;
@@ -727,6 +729,43 @@ class FakeCupy:
             size = -(-size // 512) * 512
             return PinnedMemoryPointer(PinnedMemory(size, rt.hostAllocPortable), 0)
 
+        class PinnedMemoryPool:
+            """``cupy.cuda.PinnedMemoryPool()``: ``malloc(size) ->
+            PinnedMemoryPointer`` whose ``mem.size`` is the size rounded up to 512
+            bytes (cudaHostAlloc with hostAllocPortable); a block goes back to the
+            pool with its last reference, ``free_all_blocks()`` releases them, as
+            in ``cupy/cuda/pinned_memory.pyx``."""
+
+            UNIT = 512
+
+            def __init__(self):
+                self._free = collections.defaultdict(list)    # size -> [PinnedMemory]
+
+            def malloc(self, size):
+                size = int(size)
+                if size == 0:
+                    return PinnedMemoryPointer(PinnedMemory(0), 0)
+                size = -(-size // self.UNIT) * self.UNIT
+                free = self._free[size]
+                mem = free.pop() if free else PinnedMemory(size, rt.hostAllocPortable)
+                return PinnedMemoryPointer(_PooledPinned(self, mem), 0)
+
+            def free_all_blocks(self):
+                self._free.clear()
+
+            def n_free_blocks(self):
+                return sum(len(v) for v in self._free.values())
+
+        class _PooledPinned:
+            """A pool block: ``ptr``, ``size``; back to the pool when it goes."""
+
+            def __init__(self, pool, mem):
+                self.pool, self.mem, self.ptr, self.size = pool, mem, mem.ptr, mem.size
+
+            def __del__(self):
+                if not fake._closed:
+                    self.pool._free[self.size].append(self.mem)
+
         default_pool = MemoryPool()
         allocator_state = {"global": default_pool.malloc}
 
@@ -889,6 +928,7 @@ class FakeCupy:
         cuda.get_elapsed_time = get_elapsed_time
         cuda.PinnedMemory, cuda.PinnedMemoryPointer = PinnedMemory, PinnedMemoryPointer
         cuda.alloc_pinned_memory = alloc_pinned_memory
+        cuda.PinnedMemoryPool = PinnedMemoryPool
         cuda.set_allocator, cuda.get_allocator = set_allocator, get_allocator
         cuda.using_allocator = using_allocator
         cupy = types.ModuleType("cupy")

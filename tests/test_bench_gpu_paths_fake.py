@@ -440,10 +440,28 @@ def test_allocator_gpu_section(bench, capsys):
         assert "torch_caching_pairs_per_s" not in d            # a CPU build of torch
         assert "is_available() is False" in d["torch_caching_skipped"]
         assert f"GPU {trace}: rtmem_device_arena / CuPy pool" in out
+        # the pool reserved at least the trace's peak of live bytes, in 512 B units
+        assert d["cupy_memorypool_reserved_bytes"] % 512 == 0
+        assert d["cupy_memorypool_reserved_over_peak_live"] >= 1.0
+        assert d["cupy_memorypool_reserved_over_peak_live"] == \
+            d["cupy_memorypool_reserved_bytes"] / doc[trace]["peak_live_bytes"]
     # the pinned check went to the cuda backend (and the fake's 1 GiB of host memory)
     assert "cudaHostAlloc" in doc["pinned"]["error"]
+    pools = doc["pinned"]["pools"]
+    assert "CUDARuntimeError" in pools["cupy_pinned_pool_error"]
+    assert "is_available() is False" in pools["torch_pinned_skipped"]
+    assert "pinned 20.4 GiB: cupy_pinned_pool_error" in out
     assert not [a for a in bench.fake.live.values() if a.kind == "device"], \
         "the GPU section leaves device memory behind"
+
+
+def test_pinned_pools_measure_what_cupys_pool_takes(bench):
+    al = bench.load("allocator")
+    for request, taken in ((64 << 20, 64 << 20), ((64 << 20) + 1, (64 << 20) + 512)):
+        out = al.pinned_pools(request)
+        assert out["cupy_pinned_pool_bytes"] == taken
+        assert "is_available() is False" in out["torch_pinned_skipped"]
+    assert bench.fake.host_used == 0            # given back before returning
 
 
 def test_cli_bench_pcie_and_dha(bench, monkeypatch, capsys):
