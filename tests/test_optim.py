@@ -587,13 +587,18 @@ def test_load_state_dict_rejects_state_of_another_model():
         optim.CPUAdam(other).load_state_dict(opt.state_dict())
 
 
-def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
-    a, _ = _models(24)
+def _stepped_once(seed):
+    """(params, a CPUAdam after one step, a deep copy of its state dict)."""
+    a, _ = _models(seed)
     opt = optim.CPUAdam(a, lr=0.1)
     for p in a:
         p.grad = torch.randn_like(p)
     opt.step()
-    good = copy.deepcopy(opt.state_dict())
+    return a, opt, copy.deepcopy(opt.state_dict())
+
+
+def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
+    a, opt, good = _stepped_once(24)
     bad = copy.deepcopy(good)
     bad["param_groups"][0]["lr"] = 123.0
     bad["state"][0]["exp_avg"].fill_(42.0)
@@ -615,12 +620,7 @@ def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     ("eps", 0.0, "eps"), ("weight_decay", float("nan"), "weight_decay")])
 def test_load_state_dict_checks_the_hyperparameters_it_is_given(key, value, argument):
     # as NumpyAdam does: a bad group fails here, not at the next step()
-    a, _ = _models(25)
-    opt = optim.CPUAdam(a, lr=0.1)
-    for p in a:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    good = copy.deepcopy(opt.state_dict())
+    _, opt, good = _stepped_once(25)
     bad = copy.deepcopy(good)
     bad["param_groups"][0][key] = value
     with pytest.raises(OptimizerError, match=f"group 0 of the state dict: .*{argument}") \

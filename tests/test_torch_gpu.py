@@ -137,40 +137,20 @@ def test_placed_parameters_train_like_the_original(cuda):
     arena.close()
 
 
-def test_dha_placement_runs_on_mapped_host_weights(cuda):
-    # MemFerry's DHA layers: the weights stay in (mapped) host memory and the GPU
-    # reads them over PCIe; the gradients are written there too.
-    model, loss_fn, batches = _model(cuda, layers=2)
-    ref = copy.deepcopy(model)
-    arena = rtmem.HostArena(64 << 20, mapped=True)
-    placement = place_parameters(model, arena, device_alias=True)
-    x, y = batches[0]
-    for m in (model, ref):
-        loss_fn(m(x), y).backward()
-    torch.cuda.synchronize()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert p.is_cuda
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-        # the gradient lives in host memory: the host view holds the same values
-        host = placement.grads[p].numpy().reshape(q.grad.shape)
-        np.testing.assert_allclose(host, q.grad.cpu().numpy(), rtol=1e-5, atol=1e-6)
-    placement.release()
-    gc.collect()
-    arena.close()
-
-
-@pytest.mark.parametrize("mode", ["dha", "gpu_go"])
-def test_mixed_placements_of_memferry_modes(cuda, mode):
-    # "dha": mapped weights, gradients in HBM; "gpu_go": weights in HBM,
-    # gradients written straight into mapped host memory (GO-MemFerry).
+@pytest.mark.parametrize("mode", ["dha_go", "dha", "gpu_go"])
+def test_memferry_placements_train_like_the_original(cuda, mode):
+    # MemFerry's modes: "dha_go", weights and gradients in mapped host memory,
+    # read and written by the GPU over PCIe; "dha", mapped weights with gradients
+    # in HBM; "gpu_go", weights in HBM with gradients written straight into
+    # mapped host memory (GO-MemFerry).
     model, loss_fn, batches = _model(cuda, layers=2)
     ref = copy.deepcopy(model)
     device = rtmem.DeviceArena(64 << 20)
     mapped = rtmem.HostArena(64 << 20, mapped=True)
-    if mode == "dha":
-        placement = place_parameters(model, mapped, grad_arena=device, device_alias=True)
-    else:
-        placement = place_parameters(model, device, grad_arena=mapped)
+    placement = {
+        "dha_go": lambda: place_parameters(model, mapped, device_alias=True),
+        "dha": lambda: place_parameters(model, mapped, grad_arena=device, device_alias=True),
+        "gpu_go": lambda: place_parameters(model, device, grad_arena=mapped)}[mode]()
     x, y = batches[0]
     for m in (model, ref):
         loss_fn(m(x), y).backward()
@@ -178,10 +158,10 @@ def test_mixed_placements_of_memferry_modes(cuda, mode):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.is_cuda and p.grad.is_cuda
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-        where = placement.grads[p]
-        assert (where.host_arena is mapped) == (mode == "gpu_go")
-        if mode == "gpu_go":                      # the host view holds the gradient
-            host = where.numpy().reshape(q.grad.shape)
+        grad = placement.grads[p]
+        assert (grad.host_arena is mapped) == (mode != "dha")
+        if mode != "dha":                          # the host view holds the gradient
+            host = grad.numpy().reshape(q.grad.shape)
             np.testing.assert_allclose(host, q.grad.cpu().numpy(), rtol=1e-5, atol=1e-6)
     placement.release()
     gc.collect()
