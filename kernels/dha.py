@@ -631,6 +631,20 @@ def layernorm_backward(grad_out, x, mean, rstd, gamma, grad_x, grad_gamma, grad_
     _column_sums(grad_out, (x, mean, rstd), ((1, grad_gamma), (0, grad_beta)), accumulate, s)
 
 
+def _ceil_div(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+def _row_tiles(rows: int, cols: int) -> int:
+    # gemm_row_tiles without the checks (the launch path; rows may be 0)
+    col_tiles = _ceil_div(cols, GEMM_TILE)
+    want = min(col_tiles * _ceil_div(rows, GEMM_TILE), sm_count())
+    for r in reversed(GEMM_ROW_TILES):
+        if col_tiles * _ceil_div(rows, GEMM_TILE * r) >= want:
+            return r
+    return 1  # unreachable: the shortest tile gives exactly ``want`` or more
+
+
 def gemm_row_tiles(rows: int, cols: int) -> int:
     """Tile height (in ``GEMM_TILE`` rows, one of ``GEMM_ROW_TILES``) of the GEMM
     that writes a ``rows`` x ``cols`` output on the current device.
@@ -641,13 +655,11 @@ def gemm_row_tiles(rows: int, cols: int) -> int:
     SM, the link would see fewer requests in flight and on-GPU GEMMs fewer busy SMs.
     The weight crosses PCIe ``ceil(rows / (GEMM_TILE * r))`` times (rows = tokens).
     """
-    rows, cols = check_count(rows, "rows"), check_count(cols, "cols")
-    col_tiles = -(-cols // GEMM_TILE)
-    want = min(col_tiles * -(-rows // GEMM_TILE), sm_count())
-    for r in reversed(GEMM_ROW_TILES):
-        if col_tiles * -(-rows // (GEMM_TILE * r)) >= want:
-            return r
-    return 1  # unreachable: the shortest tile gives exactly ``want`` or more
+    return _row_tiles(check_count(rows, "rows"), check_count(cols, "cols"))
+
+
+def _weight_reads(rows: int, cols: int) -> int:
+    return _ceil_div(rows, GEMM_TILE * _row_tiles(rows, cols))
 
 
 def linear_weight_reads(tokens: int, in_features: int, out_features: int) -> dict:
@@ -659,16 +671,17 @@ def linear_weight_reads(tokens: int, in_features: int, out_features: int) -> dic
     mapped float32 weight: ``k * in_features * out_features * 4``.
     """
     tokens = check_count(tokens, "tokens")
-    check_count(in_features, "in_features")
-    return {"forward": -(-tokens // (GEMM_TILE * gemm_row_tiles(tokens, out_features))),
-            "backward": -(-tokens // (GEMM_TILE * gemm_row_tiles(tokens, in_features)))}
+    in_features = check_count(in_features, "in_features")
+    out_features = check_count(out_features, "out_features")
+    return {"forward": _weight_reads(tokens, out_features),
+            "backward": _weight_reads(tokens, in_features)}
 
 
 def _gemm(a, b, c, bias, trans_a, trans_b, accumulate, s, row_tiles=None):
     M, N = c.shape
-    r = gemm_row_tiles(M, N) if row_tiles is None else row_tiles
-    grid = (min(max(1, math.ceil(N / GEMM_TILE)), 65535),
-            min(max(1, math.ceil(M / (GEMM_TILE * r))), 65535))
+    r = _row_tiles(M, N) if row_tiles is None else row_tiles
+    grid = (min(max(1, _ceil_div(N, GEMM_TILE)), 65535),
+            min(max(1, _ceil_div(M, GEMM_TILE * r)), 65535))
     if simulator_active():
         grid = (min(grid[0], 2), 1)     # few blocks; exercises the grid-stride loops
     has_bias = bias is not None

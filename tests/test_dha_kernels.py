@@ -265,6 +265,19 @@ def test_linear_without_bias_and_grad_x(be, fresh_seed):
     np.testing.assert_allclose(got, dy.astype(np.float64).T @ x, rtol=1e-4, atol=1e-4)
 
 
+def test_linear_of_an_empty_batch(be):
+    # T = 0 tokens: nothing to compute, grad_weight (=|+=) a sum of nothing
+    rng = np.random.default_rng(49)
+    K, N = 5, 7
+    x, w, dy = be.act(np.zeros((0, K), np.float32)), be.param(_rand(rng, N, K)), \
+        be.act(np.zeros((0, N), np.float32))
+    be.k.linear_forward(x, w, None, be.empty((0, N)))
+    g0 = _rand(rng, N, K)
+    gw = be.param(g0)
+    be.k.linear_backward(dy, x, w, be.empty((0, K)), gw, None, accumulate=True)
+    np.testing.assert_array_equal(be.host(gw), g0)
+
+
 def test_linear_argument_errors(be):
     rng = np.random.default_rng(44)
     x, w = be.act(_rand(rng, 4, 6)), be.param(_rand(rng, 5, 6))
