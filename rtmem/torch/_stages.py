@@ -11,6 +11,8 @@ from torch import nn
 from rtmem.errors import RtmemError
 from rtmem.planners import Op
 
+from .bridge import _placement_of   # bridge imports nothing of the executor
+
 __all__ = ["ExecutionError", "check_placement", "check_shared_weights", "param_label"]
 
 _WEIGHT_MOVES = frozenset((Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH))
@@ -37,16 +39,18 @@ def as_stages(model, what: str) -> nn.Sequential:
     return model
 
 
-def check_step_arguments(inputs, loss_fn) -> None:
-    """Refuse, before any stage runs, a batch that is not a tensor or a loss that
-    cannot be called."""
+def check_loss_fn(loss_fn) -> None:
+    if not callable(loss_fn):
+        raise ExecutionError(f"loss_fn must be callable as loss_fn(output, target), got "
+                             f"{type(loss_fn).__name__}")
+
+
+def check_inputs(inputs) -> None:
+    """Refuse, before any stage runs, a batch that is not a tensor."""
     if not isinstance(inputs, torch.Tensor):
         raise ExecutionError(f"inputs must be a torch.Tensor (the first stage's "
                              f"input), got {type(inputs).__name__}; convert it with "
                              f"torch.as_tensor")
-    if not callable(loss_fn):
-        raise ExecutionError(f"loss_fn must be callable as loss_fn(output, target), got "
-                             f"{type(loss_fn).__name__}")
 
 
 def _storages(tensors):
@@ -78,10 +82,10 @@ class _Ledger:
 
     __slots__ = ("_refs", "_ptrs", "_excluded", "total")
 
-    def __init__(self, excluded=()):
+    def __init__(self):
         self._refs: dict = {}            # _cdata -> [references, data_ptr, nbytes]
         self._ptrs: dict = {}            # data_ptr -> [storages, nbytes], nbytes > 0
-        self._excluded = set(excluded)
+        self._excluded: set = set()
         #: bytes of the referenced storages outside the excluded pointers
         self.total = 0
 
@@ -140,11 +144,19 @@ class _Ledger:
     def exclude(self, ptrs) -> None:
         """Make ``ptrs`` the excluded data pointers (replacing the previous ones)."""
         new = set(ptrs)
-        for ptr in self._excluded ^ new:
-            entry = self._ptrs.get(ptr)
-            if entry is not None:
-                self.total += -entry[1] if ptr in new else entry[1]
-        self._excluded = new
+        self.exclude_change(self._excluded - new, new - self._excluded)
+
+    def exclude_change(self, removed, added) -> None:
+        """Stop excluding the pointers ``removed`` and start excluding ``added``
+        (each pointer in at most one of them): the cost of the change, not of
+        everything excluded."""
+        for ptrs, sign, update in ((removed, 1, self._excluded.discard),
+                                   (added, -1, self._excluded.add)):
+            for ptr in ptrs:
+                update(ptr)
+                entry = self._ptrs.get(ptr)
+                if entry is not None:
+                    self.total += sign * entry[1]
 
 
 def _storage_bytes(tensors, exclude=()) -> int:
@@ -209,13 +221,15 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
     another stage also uses: freeing it between that stage's ops would empty a
     weight the other stage still reads (NOTE rule 5); or a parameter that is a
     view into a larger storage."""
+    def key(p):
+        s = p.untyped_storage()
+        return s.data_ptr() if s.nbytes() else id(p)
+
     owners: dict = {}   # storage key -> stages using it
     for i, params in enumerate(stage_params):
         for p in params:
-            s = p.untyped_storage()
-            key = s.data_ptr() if s.nbytes() else id(p)
-            if i not in owners.setdefault(key, []):
-                owners[key].append(i)
+            if i not in owners.setdefault(key(p), []):
+                owners[key(p)].append(i)
     for i in sorted(moves):
         if not moves[i] & _WEIGHT_MOVES:
             continue
@@ -232,7 +246,7 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
                     f"moves copy each parameter on its own. Give it a storage of its own "
                     f"(p.data = p.data.clone()) or remove the w_offload/w_delete/"
                     f"w_prefetch ops of stage {i}")
-            stages = owners[s.data_ptr() if s.nbytes() else id(p)]
+            stages = owners[key(p)]
             if len(stages) > 1:
                 raise ExecutionError(
                     f"parameter {param_label(names, p)} is shared by stages "
@@ -242,12 +256,10 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
                     f"{', '.join(map(str, stages))} from the schedule, or untie the weights")
 
 
-
 def check_placement(stage_params, moves: dict, names: dict) -> None:
     """Refuse weight moves of parameters, and gradient moves of gradients, that
     :func:`~rtmem.torch.place_parameters` put in an arena: the moves swap in
     ordinary torch tensors, silently taking them out of the arena."""
-    from .bridge import _placement_of   # bridge imports nothing of the executor
     for i in sorted(moves):
         ops = moves[i]
         moves_weights = bool(ops & _WEIGHT_MOVES)

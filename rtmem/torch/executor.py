@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -78,8 +79,8 @@ from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 from rtmem.planners._validation import type_label
 
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _Ledger, _stage_input,
-                      _storage_bytes, _storage_ptrs, _storages, as_stages, check_placement,
-                      check_shared_weights, check_step_arguments, param_label)
+                      _storage_bytes, _storage_ptrs, _storages, as_stages, check_inputs,
+                      check_loss_fn, check_placement, check_shared_weights, param_label)
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
 
@@ -235,9 +236,7 @@ class ScheduleExecutor:
         if not isinstance(schedule, Schedule):
             raise ExecutionError(f"schedule must be a Schedule or a Plan, got "
                                  f"{type_label(schedule, Schedule)}")
-        if not callable(loss_fn):
-            raise ExecutionError(f"loss_fn must be callable as loss_fn(output, target), "
-                                 f"got {type(loss_fn).__name__}")
+        check_loss_fn(loss_fn)
         for flag, value in (("preserve_rng_state", preserve_rng_state),
                             ("track_memory", track_memory)):
             if not isinstance(value, bool):
@@ -326,7 +325,7 @@ class ScheduleExecutor:
         gradients it produced before the error stay where they went (``.grad``,
         or the :meth:`host_grads` of ``g_offload``), as after a failed
         ``loss.backward()``: zero both before retrying the batch."""
-        check_step_arguments(inputs, self.loss_fn)
+        check_inputs(inputs)
         if torch.is_inference_mode_enabled() or inputs.is_inference():
             raise ExecutionError(
                 "step() trains, so it cannot run under torch.inference_mode() or on an "
@@ -463,9 +462,10 @@ class ScheduleExecutor:
             tensors += st.all_tensors()
         return _storage_bytes(tensors, exclude=self._state_ptrs)
 
-    def _protected(self, skip: _Stored | None = None) -> set:
-        """Keys (:func:`_storages`) of the device storages that a delete or a drop
-        must leave alone (NOTE [ Executor ] rule 4): the model's parameters and
+    def _protected(self, skip: _Stored | None = None):
+        """A test ``key -> bool`` for the keys (:func:`_storages`) of the device
+        storages that a delete or a drop must leave alone (NOTE [ Executor ]
+        rule 4): the model's parameters and
         buffers, the caller's inputs and target, delta, and the output and saved
         tensors of every resident stored tensor but ``skip``. A stored tensor
         can share a storage with any of them: an ``nn.Identity``, flatten or
@@ -476,7 +476,9 @@ class ScheduleExecutor:
             if st is not skip and st.resident:
                 tensors.append(st.out)
                 tensors += st.saved
-        return self._state_ptrs | self._caller_keys | set(_storages(tensors))
+        # a test, not a union: the parameter set is the model's size
+        stored, state, caller = _storages(tensors), self._state_ptrs, self._caller_keys
+        return lambda key: key in state or key in caller or key in stored
 
     def _resident(self, k: int, plain_only: bool = False) -> _Stored:
         st = self._plain.get(k)
@@ -666,7 +668,9 @@ class ScheduleExecutor:
         held = mine.keys() & _storages(holders).keys()
         if held:
             protected = self._protected()
-            for key in held - protected:
+            for key in held:
+                if protected(key):
+                    continue
                 mine[key].resize_(0)
                 self._ledger.resized(mine[key])
 
@@ -681,9 +685,9 @@ class ScheduleExecutor:
                 "its consumption (recompute it instead)")
         if op == Op.OFFLOAD:
             # storages that are never freed (rule 4) need no host copy
-            keep = self._state_ptrs | self._caller_keys
-            host = [self._host_storage(s.nbytes()) if s.nbytes() and s.data_ptr() not in keep
-                    else None for s in st.storages]
+            state, caller = self._state_ptrs, self._caller_keys
+            host = [self._host_storage(s.nbytes()) if s.nbytes() and s.data_ptr() not in state
+                    and s.data_ptr() not in caller else None for s in st.storages]
             pairs = [(h, s) for h, s in zip(host, st.storages) if h is not None]
             # the tensor may be dropped (F_none, B, delete) while the copy still
             # reads it: _copy marks its storages used on the D2H stream
@@ -719,18 +723,42 @@ class ScheduleExecutor:
         for s, h in zip(st.storages, host):
             # freed behind the D2H copy (_copy), not blocking compute; a
             # protected storage stays, as its other owner needs it (rule 4)
-            if h is not None and s.nbytes() and s.data_ptr() not in protected:
+            if h is not None and s.nbytes() and not protected(s.data_ptr()):
                 s.resize_(0)
                 self._ledger.resized(s)
         st.resident = False
 
+    def _stage_state_ptrs(self, i: int) -> set:
+        return _storage_ptrs((*self._stage_params[i], *self._stage_buffers[i]))
+
     def _refresh_state_ptrs(self):
         """Storages of the parameters and buffers: never freed by a move (rule 4)
         and excluded from activation accounting. They change only when weight
-        moves swap ``.data``."""
-        self._state_ptrs = _storage_ptrs(
-            t for ts in (*self._stage_params, *self._stage_buffers) for t in ts)
+        moves swap ``.data`` (then :meth:`_refresh_stage_ptrs`). Kept per stage,
+        with a count per pointer across stages (stages may share a parameter)."""
+        self._state_per_stage = [self._stage_state_ptrs(i) for i in range(self.n)]
+        self._state_count = Counter(p for ptrs in self._state_per_stage for p in ptrs)
+        self._state_ptrs = set(self._state_count)
         self._ledger.exclude(self._state_ptrs)
+
+    def _refresh_stage_ptrs(self, i: int):
+        """:meth:`_refresh_state_ptrs` after a weight move of stage ``i``, which
+        changes only that stage's pointers: O(its parameters), not the model's."""
+        old, new = self._state_per_stage[i], self._stage_state_ptrs(i)
+        self._state_per_stage[i] = new
+        count, removed, added = self._state_count, [], []
+        for ptr in old - new:
+            count[ptr] -= 1
+            if not count[ptr]:
+                del count[ptr]
+                removed.append(ptr)
+        for ptr in new - old:
+            count[ptr] += 1
+            if count[ptr] == 1:
+                added.append(ptr)
+        self._state_ptrs.difference_update(removed)
+        self._state_ptrs.update(added)
+        self._ledger.exclude_change(removed, added)
 
     def _wait_weights(self, i: int):
         """Order compute after the H2D copy of stage i's prefetched weights."""
@@ -800,7 +828,7 @@ class ScheduleExecutor:
                 self._w_saved[i] = event
             for p in params:   # freed behind the D2H copy (_to_host marked them used)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._refresh_state_ptrs()
+        self._refresh_stage_ptrs(i)
 
     def _grads_to_host(self, i: int):
         # copies that ended are added now: with gradient accumulation and no

@@ -47,7 +47,7 @@ from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
 from ._stages import (_check_output, _grad_input, _stage_input, _storage_bytes,
-                      _storage_ptrs, as_stages, check_step_arguments)
+                      _storage_ptrs, as_stages, check_inputs, check_loss_fn)
 
 __all__ = ["profile_sequential"]
 
@@ -84,7 +84,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     (before running any stage) and when a stage does not return a single tensor.
     """
     model = as_stages(model, "profile_sequential")
-    check_step_arguments(inputs, loss_fn)
+    check_inputs(inputs)
+    check_loss_fn(loss_fn)
     repeats = check_int("repeats", repeats, low=1)
     device = inputs.device
     timer = _Timer(device)
