@@ -370,7 +370,7 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=
     if check_finite is None:
         check_finite = grad_scale is not None
     with threads(num_threads):    # c and the range are checked: the unchecked halves
-        if check_finite and _count_nonfinite(update.g, c[_GMUL], start, stop):
+        if check_finite and not update._grads_finite(c, start, stop):
             return False
         update._apply(c, start, stop)
     return True
@@ -397,7 +397,10 @@ class PreparedUpdate:
         """True if every gradient in [start, stop) times the unscale factor held
         in ``coefficients`` (from :func:`adam_coefficients`) is finite."""
         _check_coefficients(coefficients)
-        start, stop = _check_range(start, stop, self.size)
+        return self._grads_finite(coefficients, *_check_range(start, stop, self.size))
+
+    def _grads_finite(self, coefficients, start: int, stop: int) -> bool:
+        # grads_finite() without its checks, for callers that made them
         return not _count_nonfinite(self.g, coefficients[_GMUL], start, stop)
 
     def apply(self, coefficients, start=0, stop=None) -> None:

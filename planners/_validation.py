@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from rtmem.errors import ChainError, ScheduleError
+from rtmem.errors import ChainError, RtmemError, ScheduleError
 
 #: Byte counts the planners take stay below this (int64-safe sums; the
 #: Platform's stand-in for unlimited memory).
@@ -101,7 +101,6 @@ def check_int(name: str, value, *, low: int = 0, high: int | None = None, error=
     here, so they accept the same values. ``error`` is the exception type
     (default :class:`~rtmem.errors.RtmemError`; ``fields`` go to it, e.g.
     ``field=`` for :class:`~rtmem.errors.ChainError`); ``hint`` ends the message."""
-    from rtmem.errors import RtmemError
     error = error or RtmemError
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
             or value < low or (high is not None and value > high):

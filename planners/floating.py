@@ -55,8 +55,8 @@ from ._validation import check_chain, check_count
 from .chain import Chain
 from .plan import Plan, as_budget
 from .platform import Platform
-from .remat import _fixed_bytes, plan_remat
-from .rotor import StageArrays, discretize, min_memory, stage_arrays
+from .remat import _fixed_bytes, _least_budget, plan_remat
+from .rotor import StageArrays, discretize, stage_arrays
 from .schedule import Op, Schedule
 from .simulator import simulate
 
@@ -214,20 +214,15 @@ def _table_bytes(N: int, M: int) -> int:
     return N ** 3 * (M + 1) * 8
 
 
-def _least_persistent_budget(arrays: StageArrays, fixed: int) -> int:
-    """:func:`~rtmem.planners.min_feasible_memory` from what plan_floating holds."""
-    return fixed + min_memory(arrays)[0]
-
-
-def _least_floating_budget(chain: Chain, arrays: StageArrays, fixed: int) -> int:
+def _least_floating_budget(arrays: StageArrays, fixed: int) -> int:
     """Least budget (bytes) at which :func:`plan_floating` returns a plan: the
     least m with a finite F(0, n, 0, m) in exact bytes, searched up to
     :func:`~rtmem.planners.min_feasible_memory` (the floating DP has every
     persistent schedule, so it is feasible there, and plan_floating falls back
     to the persistent plan from there on). When that exact table is too large,
     the persistent bound itself."""
-    lo = _least_persistent_budget(arrays, fixed)
-    N = chain.n + 1
+    lo = _least_budget(arrays, fixed)
+    N = arrays.N
     if _table_bytes(N, lo - fixed) > MAX_FLOATING_TABLE_BYTES:
         return lo
     F = floating_table(arrays, lo - fixed)
@@ -263,7 +258,7 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     arrays = stage_arrays(chain)
 
     def infeasible(what):
-        least = _least_floating_budget(chain, arrays, fixed)
+        least = _least_floating_budget(arrays, fixed)
         return InfeasibleError(f"{what}; it needs at least {least:,} bytes "
                                f"({format_bytes(least)}). Give more memory",
                                budget=budget, min_feasible=least)
@@ -289,7 +284,7 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
             F = floating_table(disc, M)
             value = float(F[0, N - 1, 0, M])
             method = "exact"
-        elif budget >= _least_persistent_budget(arrays, fixed):
+        elif budget >= _least_budget(arrays, fixed):
             plan = plan_remat(chain, budget, slots=slots)
             return Plan(schedule=plan.schedule, makespan=plan.makespan, peak=plan.peak,
                         budget=budget, algorithm="floating",

@@ -69,8 +69,7 @@ class Plan(JsonFile):
         except (TypeError, ValueError) as e:
             raise ScheduleError(f"plan: makespan, peak and budget must be numbers and info "
                                 f"a dict ({e})", reason="parse") from None
-        if not (makespan >= 0 and 0 <= peak < MAX_BYTES and budget > 0) \
-                or math.isnan(makespan) or math.isnan(budget):
+        if not (makespan >= 0 and 0 <= peak < MAX_BYTES and budget > 0):   # NaN: False
             raise ScheduleError(f"plan: makespan {self.makespan!r} and peak {self.peak!r} "
                                 f"must be >= 0 and budget {self.budget!r} > 0",
                                 reason="parse")

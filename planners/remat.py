@@ -67,8 +67,12 @@ def min_feasible_memory(chain: Chain) -> int:
     chain input, the weights, and the least memory of a persistent schedule
     (computed exactly in bytes, no discretization)."""
     check_chain(chain, "min_feasible_memory")
-    mm, _ = min_memory(stage_arrays(chain))
-    return _fixed_bytes(chain) + mm
+    return _least_budget(stage_arrays(chain), _fixed_bytes(chain))
+
+
+def _least_budget(arrays, fixed: int) -> int:
+    """:func:`min_feasible_memory` from a chain's stage arrays and fixed bytes."""
+    return fixed + min_memory(arrays)[0]
 
 
 def _check_table(n: int, slots: int, fixed_slot_bytes: bool = False) -> int:
