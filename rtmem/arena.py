@@ -289,14 +289,15 @@ class _Arena:
         # would let the CPU or another stream overwrite bytes a queued copy reads.
         last_copy, home = placement.event, block.stream
         copying = last_copy is not None and not last_copy.query()
-        elsewhere = home is not None and home is not compute
+        # equality, not identity: a CUDA stream may have several wrappers
+        elsewhere = home is not None and home != compute
         stream = event = None
         if copying or elsewhere:
             # Free on the copy's stream (else the home one) behind an event
             # recorded now, after the home stream and the compute work enqueued
             # so far.
             stream = placement.stream if copying else home
-            if copying and elsewhere and home is not stream:
+            if copying and elsewhere and home != stream:
                 stream.wait_event(self._record_event(home))
             stream.wait_event(self._record_event(compute))
             event = self._record_event(stream)

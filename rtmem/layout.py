@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocator import DEFAULT_ALIGNMENT
+from .allocator import DEFAULT_ALIGNMENT, align_up
 from .errors import LayoutError
 
 __all__ = ["Layout", "layout_for", "plan_layout", "verify_layout"]
@@ -96,10 +96,11 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
         raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment!r}")
     # Python ints: the sum of every aligned size bounds any offset + size, and
     # int64 arithmetic below must not wrap (2 x 2**62 gave a reserve of 2**62).
-    if sum(-(-max(int(b), 1) // alignment) * alignment for b in nbytes.tolist()) >= 1 << 63:
+    aligned = [align_up(max(b, 1), alignment) for b in nbytes.tolist()]
+    if sum(aligned) >= 1 << 63:
         raise ValueError("the buffers add up to 2**63 bytes or more; no layout of them "
                          "fits a 64-bit address space")
-    sizes = -(-np.maximum(nbytes, 1) // alignment) * alignment
+    sizes = np.asarray(aligned, dtype=np.int64)
     order = np.lexsort((alloc, -sizes))
     offsets = np.full(len(sizes), -1, np.int64)
     placed = np.zeros(len(sizes), bool)

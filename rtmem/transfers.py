@@ -221,8 +221,7 @@ def prefetch(buf: Buffer, *, arena=None):
             raise _state_error(buf, "prefetch", "it has never been in a device arena",
                                "pass arena=<DeviceArena>")
         _check_location(arena, "device", "prefetch")
-        return _copy_to_new(buf, arena, buf._host, "device",
-                            buf._pending if in_flight else None)
+        return _copy_to_new(buf, arena, buf._host, "device", buf._pending)  # None unless in flight
 
 
 def offload(buf: Buffer, *, arena=None):
