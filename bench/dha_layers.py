@@ -333,6 +333,7 @@ def crossover(tokens, dha_s, copy_s) -> dict:
             y0, y1 = math.log(ratios[i]), math.log(ratios[i + 1])
             at = math.exp(x0 + (x1 - x0) * (0.0 - y0) / (y1 - y0))
             crossings.append({"tokens": at, "to": "copy" if wins[i] else "dha"})
+    won = [t for t, w in zip(tokens, wins) if w]
     lo, hi = tokens[0], tokens[-1]
     if all(wins):
         verdict, text = "dha", f"DHA wins at every size measured ({lo}..{hi} tokens)"
@@ -345,10 +346,8 @@ def crossover(tokens, dha_s, copy_s) -> dict:
                 f"tokens")
     else:
         verdict = "mixed"
-        text = "DHA wins at " + ", ".join(str(t) for t, w in zip(tokens, wins) if w) + \
-            " tokens"
-    return {"dha_over_copy": ratios,
-            "dha_wins_at_tokens": [t for t, w in zip(tokens, wins) if w],
+        text = "DHA wins at " + ", ".join(map(str, won)) + " tokens"
+    return {"dha_over_copy": ratios, "dha_wins_at_tokens": won,
             "crossings": crossings, "verdict": verdict, "text": text}
 
 

@@ -197,7 +197,7 @@ def _cupy_delay(cp):
 
 #: Sizes from which the issue's bandwidth goals are judged.
 GOAL_MIN_BYTES = 64 << 20
-_COPY_PATHS = ("h2d_pageable", "d2h_pageable", "h2d_pinned", "d2h_pinned")
+_COPY_PATHS = PATHS[:4]              # the one-way cudaMemcpy paths
 
 
 def goals(doc: dict) -> dict:
@@ -210,7 +210,7 @@ def goals(doc: dict) -> dict:
     out = {"min_bytes": GOAL_MIN_BYTES, "sizes_counted": len(idx)}
     if not idx:
         return out
-    rate = {p: [c[p][i]["bytes_per_s"] for i in idx] for p in _COPY_PATHS if p in c}
+    rate = {p: [c[p][i]["bytes_per_s"] for i in idx] for p in _COPY_PATHS}
     best = max(max(v) for v in rate.values())
     out["best_copy_bytes_per_s"] = best
     for p in ("h2d_pinned", "d2h_pinned"):
