@@ -295,6 +295,11 @@ class PoisonAdaptor(AllocatorAdaptor):
             self._fill(block, self.POISON)
             self.upstream.deallocate(block)
 
+    def fits_in_place(self, block, nbytes: int) -> bool:
+        """Whether :meth:`resize` keeps ``block`` in place: only a shrink here
+        (growth always moves), whatever the allocator below could do."""
+        return nbytes <= block.size
+
     def resize(self, block, nbytes: int, stream=None):
         """Shrink in place, poisoning the freed tail; grow by moving to a new,
         poison-checked block (never into a free neighbour, whose bytes would

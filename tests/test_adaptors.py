@@ -405,3 +405,20 @@ def test_poison_adaptor_survives_a_trim_after_a_moving_resize():
     a.core.deallocate(y)
     assert a.trim() == 4096                 # arenas trim through the adaptors
     a._check_invariants()
+
+
+
+def test_a_limit_over_a_poison_adaptor_counts_a_growing_resize_as_a_move():
+    # PoisonAdaptor grows by moving, never into a free neighbour: the limit above
+    # it must budget the old and the new block together, not only the difference
+    # the core alone could have grown in place (which let the core's peak pass
+    # the budget)
+    _, fill, check = _poisoned_memory(4096)
+    core = BestFitAllocator(4096)
+    limit = LimitAdaptor(PoisonAdaptor(core, fill=fill, check=check), 1024)
+    b = limit.allocate(512)
+    with pytest.raises(OutOfMemoryError):
+        limit.resize(b, 1024)                      # 512 + 1024 held at once
+    assert core.stats().peak_bytes == 512 and limit.used_bytes == 512
+    limit.resize(b, 256)                           # a shrink stays in place
+    assert limit.used_bytes == 256
