@@ -67,8 +67,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -78,19 +76,13 @@ from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 from rtmem.planners._validation import type_label
 
+from ._host_side import _HostSide
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _Ledger, _stage_input,
                       _storage_bytes, _storage_ptrs, _storages, as_stages, check_inputs,
                       check_loss_fn, check_placement, check_shared_weights, param_label)
+from ._stored import _copy_matches, _Entries, _Stored
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
-
-
-def _used_on(storages, stream):
-    """Tell torch's caching allocator that work queued on ``stream`` uses these
-    device storages, so a block freed meanwhile (on the compute stream) is not
-    handed out again before that work is done (``Tensor.record_stream``)."""
-    for s in storages:
-        torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).record_stream(stream)
 
 
 def _check_graph_moves(schedule) -> None:
@@ -112,79 +104,12 @@ def _check_graph_moves(schedule) -> None:
                 f"again before it")
 
 
-def _copy_matches(st, host) -> bool:
-    """Whether the host copies ``host`` (made by an offload) fit the storages of
-    the stored tensor ``st`` (a recomputation of the tensor gives the same)."""
-    return len(host) == len(st.storages) and all(
-        h is None or s.nbytes() in (0, h.nbytes()) for s, h in zip(st.storages, host))
-
-
-@dataclass
-class _Stored:
-    """One schedule tensor on the device: a plain a_k or an abar_k (graph + output)."""
-
-    out: torch.Tensor
-    inp: torch.Tensor | None = None          # leaf input of F_all (abar only)
-    saved: list = field(default_factory=list)  # tensors saved by autograd (abar only)
-    storages: list = field(default_factory=list)  # device storages of out and saved;
-    #                                          moves pair them with host copies by position
-    version: int = 0                         # out._version when stored (NOTE rule 7)
-    ready: object = None                     # CUDA event of the last prefetch
-    resident: bool = True                    # False between delete and prefetch
-    ledger_keys: list = field(default_factory=list)  # what _Entries counted for it
-
-    @classmethod
-    def of(cls, out, inp=None, saved=()):
-        saved = list(saved)
-        return cls(out=out, inp=inp, saved=saved,
-                   storages=list(_storages([out, *saved]).values()), version=out._version)
-
-    def all_tensors(self):
-        return [self.out, self.inp, *self.saved]
-
-
-class _Entries(dict):
-    """Stored tensors by index (the executor's plain and abar tensors). Every
-    insertion and removal counts or uncounts the tensor's storages in the
-    executor's :class:`_Ledger`, so the resident bytes are known after each
-    operation without walking every stored tensor."""
-
-    def __init__(self, ledger):
-        super().__init__()
-        self._ledger = ledger
-
-    def __setitem__(self, k, st: _Stored):
-        self.pop(k, None)
-        st.ledger_keys = self._ledger.add(st.all_tensors())
-        super().__setitem__(k, st)
-
-    def pop(self, k, *default):
-        if k not in self:
-            return super().pop(k, *default)
-        st = super().pop(k)
-        self._ledger.remove(st.ledger_keys)
-        return st
-
-    def __delitem__(self, k):
-        self.pop(k)
-
-    def clear(self):
-        for st in self.values():
-            self._ledger.remove(st.ledger_keys)
-        super().clear()
-
-    def _uncounted(self, *args, **kwargs):
-        raise TypeError("stored tensors are set, popped or cleared one by one (the "
-                        "ledger counts each)")
-    update = setdefault = popitem = _uncounted
-
-
 #: Set by the test suite (tests/conftest.py): every operation's ledger total is
 #: compared with a full recount of the stored tensors' storages.
 _CHECK_ACCOUNTING = os.environ.get("RTMEM_CHECK_ACCOUNTING") == "1"
 
 
-class ScheduleExecutor:
+class ScheduleExecutor(_HostSide):
     """Run training steps of ``model`` following ``schedule``.
 
     Parameters
@@ -276,24 +201,8 @@ class ScheduleExecutor:
         check_placement(self._stage_params, self._moves, self._param_names)
         self.peak_bytes: int | None = 0 if track_memory else None
         self.resident_bytes: list[int] = []
-        # parameter -> pinned host copy of this step's weights; stage -> the CUDA
-        # event of the D2H copy that wrote them (a w_prefetch waits for it) and
-        # of the H2D copy that brought them back (stage compute waits for it)
-        self._w_host: dict = {}
-        self._w_saved: dict = {}
-        self._w_ready: dict = {}
-        # parameter -> host gradient accumulator, and the g_offload copies not
-        # yet added to it: (parameter, pinned copy, D2H event or None)
-        self._g_host: dict = {}
-        self._g_pending: list = []
-        # (k, aux) -> (host copies aligned with the tensor's storages, None for
-        # those never freed, the CUDA event of their D2H copy or None). Kept
-        # across recomputations of the tensor: a recomputed value equals the
-        # offloaded one, so a later instance may be deleted and prefetched from
-        # the same copy (the simulator's Rule 5 keeps host copies the same way).
-        self._host: dict = {}
+        super().__init__()
         self.host_arena = host_arena
-        self._host_bufs: list = []
         self._streams = None
         self._new_ledger()
         self._caller_keys: set = set()
@@ -391,40 +300,6 @@ class ScheduleExecutor:
             self._restore_weights()
             self._release_host()
         return loss
-
-    def _restore_weights(self):
-        """Put back weights the schedule left on the host (every step starts with
-        all weights on the device, Rule 6 of the simulator) and forget the host
-        copies: the optimizer changes the weights between steps, so a copy kept
-        for the next step's ``w_delete`` would bring back stale values."""
-        for p, host in self._w_host.items():
-            if p.data.numel() == 0 and host.numel():
-                p.data = host.to(self._device, copy=True)   # compute waited the D2H
-        self._w_host.clear()
-        self._w_saved.clear()
-        self._w_ready.clear()
-
-    def _release_host(self):
-        """Free this step's host copies (arena buffers are freed once their tensor
-        views are gone, NOTE [ Pinned views ])."""
-        self._host.clear()
-        bufs, self._host_bufs = self._host_bufs, []
-        for buf in bufs:
-            buf.free()
-
-    def _host_storage(self, nbytes: int):
-        """A host byte storage of ``nbytes`` for an offload: from the host arena when
-        one was given (pinned on the cuda backend), else torch's allocator."""
-        if self.host_arena is None:
-            return torch.empty(nbytes, dtype=torch.uint8,
-                               pin_memory=self._device.type == "cuda").untyped_storage()
-        from .bridge import as_tensor
-        # Only the copy streams touch these bytes, each fenced behind the compute
-        # stream: reuse in its order (the CPU default would wait for the GPU).
-        buf = self.host_arena.alloc(nbytes, kind="activation",
-                                    stream=self.host_arena.backend.current_stream())
-        self._host_bufs.append(buf)
-        return as_tensor(buf).untyped_storage()
 
     # ------------------------------------------------------------- internals
     def _new_ledger(self):
@@ -727,140 +602,3 @@ class ScheduleExecutor:
                 s.resize_(0)
                 self._ledger.resized(s)
         st.resident = False
-
-    def _stage_state_ptrs(self, i: int) -> set:
-        return _storage_ptrs((*self._stage_params[i], *self._stage_buffers[i]))
-
-    def _refresh_state_ptrs(self):
-        """Storages of the parameters and buffers: never freed by a move (rule 4)
-        and excluded from activation accounting. They change only when weight
-        moves swap ``.data`` (then :meth:`_refresh_stage_ptrs`). Kept per stage,
-        with a count per pointer across stages (stages may share a parameter)."""
-        self._state_per_stage = [self._stage_state_ptrs(i) for i in range(self.n)]
-        self._state_count = Counter(p for ptrs in self._state_per_stage for p in ptrs)
-        self._state_ptrs = set(self._state_count)
-        self._ledger.exclude(self._state_ptrs)
-
-    def _refresh_stage_ptrs(self, i: int):
-        """:meth:`_refresh_state_ptrs` after a weight move of stage ``i``, which
-        changes only that stage's pointers: O(its parameters), not the model's."""
-        old, new = self._state_per_stage[i], self._stage_state_ptrs(i)
-        self._state_per_stage[i] = new
-        count, removed, added = self._state_count, [], []
-        for ptr in old - new:
-            count[ptr] -= 1
-            if not count[ptr]:
-                del count[ptr]
-                removed.append(ptr)
-        for ptr in new - old:
-            count[ptr] += 1
-            if count[ptr] == 1:
-                added.append(ptr)
-        self._state_ptrs.difference_update(removed)
-        self._state_ptrs.update(added)
-        self._ledger.exclude_change(removed, added)
-
-    def _wait_weights(self, i: int):
-        """Order compute after the H2D copy of stage i's prefetched weights."""
-        ready = self._w_ready.pop(i, None)
-        if ready is not None:
-            torch.cuda.current_stream(self._device).wait_event(ready)
-
-    def _copy(self, direction: str, pairs, device_storages, after=None):
-        """``dst.copy_(src)`` for each pair. On CUDA the copies run on the
-        ``direction`` ("h2d" / "d2h") stream behind the compute enqueued so far
-        (which allocated the destinations) and the event ``after``, and
-        ``device_storages`` (their device side) are marked used there, so a drop
-        meanwhile does not free them under the copy; returns the copies' event.
-        On the CPU they run at once; returns None."""
-        if self._device.type != "cuda":
-            for dst, src in pairs:
-                dst.copy_(src)
-            return None
-        stream = self._streams[0 if direction == "h2d" else 1]
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        if after is not None:
-            stream.wait_event(after)
-        with torch.cuda.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-        _used_on(device_storages, stream)
-        return stream.record_event()
-
-    def _to_host(self, tensors):
-        """New host tensors (pinned on CUDA) holding copies of device ``tensors``,
-        and the copies' event (:meth:`_copy`)."""
-        pinned = self._device.type == "cuda"
-        # the device layout (strides): saved views of a weight are re-derived with
-        # the strides they had (NOTE rule 5), so a transposed or channels-last
-        # weight must come back as it was (a contiguous copy scrambled them)
-        host = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=pinned)
-                for t in tensors]
-        return host, self._copy("d2h", list(zip(host, tensors)),
-                                _storages(tensors).values())
-
-    def _weights(self, op, i: int):
-        if op == Op.W_PREFETCH:
-            params = [p for p in self._stage_params[i] if p in self._w_host]
-            host = [self._w_host[p] for p in params]
-            # always new tensors (on the CPU too, where sharing the host copy would
-            # hide a stale copy from every test), allocated on the compute stream,
-            # filled behind the D2H copy that wrote the host copies; the stage's
-            # next compute waits (_wait_weights)
-            dev = [torch.empty_like(h, device=self._device) for h in host]
-            ready = self._copy("h2d", list(zip(dev, host)), _storages(dev).values(),
-                               after=self._w_saved.get(i))
-            if ready is not None:
-                self._w_ready[i] = ready
-            for p, d in zip(params, dev):
-                p.data = d
-        else:
-            # Both free the device weights. w_offload copies them first; w_delete
-            # (the host is master) copies only what no earlier move of this step
-            # copied: the weights do not change within a step, but the optimizer
-            # changes them between steps, so each step takes its own copy.
-            params = [p for p in self._stage_params[i] if p.numel()]   # on the device
-            fresh = [p for p in params if op == Op.W_OFFLOAD or p not in self._w_host]
-            if fresh:
-                self._wait_weights(i)   # a prefetch may still be filling them
-                host, event = self._to_host([p.data for p in fresh])
-                self._w_host.update(zip(fresh, host))
-                self._w_saved[i] = event
-            for p in params:   # freed behind the D2H copy (_to_host marked them used)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._refresh_stage_ptrs(i)
-
-    def _grads_to_host(self, i: int):
-        # copies that ended are added now: with gradient accumulation and no
-        # host_grads() call between micro-batches they piled up, a full host copy
-        # of the gradients per micro-batch
-        self._settle_grads(wait=False)
-        params = [p for p in self._stage_params[i] if p.grad is not None]
-        if not params:
-            return
-        host, event = self._to_host([p.grad for p in params])
-        for p, h in zip(params, host):
-            p.grad = None   # freed behind the copy (_to_host marked it used there)
-            if p in self._g_host:
-                self._g_pending.append((p, h, event))
-            else:   # the first gradient of p becomes its accumulator (once copied)
-                self._g_host[p] = h
-                self._g_pending.append((p, None, event))
-
-    def _settle_grads(self, wait: bool = True):
-        """Add up the gradient copies that ended; with ``wait``, wait for the rest.
-        They run in order on one stream, so the first one still running stops
-        the loop (the sums stay in issue order)."""
-        pending = self._g_pending
-        done = 0
-        try:
-            for p, h, event in pending:
-                if event is not None:
-                    if not wait and not event.query():
-                        break
-                    event.synchronize()
-                if h is not None:
-                    self._g_host[p] += h
-                done += 1
-        finally:    # what was added is never added twice
-            del pending[:done]

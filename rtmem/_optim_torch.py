@@ -1,0 +1,389 @@
+"""The torch front end of :mod:`rtmem.optim`: :class:`CPUAdam` and :class:`CPUAdamW`.
+
+It is a module of its own because it imports torch at the top: ``rtmem.optim``
+imports it only when one of the two classes is first accessed (its module
+``__getattr__``), so that ``import rtmem.optim`` (NumpyAdam) works without torch.
+The validation and step routine shared with NumpyAdam stay in ``rtmem.optim``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as e:
+    raise ImportError(
+        "rtmem.optim.CPUAdam/CPUAdamW need PyTorch; install it with "
+        "`pip install 'rtmem[torch]'`, or use rtmem.optim.NumpyAdam / NumpyAdamW "
+        "on numpy arrays.") from e
+
+from .buffer import Buffer
+from .errors import OptimizerError
+from .kernels.adam import prepare_update
+from .optim import (_STATE_KEYS, _check_hyper, _check_num_threads, _checked_step,
+                    _coefficients, _host_view, _named, _run_step)
+
+__all__ = ["CPUAdam", "CPUAdamW"]
+
+# The kernel's argument names -> CPUAdam.step's keywords, for error reports
+# (formats come from the tensors' dtypes).
+_TORCH_ARGUMENTS = {"grad": "grads", "grad_format": "grads", "out": "copies",
+                    "out_format": "copies", "copy": "copies"}
+
+
+def as_numpy(t, name):
+    """(numpy view, 16-bit format or None) of a CPU tensor, zero-copy."""
+    if isinstance(t, np.ndarray):
+        if t.dtype == np.uint16:
+            # The kernel's advice (grad_format=) does not apply here: CPUAdam
+            # takes the format from the tensor's dtype.
+            raise OptimizerError(
+                f"{name} is a numpy uint16 array, whose bits could be bfloat16 or "
+                f"float16. Pass bfloat16 as a torch.bfloat16 tensor (zero-copy: "
+                f"torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)) and "
+                f"float16 as a float16 array or tensor.", argument=name)
+        return t, None
+    if not isinstance(t, torch.Tensor):
+        raise OptimizerError(f"{name} must be a torch.Tensor or numpy array, got "
+                             f"{type(t).__name__}.", argument=name)
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        raise OptimizerError(
+            f"{name} is a {t.device.type} {t.layout} tensor; the CPU optimizer needs "
+            f"dense CPU tensors (copy with .to('cpu'), or .to_dense()).",
+            argument=name)
+    if not t.is_contiguous():
+        raise OptimizerError(f"{name} is not contiguous (strides {t.stride()}); the "
+                             f"fused kernel walks flat memory. Use .contiguous().",
+                             argument=name)
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+    if t.dtype in (torch.float32, torch.float16):
+        return t.numpy(), None
+    raise OptimizerError(f"{name} has dtype {t.dtype}; expected float32, float16 or "
+                         f"bfloat16.", argument=name)
+
+
+def tensors_of(params):
+    """``params`` with rtmem Buffers replaced by zero-copy CPU tensors over their
+    host memory (which pin the buffers while the optimizer holds them)."""
+    if isinstance(params, torch.Tensor):
+        return params          # torch.optim raises its own clear error for this
+
+    def one(p):
+        if not isinstance(p, Buffer):
+            return p
+        return torch.from_numpy(_host_view(p, "params"))
+    out = []
+    for item in params:
+        if isinstance(item, dict):
+            item = {**item, "params": [one(p) for p in (
+                [item["params"]] if isinstance(item["params"], (torch.Tensor, Buffer))
+                else item["params"])]}
+            out.append(item)
+        else:
+            out.append(one(item))
+    return out
+
+
+def per_param(values, params, name):
+    """Map a dict {param: value} or a sequence aligned with params to a dict."""
+    if values is None:
+        return {}
+    if isinstance(values, dict):
+        ids = {id(p) for p in params}
+        if any(id(k) not in ids for k in values):
+            raise OptimizerError(f"{name} has a key that is not a parameter of this "
+                                 f"optimizer; key the dict by the parameters passed "
+                                 f"to it", argument=name)
+        return {id(k): v for k, v in values.items()}
+    values = list(values)
+    if len(values) != len(params):
+        raise OptimizerError(f"{name} has {len(values)} entries for {len(params)} "
+                             f"params; pass one per param in param-group order, or a "
+                             f"dict {{param: tensor}}.", argument=name)
+    return {id(p): v for p, v in zip(params, values)}
+
+
+def bump_versions(tensors):
+    """Tell autograd the ``tensors`` were modified in place.
+
+    The kernel writes them through numpy views, which autograd cannot see:
+    without this, backward through a graph that saved a parameter before the
+    step would silently use the new values, where torch.optim.Adam's in-place
+    update makes it raise "modified by an inplace operation".
+    """
+    increment = getattr(torch.autograd.graph, "increment_version", None)
+    for t in tensors:
+        if increment is not None:
+            increment(t)           # one tensor per call: older torch takes no lists
+        elif not t.is_inference():  # inference tensors have no version counter
+            # Any in-place op bumps the (shared) counter, even on no elements.
+            with torch.no_grad():
+                t.view(-1)[:0].zero_()
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam on CPU float32 parameters with rtmem's fused kernel.
+
+    A drop-in ``torch.optim.Optimizer`` (param groups, lr schedulers,
+    ``state_dict``/``load_state_dict``, ``zero_grad``). Parameters must be
+    contiguous float32 CPU tensors, or float32 rtmem Buffers in host memory
+    (held as zero-copy CPU tensors that pin them; pass their gradients with
+    ``step(grads=...)``); they are updated in place through zero-copy numpy
+    views. State per parameter: ``step`` (float32 scalar
+    tensor) and float32 ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``
+    with ``amsgrad``), 8-12 bytes per parameter, laid out like
+    ``torch.optim.Adam`` so state dicts move between the two.
+
+    ``lr`` >= 0, ``betas`` in [0, 1), ``eps`` > 0, ``weight_decay`` >= 0 (an
+    L2 term added to the gradient; with ``decoupled_weight_decay=True``, as
+    in ``torch.optim.Adam``, the decoupled decay ``p *= 1 - lr*weight_decay``
+    of AdamW, which :class:`CPUAdamW` always uses); ``num_threads`` as in
+    :func:`rtmem.kernels.adam_update`.
+
+    ``decoupled_weight_decay`` is a per-group hyperparameter, as in
+    ``torch.optim.Adam`` (torch >= 2.6): a state dict carries it, so loading
+    one from ``torch.optim.Adam(decoupled_weight_decay=True)`` or ``AdamW``
+    keeps AdamW. The step bumps the autograd version counter of every
+    updated parameter and copy, as torch's in-place update does. Copies,
+    pickles and ``torch.save`` of the optimizer keep ``num_threads`` and
+    the skipped-step counters.
+    """
+
+    #: The class's ``decoupled_weight_decay``: the default for groups (and
+    #: loaded state dicts) without one. The step honours each group's value.
+    decoupled_weight_decay = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, amsgrad=False, *, maximize=False,
+                 bias_correction=True, decoupled_weight_decay=False, num_threads=None):
+        _check_hyper(lr, betas, eps, weight_decay)
+        self._check_decoupled(decoupled_weight_decay, "decoupled_weight_decay")
+        self.num_threads = _check_num_threads(num_threads)
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=bool(amsgrad), maximize=bool(maximize),
+                        bias_correction=bool(bias_correction),
+                        decoupled_weight_decay=bool(decoupled_weight_decay))
+        super().__init__(tensors_of(params), defaults)
+
+    def _check_decoupled(self, value, where):
+        """Refuse a ``decoupled_weight_decay`` this class cannot honour."""
+        if not isinstance(value, (bool, np.bool_)):
+            raise OptimizerError(f"{where}={value!r} must be True or False.",
+                                 argument="decoupled_weight_decay")
+
+    # torch.optim.Optimizer pickles (and deep-copies) only defaults, state and
+    # param_groups; these attributes are this class's own, with the values a
+    # pickle made without them gets.
+    _EXTRA_STATE = (("num_threads", None), ("skipped_steps", 0),
+                    ("last_step_skipped", False))
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.update((name, getattr(self, name, default))
+                     for name, default in self._EXTRA_STATE)
+        return state
+
+    def __setstate__(self, state):
+        # Also called by torch's load_state_dict with only state and groups:
+        # attributes already set are kept.
+        super().__setstate__(state)
+        for name, default in self._EXTRA_STATE:
+            if name not in self.__dict__:
+                setattr(self, name, default)
+        self.defaults.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+        for group in self.param_groups:
+            group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+
+    def add_param_group(self, param_group):
+        """Add a group (see ``torch.optim.Optimizer.add_param_group``); rtmem
+        Buffers in it are taken as in the constructor, and its hyperparameters
+        and parameters are validated first."""
+        if isinstance(param_group, dict) and "params" in param_group:
+            param_group = tensors_of([param_group])[0]
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_hyper(group["lr"], group["betas"], group["eps"],
+                         group["weight_decay"])
+            self._check_decoupled(group["decoupled_weight_decay"],
+                                  f"group {len(self.param_groups) - 1}: "
+                                  f"decoupled_weight_decay")
+            for i, p in enumerate(group["params"]):
+                if p.dtype != torch.float32:
+                    raise OptimizerError(
+                        f"param {i} of group {len(self.param_groups) - 1} has dtype "
+                        f"{p.dtype}; CPUAdam keeps float32 master parameters. Keep "
+                        f"an fp32 copy on the CPU and upload fp16/bf16 copies "
+                        f"(step(copies=...)).", argument="params")
+                as_numpy(p, f"param {i}")
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _state_for(self, p, group):
+        st = self.state[p]
+        if "step" not in st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for key in _STATE_KEYS:
+            if key not in st and (key != "max_exp_avg_sq" or group["amsgrad"]):
+                st[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grads=None, grad_scale=None, check_finite=None,
+             copies=None):
+        """Take one step; returns the closure's loss (or None), like torch.
+
+        ``grads`` overrides ``p.grad``: a dict ``{param: tensor}`` or a
+        sequence in param-group order, with float32, float16 or bfloat16
+        tensors (e.g. half gradients flushed from the GPU); None entries
+        skip that parameter. ``grad_scale`` is the loss scale the gradients
+        carry (divided out in the kernel); ``check_finite`` defaults to
+        ``grad_scale is not None``. ``copies`` (same forms) receives each
+        updated parameter as float32/float16/bfloat16 in the same pass; a
+        float16 copy of a master value of magnitude >= 65520 (beyond fp16's
+        largest finite 65504) is +-inf, while the float32 master stays
+        finite and the step counts as applied (the finite check covers the
+        gradients only). Whether the step was skipped is recorded in
+        ``last_step_skipped`` (NOTE [ Skipped steps ]). An applied step
+        bumps the autograd version counter of each updated parameter and
+        copy tensor.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        grad_of = per_param(grads, params, "grads")
+        copy_of = per_param(copies, params, "copies")
+        for group in self.param_groups:
+            _check_hyper(group["lr"], group["betas"], group["eps"],
+                         group["weight_decay"])
+        items, created, written = [], [], []
+        try:
+            for gi, group in enumerate(self.param_groups):
+                decoupled = bool(group.get("decoupled_weight_decay",
+                                           self.decoupled_weight_decay))
+                for pi, p in enumerate(group["params"]):
+                    g = grad_of.get(id(p), None) if grads is not None else p.grad
+                    if g is None:
+                        continue
+                    out = copy_of.get(id(p))
+                    try:
+                        g_np, g_fmt = as_numpy(g, "grad")
+                        o_np, o_fmt = ((None, None) if out is None
+                                       else as_numpy(out, "copy"))
+                        if not self.state.get(p):
+                            created.append(p)
+                        st = self._state_for(p, group)
+                        update = prepare_update(
+                            p.detach().numpy(), g_np, st["exp_avg"].numpy(),
+                            st["exp_avg_sq"].numpy(),
+                            max_exp_avg_sq=(st["max_exp_avg_sq"].numpy()
+                                            if group["amsgrad"] else None),
+                            grad_format=g_fmt, out=o_np, out_format=o_fmt)
+                    except OptimizerError as exc:
+                        raise _named(f"group {gi} param {pi}", exc,
+                                     _TORCH_ARGUMENTS) from None
+                    c = _coefficients(group, int(st["step"].item()) + 1, decoupled,
+                                      grad_scale)
+                    items.append((update, c, st))
+                    written.append(p)
+                    if isinstance(out, torch.Tensor):
+                        written.append(out)
+        except BaseException:
+            for p in created:        # a refused step leaves no new state behind
+                self.state.pop(p, None)
+            raise
+        if _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite):
+            bump_versions(written)
+        return loss
+
+    def load_state_dict(self, state_dict):
+        """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
+        The state is copied into fresh contiguous float32 tensors, so the
+        loaded dict is never aliased; each saved step must be an integer >= 0.
+        Groups keep the saved ``decoupled_weight_decay`` (the class default
+        where the dict has none; :class:`CPUAdamW`, like
+        ``torch.optim.AdamW``, always decouples). A refused dict leaves the
+        optimizer as it was."""
+        # torch installs new state and group dicts; the checks below run after
+        # it, so keep the old ones to put back.
+        if not isinstance(state_dict, dict) or \
+                not {"state", "param_groups"} <= set(state_dict):
+            raise OptimizerError("state_dict must be a dict with 'state' and "
+                                 "'param_groups', as returned by state_dict()",
+                                 argument="state_dict")
+        old_state, old_groups = self.state, self.param_groups
+        try:
+            self._load_checked(state_dict)
+        except BaseException:
+            self.state, self.param_groups = old_state, old_groups
+            raise
+
+    def _load_checked(self, state_dict):
+        super().load_state_dict(state_dict)
+        for gi, group in enumerate(self.param_groups):
+            try:
+                _check_hyper(group["lr"], group["betas"], group["eps"],
+                             group["weight_decay"])
+            except OptimizerError as exc:
+                raise OptimizerError(f"group {gi} of the state dict: {exc}",
+                                     argument=exc.argument) from None
+            self._check_decoupled(group["decoupled_weight_decay"],
+                                  f"group {gi}: decoupled_weight_decay")
+            for pi, p in enumerate(group["params"]):
+                st = self.state.get(p)
+                if not st:
+                    continue
+                step = _checked_step(st.get("step", 0), f"group {gi} param {pi}")
+                for key in _STATE_KEYS:
+                    if key not in st:
+                        continue
+                    t = torch.as_tensor(st[key])
+                    if t.shape != p.shape:
+                        raise OptimizerError(
+                            f"state {key} has shape {tuple(t.shape)} but its param "
+                            f"has shape {tuple(p.shape)}; the state dict belongs to "
+                            f"another model.", argument="state_dict")
+                    st[key] = t.detach().to(device="cpu", dtype=torch.float32).clone(
+                        memory_format=torch.contiguous_format)
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+class CPUAdamW(CPUAdam):
+    """AdamW (decoupled weight decay, ``p *= 1 - lr*weight_decay``) on CPU
+    float32 parameters; otherwise identical to :class:`CPUAdam`. Default
+    ``weight_decay=1e-2`` like ``torch.optim.AdamW``."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, amsgrad=False, **kwargs):
+        kwargs.setdefault("decoupled_weight_decay", True)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+    def _check_decoupled(self, value, where):
+        super()._check_decoupled(value, where)
+        if not value:
+            raise OptimizerError(
+                f"{where}=False: CPUAdamW always decouples weight decay; use "
+                f"CPUAdam for an L2 penalty added to the gradient.",
+                argument="decoupled_weight_decay")
+
+    def __setstate__(self, state):
+        # As torch.optim.AdamW: state loaded into AdamW stays AdamW (a
+        # torch.optim.Adam dict says decoupled_weight_decay=False).
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
+
+
+# Their public home: pickles, reprs and rtmem.optim.__all__ name rtmem.optim, whose
+# __getattr__ resolves them, never this private module.
+CPUAdam.__module__ = CPUAdamW.__module__ = "rtmem.optim"

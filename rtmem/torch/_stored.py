@@ -1,0 +1,83 @@
+"""The tensors a :class:`~rtmem.torch.ScheduleExecutor` keeps between the
+operations of a step (plain a_k and abar_k) and the dictionaries that hold them.
+Separate from ``executor.py`` because this is bookkeeping only (what is stored,
+which device storages it holds, the byte count kept in step with every insertion
+and removal); what to store and when stays in the executor.
+
+The rules it follows are NOTE [ Executor ] in executor.py, points 4 and 7.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._stages import _storages
+
+
+def _copy_matches(st, host) -> bool:
+    """Whether the host copies ``host`` (made by an offload) fit the storages of
+    the stored tensor ``st`` (a recomputation of the tensor gives the same)."""
+    return len(host) == len(st.storages) and all(
+        h is None or s.nbytes() in (0, h.nbytes()) for s, h in zip(st.storages, host))
+
+
+@dataclass
+class _Stored:
+    """One schedule tensor on the device: a plain a_k or an abar_k (graph + output)."""
+
+    out: torch.Tensor
+    inp: torch.Tensor | None = None          # leaf input of F_all (abar only)
+    saved: list = field(default_factory=list)  # tensors saved by autograd (abar only)
+    storages: list = field(default_factory=list)  # device storages of out and saved;
+    #                                          moves pair them with host copies by position
+    version: int = 0                         # out._version when stored (NOTE rule 7)
+    ready: object = None                     # CUDA event of the last prefetch
+    resident: bool = True                    # False between delete and prefetch
+    ledger_keys: list = field(default_factory=list)  # what _Entries counted for it
+
+    @classmethod
+    def of(cls, out, inp=None, saved=()):
+        saved = list(saved)
+        return cls(out=out, inp=inp, saved=saved,
+                   storages=list(_storages([out, *saved]).values()), version=out._version)
+
+    def all_tensors(self):
+        return [self.out, self.inp, *self.saved]
+
+
+class _Entries(dict):
+    """Stored tensors by index (the executor's plain and abar tensors). Every
+    insertion and removal counts or uncounts the tensor's storages in the
+    executor's :class:`_Ledger`, so the resident bytes are known after each
+    operation without walking every stored tensor."""
+
+    def __init__(self, ledger):
+        super().__init__()
+        self._ledger = ledger
+
+    def __setitem__(self, k, st: _Stored):
+        self.pop(k, None)
+        st.ledger_keys = self._ledger.add(st.all_tensors())
+        super().__setitem__(k, st)
+
+    def pop(self, k, *default):
+        if k not in self:
+            return super().pop(k, *default)
+        st = super().pop(k)
+        self._ledger.remove(st.ledger_keys)
+        return st
+
+    def __delitem__(self, k):
+        self.pop(k)
+
+    def clear(self):
+        for st in self.values():
+            self._ledger.remove(st.ledger_keys)
+        super().clear()
+
+    def _uncounted(self, *args, **kwargs):
+        raise TypeError("stored tensors are set, popped or cleared one by one (the "
+                        "ledger counts each)")
+    update = setdefault = popitem = _uncounted
