@@ -45,154 +45,26 @@ Under memory pressure ``allocate`` waits for pending events while holding the
 lock (numba's flush-and-retry): an event must never depend on another
 allocation from the same allocator.
 
-NOTE [ Stream-ordered frees ]
-``deallocate(block, stream=s, ordered=True)`` is ``cudaFreeAsync``: the block's
-last use is enqueued on ``s``. Later work on ``s`` runs after it, so ``s`` may
-reuse the block at once, with no event; another stream may reuse it only once
-an event recorded on ``s`` *after* the free has completed. Recording an event
-per free costs a CUDA call or two per free, about what the whole free costs
-otherwise, so the event is recorded lazily: one event from ``event_source(s)``
-*stamps* every unstamped block of ``s`` at once (a later event on the same
-stream covers every earlier free). Stamps happen when an allocation finds no
-fit among the ready and its own stream's pending blocks (before polling), on
-``flush``/``trim``, and every ``_MAINTAIN_EVERY`` deferred frees, which also
-poll, so that completed blocks return to ``_ready`` and the FIFOs stay short.
-
-An ordered free merges the block with neighbours pending on the same stream
-(their events are superseded by the next stamp, which is later on that
-stream); it does not absorb ready neighbours, which would hide them from other
-streams until the stamp completes. Torch's caching allocator and CuPy's pool
-keep free blocks per stream in the same way; they never move a block to another
-stream, rtmem does once the stamp has completed.
+Frees behind a stream or an event: NOTE [ Stream-ordered frees ] in
+_stream_order.py (a mixin of the allocator).
 """
 
 from __future__ import annotations
 
-import numbers
 import threading
 from bisect import bisect_left, insort
-from collections import deque
-from dataclasses import dataclass
 
+from ._blocks import (_ADDR_MASK, _DEAD, _LIVE, _MAX_SLAB_BYTES, _OFFSET_BITS, _PENDING,
+                      _READY, _SIZE_SHIFT, _SLAB_BITS, DEFAULT_ALIGNMENT, AllocatorStats,
+                      Block, _byte_count, align_up)
+from ._stream_order import _MAINTAIN_EVERY, _StreamOrderedFrees
 from .errors import DoubleFreeError, InvalidPointerError, OutOfMemoryError
 from .units import format_bytes
 
 __all__ = ["AllocatorStats", "Block", "BestFitAllocator", "align_up", "DEFAULT_ALIGNMENT"]
 
-#: Default alignment of every block, bytes (CUDA's cudaMalloc guarantees 256).
-DEFAULT_ALIGNMENT = 256
 
-_OFFSET_BITS = 40          # offsets < 1 TiB per slab
-_SLAB_BITS = 16            # < 65536 slabs
-_SIZE_SHIFT = _OFFSET_BITS + _SLAB_BITS
-_ADDR_MASK = (1 << _SIZE_SHIFT) - 1
-_MAX_SLAB_BYTES = 1 << _OFFSET_BITS
-
-_LIVE, _READY, _PENDING, _DEAD = 0, 1, 2, 3
-_STATE_NAMES = {_LIVE: "live", _READY: "ready", _PENDING: "pending"}
-
-#: Deferred frees between two stamp-and-poll rounds (NOTE [ Stream-ordered frees ]).
-_MAINTAIN_EVERY = 256
-
-
-def _byte_count(value, name: str) -> int:
-    """An integer byte count as a Python int (numpy integers too). A bool, a float
-    or a string is refused, not truncated: the core takes exact byte counts (the
-    arenas parse "1MiB"-style sizes before they get here)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer number of bytes, got {value!r} "
-                        f"({type(value).__name__})")
-    return int(value)
-
-
-def align_up(nbytes: int, alignment: int) -> int:
-    """``nbytes`` rounded up to a multiple of ``alignment`` (both in bytes)."""
-    return -(-int(nbytes) // alignment) * alignment
-
-
-class Block:
-    """A contiguous range ``[offset, offset + size)`` of slab ``slab``, bytes.
-
-    ``requested`` is what the caller asked for (<= ``size``), -1 while the block
-    has never been handed out; ``stream`` is the stream the block was last
-    allocated or freed on; ``event`` (pending blocks only) is the event after
-    which any stream may reuse it; ``addr`` packs (slab, offset) and never
-    changes while the block exists (a block's offset is fixed for its life).
-    Users treat a block as an opaque handle; its fields are guarded by the owning
-    allocator's lock.
-    """
-
-    __slots__ = ("slab", "offset", "size", "requested", "state", "prev", "next",
-                 "stream", "event", "owner", "addr", "__weakref__")
-
-    def __init__(self, slab, offset, size, owner, prev=None, next=None):
-        self.slab = slab
-        self.offset = offset
-        self.size = size
-        self.owner = owner
-        self.addr = (slab << _OFFSET_BITS) | offset
-        self.prev = prev
-        self.next = next
-        self.requested = -1
-        self.state = _READY
-        self.stream = self.event = None
-
-    @property
-    def end(self) -> int:
-        """First byte after the block, relative to its slab."""
-        return self.offset + self.size
-
-    @property
-    def is_live(self) -> bool:
-        """True while the block is allocated."""
-        return self.state == _LIVE
-
-    def _key(self) -> int:
-        return (self.size << _SIZE_SHIFT) | self.addr
-
-    def __repr__(self) -> str:
-        return (f"<Block slab={self.slab} offset={self.offset} size={self.size} "
-                f"requested={self.requested} {_STATE_NAMES.get(self.state, 'dead')}>")
-
-
-@dataclass(frozen=True)
-class AllocatorStats:
-    """A snapshot of an allocator, all sizes in bytes.
-
-    ``allocated_bytes`` counts aligned block sizes, ``requested_bytes`` what
-    callers asked for (the difference is alignment overhead). ``free_bytes`` =
-    ``reserved_bytes - allocated_bytes`` and includes ``pending_bytes`` (freed but
-    waiting for an event before other streams may reuse them; stream-ordered
-    frees count here until their stamp completes, NOTE [ Stream-ordered frees ]).
-    ``fragmentation`` = 1 - largest free block / free bytes, in [0, 1] (0 when
-    nothing is free). ``peak_bytes`` is the highest ``allocated_bytes`` seen.
-    """
-
-    allocated_bytes: int
-    requested_bytes: int
-    reserved_bytes: int
-    peak_bytes: int
-    free_bytes: int
-    pending_bytes: int
-    largest_free_bytes: int
-    fragmentation: float
-    alloc_count: int
-    free_count: int
-    live_blocks: int
-    slabs: int
-
-    def describe(self) -> str:
-        """One line for error messages and logs."""
-        return (f"{format_bytes(self.allocated_bytes)} allocated "
-                f"({format_bytes(self.requested_bytes)} requested) of "
-                f"{format_bytes(self.reserved_bytes)} reserved in {self.slabs} slab(s); "
-                f"{format_bytes(self.free_bytes)} free, largest free block "
-                f"{format_bytes(self.largest_free_bytes)} "
-                f"(fragmentation {self.fragmentation:.2f}), "
-                f"{format_bytes(self.pending_bytes)} waiting on events")
-
-
-class BestFitAllocator:
+class BestFitAllocator(_StreamOrderedFrees):
     """Best-fit offset allocator with splitting, coalescing and stream-ordered reuse.
 
     Parameters
@@ -314,12 +186,6 @@ class BestFitAllocator:
         del self._ready[bisect_left(self._ready, block._key())]
         del self._free_map[block.addr]
 
-    def _remove_pending(self, block: Block) -> None:
-        keys = self._pending[block.stream]
-        del keys[bisect_left(keys, block._key())]
-        del self._free_map[block.addr]
-        self._pending_bytes -= block.size
-
     def _make_ready(self, block: Block) -> None:
         """Insert a free block (in no index) into ``_ready``, merging ready
         neighbours (Rule 4). :meth:`deallocate` inlines this for a live block."""
@@ -347,66 +213,6 @@ class BestFitAllocator:
         if nxt.requested < 0 and nxt.state == _READY:
             self._spare.append(nxt)
         nxt.state = _DEAD
-
-    def _stamp(self) -> None:
-        """Give every unstamped pending block an event: one per stream, recorded
-        now (NOTE [ Stream-ordered frees ])."""
-        for stream, blocks in self._unstamped.items():
-            event = fifo = None
-            for block in blocks:
-                # Skip entries reused, merged, stamped or re-freed elsewhere since.
-                if block.state != _PENDING or block.event is not None \
-                        or block.stream != stream:
-                    continue
-                if event is None:
-                    event = self.event_source(stream)
-                    fifo = self._fifo.setdefault(stream, deque())
-                block.event = event
-                fifo.append((event, block))
-        self._unstamped.clear()
-
-    def _maintain(self) -> None:
-        """Stamp and poll: bounds the FIFOs and returns completed blocks to
-        ``_ready`` in a steady state that never misses."""
-        self._deferrals = 0
-        self._stamp()
-        self._poll_pending()
-
-    def _poll_pending(self) -> None:
-        """Move pending blocks whose event completed into ``_ready``."""
-        self._drain(wait=False)
-
-    def _flush_pending(self) -> None:
-        """Wait for every pending event and make all pending blocks ready."""
-        self._stamp()
-        self._drain(wait=True)
-
-    def _drain(self, wait: bool) -> None:
-        """Move pending blocks into ``_ready`` as their events complete, waiting
-        for each event when ``wait`` (then every block gets there).
-
-        Events on one stream complete in order, so without waiting only each
-        FIFO's head is queried (once per event: a stamp is shared by many
-        entries); entries for blocks reused or merged since are skipped.
-        """
-        for fifo in self._fifo.values():
-            done = None
-            while fifo:
-                event, block = fifo[0]
-                if block.state == _PENDING and block.event is event:
-                    if event is not done:
-                        if wait:
-                            event.synchronize()
-                        elif not event.query():
-                            break
-                        done = event
-                    self._remove_pending(block)
-                    self._make_ready(block)
-                fifo.popleft()
-        if not self._pending_bytes:
-            self._fifo.clear()      # only stale entries can remain
-            self._pending.clear()
-            self._unstamped.clear()
 
     def _best_fit(self, size: int, stream):
         """Smallest free block of >= ``size`` bytes usable on ``stream``, or None."""
@@ -582,21 +388,6 @@ class BestFitAllocator:
                 f"{block!r} is not allocated (double free or use of a freed block); "
                 f"each allocation must be freed exactly once")
 
-    def _check_free_args(self, stream, event, ordered) -> None:
-        if ordered:
-            if self.event_source is None:
-                raise ValueError("this allocator has no event_source, so it cannot order "
-                                 "a free on a stream; construct it with event_source=, "
-                                 "or free with event=")
-            if stream is None or event is not None:
-                raise ValueError("an ordered free needs a stream and no event; pass "
-                                 "stream=, or drop ordered= and free with event=")
-        elif event is not None and stream is None:
-            # Stream None is also the key of allocations that name no stream, which
-            # would reuse the block before the event (the CPU is ordered with none).
-            raise ValueError("an event-gated free needs the stream the event was "
-                             "recorded on; pass stream=")
-
     def deallocate(self, block: Block, *, stream=None, event=None,
                    ordered: bool = False) -> None:
         """Free ``block``.
@@ -662,31 +453,6 @@ class BestFitAllocator:
             insort(keys, (size << _SIZE_SHIFT) | block.addr)
         finally:
             lock.release()
-
-    def _free_ordered(self, block: Block, stream) -> None:
-        """Index a live block freed in stream order on ``stream`` as unstamped
-        pending, merged with neighbours pending on the same stream."""
-        prev, nxt = block.prev, block.next
-        if prev is not None and prev.state == _PENDING and prev.stream == stream:
-            self._remove_pending(prev)
-            self._absorb(prev, block)
-            block = prev
-        if nxt is not None and nxt.state == _PENDING and nxt.stream == stream:
-            self._remove_pending(nxt)
-            self._absorb(block, nxt)
-        self._defer(block, stream, None)
-
-    def _defer(self, block: Block, stream, event) -> None:
-        """Index a free block (in no index) as pending on ``stream`` behind
-        ``event``, or unstamped when ``event`` is None."""
-        block.state, block.stream, block.event = _PENDING, stream, event
-        self._free_map[block.addr] = block
-        insort(self._pending.setdefault(stream, []), block._key())
-        self._pending_bytes += block.size
-        if event is None:
-            self._unstamped.setdefault(stream, []).append(block)
-        else:
-            self._fifo.setdefault(stream, deque()).append((event, block))
 
     def resize(self, block: Block, nbytes: int, stream=None) -> Block:
         """Resize a live block to ``nbytes`` bytes; return the (possibly new) block.

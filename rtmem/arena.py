@@ -285,7 +285,7 @@ class _Arena:
         # stream the block was allocated for when that is not the compute stream.
         # Such a block may come from that stream's pending frees, whose earlier
         # use it took over on the strength of stream order alone (NOTE
-        # [ Stream-ordered frees ] in allocator.py); freeing it for everyone now
+        # [ Stream-ordered frees ] in _stream_order.py); freeing it for everyone now
         # would let the CPU or another stream overwrite bytes a queued copy reads.
         last_copy, home = placement.event, block.stream
         copying = last_copy is not None and not last_copy.query()
@@ -431,7 +431,7 @@ class DeviceArena(_Arena):
 
     def _free_after(self, block, stream) -> None:
         # No event per free: other streams wait for a later stamp
-        # (NOTE [ Stream-ordered frees ] in allocator.py). Not for a per-thread
+        # (NOTE [ Stream-ordered frees ] in _stream_order.py). Not for a per-thread
         # default stream: a stamp recorded from another thread would land on
         # that thread's stream, so its frees get their event now, here.
         if getattr(stream, "thread", None) is not None:

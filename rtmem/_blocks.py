@@ -1,0 +1,126 @@
+"""The allocator core's value types: :class:`Block` (one range of a slab, the
+handle the allocator hands out), :class:`AllocatorStats` (a snapshot of its
+counters), and the packing of a block's address into the integer keys of the
+free-block indexes (NOTE [ Allocator structure ] in allocator.py).
+
+Separate from allocator.py, which holds the algorithm and re-exports these
+names (import them from :mod:`rtmem.allocator`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+from .units import format_bytes
+
+__all__ = ["AllocatorStats", "Block", "align_up", "DEFAULT_ALIGNMENT"]
+
+#: Default alignment of every block, bytes (CUDA's cudaMalloc guarantees 256).
+DEFAULT_ALIGNMENT = 256
+
+_OFFSET_BITS = 40          # offsets < 1 TiB per slab
+_SLAB_BITS = 16            # < 65536 slabs
+_SIZE_SHIFT = _OFFSET_BITS + _SLAB_BITS
+_ADDR_MASK = (1 << _SIZE_SHIFT) - 1
+_MAX_SLAB_BYTES = 1 << _OFFSET_BITS
+
+_LIVE, _READY, _PENDING, _DEAD = 0, 1, 2, 3
+_STATE_NAMES = {_LIVE: "live", _READY: "ready", _PENDING: "pending"}
+
+
+def _byte_count(value, name: str) -> int:
+    """An integer byte count as a Python int (numpy integers too). A bool, a float
+    or a string is refused, not truncated: the core takes exact byte counts (the
+    arenas parse "1MiB"-style sizes before they get here)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer number of bytes, got {value!r} "
+                        f"({type(value).__name__})")
+    return int(value)
+
+
+def align_up(nbytes: int, alignment: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``alignment`` (both in bytes)."""
+    return -(-int(nbytes) // alignment) * alignment
+
+
+class Block:
+    """A contiguous range ``[offset, offset + size)`` of slab ``slab``, bytes.
+
+    ``requested`` is what the caller asked for (<= ``size``), -1 while the block
+    has never been handed out; ``stream`` is the stream the block was last
+    allocated or freed on; ``event`` (pending blocks only) is the event after
+    which any stream may reuse it; ``addr`` packs (slab, offset) and never
+    changes while the block exists (a block's offset is fixed for its life).
+    Users treat a block as an opaque handle; its fields are guarded by the owning
+    allocator's lock.
+    """
+
+    __slots__ = ("slab", "offset", "size", "requested", "state", "prev", "next",
+                 "stream", "event", "owner", "addr", "__weakref__")
+
+    def __init__(self, slab, offset, size, owner, prev=None, next=None):
+        self.slab = slab
+        self.offset = offset
+        self.size = size
+        self.owner = owner
+        self.addr = (slab << _OFFSET_BITS) | offset
+        self.prev = prev
+        self.next = next
+        self.requested = -1
+        self.state = _READY
+        self.stream = self.event = None
+
+    @property
+    def end(self) -> int:
+        """First byte after the block, relative to its slab."""
+        return self.offset + self.size
+
+    @property
+    def is_live(self) -> bool:
+        """True while the block is allocated."""
+        return self.state == _LIVE
+
+    def _key(self) -> int:
+        return (self.size << _SIZE_SHIFT) | self.addr
+
+    def __repr__(self) -> str:
+        return (f"<Block slab={self.slab} offset={self.offset} size={self.size} "
+                f"requested={self.requested} {_STATE_NAMES.get(self.state, 'dead')}>")
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """A snapshot of an allocator, all sizes in bytes.
+
+    ``allocated_bytes`` counts aligned block sizes, ``requested_bytes`` what
+    callers asked for (the difference is alignment overhead). ``free_bytes`` =
+    ``reserved_bytes - allocated_bytes`` and includes ``pending_bytes`` (freed but
+    waiting for an event before other streams may reuse them; stream-ordered
+    frees count here until their stamp completes, NOTE [ Stream-ordered frees ]).
+    ``fragmentation`` = 1 - largest free block / free bytes, in [0, 1] (0 when
+    nothing is free). ``peak_bytes`` is the highest ``allocated_bytes`` seen.
+    """
+
+    allocated_bytes: int
+    requested_bytes: int
+    reserved_bytes: int
+    peak_bytes: int
+    free_bytes: int
+    pending_bytes: int
+    largest_free_bytes: int
+    fragmentation: float
+    alloc_count: int
+    free_count: int
+    live_blocks: int
+    slabs: int
+
+    def describe(self) -> str:
+        """One line for error messages and logs."""
+        return (f"{format_bytes(self.allocated_bytes)} allocated "
+                f"({format_bytes(self.requested_bytes)} requested) of "
+                f"{format_bytes(self.reserved_bytes)} reserved in {self.slabs} slab(s); "
+                f"{format_bytes(self.free_bytes)} free, largest free block "
+                f"{format_bytes(self.largest_free_bytes)} "
+                f"(fragmentation {self.fragmentation:.2f}), "
+                f"{format_bytes(self.pending_bytes)} waiting on events")

@@ -1,0 +1,151 @@
+"""Stream-ordered reuse of freed blocks, the half of
+:class:`~rtmem.allocator.BestFitAllocator` that deals with frees a stream or an
+event still guards: the pending indexes, lazy event stamps, and polling or
+waiting until such blocks become reusable by every stream. A mixin of the
+allocator, whose lock guards all of it; allocator.py keeps best fit, splitting,
+coalescing and the fast paths of ``allocate``/``deallocate``, which index and
+take pending blocks inline.
+
+NOTE [ Stream-ordered frees ]
+``deallocate(block, stream=s, ordered=True)`` is ``cudaFreeAsync``: the block's
+last use is enqueued on ``s``. Later work on ``s`` runs after it, so ``s`` may
+reuse the block at once, with no event; another stream may reuse it only once
+an event recorded on ``s`` *after* the free has completed. Recording an event
+per free costs a CUDA call or two per free, about what the whole free costs
+otherwise, so the event is recorded lazily: one event from ``event_source(s)``
+*stamps* every unstamped block of ``s`` at once (a later event on the same
+stream covers every earlier free). Stamps happen when an allocation finds no
+fit among the ready and its own stream's pending blocks (before polling), on
+``flush``/``trim``, and every ``_MAINTAIN_EVERY`` deferred frees, which also
+poll, so that completed blocks return to ``_ready`` and the FIFOs stay short.
+
+An ordered free merges the block with neighbours pending on the same stream
+(their events are superseded by the next stamp, which is later on that
+stream); it does not absorb ready neighbours, which would hide them from other
+streams until the stamp completes. Torch's caching allocator and CuPy's pool
+keep free blocks per stream in the same way; they never move a block to another
+stream, rtmem does once the stamp has completed.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections import deque
+
+from ._blocks import _PENDING, Block
+
+#: Deferred frees between two stamp-and-poll rounds (NOTE [ Stream-ordered frees ]).
+_MAINTAIN_EVERY = 256
+
+
+class _StreamOrderedFrees:
+    """Mixin of :class:`~rtmem.allocator.BestFitAllocator`, which provides the
+    indexes (``_pending``, ``_fifo``, ``_unstamped``, ``_free_map``,
+    ``_pending_bytes``, ``_deferrals``), ``event_source``, and
+    ``_make_ready``/``_absorb``, which move blocks to the ready index."""
+
+    def _remove_pending(self, block: Block) -> None:
+        keys = self._pending[block.stream]
+        del keys[bisect_left(keys, block._key())]
+        del self._free_map[block.addr]
+        self._pending_bytes -= block.size
+
+    def _stamp(self) -> None:
+        """Give every unstamped pending block an event: one per stream, recorded
+        now (NOTE [ Stream-ordered frees ])."""
+        for stream, blocks in self._unstamped.items():
+            event = fifo = None
+            for block in blocks:
+                # Skip entries reused, merged, stamped or re-freed elsewhere since.
+                if block.state != _PENDING or block.event is not None \
+                        or block.stream != stream:
+                    continue
+                if event is None:
+                    event = self.event_source(stream)
+                    fifo = self._fifo.setdefault(stream, deque())
+                block.event = event
+                fifo.append((event, block))
+        self._unstamped.clear()
+
+    def _maintain(self) -> None:
+        """Stamp and poll: bounds the FIFOs and returns completed blocks to
+        ``_ready`` in a steady state that never misses."""
+        self._deferrals = 0
+        self._stamp()
+        self._poll_pending()
+
+    def _poll_pending(self) -> None:
+        """Move pending blocks whose event completed into ``_ready``."""
+        self._drain(wait=False)
+
+    def _flush_pending(self) -> None:
+        """Wait for every pending event and make all pending blocks ready."""
+        self._stamp()
+        self._drain(wait=True)
+
+    def _drain(self, wait: bool) -> None:
+        """Move pending blocks into ``_ready`` as their events complete, waiting
+        for each event when ``wait`` (then every block gets there).
+
+        Events on one stream complete in order, so without waiting only each
+        FIFO's head is queried (once per event: a stamp is shared by many
+        entries); entries for blocks reused or merged since are skipped.
+        """
+        for fifo in self._fifo.values():
+            done = None
+            while fifo:
+                event, block = fifo[0]
+                if block.state == _PENDING and block.event is event:
+                    if event is not done:
+                        if wait:
+                            event.synchronize()
+                        elif not event.query():
+                            break
+                        done = event
+                    self._remove_pending(block)
+                    self._make_ready(block)
+                fifo.popleft()
+        if not self._pending_bytes:
+            self._fifo.clear()      # only stale entries can remain
+            self._pending.clear()
+            self._unstamped.clear()
+
+    def _check_free_args(self, stream, event, ordered) -> None:
+        if ordered:
+            if self.event_source is None:
+                raise ValueError("this allocator has no event_source, so it cannot order "
+                                 "a free on a stream; construct it with event_source=, "
+                                 "or free with event=")
+            if stream is None or event is not None:
+                raise ValueError("an ordered free needs a stream and no event; pass "
+                                 "stream=, or drop ordered= and free with event=")
+        elif event is not None and stream is None:
+            # Stream None is also the key of allocations that name no stream, which
+            # would reuse the block before the event (the CPU is ordered with none).
+            raise ValueError("an event-gated free needs the stream the event was "
+                             "recorded on; pass stream=")
+
+    def _free_ordered(self, block: Block, stream) -> None:
+        """Index a live block freed in stream order on ``stream`` as unstamped
+        pending, merged with neighbours pending on the same stream."""
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.state == _PENDING and prev.stream == stream:
+            self._remove_pending(prev)
+            self._absorb(prev, block)
+            block = prev
+        if nxt is not None and nxt.state == _PENDING and nxt.stream == stream:
+            self._remove_pending(nxt)
+            self._absorb(block, nxt)
+        self._defer(block, stream, None)
+
+    def _defer(self, block: Block, stream, event) -> None:
+        """Index a free block (in no index) as pending on ``stream`` behind
+        ``event``, or unstamped when ``event`` is None."""
+        block.state, block.stream, block.event = _PENDING, stream, event
+        self._free_map[block.addr] = block
+        insort(self._pending.setdefault(stream, []), block._key())
+        self._pending_bytes += block.size
+        if event is None:
+            self._unstamped.setdefault(stream, []).append(block)
+        else:
+            self._fifo.setdefault(stream, deque()).append((event, block))
