@@ -41,7 +41,7 @@ import numpy as np
 from rtmem.errors import ChainError, InfeasibleError, RtmemError, ScheduleError
 
 from ._validation import check_int
-from .revolve import _opt0_cost, opt0_table, revolve_ops
+from .revolve import _check_slots, _opt0_cost, opt0_table, revolve_ops
 
 #: Largest tables (bytes) the multi-chain DP allocates (its own and Revolve's).
 MAX_MULTICHAIN_TABLE_BYTES = 2 * 2**30
@@ -90,11 +90,6 @@ def _check_lengths(lengths, b):
         raise ChainError(f"b must hold one 0/1 flag per branch ({len(L)}), got {b!r}",
                          field="b")
     return L, b
-
-
-def _check_slots(m, name: str = "m") -> int:
-    return check_int(name, m, error=ChainError, field=name,
-                     hint="m counts memory slots, each holding one value")
 
 
 def _check_size(L, m_max: int) -> None:

@@ -75,12 +75,17 @@ MAX_OPT0_TABLE_BYTES = 2 * 2**30
 MAX_OPT0_STEPS = 10**10
 
 
+def _check_slots(m, name: str = "m", field: str | None = None) -> int:
+    """A slot count m (>= 0) as a Python int; ``field`` defaults to ``name``."""
+    return check_int(name, m, error=ChainError, field=field or name,
+                     hint="m counts memory slots, each holding one value")
+
+
 def _check_lm(steps, slots, what: str) -> tuple[int, int]:
     """Steps l (>= 0) and slots m (>= 0) as Python ints (3.5 slots is refused: it
     used to raise IndexError deep in the reconstruction)."""
     return (check_int(f"{what} l", steps, error=ChainError, field="l"),
-            check_int(f"{what} m", slots, error=ChainError, field="m",
-                      hint="m counts memory slots, each holding one value"))
+            _check_slots(slots, f"{what} m", field="m"))
 
 
 def _opt0_cost(l_max: int, m_max: int) -> tuple[int, int]:
