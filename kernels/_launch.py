@@ -220,13 +220,7 @@ def check_aligned(a, multiple: int, name: str, what: str, fix: str) -> None:
     """Raise :class:`KernelArgumentError` (saying ``what`` the address must be a
     multiple of, and the ``fix``) unless ``a``'s first byte, device or host, is
     at a multiple of ``multiple`` bytes; arrays without an interface pass."""
-    ptr = None
-    for attr in ("__cuda_array_interface__", "__array_interface__"):
-        try:
-            ptr = int(getattr(a, attr)["data"][0])
-            break
-        except (AttributeError, KeyError, TypeError):
-            continue
+    ptr = _address(a)
     if ptr is not None and ptr % multiple:
         raise KernelArgumentError(f"{name} starts at address {ptr:#x}, not a multiple of "
                                   f"{what}; {fix}", argument=name)
@@ -261,16 +255,29 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def _span(a) -> tuple[int, int]:
-    """[start, end) byte addresses of the (C-contiguous) array ``a``: host
-    addresses for numpy arrays, device addresses for device arrays, the wrapped
-    numpy array's for the simulator's."""
+def _address(a) -> int | None:
+    """Address of ``a``'s first byte, or None when it exposes no array interface:
+    host addresses for numpy arrays, device addresses for device arrays, the
+    wrapped numpy array's for the simulator's."""
     if isinstance(a, np.ndarray):
-        start = a.ctypes.data
-    elif getattr(a, "_ary", None) is not None and simulator_active():
-        start = a._ary.ctypes.data
-    else:
-        start = int(a.__cuda_array_interface__["data"][0])
+        # Before the CUDA interface: a numba mapped array is an ndarray that also
+        # has one, and the CPU twins compare it with plain numpy views of the same
+        # memory, so both must be given in host addresses.
+        return a.ctypes.data
+    # The simulator's arrays have no CUDA interface; their __getattr__ hands out
+    # the wrapped numpy array's __array_interface__.
+    for attr in ("__cuda_array_interface__", "__array_interface__"):
+        try:
+            return int(getattr(a, attr)["data"][0])
+        except (AttributeError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _span(a) -> tuple[int, int]:
+    """[start, end) byte addresses of the (C-contiguous) array ``a`` (see
+    :func:`_address`; check_disjoint passes only arrays that have one)."""
+    start = _address(a)
     return start, start + int(a.size) * np.dtype(a.dtype).itemsize
 
 

@@ -321,9 +321,11 @@ def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False, 
     s = numba_stream(stream)
     head = scratch("emb-head", V, np.int32, s)
     nxt = scratch("emb-next", max(T, 1), np.int32, s)
-    bad = _zeroed_counter(s)
     _fill_int32_kernel[stream_blocks(V), THREADS, s](head, -1)
     if T:
+        # The link kernel counts bad ids either way; only a count that is read
+        # needs zeroing first.
+        bad = _zeroed_counter(s) if check else scratch("bad-ids", 1, np.int32, s)
         _embedding_link_kernel[stream_blocks(T), THREADS, s](ids, V, head, nxt, bad)
         if check:   # the link pass counted them; grad_weight is still untouched
             _raise_bad_ids(bad, s, V)
@@ -417,10 +419,10 @@ def _row_tiles(rows: int, cols: int) -> int:
     # gemm_row_tiles without the checks (the launch path; rows may be 0)
     col_tiles = _ceil_div(cols, GEMM_TILE)
     want = min(col_tiles * _ceil_div(rows, GEMM_TILE), sm_count())
-    for r in reversed(GEMM_ROW_TILES):
+    for r in GEMM_ROW_TILES[:0:-1]:
         if col_tiles * _ceil_div(rows, GEMM_TILE * r) >= want:
             return r
-    return 1  # unreachable: the shortest tile gives exactly ``want`` or more
+    return GEMM_ROW_TILES[0]    # gives ``want`` blocks or more by construction
 
 
 def gemm_row_tiles(rows: int, cols: int) -> int:

@@ -26,10 +26,10 @@ from .optim import (_STATE_KEYS, _check_hyper, _check_num_threads, _checked_step
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
-# The kernel's argument names -> CPUAdam.step's keywords, for error reports
-# (formats come from the tensors' dtypes).
-_TORCH_ARGUMENTS = {"grad": "grads", "grad_format": "grads", "out": "copies",
-                    "out_format": "copies", "copy": "copies"}
+# The kernel's argument names -> CPUAdam.step's keywords, for error reports. No
+# grad_format/out_format: as_numpy derives the format from the dtype, so the
+# kernel never blames one.
+_TORCH_ARGUMENTS = {"grad": "grads", "out": "copies", "copy": "copies"}
 
 
 def as_numpy(t, name):

@@ -28,6 +28,7 @@ import numpy as np
 
 from .buffer import Buffer
 from .errors import OptimizerError, ResidencyError
+from .kernels._adam_checks import _check_state
 from .kernels.adam import adam_coefficients, prepare_update, threads
 
 __all__ = ["CPUAdam", "CPUAdamW", "NumpyAdam", "NumpyAdamW"]
@@ -139,12 +140,14 @@ def _run_step(opt, items, *, grad_scale, check_finite) -> bool:
     if check_finite is None:
         check_finite = grad_scale is not None
     applied = True
+    # The unchecked halves: c comes from adam_coefficients and the range is the
+    # whole tensor, so re-checking both per tensor per step would only cost time.
     with threads(opt.num_threads):
         if check_finite:
-            applied = all(update.grads_finite(c) for update, c, _ in items)
+            applied = all(update._grads_finite(c, 0, update.size) for update, c, _ in items)
         if applied:
             for update, c, _ in items:
-                update.apply(c)
+                update._apply(c, 0, update.size)
     if applied:
         for _, _, st in items:
             st["step"] += 1
@@ -229,11 +232,10 @@ class NumpyAdam:
         self.num_threads = _check_num_threads(num_threads)
         self.state = []
         for i, p in enumerate(self.params):
-            # Validates the parameter (dtype, contiguity, writeability) up front;
-            # np.zeros is lazily zeroed memory, unlike copies of it.
-            shape = getattr(p, "shape", ())
+            # Refuse a bad parameter now, not at the first step: the check that
+            # prepare_update will make of it each step.
             try:
-                prepare_update(p, *(np.zeros(shape, dtype=np.float32) for _ in range(3)))
+                _check_state("param", p)
             except OptimizerError as exc:
                 raise _named(f"params[{i}]", exc, {"param": "params"}) from None
         _check_disjoint(self.params)
