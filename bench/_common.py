@@ -34,6 +34,26 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def round_robin(runs: dict, repeats: int, before=lambda: None) -> dict:
+    """Wall seconds of ``repeats`` timed calls of each function of ``runs`` (name
+    -> function), ``{name: [seconds]}``, after one untimed warm-up call each.
+    The calls take turns, one round at a time in ``runs``' order, so a drift of
+    the machine during the run (clock, caches, other load) falls on every
+    contender alike. ``before()`` runs, untimed, ahead of every call, the
+    warm-up included."""
+    for fn in runs.values():
+        before()
+        fn()
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            before()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def machine() -> dict:
     """Facts that make a result interpretable: CPU count, Python, library versions."""
     import numba

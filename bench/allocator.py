@@ -295,13 +295,12 @@ def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
             def deallocate(self, ptr, stream=None, event=None):
                 torch.cuda.caching_allocator_delete(ptr)
         contenders["torch_caching"] = TorchCaching()
-    # Warm-up, untimed. replay() skips an allocation that raises rtmem's
-    # OutOfMemoryError and goes on, so a too-small slab would time less work
-    # than the pools do: count those refusals and report them.
-    if torch is not None and "torch_caching" in contenders:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         torch_base = torch.cuda.memory_reserved()
+    # Warm-up, untimed. replay() skips an allocation that raises rtmem's
+    # OutOfMemoryError and goes on, so a too-small slab would time less work
+    # than the pools do: count those refusals and report them.
     ooms = {name: replay(trace, obj).ooms for name, obj in contenders.items()}
     # What each pool reserved to serve the trace once (rtmem's best fit: the
     # host section's extent, same core)

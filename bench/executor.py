@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write_results  # noqa: E402
+from _common import round_robin, write_results  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -74,16 +74,7 @@ def measure(depth: int, repeats: int) -> dict:
             if recount:
                 _recounting(ex)
             steps[f"exec {name}{label}"] = (lambda e: lambda: e.step(x, y))(ex)
-    times = {name: [] for name in steps}
-    for name, step in steps.items():       # warm-up
-        model.zero_grad(set_to_none=True)
-        step()
-    for _ in range(repeats):
-        for name, step in steps.items():
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t0)
+    times = round_robin(steps, repeats, before=lambda: model.zero_grad(set_to_none=True))
     med = {name: statistics.median(ts) for name, ts in times.items()}
     base = med["torch plain"]
     return {"depth": depth, "median_s": med,

@@ -39,9 +39,6 @@ if [ -z "${CUDA_HOME:-}" ]; then
         if [ -d "$home/nvvm" ]; then export CUDA_HOME=$home; break; fi
     done
 fi
-echo "CUDA_HOME=${CUDA_HOME:-unset}; $(python3 -c 'import numpy, numba, cupy, torch
-print("numpy", numpy.__version__, "numba", numba.__version__, "cupy", cupy.__version__,
-      "torch", torch.__version__)' 2>&1 | tail -n 1)"
 all_steps="doctor gpu-tests pcie dha-layers allocator train adam"
 q=
 steps=
@@ -54,6 +51,9 @@ for arg in "$@"; do
     esac
 done
 steps=${steps:-$all_steps}
+echo "CUDA_HOME=${CUDA_HOME:-unset}; $(python3 -c 'import numpy, numba, cupy, torch
+print("numpy", numpy.__version__, "numba", numba.__version__, "cupy", cupy.__version__,
+      "torch", torch.__version__)' 2>&1 | tail -n 1)"
 logs=bench/results/gpu/logs
 mkdir -p "$logs"
 status=0

@@ -96,14 +96,23 @@ class Timer:
 
     MIN_DELAY_S, MAX_DELAY_S = 1e-3, 0.25
 
-    def __init__(self, cupy, repeats: int):
+    def __init__(self, cupy, repeats: int, delay=None):
+        """``delay``: the :attr:`delay` of a Timer that ran :meth:`check_delay`,
+        so that timers made later need not check again."""
         self.cp, self.repeats = cupy, repeats
         self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
         self.delay_s = self.MIN_DELAY_S
         #: runs whose start event had passed even behind the longest delay
         self.uncovered = 0
-        from rtmem.kernels.dha import gpu_delay
-        self._delay, self.delay_kind = gpu_delay, "numba"
+        if delay is None:
+            from rtmem.kernels.dha import gpu_delay
+            delay = gpu_delay, "numba"
+        self._delay, self.delay_kind = delay
+
+    @property
+    def delay(self):
+        """``(delay function, kind)`` this timer queues before each run."""
+        return self._delay, self.delay_kind
 
     def check_delay(self, stream) -> None:
         """Launch the delay once. numba's kernel needs NVVM to compile; without

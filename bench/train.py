@@ -80,7 +80,7 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write_results  # noqa: E402
+from _common import round_robin, write_results  # noqa: E402
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -297,14 +297,7 @@ def optimizer_section(model, loss_fn, x, y, repeats, threads):
         return run
 
     runs = {"torch.optim.Adam": step(m_t, opt_t), "rtmem OffloadedAdam": step(m_r, opt_r)}
-    times = {k: [] for k in runs}
-    for run in runs.values():   # warm-up (numba compile of the update kernel)
-        run()
-    for _ in range(repeats):
-        for k, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            times[k].append(time.perf_counter() - t0)
+    times = round_robin(runs, repeats)   # its warm-up compiles the update kernel
     diff = max(float((a.detach() - b.detach()).abs().max())
                for a, b in zip(m_t.parameters(), m_r.parameters()))
     opt_r.close()

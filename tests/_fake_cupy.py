@@ -49,7 +49,7 @@ and CuPy's sources ``cupy_backends/cuda/api/runtime.pyx``,
   pool: 512-byte units, ``hostAlloc(size, hostAllocPortable)``);
   ``cuda.PinnedMemory(size, flags=0)`` (``ptr``, ``size``);
   ``cuda.PinnedMemoryPool()`` with ``malloc(size)`` (512-byte units, blocks back
-  to the pool with their last reference), ``free_all_blocks()``, ``n_free_blocks()``;
+  to the pool with their last reference), ``free_all_blocks()``;
   ``cuda.PinnedMemoryPointer(mem, offset)`` with ``mem``, ``ptr``, ``size()`` (a
   method), ``__int__`` and the buffer protocol (``numpy.frombuffer``), as in
   ``cupy/cuda/pinned_memory.pyx``;
@@ -752,9 +752,6 @@ class FakeCupy:
 
             def free_all_blocks(self):
                 self._free.clear()
-
-            def n_free_blocks(self):
-                return sum(len(v) for v in self._free.values())
 
         class _PooledPinned:
             """A pool block: ``ptr``, ``size``; back to the pool when it goes."""

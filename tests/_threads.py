@@ -5,16 +5,17 @@ from __future__ import annotations
 import sys
 import threading
 
+#: Seconds between the interpreter's thread switches while workers run. Python's
+#: default, 5 ms, almost never interrupts a thread inside a short critical
+#: section, so a missing lock would pass.
+SWITCH_INTERVAL = 1e-6
 
-def run_on_threads(work, n: int = 8, switch_interval: float = 1e-6) -> None:
+
+def run_on_threads(work, n: int = 8) -> None:
     """Call ``work(tid)`` for ``tid`` in ``range(n)``, each on its own thread, and
     fail here with every exception a worker raised (a worker's assertion would
-    otherwise only be printed by the thread).
-
-    The interpreter switches threads every ``switch_interval`` seconds meanwhile
-    (default 1 us; Python's is 5 ms): at the default, a thread is almost never
-    interrupted inside a short critical section, so a missing lock would pass.
-    """
+    otherwise only be printed by the thread). Threads switch every
+    ``SWITCH_INTERVAL`` seconds meanwhile."""
     errors = []
 
     def guarded(tid):
@@ -25,7 +26,7 @@ def run_on_threads(work, n: int = 8, switch_interval: float = 1e-6) -> None:
 
     threads = [threading.Thread(target=guarded, args=(t,)) for t in range(n)]
     before = sys.getswitchinterval()
-    sys.setswitchinterval(switch_interval)
+    sys.setswitchinterval(SWITCH_INTERVAL)
     try:
         for t in threads:
             t.start()

@@ -39,6 +39,7 @@ import numpy as np
 import pytest
 
 import _fake_cupy
+from test_bench_keys import bench_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -152,7 +153,7 @@ def bench(monkeypatch, tmp_path):
                         lambda obj: hasattr(obj, "__cuda_array_interface__"), raising=False)
     results = tmp_path / "results"
     monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(results))
-    monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)   # restored afterwards
+    monkeypatch.syspath_prepend(str(BENCH))
     saved = {n: sys.modules.pop(n) for n in BENCH_MODULES if n in sys.modules}
     try:
         yield Bench(fake, results, monkeypatch)
@@ -490,8 +491,7 @@ def test_cli_bench_pcie_and_dha(bench, monkeypatch, capsys):
 
 def test_pcie_goals_take_the_worst_size_of_at_least_64_mib(monkeypatch):
     # the goal quantities were only printed per size, never recorded
-    monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)
-    import pcie
+    pcie = bench_module(monkeypatch, "pcie")
     mib = 1 << 20
     sizes = [16 * mib, 64 * mib, 256 * mib]
     rates = {"h2d_pageable": [5, 6, 7], "d2h_pageable": [5, 6, 6], "h2d_pinned": [30, 50, 52],

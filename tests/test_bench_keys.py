@@ -1,30 +1,30 @@
 """Labels of bench results: each size keeps its own ratios."""
 
+import importlib
 import pathlib
-import sys
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
+
+
+def bench_module(monkeypatch, name: str):
+    """bench/NAME.py, imported as the scripts import each other: bench/ is on
+    sys.path for the calling test only."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module(name)
 
 
 def test_adam_ratio_keys_are_unique_per_size(monkeypatch):
     # 1e5 and 1.2e5 were both "1e5" (one size's ratios replaced the other's, and
     # the best-of-rounds ratios shifted onto the wrong sizes)
-    monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)
-    import adam
+    adam = bench_module(monkeypatch, "adam")
     sizes = [100_000, 120_000, 1_000_000, 25_000_000, 50_000_000]
     keys = [adam._size_key(n) for n in sizes]
     assert keys == ["1e5", "120000", "1e6", "25000000", "5e7"]
 
 
-def _dha_layers(monkeypatch):
-    monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)
-    import dha_layers
-    return dha_layers
-
-
 def test_dha_crossover_interpolates_where_the_ratio_is_one(monkeypatch):
     import pytest
-    dl = _dha_layers(monkeypatch)
+    dl = bench_module(monkeypatch, "dha_layers")
     tokens = [64, 256, 1024, 4096, 16384, 65536]
     # power laws: the log-log interpolation is exact; dha/copy = 0.01 sqrt(T) = 1 at 1e4
     dha = [1e-6 * t for t in tokens]
@@ -49,7 +49,7 @@ def test_dha_crossover_interpolates_where_the_ratio_is_one(monkeypatch):
 
 def test_dha_crossover_refuses_what_it_cannot_read(monkeypatch):
     import pytest
-    dl = _dha_layers(monkeypatch)
+    dl = bench_module(monkeypatch, "dha_layers")
     with pytest.raises(ValueError, match="one dha and one copy time"):
         dl.crossover([1, 2], [1.0], [1.0, 1.0])
     with pytest.raises(ValueError, match="ascending"):
@@ -65,7 +65,7 @@ def test_dha_crossover_refuses_what_it_cannot_read(monkeypatch):
 
 
 def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
-    dl = _dha_layers(monkeypatch)
+    dl = bench_module(monkeypatch, "dha_layers")
     tokens = [10, 100, 1000]
 
     def layer(name, kind, dha):
