@@ -119,9 +119,10 @@ class _HostSide:
         moves swap ``.data`` (then :meth:`_refresh_stage_ptrs`). Kept per stage,
         with a count per pointer across stages (stages may share a parameter)."""
         self._state_per_stage = [self._stage_state_ptrs(i) for i in range(self.n)]
+        # also the set of state pointers (tested with `in`): _refresh_stage_ptrs
+        # deletes the counts that reach zero
         self._state_count = Counter(p for ptrs in self._state_per_stage for p in ptrs)
-        self._state_ptrs = set(self._state_count)
-        self._ledger.exclude(self._state_ptrs)
+        self._ledger.exclude(self._state_count)
 
     def _refresh_stage_ptrs(self, i: int):
         """:meth:`_refresh_state_ptrs` after a weight move of stage ``i``, which
@@ -138,8 +139,6 @@ class _HostSide:
             count[ptr] += 1
             if count[ptr] == 1:
                 added.append(ptr)
-        self._state_ptrs.difference_update(removed)
-        self._state_ptrs.update(added)
         self._ledger.exclude_change(removed, added)
 
     def _wait_weights(self, i: int):

@@ -173,6 +173,25 @@ def _storage_ptrs(tensors) -> set:
             for s in (t.untyped_storage(),) if s.nbytes()}
 
 
+def _input_key(x: torch.Tensor):
+    """The storage key of a stage input ``x`` that :func:`_rederived_input` takes:
+    its data pointer, None for an empty storage (every empty storage may have
+    the null pointer, so a saved tensor of another one would match it)."""
+    s = x.untyped_storage()
+    return s.data_ptr() if s.nbytes() else None
+
+
+def _rederived_input(t: torch.Tensor, version: int, x_key, x_version: int, x_dtype) -> bool:
+    """Whether the executor re-derives ``t``, saved by a stage (at ``version``)
+    whose input ``x`` has :func:`_input_key` ``x_key``, version ``x_version`` and
+    dtype ``x_dtype``, from the a_i resident at B i rather than keeping it with
+    abar_{i+1}: a view of the input's storage holding the input's values as
+    they were given. The executor (its F_all) and the profiler (its ``xbar``)
+    both decide with this, so planned and measured abar bytes agree."""
+    return (t.untyped_storage().data_ptr() == x_key and version == x_version
+            and t.dtype == x_dtype)
+
+
 def _check_output(i: int, stage, y) -> None:
     """Stage outputs are the chain's activations a_{i+1}: single tensors."""
     if not isinstance(y, torch.Tensor):

@@ -77,9 +77,10 @@ from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 from rtmem.planners._validation import type_label
 
 from ._host_side import _HostSide
-from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _Ledger, _stage_input,
-                      _storage_bytes, _storage_ptrs, _storages, as_stages, check_inputs,
-                      check_loss_fn, check_placement, check_shared_weights, param_label)
+from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _input_key, _Ledger,
+                      _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, _storages,
+                      as_stages, check_inputs, check_loss_fn, check_placement,
+                      check_shared_weights, param_label)
 from ._stored import _copy_matches, _Entries, _Stored
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
@@ -335,7 +336,12 @@ class ScheduleExecutor(_HostSide):
         tensors = [self._delta]
         for st in (*self._plain.values(), *self._bar.values()):
             tensors += st.all_tensors()
-        return _storage_bytes(tensors, exclude=self._state_ptrs)
+        return _storage_bytes(tensors, exclude=self._state_count)
+
+    def _never_freed(self, key) -> bool:
+        """Whether the storage with key ``key`` (:func:`_storages`) is the model's
+        state or the caller's inputs or target, which no move frees (rule 4)."""
+        return key in self._state_count or key in self._caller_keys
 
     def _protected(self, skip: _Stored | None = None):
         """A test ``key -> bool`` for the keys (:func:`_storages`) of the device
@@ -352,8 +358,8 @@ class ScheduleExecutor(_HostSide):
                 tensors.append(st.out)
                 tensors += st.saved
         # a test, not a union: the parameter set is the model's size
-        stored, state, caller = _storages(tensors), self._state_ptrs, self._caller_keys
-        return lambda key: key in state or key in caller or key in stored
+        stored, never_freed = _storages(tensors), self._never_freed
+        return lambda key: never_freed(key) or key in stored
 
     def _resident(self, k: int, plain_only: bool = False) -> _Stored:
         st = self._plain.get(k)
@@ -429,7 +435,7 @@ class ScheduleExecutor(_HostSide):
         state = {t.untyped_storage().data_ptr(): t
                  for t in (*self._stage_params[i], *self._stage_buffers[i])
                  if t.untyped_storage().nbytes()}
-        x_key = x.untyped_storage().data_ptr() if x.untyped_storage().nbytes() else None
+        x_key = _input_key(x)
         x_version = x._version
 
         def pack(t):
@@ -446,7 +452,7 @@ class ScheduleExecutor(_HostSide):
             base = state.get(key)
             if base is not None and base.dtype == t.dtype:
                 return (base, t.size(), t.stride(), t.storage_offset(), base._version)
-            if key == x_key and t._version == x_version and t.dtype == x.dtype:
+            if _rederived_input(t, t._version, x_key, x_version, x.dtype):
                 return (i, t.size(), t.stride(), t.storage_offset())   # a view of a_i
             saved.append(t)
             return (t, t._version)
@@ -546,8 +552,7 @@ class ScheduleExecutor(_HostSide):
             for key in held:
                 if protected(key):
                     continue
-                mine[key].resize_(0)
-                self._ledger.resized(mine[key])
+                self._resize(mine[key], 0)
 
     def _move(self, op, k: int, aux: int):
         entries = self._bar if aux else self._plain
@@ -560,9 +565,9 @@ class ScheduleExecutor(_HostSide):
                 "its consumption (recompute it instead)")
         if op == Op.OFFLOAD:
             # storages that are never freed (rule 4) need no host copy
-            state, caller = self._state_ptrs, self._caller_keys
-            host = [self._host_storage(s.nbytes()) if s.nbytes() and s.data_ptr() not in state
-                    and s.data_ptr() not in caller else None for s in st.storages]
+            host = [self._host_storage(s.nbytes())
+                    if s.nbytes() and not self._never_freed(s.data_ptr()) else None
+                    for s in st.storages]
             pairs = [(h, s) for h, s in zip(host, st.storages) if h is not None]
             # the tensor may be dropped (F_none, B, delete) while the copy still
             # reads it: _copy marks its storages used on the D2H stream
@@ -587,8 +592,7 @@ class ScheduleExecutor(_HostSide):
             pairs = [(s, h) for s, h in zip(st.storages, host)
                      if h is not None and s.nbytes() == 0]
             for s, h in pairs:
-                s.resize_(h.nbytes())
-                self._ledger.resized(s)
+                self._resize(s, h.nbytes())
             st.ready = self._copy("h2d", pairs, [s for s, _ in pairs], after=done)
 
     def _delete(self, st: _Stored, host: list):
@@ -599,6 +603,11 @@ class ScheduleExecutor(_HostSide):
             # freed behind the D2H copy (_copy), not blocking compute; a
             # protected storage stays, as its other owner needs it (rule 4)
             if h is not None and s.nbytes() and not protected(s.data_ptr()):
-                s.resize_(0)
-                self._ledger.resized(s)
+                self._resize(s, 0)
         st.resident = False
+
+    def _resize(self, s, nbytes: int):
+        """``s.resize_(nbytes)``, kept in the ledger: it counts the storage's
+        bytes and address, which a resize changes."""
+        s.resize_(nbytes)
+        self._ledger.resized(s)

@@ -46,8 +46,8 @@ from torch import nn
 from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
-from ._stages import (_check_output, _grad_input, _stage_input, _storage_bytes,
-                      _storage_ptrs, as_stages, check_inputs, check_loss_fn)
+from ._stages import (_check_output, _grad_input, _input_key, _rederived_input, _stage_input,
+                      _storage_bytes, _storage_ptrs, as_stages, check_inputs, check_loss_fn)
 
 __all__ = ["profile_sequential"]
 
@@ -101,7 +101,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
     cols = {k: [] for k in ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")}
-    # never counted as activations: the executor's accounting (its _state_ptrs)
+    # never counted as activations: the executor's accounting (its _state_count)
     state = _storage_ptrs((*grads, *buffers))
     x = inputs.detach().clone()   # a first stage may modify its input in place
     seen_weights = set()
@@ -132,10 +132,10 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             # The executor re-derives a saved view of the input from a_i at B i
             # (its _forward_all), unless the stage changed the input before
             # saving it: then abar keeps the input's storage.
-            x_key = xin.untyped_storage().data_ptr()
+            x_key = _input_key(xin)
             exclude = state if any(
                 t.untyped_storage().data_ptr() == x_key
-                and (version != x_version or t.dtype != arg.dtype)
+                and not _rederived_input(t, version, x_key, x_version, arg.dtype)
                 for t, version in saved) else state | {x_key}
             xbar = _storage_bytes([y, *(t for t, _ in saved)], exclude=exclude)
             o_f = 0
