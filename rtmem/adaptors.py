@@ -298,7 +298,7 @@ class PoisonAdaptor(AllocatorAdaptor):
     def fits_in_place(self, block, nbytes: int) -> bool:
         """Whether :meth:`resize` keeps ``block`` in place: only a shrink here
         (growth always moves), whatever the allocator below could do."""
-        return nbytes <= block.size
+        return nbytes <= block.size     # block.size is aligned: the block holds it
 
     def resize(self, block, nbytes: int, stream=None):
         """Shrink in place, poisoning the freed tail; grow by moving to a new,
@@ -307,7 +307,7 @@ class PoisonAdaptor(AllocatorAdaptor):
         with self._lock:
             self._poison_stale()
             _check_free(self.upstream, block)
-            if nbytes <= block.size:    # block.size is aligned: fits in place
+            if self.fits_in_place(block, nbytes):   # LimitAdaptor charges by the same test
                 size = block.size
                 block = self.upstream.resize(block, nbytes, stream)
                 if block.size < size:

@@ -149,7 +149,7 @@ class Buffer:
     """
 
     __slots__ = ("_nbytes", "_dtype", "_shape", "_kind", "_device", "_host", "_pending",
-                 "_failed", "_freed", "_lock", "device_arena", "host_arena", "_pins",
+                 "_failed", "_freed", "_lock", "device_arena", "host_arena",
                  "_free_requested", "__weakref__")
 
     def __init__(self, placement: Placement, nbytes: int, dtype: np.dtype, shape: tuple,
@@ -175,7 +175,6 @@ class Buffer:
         # NOTE [ Pinned views ]: zero-copy tensors made by rtmem.torch.as_tensor pin
         # the buffer; a free requested while pinned happens when the last view dies,
         # so the arena never hands the bytes out while a tensor still reads them.
-        self._pins = 0
         self._free_requested = False
 
     # Read-only: the arena accounts bytes per kind, and views trust shape and dtype
@@ -339,18 +338,25 @@ class Buffer:
         check, since freeing stays legal after the arena was closed."""
         return self._primary.arena
 
+    @property
+    def _pins(self) -> int:
+        """Pinned views of the buffer. Summed rather than counted apart, so the
+        two cannot disagree: a placement is never detached while pinned (moves,
+        undone copies and ``free`` all refuse or wait), so the attached ones hold
+        every pin. Read under the buffer's lock."""
+        d, h = self._device, self._host
+        return (d.pins if d else 0) + (h.pins if h else 0)
+
     def _pin(self, placement: Placement) -> None:
         with self._lock:
             self._check_alive()
             if self._free_requested:
                 raise UseAfterFreeError(f"{self!r} was freed (its release waits for "
                                         "existing views); do not make new views of it")
-            self._pins += 1
             placement.pins += 1
 
     def _unpin(self, placement: Placement) -> None:
         with self._lock:
-            self._pins -= 1
             placement.pins -= 1
             release = self._pins == 0 and self._free_requested and not self._freed
         if release:
@@ -371,9 +377,11 @@ class Buffer:
         """The placement a view of ``where`` (None: primary) reads, after a
         completed move was settled (its failure raised: the bytes may be garbage)."""
         self._check_alive()
+        # _settle returns only when it dropped nothing (it raises after undoing a
+        # failed copy) and it never frees: the buffer checked alive still is.
         self._settle()
         if where is None:
-            return self.primary
+            return self._primary
         p = self.placement(where)
         if p is None:
             raise ResidencyError(f"this buffer has no {where} copy (residency "
@@ -468,8 +476,14 @@ class Buffer:
         # The interface asks for a 0 pointer when the array has no elements (a
         # zero-byte block's address may be a neighbour's first byte).
         ptr = slab.device_ptr + p.offset if self._view_nbytes() else 0
+        cai = self._interface((ptr, False))
+        cai["stream"] = None
+        return cai
+
+    def _interface(self, data) -> dict:
+        """The fields numpy's and the CUDA array interface share (version 3)."""
         return {"shape": self._shape, "typestr": self._dtype.str, "descr": self._dtype.descr,
-                "data": (ptr, False), "strides": None, "version": 3, "stream": None}
+                "data": data, "strides": None, "version": 3}
 
     @property
     def __array_interface__(self) -> dict:
@@ -484,8 +498,7 @@ class Buffer:
         # numpy makes it the base of the array it builds, so the slab lives as
         # long as that array does (after arena.close() too, as numpy() views),
         # and nothing here has to remember it.
-        return {"shape": self._shape, "typestr": self._dtype.str, "descr": self._dtype.descr,
-                "data": self._bytes(p), "strides": None, "version": 3}
+        return self._interface(self._bytes(p))
 
     def __array__(self, dtype=None, copy=None):
         # numpy reaches this only when __array_interface__ is absent (cuda device

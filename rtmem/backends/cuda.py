@@ -177,7 +177,10 @@ class CudaBackend(Backend):
         self.cupy = cp
         self.runtime = cp.cuda.runtime
         self._get_current_stream = cp.cuda.get_current_stream
-        self._compute = None        # wrapper of the current stream last seen
+        # Per thread: one shared slot would be rebuilt at every switch between
+        # threads, and CuPy's per-thread default stream (one object for all
+        # threads) must wrap as a different stream in each.
+        self._compute = threading.local()
         self._cuda_error = getattr(self.runtime, "CUDARuntimeError", RuntimeError)
         try:
             if self.runtime.getDeviceCount() < 1:
@@ -248,15 +251,13 @@ class CudaBackend(Backend):
 
     def current_stream(self) -> CudaStream:
         """CuPy's current stream (where user kernels run)."""
-        # Every allocation and free asks: reuse the wrapper while CuPy returns the
-        # same stream object (a race between threads only makes a new wrapper).
+        # Every allocation and free asks: reuse this thread's wrapper while CuPy
+        # returns the same stream object.
         raw = self._get_current_stream()
-        wrapped = self._compute
-        if wrapped is None or wrapped.raw is not raw or (
-                wrapped.thread is not None and wrapped.thread != threading.get_ident()):
-            # CuPy's per-thread default stream is one object for all threads:
-            # each thread gets a wrapper of its own stream.
-            wrapped = self._compute = CudaStream(raw, "compute")
+        cache = self._compute
+        wrapped = getattr(cache, "stream", None)
+        if wrapped is None or wrapped.raw is not raw:
+            wrapped = cache.stream = CudaStream(raw, "compute")
         return wrapped
 
     def copy_async(self, dst: Slab, dst_offset: int, src: Slab, src_offset: int,

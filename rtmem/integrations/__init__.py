@@ -25,10 +25,14 @@ def check_arena(arena, kind: str, library: str) -> None:
         raise bad_kind(kind)
 
 
-def alloc_exported(arena, nbytes: int, kind: str, stream, export):
-    """``export(buf)`` of a new buffer of ``nbytes`` bytes; the buffer is freed
-    again if the export raises, so a failed hand-over leaks nothing."""
-    buf = arena.alloc(nbytes, kind=kind, stream=stream)
+def alloc_exported(arena, nbytes, kind: str, stream, export):
+    """``export(buf)`` of a new buffer of ``nbytes`` bytes (at least one); the
+    buffer is freed again if the export raises, so a failed hand-over leaks
+    nothing."""
+    # At least a byte: a zero-byte buffer exports a null pointer (the CUDA array
+    # interface's rule for empty arrays), and the libraries expect an address.
+    # arena.alloc does the frees a garbage collection deferred.
+    buf = arena.alloc(max(int(nbytes), 1), kind=kind, stream=stream)
     try:
         return export(buf)
     except BaseException:

@@ -52,9 +52,7 @@ def allocator_for(arena, *, kind: str = "workspace"):
         return cp.cuda.MemoryPointer(mem, 0)
 
     def allocate(nbytes):
-        # arena.alloc does the frees a garbage collection deferred
-        return alloc_exported(arena, max(int(nbytes), 1), kind,
-                              arena.backend.current_stream(), export)
+        return alloc_exported(arena, nbytes, kind, arena.backend.current_stream(), export)
     return allocate
 
 

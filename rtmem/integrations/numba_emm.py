@@ -113,7 +113,6 @@ def manager_class():
             and with it numba's blocking streams, has passed the free: what
             numba's synchronizing cuMemFree guaranteed.
             """
-            nbytes = max(int(size), 1)     # arena.alloc does deferred frees first
             deallocations = self.deallocations
 
             def export(buf):
@@ -129,11 +128,11 @@ def manager_class():
                                                 finalizer=finalizer)
                 return driver.MemoryPointer(ptr, size, finalizer=finalizer)
             try:
-                return alloc_exported(self.arena, nbytes, "workspace", UNORDERED, export)
+                return alloc_exported(self.arena, size, "workspace", UNORDERED, export)
             except OutOfMemoryError:
                 # As numba's _attempt_allocation: free what is pending, retry once.
                 deallocations.clear()
-                return alloc_exported(self.arena, nbytes, "workspace", UNORDERED, export)
+                return alloc_exported(self.arena, size, "workspace", UNORDERED, export)
 
         def get_memory_info(self):
             """(free, total) bytes of the arena."""
