@@ -6,6 +6,7 @@ the same run; absolute times are only meaningful on the machine that made them.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -22,16 +23,26 @@ def results_dir() -> str:
     return os.environ.get("RTMEM_BENCH_RESULTS") or RESULTS
 
 
-def median_time(fn, repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs, seconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
+def timed(fn) -> float:
+    """Wall seconds of one call ``fn()`` with the garbage collector off, as
+    ``timeit`` does (see :func:`round_robin` for why); a collection that falls
+    due meanwhile runs after the call, untimed."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return time.perf_counter() - t0
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def median_time(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs (:func:`timed`), seconds."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn) for _ in range(repeats))
 
 
 def round_robin(runs: dict, repeats: int, before=lambda: None) -> dict:
@@ -40,7 +51,13 @@ def round_robin(runs: dict, repeats: int, before=lambda: None) -> dict:
     The calls take turns, one round at a time in ``runs``' order, so a drift of
     the machine during the run (clock, caches, other load) falls on every
     contender alike. ``before()`` runs, untimed, ahead of every call, the
-    warm-up included."""
+    warm-up included.
+
+    The garbage collector is kept off during each timed call (:func:`timed`),
+    as ``timeit`` does: a collection inside a call costs several
+    times a small step, and since every round allocates alike, the collections
+    fell on the same contender round after round and moved its median (the
+    executor bench once read 168 ms for a 44 ms step)."""
     for fn in runs.values():
         before()
         fn()
@@ -48,10 +65,32 @@ def round_robin(runs: dict, repeats: int, before=lambda: None) -> dict:
     for _ in range(repeats):
         for name, fn in runs.items():
             before()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(timed(fn))
     return times
+
+
+def offload_everything(n: int, grads: bool = True, first: int = 1):
+    """Activation offload of an ``n``-stage chain as a
+    :class:`~rtmem.planners.Schedule`: F_all every stage; for i = ``first`` ..
+    n-1, offload abar_i while stage i runs from it, then delete it, and prefetch
+    it before B i (abar_1 .. abar_{first-1} stay on the device); with ``grads``,
+    flush each stage's weight gradient (``g_offload``) after its B. About 6
+    operations per stage with ``first=1``, full activation offload."""
+    from rtmem.planners import Op, Schedule
+    ops = [(Op.F_ALL, 0)]
+    for i in range(1, n):
+        if i >= first:
+            ops += [(Op.OFFLOAD, i, 1), (Op.F_ALL, i), (Op.DELETE, i, 1)]
+        else:
+            ops.append((Op.F_ALL, i))
+    ops.append((Op.LOSS, 0))
+    for i in reversed(range(n)):
+        if i >= max(first, 1):
+            ops.append((Op.PREFETCH, i, 1))
+        ops.append((Op.B, i))
+        if grads:
+            ops.append((Op.G_OFFLOAD, i))
+    return Schedule.from_ops(ops)
 
 
 def machine() -> dict:

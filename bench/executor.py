@@ -10,8 +10,14 @@ zeroed outside the timed region), round-robin over ``--repeats`` rounds after a
 warm-up step each, median kept:
 
 - ``torch plain``: ``loss_fn(model(x), y).backward()``, the baseline;
-- ``exec store-all`` / ``exec seq``: ``store_all_schedule`` and
-  ``sequential_schedule(n, round(sqrt(n)))`` replayed by the executor, with
+- ``exec store-all`` / ``exec seq`` / ``exec offload`` / ``exec offload-late``:
+  ``store_all_schedule``, ``sequential_schedule(n, round(sqrt(n)))``, full
+  activation offload (``_common.offload_everything``: every abar but the last
+  offloaded, deleted and prefetched; host copies are CPU tensors here) and the
+  same for the second half of the chain only (each delete then happens while
+  n/2 abar are resident, the case where finding the storages a delete must
+  keep by walking the stored tensors cost O(n) per delete), replayed by the
+  executor, with
   ``track_memory=True`` (the default: resident bytes recorded after every
   operation, kept by the executor's ledger) and ``False``;
 - ``exec ... recount``: the same with the byte count taken by walking every
@@ -33,7 +39,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import round_robin, write_results  # noqa: E402
+from _common import offload_everything, round_robin, write_results  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -65,7 +71,9 @@ def measure(depth: int, repeats: int) -> dict:
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     loss_fn = nn.functional.mse_loss
     schedules = {"store-all": store_all_schedule(depth),
-                 "seq": sequential_schedule(depth, max(1, round(math.sqrt(depth))))}
+                 "seq": sequential_schedule(depth, max(1, round(math.sqrt(depth)))),
+                 "offload": offload_everything(depth, grads=False),
+                 "offload-late": offload_everything(depth, grads=False, first=depth // 2)}
     steps = {"torch plain": lambda: loss_fn(model(x), y).backward()}
     for name, sched in schedules.items():
         for label, track, recount in (("", True, False), (" untracked", False, False),

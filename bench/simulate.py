@@ -16,25 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import median_time, write_results  # noqa: E402
+from _common import median_time, offload_everything, write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
-from rtmem.planners import Chain, Op, Platform, Schedule, simulate  # noqa: E402
+from rtmem.planners import Chain, Platform, simulate  # noqa: E402
 from rtmem.planners.testing import reference_simulate  # noqa: E402
-
-
-def offload_everything(n: int) -> Schedule:
-    """F_all every stage while offloading its input; prefetch each before its B;
-    flush every weight gradient: about 6 operations per stage."""
-    ops = [(Op.F_ALL, 0)]
-    for i in range(1, n):
-        ops += [(Op.OFFLOAD, i, 1), (Op.F_ALL, i), (Op.DELETE, i, 1)]
-    ops.append((Op.LOSS, 0))
-    for i in reversed(range(n)):
-        if i > 0:
-            ops.append((Op.PREFETCH, i, 1))
-        ops += [(Op.B, i), (Op.G_OFFLOAD, i)]
-    return Schedule.from_ops(ops)
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """The executor's running byte count (rtmem/torch/_stages.py ``_Ledger``) against a
-recount from scratch, over random sequences of what the executor does to it:
-tensors counted and uncounted (views share storages), storages freed with
-``resize_(0)`` and restored, and the excluded (model-state) pointers replaced."""
+recount from scratch (and :meth:`_Ledger.holds` against the recount's storages),
+over random sequences of what the executor does to it: tensors counted and
+uncounted (views share storages), storages freed with ``resize_(0)`` and
+restored, and the excluded (model-state) pointers replaced."""
 
 import pytest
 
@@ -53,6 +54,12 @@ def test_the_ledger_total_is_a_recount(sizes, ops):
         expected = _recount([g[:-1] for g in counted], excluded)
         total = ledger.total
         assert total == expected, f"after {op} {a} {b}"
+        live = {k for k, s in _storages([t for g in counted for t in g[:-1]]).items()
+                if s.nbytes()}
+        for base in bases:
+            ptr = base.untyped_storage().data_ptr()
+            if base.untyped_storage().nbytes():
+                assert ledger.holds(ptr) == (ptr in live), f"after {op} {a} {b}"
     for group in counted:
         ledger.remove(group.pop())
     assert ledger.total == 0 and not ledger._refs and not ledger._ptrs

@@ -141,6 +141,11 @@ class _Ledger:
             ref[1], ref[2] = ptr, nbytes
             self._count(ptr, nbytes, 1)
 
+    def holds(self, ptr: int) -> bool:
+        """Whether a counted storage with at least one byte lives at ``ptr`` (a
+        :func:`_storages` key), excluded or not."""
+        return ptr in self._ptrs
+
     def exclude(self, ptrs) -> None:
         """Make ``ptrs`` the excluded data pointers (replacing the previous ones)."""
         new = set(ptrs)

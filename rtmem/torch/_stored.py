@@ -36,6 +36,7 @@ class _Stored:
     ready: object = None                     # CUDA event of the last prefetch
     resident: bool = True                    # False between delete and prefetch
     ledger_keys: list = field(default_factory=list)  # what _Entries counted for it
+    holding_keys: list = field(default_factory=list)  # ... in the holding ledger
 
     @classmethod
     def of(cls, out, inp=None, saved=()):
@@ -46,27 +47,58 @@ class _Stored:
     def all_tensors(self):
         return [self.out, self.inp, *self.saved]
 
+    def needed(self):
+        """The tensors whose storages a resident ``self`` needs: its output and
+        saved tensors (not the leaf input of an abar; NOTE [ Executor ] rule 4)."""
+        return [self.out, *self.saved]
+
 
 class _Entries(dict):
     """Stored tensors by index (the executor's plain and abar tensors). Every
     insertion and removal counts or uncounts the tensor's storages in the
-    executor's :class:`_Ledger`, so the resident bytes are known after each
-    operation without walking every stored tensor."""
+    executor's two ledgers (:class:`_Ledger`), so the resident bytes and the protected
+    storages are known after each operation without walking every stored tensor:
 
-    def __init__(self, ledger):
+    - ``ledger``: every tensor of every stored tensor (:meth:`_Stored.all_tensors`),
+      resident or not; its total is the executor's resident bytes;
+    - ``holding``: the tensors that resident stored tensors need
+      (:meth:`_Stored.needed`), which a delete or a drop must leave alone
+      (NOTE [ Executor ] rule 4). Residency changes through :meth:`set_resident`.
+
+    The executor's plain and abar dictionaries share both ledgers."""
+
+    def __init__(self, ledger, holding):
         super().__init__()
-        self._ledger = ledger
+        self._ledger, self._holding = ledger, holding
 
     def __setitem__(self, k, st: _Stored):
         self.pop(k, None)
         st.ledger_keys = self._ledger.add(st.all_tensors())
+        st.holding_keys = self._holding.add(st.needed()) if st.resident else []
         super().__setitem__(k, st)
+
+    def set_resident(self, st: _Stored, resident: bool) -> None:
+        """Mark ``st`` (stored here) resident or not (between a delete and a
+        prefetch), counting what it needs in the holding ledger while it is."""
+        if resident == st.resident:
+            return
+        if resident:
+            st.holding_keys = self._holding.add(st.needed())
+        else:
+            self._holding.remove(st.holding_keys)
+            st.holding_keys = []
+        st.resident = resident
+
+    def _uncount(self, st: _Stored) -> None:
+        self._ledger.remove(st.ledger_keys)
+        self._holding.remove(st.holding_keys)
+        st.ledger_keys, st.holding_keys = [], []
 
     def pop(self, k, *default):
         if k not in self:
             return super().pop(k, *default)
         st = super().pop(k)
-        self._ledger.remove(st.ledger_keys)
+        self._uncount(st)
         return st
 
     def __delitem__(self, k):
@@ -74,10 +106,10 @@ class _Entries(dict):
 
     def clear(self):
         for st in self.values():
-            self._ledger.remove(st.ledger_keys)
+            self._uncount(st)
         super().clear()
 
     def _uncounted(self, *args, **kwargs):
         raise TypeError("stored tensors are set, popped or cleared one by one (the "
-                        "ledger counts each)")
+                        "ledgers count each)")
     update = setdefault = popitem = _uncounted

@@ -305,9 +305,9 @@ class ScheduleExecutor(_HostSide):
     # ------------------------------------------------------------- internals
     def _new_ledger(self):
         """No stored tensors, no delta, nothing counted."""
-        self._ledger = _Ledger()
-        self._plain = _Entries(self._ledger)
-        self._bar = _Entries(self._ledger)
+        self._ledger, self._holding = _Ledger(), _Ledger()
+        self._plain = _Entries(self._ledger, self._holding)
+        self._bar = _Entries(self._ledger, self._holding)
         self._delta_t, self._delta_keys = None, []
 
     @property
@@ -343,20 +343,46 @@ class ScheduleExecutor(_HostSide):
         state or the caller's inputs or target, which no move frees (rule 4)."""
         return key in self._state_count or key in self._caller_keys
 
-    def _protected(self, skip: _Stored | None = None):
+    def _protected(self):
         """A test ``key -> bool`` for the keys (:func:`_storages`) of the device
         storages that a delete or a drop must leave alone (NOTE [ Executor ]
         rule 4): the model's parameters and
         buffers, the caller's inputs and target, delta, and the output and saved
-        tensors of every resident stored tensor but ``skip``. A stored tensor
-        can share a storage with any of them: an ``nn.Identity``, flatten or
-        in-place stage returns its input's storage, batch norm saves its
-        running statistics, a first stage may return the caller's batch."""
+        tensors of every resident stored tensor (:meth:`_Stored.needed`). A
+        stored tensor can share a storage with any of them: an ``nn.Identity``,
+        flatten or in-place stage returns its input's storage, batch norm saves
+        its running statistics, a first stage may return the caller's batch.
+
+        The holding ledger answers in O(1) per key; walking the resident stored
+        tensors instead cost O(stored tensors) per delete, O(n^2) per step for
+        a plan that deletes while many tensors are resident. With
+        ``RTMEM_CHECK_ACCOUNTING=1`` every answer is checked against that walk."""
+        holds, never_freed = self._holding.holds, self._never_freed
+        delta = _storage_ptrs([self._delta])
+
+        def protected(key) -> bool:
+            return never_freed(key) or holds(key) or key in delta
+        if not _CHECK_ACCOUNTING:
+            return protected
+        walked = self._protected_walk()
+
+        def checked(key) -> bool:
+            fast = protected(key)
+            if fast != walked(key):
+                raise AssertionError(f"executor holding ledger says storage {key:#x} is "
+                                     f"{'' if fast else 'not '}protected after operation "
+                                     f"{self._op_index}, a walk of the stored tensors "
+                                     "disagrees")
+            return fast
+        return checked
+
+    def _protected_walk(self):
+        """:meth:`_protected` by walking every resident stored tensor: the
+        reference its ledger is checked against."""
         tensors = [self._delta]
         for st in (*self._plain.values(), *self._bar.values()):
-            if st is not skip and st.resident:
-                tensors.append(st.out)
-                tensors += st.saved
+            if st.resident:
+                tensors += st.needed()
         # a test, not a union: the parameter set is the model's size
         stored, never_freed = _storages(tensors), self._never_freed
         return lambda key: never_freed(key) or key in stored
@@ -535,24 +561,35 @@ class ScheduleExecutor(_HostSide):
         if entries is self._plain and (k, 0) in self._host:
             host = self._host[(k, 0)][0]
             if _copy_matches(entries[k], host):
-                self._delete(entries[k], host)
+                self._delete(entries, entries[k], host)
                 return
         st = entries.pop(k)
         mine = {s.data_ptr(): s for s in st.storages if s.nbytes()}
-        if not mine:
-            return
-        # only these can hold a storage without needing it (a resident tensor's
-        # output and saved tensors need theirs: _protected)
-        holders = [o.inp for o in self._bar.values()]
-        holders += [t for o in (*self._plain.values(), *self._bar.values())
-                    if not o.resident for t in o.all_tensors()]
-        held = mine.keys() & _storages(holders).keys()
+        # Still counted in the ledger: held by another stored tensor or delta.
+        # Those that need it are protected; the rest (the leaf input of an abar,
+        # a tensor between delete and prefetch) hold it without needing it.
+        held = [key for key in mine if self._ledger.holds(key)]
+        if _CHECK_ACCOUNTING:
+            self._check_held(mine, held)
         if held:
             protected = self._protected()
             for key in held:
                 if protected(key):
                     continue
                 self._resize(mine[key], 0)
+
+    def _check_held(self, mine: dict, held: list):
+        """Check ``held`` (what :meth:`_drop` found in the ledger among ``mine``)
+        against a walk of the tensors that can hold a storage without needing
+        it; a storage in neither is unprotected only if the walk finds it too."""
+        holders = [o.inp for o in self._bar.values()]
+        holders += [t for o in (*self._plain.values(), *self._bar.values())
+                    if not o.resident for t in o.all_tensors()]
+        walked = mine.keys() & _storages(holders).keys()
+        protected = self._protected_walk()
+        if {k for k in held if not protected(k)} != {k for k in walked if not protected(k)}:
+            raise AssertionError(f"executor ledger and a walk of the stored tensors disagree "
+                                 f"on which storages operation {self._op_index} frees")
 
     def _move(self, op, k: int, aux: int):
         entries = self._bar if aux else self._plain
@@ -582,9 +619,9 @@ class ScheduleExecutor(_HostSide):
             raise ExecutionError(f"cannot {op.name.lower()} {name}: its host copy does not "
                                  "match the tensor on the device")
         if op == Op.DELETE:
-            self._delete(st, host)
+            self._delete(entries, st, host)
         else:  # PREFETCH
-            st.resident = True
+            entries.set_resident(st, True)
             # allocated on the compute stream, so the caching allocator ties the
             # blocks to the stream that uses and frees them; compute waits (_wait).
             # A storage still (or again, through a tensor sharing it) on the device
@@ -595,19 +632,20 @@ class ScheduleExecutor(_HostSide):
                 self._resize(s, h.nbytes())
             st.ready = self._copy("h2d", pairs, [s for s, _ in pairs], after=done)
 
-    def _delete(self, st: _Stored, host: list):
-        """Free the device storages of ``st`` that have a host copy ``host``; it
-        stays known, not resident, for a prefetch."""
-        protected = self._protected(skip=st)
+    def _delete(self, entries: _Entries, st: _Stored, host: list):
+        """Free the device storages of ``st`` (in ``entries``) that have a host
+        copy ``host``; it stays known, not resident, for a prefetch."""
+        entries.set_resident(st, False)   # first: st no longer protects its own
+        protected = self._protected()
         for s, h in zip(st.storages, host):
             # freed behind the D2H copy (_copy), not blocking compute; a
             # protected storage stays, as its other owner needs it (rule 4)
             if h is not None and s.nbytes() and not protected(s.data_ptr()):
                 self._resize(s, 0)
-        st.resident = False
 
     def _resize(self, s, nbytes: int):
         """``s.resize_(nbytes)``, kept in the ledger: it counts the storage's
         bytes and address, which a resize changes."""
         s.resize_(nbytes)
         self._ledger.resized(s)
+        self._holding.resized(s)
