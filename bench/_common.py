@@ -6,6 +6,7 @@ the same run; absolute times are only meaningful on the machine that made them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -23,19 +24,27 @@ def results_dir() -> str:
     return os.environ.get("RTMEM_BENCH_RESULTS") or RESULTS
 
 
-def timed(fn) -> float:
-    """Wall seconds of one call ``fn()`` with the garbage collector off, as
-    ``timeit`` does (see :func:`round_robin` for why); a collection that falls
-    due meanwhile runs after the call, untimed."""
+@contextlib.contextmanager
+def gc_paused():
+    """The garbage collector off inside the block, as ``timeit`` keeps it (see
+    :func:`round_robin` for why); a collection that falls due meanwhile runs
+    after the block. Time only the call inside, not the block's exit."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        yield
     finally:
         if enabled:
             gc.enable()
+
+
+def timed(fn) -> float:
+    """Wall seconds of one call ``fn()`` with the garbage collector off
+    (:func:`gc_paused`)."""
+    with gc_paused():
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
