@@ -51,8 +51,9 @@ Crossover sweep (the size where DHA beats copy-then-compute, per layer type).
 Copying costs the same at any batch, DHA's cost grows with the tokens (an
 embedding gathers T rows, a linear re-reads its weight k = ceil(T / (32 r))
 times, r in 1..8 per shape: ``weight_reads``), so each layer is timed again at
-every ``--sweep`` token count (default 64..65536 in powers of 4) and the JSON
-gets a ``sweep`` object::
+every ``--sweep`` token count (default 64..65536 in powers of 4; at ``--tokens``
+the sweep takes the table's figures, and that point says ``"from": "layers"``)
+and the JSON gets a ``sweep`` object::
 
     {"tokens": [64, 256, ...], "compares": {...},     # what is compared, in words
      "layers": [{"name", "kind", "dims",
@@ -376,10 +377,25 @@ SWEEP_COMPARES = {
                 "(T^H_BP, backward_s.dha) vs copying them first, serial (T_trans + T_BP)"}
 
 
-def sweep_layer(spec: dict, tokens_list, repeats: int, rng) -> dict:
-    """Per token count :func:`sweep_point`, and the forward and backward crossover."""
+def _as_sweep_point(measured: dict) -> dict:
+    """The :func:`sweep_point` fields of a :func:`measure_layer` entry, which
+    measures all of them (and more) at its token count."""
+    return {"tokens": measured["tokens"], "transfer_s": measured["transfer_s"],
+            "forward_s": dict(measured["forward_s"]),
+            "backward_s": {m: measured["backward_s"][m] for m in ("gpu", "dha")},
+            "weight_reads": measured["weight_reads"], "timer": measured["timer"],
+            "from": "layers"}
+
+
+def sweep_layer(spec: dict, tokens_list, repeats: int, rng, measured=None) -> dict:
+    """Per token count :func:`sweep_point`, and the forward and backward crossover.
+    ``measured``: this layer's :func:`measure_layer` entry, if any; the sweep
+    takes its point at that token count (marked ``"from": "layers"``) instead of
+    timing it a second time."""
     placed = placements(spec, rng)
-    points = [sweep_point(spec, t, repeats, rng, placed) for t in tokens_list]
+    known = measured["tokens"] if measured is not None else None
+    points = [_as_sweep_point(measured) if t == known else
+              sweep_point(spec, t, repeats, rng, placed) for t in tokens_list]
     fwd = crossover(tokens_list, [p["forward_s"]["dha"] for p in points],
                     [p["forward_s"]["copy"] for p in points])
     bwd = crossover(tokens_list, [p["backward_s"]["dha"] for p in points],
@@ -505,8 +521,10 @@ def main(argv=None) -> int:
     if sweep:
         print(f"\ncrossover sweep over {','.join(map(str, sweep))} tokens", flush=True)
         doc["sweep"] = {"tokens": sweep, "compares": SWEEP_COMPARES}
+        by_name = {layer["name"]: layer for layer in layers}
         swept = _measure_all("swept", specs,
-                             lambda spec: sweep_layer(spec, sweep, repeats, rng),
+                             lambda spec: sweep_layer(spec, sweep, repeats, rng,
+                                                      by_name.get(spec["name"])),
                              doc, "sweep_layers")
         if swept is None:
             return 1

@@ -351,6 +351,31 @@ def test_dha_layers_keeps_the_table_when_the_sweep_fails(bench, monkeypatch, cap
     assert "swept ln failed" in capsys.readouterr().err
 
 
+def test_dha_layers_sweep_reuses_the_tables_point(bench, monkeypatch):
+    # The sweep's point at --tokens is the main table's (measured once), the
+    # others are timed by sweep_point.
+    dl = bench.load("dha_layers")
+    bench.stub_kernels()
+    point, timed = dl.sweep_point, []
+
+    def counted(spec, tokens, repeats, rng, *placed):
+        timed.append((spec["name"], tokens))
+        return point(spec, tokens, repeats, rng, *placed)
+    monkeypatch.setattr(dl, "sweep_point", counted)
+    assert dl.main(["--model", "tiny", "--tokens", "8", "--repeats", "1",
+                    "--sweep", "4,8,16"]) == 0
+    doc = bench.json("dha_layers")
+    names = [layer["name"] for layer in doc["layers"]]
+    assert sorted(timed) == sorted((name, t) for name in names for t in (4, 16))
+    for table, swept in zip(doc["layers"], doc["sweep"]["layers"]):
+        at8 = [p for p in swept["points"] if p["tokens"] == 8]
+        assert len(at8) == 1 and at8[0]["from"] == "layers"
+        assert at8[0]["forward_s"] == table["forward_s"]
+        assert at8[0]["backward_s"] == {m: table["backward_s"][m] for m in ("gpu", "dha")}
+        assert at8[0]["transfer_s"] == table["transfer_s"]
+        assert [p["tokens"] for p in swept["points"]] == [4, 8, 16]
+
+
 def test_dha_layers_refuses_a_bad_sweep_before_looking_for_a_gpu(bench, capsys):
     dl = bench.load("dha_layers")
     with pytest.raises(SystemExit):
