@@ -26,9 +26,10 @@ def results_dir() -> str:
 
 @contextlib.contextmanager
 def gc_paused():
-    """The garbage collector off inside the block, as ``timeit`` keeps it (see
-    :func:`round_robin` for why); a collection that falls due meanwhile runs
-    after the block. Time only the call inside, not the block's exit."""
+    """The garbage collector off inside the block, as ``timeit`` keeps it; a
+    collection that falls due meanwhile runs after the block. For code whose
+    own collections are not what is measured (copies timed on a GPU, a jitted
+    simulator); :func:`round_robin` keeps the collector on instead."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -47,6 +48,34 @@ def timed(fn) -> float:
         return time.perf_counter() - t0
 
 
+def gc_cost(fn, calls: int, before=lambda: None) -> dict:
+    """What the garbage collector costs ``fn()`` over ``calls`` calls after a full
+    collection, as a training loop would run it (collector on, nothing else in
+    between; ``before()`` ahead of each call): ``{"gc_s_per_call",
+    "collections_per_call": [gen0, gen1, gen2]}``. :func:`round_robin` leaves
+    out the full (generation 2) collections, which come every several calls
+    and cost in proportion to every object the process holds; this puts them
+    back, amortized."""
+    spent, counts, started = [0.0], [0, 0, 0], [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - started[0]
+            counts[info["generation"]] += 1
+    gc.collect()
+    gc.callbacks.append(callback)
+    try:
+        for _ in range(calls):
+            before()
+            fn()
+    finally:
+        gc.callbacks.remove(callback)
+    return {"gc_s_per_call": spent[0] / calls,
+            "collections_per_call": [c / calls for c in counts]}
+
+
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs (:func:`timed`), seconds."""
     for _ in range(warmup):
@@ -62,11 +91,13 @@ def round_robin(runs: dict, repeats: int, before=lambda: None) -> dict:
     contender alike. ``before()`` runs, untimed, ahead of every call, the
     warm-up included.
 
-    The garbage collector is kept off during each timed call (:func:`timed`),
-    as ``timeit`` does: a collection inside a call costs several
-    times a small step, and since every round allocates alike, the collections
-    fell on the same contender round after round and moved its median (the
-    executor bench once read 168 ms for a 44 ms step)."""
+    A full garbage collection runs, untimed, before each timed call, and the
+    collector stays on during it: each call pays for the collections its own
+    allocations make due, from the same start. Without that, since every
+    round allocates alike, the collections that all contenders' garbage made
+    due fell on the same contender round after round and moved its median
+    (the executor bench once read 168 ms for a 44 ms step). Full collections
+    are thereby left out; :func:`gc_cost` measures them."""
     for fn in runs.values():
         before()
         fn()
@@ -74,7 +105,10 @@ def round_robin(runs: dict, repeats: int, before=lambda: None) -> dict:
     for _ in range(repeats):
         for name, fn in runs.items():
             before()
-            times[name].append(timed(fn))
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
     return times
 
 

@@ -25,6 +25,17 @@ warm-up step each, median kept:
   it counted before the ledger), to show what the ledger saves. Its ratio over
   the ledger's grows with depth (O(n^2) per step against O(n)).
 
+The round-robin runs a full garbage collection before each timed step
+(``_common.round_robin``), so a step pays only for the young-generation
+collections its own allocations trigger. The executor's Python objects per
+stage (stored tensors, packed saved tensors, ledger entries) live until the
+backward, get promoted and so make full collections come sooner, while plain
+torch allocates almost nothing the collector tracks. That cost is measured
+apart: ``gc`` gives each contender's collector seconds per step (``gc_s``,
+full collections amortized over ``max(10, 20000 // depth)`` untimed steps in
+a row, as a training loop runs them) and collections per step by generation;
+``with_gc_over_torch`` adds ``gc_s`` to both sides of the ratio.
+
 Ratios are over ``torch plain`` at the same depth. Writes a table to stdout and
 JSON to ``bench/results/executor.json`` (times in seconds; quote the ratios).
 """
@@ -39,7 +50,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import offload_everything, round_robin, write_results  # noqa: E402
+from _common import gc_cost, offload_everything, round_robin, write_results  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -82,11 +93,22 @@ def measure(depth: int, repeats: int) -> dict:
             if recount:
                 _recounting(ex)
             steps[f"exec {name}{label}"] = (lambda e: lambda: e.step(x, y))(ex)
-    times = round_robin(steps, repeats, before=lambda: model.zero_grad(set_to_none=True))
+    zero = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
+    times = round_robin(steps, repeats, before=zero)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     base = med["torch plain"]
+    calls = max(10, 20000 // depth)
+    gc_by = {name: gc_cost(fn, calls, before=zero) for name, fn in steps.items()
+             if name == "torch plain" or not name.endswith(("untracked", "recount"))}
+    base_gc = base + gc_by["torch plain"]["gc_s_per_call"]
     return {"depth": depth, "median_s": med,
             "over_torch": {name: t / base for name, t in med.items()},
+            "gc": {name: {"gc_s": g["gc_s_per_call"],
+                          "collections_per_step": g["collections_per_call"]}
+                   for name, g in gc_by.items()},
+            "gc_steps": calls,
+            "with_gc_over_torch": {name: (med[name] + g["gc_s_per_call"]) / base_gc
+                                   for name, g in gc_by.items()},
             "recount_over_ledger": {name: med[f"exec {name} recount"] / med[f"exec {name}"]
                                     for name in schedules}}
 
@@ -111,11 +133,15 @@ def main(argv=None) -> int:
         r = measure(depth, args.repeats)
         results.append(r)
         for name, ratio in r["over_torch"].items():
-            rows.append([str(depth), name, f"{r['median_s'][name] * 1e3:.2f}", f"{ratio:.2f}"])
+            g = r["gc"].get(name)
+            rows.append([str(depth), name, f"{r['median_s'][name] * 1e3:.2f}", f"{ratio:.2f}",
+                         "-" if g is None else f"{g['gc_s'] * 1e3:.2f}",
+                         "-" if g is None else f"{r['with_gc_over_torch'][name]:.2f}"])
         print(f"  depth {depth}: recount / ledger "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["recount_over_ledger"].items()),
               flush=True)
-    print(format_table(["stages", "contender", "median ms", "t/torch"], rows, align="llrr"))
+    print(format_table(["stages", "contender", "median ms", "t/torch", "gc ms/step",
+                        "with gc /torch"], rows, align="llrrrr"))
     doc = {"command": "python bench/executor.py " + " ".join(argv or sys.argv[1:]),
            "torch": torch.__version__, "threads": args.threads, "width": WIDTH,
            "batch": BATCH, "repeats": args.repeats, "results": results,

@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import math
 import os
 import statistics
@@ -80,7 +81,7 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import gc_paused, round_robin, write_results  # noqa: E402
+from _common import round_robin, write_results  # noqa: E402
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -270,12 +271,11 @@ def time_round_robin(model, contenders, repeats, reference_grads, reference_loss
     for _ in range(repeats):
         for c in contenders.values():
             model.zero_grad(set_to_none=True)
-            with gc_paused():
-                t0, c0 = time.perf_counter(), time.process_time()
-                c["step"]()
-                t1, c1 = time.perf_counter(), time.process_time()
-            c["times_s"].append(t1 - t0)
-            c["cpu_times_s"].append(c1 - c0)
+            gc.collect()         # as _common.round_robin does, and why
+            t0, c0 = time.perf_counter(), time.process_time()
+            c["step"]()
+            c["times_s"].append(time.perf_counter() - t0)
+            c["cpu_times_s"].append(time.process_time() - c0)
     for c in contenders.values():
         c["median_s"] = statistics.median(c["times_s"])
         c["median_cpu_s"] = statistics.median(c["cpu_times_s"])

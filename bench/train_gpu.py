@@ -13,7 +13,6 @@ import statistics
 import time
 
 import torch
-from _common import gc_paused
 from torch.utils.checkpoint import checkpoint_sequential
 
 from rtmem.errors import InfeasibleError
@@ -183,12 +182,11 @@ def gpu_section(args, save=None):
             torch.cuda.synchronize()
             times = []
             for _ in range(timed):
-                with gc_paused():
-                    t0 = time.perf_counter()
-                    step()
-                    torch.cuda.synchronize()
-                    t1 = time.perf_counter()
-                times.append(t1 - t0)
+                gc.collect()     # as _common.round_robin does, and why
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
             res = {"layers": layers, "max_allocated_bytes": torch.cuda.max_memory_allocated(dev),
                    **info}
             if times:
