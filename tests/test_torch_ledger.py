@@ -62,7 +62,8 @@ def test_the_ledger_total_is_a_recount(sizes, ops):
                 assert ledger.holds(ptr) == (ptr in live), f"after {op} {a} {b}"
     for group in counted:
         ledger.remove(group.pop())
-    assert ledger.total == 0 and not ledger._refs and not ledger._ptrs
+    assert ledger.total == 0 and not ledger._refs and not ledger._at_ptr
+    assert not (ledger._ptr_of or ledger._bytes_of or ledger._bytes_at)
 
 
 def test_uncounting_uses_the_storages_counted_even_after_a_data_swap():
@@ -72,4 +73,4 @@ def test_uncounting_uses_the_storages_counted_even_after_a_data_swap():
     assert ledger.total == 32
     p.data = torch.empty(0)                 # what w_delete does to a parameter
     ledger.remove(keys)
-    assert ledger.total == 0 and not ledger._refs
+    assert ledger.total == 0 and not ledger._refs and not ledger._at_ptr

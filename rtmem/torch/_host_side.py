@@ -110,8 +110,11 @@ class _HostSide:
         return host, self._copy("d2h", list(zip(host, tensors)),
                                 _storages(tensors).values())
 
-    def _stage_state_ptrs(self, i: int) -> set:
-        return _storage_ptrs((*self._stage_params[i], *self._stage_buffers[i]))
+    def _stage_state_ptrs(self, i: int) -> tuple:
+        # a tuple of ints: made every step and kept all of it, but not tracked by
+        # the garbage collector (a set would be, and would reach the oldest
+        # generation)
+        return tuple(_storage_ptrs((*self._stage_params[i], *self._stage_buffers[i])))
 
     def _refresh_state_ptrs(self):
         """Storages of the parameters and buffers: never freed by a move (rule 4)
@@ -130,6 +133,7 @@ class _HostSide:
         old, new = self._state_per_stage[i], self._stage_state_ptrs(i)
         self._state_per_stage[i] = new
         count, removed, added = self._state_count, [], []
+        old, new = set(old), set(new)
         for ptr in old - new:
             count[ptr] -= 1
             if not count[ptr]:

@@ -80,11 +80,19 @@ class _Ledger:
     held, so the ledger never keeps memory alive; the tensors of the set do,
     while they are counted."""
 
-    __slots__ = ("_refs", "_ptrs", "_excluded", "total")
+    __slots__ = ("_refs", "_ptr_of", "_bytes_of", "_at_ptr", "_bytes_at", "_excluded",
+                 "total")
 
+    # Only ints in the dicts, and tuples of ints handed out: the garbage collector
+    # tracks none of them. Lists per entry were ~5 tracked objects per stage that
+    # live from F_all to B, get promoted, and bring full collections sooner
+    # (bench/executor.py measures the collector's cost per step).
     def __init__(self):
-        self._refs: dict = {}            # _cdata -> [references, data_ptr, nbytes]
-        self._ptrs: dict = {}            # data_ptr -> [storages, nbytes], nbytes > 0
+        self._refs: dict = {}            # _cdata -> references
+        self._ptr_of: dict = {}          # _cdata -> data_ptr when counted
+        self._bytes_of: dict = {}        # _cdata -> nbytes when counted
+        self._at_ptr: dict = {}          # data_ptr -> storages counted there (nbytes > 0)
+        self._bytes_at: dict = {}        # data_ptr -> nbytes of the first of them
         self._excluded: set = set()
         #: bytes of the referenced storages outside the excluded pointers
         self.total = 0
@@ -92,59 +100,67 @@ class _Ledger:
     def _count(self, ptr: int, nbytes: int, step: int) -> None:
         if not nbytes:
             return
-        entry = self._ptrs.get(ptr)
-        if entry is None:                # step == 1: the first storage at ptr
-            entry = self._ptrs[ptr] = [0, nbytes]
+        n = self._at_ptr.get(ptr, 0) + step
+        if n == step:                    # step == 1: the first storage at ptr
+            self._bytes_at[ptr] = nbytes
             if ptr not in self._excluded:
                 self.total += nbytes
-        entry[0] += step
-        if entry[0] == 0:
-            del self._ptrs[ptr]
+        if n:
+            self._at_ptr[ptr] = n
+        else:
+            del self._at_ptr[ptr]
+            first = self._bytes_at.pop(ptr)
             if ptr not in self._excluded:
-                self.total -= entry[1]
+                self.total -= first
 
-    def add(self, tensors) -> list:
+    def add(self, tensors) -> tuple:
         """Count the storages of ``tensors`` (None skipped); returns the keys to
         hand to :meth:`remove`, which holds even if a tensor's ``.data`` is
         swapped meanwhile."""
         keys = []
+        refs = self._refs
         for t in tensors:
             if t is None:
                 continue
             s = t.untyped_storage()
             key = s._cdata
-            ref = self._refs.get(key)
-            if ref is None:
-                ref = self._refs[key] = [0, s.data_ptr(), s.nbytes()]
-                self._count(ref[1], ref[2], 1)
-            ref[0] += 1
+            n = refs.get(key)
+            if n is None:
+                ptr, nbytes = s.data_ptr(), s.nbytes()
+                self._ptr_of[key], self._bytes_of[key] = ptr, nbytes
+                self._count(ptr, nbytes, 1)
+                n = 0
+            refs[key] = n + 1
             keys.append(key)
-        return keys
+        return tuple(keys)
 
     def remove(self, keys) -> None:
         """Stop counting what :meth:`add` returned ``keys`` for."""
+        refs = self._refs
         for key in keys:
-            ref = self._refs[key]
-            ref[0] -= 1
-            if ref[0] == 0:
-                del self._refs[key]
-                self._count(ref[1], ref[2], -1)
+            n = refs[key] - 1
+            if n:
+                refs[key] = n
+            else:
+                del refs[key]
+                self._count(self._ptr_of.pop(key), self._bytes_of.pop(key), -1)
 
     def resized(self, storage) -> None:
         """Call after ``storage.resize_``: its bytes (and address) changed."""
-        ref = self._refs.get(storage._cdata)
-        if ref is None:
+        key = storage._cdata
+        if key not in self._refs:
             return
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if (ptr, nbytes) != (ref[1], ref[2]):
-            self._count(ref[1], ref[2], -1)
-            ref[1], ref[2] = ptr, nbytes
+        old_ptr, old_nbytes = self._ptr_of[key], self._bytes_of[key]
+        if ptr != old_ptr or nbytes != old_nbytes:
+            self._count(old_ptr, old_nbytes, -1)
+            self._ptr_of[key], self._bytes_of[key] = ptr, nbytes
             self._count(ptr, nbytes, 1)
 
     def holds(self, ptr: int) -> bool:
         """Whether a counted storage with at least one byte lives at ``ptr`` (a
         :func:`_storages` key), excluded or not."""
-        return ptr in self._ptrs
+        return ptr in self._at_ptr
 
     def exclude(self, ptrs) -> None:
         """Make ``ptrs`` the excluded data pointers (replacing the previous ones)."""
@@ -159,9 +175,9 @@ class _Ledger:
                                    (added, -1, self._excluded.add)):
             for ptr in ptrs:
                 update(ptr)
-                entry = self._ptrs.get(ptr)
-                if entry is not None:
-                    self.total += sign * entry[1]
+                nbytes = self._bytes_at.get(ptr)
+                if nbytes is not None:
+                    self.total += sign * nbytes
 
 
 def _storage_bytes(tensors, exclude=()) -> int:

@@ -35,8 +35,8 @@ class _Stored:
     version: int = 0                         # out._version when stored (NOTE rule 7)
     ready: object = None                     # CUDA event of the last prefetch
     resident: bool = True                    # False between delete and prefetch
-    ledger_keys: list = field(default_factory=list)  # what _Entries counted for it
-    holding_keys: list = field(default_factory=list)  # ... in the holding ledger
+    ledger_keys: tuple = ()                  # what _Entries counted for it
+    holding_keys: tuple = ()                 # ... in the holding ledger
 
     @classmethod
     def of(cls, out, inp=None, saved=()):
@@ -74,7 +74,7 @@ class _Entries(dict):
     def __setitem__(self, k, st: _Stored):
         self.pop(k, None)
         st.ledger_keys = self._ledger.add(st.all_tensors())
-        st.holding_keys = self._holding.add(st.needed()) if st.resident else []
+        st.holding_keys = self._holding.add(st.needed()) if st.resident else ()
         super().__setitem__(k, st)
 
     def set_resident(self, st: _Stored, resident: bool) -> None:
@@ -86,13 +86,13 @@ class _Entries(dict):
             st.holding_keys = self._holding.add(st.needed())
         else:
             self._holding.remove(st.holding_keys)
-            st.holding_keys = []
+            st.holding_keys = ()
         st.resident = resident
 
     def _uncount(self, st: _Stored) -> None:
         self._ledger.remove(st.ledger_keys)
         self._holding.remove(st.holding_keys)
-        st.ledger_keys, st.holding_keys = [], []
+        st.ledger_keys = st.holding_keys = ()
 
     def pop(self, k, *default):
         if k not in self:

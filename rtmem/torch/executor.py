@@ -77,10 +77,11 @@ from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 from rtmem.planners._validation import type_label
 
 from ._host_side import _HostSide
-from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _input_key, _Ledger,
-                      _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, _storages,
+from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _Ledger,
+                      _stage_input, _storage_bytes, _storage_ptrs, _storages,
                       as_stages, check_inputs, check_loss_fn, check_placement,
-                      check_shared_weights, param_label)
+                      check_shared_weights)
+from ._saved import _SavedHooks
 from ._stored import _copy_matches, _Entries, _Stored
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
@@ -308,7 +309,7 @@ class ScheduleExecutor(_HostSide):
         self._ledger, self._holding = _Ledger(), _Ledger()
         self._plain = _Entries(self._ledger, self._holding)
         self._bar = _Entries(self._ledger, self._holding)
-        self._delta_t, self._delta_keys = None, []
+        self._delta_t, self._delta_keys = None, ()
 
     @property
     def _delta(self):
@@ -457,59 +458,12 @@ class ScheduleExecutor(_HostSide):
             self._drop(self._plain, i)
 
     def _forward_all(self, i: int, x: torch.Tensor):
-        saved = []
-        state = {t.untyped_storage().data_ptr(): t
-                 for t in (*self._stage_params[i], *self._stage_buffers[i])
-                 if t.untyped_storage().nbytes()}
-        x_key = _input_key(x)
-        x_version = x._version
-
-        def pack(t):
-            # A saved view of a weight (linear saves weight.t()) or of a buffer
-            # (batch norm saves its running statistics) is re-derived from the
-            # module at unpack time, so that w_delete / w_offload really free the
-            # weights between F_all i and B i (Rule 6 of the simulator). A saved view
-            # of the input is re-derived from whichever copy of a_i or abar_i is
-            # resident at B i (B i needs one of them, Table 2.1), so deleting the
-            # copy F_all i happened to read does not break the graph; unless the
-            # stage modified its input before saving it: then no copy of a_i holds
-            # those values, and the graph keeps the tensor, as autograd would.
-            key = t.untyped_storage().data_ptr()
-            base = state.get(key)
-            if base is not None and base.dtype == t.dtype:
-                return (base, t.size(), t.stride(), t.storage_offset(), base._version)
-            if _rederived_input(t, t._version, x_key, x_version, x.dtype):
-                return (i, t.size(), t.stride(), t.storage_offset())   # a view of a_i
-            saved.append(t)
-            return (t, t._version)
-
-        def unpack(packed):
-            if len(packed) == 2:
-                t, version = packed
-                if t._version != version:   # autograd's own check is off under hooks
-                    raise ExecutionError(
-                        f"a tensor stage {i} saved for its backward was modified in place "
-                        f"afterwards (later in the stage, or by the next stage or the loss "
-                        f"modifying its input in place); plain autograd refuses this too. "
-                        f"Make that operation out-of-place (x = x * 2 instead of x.mul_(2))")
-                return t
-            if len(packed) == 5:    # a parameter or buffer: no copy of it was saved
-                base, size, stride, offset, version = packed
-                if base._version != version:
-                    raise ExecutionError(
-                        f"{param_label(self._param_names, base)}, which stage {i} saved for "
-                        f"its backward, "
-                        f"was modified in place afterwards (e.g. a running statistic "
-                        f"updated after use); plain autograd refuses this too. Update it "
-                        f"out-of-place or before the stage uses it")
-                return base.detach().as_strided(size, stride, offset)
-            k, size, stride, offset = packed
-            return self._source(k).as_strided(size, stride, offset)
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        hooks = _SavedHooks(self, i, x)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack,
+                                                                           hooks.unpack):
             leaf, arg = _stage_input(x)
             y = self._run_stage(i, arg)
-        self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=saved)
+        self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=hooks.saved)
 
     def _loss(self, target):
         k = self.n

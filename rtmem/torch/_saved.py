@@ -1,0 +1,75 @@
+"""The saved-tensor hooks of one ``F_all``: what the graph of stage i keeps for
+its backward (NOTE [ Executor ] rule 2 in executor.py).
+
+One object per F_all, not a pair of closures: the hooks live as long as the
+graph (from F_all i to B i), and an object with slots is three objects the
+garbage collector tracks (it and its two bound methods) where the closures were
+nine (two functions, seven cells). Across a deep chain those survive into the
+oldest generation and bring full collections sooner (bench/executor.py
+measures the collector's cost per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._stages import ExecutionError, _input_key, _rederived_input, param_label
+
+
+class _SavedHooks:
+    """``pack`` / ``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``
+    while ``executor`` runs stage ``i`` forward from ``x``; ``saved`` lists the
+    tensors the graph keeps as they are (the stored abar's saved tensors)."""
+
+    __slots__ = ("executor", "i", "state", "x_key", "x_version", "x_dtype", "saved")
+
+    def __init__(self, executor, i: int, x: torch.Tensor):
+        self.executor, self.i = executor, i
+        # the stage's parameters and buffers by storage pointer
+        self.state = {s.data_ptr(): t
+                      for t in (*executor._stage_params[i], *executor._stage_buffers[i])
+                      for s in (t.untyped_storage(),) if s.nbytes()}
+        self.x_key, self.x_version, self.x_dtype = _input_key(x), x._version, x.dtype
+        self.saved = []
+
+    def pack(self, t: torch.Tensor):
+        # A saved view of a weight (linear saves weight.t()) or of a buffer
+        # (batch norm saves its running statistics) is re-derived from the
+        # module at unpack time, so that w_delete / w_offload really free the
+        # weights between F_all i and B i (Rule 6 of the simulator). A saved view
+        # of the input is re-derived from whichever copy of a_i or abar_i is
+        # resident at B i (B i needs one of them, Table 2.1), so deleting the
+        # copy F_all i happened to read does not break the graph; unless the
+        # stage modified its input before saving it: then no copy of a_i holds
+        # those values, and the graph keeps the tensor, as autograd would.
+        base = self.state.get(t.untyped_storage().data_ptr())
+        if base is not None and base.dtype == t.dtype:
+            return (base, t.size(), t.stride(), t.storage_offset(), base._version)
+        if _rederived_input(t, t._version, self.x_key, self.x_version, self.x_dtype):
+            return (self.i, t.size(), t.stride(), t.storage_offset())   # a view of a_i
+        self.saved.append(t)
+        return (t, t._version)
+
+    def unpack(self, packed):
+        i = self.i
+        if len(packed) == 2:
+            t, version = packed
+            if t._version != version:   # autograd's own check is off under hooks
+                raise ExecutionError(
+                    f"a tensor stage {i} saved for its backward was modified in place "
+                    f"afterwards (later in the stage, or by the next stage or the loss "
+                    f"modifying its input in place); plain autograd refuses this too. "
+                    f"Make that operation out-of-place (x = x * 2 instead of x.mul_(2))")
+            return t
+        if len(packed) == 5:    # a parameter or buffer: no copy of it was saved
+            base, size, stride, offset, version = packed
+            if base._version != version:
+                raise ExecutionError(
+                    f"{param_label(self.executor._param_names, base)}, which stage {i} "
+                    f"saved for its backward, "
+                    f"was modified in place afterwards (e.g. a running statistic "
+                    f"updated after use); plain autograd refuses this too. Update it "
+                    f"out-of-place or before the stage uses it")
+            return base.detach().as_strided(size, stride, offset)
+        k, size, stride, offset = packed
+        return self.executor._source(k).as_strided(size, stride, offset)
