@@ -6,7 +6,6 @@ the same run; absolute times are only meaningful on the machine that made them.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -24,28 +23,21 @@ def results_dir() -> str:
     return os.environ.get("RTMEM_BENCH_RESULTS") or RESULTS
 
 
-@contextlib.contextmanager
-def gc_paused():
-    """The garbage collector off inside the block, as ``timeit`` keeps it; a
-    collection that falls due meanwhile runs after the block. For code whose
-    own collections are not what is measured (copies timed on a GPU, a jitted
-    simulator); :func:`round_robin` keeps the collector on instead."""
+def timed(fn) -> float:
+    """Wall seconds of one call ``fn()`` with the garbage collector off, as
+    ``timeit`` keeps it (a collection that falls due meanwhile runs after the
+    call). For code whose own collections are not what is measured (copies
+    timed on a GPU, a jitted simulator); :func:`round_robin` keeps the
+    collector on instead."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def timed(fn) -> float:
-    """Wall seconds of one call ``fn()`` with the garbage collector off
-    (:func:`gc_paused`)."""
-    with gc_paused():
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def gc_cost(fn, calls: int, before=lambda: None) -> dict:

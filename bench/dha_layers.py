@@ -93,6 +93,8 @@ HIDDEN = {"gpt2": 768, "gpt2-medium": 1024, "gpt2-large": 1280, "gpt2-xl": 1600}
 VOCAB = 50257
 FORWARD_MODES = ("gpu", "copy", "dha")
 BACKWARD_MODES = ("gpu", "copy", "dha", "gpu_go", "dha_go")
+#: the backward modes the crossover sweep times: T_BP and T^H_BP
+SWEEP_BACKWARD_MODES = ("gpu", "dha")
 
 
 def layer_specs(h: int) -> list[dict]:
@@ -316,7 +318,7 @@ def sweep_point(spec: dict, tokens: int, repeats: int, rng, placed=None) -> dict
     rig = Rig(spec, tokens, repeats, rng, placed)
     return {"tokens": tokens, "transfer_s": rig.transfer_s("params"),
             "forward_s": {m: rig.forward_s(m) for m in FORWARD_MODES},
-            "backward_s": {m: rig.backward_s(m) for m in ("gpu", "dha")},
+            "backward_s": {m: rig.backward_s(m) for m in SWEEP_BACKWARD_MODES},
             "weight_reads": weight_reads(spec, tokens), "timer": rig.timer.summary()}
 
 
@@ -382,7 +384,7 @@ def _as_sweep_point(measured: dict) -> dict:
     measures all of them (and more) at its token count."""
     return {"tokens": measured["tokens"], "transfer_s": measured["transfer_s"],
             "forward_s": dict(measured["forward_s"]),
-            "backward_s": {m: measured["backward_s"][m] for m in ("gpu", "dha")},
+            "backward_s": {m: measured["backward_s"][m] for m in SWEEP_BACKWARD_MODES},
             "weight_reads": measured["weight_reads"], "timer": measured["timer"],
             "from": "layers"}
 

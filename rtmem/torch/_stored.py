@@ -65,6 +65,8 @@ class _Entries(dict):
       (:meth:`_Stored.needed`), which a delete or a drop must leave alone
       (NOTE [ Executor ] rule 4). Residency changes through :meth:`set_resident`.
 
+    The executor counts delta in both ledgers itself.
+
     The executor's plain and abar dictionaries share both ledgers."""
 
     def __init__(self, ledger, holding):

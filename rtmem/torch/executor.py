@@ -309,7 +309,7 @@ class ScheduleExecutor(_HostSide):
         self._ledger, self._holding = _Ledger(), _Ledger()
         self._plain = _Entries(self._ledger, self._holding)
         self._bar = _Entries(self._ledger, self._holding)
-        self._delta_t, self._delta_keys = None, ()
+        self._delta_t, self._delta_keys = None, ((), ())
 
     @property
     def _delta(self):
@@ -318,8 +318,11 @@ class ScheduleExecutor(_HostSide):
 
     @_delta.setter
     def _delta(self, t):
-        self._ledger.remove(self._delta_keys)
-        self._delta_t, self._delta_keys = t, self._ledger.add((t,))
+        # counted in both ledgers: its bytes are resident, and no move frees it
+        counted, held = self._delta_keys
+        self._ledger.remove(counted)
+        self._holding.remove(held)
+        self._delta_t, self._delta_keys = t, (self._ledger.add((t,)), self._holding.add((t,)))
 
     def _account(self):
         nbytes = self._ledger.total
@@ -359,10 +362,9 @@ class ScheduleExecutor(_HostSide):
         a plan that deletes while many tensors are resident. With
         ``RTMEM_CHECK_ACCOUNTING=1`` every answer is checked against that walk."""
         holds, never_freed = self._holding.holds, self._never_freed
-        delta = _storage_ptrs([self._delta])
 
         def protected(key) -> bool:
-            return never_freed(key) or holds(key) or key in delta
+            return never_freed(key) or holds(key)
         if not _CHECK_ACCOUNTING:
             return protected
         walked = self._protected_walk()
