@@ -135,6 +135,42 @@ def test_the_callers_batch_and_target_are_never_freed():
     assert torch.equal(x, x0)
 
 
+class _HalfSquaredNorm(torch.autograd.Function):
+    """0.5 * ||z||^2, whose gradient z * g is handed back as a *view* of z when
+    g is 1: autograd's AccumulateGrad then keeps that view as the leaf's
+    ``.grad`` (a fresh TensorImpl it may steal), so delta_n shares a_n's storage."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return 0.5 * (z * z).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        z, = ctx.saved_tensors
+        return z.view_as(z) if g.item() == 1.0 else z * g
+
+
+@pytest.mark.parametrize("text", [
+    "F_ck 0, F_ck 1, L, F_all 1, B 1, F_all 0, B 0",               # L drops a2
+    "F_ck 0, F_ck 1, offload a2, L, F_all 1, B 1, F_all 0, B 0"])  # L deletes a2
+def test_consuming_a_tensor_that_delta_shares_keeps_delta(text):
+    # L consumes the plain a2 while delta_2 is a view of it; B 1 then reads
+    # delta_2, so its storage is protected like every storage another owner
+    # needs (rule 4), counted in the holding ledger
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 4)))
+    x = torch.randn(5, 6)
+
+    def loss_fn(out, target):
+        return _HalfSquaredNorm.apply(out)
+    ref = copy.deepcopy(model)
+    out = ref(x)
+    grad = torch.autograd.grad(loss_fn(out, None), out)[0]
+    assert grad.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    _assert_same(*_train(model, x, None, loss_fn, _sched(text, 2)))
+
+
 # ---------------------------------------------------------------- defect 2
 @pytest.mark.parametrize("segments", [None, 2])
 def test_a_frozen_first_stage_on_token_inputs_trains(segments):
