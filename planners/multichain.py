@@ -71,24 +71,27 @@ class MultiOp(NamedTuple):
 def _check_lengths(lengths, b):
     """``(L, b)`` as tuples of Python ints: one length >= 0 and one 0/1 flag per
     branch, each a true integer (2.5 or "3" is refused, not truncated)."""
+    def lengths_error(got):
+        return ChainError(f"lengths must be a non-empty sequence of integers >= 0 (one per "
+                          f"branch), got {got}", field="lengths")
+
+    def flags_error():
+        return ChainError(f"b must hold one 0/1 flag per branch ({len(L)}), got {b!r}",
+                          field="b")
     if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
-        raise ChainError(f"lengths must be a non-empty sequence of integers >= 0 (one per "
-                         f"branch), got {lengths!r}", field="lengths")
+        raise lengths_error(repr(lengths))
     L = tuple(check_int(f"lengths[{j}]", v, error=ChainError, field="lengths")
               for j, v in enumerate(lengths))
     if not L:
-        raise ChainError("lengths must be a non-empty sequence of integers >= 0 (one per "
-                         "branch), got an empty one", field="lengths")
+        raise lengths_error("an empty one")
     if b is None:
         return L, (0,) * len(L)
     if isinstance(b, (str, bytes)) or not hasattr(b, "__iter__"):
-        raise ChainError(f"b must hold one 0/1 flag per branch ({len(L)}), got {b!r}",
-                         field="b")
+        raise flags_error()
     b = tuple(check_int(f"b[{j}]", v, high=1, error=ChainError, field="b")
               for j, v in enumerate(b))
     if len(b) != len(L):
-        raise ChainError(f"b must hold one 0/1 flag per branch ({len(L)}), got {b!r}",
-                         field="b")
+        raise flags_error()
     return L, b
 
 
