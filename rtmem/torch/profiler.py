@@ -46,7 +46,7 @@ from torch import nn
 from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
-from ._stages import (_check_output, _grad_input, _input_key, _rederived_input, _stage_input,
+from ._stages import (_check_output, _input_key, _rederived_input, _stage_input,
                       _storage_bytes, _storage_ptrs, as_stages, check_inputs, check_loss_fn)
 
 __all__ = ["profile_sequential"]
@@ -170,7 +170,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         loss_times = []
         for _ in range(repeats):
             with torch.enable_grad():
-                _, z = _grad_input(x)   # as the executor's L hands it to loss_fn
+                _, z = _stage_input(x)   # as the executor's L hands it to loss_fn
 
             def run():
                 with torch.enable_grad():
