@@ -9,7 +9,8 @@ from hypothesis import given, settings
 
 from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate, store_all_schedule
-from rtmem.planners.testing import reference_simulate, simulation_cases, valid_schedules
+from rtmem.planners.testing import (reference_simulate, simulation_cases, valid_schedules,
+                                    wandering_schedules)
 
 BIG = Platform(10**12)
 
@@ -175,6 +176,18 @@ def test_bad_arguments():
 @settings(max_examples=150, deadline=None)
 @given(simulation_cases())
 def test_agrees_with_reference(case):
+    _check_against_reference(case)
+
+
+@settings(max_examples=150, deadline=None)
+@given(simulation_cases(max_stages=7, wander=True))
+def test_agrees_with_reference_on_wandering_schedules(case):
+    # the walk's own residency model is checked too: simulate() raises on any
+    # operation it allowed wrongly
+    _check_against_reference(case)
+
+
+def _check_against_reference(case):
     chain, schedule, platform = case
     r = simulate(chain, schedule, platform)
     ref = reference_simulate(chain, schedule, platform)
@@ -237,3 +250,32 @@ def test_generated_schedules_shrink_to_few_moves():
     moves = [op for op in Op if op.name in ("OFFLOAD", "DELETE", "PREFETCH", "W_OFFLOAD",
                                             "W_DELETE", "W_PREFETCH", "G_OFFLOAD")]
     assert sum(schedule.count(op) for op in moves) <= 3, str(schedule)
+
+
+def test_wandering_schedules_shrink_to_the_greedy_finish():
+    # choice 0 at every step is the greedy finish: the simplest wandering
+    # schedule recomputes every activation from a_0 for each backward step
+    from hypothesis import find
+
+    found = find(wandering_schedules(Chain.homogeneous(2)), lambda s: True,
+                 settings=settings(max_examples=50, database=None, derandomize=True))
+    assert str(found) == "F_ck 0, F_ck 1, L, F_all 1, B 1, F_all 0, B 0", str(found)
+    # one that needs a weight prefetch shrinks to a single weight round trip
+    found = find(wandering_schedules(Chain.homogeneous(2)),
+                 lambda s: s.count(Op.W_PREFETCH) >= 1,
+                 settings=settings(max_examples=500, database=None, derandomize=True))
+    moves = [op for op, _, _ in found if op.name.startswith(("W_", "G_"))]
+    assert len(moves) == 2, str(found)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"chain": 0}, "stage count >= 1"), ({"chain": "3"}, "Chain or a stage count"),
+    ({"chain": True}, "Chain or a stage count"),
+    ({"chain": 3, "max_steps": -1}, "max_steps must be an integer >= 0"),
+    ({"chain": 3, "max_steps": 2.5}, "max_steps must be an integer >= 0")])
+def test_wandering_schedules_arguments_are_named(kwargs, match):
+    from hypothesis import find
+
+    with pytest.raises(ValueError, match=match):
+        find(wandering_schedules(**kwargs), lambda s: True,
+             settings=settings(max_examples=1, database=None))

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from rtmem.planners import (Chain, Platform, Schedule, min_feasible_memory,  # noqa: E402
                             plan_floating, plan_remat, plan_revolve, plan_sequential,
                             sequential_schedule, simulate, store_all_schedule)
-from rtmem.planners.testing import valid_schedules  # noqa: E402
+from rtmem.planners.testing import valid_schedules, wandering_schedules  # noqa: E402
 from rtmem.torch import (ExecutionError, ScheduleExecutor, gpt2_model,  # noqa: E402
                          profile_sequential, resnet_model)
 
@@ -182,6 +182,26 @@ def test_track_memory_off_trains_the_same_and_counts_nothing(setup):
 def test_random_valid_schedules(setup, data):
     chain = setup[-1]
     sched = data.draw(valid_schedules(chain))
+    m, ex, loss = _run(setup, sched)
+    _assert_same_training(setup, m, ex, loss)
+    _check_measured_against(sched, chain, ex)
+
+
+@settings(max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_wandering_schedules(setup, data):
+    # Any operation the simulator allows, in any order (recomputing over a
+    # resident tensor, discarding a0, recomputing an abar never consumed...):
+    # the executor trains as plain autograd and holds what the simulator
+    # counts, or refuses the one kind of schedule it cannot run, up front.
+    chain = setup[-1]
+    sched = data.draw(wandering_schedules(chain))
+    try:
+        ScheduleExecutor(copy.deepcopy(setup[0]), sched, setup[1])
+    except ExecutionError as exc:
+        assert "consumed its graph" in str(exc), exc
+        return
     m, ex, loss = _run(setup, sched)
     _assert_same_training(setup, m, ex, loss)
     _check_measured_against(sched, chain, ex)

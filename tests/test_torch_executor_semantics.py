@@ -294,6 +294,28 @@ def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
     assert ex.peak_bytes <= sim.peak
 
 
+@pytest.mark.parametrize("text", [
+    # abar1 recomputed while resident: the first is kept, as the simulator keeps
+    # it (a second one left the first's output held by abar2's leaf input)
+    "F_all 0, F_all 1, F_all 0, F_all 2, L, B 2, B 1, B 0",
+    # F_none 0 consumes a0, which the caller's batch cannot be: a private copy
+    "offload a0, F_none 0, F_all 1, F_all 2, L, B 2, B 1, prefetch a0, F_all 0, B 0",
+    # abar3 recomputed after B 2 and never consumed holds abar2's output as its
+    # leaf input; B 1 consumes abar2, so the simulator frees it whole
+    "F_all 0, F_all 1, F_all 2, L, B 2, F_all 2, B 1, B 0"])
+def test_redundant_operations_hold_what_the_simulator_counts(text):
+    # shapes no planner emits, found by wandering_schedules
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.Tanh()),
+                          nn.Sequential(nn.Linear(64, 64), nn.Tanh()), nn.Linear(64, 1))
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    x0 = x.clone()
+    _, sim, ex = _profiled_run(model, x, y, text)
+    last_b = len(ex.resident_bytes) - 1   # B 0 holds delta_0, which the executor needs not
+    assert ex.resident_bytes[:last_b] == sim.timeline["mem_after"][:last_b].tolist()
+    assert torch.equal(x, x0) and _intact(x)
+
+
 # ---------------------------------------------------------------- defect 6
 def _tied_model():
     torch.manual_seed(0)

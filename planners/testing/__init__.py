@@ -19,6 +19,10 @@ Strategies
 :func:`platforms`         memory / bandwidth / channel triples
 :func:`valid_schedules`   random *valid* schedules of a given chain (rematerialization,
                           offload/prefetch/delete, weight and gradient moves)
+:func:`wandering_schedules` random walks over every operation the simulator
+                          allows (recompute over resident tensors, discards, late
+                          prefetches...), finished greedily: schedules no planner
+                          emits, for executors to survive
 :func:`simulation_cases`  (chain, schedule, platform) triples that simulate cleanly
 
 Oracles
@@ -34,6 +38,7 @@ Requires ``hypothesis`` (``pip install rtmem[test]``).
 from .bruteforce import brute_force_multichain, brute_force_remat
 from .reference import reference_simulate
 from .strategies import chains, platforms, simulation_cases, valid_schedules
+from .wandering import wandering_schedules
 
-__all__ = ["chains", "platforms", "valid_schedules", "simulation_cases",
+__all__ = ["chains", "platforms", "valid_schedules", "wandering_schedules", "simulation_cases",
            "reference_simulate", "brute_force_remat", "brute_force_multichain"]

@@ -11,6 +11,7 @@ from ..chain import Chain
 from ..platform import CHANNELS, Platform
 from ..schedule import Op, Schedule
 from .reference import reference_simulate
+from .wandering import wandering_schedules
 
 __all__ = ["chains", "platforms", "valid_schedules", "simulation_cases"]
 
@@ -230,16 +231,21 @@ def valid_schedules(draw, chain: Chain, *, transfers: bool = True):
 
 @st.composite
 def simulation_cases(draw, min_stages: int = 1, max_stages: int = 8, *,
-                     transfers: bool = True, small: bool = False):
+                     transfers: bool = True, small: bool = False, wander: bool = False):
     """Strategy for ``(chain, schedule, platform)`` that simulate without error.
 
+    The schedule comes from :func:`valid_schedules`, or with ``wander`` from
+    :func:`~rtmem.planners.testing.wandering_schedules` (any allowed operation
+    at each step; ``transfers`` then also allows weight and gradient moves).
     The platform memory is the schedule's peak with unlimited memory plus a random
     slack (the schedule then never waits for memory, so it stays valid).
     A heterogeneous chain and its moves share Hypothesis's input buffer: keep
-    ``max_stages`` below ~120 (below ~200 with ``transfers=False``).
+    ``max_stages`` below ~120 (below ~200 with ``transfers=False``; a few dozen
+    with ``wander``).
     """
     chain = draw(chains(min_stages, max_stages, small=small))
-    schedule = draw(valid_schedules(chain, transfers=transfers))
+    schedule = draw(wandering_schedules(chain, transfers=transfers, weights=transfers)
+                    if wander else valid_schedules(chain, transfers=transfers))
     probe = draw(platforms())
     unlimited = Platform(math.inf, probe.bandwidth, probe.channel)
     peak = reference_simulate(chain, schedule, unlimited)["peak"]

@@ -14,6 +14,8 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    abar_{i+1}. Saved tensors go through ``saved_tensors_hooks`` so the executor
    knows their storages (for accounting and offload); views of the stage's
    parameters, buffers and input are re-derived when the backward reads them.
+   A forward whose output (a_{i+1} or abar_{i+1}) is already resident keeps
+   the resident one, as the simulator does.
 3. ``L``: the loss on a_n; its gradient is delta_n. ``B i``: backward through the
    graph of abar_{i+1} with delta_{i+1}; the input's ``.grad`` is delta_i.
    Parameter gradients accumulate in ``.grad`` as with ``loss.backward()``. A B i
@@ -29,9 +31,11 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    the caller's inputs or target, or to the output or saved tensors of another
    resident stored tensor (an ``nn.Identity`` or view stage returns its input's
    storage, batch norm saves its running statistics): a delete leaves it on the
-   device, as its other owner needs it. Conversely, dropping a tensor also frees
-   its storages that other stored tensors hold without needing them (the leaf
-   input of an abar built from it, a deleted view of it), as the simulator does.
+   device, as its other owner needs it. Conversely, dropping or consuming a
+   tensor also frees its storages that other stored tensors hold without
+   needing them (the leaf input of an abar built from it, a deleted view of
+   it), as the simulator does. A schedule that frees a_0 before ``B 0`` runs on
+   a private copy of the caller's batch.
 5. ``w_offload``/``w_delete``/``w_prefetch`` swap the parameters' ``.data`` with an
    empty placeholder and back (a host copy of this step's weights is kept);
    ``g_offload i`` moves the stage's parameter gradients into host accumulators
@@ -209,9 +213,12 @@ class ScheduleExecutor(_HostSide):
         self._new_ledger()
         self._caller_keys: set = set()
         self._op_index = 0   # of the operation running, for error messages
-        # If the schedule frees a0, work on a private copy: the caller's batch may share
-        # its storage with other tensors (targets are often a view of the same tokens).
-        self._own_input = any(op == Op.DELETE and k == 0 for op, k, _ in schedule)
+        # If the schedule frees a0 before B 0 (a delete, or F_none 0 consuming it),
+        # work on a private copy, which it can free: the caller holds its batch,
+        # which may also share its storage with other tensors (targets are often
+        # a view of the same tokens).
+        self._own_input = any(op in (Op.DELETE, Op.F_NONE) and k == 0
+                              for op, k, _ in schedule)
 
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
@@ -230,7 +237,7 @@ class ScheduleExecutor(_HostSide):
         """One forward + backward pass following the schedule; returns the loss
         (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``.
         ``inputs`` and ``target`` are never freed or moved (a0 is a private copy
-        when the schedule deletes it).
+        when the schedule frees it before B 0: ``delete a0`` or ``F_none 0``).
 
         If the step raises, the weights are all back on the device, but the
         gradients it produced before the error stay where they went (``.grad``,
@@ -448,12 +455,16 @@ class ScheduleExecutor(_HostSide):
     def _forward(self, op, i: int):
         x = self._source(i, plain_only=op == Op.F_NONE)
         self._wait_weights(i)
-        if op == Op.F_ALL:
+        # An output already resident is kept, as the simulator keeps it (Table
+        # 2.1 adds nothing); a second abar_{i+1} would also leave the first
+        # one's output held by the leaf input of abar_{i+2}: bytes not planned.
+        stored = self._bar if op == Op.F_ALL else self._plain
+        old = stored.get(i + 1)
+        if op == Op.F_ALL and (old is None or not old.resident):
             self._forward_all(i, x)
             return
         with torch.no_grad():
             y = self._run_stage(i, x)
-        old = self._plain.get(i + 1)
         if old is None or not old.resident:
             self._plain[i + 1] = _Stored.of(y)
         if op == Op.F_NONE:   # after storing a_{i+1}, which may share a_i's storage
@@ -497,6 +508,9 @@ class ScheduleExecutor(_HostSide):
         # else nothing flows back (NOTE rule 3): a frozen or parameter-free stage on
         # integer inputs, or an output the rest of the model did not use
         self._delta = bar.inp.grad if bar.inp is not None and bar.inp.requires_grad else None
+        # An abar_{i+2} recomputed from this one and never consumed holds its
+        # output as its leaf input; the simulator frees abar_{i+1} whole here
+        self._free_unneeded({k: s for k, s in _storages([bar.out]).items() if s.nbytes()})
         self._consume_plain(i)
 
     def _consume_plain(self, k: int):
@@ -520,7 +534,11 @@ class ScheduleExecutor(_HostSide):
                 self._delete(entries, entries[k], host)
                 return
         st = entries.pop(k)
-        mine = {s.data_ptr(): s for s in st.storages if s.nbytes()}
+        self._free_unneeded({s.data_ptr(): s for s in st.storages if s.nbytes()})
+
+    def _free_unneeded(self, mine: dict):
+        """Free the storages ``mine`` (pointer -> storage) of a stored tensor just
+        forgotten that other stored tensors hold without needing them."""
         # Still counted in the ledger: held by another stored tensor or delta.
         # Those that need it are protected; the rest (the leaf input of an abar,
         # a tensor between delete and prefetch) hold it without needing it.

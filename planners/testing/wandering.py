@@ -1,0 +1,184 @@
+"""Random walks over every operation the simulator allows.
+
+:func:`valid_schedules` builds a schedule from a persistent rematerialization
+sequence and weaves moves between two uses of a tensor: the shapes planners
+emit. :func:`wandering_schedules` is wilder. At each step it takes one of the
+operations that NOTE [ Simulator semantics ] allows in the current state: a
+forward of any stage whose input is resident (again and again if it likes), the
+next backward step, a discard or an offload of any resident tensor, a prefetch
+of any host copy, a weight or gradient move. After a random number of steps it
+finishes greedily. Schedules an executor has to survive come out of it: an
+``F_all`` over a resident abar, a checkpoint discarded and recomputed, a
+prefetch long after its offload, a plain a_k consumed while a host copy stays,
+weights deleted and brought back around several uses.
+
+The walk keeps its own model of the state (residency only: no bytes, no time),
+so a test that simulates what it draws checks that model against the simulator.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from ..chain import Chain
+from ..schedule import Op, Schedule
+
+__all__ = ["wandering_schedules"]
+
+_A, _ABAR = 0, 1
+
+
+class _Walk:
+    """Residency of a chain of ``n`` stages after some operations (NOTE
+    [ Simulator semantics ]): tensors ``(k, kind)`` (kind 0: a_k, 1: abar_k) on
+    the device and on the host, stages whose weights are on the device or whose
+    weight gradients are, and ``g``, the index of the next gradient to make
+    (``n + 1``: the loss is next; 0: the backward pass is over)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.dev = {(0, _A)}
+        self.host = set()
+        self.w_dev = set(range(n))
+        self.g_dev = set()
+        self.g = n + 1
+
+    def _either(self, k: int) -> bool:
+        return (k, _A) in self.dev or (k, _ABAR) in self.dev
+
+    def _keeps_a0(self, t) -> bool:
+        """False for an operation on ``t`` that would lose a_0: nothing can
+        recompute it, and B 0 needs it, so the walk could not finish."""
+        return t != (0, _A) or t in self.host
+
+    def legal(self) -> tuple[list, list, list]:
+        """Every ``(op, stage, aux)`` allowed now, in a fixed order, in three
+        lists: compute operations, activation moves, weight and gradient moves."""
+        n, dev = self.n, self.dev
+        compute, moves, weights = [], [], []
+        for s in range(n):
+            if s not in self.w_dev:
+                continue
+            if (s, _A) in dev and self._keeps_a0((s, _A)):
+                compute.append((Op.F_NONE, s, 0))      # reads and frees a plain a_s
+            if self._either(s):
+                compute += [(Op.F_CK, s, 0), (Op.F_ALL, s, 0)]
+        if self.g == n + 1 and self._either(n):
+            compute.append((Op.LOSS, 0, 0))
+        elif 0 < self.g <= n:
+            s = self.g - 1
+            if s in self.w_dev and (s + 1, _ABAR) in dev and self._either(s):
+                compute.append((Op.B, s, 0))
+        for k, kind in sorted(dev):
+            if (k, kind) not in self.host:
+                moves.append((Op.OFFLOAD, k, kind))
+            if self._keeps_a0((k, kind)):
+                moves.append((Op.DELETE, k, kind))
+        moves += [(Op.PREFETCH, k, kind) for k, kind in sorted(self.host - dev)]
+        for s in range(n):
+            weights += ([(Op.W_OFFLOAD, s, 0), (Op.W_DELETE, s, 0)] if s in self.w_dev
+                        else [(Op.W_PREFETCH, s, 0)])
+        weights += [(Op.G_OFFLOAD, s, 0) for s in sorted(self.g_dev)]
+        return compute, moves, weights
+
+    def apply(self, op) -> None:
+        code, s, aux = op
+        dev = self.dev
+        if code in (Op.F_NONE, Op.F_CK, Op.F_ALL):
+            if code == Op.F_NONE:
+                dev.discard((s, _A))
+            dev.add((s + 1, _ABAR if code == Op.F_ALL else _A))   # kept if resident
+        elif code in (Op.LOSS, Op.B):
+            k = self.n if code == Op.LOSS else s
+            if code == Op.B:
+                dev.discard((s + 1, _ABAR))
+                self.g_dev.add(s)
+            if (k, _A) in dev and (k, _ABAR) not in dev:
+                dev.discard((k, _A))       # a plain input is consumed (Table 2.1)
+            self.g = k
+        elif code == Op.OFFLOAD:
+            self.host.add((s, aux))
+        elif code == Op.DELETE:
+            dev.discard((s, aux))
+        elif code == Op.PREFETCH:
+            dev.add((s, aux))
+        elif code in (Op.W_OFFLOAD, Op.W_DELETE):
+            self.w_dev.discard(s)
+        elif code == Op.W_PREFETCH:
+            self.w_dev.add(s)
+        else:   # G_OFFLOAD
+            self.g_dev.discard(s)
+
+    def progress(self):
+        """The next operation of a greedy finish (None once the backward pass is
+        over): bring back or recompute, from the nearest resident or host copy,
+        what the next backward step needs."""
+        if self.g == 0:
+            return None
+        if self.g == self.n + 1:
+            return self._need_either(self.n) or (Op.LOSS, 0, 0)
+        s = self.g - 1
+        return (self._need_weights(s) or self._need_abar(s + 1) or self._need_either(s)
+                or (Op.B, s, 0))
+
+    def _need_weights(self, s: int):
+        return None if s in self.w_dev else (Op.W_PREFETCH, s, 0)
+
+    def _need_abar(self, k: int):
+        if (k, _ABAR) in self.dev:
+            return None
+        if (k, _ABAR) in self.host:
+            return (Op.PREFETCH, k, _ABAR)
+        return self._need_weights(k - 1) or self._need_either(k - 1) or (Op.F_ALL, k - 1, 0)
+
+    def _need_either(self, k: int):
+        if self._either(k):
+            return None
+        for kind in (_A, _ABAR):
+            if (k, kind) in self.host:
+                return (Op.PREFETCH, k, kind)
+        # k > 0: a_0 is never lost (_keeps_a0)
+        return self._need_weights(k - 1) or self._need_either(k - 1) or (Op.F_CK, k - 1, 0)
+
+
+@st.composite
+def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = None,
+                        transfers: bool = True, weights: bool = True):
+    """Strategy for schedules of ``chain`` (a :class:`~rtmem.planners.Chain` or a
+    stage count) that the simulator accepts with enough memory, drawn by a
+    random walk over every allowed operation (module docstring).
+
+    Up to ``max_steps`` (default ``6 n + 8``) operations are drawn, each among all
+    those allowed in the current state; a greedy finish then completes the
+    backward pass. The greedy step is choice 0, so failures shrink toward the
+    shortest schedule. ``transfers`` allows activation offload / delete /
+    prefetch, ``weights`` weight and gradient moves. Each step takes a draw from
+    Hypothesis's input buffer: keep chains to a few dozen stages.
+    """
+    n = chain.n if isinstance(chain, Chain) else chain
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"wandering_schedules: chain must be a Chain or a stage count "
+                         f">= 1, got {chain!r}")
+    steps = 6 * n + 8 if max_steps is None else max_steps
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"wandering_schedules: max_steps must be an integer >= 0, "
+                         f"got {max_steps!r}")
+    walk, ops = _Walk(n), []
+    for _ in range(draw(st.integers(0, steps))):
+        greedy = walk.progress()
+        if greedy is None:
+            break
+        # a kind first, then one of its operations: drawn from one list of all,
+        # the weight moves (2 n of them at any time) would crowd out the rest
+        compute, moves, weight_moves = walk.legal()
+        kinds = [m for m, on in ((compute, True), (moves, transfers),
+                                 (weight_moves, weights)) if on and m]
+        kind = draw(st.integers(0, len(kinds)))        # 0: the greedy step
+        op = greedy if kind == 0 else kinds[kind - 1][draw(
+            st.integers(0, len(kinds[kind - 1]) - 1))]
+        walk.apply(op)
+        ops.append(op)
+    while (op := walk.progress()) is not None:
+        walk.apply(op)
+        ops.append(op)
+    return Schedule.from_ops(ops)
