@@ -176,8 +176,13 @@ def test_track_memory_off_trains_the_same_and_counts_nothing(setup):
     assert ex.peak_bytes == tracked.peak_bytes == max(tracked.resident_bytes)
 
 
-@settings(max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+#: Examples per random-schedule test (RTMEM_EXAMPLES raises it for a bug hunt).
+_RANDOM_SCHEDULES = settings(
+    max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@_RANDOM_SCHEDULES
 @given(data=st.data())
 def test_random_valid_schedules(setup, data):
     chain = setup[-1]
@@ -187,8 +192,7 @@ def test_random_valid_schedules(setup, data):
     _check_measured_against(sched, chain, ex)
 
 
-@settings(max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@_RANDOM_SCHEDULES
 @given(data=st.data())
 def test_wandering_schedules(setup, data):
     # Any operation the simulator allows, in any order (recomputing over a

@@ -148,10 +148,11 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     stage count) that the simulator accepts with enough memory, drawn by a
     random walk over every allowed operation (module docstring).
 
-    Up to ``max_steps`` (default ``6 n + 8``) operations are drawn, each among all
-    those allowed in the current state; a greedy finish then completes the
-    backward pass. The greedy step is choice 0, so failures shrink toward the
-    shortest schedule. ``transfers`` allows activation offload / delete /
+    Up to ``max_steps`` (default ``6 n + 8``) operations are drawn, each as a
+    kind (the greedy step, a compute operation, an activation move, a weight or
+    gradient move) and then one operation of that kind allowed in the current
+    state; a greedy finish then completes the backward pass. The greedy step is
+    choice 0, so failures shrink toward the shortest schedule. ``transfers`` allows activation offload / delete /
     prefetch, ``weights`` weight and gradient moves. Each step takes a draw from
     Hypothesis's input buffer: keep chains to a few dozen stages.
     """

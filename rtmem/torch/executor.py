@@ -43,7 +43,10 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    by several stages (tied weights), or weights or gradients that
    :func:`~rtmem.torch.place_parameters` put in an arena, are refused with
    :class:`ExecutionError` before any work: a move would free a weight another
-   stage still reads, or take it out of its arena.
+   stage still reads, or take it out of its arena. A stored activation that is
+   a view of a weight (a stage returning ``w.expand(...)``) keeps the old
+   storage alive through a weight move: those bytes then count as activation
+   bytes, beyond what the simulator, which frees the weights, counts.
 6. Every execution of a stage after its first restores the RNG state of the first
    (dropout draws the same masks) and the module buffers (batch-norm running
    statistics are updated once per step, as in plain training).
