@@ -316,6 +316,29 @@ def test_redundant_operations_hold_what_the_simulator_counts(text):
     assert torch.equal(x, x0) and _intact(x)
 
 
+class _LayoutByGradMode(nn.Module):
+    """tanh(x), laid out column-major under no_grad and row-major under grad:
+    the plain a_{i+1} of F_ck and the abar_{i+1} of F_all hold the same values
+    in storages laid out differently."""
+
+    def forward(self, x):
+        y = torch.tanh(x)
+        return y if torch.is_grad_enabled() else y.t().contiguous().t()
+
+
+@pytest.mark.parametrize("stage", [_LayoutByGradMode, lambda: _ExpandBias()])
+def test_a_saved_input_view_is_rederived_from_a_copy_laid_out_differently(stage):
+    # F_all 2 reads abar2 and its Linear saves a view of it; B 2 re-derives that
+    # view from the plain a2 that F_ck 1 made later, laid out differently (a
+    # column-major copy: the old strides read wrong values; a view of a (1, 4)
+    # parameter: out of bounds)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), stage(), nn.Linear(4, 2))
+    x, y = torch.randn(5, 6), torch.randn(5, 2)
+    sched = _sched("F_ck 0, F_all 1, F_all 2, F_ck 1, L, B 2, B 1, F_all 0, B 0", 3)
+    _assert_same(*_train(model, x, y, mse, sched))
+
+
 # ---------------------------------------------------------------- defect 6
 def _tied_model():
     torch.manual_seed(0)

@@ -152,9 +152,10 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     kind (the greedy step, a compute operation, an activation move, a weight or
     gradient move) and then one operation of that kind allowed in the current
     state; a greedy finish then completes the backward pass. The greedy step is
-    choice 0, so failures shrink toward the shortest schedule. ``transfers`` allows activation offload / delete /
-    prefetch, ``weights`` weight and gradient moves. Each step takes a draw from
-    Hypothesis's input buffer: keep chains to a few dozen stages.
+    choice 0, so failures shrink toward the shortest schedule. ``transfers``
+    allows activation offload / delete / prefetch, ``weights`` weight and
+    gradient moves. Each step takes a draw from Hypothesis's input buffer: keep
+    chains to a few dozen stages.
     """
     n = chain.n if isinstance(chain, Chain) else chain
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -21,7 +21,8 @@ class _SavedHooks:
     while ``executor`` runs stage ``i`` forward from ``x``; ``saved`` lists the
     tensors the graph keeps as they are (the stored abar's saved tensors)."""
 
-    __slots__ = ("executor", "i", "state", "x_key", "x_version", "x_dtype", "saved")
+    __slots__ = ("executor", "i", "state", "x_key", "x_version", "x_dtype", "x_layout",
+                 "saved")
 
     def __init__(self, executor, i: int, x: torch.Tensor):
         self.executor, self.i = executor, i
@@ -30,6 +31,8 @@ class _SavedHooks:
                       for t in (*executor._stage_params[i], *executor._stage_buffers[i])
                       for s in (t.untyped_storage(),) if s.nbytes()}
         self.x_key, self.x_version, self.x_dtype = _input_key(x), x._version, x.dtype
+        # how x lies in its storage (tuples of ints: the collector stops tracking them)
+        self.x_layout = _layout(x)
         self.saved = []
 
     def pack(self, t: torch.Tensor):
@@ -72,4 +75,19 @@ class _SavedHooks:
                     f"out-of-place or before the stage uses it")
             return base.detach().as_strided(size, stride, offset)
         k, size, stride, offset = packed
-        return self.executor._source(k).as_strided(size, stride, offset)
+        src = self.executor._source(k)
+        if _layout(src) != self.x_layout:
+            # This copy of a_i lies in its storage unlike the one F_all read (a
+            # stage whose output's layout depends on the grad mode: plain a_i
+            # from F_ck, abar_i from F_all): the saved view's strides address the
+            # old layout, so lay the values out as they were.
+            x_size, x_stride, x_offset, nbytes = self.x_layout
+            buf = src.new_empty(nbytes // src.element_size())
+            buf.as_strided(x_size, x_stride, x_offset).copy_(src)
+            src = buf
+        return src.as_strided(size, stride, offset)
+
+
+def _layout(x: torch.Tensor) -> tuple:
+    """Size, stride, offset and storage bytes of ``x`` (:attr:`_SavedHooks.x_layout`)."""
+    return (tuple(x.size()), x.stride(), x.storage_offset(), x.untyped_storage().nbytes())
