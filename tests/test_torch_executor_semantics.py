@@ -326,17 +326,24 @@ class _LayoutByGradMode(nn.Module):
         return y if torch.is_grad_enabled() else y.t().contiguous().t()
 
 
-@pytest.mark.parametrize("stage", [_LayoutByGradMode, lambda: _ExpandBias()])
-def test_a_saved_input_view_is_rederived_from_a_copy_laid_out_differently(stage):
+_LATER_PLAIN = "F_ck 0, F_all 1, F_all 2, F_ck 1, L, B 2, B 1, F_all 0, B 0"
+
+
+@pytest.mark.parametrize("stage, text", [
     # F_all 2 reads abar2 and its Linear saves a view of it; B 2 re-derives that
-    # view from the plain a2 that F_ck 1 made later, laid out differently (a
-    # column-major copy: the old strides read wrong values; a view of a (1, 4)
-    # parameter: out of bounds)
+    # view from the plain a2 that F_ck 1 made later, laid out differently: a
+    # column-major copy (the old strides read wrong values), a view of a (1, 4)
+    # parameter (out of bounds)
+    (_LayoutByGradMode, _LATER_PLAIN), (lambda: _ExpandBias(), _LATER_PLAIN),
+    # F_all 2 reads the plain a2 (the expanded parameter: stride 0), F_none 2
+    # consumes it, B 2 re-derives from abar2
+    (lambda: _ExpandBias(),
+     "F_ck 0, F_ck 1, F_all 1, F_all 2, F_none 2, L, B 2, B 1, F_all 0, B 0")])
+def test_a_saved_input_view_is_rederived_from_a_copy_laid_out_differently(stage, text):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), stage(), nn.Linear(4, 2))
     x, y = torch.randn(5, 6), torch.randn(5, 2)
-    sched = _sched("F_ck 0, F_all 1, F_all 2, F_ck 1, L, B 2, B 1, F_all 0, B 0", 3)
-    _assert_same(*_train(model, x, y, mse, sched))
+    _assert_same(*_train(model, x, y, mse, _sched(text, 3)))
 
 
 # ---------------------------------------------------------------- defect 6

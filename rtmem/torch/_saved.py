@@ -83,7 +83,11 @@ class _SavedHooks:
             # old layout, so lay the values out as they were.
             x_size, x_stride, x_offset, nbytes = self.x_layout
             buf = src.new_empty(nbytes // src.element_size())
-            buf.as_strided(x_size, x_stride, x_offset).copy_(src)
+            # an index write, not copy_ into buf.as_strided(...): that layout may
+            # repeat elements (an expanded input, stride 0), which copy_ refuses;
+            # repeated indices get equal values here
+            where = torch.arange(buf.numel(), device=buf.device)
+            buf[where.as_strided(x_size, x_stride, x_offset)] = src
             src = buf
         return src.as_strided(size, stride, offset)
 
