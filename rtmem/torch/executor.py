@@ -513,7 +513,9 @@ class ScheduleExecutor(_HostSide):
         self._delta = bar.inp.grad if bar.inp is not None and bar.inp.requires_grad else None
         # An abar_{i+2} recomputed from this one and never consumed holds its
         # output as its leaf input; the simulator frees abar_{i+1} whole here
-        self._free_unneeded({k: s for k, s in _storages([bar.out]).items() if s.nbytes()})
+        out = bar.out.untyped_storage()
+        if out.nbytes() and self._ledger.holds(out.data_ptr()):
+            self._free_unneeded({out.data_ptr(): out})
         self._consume_plain(i)
 
     def _consume_plain(self, k: int):
