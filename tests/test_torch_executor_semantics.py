@@ -279,6 +279,13 @@ def _profiled_run(model, x, y, text):
     return chain, sim, ex
 
 
+def _assert_counted_as_simulated(ex, sim):
+    """The executor's resident bytes after each operation are the simulator's,
+    up to the last one (B 0 holds delta_0, which the executor needs not)."""
+    last_b = len(ex.resident_bytes) - 1
+    assert ex.resident_bytes[:last_b] == sim.timeline["mem_after"][:last_b].tolist()
+
+
 # ---------------------------------------------------------------- defect 5
 def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
     # a1 is discarded after F_all 1 read it (abar2's graph still holds its leaf
@@ -289,8 +296,7 @@ def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
     x, y = torch.randn(8, 16), torch.randn(8, 1)
     _, sim, ex = _profiled_run(model, x, y, "F_ck 0, F_all 1, delete a1, F_all 2, F_all 3, "
                                "L, B 3, B 2, F_ck 0, B 1, F_all 0, B 0")
-    last_b = len(ex.resident_bytes) - 1   # B 0 holds delta_0, which the executor needs not
-    assert ex.resident_bytes[:last_b] == sim.timeline["mem_after"][:last_b].tolist()
+    _assert_counted_as_simulated(ex, sim)
     assert ex.peak_bytes <= sim.peak
 
 
@@ -311,8 +317,7 @@ def test_redundant_operations_hold_what_the_simulator_counts(text):
     x, y = torch.randn(8, 16), torch.randn(8, 1)
     x0 = x.clone()
     _, sim, ex = _profiled_run(model, x, y, text)
-    last_b = len(ex.resident_bytes) - 1   # B 0 holds delta_0, which the executor needs not
-    assert ex.resident_bytes[:last_b] == sim.timeline["mem_after"][:last_b].tolist()
+    _assert_counted_as_simulated(ex, sim)
     assert torch.equal(x, x0) and _intact(x)
 
 

@@ -129,7 +129,7 @@ class _Walk:
             return None
         if (k, _ABAR) in self.host:
             return (Op.PREFETCH, k, _ABAR)
-        return self._need_weights(k - 1) or self._need_either(k - 1) or (Op.F_ALL, k - 1, 0)
+        return self._produce(k, Op.F_ALL)
 
     def _need_either(self, k: int):
         if self._either(k):
@@ -137,8 +137,11 @@ class _Walk:
         for kind in (_A, _ABAR):
             if (k, kind) in self.host:
                 return (Op.PREFETCH, k, kind)
-        # k > 0: a_0 is never lost (_keeps_a0)
-        return self._need_weights(k - 1) or self._need_either(k - 1) or (Op.F_CK, k - 1, 0)
+        return self._produce(k, Op.F_CK)   # k > 0: a_0 is never lost (_keeps_a0)
+
+    def _produce(self, k: int, op):
+        """The next step toward running ``op`` on stage k-1 to make a_k / abar_k."""
+        return self._need_weights(k - 1) or self._need_either(k - 1) or (op, k - 1, 0)
 
 
 @st.composite

@@ -459,17 +459,16 @@ class ScheduleExecutor(_HostSide):
         x = self._source(i, plain_only=op == Op.F_NONE)
         self._wait_weights(i)
         # An output already resident is kept, as the simulator keeps it (Table
-        # 2.1 adds nothing); a second abar_{i+1} would also leave the first
-        # one's output held by the leaf input of abar_{i+2}: bytes not planned.
-        stored = self._bar if op == Op.F_ALL else self._plain
-        old = stored.get(i + 1)
-        if op == Op.F_ALL and (old is None or not old.resident):
-            self._forward_all(i, x)
-            return
-        with torch.no_grad():
-            y = self._run_stage(i, x)
+        # 2.1 adds nothing), and not computed again; a second abar_{i+1} would
+        # also leave the first one's output held by the leaf input of
+        # abar_{i+2}: bytes not planned.
+        old = (self._bar if op == Op.F_ALL else self._plain).get(i + 1)
         if old is None or not old.resident:
-            self._plain[i + 1] = _Stored.of(y)
+            if op == Op.F_ALL:
+                self._forward_all(i, x)
+                return
+            with torch.no_grad():
+                self._plain[i + 1] = _Stored.of(self._run_stage(i, x))
         if op == Op.F_NONE:   # after storing a_{i+1}, which may share a_i's storage
             self._drop(self._plain, i)
 
@@ -513,9 +512,7 @@ class ScheduleExecutor(_HostSide):
         self._delta = bar.inp.grad if bar.inp is not None and bar.inp.requires_grad else None
         # An abar_{i+2} recomputed from this one and never consumed holds its
         # output as its leaf input; the simulator frees abar_{i+1} whole here
-        out = bar.out.untyped_storage()
-        if out.nbytes() and self._ledger.holds(out.data_ptr()):
-            self._free_unneeded({out.data_ptr(): out})
+        self._free_unneeded([bar.out.untyped_storage()])
         self._consume_plain(i)
 
     def _consume_plain(self, k: int):
@@ -539,11 +536,12 @@ class ScheduleExecutor(_HostSide):
                 self._delete(entries, entries[k], host)
                 return
         st = entries.pop(k)
-        self._free_unneeded({s.data_ptr(): s for s in st.storages if s.nbytes()})
+        self._free_unneeded(st.storages)
 
-    def _free_unneeded(self, mine: dict):
-        """Free the storages ``mine`` (pointer -> storage) of a stored tensor just
-        forgotten that other stored tensors hold without needing them."""
+    def _free_unneeded(self, storages):
+        """Free the device ``storages`` of a stored tensor just forgotten that
+        other stored tensors hold without needing them."""
+        mine = {s.data_ptr(): s for s in storages if s.nbytes()}
         # Still counted in the ledger: held by another stored tensor or delta.
         # Those that need it are protected; the rest (the leaf input of an abar,
         # a tensor between delete and prefetch) hold it without needing it.
