@@ -1,9 +1,15 @@
 """The offloaded optimizer loop and CPU Adam against torch.optim.Adam over 20 steps."""
 
 import copy
+import gc
 import math
+import os
+import threading
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 torch = pytest.importorskip("torch")
 
@@ -381,3 +387,178 @@ def test_replaced_parameter_refused_before_any_change(monkeypatch):
     net[1].weight.data = weight                    # restored: the step goes through
     assert off.step() and off.steps.tolist() == [1, 1, 1, 1]
     off.close()
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+def test_zero_grad_keeping_tensors_matches_torch(monkeypatch, adamw):
+    # zero_grad(set_to_none=False) leaves torch's p.grad a zero tensor, and Adam
+    # still steps such a parameter (moments decay, weight decay applies) when no
+    # backward reaches it; set_to_none=True skips it. Both as torch does.
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    mine = _Heads()
+    ref = copy.deepcopy(mine)
+    off = OffloadedAdam(mine.parameters(), lr=0.05, weight_decay=0.1, adamw=adamw)
+    Ref = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref_opt = Ref(ref.parameters(), lr=0.05, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    # aux used at step 0 only; zeroed-not-dropped after steps 0-2, dropped after 3
+    for step, (use_aux, to_none) in enumerate([(True, False), (False, False),
+                                                (False, False), (False, True),
+                                                (False, True)]):
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
+        for m, opt in ((mine, off), (ref, ref_opt)):
+            torch.nn.functional.mse_loss(m(x, use_aux), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=to_none)
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: (
+                f"step {step}, {name}: {m}"))
+    steps = [int(ref_opt.state[q]["step"]) for q in ref.parameters() if q in ref_opt.state]
+    assert off.steps.tolist() == [0, 0, 5, 5, 4, 4, 5, 5]   # aux: steps 0-3
+    assert steps == [5, 5, 4, 4, 5, 5]
+    off.close()
+
+
+class _OffloadedAdamMachine(RuleBasedStateMachine):
+    """OffloadedAdam against torch.optim.Adam(W) over fp32 master copies, through
+    any interleaving of backward passes over some parameters, gradients set by
+    hand, requires_grad toggles, steps and zero_grad of both kinds. Parameters are
+    fp32, fp16 or bf16, some transposed; chunks cut runs and parameters anywhere.
+    Gradients are small integers, so their sums are exact in every dtype and
+    the order in which flushes add them up does not matter."""
+
+    @initialize(shapes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 5),
+                                          st.booleans(), st.booleans()),
+                                min_size=1, max_size=4),
+                dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+                chunk=st.integers(1, 40), adamw=st.booleans(),
+                weight_decay=st.sampled_from([0.0, 0.1]), seed=st.integers(0, 2**31))
+    def build(self, shapes, dtype, chunk, adamw, weight_decay, seed):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.dtype, self.mine, self.ref = dtype, [], []
+        for rows, cols, transposed, frozen in shapes:
+            t = (torch.randn(cols, rows, generator=self.gen).t() if transposed
+                 else torch.randn(rows, cols, generator=self.gen)).to(dtype)
+            self.mine.append(torch.nn.Parameter(t.clone(), requires_grad=not frozen))
+            self.ref.append(torch.nn.Parameter(t.float()))      # the fp32 master
+        self.off = OffloadedAdam(self.mine, lr=0.05, weight_decay=weight_decay, adamw=adamw,
+                                 chunk_elements=chunk)
+        Ref = torch.optim.AdamW if adamw else torch.optim.Adam
+        self.ref_opt = Ref(self.ref, lr=0.05, weight_decay=weight_decay)
+
+    def _gradient(self, p):
+        """Nonzero integers in -4..4: sums of 50 of them are exact in bf16."""
+        size = torch.randint(1, 5, p.shape, generator=self.gen)
+        sign = torch.randint(0, 2, p.shape, generator=self.gen) * 2 - 1
+        return (size * sign).to(self.dtype)
+
+    def _add_ref_grad(self, k, g):
+        q = self.ref[k]
+        q.grad = g.float() if q.grad is None else q.grad + g.float()
+
+    @rule(used=st.sets(st.integers(0, 3), min_size=1))
+    def backward(self, used):
+        used = [k for k in sorted(used) if k < len(self.mine) and self.mine[k].requires_grad]
+        if used:
+            factors = [self._gradient(self.mine[k]) for k in used]
+            sum((self.mine[k] * f).sum() for k, f in zip(used, factors)).backward()
+            for k, f in zip(used, factors):
+                self._add_ref_grad(k, f)
+
+    @rule(k=st.integers(0, 3))
+    def gradient_by_hand(self, k):
+        p = self.mine[k % len(self.mine)]
+        g = self._gradient(p)
+        p.grad = g.clone() if p.grad is None else p.grad + g
+        self._add_ref_grad(k % len(self.mine), g)
+
+    @rule(k=st.integers(0, 3))
+    def toggle_requires_grad(self, k):
+        p = self.mine[k % len(self.mine)]
+        p.requires_grad_(not p.requires_grad)
+
+    @rule(to_none=st.booleans())
+    def step(self, to_none):
+        # a step consumes the gradients (NOTE [ Offloaded Adam ]): the loop zeroes
+        # them after it, as torch loops do
+        for opt in (self.off, self.ref_opt):
+            opt.step()
+            opt.zero_grad(set_to_none=to_none)
+
+    @rule(to_none=st.booleans())
+    def zero_grad(self, to_none):
+        for opt in (self.off, self.ref_opt):
+            opt.zero_grad(set_to_none=to_none)
+
+    @invariant()
+    def matches_torch(self):
+        for k, (p, lo, hi) in enumerate(self.off._slices()):
+            master = torch.from_numpy(self.off.master[lo:hi].copy()).view(p.shape)
+            torch.testing.assert_close(master, self.ref[k].detach(), rtol=1e-6, atol=1e-6)
+            assert torch.equal(p.detach(), master.to(self.dtype))   # uploaded, rounded
+            assert p.stride() == self.ref[k].stride()
+            state = self.ref_opt.state.get(self.ref[k])
+            assert self.off.steps[k] == (int(state["step"]) if state else 0)
+
+    def teardown(self):
+        self.off.close()
+
+
+_OffloadedAdamMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("RTMEM_EXAMPLES", 40)), stateful_step_count=25,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture
+def host_backend(monkeypatch):
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+
+
+@pytest.mark.usefixtures("host_backend")
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout")
+class TestOffloadedAdamStates(_OffloadedAdamMachine.TestCase):
+    pass
+
+
+class _NoReentryLock:
+    """A lock that raises where a real one would hang: acquired again by the
+    thread that holds it (a finalizer run by a garbage collection that started
+    while rtmem held the lock)."""
+
+    def __init__(self):
+        self._lock, self._owner = threading.Lock(), None
+
+    def __enter__(self):
+        if self._owner == threading.get_ident():
+            raise RuntimeError("lock re-entered by the thread holding it")
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+
+    def __exit__(self, *exc):
+        self._owner = None
+        self._lock.release()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_optimizer_dropped_in_a_garbage_collection_closes_its_arena_after_it(
+        monkeypatch):
+    # An OffloadedAdam left open in a reference cycle (a traceback holding it is
+    # enough) is finalized by whichever collection finds it, which Python may
+    # start while rtmem holds the backend's lock. Closing its arena right there
+    # took that lock again: the thread hung. The close waits for the collection
+    # to end (NOTE [ Frees from finalizers ]), like the frees of buffers.
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    off = OffloadedAdam(torch.nn.Linear(3, 2).parameters())
+    arena = off.arena
+    cycle = [off]
+    cycle.append(cycle)
+    del off, cycle
+    monkeypatch.setattr(arena.backend, "_lock", _NoReentryLock())
+    with arena.backend._lock:            # a collection while rtmem holds a lock
+        gc.collect()
+    assert arena.slabs                   # not closed inside the collection
+    monkeypatch.undo()
+    with rtmem.HostArena(4096) as other:
+        other.alloc(16).free()           # the next allocation closes it
+    assert arena.slabs == ()

@@ -19,10 +19,16 @@ Following offloaded-optimizer-study.md (§0, proposals 2 and 3):
    is updated, so the copy overlaps the CPU work instead of following it.
 3. The compute stream waits for the uploads only at the end of :meth:`step`.
 
-As in ``torch.optim.Adam``, a step updates only the parameters that received a
-gradient since the last step (a head unused this step, a frozen parameter: no
-moment decay, no weight decay), and bias correction uses each parameter's own
-step count (:attr:`OffloadedAdam.steps`, torch's ``state["step"]``). The update
+As in ``torch.optim.Adam``, a step updates only the parameters that have a
+gradient (a head unused this step, a frozen parameter: no moment decay, no
+weight decay), and bias correction uses each parameter's own step count
+(:attr:`OffloadedAdam.steps`, torch's ``state["step"]``). A parameter "has a
+gradient" when one was flushed since the last step, or when
+``zero_grad(set_to_none=False)`` zeroed one it had: torch keeps ``p.grad`` as a
+zero tensor then, and Adam still decays the moments of a parameter with a zero
+gradient. The one departure from torch: a step consumes the gradients, so
+without a ``zero_grad`` in between, the next backward starts from nothing
+instead of adding onto the last step's gradients. The update
 runs over maximal runs of consecutive parameters that have a gradient and share
 a step count: in the usual step, where every parameter has one, that is a single
 run over all elements, chunked as above.
@@ -44,6 +50,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rtmem._deferred import run_or_defer, track
 from rtmem.errors import OptimizerError
 from rtmem.kernels.adam import adam_coefficients, prepare_update, threads
 from rtmem.optim import _check_hyper, _check_num_threads
@@ -121,12 +128,17 @@ def _disown(params, ref) -> None:
 
 def _drop(hooks, params, ref, arena) -> None:
     """Finalizer of an OffloadedAdam dropped without close(): remove its hooks and
-    ownership (a new optimizer may take the parameters) and close its own arena."""
+    ownership (a new optimizer may take the parameters) and close its own arena.
+
+    An optimizer caught in a reference cycle (a traceback holding it) is finalized
+    by a garbage collection, which may start while rtmem holds the backend's
+    lock, which closing takes: the close waits for the collection's end (NOTE
+    [ Frees from finalizers ] in rtmem/_deferred.py)."""
     for h in hooks:
         h.remove()
     _disown(params, ref)
     if arena is not None:
-        arena.close()
+        run_or_defer(arena.close)
 
 
 class OffloadedAdam:
@@ -150,8 +162,9 @@ class OffloadedAdam:
 
     Call :meth:`step` after backward; gradients are already on the host by then.
     Gradients of several backward passes accumulate (in the parameter dtype)
-    until the next :meth:`step`. Parameters without a gradient since the last
-    step are left alone, as by ``torch.optim.Adam``.
+    until the next :meth:`step`, which consumes them. Parameters without a
+    gradient are left alone, as by ``torch.optim.Adam``; ``zero_grad`` with
+    ``set_to_none=False`` gives a zero one, as in torch (NOTE [ Offloaded Adam ]).
 
     Attributes
     ----------
@@ -207,6 +220,8 @@ class OffloadedAdam:
         # an arena made here is this optimizer's to close (pinned memory has no
         # finalizer: a dropped arena would keep its slabs pinned until exit)
         self._own_arena = host_arena is None
+        if self._own_arena:
+            track()     # its finalizer may close the arena in a collection (_drop)
         self.arena = host_arena if host_arena is not None else HostArena(need)
         self._bufs = []
         self._hooks = []
@@ -244,6 +259,10 @@ class OffloadedAdam:
         for p, lo, hi in self._slices():
             self.master[lo:hi] = p.detach().reshape(-1).float().cpu().numpy()
         self._fresh = [True] * len(self.params)   # no gradient flushed since the step
+        # torch would hold a p.grad (flushed since the last zero_grad(set_to_none=True))
+        self._had_grad = [False] * len(self.params)
+        # zeroed by zero_grad(set_to_none=False): a zero gradient at the next step
+        self._zeroed = set()
         self._partial = {}     # k -> event of a staged gradient not yet added (or None)
         cuda = any(p.is_cuda for p in self.params)
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else None
@@ -289,6 +308,7 @@ class OffloadedAdam:
         if not fresh:
             self._partial[k] = done
         self._fresh[k] = False
+        self._had_grad[k] = True
         p.grad = None          # the device gradient is freed right away
 
     def _settle(self, k: int) -> None:
@@ -361,10 +381,10 @@ class OffloadedAdam:
 
     # ------------------------------------------------------------ public API
     def step(self) -> bool:
-        """Update the parameters that received a gradient since the last step
-        (chunked, overlapped with the uploads); the others, frozen ones included,
-        keep their values and state. Returns False when no gradient was flushed
-        since the last step (nothing to do).
+        """Update the parameters that have a gradient (flushed since the last
+        step, or zeroed by ``zero_grad(set_to_none=False)``), chunked and
+        overlapped with the uploads; the others, frozen ones included, keep
+        their values and state. Returns False when none has one (nothing to do).
 
         Everything that can be refused (hyperparameters, replaced parameters) is
         checked before any host state or parameter changes."""
@@ -375,6 +395,11 @@ class OffloadedAdam:
         pending = [k for k, p in enumerate(self.params) if p.grad is not None]
         fresh = list(self._fresh)
         for k in pending:
+            fresh[k] = False
+        # zeroed by zero_grad(set_to_none=False) and nothing flushed since: torch
+        # steps them with a zero gradient
+        zeroed = [k for k in self._zeroed if fresh[k]]
+        for k in zeroed:
             fresh[k] = False
         if all(fresh):
             return False
@@ -388,6 +413,8 @@ class OffloadedAdam:
             self._streams[1].synchronize()        # every gradient is on the host
         for k in list(self._partial):             # before the staging buffer is reused
             self._settle(k)
+        for k in zeroed:
+            self._grad_t[int(self.offsets[k]):int(self.offsets[k + 1])].zero_()
         h2d = self._streams[0] if self._streams is not None else None
         if h2d is not None:
             # the uploads replace p.data's contents: after all GPU work queued so
@@ -409,6 +436,7 @@ class OffloadedAdam:
         self.steps[[k for k, f in enumerate(fresh) if not f]] += 1
         self.step_count += 1
         self._fresh = [True] * len(self.params)
+        self._zeroed.clear()
         return True
 
     def _check_open(self, what: str) -> None:
@@ -417,17 +445,28 @@ class OffloadedAdam:
                                  f"buffers are freed); make a new one", argument="self")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget flushed gradients (they are overwritten at the next flush anyway).
+        """Forget flushed gradients, as ``torch.optim.Optimizer.zero_grad``.
 
-        ``set_to_none`` is accepted for torch.optim compatibility: device gradients
-        are always dropped, since they live on the host once flushed."""
+        ``set_to_none=True``: the parameters have no gradient until the next
+        flush. ``set_to_none=False``: every parameter that had one since the last
+        ``zero_grad(set_to_none=True)`` (steps included, as torch keeps ``p.grad``
+        across them) now has a zero gradient, so the next step updates it even if
+        no backward reaches it (its moments decay, as in torch). Device
+        gradients are dropped either way: they live on the host once flushed."""
         self._check_open("zero_grad")
         # (copies still in flight are ordered before the next ones on the D2H
         # stream, and step() waits for that stream before reading or writing)
+        for k, p in enumerate(self.params):
+            if p.grad is not None:    # not flushed yet (set by hand): torch zeroes it too
+                self._had_grad[k] = True
+            p.grad = None
         self._fresh = [True] * len(self.params)
         self._partial.clear()
-        for p in self.params:
-            p.grad = None
+        if set_to_none:
+            self._had_grad = [False] * len(self.params)
+            self._zeroed.clear()
+        else:
+            self._zeroed = {k for k, had in enumerate(self._had_grad) if had}
 
     def close(self) -> None:
         """Remove the gradient hooks and free the host buffers; close the host
