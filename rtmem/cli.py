@@ -17,6 +17,7 @@ import os
 import sys
 
 from rtmem._table import format_table
+from rtmem.demo import MODEL_OPTIONS
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
@@ -179,9 +180,30 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _blocks(value: str) -> tuple:
+    """An argparse ``type=`` for ``--blocks``: block counts per group, e.g. 2,2,2."""
+    try:
+        blocks = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        blocks = ()
+    if not blocks or min(blocks) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give residual blocks per group as positive integers separated "
+            f"by commas, e.g. 2,2,2")
+    return blocks
+
+
 def _demo_problem(args) -> str | None:
-    """What is wrong with the demo's arguments, checked before any work, or None."""
-    if args.hidden % args.heads:
+    """What is wrong with the demo's arguments, checked before any work, or None.
+    Fills in the chosen model's defaults."""
+    for model, options in MODEL_OPTIONS.items():
+        for name, default in options.items():
+            if model != args.model and getattr(args, name) is not None:
+                return (f"--{name} sizes the {model} model; with --model {args.model} "
+                        f"use {' '.join('--' + o for o in MODEL_OPTIONS[args.model])}")
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+    if args.model == "gpt2" and args.hidden % args.heads:
         return f"--hidden {args.hidden} must be a multiple of --heads {args.heads}"
     if args.memory is not None:     # before minutes of profiling, not after
         from rtmem.planners.plan import as_budget
@@ -206,15 +228,16 @@ def _demo_problem(args) -> str | None:
 
 
 def _cmd_demo(args) -> int:
-    """Profile a small GPT-2, plan under a budget, train with and without the plan."""
+    """Profile a small GPT-2 (or ResNet), plan under a budget, train with and
+    without the plan."""
     from rtmem.demo import run_demo
     problem = _demo_problem(args)
     if problem:
         print(f"rtmem demo: error: {problem}", file=sys.stderr)
         return 2
-    run_demo(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-             batch=args.batch, vocab=args.vocab, steps=args.steps, memory=args.memory,
-             slots=args.slots, out=args.out, device=args.device)
+    sizes = {name: getattr(args, name) for name in MODEL_OPTIONS[args.model]}
+    run_demo(model=args.model, batch=args.batch, steps=args.steps, memory=args.memory,
+             slots=args.slots, out=args.out, device=args.device, **sizes)
     return 0
 
 
@@ -237,11 +260,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("demo", help="the README's main job: profile, plan and train a "
-                       "small GPT-2 under a memory budget, with and without rtmem")
-    for name, default in (("layers", 6), ("hidden", 128), ("heads", 4), ("seq", 128),
-                          ("batch", 4), ("vocab", 512), ("steps", 5), ("slots", 500)):
+                       "small GPT-2 (or ResNet) under a memory budget, with and without "
+                       "rtmem")
+    p.add_argument("--model", choices=sorted(MODEL_OPTIONS), default="gpt2",
+                   help="gpt2 (sized by --layers --hidden --heads --seq --vocab) or resnet "
+                   "(--blocks --width --image); default gpt2")
+    for name, default in MODEL_OPTIONS["gpt2"].items():
         p.add_argument(f"--{name}", type=_at_least(2 if name == "vocab" else 1),
-                       default=default, help=f"default {default}")
+                       default=None, help=f"gpt2: default {default}")
+    p.add_argument("--blocks", type=_blocks, default=None,
+                   help="resnet: residual blocks per group, default 2,2,2")
+    for name in ("width", "image"):
+        default = MODEL_OPTIONS["resnet"][name]
+        p.add_argument(f"--{name}", type=_at_least(1), default=None,
+                       help=f"resnet: default {default}")
+    for name, default in (("batch", 4), ("steps", 5), ("slots", 500)):
+        p.add_argument(f"--{name}", type=_at_least(1), default=default,
+                       help=f"default {default}")
     p.add_argument("--memory", default=None,
                    help="device budget, e.g. 40MiB (default: half the no-remat peak)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")

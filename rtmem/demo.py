@@ -1,6 +1,7 @@
-"""``rtmem demo``: the main job, end to end on a small GPT-2.
+"""``rtmem demo``: the main job, end to end on a small GPT-2 (or ResNet).
 
-1. build a GPT-2-style model (rtmem.torch.gpt2_model) and profile it into a Chain;
+1. build a GPT-2-style transformer (rtmem.torch.gpt2_model; ``model="resnet"``:
+   the ResNet-style CNN of rtmem.torch.resnet_model) and profile it into a Chain;
 2. plan rematerialization under a budget (default: half the no-remat peak) with
    rotor, and compare it with the baselines in the simulator;
 3. train a few steps on synthetic data with plain PyTorch and with the plan
@@ -20,7 +21,7 @@ import os
 import statistics
 import time
 
-__all__ = ["run_demo"]
+__all__ = ["MODEL_OPTIONS", "run_demo"]
 
 
 def _import_torch():
@@ -31,12 +32,21 @@ def _import_torch():
     return torch
 
 
-def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 128,
-             batch: int = 4, vocab: int = 512, steps: int = 5, memory=None,
+#: the models the demo trains, with the options that size each (run_demo's defaults)
+MODEL_OPTIONS = {"gpt2": {"layers": 6, "hidden": 128, "heads": 4, "seq": 128, "vocab": 512},
+                 "resnet": {"blocks": (2, 2, 2), "width": 16, "image": 32}}
+
+
+def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: int = 4,
+             seq: int = 128, vocab: int = 512, blocks=(2, 2, 2), width: int = 16,
+             image: int = 32, batch: int = 4, steps: int = 5, memory=None,
              slots: int = 500, out: str = "out/demo", device: str | None = None,
              say=print) -> dict:
     """Profile, plan, train with and without the plan; return the measured figures.
 
+    ``model``: ``"gpt2"`` (sized by ``layers``, ``hidden``, ``heads``, ``seq``,
+    ``vocab``) or ``"resnet"`` (``blocks`` residual blocks per group, base
+    ``width`` channels, ``image`` x ``image`` inputs; batch norm in training mode).
     ``memory``: device budget in bytes or a string like ``"40MiB"`` (default half of
     the simulated no-remat peak, or halfway between the least feasible memory and
     that peak when half is not feasible). Returns a dict with the plan, the per-step losses
@@ -50,19 +60,26 @@ def run_demo(*, layers: int = 6, hidden: int = 128, heads: int = 4, seq: int = 1
                                 store_all_schedule)
     from rtmem.planners.plan import Plan, as_budget
     from rtmem.plot import plot_schedule
-    from rtmem.torch import ScheduleExecutor, gpt2_model, profile_sequential
+    from rtmem.torch import ScheduleExecutor, gpt2_model, profile_sequential, resnet_model
     from rtmem.units import format_bytes, format_seconds
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     os.makedirs(out, exist_ok=True)   # an unusable folder fails now, not after training
+    if model not in MODEL_OPTIONS:
+        raise ValueError(f"model must be one of {', '.join(MODEL_OPTIONS)}, got {model!r}")
     torch.manual_seed(0)
-    model, loss_fn, make_batch = gpt2_model(layers=layers, hidden=hidden, heads=heads,
-                                            seq=seq, vocab=vocab)
-    model = model.to(device)
+    if model == "gpt2":
+        net, loss_fn, make_batch = gpt2_model(layers=layers, hidden=hidden, heads=heads,
+                                              seq=seq, vocab=vocab)
+        name = f"gpt2-L{layers}-h{hidden}-s{seq}-b{batch}"
+    else:
+        blocks = tuple(blocks)
+        net, loss_fn, make_batch = resnet_model(blocks=blocks, width=width, image=image)
+        name = f"resnet-{'.'.join(map(str, blocks))}-w{width}-i{image}-b{batch}"
+    model = net.to(device)
     gen = torch.Generator().manual_seed(1)
     batches = [tuple(t.to(device) for t in make_batch(batch, gen)) for _ in range(steps)]
-    chain = profile_sequential(model, *batches[0], loss_fn, repeats=3,
-                               name=f"gpt2-L{layers}-h{hidden}-s{seq}-b{batch}")
+    chain = profile_sequential(model, *batches[0], loss_fn, repeats=3, name=name)
     full = plan_store_all(chain, math.inf)
     why = ""
     if memory is not None:

@@ -126,6 +126,12 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["demo", "--heads", "3"], "multiple of --heads"),
     (["demo", "--device", "tpu"], "cpu or cuda"),
     (["demo", "--memory", "abc"], "--memory 'abc'"),    # was checked after profiling
+    (["demo", "--model", "vgg"], "invalid choice"),
+    (["demo", "--model", "resnet", "--layers", "4"],
+     "--layers sizes the gpt2 model; with --model resnet use --blocks --width --image"),
+    (["demo", "--width", "4"], "--width sizes the resnet model"),
+    (["demo", "--model", "resnet", "--blocks", "2,0"], "positive integers"),
+    (["demo", "--model", "resnet", "--blocks", "two"], "e.g. 2,2,2"),
 ])
 def test_bad_arguments_exit_2_before_any_work(capsys, tmp_path, argv, fragment):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -186,6 +192,28 @@ def test_demo(capsys, tmp_path):
     assert "differ by at most 0.00e+00" in out        # same losses with and without
     for name in ("rotor_plan.png", "no_remat.png", "rotor_plan.json", "chain.json"):
         assert (tmp_path / name).exists()
+
+
+def test_demo_trains_the_resnet_too(capsys, tmp_path):
+    # batch norm in training mode: the replayed plan still gives the same losses
+    code, out, _ = run(capsys, "demo", "--model", "resnet", "--blocks", "1,2", "--width",
+                       "4", "--image", "8", "--batch", "2", "--steps", "2", "--device",
+                       "cpu", "--out", str(tmp_path))
+    assert code == 0
+    assert "resnet-1.2-w4-i8-b2: 5 stages" in out           # stem, 3 blocks, head
+    assert "differ by at most 0.00e+00" in out
+    assert (tmp_path / "rotor_plan.json").exists()
+
+
+def test_demo_defaults_are_the_clis():
+    # the CLI fills in MODEL_OPTIONS; run_demo's own defaults must be the same
+    import inspect
+
+    from rtmem.demo import MODEL_OPTIONS, run_demo
+    params = inspect.signature(run_demo).parameters
+    for options in MODEL_OPTIONS.values():
+        for name, default in options.items():
+            assert params[name].default == default, name
 
 
 def test_demo_result_values(tmp_path):
