@@ -175,6 +175,7 @@ class Buffer:
         # NOTE [ Pinned views ]: zero-copy tensors made by rtmem.torch.as_tensor pin
         # the buffer; a free requested while pinned happens when the last view dies,
         # so the arena never hands the bytes out while a tensor still reads them.
+        # Meanwhile the buffer counts as freed: new views and moves are refused.
         self._free_requested = False
 
     # Read-only: the arena accounts bytes per kind, and views trust shape and dtype
@@ -201,10 +202,15 @@ class Buffer:
 
     # -------------------------------------------------------------- state
     def _check_alive(self) -> None:
-        if self._freed:
+        if self._freed or self._free_requested:
+            # A free waiting for views (NOTE [ Pinned views ]) counts as done: a view
+            # or a move made now would outlive the bytes, which the arena hands out
+            # again as soon as the last existing view dies.
+            waits = " (its release waits for views of it still alive)" \
+                if self._free_requested else ""
             raise UseAfterFreeError(
-                f"this {self.kind} buffer ({self.nbytes:,} bytes) was freed; allocate "
-                f"a new buffer instead of keeping references to freed ones")
+                f"this {self.kind} buffer ({self.nbytes:,} bytes) was freed{waits}; "
+                f"allocate a new buffer instead of keeping references to freed ones")
         for p in (self._device, self._host):
             if p is not None and p.arena._closed:
                 raise UseAfterFreeError(
@@ -326,7 +332,8 @@ class Buffer:
 
         Freeing twice raises :class:`~rtmem.errors.DoubleFreeError`. While
         zero-copy tensors view the buffer (NOTE [ Pinned views ]) the bytes stay
-        reserved and are released when the last view is garbage collected.
+        reserved and are released when the last view is garbage collected; the
+        buffer is unusable at once (new views raise UseAfterFreeError).
         """
         if self._freed or self._free_requested:
             raise DoubleFreeError(f"{self!r} was already freed; free each buffer once")
@@ -350,9 +357,6 @@ class Buffer:
     def _pin(self, placement: Placement) -> None:
         with self._lock:
             self._check_alive()
-            if self._free_requested:
-                raise UseAfterFreeError(f"{self!r} was freed (its release waits for "
-                                        "existing views); do not make new views of it")
             placement.pins += 1
 
     def _unpin(self, placement: Placement) -> None:

@@ -30,7 +30,7 @@ from . import _deferred
 from .arena import is_arena
 from .backends import Backend, get_backend
 from .buffer import Buffer, _Move
-from .errors import BackendError, ResidencyError, UseAfterFreeError
+from .errors import BackendError, ResidencyError
 
 __all__ = ["TransferEngine", "copy", "drop_host", "evict", "get_engine", "offload",
            "prefetch", "synchronize", "wait"]
@@ -157,10 +157,6 @@ def _check_movable(buf) -> None:
     waits for its last zero-copy view (NOTE [ Pinned views ] in buffer.py): a
     move would attach memory the pending free may have released already."""
     buf._check_alive()
-    if buf._free_requested:
-        raise UseAfterFreeError(
-            f"this {buf.kind} buffer ({buf.nbytes:,} bytes) was freed (the release "
-            f"waits for views of it still alive); do not move a freed buffer")
 
 
 def _check_event(obj, what: str) -> None:

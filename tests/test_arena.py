@@ -330,6 +330,29 @@ def test_free_waits_for_pinned_views_and_survives_a_collection_inside_the_alloca
     dev._check_invariants()
 
 
+def test_a_free_waiting_for_views_refuses_every_new_view():
+    # Only pinned views were refused once free() was waiting for the last one:
+    # numpy(), np.asarray, DLPack and offset still answered, and such a view
+    # outlived the bytes, which the arena handed to the next allocation.
+    dev = DeviceArena(4096, backend="host")
+    buf = dev.alloc(4096)
+    buf.numpy()[:] = 1
+    pinned = buf.numpy(pin=True)
+    buf.free()                                    # postponed: a pinned view lives
+    for new_view in (buf.numpy, buf.to_numpy, lambda: np.asarray(buf),
+                     lambda: np.from_dlpack(buf), lambda: buf.offset,
+                     lambda: buf.numpy(pin=True)):
+        with pytest.raises(UseAfterFreeError, match="freed .its release waits for views"):
+            new_view()
+    assert (pinned == 1).all()                    # the existing view still reads it
+    del pinned                                    # the free happens now
+    other = dev.alloc(4096)
+    other.numpy()[:] = 7
+    assert buf.is_freed and dev.stats().allocated_bytes == 4096
+    with pytest.raises(UseAfterFreeError, match="was freed; allocate"):
+        buf.numpy()
+
+
 def test_deferred_frees_survive_a_concurrent_flush(monkeypatch):
     # flush() tested the queue, then popped: a thread that saw one deferred free
     # another thread's flush took first got IndexError out of an ordinary alloc.
