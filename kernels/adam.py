@@ -147,7 +147,9 @@ def _adam_loop(p, g, m, v, vmax, out, c):
         m[i] = mi
         v[i] = vi
         if vmax is not None:
-            vi = max(vmax[i], vi)
+            vm = vmax[i]
+            # torch.maximum: NaN from either side wins (numba's max(vm, nan) is vm)
+            vi = vi if (vi > vm or vi != vi) else vm
             vmax[i] = vi
         pi = pi - step_size * (mi / (np.sqrt(vi) * inv_bc2_sqrt + eps))
         p[i] = pi

@@ -225,14 +225,28 @@ class CPUAdam(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
-    def _state_for(self, p, group):
+    def _state_for(self, p, group, added):
+        """``p``'s state, with the entries this step needs added (zeros); each
+        added ``(p, key)`` is appended to ``added``, so a step that is refused
+        or skipped can take them back."""
         st = self.state[p]
         if "step" not in st:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            added.append((p, "step"))
         for key in _STATE_KEYS:
             if key not in st and (key != "max_exp_avg_sq" or group["amsgrad"]):
                 st[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                added.append((p, key))
         return st
+
+    def _take_back(self, added) -> None:
+        """Remove the state entries ``_state_for`` added (and states left empty)."""
+        for p, key in added:
+            st = self.state.get(p)
+            if st is not None:
+                st.pop(key, None)
+                if not st:
+                    del self.state[p]
 
     @torch.no_grad()
     def step(self, closure=None, *, grads=None, grad_scale=None, check_finite=None,
@@ -264,7 +278,7 @@ class CPUAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
-        items, created, written = [], [], []
+        items, added, written = [], [], []
         try:
             for gi, group in enumerate(self.param_groups):
                 decoupled = bool(group.get("decoupled_weight_decay",
@@ -278,9 +292,7 @@ class CPUAdam(torch.optim.Optimizer):
                         g_np, g_fmt = as_numpy(g, "grad")
                         o_np, o_fmt = ((None, None) if out is None
                                        else as_numpy(out, "copy"))
-                        if not self.state.get(p):
-                            created.append(p)
-                        st = self._state_for(p, group)
+                        st = self._state_for(p, group, added)
                         update = prepare_update(
                             p.detach().numpy(), g_np, st["exp_avg"].numpy(),
                             st["exp_avg_sq"].numpy(),
@@ -297,11 +309,12 @@ class CPUAdam(torch.optim.Optimizer):
                     if isinstance(out, torch.Tensor):
                         written.append(out)
         except BaseException:
-            for p in created:        # a refused step leaves no new state behind
-                self.state.pop(p, None)
+            self._take_back(added)   # a refused step leaves no new state behind
             raise
         if _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite):
             bump_versions(written)
+        else:                        # skipped (NOTE [ Skipped steps ]): nor does a skip
+            self._take_back(added)
         return loss
 
     def load_state_dict(self, state_dict):

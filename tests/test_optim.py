@@ -398,6 +398,50 @@ def test_overflow_skips_step_bit_identically_and_training_resumes():
         assert torch.equal(p.detach(), q.detach())
 
 
+def test_a_skipped_or_refused_step_adds_no_state():
+    # NOTE [ Skipped steps ]: a skip changes nothing, and torch (GradScaler never
+    # calls Adam.step on an overflow) has no state then; a refused step neither.
+    a, b = torch.randn(4, requires_grad=True), torch.randn(3, requires_grad=True)
+    opt = optim.CPUAdam([{"params": [a]}, {"params": [b]}], lr=1e-2, amsgrad=True)
+    opt.step(grads=[torch.ones(4), torch.tensor([1.0, float("inf"), 1.0])],
+             grad_scale=2.0)
+    assert opt.last_step_skipped and opt.state_dict()["state"] == {}
+    opt.param_groups[0]["amsgrad"] = False
+    opt.step(grads=[torch.ones(4), torch.ones(3)])
+    before = copy.deepcopy(opt.state_dict())
+    # amsgrad switched on for a: the next step would add its max_exp_avg_sq, but
+    # b's gradient is refused (after a's entry was made)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(OptimizerError, match="group 1 param 0: grad is not contiguous"):
+        opt.step(grads=[torch.ones(4), torch.ones(6)[::2]])
+    after = opt.state_dict()
+    assert after["state"].keys() == before["state"].keys()
+    for k, st in before["state"].items():
+        assert after["state"][k].keys() == st.keys()
+    # and a skip after amsgrad was switched on adds nothing either
+    opt.step(grads=[torch.ones(4), torch.full((3,), float("nan"))], grad_scale=1.0)
+    assert opt.last_step_skipped and "max_exp_avg_sq" not in opt.state[a]
+    opt.step(grads=[torch.ones(4), torch.ones(3)])
+    assert "max_exp_avg_sq" in opt.state[a] and not opt.last_step_skipped
+
+
+def test_amsgrad_keeps_a_nan_in_its_maximum_as_torch_does():
+    # torch.maximum propagates NaN; numba's max(vmax, nan) returned vmax, so the
+    # state dicts disagreed after a NaN gradient (no loss scale: no finite check)
+    p = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    ours = optim.CPUAdam([p], lr=0.1, amsgrad=True)
+    ref = torch.optim.Adam([q], lr=0.1, amsgrad=True, foreach=False)
+    for g in ([1.0, 1.0, 2.0], [float("nan"), 1.0, 0.5], [1.0, 1.0, 3.0]):
+        p.grad, q.grad = torch.tensor(g), torch.tensor(g)
+        ours.step()
+        ref.step()
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        torch.testing.assert_close(ours.state[p][key], ref.state[q][key], equal_nan=True)
+    assert ours.state[p]["max_exp_avg_sq"][0].isnan()
+    torch.testing.assert_close(p.detach(), q.detach(), equal_nan=True)
+
+
 def test_state_dict_round_trip_mid_training_is_exact():
     ours, _ = _models(13)
     opt = optim.CPUAdamW(_groups(ours, 0.1), lr=1e-2, amsgrad=True)
