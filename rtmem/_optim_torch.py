@@ -342,6 +342,12 @@ class CPUAdam(torch.optim.Optimizer):
     def _load_checked(self, state_dict):
         super().load_state_dict(state_dict)
         for gi, group in enumerate(self.param_groups):
+            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in group]
+            if missing:     # e.g. an SGD state dict (a bare KeyError before)
+                raise OptimizerError(
+                    f"group {gi} of the state dict has no {', '.join(missing)}: it is "
+                    f"not an Adam state dict; load one saved by CPUAdam, CPUAdamW or "
+                    f"torch.optim.Adam/AdamW", argument="state_dict")
             try:
                 _check_hyper(group["lr"], group["betas"], group["eps"],
                              group["weight_decay"])

@@ -425,6 +425,19 @@ def test_a_skipped_or_refused_step_adds_no_state():
     assert "max_exp_avg_sq" in opt.state[a] and not opt.last_step_skipped
 
 
+def test_an_sgd_state_dict_is_refused_by_name():
+    p = torch.randn(3, requires_grad=True)
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(3)
+    sgd.step()
+    opt = optim.CPUAdam([p], lr=1e-3)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(OptimizerError, match="group 0 .* has no betas, eps: it is not an "
+                       "Adam state dict"):
+        opt.load_state_dict(sgd.state_dict())
+    assert opt.state_dict() == before
+
+
 def test_amsgrad_keeps_a_nan_in_its_maximum_as_torch_does():
     # torch.maximum propagates NaN; numba's max(vmax, nan) returned vmax, so the
     # state dicts disagreed after a NaN gradient (no loss scale: no finite check)
