@@ -348,7 +348,10 @@ class _Arena:
 
     def trim(self) -> int:
         """Give back every growth slab that is entirely free (waiting for pending
-        frees first); returns the bytes released. The first slab is kept."""
+        frees first, those a garbage collection deferred included); returns the
+        bytes released. The first slab is kept."""
+        if _deferred.queue:     # outside the locks, as in _allocate
+            _deferred.flush()
         with self._acct_lock:
             return self.allocator.trim()
 

@@ -8,7 +8,10 @@ residency.
 NOTE [ Residency state machine ]
 ``residency`` is derived, never stored:
 
-- ``"freed"``: the buffer was freed; every use raises UseAfterFreeError.
+- ``"freed"``: the buffer was freed; every use raises UseAfterFreeError. That
+  includes a buffer whose free waits for pinned views (NOTE [ Pinned views ]):
+  its bytes stay reserved, but it is unusable (``is_freed`` turns True once
+  they are released).
 - ``"in-flight"``: a prefetch (H2D) or offload (D2H) has been enqueued and its
   event has not completed.
 - otherwise from the placements: ``"device"`` (device only), ``"host"`` (host
@@ -285,7 +288,7 @@ class Buffer:
     def residency(self) -> str:
         """Where the data is: see NOTE [ Residency state machine ]."""
         with self._lock:
-            if self._freed:
+            if self._freed or self._free_requested:
                 return "freed"
             # a failed move is undone and kept for the next call that reports
             if self._settle(report=False):

@@ -345,6 +345,7 @@ def test_a_free_waiting_for_views_refuses_every_new_view():
         with pytest.raises(UseAfterFreeError, match="freed .its release waits for views"):
             new_view()
     assert (pinned == 1).all()                    # the existing view still reads it
+    assert buf.residency == "freed" and not buf.is_freed   # the bytes are still reserved
     del pinned                                    # the free happens now
     other = dev.alloc(4096)
     other.numpy()[:] = 7
@@ -429,6 +430,27 @@ def test_unsized_and_subarray_dtypes_are_refused(dev, kwargs, fragment):
     with pytest.raises(TypeError, match=fragment):
         dev.alloc(**kwargs)
     assert dev.stats() == before
+
+
+def test_trim_does_the_frees_a_collection_deferred():
+    # the last view of a freed buffer in a growth slab died in a collection:
+    # its free waited for the next allocation, and trim() kept the slab
+    arena = DeviceArena(1 << 20, max_bytes=2 << 20, backend="host")
+    first, buf = arena.alloc(1 << 20), arena.alloc(1 << 20)   # buf: the growth slab
+    view = buf.numpy(pin=True)
+    buf.free()
+
+    class Cycle:
+        pass
+    c = Cycle()
+    c.self, c.view = c, view
+    del c, view
+    collect_holding(arena.core._lock)             # deferred (NOTE [ Frees from finalizers ])
+    assert arena.stats().slabs == 2 and not buf.is_freed
+    assert arena.trim() == 1 << 20 and buf.is_freed and arena.stats().slabs == 1
+    first.free()
+    arena._check_invariants()
+    arena.close()
 
 
 def test_trim_gives_growth_slabs_back():
