@@ -152,13 +152,6 @@ def _check_buffer(buf, what: str) -> None:
         _deferred.flush()
 
 
-def _check_movable(buf) -> None:
-    """Raise UseAfterFreeError for a freed buffer, and for one whose ``free()``
-    waits for its last zero-copy view (NOTE [ Pinned views ] in buffer.py): a
-    move would attach memory the pending free may have released already."""
-    buf._check_alive()
-
-
 def _check_event(obj, what: str) -> None:
     # query(): rtmem, torch and host events; a CuPy event has the .done property.
     if not (callable(getattr(obj, "synchronize", None))
@@ -206,7 +199,7 @@ def prefetch(buf: Buffer, *, arena=None):
     """
     _check_buffer(buf, "prefetch")
     with buf._lock:
-        _check_movable(buf)
+        buf._check_alive()    # freed, or its free waits for views
         in_flight = buf._settle()
         if buf._device is not None:
             raise _state_error(buf, "prefetch", "it already has a device copy"
@@ -229,7 +222,7 @@ def offload(buf: Buffer, *, arena=None):
     """
     _check_buffer(buf, "offload")
     with buf._lock:
-        _check_movable(buf)
+        buf._check_alive()    # freed, or its free waits for views
         if buf._settle():
             raise _state_error(buf, "offload", "a transfer is in flight",
                                "call rtmem.transfers.wait(buf) or synchronize(buf) first")
@@ -267,7 +260,7 @@ def _drop_copy(buf: Buffer, side: str, action: str) -> None:
     _check_buffer(buf, "evict" if side == "device" else "drop_host")
     other = "host" if side == "device" else "device"
     with buf._lock:
-        _check_movable(buf)
+        buf._check_alive()    # freed, or its free waits for views
         in_flight = buf._settle()
         if in_flight and (side == "host" or buf._pending.side == "device"):
             # an offload may go on while its source is evicted (its block is
@@ -313,7 +306,7 @@ def copy(dst: Buffer, src: Buffer):
     first, second = sorted((dst, src), key=id)      # lock order avoids deadlock
     with first._lock, second._lock:
         for b in (dst, src):
-            _check_movable(b)
+            b._check_alive()    # again, under the lock
             b._settle()         # a completed failed move: src's bytes may be garbage
         if dst._device is not None and dst._host is not None:
             # Only the primary (device) copy would be written; the host copy would
