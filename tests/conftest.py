@@ -79,6 +79,15 @@ def arena(monkeypatch):
 
 
 @pytest.fixture
+def host_backend(monkeypatch):
+    """RTMEM_BACKEND=host for the test: state-machine tests (hypothesis TestCase
+    classes, which take no fixture arguments) use it as
+    ``@pytest.mark.usefixtures("host_backend")``; transfers.synchronize() and
+    wait() act on the current backend's streams."""
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+
+
+@pytest.fixture
 def fresh_seed() -> int:
     """A new random seed at every run, so reference checks see fresh inputs, not
     the same few forever. Printed (pytest shows it with a failure); replay a

@@ -510,11 +510,6 @@ _OffloadedAdamMachine.TestCase.settings = settings(
     deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture
-def host_backend(monkeypatch):
-    monkeypatch.setenv("RTMEM_BACKEND", "host")
-
-
 @pytest.mark.usefixtures("host_backend")
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout")
 class TestOffloadedAdamStates(_OffloadedAdamMachine.TestCase):

@@ -386,12 +386,6 @@ _TransfersMachine.TestCase.settings = settings(
     deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture
-def host_backend(monkeypatch):
-    # transfers.synchronize() and wait() act on the current backend's streams
-    monkeypatch.setenv("RTMEM_BACKEND", "host")
-
-
 @pytest.mark.usefixtures("host_backend")
 class TestTransferStates(_TransfersMachine.TestCase):
     pass
