@@ -63,10 +63,10 @@ def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: 
     from rtmem.torch import ScheduleExecutor, gpt2_model, profile_sequential, resnet_model
     from rtmem.units import format_bytes, format_seconds
 
+    if model not in MODEL_OPTIONS:    # before anything is made
+        raise ValueError(f"model must be one of {', '.join(MODEL_OPTIONS)}, got {model!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     os.makedirs(out, exist_ok=True)   # an unusable folder fails now, not after training
-    if model not in MODEL_OPTIONS:
-        raise ValueError(f"model must be one of {', '.join(MODEL_OPTIONS)}, got {model!r}")
     torch.manual_seed(0)
     if model == "gpt2":
         net, loss_fn, make_batch = gpt2_model(layers=layers, hidden=hidden, heads=heads,

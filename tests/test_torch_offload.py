@@ -290,6 +290,24 @@ class _Heads(torch.nn.Module):
         return self.head(h) + (self.aux(h) if use_aux else 0)
 
 
+def _heads_against_torch(adamw, **kwargs):
+    """A _Heads model with an OffloadedAdam (lr 0.05, weight decay 0.1, ``kwargs``),
+    its copy with torch's Adam/AdamW, and the generator of their batches."""
+    torch.manual_seed(0)
+    mine = _Heads()
+    ref = copy.deepcopy(mine)
+    off = OffloadedAdam(mine.parameters(), lr=0.05, weight_decay=0.1, adamw=adamw, **kwargs)
+    Ref = torch.optim.AdamW if adamw else torch.optim.Adam
+    return mine, ref, off, Ref(ref.parameters(), lr=0.05, weight_decay=0.1), \
+        torch.Generator().manual_seed(1)
+
+
+def _assert_same_parameters(mine, ref, step):
+    for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: (
+            f"step {step}, {name}: {m}"))
+
+
 @pytest.mark.parametrize("adamw", [False, True])
 def test_parameters_without_gradient_match_torch(monkeypatch, adamw):
     # torch.optim.Adam/AdamW skip a parameter whose grad is None (no moment decay,
@@ -297,15 +315,9 @@ def test_parameters_without_gradient_match_torch(monkeypatch, adamw):
     # head's first gradient arrives at step 2, and the frozen layer (weight decay
     # > 0) is unfrozen at step 5, after its hooks would have been registered
     monkeypatch.setenv("RTMEM_BACKEND", "host")
-    torch.manual_seed(0)
-    mine = _Heads()
-    ref = copy.deepcopy(mine)
+    # chunks of 7 elements straddle runs and parameters
+    mine, ref, off, ref_opt, g = _heads_against_torch(adamw, chunk_elements=7)
     frozen0 = [p.detach().clone() for p in mine.frozen.parameters()]
-    off = OffloadedAdam(mine.parameters(), lr=0.05, weight_decay=0.1, adamw=adamw,
-                        chunk_elements=7)     # chunks straddle runs and parameters
-    Ref = torch.optim.AdamW if adamw else torch.optim.Adam
-    ref_opt = Ref(ref.parameters(), lr=0.05, weight_decay=0.1)
-    g = torch.Generator().manual_seed(1)
     uses = [False, False, True, False, True, True, False, True]
     for step, use_aux in enumerate(uses):
         if step == 5:
@@ -316,9 +328,7 @@ def test_parameters_without_gradient_match_torch(monkeypatch, adamw):
             torch.nn.functional.mse_loss(m(x, use_aux), y).backward()
             opt.step()
             opt.zero_grad()
-        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: (
-                f"step {step}, {name}: {m}"))
+        _assert_same_parameters(mine, ref, step)
         if step < 5:      # frozen: not even weight decay moves it
             for p, p0 in zip(mine.frozen.parameters(), frozen0):
                 assert torch.equal(p, p0)
@@ -395,13 +405,7 @@ def test_zero_grad_keeping_tensors_matches_torch(monkeypatch, adamw):
     # still steps such a parameter (moments decay, weight decay applies) when no
     # backward reaches it; set_to_none=True skips it. Both as torch does.
     monkeypatch.setenv("RTMEM_BACKEND", "host")
-    torch.manual_seed(0)
-    mine = _Heads()
-    ref = copy.deepcopy(mine)
-    off = OffloadedAdam(mine.parameters(), lr=0.05, weight_decay=0.1, adamw=adamw)
-    Ref = torch.optim.AdamW if adamw else torch.optim.Adam
-    ref_opt = Ref(ref.parameters(), lr=0.05, weight_decay=0.1)
-    g = torch.Generator().manual_seed(1)
+    mine, ref, off, ref_opt, g = _heads_against_torch(adamw)
     # aux used at step 0 only; zeroed-not-dropped after steps 0-2, dropped after 3
     for step, (use_aux, to_none) in enumerate([(True, False), (False, False),
                                                 (False, False), (False, True),
@@ -411,9 +415,7 @@ def test_zero_grad_keeping_tensors_matches_torch(monkeypatch, adamw):
             torch.nn.functional.mse_loss(m(x, use_aux), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=to_none)
-        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: (
-                f"step {step}, {name}: {m}"))
+        _assert_same_parameters(mine, ref, step)
     steps = [int(ref_opt.state[q]["step"]) for q in ref.parameters() if q in ref_opt.state]
     assert off.steps.tolist() == [0, 0, 5, 5, 4, 4, 5, 5]   # aux: steps 0-3
     assert steps == [5, 5, 4, 4, 5, 5]

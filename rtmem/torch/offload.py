@@ -261,8 +261,9 @@ class OffloadedAdam:
         self._fresh = [True] * len(self.params)   # no gradient flushed since the step
         # torch would hold a p.grad (flushed since the last zero_grad(set_to_none=True))
         self._had_grad = [False] * len(self.params)
-        # zeroed by zero_grad(set_to_none=False): a zero gradient at the next step
-        self._zeroed = set()
+        # zero_grad(set_to_none=False) since the last step: those _had_grad have a
+        # zero gradient at the next step
+        self._grads_zeroed = False
         self._partial = {}     # k -> event of a staged gradient not yet added (or None)
         cuda = any(p.is_cuda for p in self.params)
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else None
@@ -398,7 +399,8 @@ class OffloadedAdam:
             fresh[k] = False
         # zeroed by zero_grad(set_to_none=False) and nothing flushed since: torch
         # steps them with a zero gradient
-        zeroed = [k for k in self._zeroed if fresh[k]]
+        zeroed = [k for k, had in enumerate(self._had_grad)
+                  if had and fresh[k]] if self._grads_zeroed else []
         for k in zeroed:
             fresh[k] = False
         if all(fresh):
@@ -436,7 +438,7 @@ class OffloadedAdam:
         self.steps[[k for k, f in enumerate(fresh) if not f]] += 1
         self.step_count += 1
         self._fresh = [True] * len(self.params)
-        self._zeroed.clear()
+        self._grads_zeroed = False
         return True
 
     def _check_open(self, what: str) -> None:
@@ -464,9 +466,7 @@ class OffloadedAdam:
         self._partial.clear()
         if set_to_none:
             self._had_grad = [False] * len(self.params)
-            self._zeroed.clear()
-        else:
-            self._zeroed = {k for k, had in enumerate(self._had_grad) if had}
+        self._grads_zeroed = not set_to_none
 
     def close(self) -> None:
         """Remove the gradient hooks and free the host buffers; close the host
