@@ -168,6 +168,8 @@ class _Arena:
     def release_slab(self, slab) -> None:
         """Slab-source hook: give a fully free slab back to the backend."""
         with self._lock:
+            if self._closed:    # close() gave every slab back already
+                return
             self._slabs.remove(slab)
         self.backend.release(slab)
 
@@ -253,16 +255,22 @@ class _Arena:
         return Buffer(placement, nbytes, dtype, shape, kind)
 
     def _allocate(self, nbytes: int, kind: str, stream=None) -> Placement:
-        if self._closed:
-            raise InvalidPointerError(f"{self!r} is closed; create a new arena")
+        self._check_open()
         if _deferred.queue:     # frees a garbage collection postponed (outside locks)
             _deferred.flush()
         with self._acct_lock:
+            # again under the lock close() marks it closed under: an allocation
+            # racing close() must not take a block of (or grow) released slabs
+            self._check_open()
             block = self.allocator.allocate(nbytes, stream)
             self._bytes_by_kind[kind] += block.size
             self._requested_by_kind[kind] += block.requested
             self._count_by_kind[kind] += 1
         return Placement(self, block)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidPointerError(f"{self!r} is closed; create a new arena")
 
     # The two halves of an arena's reuse policy (see the subclasses).
     def _default_stream(self):
@@ -349,7 +357,10 @@ class _Arena:
     def trim(self) -> int:
         """Give back every growth slab that is entirely free (waiting for pending
         frees first, those a garbage collection deferred included); returns the
-        bytes released. The first slab is kept."""
+        bytes released. The first slab is kept. 0 on a closed arena: close()
+        released every slab."""
+        if self._closed:
+            return 0
         if _deferred.queue:     # outside the locks, as in _allocate
             _deferred.flush()
         with self._acct_lock:
@@ -377,7 +388,8 @@ class _Arena:
     def close(self) -> None:
         """Release every slab. Buffers still live become invalid; call only once
         all work using the arena is done (``rtmem.transfers.synchronize()``)."""
-        with self._lock:
+        # _acct_lock first, as in _allocate (which takes _lock inside it to grow)
+        with self._acct_lock, self._lock:
             if self._closed:
                 return
             self._closed = True

@@ -405,10 +405,17 @@ class Buffer:
         which a write through the view must not overtake."""
         event = p.event
         if event is not None and not event.query():
-            if host:
-                event.synchronize()
-            else:
-                p.arena.backend.current_stream().wait_event(event)
+            try:
+                if host:
+                    event.synchronize()
+                else:
+                    p.arena.backend.current_stream().wait_event(event)
+            except BackendError:
+                # The copy failed (NOTE [ Host stream failures ]). Not this call's to
+                # report raw: the buffer's own move is undone and raised once, with
+                # what is left, by _settle; a copy that only read ``p`` (the source
+                # of transfers.copy into another buffer) left its bytes intact.
+                self._settle()
 
     def numpy(self, where: str | None = None, *, pin: bool = False) -> np.ndarray:
         """A zero-copy numpy view (``dtype``, ``shape``) of the placement ``where``
@@ -474,11 +481,15 @@ class Buffer:
     def _cuda_dict(self, p: Placement) -> dict:
         slab = p.slab
         if slab.device_ptr is None or p.arena.backend.name != "cuda":
+            # the host backend has no device to alias: no mapped arena helps there
+            fix = ("use HostArena(..., mapped=True) or prefetch it"
+                   if p.arena.backend.name == "cuda" else
+                   "the host backend has no GPU to give it to; use numpy() or "
+                   "__array_interface__, or the cuda backend on a GPU machine")
             raise AttributeError(
                 "__cuda_array_interface__ needs a device placement or a mapped host "
                 "placement on the cuda backend (this buffer is "
-                f"{self.residency!r} on the {p.arena.backend.name} backend); "
-                "use HostArena(..., mapped=True) or prefetch it")
+                f"{self.residency!r} on the {p.arena.backend.name} backend); " + fix)
         self._wait_if_in_flight(p, host=False)
         # The interface asks for a 0 pointer when the array has no elements (a
         # zero-byte block's address may be a neighbour's first byte).

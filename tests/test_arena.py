@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import pickle
 import random
 import threading
@@ -107,6 +108,15 @@ def test_array_interface_and_dlpack(dev, host):
     d.numpy()[:] = 7
     assert np.asarray(d).sum() == 56 and d.to_numpy().sum() == 56
     assert not hasattr(d, "__cuda_array_interface__")   # host backend: no CAI
+    # and the error says what works here, not "use a mapped arena", which has no
+    # device alias on this backend either
+    mapped = HostArena(4096, mapped=True, backend="host")
+    m = mapped.alloc(16)
+    for buf in (d, m):
+        with pytest.raises(AttributeError, match="host backend has no GPU.*numpy"):
+            buf.__cuda_array_interface__
+    m.free()
+    mapped.close()
     del view, t
     b.free()
     d.free()
@@ -464,3 +474,47 @@ def test_trim_gives_growth_slabs_back():
     assert arena.trim() == 1 << 20 and arena.stats().reserved_bytes == 1 << 20
     arena._check_invariants()
     arena.close()
+
+
+def test_trim_after_close_releases_nothing_and_keeps_working():
+    # close() empties the slab list; trim() then tried to remove an empty growth
+    # slab from it again and raised a bare ValueError (list.remove) after the
+    # allocator had already forgotten the slab.
+    arena = DeviceArena(4096, max_bytes=16384, growth_bytes=4096, backend="host")
+    keep, grown = arena.alloc(4096), arena.alloc(4096)      # grown: in a growth slab
+    grown.free()
+    arena.close()
+    assert arena.trim() == 0 and arena.trim() == 0
+    keep.free()                                 # freeing stays legal after close
+    assert keep.residency == "freed" and arena.stats().allocated_bytes == 0
+
+
+def test_an_allocation_racing_close_is_refused_and_grows_nothing(monkeypatch):
+    # _allocate checked for a closed arena before taking its lock: an allocation
+    # paused between that check and the lock (here in the deferred frees it runs
+    # first) while another thread closed the arena then took a block of a
+    # released slab, or grew a slab nobody would release.
+    from rtmem import _deferred
+    arena = DeviceArena(4096, max_bytes=16384, growth_bytes=4096, backend="host")
+    arena.alloc(4096)                                  # the next one must grow
+    entered, go = threading.Event(), threading.Event()
+
+    def paused_free():
+        entered.set()
+        go.wait(5)
+    monkeypatch.setattr(_deferred, "queue", collections.deque([paused_free]))
+    outcome = []
+
+    def allocate():
+        try:
+            outcome.append(arena.alloc(1024))
+        except InvalidPointerError as e:
+            outcome.append(e)
+    t = threading.Thread(target=allocate)
+    t.start()
+    assert entered.wait(5)
+    arena.close()
+    go.set()
+    t.join(5)
+    assert len(outcome) == 1 and isinstance(outcome[0], InvalidPointerError), outcome
+    assert "is closed" in str(outcome[0]) and arena.slabs == ()

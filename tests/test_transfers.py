@@ -715,6 +715,35 @@ def test_a_prefetch_chained_on_a_failed_offload_is_not_valid_either(arenas, monk
     assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
 
 
+def test_a_view_waiting_for_a_failing_copy_reports_the_buffer_error_once(arenas, monkeypatch):
+    # A view blocked on its placement's copy re-raised that copy's raw stream
+    # failure: the source of a failed transfers.copy (whose bytes are fine) could
+    # not be viewed, and a buffer's failed offload was reported twice (the raw
+    # error, then the buffer's own), the first saying nothing of the copy kept.
+    d, h = arenas
+    d2h = T.get_engine("host").d2h
+    src = d.alloc(shape=(64,), dtype=np.float32)
+    src.numpy()[:] = 5
+    dst = h.alloc(shape=(64,), dtype=np.float32)
+    fail_next_copy(monkeypatch)
+    gate = gate_stream(d2h)
+    T.copy(dst, src)
+    threading.Timer(0.2, gate.set).start()      # the view below waits for the copy
+    assert np.all(src.numpy() == 5)             # the copy only read src
+    with pytest.raises(BackendError, match="host copy are not valid"):
+        T.synchronize(dst)                      # the copy's own buffer reports it
+    fail_next_copy(monkeypatch)
+    gate = gate_stream(d2h)
+    T.offload(src, arena=h)
+    threading.Timer(0.2, gate.set).start()
+    with pytest.raises(BackendError, match="D2H copy.*keeps its device copy"):
+        src.numpy()                             # waits, then the buffer's error
+    assert np.all(src.numpy() == 5) and src.residency == "device"   # reported once
+    T.synchronize(src)
+    for b in (src, dst):
+        b.free()
+
+
 def test_buffer_shape_dtype_and_kind_are_read_only(arenas):
     # b.shape = (80,) on a 16-byte buffer let numpy() read its neighbour's data;
     # b.kind = ... made the per-kind accounting go negative
