@@ -100,6 +100,40 @@ def test_a_failed_step_after_a_delete_leaves_module_buffers_whole():
     model(x)   # still usable
 
 
+def test_a_recomputation_failing_after_batch_norm_leaves_one_update_of_its_statistics():
+    # F_all 1 recomputes the batch-norm stage; it raises after batch norm ran
+    # (here a forward hook, as a failing op later in the stage would). The
+    # executor puts the statistics of the first forward back after every
+    # recomputation: also when it raises, else the failed step leaves them
+    # updated twice, which no plain training step does.
+    model, x, y = _bn_model()
+    sched = _sched("F_ck 0, F_ck 1, F_all 2, F_all 3, L, B 3, B 2, F_all 1, B 1, "
+                   "F_all 0, B 0", 4)
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    ref(x)                                       # one forward: one update
+    calls = []
+
+    def fail_on_recomputation(module, args, out):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("recomputation failed")
+    handle = m[1].register_forward_hook(fail_on_recomputation)
+    ex = ScheduleExecutor(m, sched, mse)
+    with pytest.raises(RuntimeError, match="recomputation failed"):
+        ex.step(x, y)
+    handle.remove()
+    for b, c in zip(m.buffers(), ref.buffers()):
+        assert torch.equal(b, c)
+    # and the next step trains as plain PyTorch from there
+    m.zero_grad(set_to_none=True)
+    ref.load_state_dict(m.state_dict())
+    torch.manual_seed(7)
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    torch.manual_seed(7)
+    _assert_same(m, ex, ex.step(x, y), ref, ref_loss.detach())
+
+
 @pytest.mark.parametrize("stage, text", [
     # a2 (Flatten of a1) deleted while a1 is kept for F_all 1
     (nn.Flatten(), ("F_ck 0, F_ck 1, offload a2, F_all 2, delete a2, F_all 3, F_all 4, L, "

@@ -440,18 +440,23 @@ class ScheduleExecutor(_HostSide):
         else:
             buffers = [b.detach().clone() for b in self._stage_buffers[i]]
             devices = [self._device] if self._device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state):
-                if self.preserve_rng_state:
-                    cpu, cuda = self._first[i]
-                    torch.set_rng_state(cpu)
-                    if cuda is not None:
-                        torch.cuda.set_rng_state(cuda, self._device)
-                y = stage(x)
-            with torch.no_grad():   # recomputation must not update running statistics again
-                for b, saved in zip(self._stage_buffers[i], buffers):
-                    # through .data: no version bump, which would fail the check of
-                    # the views of b the recomputation saved (unpack in _forward_all)
-                    b.data.copy_(saved)
+            try:
+                with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state):
+                    if self.preserve_rng_state:
+                        cpu, cuda = self._first[i]
+                        torch.set_rng_state(cpu)
+                        if cuda is not None:
+                            torch.cuda.set_rng_state(cuda, self._device)
+                    y = stage(x)
+            finally:
+                # recomputation must not update running statistics again, also when
+                # the stage raises after updating them (a failed step leaves the
+                # statistics of one forward, as plain training does)
+                with torch.no_grad():
+                    for b, saved in zip(self._stage_buffers[i], buffers):
+                        # through .data: no version bump, which would fail the check of
+                        # the views of b the recomputation saved (unpack in _forward_all)
+                        b.data.copy_(saved)
         _check_output(i, stage, y)
         return y
 
