@@ -301,6 +301,23 @@ def test_modifying_a_saved_tensor_in_place_is_refused_as_in_autograd():
         ScheduleExecutor(model, store_all_schedule(3), mse).step(x, y)
 
 
+@pytest.mark.parametrize("first", ["abar1", "abar2"])
+def test_a_prefetch_restores_the_newest_copy_of_a_storage_two_tensors_share(first):
+    # a1 (abar1's output) is the storage stage 1 halves in place and its linear
+    # saves (abar2). abar1 is offloaded before the change, abar2 after; deleting
+    # both frees the storage. Prefetching abar1 first restored its older copy,
+    # which the prefetch of abar2, finding the storage back, kept: a wrong weight
+    # gradient and no error. Either order must restore what plain torch holds.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _HalveThenLinear(), nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    second = {"abar1": "abar2", "abar2": "abar1"}[first]
+    sched = _sched("F_all 0, offload abar1, F_all 1, delete abar1, F_all 2, L, B 2, "
+                   f"offload abar2, delete abar2, prefetch {first}, prefetch {second}, "
+                   "B 1, B 0", 3)
+    _assert_same(*_train(model, x, y, mse, sched))
+
+
 def _profiled_run(model, x, y, text):
     """Profile ``model``, simulate schedule ``text`` on its activation chain and
     train one step with it, checked against plain torch: (chain, sim, executor)."""

@@ -12,6 +12,7 @@ with the paragraph after the list (copies on CUDA streams).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import torch
@@ -53,6 +54,9 @@ class _HostSide:
         # offloaded one, so a later instance may be deleted and prefetched from
         # the same copy (the simulator's Rule 5 keeps host copies the same way).
         self._host: dict = {}
+        # device storage (_cdata) -> its newest host copy: (host storage, D2H event,
+        # weak reference to the stored tensor copied, position in its storages)
+        self._newest: dict = {}
         self._host_bufs: list = []
 
     def _host_storage(self, nbytes: int):
@@ -73,14 +77,52 @@ class _HostSide:
         """Free this step's host copies (arena buffers are freed once their tensor
         views are gone, NOTE [ Pinned views ])."""
         self._host.clear()
+        self._newest.clear()
         bufs, self._host_bufs = self._host_bufs, []
         for buf in bufs:
             buf.free()
 
-    def _copy(self, direction: str, pairs, device_storages, after=None):
+    def _note_copies(self, st, host: list, done) -> None:
+        """Record ``host`` (aligned with ``st.storages``; the offload of stored
+        tensor ``st``, its event ``done``) as the newest copy of each storage."""
+        ref = weakref.ref(st)
+        for i, (s, h) in enumerate(zip(st.storages, host)):
+            if h is not None:
+                self._newest[s._cdata] = (h, done, ref, i)
+
+    def _restore_sources(self, st, host: list, done) -> list:
+        """``(device storage, host copy, D2H event)`` for each storage of stored
+        tensor ``st`` that a prefetch must bring back (freed, with a copy in
+        ``host``, made by the event ``done``), each from the newest copy of that
+        storage.
+
+        That is ``host`` unless another stored tensor holding the same storage was
+        offloaded later, after an in-place change to it (a stage's ``x.mul_()`` on
+        its input, which the stage's next op saves): then the later copy holds
+        what plain autograd reads, and restoring the older one would bring back
+        stale bytes that a later prefetch of the other tensor, finding the storage
+        back, would keep. The recorded copy counts only while the stored tensor
+        it copied is alive and still holds the storage: a live storage's
+        ``_cdata`` is unique, a dead one's may be reused by a new storage."""
+        out = []
+        for i, (s, h) in enumerate(zip(st.storages, host)):
+            if h is None or s.nbytes():
+                continue
+            src, event = h, done
+            newest = self._newest.get(s._cdata)
+            if newest is not None:
+                h2, event2, ref, j = newest
+                other = ref()
+                if other is not None and other.storages[j]._cdata == s._cdata \
+                        and h2.nbytes() == h.nbytes():
+                    src, event = h2, event2
+            out.append((s, src, event))
+        return out
+
+    def _copy(self, direction: str, pairs, device_storages, after=()):
         """``dst.copy_(src)`` for each pair. On CUDA the copies run on the
         ``direction`` ("h2d" / "d2h") stream behind the compute enqueued so far
-        (which allocated the destinations) and the event ``after``, and
+        (which allocated the destinations) and the events ``after``, and
         ``device_storages`` (their device side) are marked used there, so a drop
         meanwhile does not free them under the copy; returns the copies' event.
         On the CPU they run at once; returns None."""
@@ -90,8 +132,9 @@ class _HostSide:
             return None
         stream = self._streams[0 if direction == "h2d" else 1]
         stream.wait_stream(torch.cuda.current_stream(self._device))
-        if after is not None:
-            stream.wait_event(after)
+        for event in after:
+            if event is not None:
+                stream.wait_event(event)
         with torch.cuda.stream(stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
@@ -161,7 +204,7 @@ class _HostSide:
             # next compute waits (_wait_weights)
             dev = [torch.empty_like(h, device=self._device) for h in host]
             ready = self._copy("h2d", list(zip(dev, host)), _storages(dev).values(),
-                               after=self._w_saved.get(i))
+                               after=(self._w_saved.get(i),))
             if ready is not None:
                 self._w_ready[i] = ready
             for p, d in zip(params, dev):

@@ -24,7 +24,9 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
 4. ``offload`` copies the storages of a tensor (abar: output and saved tensors)
    to host memory; ``delete`` frees the device storages with
    ``untyped_storage().resize_(0)``, which keeps every tensor object (and the
-   autograd graph) intact; ``prefetch`` re-allocates and copies back.
+   autograd graph) intact; ``prefetch`` re-allocates and copies back, each
+   storage from its newest host copy (two stored tensors may share a storage
+   that a stage changed in place between their offloads).
    Storage-level copies do not bump version counters, so autograd's in-place
    checks stay quiet. A storage is *protected* (:meth:`ScheduleExecutor._protected`)
    and never freed when it belongs to a parameter or buffer of the model, to
@@ -592,6 +594,7 @@ class ScheduleExecutor(_HostSide):
             # reads it: _copy marks its storages used on the D2H stream
             done = self._copy("d2h", pairs, [s for _, s in pairs])
             self._host[(k, aux)] = (host, done)
+            self._note_copies(st, host, done)
             return
         if op == Op.DELETE and (k, aux) not in self._host:
             self._drop(entries, k)   # a discard: nothing will bring it back
@@ -607,12 +610,13 @@ class ScheduleExecutor(_HostSide):
             # allocated on the compute stream, so the caching allocator ties the
             # blocks to the stream that uses and frees them; compute waits (_wait).
             # A storage still (or again, through a tensor sharing it) on the device
-            # holds these very bytes.
-            pairs = [(s, h) for s, h in zip(st.storages, host)
-                     if h is not None and s.nbytes() == 0]
-            for s, h in pairs:
+            # holds its newest bytes (_restore_sources).
+            sources = self._restore_sources(st, host, done)
+            for s, h, _ in sources:
                 self._resize(s, h.nbytes())
-            st.ready = self._copy("h2d", pairs, [s for s, _ in pairs], after=done)
+            st.ready = self._copy("h2d", [(s, h) for s, h, _ in sources],
+                                  [s for s, _, _ in sources],
+                                  after={e for _, _, e in sources})
 
     def _delete(self, entries: _Entries, st: _Stored, host: list):
         """Free the device storages of ``st`` (in ``entries``) that have a host
