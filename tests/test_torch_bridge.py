@@ -70,7 +70,17 @@ def test_bad_requests(arena):
         from_tensor(torch.eye(3).to_sparse(), arena)
     with pytest.raises(rtmem.OutOfMemoryError):
         from_tensor(torch.zeros(1 << 21), arena)      # 8 MiB into a 4 MiB arena
+    # no data to copy: refused before allocating (it was torch's bare
+    # NotImplementedError from the copy)
+    with pytest.raises(TypeError, match="meta tensor has none"):
+        from_tensor(torch.empty(3, device="meta"), arena)
     assert arena.stats().count_by_kind["activation"] == 1   # nothing leaked
+    # numpy dtypes torch lacks get rtmem's message, not torch's
+    for dtype in (np.longdouble, ">f4", "U2", [("a", "i4")]):
+        odd = arena.alloc(shape=(2,), dtype=dtype)
+        with pytest.raises(TypeError, match="torch has no dtype.*buf.numpy"):
+            as_tensor(odd)
+        odd.free()
 
 
 def test_placed_module_trains_like_the_original(arena):
@@ -189,3 +199,25 @@ def test_on_torch_stream_is_a_no_op_without_cuda():
         pass
     with on_torch_stream(0):
         pass
+
+
+@pytest.mark.parametrize("which", ["weights", "grads"])
+def test_release_completes_after_a_buffer_was_freed_by_hand(arena, which):
+    # A placed buffer freed by hand (the free waits for the parameter's view)
+    # used to make release() raise DoubleFreeError at that buffer, leaving the
+    # other parameters in the arena, still "placed", and every later release()
+    # failing the same way: their buffers leaked and the module could never be
+    # placed again.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model(torch.randn(3, 8)).sum().backward()
+    values = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+    placement = place_parameters(model, arena)
+    next(iter(getattr(placement, which).values())).free()
+    placement.release()
+    placement.release()                 # and again: nothing left to do
+    for p, (v, g) in zip(model.parameters(), values):
+        assert torch.equal(p.detach(), v) and torch.equal(p.grad, g)
+    gc.collect()
+    assert arena.stats().allocated_bytes == 0
+    place_parameters(model, arena).release()     # placeable again

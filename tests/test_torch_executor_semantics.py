@@ -318,6 +318,32 @@ def test_a_prefetch_restores_the_newest_copy_of_a_storage_two_tensors_share(firs
     _assert_same(*_train(model, x, y, mse, sched))
 
 
+def test_an_in_place_dropout_s_abar_counts_the_storage_it_shares_with_its_input():
+    # nn.Dropout(inplace=True) returns its input's storage and saves its mask.
+    # The profiler used to leave that storage out of xbar as "the input's",
+    # but once abar1 (which owns it as a1) is deleted, abar2 still keeps it on
+    # the device: the executor held 80 bytes more than the simulator counted
+    # from the delete until the prefetch, so a plan could exceed its budget.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Dropout(0.5, inplace=True), nn.Linear(5, 40),
+                          nn.Linear(40, 40), nn.Linear(40, 1))
+    x, y = torch.randn(4, 5), torch.randn(4, 1)
+    loss_fn = nn.functional.mse_loss
+    chain = profile_sequential(model, x, y, loss_fn, repeats=1)
+    # output (shared with a1) and the mask, 80 bytes each
+    assert chain.x[1] == 80 and chain.xbar[1] == 160
+    sched = Schedule.from_text(
+        "F_all 0, F_all 1, offload abar1, delete abar1, F_all 2, F_all 3, F_all 4, L, "
+        "B 4, B 3, B 2, prefetch abar1, B 1, B 0")
+    acts = Chain(u_f=chain.u_f, u_b=chain.u_b, x=chain.x, xbar=chain.xbar, x0=chain.x0)
+    sim = simulate(acts, sched, Platform(math.inf)).timeline["mem_after"].tolist()
+    ex = ScheduleExecutor(model, sched, loss_fn)
+    ex.step(x, y)
+    assert all(m <= s for m, s in zip(ex.resident_bytes, sim)), (ex.resident_bytes, sim)
+    # after the delete, a1's storage stays for abar2 and both sides count it once
+    assert ex.resident_bytes[3] == sim[3]
+
+
 def _profiled_run(model, x, y, text):
     """Profile ``model``, simulate schedule ``text`` on its activation chain and
     train one step with it, checked against plain torch: (chain, sim, executor)."""

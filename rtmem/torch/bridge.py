@@ -24,6 +24,7 @@ those bytes to another allocation while a tensor can still read them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem.arena import is_arena
 from rtmem.buffer import Buffer
-from rtmem.errors import ResidencyError
+from rtmem.errors import DoubleFreeError, ResidencyError
 
 __all__ = ["as_tensor", "from_tensor", "place_parameters", "ModulePlacement",
            "on_torch_stream"]
@@ -49,6 +50,17 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype in _BITS:
         return np.dtype(_BITS[dtype])
     return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_shares(dtype: np.dtype) -> bool:
+    """Whether torch has a dtype for numpy's ``dtype`` (not for long double,
+    strings, records, datetimes or non-native byte orders)."""
+    try:
+        torch.from_numpy(np.empty(0, dtype))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def on_torch_stream(device: int | torch.device | None = None):
@@ -128,6 +140,11 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got "
                         f"{dtype!r}")
+    if not _torch_shares(buf.dtype):
+        raise TypeError(f"torch has no dtype for this buffer's numpy dtype {buf.dtype}; "
+                        f"view it with buf.numpy(), or allocate it with a dtype torch "
+                        f"shares (uint16 holds bfloat16 bits: as_tensor(buf, "
+                        f"dtype=torch.bfloat16))")
     if device_alias:
         p = buf._view_placement("host")
         if p.arena.backend.name != "cuda" or p.slab.device_ptr is None:
@@ -170,6 +187,10 @@ def from_tensor(tensor: torch.Tensor, arena, *, kind: str = "activation") -> Buf
     if tensor.layout != torch.strided:
         raise TypeError(f"from_tensor copies dense tensors; got a {tensor.layout} one: "
                         f"convert it with .to_dense() first")
+    if tensor.is_meta:
+        raise TypeError("from_tensor copies data, and a meta tensor has none: "
+                        "materialize it first (e.g. module.to_empty(device=...) and "
+                        "initialize the parameters)")
     tensor = tensor.detach()
     buf = arena.alloc(shape=tuple(tensor.shape), dtype=numpy_dtype(tensor.dtype), kind=kind)
     try:
@@ -192,16 +213,28 @@ class ModulePlacement:
     grads: dict = field(default_factory=dict)
 
     def release(self) -> None:
-        """Copy every parameter (and gradient) out of the arenas and free the buffers."""
-        for p, buf in self.weights.items():
-            p.data = p.data.clone()
-            if p in self.grads and p.grad is not None:
-                p.grad = p.grad.clone()
-            buf.free()
-        for buf in self.grads.values():
-            buf.free()
+        """Copy every parameter (and gradient) out of the arenas and free the buffers.
+
+        Releasing again does nothing, and a buffer already freed by hand is
+        skipped (its bytes come back once the parameter no longer views it)."""
+        # Copies first: if one fails (out of memory), nothing has moved yet.
+        copies = [(p, p.data.clone(),
+                   p.grad.clone() if p in self.grads and p.grad is not None else None)
+                  for p in self.weights]
+        for p, data, grad in copies:
+            p.data = data
+            if grad is not None:
+                p.grad = grad
+        bufs = [*self.weights.values(), *self.grads.values()]
         self.weights.clear()
         self.grads.clear()
+        for buf in bufs:
+            try:
+                buf.free()
+            except DoubleFreeError:
+                # freed by hand while placed: given back already (once the
+                # parameter stopped viewing it); the others must still go
+                pass
 
 
 def _placement_of(p):

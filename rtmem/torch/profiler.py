@@ -10,8 +10,8 @@ output's shape, and:
   minus the model's parameters and buffers (batch norm saves its running
   statistics) and the stage input (they are accounted as weights and as the
   previous activation), unless the stage modified its input in place before
-  autograd saved it: then the executor keeps that storage with abar, and so
-  does ``xbar``;
+  autograd saved it, or returns (a view of) its input: then the executor keeps
+  that storage with abar, also once a_i is deleted, and so does ``xbar``;
 - ``u_f``, ``u_b``: median seconds over ``repeats`` runs (CUDA events on a GPU,
   ``perf_counter`` on the CPU); ``u_b`` is 0 for a stage whose output needs no
   gradient (a frozen or parameter-free stage on integer inputs);
@@ -29,7 +29,9 @@ Byte counts use the same storage accounting as
 executor's measured memory agree, except for a stage whose output shares its
 input's storage (``nn.Identity``, a view, an in-place activation as the whole
 stage): the chain cannot express sharing, so ``x`` counts that storage again,
-which overstates memory (the safe direction). Stages get their input as the executor hands
+which overstates memory (the safe direction); so does an output viewing part of a larger
+storage (a slice of an intermediate), whose gradient delta is compact but counted as
+``x``. Stages get their input as the executor hands
 it (NOTE [ Executor ]), so in-place operations at the start of a stage work;
 such a stage is timed on the input its previous run modified (sizes and times do
 not depend on the values), and the first stage runs on a copy of ``inputs``.
@@ -132,8 +134,11 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             # The executor re-derives a saved view of the input from a_i at B i
             # (its _forward_all), unless the stage changed the input before
             # saving it: then abar keeps the input's storage.
+            # An output sharing the input's storage (an in-place dropout saving
+            # its mask) keeps that storage alive in abar too: the executor never
+            # frees it while abar_{i+1} is resident, even when a_i is deleted.
             x_key = _input_key(xin)
-            exclude = state if any(
+            exclude = state if (x_key is not None and _input_key(y) == x_key) or any(
                 t.untyped_storage().data_ptr() == x_key
                 and not _rederived_input(t, version, x_key, x_version, arg.dtype)
                 for t, version in saved) else state | {x_key}
