@@ -218,7 +218,7 @@ def _acts_only(chain):
 def _check_measured_against(sched, chain, ex):
     """Activation bytes measured between operations equal the simulator's on the
     activations-only chain (from B 0 on the simulator also holds delta_0, which
-    integer token inputs lack); returns that simulation."""
+    the executor computes only for a batch that requires grad); returns that simulation."""
     sim = simulate(_acts_only(chain), sched, Platform(math.inf))
     last_b = max(j for j, (op, s, _) in enumerate(sched) if op == op.B)
     assert ex.resident_bytes[:last_b] == sim.timeline["mem_after"][:last_b].tolist()

@@ -344,6 +344,93 @@ def test_an_in_place_dropout_s_abar_counts_the_storage_it_shares_with_its_input(
     assert ex.resident_bytes[3] == sim[3]
 
 
+class _RecordNeeds(torch.autograd.Function):
+    """Identity that records, at backward, whether its input needed a gradient."""
+
+    calls: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _RecordNeeds.calls.append(ctx.needs_input_grad[0])
+        return grad
+
+
+class _Recorder(nn.Module):
+    def forward(self, x):
+        return _RecordNeeds.apply(x)
+
+
+def _input_grad_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(_Recorder(), nn.Linear(8, 8)), nn.Tanh(),
+                         nn.Linear(8, 1))
+
+
+def test_no_input_gradient_is_computed_for_a_batch_that_needs_none():
+    # Plain autograd records nothing for a batch that does not require grad and
+    # computes no gradient for it; the executor ran stage 0 on a leaf requiring
+    # grad and computed delta_0 at B 0 (a full backward-data pass of the first
+    # layer, e.g. the stem convolution on the images), which nothing reads.
+    model, y = _input_grad_model(), torch.randn(4, 1)
+    x = torch.randn(4, 8)
+    for sched in (store_all_schedule(3), _sched(
+            "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0", 3)):
+        _RecordNeeds.calls.clear()
+        _assert_same(*_train(model, x, y, mse, sched))
+        assert _RecordNeeds.calls == []
+
+
+def test_a_parameter_free_first_stage_whose_output_is_modified_in_place_trains():
+    # tanh saves its output only when its input requires grad; the executor
+    # made the batch require grad, so relu_ on a1 then looked like the
+    # in-place change of a saved tensor that autograd refuses (NOTE rule 7),
+    # for a model plain PyTorch trains.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Tanh(), nn.ReLU(inplace=True), nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    _assert_same(*_train(model, x, y, mse, store_all_schedule(3)))
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    assert chain.u_b[0] == 0 and chain.xbar[0] == chain.x[0]   # nothing to backward
+
+
+@pytest.mark.parametrize("text", [
+    None,                                                        # store all
+    # a private copy of a0, freed and brought back
+    "offload a0, F_all 0, delete a0, F_all 1, F_all 2, L, B 2, B 1, prefetch a0, B 0",
+    "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0",       # stage 0 recomputed
+])
+@pytest.mark.parametrize("leaf", [True, False])
+def test_a_batch_that_requires_grad_gets_its_gradient_as_from_loss_backward(text, leaf):
+    # loss.backward() gives a batch that requires grad its gradient (.grad of a
+    # leaf, or on through the caller's graph that made it); the executor
+    # computed delta_0 and dropped it.
+    model, y = _input_grad_model(), torch.randn(4, 1)
+    sched = store_all_schedule(3) if text is None else _sched(text, 3)
+    torch.manual_seed(1)
+    z = torch.randn(4, 8)
+    outer = nn.Linear(8, 8)                    # the caller's own layer before the model
+
+    def batch(outer):
+        return z.clone().requires_grad_() if leaf else outer(z)
+    ref, m, outer_ref = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(outer)
+    x_ref, x = batch(outer_ref), batch(outer)
+    _RecordNeeds.calls.clear()
+    ref_loss = mse(ref(x_ref), y)
+    ref_loss.backward()
+    loss = ScheduleExecutor(m, sched, mse).step(x, y)
+    assert _RecordNeeds.calls == [True, True]
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip([*m.parameters(), *outer.parameters()],
+                    [*ref.parameters(), *outer_ref.parameters()]):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    if leaf:
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def _profiled_run(model, x, y, text):
     """Profile ``model``, simulate schedule ``text`` on its activation chain and
     train one step with it, checked against plain torch: (chain, sim, executor)."""

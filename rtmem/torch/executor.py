@@ -10,10 +10,14 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
 2. ``F_all i``: stage i under ``enable_grad`` from a detached leaf that requires
    grad (its ``.grad`` becomes delta_i), handed to the stage through an identity
    autograd op so that in-place ops at the start of a stage work as in plain
-   training. The recorded graph (its saved tensors) and the output form
-   abar_{i+1}. Saved tensors go through ``saved_tensors_hooks`` so the executor
-   knows their storages (for accounting and offload); views of the stage's
-   parameters, buffers and input are re-derived when the backward reads them.
+   training. Stage 0 gets the batch itself unless it requires grad, as in plain
+   autograd, which neither records what only an input gradient needs nor
+   computes one; when it does, ``B 0`` passes delta_0 on to it (``inputs.grad``,
+   or the caller's graph that made it, as ``loss.backward()`` would). The
+   recorded graph (its saved tensors) and the output form abar_{i+1}. Saved
+   tensors go through ``saved_tensors_hooks`` so the executor knows their
+   storages (for accounting and offload); views of the stage's parameters,
+   buffers and input are re-derived when the backward reads them.
    A forward whose output (a_{i+1} or abar_{i+1}) is already resident keeps
    the resident one, as the simulator does.
 3. ``L``: the loss on a_n; its gradient is delta_n. ``B i``: backward through the
@@ -217,6 +221,7 @@ class ScheduleExecutor(_HostSide):
         self._streams = None
         self._new_ledger()
         self._caller_keys: set = set()
+        self._caller_inputs = None   # the batch during a step, when it requires grad
         self._op_index = 0   # of the operation running, for error messages
         # If the schedule frees a0 before B 0 (a delete, or F_none 0 consuming it),
         # work on a private copy, which it can free: the caller holds its batch,
@@ -243,6 +248,8 @@ class ScheduleExecutor(_HostSide):
         (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``.
         ``inputs`` and ``target`` are never freed or moved (a0 is a private copy
         when the schedule frees it before B 0: ``delete a0`` or ``F_none 0``).
+        ``inputs`` that require grad get their gradient as from
+        ``loss.backward()``: in ``.grad``, or through the graph that made them.
 
         If the step raises, the weights are all back on the device, but the
         gradients it produced before the error stay where they went (``.grad``,
@@ -269,10 +276,11 @@ class ScheduleExecutor(_HostSide):
         device = inputs.device
         self._device = device
         self._caller_keys = _storage_ptrs((inputs, target))
+        self._caller_inputs = inputs if inputs.requires_grad else None
         if self._own_input or (inputs.untyped_storage().nbytes()
                                != inputs.numel() * inputs.element_size()):
             # a compact private copy: its bytes are exactly the chain's x0
-            inputs = inputs.clone(memory_format=torch.contiguous_format)
+            inputs = inputs.detach().clone(memory_format=torch.contiguous_format)
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self._new_ledger()
@@ -305,6 +313,7 @@ class ScheduleExecutor(_HostSide):
             self._bar.clear()
             self._delta = None
             self._caller_keys = set()
+            self._caller_inputs = None
             if self._streams is not None:
                 # the optimizer and the next step run on the compute stream: every
                 # weight prefetched and gradient offloaded must be in place by then
@@ -483,7 +492,7 @@ class ScheduleExecutor(_HostSide):
         hooks = _SavedHooks(self, i, x)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack,
                                                                            hooks.unpack):
-            leaf, arg = _stage_input(x)
+            leaf, arg = _stage_input(x) if i or self._caller_inputs is not None else (x, x)
             y = self._run_stage(i, arg)
         self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=hooks.saved)
 
@@ -517,6 +526,8 @@ class ScheduleExecutor(_HostSide):
         # else nothing flows back (NOTE rule 3): a frozen or parameter-free stage on
         # integer inputs, or an output the rest of the model did not use
         self._delta = bar.inp.grad if bar.inp is not None and bar.inp.requires_grad else None
+        if i == 0 and self._delta is not None and self._caller_inputs is not None:
+            torch.autograd.backward(self._caller_inputs, self._delta)
         # An abar_{i+2} recomputed from this one and never consumed holds its
         # output as its leaf input; the simulator frees abar_{i+1} whole here
         self._free_unneeded([bar.out.untyped_storage()])

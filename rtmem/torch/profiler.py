@@ -126,7 +126,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     base = torch.cuda.memory_allocated(device)
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                         pack, lambda t: t):
-                    xin, arg = _stage_input(x)
+                    # as the executor's F_all hands it: the batch itself to stage 0
+                    # unless it requires grad
+                    xin, arg = _stage_input(x) if i or inputs.requires_grad else (x, x)
                     x_version = arg._version
                     y, t_f = timer(lambda: stage(arg))
                 _check_output(i, stage, y)
