@@ -245,10 +245,11 @@ def _grad_input(x: torch.Tensor):
     return leaf, _Alias.apply(leaf)
 
 
-def _stage_input(x: torch.Tensor):
-    """``(leaf, arg)`` of :func:`_grad_input` for a floating-point ``x``; other
-    inputs (token ids) carry no gradient and go in as they are: ``(x, x)``."""
-    return _grad_input(x) if x.is_floating_point() else (x, x)
+def _stage_input(x: torch.Tensor, needs_grad: bool = True):
+    """``(leaf, arg)`` of :func:`_grad_input` for a floating-point ``x`` that
+    ``needs_grad``; other inputs (token ids, a batch that does not require grad
+    as stage 0's input) go in as they are: ``(x, x)``."""
+    return _grad_input(x) if needs_grad and x.is_floating_point() else (x, x)
 
 
 def param_label(names: dict, p) -> str:

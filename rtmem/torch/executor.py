@@ -492,7 +492,7 @@ class ScheduleExecutor(_HostSide):
         hooks = _SavedHooks(self, i, x)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack,
                                                                            hooks.unpack):
-            leaf, arg = _stage_input(x) if i or self._caller_inputs is not None else (x, x)
+            leaf, arg = _stage_input(x, needs_grad=i > 0 or self._caller_inputs is not None)
             y = self._run_stage(i, arg)
         self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=hooks.saved)
 

@@ -128,7 +128,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                         pack, lambda t: t):
                     # as the executor's F_all hands it: the batch itself to stage 0
                     # unless it requires grad
-                    xin, arg = _stage_input(x) if i or inputs.requires_grad else (x, x)
+                    xin, arg = _stage_input(x, needs_grad=i > 0 or inputs.requires_grad)
                     x_version = arg._version
                     y, t_f = timer(lambda: stage(arg))
                 _check_output(i, stage, y)
