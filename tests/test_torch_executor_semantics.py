@@ -891,3 +891,96 @@ def test_a_schedule_from_a_second_import_of_the_planners_is_explained(monkeypatc
     finally:
         for name in set(sys.modules) - before:
             del sys.modules[name]
+
+
+# ------------------------------------------------------ buffers reassigned in forward
+class _Reassigning(nn.Module):
+    """Updates its buffers by reassignment, not in place: a running mean and a
+    count, and a scale it copies and then multiplies by (saved by autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.full((4,), 0.5))
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * y.detach().mean(0)
+            self.count = self.count + 1
+            self.scale = self.scale.clone()
+        return y * self.scale
+
+
+def _reassigning_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Reassigning(), nn.Linear(4, 1))
+    return model, torch.randn(8, 4), torch.randn(8, 1)
+
+
+@pytest.mark.parametrize("text", [
+    # recomputed: the buffers of one forward, as in plain training
+    "F_ck 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, F_all 0, B 0",
+    # abar2 saves the new scale buffer: a delete must not free the module's
+    # buffer (it is model state, not an activation), nor count it
+    "F_all 0, F_all 1, offload abar2, F_all 2, delete abar2, L, prefetch abar2, B 2, "
+    "B 1, B 0",
+    "F_ck 0, F_all 1, F_all 2, delete abar2, L, F_all 1, B 2, B 1, F_all 0, B 0",
+])
+def test_a_stage_reassigning_its_buffers_trains_as_plain_torch(text):
+    model, x, y = _reassigning_model()
+    m, ex, *rest = _train(model, x, y, mse, _sched(text, 3))
+    _assert_same(m, ex, *rest)
+    assert m[1].count.item() == 1 and m[1].scale.untyped_storage().nbytes() == 16
+    # and twice more from there (the executor follows the buffers it now holds);
+    # the loss runs after the delete: the module's buffer must still be whole
+    ref, scale_bytes = rest[1], []
+
+    def loss_fn(out, target):
+        scale_bytes.append(m[1].scale.untyped_storage().nbytes())
+        return mse(out, target)
+    ex.loss_fn = loss_fn
+    for seed in (1, 2):
+        m.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = ex.step(x, y)
+        ref_loss = mse(ref(x), y)
+        ref_loss.backward()
+        _assert_same(m, ex, loss, ref, ref_loss.detach())
+    assert scale_bytes == [16, 16]
+
+
+def test_profiling_leaves_reassigned_buffers_and_outside_gradients_as_they_were():
+    model, x, y = _reassigning_model()
+    head = nn.Linear(1, 1)                  # a parameter the loss closes over
+    loss_module = nn.BatchNorm1d(1)         # a loss that is a module with buffers
+
+    def loss_fn(out, target):
+        return mse(head(loss_module(out)), target)
+    loss_fn(model(x), y).backward()         # gradients already accumulated
+    held = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    values = {k: v.clone() for k, v in held.items()}
+    grad = head.weight.grad
+    grad_value = grad.clone()
+    stats = loss_module.running_mean.clone()
+
+    class Loss(nn.Module):                  # the module form of the same loss
+        def __init__(self):
+            super().__init__()
+            self.bn = loss_module
+
+        def forward(self, out, target):
+            return loss_fn(out, target)
+    for fn in (loss_fn, Loss()):
+        profile_sequential(model, x, y, fn, repeats=2)
+        for k, v in model.state_dict(keep_vars=True).items():
+            assert v is held[k] and torch.equal(v, values[k]), k
+        assert head.weight.grad is grad and torch.equal(grad, grad_value)
+    # the closure form cannot reach the loss module's statistics; the module form does
+    assert not torch.equal(loss_module.running_mean, stats)
+    loss_module.running_mean.copy_(stats)
+    profile_sequential(model, x, y, Loss(), repeats=2)
+    assert torch.equal(loss_module.running_mean, stats)

@@ -180,6 +180,45 @@ class _Ledger:
                     self.total += sign * nbytes
 
 
+def buffer_slots(module: nn.Module) -> tuple:
+    """``(submodule, name)`` of every buffer slot under ``module`` (``None`` ones
+    too). A forward that reassigns a buffer (``self.ema = 0.9 * self.ema + ...``)
+    puts a new tensor in its slot, which a list of ``module.buffers()`` made
+    before the forward does not see."""
+    return tuple((m, name) for m in module.modules() for name in m._buffers)
+
+
+def slot_buffers(slots) -> list:
+    """The tensors in ``slots`` (:func:`buffer_slots`) now, each once, empty slots
+    left out: ``module.buffers()`` without walking the module tree again."""
+    return list(dict.fromkeys(t for m, name in slots
+                              if (t := m._buffers.get(name)) is not None))
+
+
+class KeptBuffers:
+    """Which tensor each of ``slots`` holds now, and its values, to put back with
+    :meth:`restore` after a forward that must leave no trace on the module's
+    buffers (a recomputation, profiling): in-place updates (batch-norm
+    statistics) and reassignments (``self.count = self.count + 1``) alike."""
+
+    __slots__ = ("slots", "held", "values")
+
+    def __init__(self, slots):
+        self.slots = slots
+        self.held = [m._buffers.get(name) for m, name in slots]
+        self.values = [(t, t.detach().clone()) for t in slot_buffers(slots)]
+
+    def restore(self) -> None:
+        for (m, name), t in zip(self.slots, self.held):
+            if m._buffers.get(name) is not t:
+                m._buffers[name] = t
+        with torch.no_grad():
+            for t, value in self.values:
+                # through .data: no version bump, which would fail autograd's check
+                # of the views of t a recomputation saved (unpacked at B i)
+                t.data.copy_(value)
+
+
 def _storage_bytes(tensors, exclude=()) -> int:
     """Bytes of the distinct storages of ``tensors`` whose key (:func:`_storages`)
     is not in ``exclude``: the executor's accounting, which the profiler uses

@@ -54,8 +54,11 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    storage alive through a weight move: those bytes then count as activation
    bytes, beyond what the simulator, which frees the weights, counts.
 6. Every execution of a stage after its first restores the RNG state of the first
-   (dropout draws the same masks) and the module buffers (batch-norm running
-   statistics are updated once per step, as in plain training).
+   (dropout draws the same masks) and the module buffers, updated in place or
+   reassigned (batch-norm running statistics are updated once per step, as in
+   plain training). A recomputation sees the buffers as the first forward left
+   them (as with ``torch.utils.checkpoint``): only a stage whose output depends
+   on a buffer it updates computes another output than the first time.
 7. A stored tensor records its version counter. A stage (or the loss) may modify
    its input in place, but a stored tensor read again after such a change (to
    recompute from it, or by a backward that saved it) would give wrong values,
@@ -90,10 +93,10 @@ from rtmem.planners import Chain, Op, Platform, Schedule, simulate
 from rtmem.planners._validation import type_label
 
 from ._host_side import _HostSide
-from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _Ledger,
+from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output, _Ledger,
                       _stage_input, _storage_bytes, _storage_ptrs, _storages,
-                      as_stages, check_inputs, check_loss_fn, check_placement,
-                      check_shared_weights)
+                      as_stages, buffer_slots, check_inputs, check_loss_fn,
+                      check_placement, check_shared_weights, slot_buffers)
 from ._saved import _SavedHooks
 from ._stored import _copy_matches, _Entries, _Stored
 
@@ -201,7 +204,9 @@ class ScheduleExecutor(_HostSide):
         # Module structure is fixed while the executor lives: walking the module
         # tree for every F_all was ~9% of a CPU step of small stages.
         self._stage_params = [list(stage.parameters()) for stage in self.stages]
-        self._stage_buffers = [list(stage.buffers()) for stage in self.stages]
+        # Buffers by slot: a forward may reassign one (rule 6)
+        self._buffer_slots = [buffer_slots(stage) for stage in self.stages]
+        self._stage_buffers = [slot_buffers(slots) for slots in self._buffer_slots]
         self._param_names = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self._param_names.setdefault(p, name)
@@ -284,6 +289,8 @@ class ScheduleExecutor(_HostSide):
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self._new_ledger()
+        # the caller may have reassigned buffers since the last step
+        self._stage_buffers = [slot_buffers(slots) for slots in self._buffer_slots]
         self._refresh_state_ptrs()
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
@@ -448,8 +455,15 @@ class ScheduleExecutor(_HostSide):
                     if self.preserve_rng_state and self._device.type == "cuda" else None)
             self._first[i] = (cpu, cuda)
             y = stage(x)
+            now = slot_buffers(self._buffer_slots[i])
+            if len(now) != len(self._stage_buffers[i]) or any(
+                    a is not b for a, b in zip(now, self._stage_buffers[i])):
+                # the stage reassigned a buffer: the new tensor is model state, never
+                # freed by a move nor counted as an activation
+                self._stage_buffers[i] = now
+                self._refresh_stage_ptrs(i)
         else:
-            buffers = [b.detach().clone() for b in self._stage_buffers[i]]
+            kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
             try:
                 with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state):
@@ -463,11 +477,7 @@ class ScheduleExecutor(_HostSide):
                 # recomputation must not update running statistics again, also when
                 # the stage raises after updating them (a failed step leaves the
                 # statistics of one forward, as plain training does)
-                with torch.no_grad():
-                    for b, saved in zip(self._stage_buffers[i], buffers):
-                        # through .data: no version bump, which would fail the check of
-                        # the views of b the recomputation saved (unpack in _forward_all)
-                        b.data.copy_(saved)
+                kept.restore()
         _check_output(i, stage, y)
         return y
 

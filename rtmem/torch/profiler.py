@@ -48,8 +48,9 @@ from torch import nn
 from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
-from ._stages import (_check_output, _input_key, _rederived_input, _stage_input,
-                      _storage_bytes, _storage_ptrs, as_stages, check_inputs, check_loss_fn)
+from ._stages import (KeptBuffers, _check_output, _input_key, _rederived_input,
+                      _stage_input, _storage_bytes, _storage_ptrs, as_stages, buffer_slots,
+                      check_inputs, check_loss_fn, slot_buffers)
 
 __all__ = ["profile_sequential"]
 
@@ -71,6 +72,32 @@ class _Timer:
         return out, time.perf_counter() - t0
 
 
+def _graph_leaves(t, own) -> list:
+    """The tensors whose ``.grad`` a backward from ``t`` accumulates into (its
+    graph's leaves), but ``own`` (the profiler's input leaf): parameters of the
+    model, and any a stage or the loss closes over."""
+    leaves, seen, todo = [], set(), [t.grad_fn] if isinstance(t, torch.Tensor) else []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)   # an AccumulateGrad node
+        if leaf is not None and leaf is not own:
+            leaves.append(leaf)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return leaves
+
+
+def _clear_grads(leaves, grads: dict) -> None:
+    """Record the ``.grad`` of each of ``leaves`` not yet in ``grads`` (the same
+    object, put back at the end) and set it to None for profiling."""
+    for p in leaves:
+        if p not in grads:
+            grads[p] = p.grad
+            p.grad = None
+
+
 def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_fn, *,
                        repeats: int = 3, name: str = "") -> Chain:
     """Profile ``model`` (an ``nn.Sequential`` of stages, or a list of modules) on
@@ -78,7 +105,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
 
     ``inputs``/``target`` are a representative batch and ``loss_fn(output, target)``
     the loss. ``repeats`` (>= 1) timed runs per operation, median kept. Parameter
-    gradients (the same ``.grad`` objects, with their values), module buffers
+    gradients (the same ``.grad`` objects, with their values, also of tensors
+    outside the model that a stage or the loss uses), module buffers (of the
+    model and of a loss that is an ``nn.Module``; updated in place or reassigned)
     and the RNG state are restored afterwards, also after an error, so profiling
     does not perturb training. Returns a :class:`~rtmem.planners.Chain` with
     times in seconds and sizes in bytes. Raises
@@ -91,12 +120,15 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     repeats = check_int("repeats", repeats, low=1)
     device = inputs.device
     timer = _Timer(device)
-    buffers = {b: b.detach().clone() for b in model.buffers()}
-    grads = {p: p.grad for p in model.parameters()}
+    # a loss module's buffers and gradients are the caller's too
+    slots = buffer_slots(model) + (buffer_slots(loss_fn) if isinstance(loss_fn, nn.Module)
+                                   else ())
+    buffers = KeptBuffers(slots)
     # the backward passes below accumulate into .grad in place: profile with
-    # none, and put the caller's tensors back afterwards
-    for p in grads:
-        p.grad = None
+    # none, and put the caller's tensors back afterwards (also those of leaves
+    # outside the model that a stage or the loss uses, see _clear_grads)
+    grads = {}
+    _clear_grads(model.parameters(), grads)
     cuda = device.type == "cuda"
     # dropout and the random output gradients below draw from the generator of
     # the input's device too
@@ -104,7 +136,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
     cols = {k: [] for k in ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")}
     # never counted as activations: the executor's accounting (its _state_count)
-    state = _storage_ptrs((*grads, *buffers))
+    state = _storage_ptrs((*grads, *slot_buffers(slots)))
     x = inputs.detach().clone()   # a first stage may modify its input in place
     seen_weights = set()
     try:
@@ -149,6 +181,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             if cuda:
                 o_f = max(0, torch.cuda.max_memory_allocated(device) - base - xbar)
             delta = torch.randn_like(y) if y.is_floating_point() else None
+            _clear_grads(_graph_leaves(y, xin), grads)
             # nothing to backpropagate through a frozen stage on integer inputs
             bwd_times = [] if y.requires_grad else [0.0]
             for r in range(repeats if y.requires_grad else 0):
@@ -175,18 +208,18 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             cols["o_b"].append(o_b)
             x = y.detach()
         loss_times = []
-        for _ in range(repeats):
+        for r in range(repeats):
             with torch.enable_grad():
-                _, z = _stage_input(x)   # as the executor's L hands it to loss_fn
+                leaf, z = _stage_input(x)   # as the executor's L hands it to loss_fn
+                if r == 0:   # untimed: find the leaves outside the model it uses
+                    _clear_grads(_graph_leaves(loss_fn(z, target), leaf), grads)
 
             def run():
                 with torch.enable_grad():
                     loss_fn(z, target).backward()
             loss_times.append(timer(run)[1])
     finally:
-        with torch.no_grad():
-            for b, v in buffers.items():
-                b.copy_(v)
+        buffers.restore()
         for p, g in grads.items():
             p.grad = g
         torch.set_rng_state(rng)
