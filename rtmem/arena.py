@@ -368,7 +368,9 @@ class _Arena:
 
     def stats(self) -> ArenaStats:
         """Allocator stats (top of the stack) plus per-kind bytes and counts, one
-        consistent snapshot."""
+        consistent snapshot. After :meth:`close` they stay as they were when the
+        arena closed (its peak, what was still live, its slabs), for a look back,
+        though every slab has been given back to the backend."""
         with self._acct_lock:
             st = self.allocator.stats()
             # Copies: the snapshot never changes with the arena.
