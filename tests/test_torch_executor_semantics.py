@@ -984,3 +984,50 @@ def test_profiling_leaves_reassigned_buffers_and_outside_gradients_as_they_were(
     loss_module.running_mean.copy_(stats)
     profile_sequential(model, x, y, Loss(), repeats=2)
     assert torch.equal(loss_module.running_mean, stats)
+
+
+# --------------------------------------------------------------- frozen prefix
+def _frozen_prefix_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(_Recorder(), nn.Linear(8, 8)), nn.Tanh(),
+                          nn.Sequential(_Recorder(), nn.Linear(8, 8)), nn.ReLU(inplace=True),
+                          nn.Linear(8, 1))
+    for stage in model[:3]:
+        stage.requires_grad_(False)   # fine-tuning the last layers only
+    return model
+
+
+@pytest.mark.parametrize("text", [
+    None,                                                        # store all
+    "F_ck 0, F_ck 1, F_all 2, F_all 3, F_all 4, L, B 4, B 3, B 2, F_all 1, B 1, "
+    "F_all 0, B 0",
+    "F_all 0, F_all 1, offload abar2, F_all 2, delete abar2, F_all 3, F_all 4, L, B 4, "
+    "B 3, prefetch abar2, B 2, B 1, B 0",
+])
+def test_a_frozen_prefix_gets_no_input_gradients_as_in_plain_autograd(text):
+    # Plain autograd records nothing for the stages before the first trainable
+    # parameter and runs no backward through them; the executor made each
+    # stage's input (but the batch's) a leaf requiring grad, so B 2, B 1 and B 0
+    # ran backward-data passes whose gradients nothing reads (and the profiler
+    # timed them into u_b).
+    model, y = _frozen_prefix_model(), torch.randn(4, 1)
+    x = torch.randn(4, 8)
+    sched = store_all_schedule(5) if text is None else _sched(text, 5)
+    _RecordNeeds.calls.clear()
+    _assert_same(*_train(model, x, y, mse, sched))
+    assert _RecordNeeds.calls == []
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    assert (chain.u_b[:4] == 0).all() and chain.u_b[4] > 0   # ReLU: on a frozen a3
+    assert _RecordNeeds.calls == []
+    # unfrozen between steps: the next step computes the input gradients again
+    m, ex, *_ = _train(model, x, y, mse, sched)
+    m[0].requires_grad_(True)
+    ref = copy.deepcopy(m)
+    m.zero_grad(set_to_none=True)
+    ex.step(x, y)
+    mse(ref(x), y).backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert _RecordNeeds.calls == [True, True]   # stage 2's Recorder, in both runs

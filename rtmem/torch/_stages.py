@@ -286,9 +286,21 @@ def _grad_input(x: torch.Tensor):
 
 def _stage_input(x: torch.Tensor, needs_grad: bool = True):
     """``(leaf, arg)`` of :func:`_grad_input` for a floating-point ``x`` that
-    ``needs_grad``; other inputs (token ids, a batch that does not require grad
-    as stage 0's input) go in as they are: ``(x, x)``."""
+    ``needs_grad``; other inputs (token ids, the input of a stage that
+    :func:`inputs_need_grad` says needs none) go in as they are: ``(x, x)``."""
     return _grad_input(x) if needs_grad and x.is_floating_point() else (x, x)
+
+
+def inputs_need_grad(stage_params, batch_needs_grad: bool) -> list:
+    """Whether each stage's input a_i requires grad in plain autograd: when the
+    batch does, or a stage before i has a parameter that requires grad. Only
+    then does ``F_all i`` record what delta_i needs (a frozen prefix, as in
+    fine-tuning, gets its inputs as they are and B i computes no delta_i)."""
+    needs, trainable = [], batch_needs_grad
+    for params in stage_params:
+        needs.append(trainable)
+        trainable = trainable or any(p.requires_grad for p in params)
+    return needs
 
 
 def param_label(names: dict, p) -> str:

@@ -10,10 +10,13 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
 2. ``F_all i``: stage i under ``enable_grad`` from a detached leaf that requires
    grad (its ``.grad`` becomes delta_i), handed to the stage through an identity
    autograd op so that in-place ops at the start of a stage work as in plain
-   training. Stage 0 gets the batch itself unless it requires grad, as in plain
-   autograd, which neither records what only an input gradient needs nor
-   computes one; when it does, ``B 0`` passes delta_0 on to it (``inputs.grad``,
-   or the caller's graph that made it, as ``loss.backward()`` would). The
+   training. A stage whose input needs no gradient in plain autograd (stage 0
+   unless the batch requires grad, and every stage up to the first with a
+   parameter that requires grad: a frozen prefix) gets its input itself, as
+   plain autograd neither records what only an input gradient needs nor
+   computes one; when the batch requires grad, ``B 0`` passes delta_0 on to it
+   (``inputs.grad``, or the caller's graph that made it, as ``loss.backward()``
+   would). The
    recorded graph (its saved tensors) and the output form abar_{i+1}. Saved
    tensors go through ``saved_tensors_hooks`` so the executor knows their
    storages (for accounting and offload); views of the stage's parameters,
@@ -96,7 +99,8 @@ from ._host_side import _HostSide
 from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output, _Ledger,
                       _stage_input, _storage_bytes, _storage_ptrs, _storages,
                       as_stages, buffer_slots, check_inputs, check_loss_fn,
-                      check_placement, check_shared_weights, slot_buffers)
+                      check_placement, check_shared_weights, inputs_need_grad,
+                      slot_buffers)
 from ._saved import _SavedHooks
 from ._stored import _copy_matches, _Entries, _Stored
 
@@ -282,6 +286,8 @@ class ScheduleExecutor(_HostSide):
         self._device = device
         self._caller_keys = _storage_ptrs((inputs, target))
         self._caller_inputs = inputs if inputs.requires_grad else None
+        # per step: the caller may freeze or unfreeze parameters between steps
+        self._needs_grad = inputs_need_grad(self._stage_params, inputs.requires_grad)
         if self._own_input or (inputs.untyped_storage().nbytes()
                                != inputs.numel() * inputs.element_size()):
             # a compact private copy: its bytes are exactly the chain's x0
@@ -502,7 +508,7 @@ class ScheduleExecutor(_HostSide):
         hooks = _SavedHooks(self, i, x)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack,
                                                                            hooks.unpack):
-            leaf, arg = _stage_input(x, needs_grad=i > 0 or self._caller_inputs is not None)
+            leaf, arg = _stage_input(x, needs_grad=self._needs_grad[i])
             y = self._run_stage(i, arg)
         self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=hooks.saved)
 

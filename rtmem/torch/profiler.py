@@ -14,7 +14,8 @@ output's shape, and:
   that storage with abar, also once a_i is deleted, and so does ``xbar``;
 - ``u_f``, ``u_b``: median seconds over ``repeats`` runs (CUDA events on a GPU,
   ``perf_counter`` on the CPU); ``u_b`` is 0 for a stage whose output needs no
-  gradient (a frozen or parameter-free stage on integer inputs);
+  gradient (a frozen or parameter-free stage on integer inputs or a batch
+  that does not require grad, and so every stage of a frozen prefix);
 - ``o_f``, ``o_b``: temporary bytes, from ``torch.cuda.max_memory_allocated`` on a
   GPU (peak minus what is live before and after); 0 on the CPU, where no allocator
   reports a peak;
@@ -50,7 +51,7 @@ from rtmem.planners._validation import check_int
 
 from ._stages import (KeptBuffers, _check_output, _input_key, _rederived_input,
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, buffer_slots,
-                      check_inputs, check_loss_fn, slot_buffers)
+                      check_inputs, check_loss_fn, inputs_need_grad, slot_buffers)
 
 __all__ = ["profile_sequential"]
 
@@ -138,6 +139,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     # never counted as activations: the executor's accounting (its _state_count)
     state = _storage_ptrs((*grads, *slot_buffers(slots)))
     x = inputs.detach().clone()   # a first stage may modify its input in place
+    needs_grad = inputs_need_grad([list(stage.parameters()) for stage in model],
+                                  inputs.requires_grad)
     seen_weights = set()
     try:
         # Iteration, not children(): a module repeated in the Sequential is one
@@ -158,9 +161,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     base = torch.cuda.memory_allocated(device)
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                         pack, lambda t: t):
-                    # as the executor's F_all hands it: the batch itself to stage 0
-                    # unless it requires grad
-                    xin, arg = _stage_input(x, needs_grad=i > 0 or inputs.requires_grad)
+                    # as the executor's F_all hands it: as it is to a stage whose
+                    # input needs no gradient (the batch, a frozen prefix)
+                    xin, arg = _stage_input(x, needs_grad=needs_grad[i])
                     x_version = arg._version
                     y, t_f = timer(lambda: stage(arg))
                 _check_output(i, stage, y)
