@@ -62,9 +62,9 @@ class _SavedHooks:
                     f"a tensor stage {i} saved for its backward was modified in place "
                     f"afterwards (later in the stage, or by the next stage or the loss "
                     f"modifying its input in place); plain autograd refuses this too "
-                    f"when the stage's input requires grad (the executor's inputs of "
-                    f"every stage after the first do). Make that operation out-of-place "
-                    f"(x = x * 2 instead of x.mul_(2))")
+                    f"when the stage's input requires grad (as every input after a "
+                    f"stage with trainable parameters does). Make that operation "
+                    f"out-of-place (x = x * 2 instead of x.mul_(2))")
             return t
         if len(packed) == 5:    # a parameter or buffer: no copy of it was saved
             base, size, stride, offset, version = packed
