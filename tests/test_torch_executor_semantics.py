@@ -849,7 +849,7 @@ def test_resident_bytes_are_counted_as_a_full_recount_does(text):
     # every stored tensor after each operation (O(ops x stored) per step). A stage
     # whose output is a view of its parameter makes the parameters' exclusion
     # and its change under weight moves count.
-    from rtmem.torch import executor as ex_module
+    from rtmem.torch import _bookkeeping as ex_module
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), _ExpandBias(), nn.Linear(4, 2))
     x, y = torch.randn(5, 3), torch.randn(5, 2)
