@@ -47,11 +47,17 @@ def as_vector(name: str, values, n: int | None, *, integral: bool) -> np.ndarray
         raise ChainError(f"{name}[{i}] = {arr[i]} is negative; times (s) and sizes (bytes) "
                          "must be >= 0", field=name, index=i)
     if integral:
-        if arr.size and arr.max() >= float(MAX_BYTES):
-            i = int(np.argmax(arr))
+        # Integers stay exact: through float64, sizes above 2**53 bytes were
+        # rounded, down as well as up (2**54 + 2 became 2**54, less than given).
+        exact = np.asarray(values)
+        exact = exact if exact.dtype.kind in "iu" else None
+        big = (exact if exact is not None else arr) >= (MAX_BYTES if exact is not None
+                                                        else float(MAX_BYTES))
+        if big.any():
+            i = int(np.flatnonzero(big)[0])
             raise ChainError(f"{name}[{i}] = {arr[i]:.3g} bytes is too large (limit 2**62)",
                              field=name, index=i)
-        return np.ceil(arr).astype(np.int64)
+        return exact.astype(np.int64) if exact is not None else np.ceil(arr).astype(np.int64)
     return arr.copy()
 
 
@@ -63,9 +69,11 @@ def as_scalar(name: str, value, *, integral: bool):
         raise ChainError(f"{name} must be a number, got {value!r}", field=name) from e
     if not math.isfinite(v) or v < 0:
         raise ChainError(f"{name} = {value!r} must be finite and >= 0", field=name)
-    if integral and v >= MAX_BYTES:
+    exact = integral and isinstance(value, (int, np.integer)) \
+        and not isinstance(value, (bool, np.bool_))     # exact above 2**53, as in as_vector
+    if integral and (int(value) if exact else v) >= MAX_BYTES:
         raise ChainError(f"{name} = {value!r} bytes is too large (limit 2**62)", field=name)
-    return int(math.ceil(v)) if integral else v
+    return (int(value) if exact else int(math.ceil(v))) if integral else v
 
 
 def type_label(obj, expected: type) -> str:

@@ -111,8 +111,15 @@ class Chain(JsonFile):
         object.__setattr__(self, "u_loss", as_scalar("u_loss", self.u_loss, integral=False))
         object.__setattr__(self, "o_loss", as_scalar("o_loss", self.o_loss, integral=True))
         # The simulator and the DPs add these up in int64: keep every total in range
-        # (Python ints here, so the check itself cannot overflow).
+        # (Python ints here, so the check itself cannot overflow). This bounds the
+        # peak of any schedule: a_k and abar_k both resident, the current delta,
+        # and an op's output (abar, or delta_0 of the size of a_0) and overhead.
+        # Without sum(x) and the two maxima a chain could need more than the
+        # 2**62 bytes that stand for unlimited memory: every planner then raised
+        # a ScheduleError (even at budget "inf"), not an InfeasibleError.
         total = (self.x0 + self.o_loss + sum(int(v) for v in values["xbar"])
+                 + sum(int(v) for v in values["x"])
+                 + int(values["x"].max()) + max(int(values["xbar"].max()), self.x0)
                  + 2 * sum(int(v) for v in values["w"]) + int(values["o_f"].max())
                  + int(values["o_b"].max()))
         if total >= MAX_BYTES:
@@ -215,8 +222,9 @@ class Chain(JsonFile):
                              f"u_f, u_b, x and xbar (see Chain.to_dict)", field=missing[0])
         kwargs = {k: d[k] for k in known - {"format", "version", "n"} if k in d}
         chain = cls(**kwargs)
-        if "n" in d and d["n"] != chain.n:
-            raise ChainError(f"chain document says n = {d['n']} but its arrays have "
+        # a string "3" said "n = 3 but its arrays have 3 stages"; true passed as 1
+        if "n" in d and (type(d["n"]) is not int or d["n"] != chain.n):
+            raise ChainError(f"chain document says n = {d['n']!r} but its arrays have "
                              f"{chain.n} stages", field="n")
         return chain
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from rtmem.errors import PlatformError, UnitError
 from rtmem.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
@@ -48,11 +50,16 @@ class Platform:
         mem = self.memory
         if isinstance(mem, str) and mem.strip().lower() in ("inf", "unlimited"):
             mem = math.inf
-        if not (isinstance(mem, float) and math.isinf(mem) and mem > 0):
+        if isinstance(mem, (int, np.integer)) and not isinstance(mem, (bool, np.bool_)):
+            # exact: parse_bytes goes through float, which rounds above 2**53 bytes,
+            # up as well (2**54 + 7 became 2**54 + 8: plans over the budget asked)
+            mem = int(mem)
+        elif not (isinstance(mem, float) and math.isinf(mem) and mem > 0):
             try:
                 mem = parse_bytes(mem, round_down=True)   # a budget: never above it
             except UnitError as e:
                 raise PlatformError(f"invalid memory {self.memory!r}: {e}") from e
+        if not (isinstance(mem, float) and math.isinf(mem)):
             if mem <= 0:
                 raise PlatformError(f"memory must be > 0 bytes, got {self.memory!r}; give "
                                     "the device memory budget, e.g. Platform('12GiB')")

@@ -275,7 +275,13 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
             f"activations {mm:,}. Give more memory or a smaller batch",
             budget=budget, min_feasible=min_feasible)
     m_bytes = int(budget) - fixed
-    slot = slot_bytes if slot_bytes is not None else max(1, m_bytes // slots)
+    if slot_bytes is not None:
+        slot = slot_bytes
+    else:
+        # floor(m_bytes / slots) gives up to 2 slots - 1 slots: coarsen it just
+        # enough for the table to fit (slots itself passed _check_table above).
+        # Otherwise the DP was refused with "use at most K slots" for slots <= K.
+        slot = max(1, m_bytes // slots, -(-(m_bytes + 1) // (_max_slots(chain.n) + 1)))
     value, schedule, M = _dp(chain, arrays, m_bytes, slot, progress, say,
                              slot_bytes is not None)
     refined = False

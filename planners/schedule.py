@@ -249,7 +249,10 @@ class Schedule:
         for k, tok in enumerate(tokens):
             parts = tok.split()
             head = parts[0].lower()
-            if head in ("l", "loss") and len(parts) == 1:
+            if head in ("l", "loss"):
+                if len(parts) != 1:      # was "unknown operation 'L'", listing L as known
+                    raise ScheduleError(f"op {k}: the loss takes no stage; write {parts[0]!r} "
+                                        f"alone, not {tok!r}", op_index=k, reason="parse")
                 op[k], stage[k] = Op.LOSS, 0
                 continue
             if len(parts) != 2:
@@ -287,9 +290,14 @@ class Schedule:
         """Parse a schedule JSON document (see :meth:`to_json`)."""
         d = parse_document(text, kind="schedule", fmt=_FORMAT, version=_VERSION,
                            error=ScheduleError, required=("ops",), reason="parse")
+        if not isinstance(d["ops"], str):
+            raise ScheduleError(f"schedule document: ops must be the text form (a string), "
+                                f"got {d['ops']!r}", reason="parse")
         sched = cls.from_text(d["ops"])
-        if "n_ops" in d and d["n_ops"] != len(sched):
-            raise ScheduleError(f"schedule document says n_ops = {d['n_ops']} but holds "
+        # a string "3" or true is not a count (it said "n_ops = 1 but holds 1")
+        n_ops = d.get("n_ops", len(sched))
+        if type(n_ops) is not int or n_ops != len(sched):
+            raise ScheduleError(f"schedule document says n_ops = {n_ops!r} but holds "
                                 f"{len(sched)} operations", reason="parse")
         return sched
 

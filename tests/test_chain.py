@@ -157,3 +157,31 @@ def test_huge_but_bounded_times_plan_to_finite_makespans():
     plan = plan_remat(chain, min_feasible_memory(chain))
     assert math.isfinite(plan.makespan) and math.isfinite(chain.compute_time)
     json.loads(plan.to_json(), parse_constant=lambda c: pytest.fail(f"JSON {c}"))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(x=[3 * 2**60], xbar=[3 * 2**60]),               # a_1 + delta_1 during the loss
+    dict(x=[1], xbar=[2], x0=2**61, w=[2**55], o_b=[2**55], o_loss=2**55),  # delta_0 at B 0
+])
+def test_sizes_whose_peak_is_beyond_unlimited_memory_are_refused(kwargs):
+    # Both passed the old sum check, then every planner (plan_remat, compare_remat,
+    # the baselines) raised a ScheduleError even at budget "inf": the store-all
+    # peak is beyond the 2**62 bytes that stand for unlimited memory.
+    with pytest.raises(ChainError, match="add up to"):
+        Chain(u_f=[1], u_b=[1], **kwargs)
+
+
+def test_sizes_just_within_the_bound_plan_at_unlimited_memory():
+    from rtmem.planners import min_feasible_memory, plan_remat, plan_store_all
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[2**58] * 2, xbar=[2**58] * 2, x0=2**58)
+    assert plan_remat(chain, "inf").peak == plan_store_all(chain, "inf").peak < 2**62
+    assert min_feasible_memory(chain) < 2**62
+
+
+@pytest.mark.parametrize("n, stages", [("3", 3), (3.0, 3), (True, 1)])
+def test_chain_document_stage_count_must_be_an_integer(n, stages):
+    # "3" was refused as "says n = 3 but its arrays have 3 stages"; 3.0 and true
+    # (for one stage) passed
+    d = dict(Chain.homogeneous(stages).to_dict(), n=n)
+    with pytest.raises(ChainError, match=f"n = {n!r} but"):
+        Chain.from_dict(d)

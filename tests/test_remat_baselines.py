@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rtmem.errors import InfeasibleError, ScheduleError
-from rtmem.planners import Platform, Schedule, builtin, sequential_schedule, simulate
+from rtmem.planners import Chain, Platform, Schedule, builtin, sequential_schedule, simulate
 from rtmem.planners.baselines import plan_sequential, plan_sqrt, plan_store_all, segment_bounds
 from rtmem.planners.plan import Plan, as_budget
 from rtmem.planners.remat import compare_remat, plan_remat
@@ -182,3 +182,21 @@ def test_plan_keeps_integer_peaks_and_budgets_exact():
     assert Plan(s, 1.0, 12.0, 100.5, "test").peak == 12           # budgets round down
     with pytest.raises(ScheduleError, match="whole number"):
         Plan(s, 1.0, 12.5, 100, "test")
+
+
+def test_integer_budgets_and_sizes_above_2_53_stay_exact():
+    # through float64, the budget 2**54 + 7 became 2**54 + 8 (the plans below
+    # came back with peak 2**54 + 8 > the budget asked) and the size 2**54 + 2
+    # became 2**54 (the chain held less memory than given)
+    import numpy as np
+    assert Platform(2**54 + 7).memory == 2**54 + 7
+    assert Platform(np.int64(2**55 + 1)).memory == 2**55 + 1
+    chain = Chain(u_f=[1], u_b=[1], x=[4], xbar=[2**54 + 4])       # store-all peak 2**54 + 8
+    for planner in (plan_store_all, plan_remat, plan_sequential):
+        with pytest.raises(InfeasibleError):
+            planner(chain, 2**54 + 7)
+    exact = Chain(u_f=[1], u_b=[1], x=[2**54 + 2], xbar=np.array([2**54 + 3]), x0=2**54 + 1,
+                  w=[2**53 + 1])
+    assert (exact.x[0], exact.xbar[0], exact.x0, exact.w[0]) == \
+        (2**54 + 2, 2**54 + 3, 2**54 + 1, 2**53 + 1)
+    assert Chain.from_json(exact.to_json()) == exact

@@ -236,3 +236,20 @@ def test_numpy_integers_are_counts():
     import numpy as np
     assert multichain_opt(np.array([2, 3]), np.int64(6)) == multichain_opt([2, 3], 6)
     assert revolve_schedule(np.int32(3), np.int64(4)) == revolve_schedule(3, 4)
+
+
+@pytest.mark.parametrize("call, fragment", [
+    # the exhaustive oracle checks its instance as the DP does: it answered
+    # inf for b=[0, 1] on one branch (zip dropped the flag), 5 for lengths [2.5]
+    # (truncated), 5 for b=[2], 0 for no branch, and "negative shift count"
+    (lambda: brute_force_multichain([2], 3, [0, 1]), "one 0/1 flag per branch"),
+    (lambda: brute_force_multichain([2.5], 4), r"lengths\[0\] must be an integer"),
+    (lambda: brute_force_multichain([-1], 4), r"lengths\[0\] must be an integer >= 0"),
+    (lambda: brute_force_multichain([2], 3, [2]), r"b\[0\] must be an integer in 0..1"),
+    (lambda: brute_force_multichain([], 3), "non-empty sequence"),
+    (lambda: brute_force_multichain([2], -1), "m must be an integer >= 0"),
+])
+def test_exhaustive_multichain_oracle_checks_its_instance(call, fragment):
+    from rtmem.errors import ChainError
+    with pytest.raises(ChainError, match=fragment):
+        call()

@@ -372,3 +372,16 @@ def test_finer_slots_stay_bounded():
     plan = plan_remat(chain, budget, slots=7)
     assert plan.info["slots"] <= 64 * 7
     assert simulate(chain, plan.schedule, Platform(budget)).peak <= budget
+
+
+def test_slots_within_the_table_limit_are_never_refused(monkeypatch):
+    # slot = floor(50 / 20) = 2 bytes gave 25 slots, beyond the 20 the table allows:
+    # the DP was refused with "use at most 20 slots" although 20 were asked
+    import rtmem.planners.remat as remat
+    monkeypatch.setattr(remat, "MAX_TABLE_BYTES", 10 * 8 * 21)    # 3 stages, 20 slots
+    assert remat._max_slots(3) == 20
+    chain = Chain(u_f=[1, 2, 1], u_b=[1, 1, 1], x=[10, 10, 10], xbar=[20, 20, 20])
+    for budget in (50, 70):
+        plan = plan_remat(chain, budget, slots=20)
+        assert plan.info["slots"] <= 20
+        assert simulate(chain, plan.schedule, Platform(budget)).peak <= budget

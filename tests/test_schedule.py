@@ -137,3 +137,16 @@ def test_integral_floats_and_numpy_integers_are_indices():
     s = Schedule(np.array([2.0, 3.0, 4.0]), np.array([0.0, 0.0, 0.0]))
     assert s == Schedule.from_ops([(Op.F_ALL, 0), (Op.LOSS, 0), (Op.B, 0)])
     assert Schedule(np.zeros(0), np.zeros(0)) == Schedule.from_ops([])
+
+
+@pytest.mark.parametrize("text, fragment", [
+    # were "unknown operation 'L'" (a list of known operations naming L), and
+    # "n_ops = 1 but holds 1 operations" for a string count
+    ("F_all 0, L 0, B 0", "the loss takes no stage"),
+    ('{"format": "rtmem.schedule", "version": 1, "ops": "L", "n_ops": "1"}', "n_ops = '1'"),
+    ('{"format": "rtmem.schedule", "version": 1, "ops": "L", "n_ops": true}', "n_ops = True"),
+    ('{"format": "rtmem.schedule", "version": 1, "ops": 5}', "ops must be the text form"),
+])
+def test_parse_messages_say_what_is_wrong(text, fragment):
+    with pytest.raises(ScheduleError, match=fragment):
+        Schedule.parse(text)

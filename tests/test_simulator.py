@@ -9,8 +9,8 @@ from hypothesis import given, settings
 
 from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate, store_all_schedule
-from rtmem.planners.testing import (reference_simulate, simulation_cases, valid_schedules,
-                                    wandering_schedules)
+from rtmem.planners.testing import (platforms, reference_simulate, simulation_cases,
+                                    valid_schedules, wandering_schedules)
 
 BIG = Platform(10**12)
 
@@ -279,3 +279,23 @@ def test_wandering_schedules_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         find(wandering_schedules(**kwargs), lambda s: True,
              settings=settings(max_examples=1, database=None))
+
+
+@pytest.mark.parametrize("make, match", [
+    # were an AttributeError ('int' object has no attribute 'n'), Hypothesis'
+    # InvalidArgument and an OverflowError
+    (lambda: valid_schedules(3), "valid_schedules: chain must be a Chain"),
+    (lambda: platforms(1.5, 10), "platforms: need integers"),
+    (lambda: platforms(1, math.inf), "platforms: need integers"),
+])
+def test_strategy_arguments_are_named(make, match):
+    from hypothesis import find
+
+    with pytest.raises(ValueError, match=match):
+        find(make(), lambda s: True, settings=settings(max_examples=1, database=None))
+
+
+def test_exhaustive_oracle_wants_a_chain():
+    from rtmem.planners.testing import brute_force_remat
+    with pytest.raises(TypeError, match="brute_force_remat plans a Chain"):
+        brute_force_remat(3, 10)                # was an AttributeError

@@ -21,8 +21,11 @@ import math
 
 from rtmem.errors import RtmemError
 
+from .._validation import check_chain
 from ..chain import Chain
+from ..multichain import _check_lengths
 from ..plan import as_budget
+from ..revolve import _check_slots
 from ..schedule import Op, Schedule
 
 __all__ = ["brute_force_remat", "brute_force_multichain"]
@@ -35,6 +38,7 @@ def brute_force_remat(chain: Chain, memory, *, max_stages: int = 7):
     valid schedule exists. Refuses chains longer than ``max_stages`` (the state
     space is 2^(2n+1) (n+2)).
     """
+    check_chain(chain, "brute_force_remat")     # a TypeError, not an AttributeError
     n = chain.n
     if n > max_stages:
         raise RtmemError(f"brute_force_remat: {n} stages is too many for exhaustive "
@@ -122,9 +126,12 @@ def brute_force_multichain(lengths, m: int, b=None, u_f: float = 1.0, u_b: float
     discarding delta_0 when b_j = 0. Memory = number of stored items <= m. Returns
     ``math.inf`` when no schedule exists. Small instances only (L_j <= ~5, K <= 3).
     """
-    L = tuple(int(v) for v in lengths)
+    # the DP's own checks: int() truncated 2.5 branches to 2, a negative length
+    # raised "negative shift count", and a b of the wrong length (zip stops at the
+    # shorter) or b_j = 2 gave a silent answer for another instance
+    L, b = _check_lengths(lengths, b)
+    m = _check_slots(m)
     K = len(L)
-    b = (0,) * K if b is None else tuple(int(v) for v in b)
 
     def used(state):
         return sum(bin(s).count("1") + (d >= 0) for s, d in state)

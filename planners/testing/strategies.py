@@ -84,8 +84,11 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
 def platforms(draw, min_memory: int = 1, max_memory: int = 2**40):
     """Strategy for :class:`~rtmem.planners.Platform` (memory in bytes, bandwidth in
     bytes/s log-uniform from 1 kB/s to 990 TB/s, or infinite; either channel model)."""
-    if not 1 <= min_memory <= max_memory:
-        raise ValueError(f"platforms: need 1 <= min_memory <= max_memory, got "
+    # integers only: a float bound raised Hypothesis' InvalidArgument, and an
+    # infinite one an OverflowError
+    if not (isinstance(min_memory, int) and isinstance(max_memory, int)) \
+            or not 1 <= min_memory <= max_memory:
+        raise ValueError(f"platforms: need integers 1 <= min_memory <= max_memory, got "
                          f"{min_memory!r}, {max_memory!r}")
     memory = draw(st.integers(min_memory, max_memory))
     bandwidth = draw(st.one_of(st.just(math.inf), _spread_ints(11, allow_zero=False)
@@ -184,6 +187,10 @@ def valid_schedules(draw, chain: Chain, *, transfers: bool = True):
     hundred stages fail its ``large_base_example`` health check, resnet1001
     does); without, any length works.
     """
+    if not isinstance(chain, Chain):
+        # chain.n raised a bare AttributeError, e.g. for the stage count that
+        # wandering_schedules takes
+        raise ValueError(f"valid_schedules: chain must be a Chain, got {chain!r}")
     n = chain.n
     ops = draw(_persistent_compute(n))
     if not transfers:
