@@ -60,7 +60,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write_results  # noqa: E402
+from _common import at_least, write_results  # noqa: E402
 
 from rtmem.kernels import adam_update, encode_half  # noqa: E402
 
@@ -255,13 +255,26 @@ def _ratio(rows, n, a, b, stat="median_s"):
     return None
 
 
+def _sizes(text: str) -> list:
+    """An argparse ``type=`` for ``--sizes``: distinct parameter counts >= 1 (int(float)
+    of 'garbage' was a traceback, and a size of 0 timed nothing and wrote ratios)."""
+    try:
+        sizes = list(dict.fromkeys(int(float(s)) for s in text.split(",")))
+    except (ValueError, OverflowError):     # not a number, nan, inf
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give parameter counts >= 1 separated by commas, e.g. 1e6,1e7")
+    return sizes
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="1e6,1e7,5e7,1e8",
+    ap.add_argument("--sizes", type=_sizes, default="1e6,1e7,5e7,1e8",
                     help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
-    ap.add_argument("--repeats", type=int, default=5,
+    ap.add_argument("--repeats", type=at_least(1), default=5,
                     help="minimum timed rounds per size (default 5)")
-    ap.add_argument("--budget", type=float, default=12.0,
+    ap.add_argument("--budget", type=at_least(0.0, float), default=12.0,
                     help="seconds of timed rounds per size; small sizes get more "
                          "rounds, up to 50 (default 12)")
     ap.add_argument("--warm-cache", action="store_true",
@@ -270,7 +283,7 @@ def main(argv=None):
                     help="JSON output path (default: adam.json in bench/results or "
                          "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)
-    sizes = list(dict.fromkeys(int(float(s)) for s in args.sizes.split(",")))
+    sizes = args.sizes
     llc = last_level_cache_bytes()
     evict = None if args.warm_cache else CacheEvictor(2 * llc)
     t_start = time.perf_counter()

@@ -45,7 +45,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write_results  # noqa: E402
+from _common import at_least, write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay
@@ -396,10 +396,12 @@ def pinned_pools(request_bytes):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7, help="timing repeats (median)")
+    ap.add_argument("--repeats", type=at_least(1), default=None,
+                    help="timing repeats (median; default 7, 3 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")
     args = ap.parse_args(argv)
-    repeats = 3 if args.quick else args.repeats
+    # --quick gives the default only: it replaced an explicit --repeats silently
+    repeats = args.repeats if args.repeats is not None else 3 if args.quick else 7
     results = {"repeats": repeats}
 
     # (a) random sizes

@@ -465,9 +465,11 @@ def _measure_all(what: str, specs, measure, doc: dict, key: str) -> list | None:
     return done
 
 
-def main(argv=None) -> int:
-    """Run the benchmark; returns the exit code (0 also when no GPU is found)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    """Run the benchmark; returns the exit code (0 also when no GPU is found).
+    ``prog``: the command named in usage messages (``rtmem bench dha``; default
+    the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help=f"1024 tokens, 3 repeats, sweep {SWEEP_TOKENS_QUICK}")
     ap.add_argument("--model", choices=sorted(HIDDEN), default="gpt2")

@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import median_time, write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
+from rtmem.cli import PLOT_SUFFIXES, output_file  # noqa: E402
+from rtmem.errors import UnitError  # noqa: E402
 from rtmem.units import format_bytes, parse_bytes  # noqa: E402
 
 #: cudaEventElapsedTime resolves about 0.5 us; shorter intervals can read as 0.0 ms.
@@ -449,27 +451,41 @@ def plot(doc: dict, path: str) -> str | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    # --plot in a folder not made yet (the JSON's folder is made by write_results)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def main(argv=None) -> int:
-    """Run the benchmark; returns the exit code (0 also when no GPU is found,
-    unless ``RTMEM_REQUIRE_GPU=1``)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="4 KiB..64 MiB in steps of 4x, 3 repeats (about a minute)")
-    ap.add_argument("--max-size", default=None, help="largest buffer (default 1GiB)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per point")
-    ap.add_argument("--plot", default=None, help="plot path (default next to the JSON)")
-    args = ap.parse_args(argv)
-    max_size = parse_bytes(("64MiB" if args.quick else "1GiB") if args.max_size is None
-                           else args.max_size)
-    if max_size < MIN_SIZE:
+def _max_size(text: str) -> int:
+    """An argparse ``type=`` for ``--max-size`` (a UnitError escaped as a traceback)."""
+    try:
+        size = parse_bytes(text)
+    except UnitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size < MIN_SIZE:
         # The sweep starts at 4 KiB and the latency probes copy up to 4 KiB into
         # the max_size buffers: smaller ones would be overrun.
-        ap.error(f"--max-size must be at least {format_bytes(MIN_SIZE)}")
+        raise argparse.ArgumentTypeError(f"must be at least {format_bytes(MIN_SIZE)}")
+    return size
+
+
+def main(argv=None, prog=None) -> int:
+    """Run the benchmark; returns the exit code (0 also when no GPU is found,
+    unless ``RTMEM_REQUIRE_GPU=1``). ``prog``: the command named in usage
+    messages (``rtmem bench pcie``; default the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="4 KiB..64 MiB in steps of 4x, 3 repeats (about a minute)")
+    ap.add_argument("--max-size", type=_max_size, default=None,
+                    help="largest buffer (default 1GiB)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per point")
+    # checked now: savefig refused a .txt or a folder after the whole sweep
+    ap.add_argument("--plot", type=output_file(*PLOT_SUFFIXES), default=None,
+                    help="plot path, .png, .pdf or .svg (default next to the JSON)")
+    args = ap.parse_args(argv)
+    max_size = args.max_size or parse_bytes("64MiB" if args.quick else "1GiB")
     repeats = (3 if args.quick else 5) if args.repeats is None else args.repeats
     if repeats < 1:
         ap.error("--repeats must be at least 1")     # a median of nothing

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write_results  # noqa: E402
+from _common import at_least, write_results  # noqa: E402
 
 from rtmem.planners import Platform, simulate, store_all_schedule
 from rtmem.planners.profiles import builtin, gpt2
@@ -101,9 +101,10 @@ def growth(rows, key, fixed_key):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--fraction", type=float, default=0.4)
-    ap.add_argument("--python-budget", type=float, default=3e7,
+    ap.add_argument("--repeats", type=at_least(1), default=3)   # 0: a median of nothing
+    # of the way from the least feasible memory to store-all's (outside: infeasible)
+    ap.add_argument("--fraction", type=at_least(0.0, float, 1.0), default=0.4)
+    ap.add_argument("--python-budget", type=at_least(0.0, float), default=3e7,
                     help="run the Python DP only below this many estimated steps")
     ap.add_argument("--out", default=None,
                     help="results file (default: remat.json under $RTMEM_BENCH_RESULTS "

@@ -81,7 +81,7 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import round_robin, write_results  # noqa: E402
+from _common import at_least, round_robin, write_results  # noqa: E402
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -505,45 +505,58 @@ def cpu_report(args) -> dict:
     }
 
 
+def _result_name(name: str) -> str:
+    """An argparse ``type=`` for ``--out``, a result name (write_results adds
+    .json: ``--out x.json`` wrote x.json.json, ``--out ''`` wrote .json)."""
+    if not name.strip() or name.lower().endswith(".json"):
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: give a result name such as train_gpu (written as NAME.json)")
+    return name
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--opt-repeats", type=int, default=7)
-    ap.add_argument("--profile-repeats", type=int, default=3)
-    ap.add_argument("--profiles", type=int, default=3,
+    # type=at_least(...): a count of 0 (--layers 0 timed a model of no blocks and
+    # wrote it; --repeats 0 was a median of nothing after minutes of profiling)
+    ap.add_argument("--layers", type=at_least(1), default=8)
+    ap.add_argument("--hidden", type=at_least(1), default=256)
+    ap.add_argument("--heads", type=at_least(1), default=8)
+    ap.add_argument("--seq", type=at_least(1), default=256)
+    ap.add_argument("--vocab", type=at_least(2), default=1024)
+    ap.add_argument("--batch", type=at_least(1), default=4)
+    ap.add_argument("--repeats", type=at_least(1), default=7)
+    ap.add_argument("--opt-repeats", type=at_least(1), default=7)
+    ap.add_argument("--profile-repeats", type=at_least(1), default=3)
+    ap.add_argument("--profiles", type=at_least(1), default=3,
                     help="profile this many times, keep each stage's least median time")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=at_least(1), default=1,
                     help="torch intra-op threads of the CPU section (see the docstring)")
     ap.add_argument("--skip-gpu", action="store_true")
     ap.add_argument("--skip-cpu", action="store_true",
                     help="GPU section only (write it with --out train_gpu)")
-    ap.add_argument("--gpu-hidden", type=int, default=1024)
-    ap.add_argument("--gpu-heads", type=int, default=16)
-    ap.add_argument("--gpu-seq", type=int, default=1024)
-    ap.add_argument("--gpu-vocab", type=int, default=50257)
-    ap.add_argument("--gpu-batch", type=int, default=16)
-    ap.add_argument("--gpu-start-layers", type=int, default=8)
-    ap.add_argument("--gpu-max-layers", type=int, default=128)
-    ap.add_argument("--gpu-slots", type=int, default=200)
-    ap.add_argument("--gpu-reserve", type=float, default=0.06,
+    ap.add_argument("--gpu-hidden", type=at_least(1), default=1024)
+    ap.add_argument("--gpu-heads", type=at_least(1), default=16)
+    ap.add_argument("--gpu-seq", type=at_least(1), default=1024)
+    ap.add_argument("--gpu-vocab", type=at_least(2), default=50257)
+    ap.add_argument("--gpu-batch", type=at_least(1), default=16)
+    ap.add_argument("--gpu-start-layers", type=at_least(1), default=8)
+    ap.add_argument("--gpu-max-layers", type=at_least(1), default=128)
+    ap.add_argument("--gpu-slots", type=at_least(1), default=200)
+    ap.add_argument("--gpu-reserve", type=at_least(0.0, float, 1.0), default=0.06,
                     help="fraction (0..1) of device memory kept out of rtmem's budget for "
                          "allocator fragmentation and library workspaces")
-    ap.add_argument("--gpu-repeats", type=int, default=3)
-    ap.add_argument("--gpu-time-s", type=float, default=360.0,
+    ap.add_argument("--gpu-repeats", type=at_least(1), default=3)
+    ap.add_argument("--gpu-time-s", type=at_least(0.0, float), default=360.0,
                     help="seconds after which the GPU depth search stops")
-    ap.add_argument("--gpu-deadline-s", type=float, default=None,
+    ap.add_argument("--gpu-deadline-s", type=at_least(0.0, float), default=None,
                     help="seconds after which the GPU section starts no new timed run "
                          "(default: --gpu-time-s + 240)")
     ap.add_argument("--gpu-matmul-precision", default="high",
                     choices=["highest", "high", "medium"])
-    ap.add_argument("--out", default="train")
+    ap.add_argument("--out", type=_result_name, default="train",
+                    help="result name: writes NAME.json under bench/results or "
+                         "$RTMEM_BENCH_RESULTS (default train)")
     args = ap.parse_args(argv)
     if args.gpu_deadline_s is None:
         args.gpu_deadline_s = args.gpu_time_s + 240.0

@@ -55,7 +55,7 @@ def load_schedule(spec: str, chain):
         if text.lstrip().startswith("{"):
             try:
                 doc = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 doc = None                           # Schedule.parse reports it
             if isinstance(doc, dict) and doc.get("format") == "rtmem.plan":
                 return Plan.from_dict(doc).schedule  # a plan saved by `rtmem plan`
@@ -83,6 +83,9 @@ def output_file(*suffixes):
     """An argparse ``type=`` for a file to write: refuses folders and, when
     ``suffixes`` are given, other file types, before any work is done."""
     def check(value: str) -> str:
+        if not value.strip():
+            # --save '' was accepted and then skipped (`if args.save`): exit 0, no file
+            raise argparse.ArgumentTypeError("the file name is empty")
         if value.endswith(("/", os.sep)) or os.path.isdir(value):
             raise argparse.ArgumentTypeError(f"{value!r} is a folder; give a file name")
         ext = os.path.splitext(value)[1].lower().lstrip(".")
@@ -205,6 +208,10 @@ def _demo_problem(args) -> str | None:
                 setattr(args, name, default)
     if args.model == "gpt2" and args.hidden % args.heads:
         return f"--hidden {args.hidden} must be a multiple of --heads {args.heads}"
+    # run_demo's makedirs said only "[Errno 17] File exists" or "No such file: ''"
+    if not args.out.strip() or (os.path.exists(args.out) and not os.path.isdir(args.out)):
+        return (f"--out {args.out!r} is not a folder; give a folder for the plots, plan "
+                f"and chain")
     if args.memory is not None:     # before minutes of profiling, not after
         from rtmem.planners.plan import as_budget
         try:
@@ -302,6 +309,16 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (rtmem chains --json | head -1): nothing to report
+        # (it printed "error: [Errno 32] Broken pipe"). stdout goes to devnull so
+        # that the interpreter's last flush does not raise again.
+        try:
+            fd = sys.stdout.fileno()
+        except (OSError, ValueError):   # not a real file (captured output)
+            return 1
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+        return 1
     # OSError: a file that cannot be read or written; ModuleNotFoundError: an
     # optional extra (torch, matplotlib) is not installed
     except (RtmemError, OSError, ModuleNotFoundError) as e:

@@ -33,14 +33,15 @@ def _load(script: str):
     return module
 
 
-def _run(script: str, argv: list[str]) -> int:
+def _run(script: str, argv: list[str], prog: str) -> int:
     module = _load(script)
     if module is None:
         print(f"rtmem bench: {os.path.join(bench_dir(), script)} not found; the benchmarks "
               "ship with the source tree, so run this from a checkout of rtmem "
               "(or run the script directly)", file=sys.stderr)
         return 1
-    return int(module.main(argv) or 0)
+    # prog: the script's usage messages said "usage: rtmem [-h] [--quick] ..."
+    return int(module.main(argv, prog=prog) or 0)
 
 
 def _flags(args, names) -> list[str]:
@@ -53,11 +54,12 @@ def _flags(args, names) -> list[str]:
 
 
 def _cmd_pcie(args) -> int:
-    return _run("pcie.py", _flags(args, ("max-size", "repeats", "plot")))
+    return _run("pcie.py", _flags(args, ("max-size", "repeats", "plot")), "rtmem bench pcie")
 
 
 def _cmd_dha(args) -> int:
-    return _run("dha_layers.py", _flags(args, ("model", "tokens", "repeats", "sweep")))
+    return _run("dha_layers.py", _flags(args, ("model", "tokens", "repeats", "sweep")),
+                "rtmem bench dha")
 
 
 def register(subparsers) -> None:

@@ -3,6 +3,8 @@
 import importlib
 import pathlib
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -81,3 +83,58 @@ def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
     lo, hi = k["linear"]["backward"]["crossing_tokens"]
     assert k["linear"]["backward"]["verdict"] == "dha below" and 10 < lo < hi < 100
     assert k["layernorm"]["forward"]["verdict"] == "mixed"
+
+
+@pytest.mark.parametrize("name, argv, fragment", [
+    # each was a traceback (a median of nothing, int(float('garbage'))) after the
+    # work before it, or ran and wrote a result for a model of no layers
+    ("simulate", ["--ops", "12", "--repeats", "0"], "--repeats: must be at least 1"),
+    ("simulate", ["--ops", "-5"], "--ops: must be at least 1"),
+    ("adam", ["--sizes", "garbage"], "parameter counts >= 1"),
+    ("adam", ["--sizes", "1e6,0"], "parameter counts >= 1"),
+    ("adam", ["--budget", "nan"], "--budget: must be a finite number"),
+    ("remat", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("remat", ["--fraction", "2"], "at most 1.0"),
+    ("allocator", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("train", ["--layers", "0", "--skip-gpu"], "--layers: must be at least 1"),
+    ("train", ["--repeats", "0", "--skip-gpu"], "--repeats: must be at least 1"),
+    ("train", ["--out", "x.json"], "give a result name"),
+    ("pcie", ["--max-size", "lots"], "--max-size: cannot read 'lots'"),
+    ("pcie", ["--plot", "x.txt"], "must end in .png"),
+])
+def test_bench_scripts_refuse_bad_arguments_before_any_work(monkeypatch, capsys, tmp_path,
+                                                            name, argv, fragment):
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))   # should one run, not here
+    module = bench_module(monkeypatch, name)
+    with pytest.raises(SystemExit) as e:
+        module.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_allocator_quick_keeps_an_explicit_repeats(monkeypatch, tmp_path):
+    # --quick replaced --repeats 9 by 3, silently
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    allocator = bench_module(monkeypatch, "allocator")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def time_pair(make_a, make_b, trace, repeats, loops):
+        seen.append(repeats)
+        raise Stop                     # before any timing
+    monkeypatch.setattr(allocator, "time_pair", time_pair)
+    for argv, repeats in ((["--quick", "--repeats", "9"], 9), (["--quick"], 3)):
+        with pytest.raises(Stop):
+            allocator.main(argv)
+        assert seen.pop() == repeats
+
+
+def test_pcie_plot_makes_its_folder(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    pcie = bench_module(monkeypatch, "pcie")
+    doc = {"device": "test", "curves": {"h2d_pinned": [
+        {"bytes": 4096, "bytes_per_s": 1e9}, {"bytes": 8192, "bytes_per_s": 2e9}]}}
+    path = tmp_path / "new" / "pcie.png"
+    assert pcie.plot(doc, str(path)) == str(path) and path.stat().st_size > 0

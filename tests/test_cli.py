@@ -80,6 +80,8 @@ def _files(tmp_path):
     (tmp_path / "slow.json").write_text(json.dumps(
         {"u_f": [1e306], "u_b": [1], "x": [1], "xbar": [1], "x0": 1}))
     (tmp_path / "binary.json").write_bytes(bytes(range(128, 256)))
+    # json.loads recurses once per level: a RecursionError traceback
+    (tmp_path / "deep.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
     return tmp_path
 
 
@@ -101,6 +103,9 @@ def _files(tmp_path):
     (["plan", "remat", "{tmp}/big.json", "--memory", "100", "--json"],
      "times are too large"),
     (["simulate", "gpt2-small", "{tmp}/binary.json", "--memory", "8GiB"], "not UTF-8"),
+    (["simulate", "{tmp}/deep.json", "store-all", "--memory", "8GiB"], "nested too deeply"),
+    (["simulate", "gpt2-small", "{tmp}/deep.json", "--memory", "8GiB"], "nested too deeply"),
+    (["plan", "remat", "{tmp}/deep.json", "--memory", "8GiB"], "nested too deeply"),
     (["plan", "remat", "gpt2:layers=5000", "--memory", "400GiB", "--slots", "50"],
      "use at most 20 slots"),
 ])
@@ -120,6 +125,18 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["simulate", "gpt2-small", "store-all", "--memory", "8GiB", "--plot", "{tmp}/"],
      "is a folder"),
     (["plan", "remat", "gpt2-small", "--memory", "8GiB", "--save", "{tmp}"], "is a folder"),
+    # --save '' was accepted, then skipped: exit 0 and no file
+    (["plan", "remat", "gpt2-small", "--memory", "8GiB", "--save", ""], "file name is empty"),
+    # run_demo's makedirs said "[Errno 17] File exists" (exit 1) after importing torch
+    (["demo", "--out", "{tmp}/file"], "is not a folder"),
+    (["demo", "--out", ""], "is not a folder"),
+    # the bench scripts' usage named "rtmem [-h] [--quick] ..."; --max-size garbage was
+    # an exit 1 naming no option; --plot x.txt failed only after the sweep (GPU)
+    (["bench", "pcie", "--max-size", "lots"], "usage: rtmem bench pcie"),
+    (["bench", "pcie", "--max-size", "lots"], "argument --max-size: cannot read 'lots'"),
+    (["bench", "pcie", "--plot", "x.txt"], "must end in .png"),
+    (["bench", "pcie", "--plot", "{tmp}/"], "is a folder"),
+    (["bench", "dha", "--tokens", "0"], "usage: rtmem bench dha"),
     (["demo", "--steps", "0"], "at least 1"),
     (["demo", "--vocab", "1"], "at least 2"),
     (["demo", "--layers", "x"], "not an integer"),
@@ -134,6 +151,7 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["demo", "--model", "resnet", "--blocks", "two"], "e.g. 2,2,2"),
 ])
 def test_bad_arguments_exit_2_before_any_work(capsys, tmp_path, argv, fragment):
+    (tmp_path / "file").write_text("")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     with pytest.raises(SystemExit) as e:
         code = main(argv)
@@ -248,3 +266,17 @@ def test_zero_bench_counts_are_refused_not_replaced(capsys, argv):
     with pytest.raises(SystemExit) as info:
         main(list(argv))
     assert info.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_is_not_an_error_message(capsys, monkeypatch):
+    # `rtmem chains --json | head -1` printed "rtmem chains: error: [Errno 32]
+    # Broken pipe" on stderr
+    import io
+    import sys
+
+    class ClosedPipe(io.TextIOBase):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    code = main(["chains", "--json"])
+    assert code == 1 and capsys.readouterr().err == ""
