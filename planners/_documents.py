@@ -43,6 +43,9 @@ def parse_document(text, *, kind: str, error, **kwargs) -> dict:
         d = json.loads(text)
     except (json.JSONDecodeError, TypeError) as e:
         raise error(f"malformed {kind} JSON: {e}", **error_kw) from e
+    except RecursionError:
+        # json.loads recurses once per nesting level: "[[[[..." escaped as a traceback
+        raise error(f"malformed {kind} JSON: nested too deeply", **error_kw) from None
     return check_document(d, kind=kind, error=error, **kwargs)
 
 

@@ -50,7 +50,9 @@ def _check_sizes(family: str, flops, **sizes) -> None:
     """ChainError unless every size is a positive integer and ``flops`` a finite
     positive FLOP/s (finiteness first: ``int(inf)`` and ``int(nan)`` raise)."""
     for key, v in sizes.items():
-        if not _finite(v) or int(v) != v or v < 1:
+        # an integer type, not 2.0: a float passed here failed later in range()
+        # with "'float' object cannot be interpreted as an integer"
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ChainError(f"{family}: {key} must be a positive integer, got {v!r}",
                              field=key)
     if not (_finite(flops) and flops > 0):
@@ -126,7 +128,9 @@ def resnet(depth: int = 50, image: int = 224, batch: int = 32, classes: int = 10
     output; sizes in bytes at ``act_bytes`` per element. Times are conv FLOPs /
     ``flops`` (FLOP/s), backward twice the forward.
     """
-    if depth not in _RESNET_LAYOUT:
+    # 50.0 matched the key 50 and named the chain "resnet50.0"
+    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) \
+            or depth not in _RESNET_LAYOUT:
         raise ChainError(f"resnet: depth must be one of {sorted(_RESNET_LAYOUT)}, got "
                          f"{depth!r}", field="depth")
     _check_sizes("resnet", flops, image=image, batch=batch, classes=classes,

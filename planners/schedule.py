@@ -114,6 +114,12 @@ def _int_array(name: str, values) -> np.ndarray:
                         reason="malformed")
 
 
+
+def _quoted(token: str, limit: int = 60) -> str:
+    """``repr(token)``, cut short: an unreadable 200 kB line (a JSON file given
+    as schedule text) went whole into the error message."""
+    return repr(token) if len(token) <= limit else repr(token[:limit - 3] + "...")
+
 class Schedule:
     """An immutable sequence of operations.
 
@@ -251,32 +257,35 @@ class Schedule:
             head = parts[0].lower()
             if head in ("l", "loss"):
                 if len(parts) != 1:      # was "unknown operation 'L'", listing L as known
-                    raise ScheduleError(f"op {k}: the loss takes no stage; write {parts[0]!r} "
-                                        f"alone, not {tok!r}", op_index=k, reason="parse")
+                    raise ScheduleError(f"op {k}: the loss takes no stage; write "
+                                        f"{_quoted(parts[0])} alone, not {_quoted(tok)}",
+                                        op_index=k, reason="parse")
                 op[k], stage[k] = Op.LOSS, 0
                 continue
             if len(parts) != 2:
                 raise ScheduleError(
-                    f"op {k}: cannot read {tok!r}; expected e.g. 'F_ck 3', 'B 2', 'L' or "
-                    "'offload abar4'", op_index=k, reason="parse")
+                    f"op {k}: cannot read {_quoted(tok)}; expected e.g. 'F_ck 3', 'B 2', "
+                    "'L' or 'offload abar4'", op_index=k, reason="parse")
             if head in _PARSE_STAGE:
                 if not _DIGITS.fullmatch(parts[1]) or len(parts[1]) > 18:   # int64-safe
-                    raise ScheduleError(f"op {k}: stage in {tok!r} must be a non-negative "
-                                        "integer below 10**18", op_index=k, reason="parse")
+                    raise ScheduleError(f"op {k}: stage in {_quoted(tok)} must be a "
+                                        "non-negative integer below 10**18", op_index=k,
+                                        reason="parse")
                 op[k], stage[k] = _PARSE_STAGE[head], int(parts[1])
             elif head in _PARSE_ACT:
                 m = _ACT_RE.match(parts[1].lower())
                 if m is None or len(m.group(2)) > 18:
                     raise ScheduleError(
-                        f"op {k}: {parts[1]!r} in {tok!r} is not an activation; write "
-                        "a<k> or abar<k>, e.g. 'offload abar3'", op_index=k, reason="parse")
+                        f"op {k}: {_quoted(parts[1])} in {_quoted(tok)} is not an activation; "
+                        "write a<k> or abar<k>, e.g. 'offload abar3'", op_index=k,
+                        reason="parse")
                 op[k], stage[k] = _PARSE_ACT[head], int(m.group(2))
                 aux[k] = 1 if m.group(1) == "abar" else 0
             else:
                 raise ScheduleError(
-                    f"op {k}: unknown operation {parts[0]!r} in {tok!r}; known: F_none, F_ck, "
-                    "F_all, B, L, delete, offload, prefetch, w_offload, w_delete, "
-                    "w_prefetch, g_offload", op_index=k, reason="unknown-op")
+                    f"op {k}: unknown operation {_quoted(parts[0])} in {_quoted(tok)}; known: "
+                    "F_none, F_ck, F_all, B, L, delete, offload, prefetch, w_offload, "
+                    "w_delete, w_prefetch, g_offload", op_index=k, reason="unknown-op")
         return cls(op, stage, aux)
 
     # ------------------------------------------------------------------- JSON

@@ -125,7 +125,9 @@ def test_sizes_the_planners_cannot_count_are_refused(kwargs, fragment):
 
 
 @pytest.mark.parametrize("spec", ["resnet:flops=0", "gpt2:layers=inf", "gpt2:layers=nan",
-                                  "gpt2:flops=inf", "resnet:batch=inf", "gpt2:flops=-1"])
+                                  "gpt2:flops=inf", "resnet:batch=inf", "gpt2:flops=-1",
+                                  # a TypeError from range(), and a chain "resnet50.0"
+                                  "gpt2:layers=2.0", "resnet:depth=50.0"])
 def test_specs_with_non_finite_or_zero_values_are_chain_errors(spec):
     # ZeroDivisionError / OverflowError / ValueError escaped (a traceback from the
     # CLI), and flops=inf gave a chain of zero times.

@@ -150,3 +150,13 @@ def test_integral_floats_and_numpy_integers_are_indices():
 def test_parse_messages_say_what_is_wrong(text, fragment):
     with pytest.raises(ScheduleError, match=fragment):
         Schedule.parse(text)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, "F_ck " + "9" * 100_000, "L, " + "x" * 5000,
+                                  "offload " + "abar" * 1000])
+def test_parse_messages_quote_a_long_token_cut_short(text):
+    # a whole unreadable line (a JSON file given as schedule text) went into the
+    # message: 100 kB on stderr
+    with pytest.raises(ScheduleError, match=r"\.\.\.'") as info:
+        Schedule.parse(text)
+    assert len(str(info.value)) < 300
