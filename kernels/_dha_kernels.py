@@ -163,19 +163,29 @@ def _layernorm_fwd_kernel(x, gamma, beta, out, mean, rstd, eps, staged):
             params[h] = gamma[h]
             params[H + h] = beta[h]
         cuda.syncthreads()
-    inv_h = numba.float32(1.0) / numba.float32(H)
+    fh = numba.float32(H)
     for r in range(cuda.blockIdx.x, T, cuda.gridDim.x):
         s = numba.float32(0.0)
         for h in range(tid, H, cuda.blockDim.x):
             s += x[r, h]
-        mu = _block_sum(sm, s) * inv_h
+        mu = _block_sum(sm, s) / fh
         # Two passes (mean, then centred squares): no cancellation for rows with
-        # a large mean, unlike E[x^2] - E[x]^2.
+        # a large mean, unlike E[x^2] - E[x]^2. The second pass also sums the
+        # residuals, whose mean c corrects mu for the rounding of the first sum
+        # (the corrected two-pass algorithm; var = mean(d^2) - c^2): a constant
+        # row (variance 0) of 1e6 got mu one ulp off, var = ulp^2 >> eps, and
+        # was normalized to +-1 (out = beta +- gamma) instead of 0. Divisions by
+        # H, not products with 1/H (inexact), so that c is exact there.
         s = numba.float32(0.0)
+        s2 = numba.float32(0.0)
         for h in range(tid, H, cuda.blockDim.x):
             d = x[r, h] - mu
-            s += d * d
-        rs = numba.float32(1.0) / math.sqrt(_block_sum(sm, s) * inv_h + eps)
+            s += d
+            s2 += d * d
+        c = _block_sum(sm, s) / fh
+        var = max(_block_sum(sm, s2) / fh - c * c, numba.float32(0.0))
+        mu += c
+        rs = numba.float32(1.0) / math.sqrt(var + eps)
         for h in range(tid, H, cuda.blockDim.x):
             g = params[h] if staged else gamma[h]
             b = params[H + h] if staged else beta[h]

@@ -34,6 +34,7 @@ BLOCKS_PER_SM = 8
 SIM_MAX_BLOCKS = 4
 
 _FLOAT = (np.dtype(np.float32),)
+_F32_MAX = float(np.finfo(np.float32).max)
 _IDS = (np.dtype(np.int32), np.dtype(np.int64))
 
 
@@ -232,17 +233,19 @@ def check_ids(ids, name: str = "ids", n_tokens: int | None = None) -> None:
 
 
 def check_eps(eps: float) -> float:
-    """LayerNorm epsilon: a finite number > 0 that stays > 0 in float32 (it keeps
+    """LayerNorm epsilon: a number > 0 that stays finite and > 0 in float32 (it keeps
     1/sqrt(var + eps) finite in the GPU kernels, which compute in float32)."""
     try:
         value = float(eps)
     except (TypeError, ValueError):
         raise KernelArgumentError(f"eps must be a number > 0, got {eps!r}",
                                   argument="eps") from None
-    if not (value > 0.0 and math.isfinite(value)) or np.float32(value) == 0:
-        raise KernelArgumentError(f"eps must be a finite number > 0 (at least about "
-                                  f"1e-45, the smallest float32), got {eps!r}",
-                                  argument="eps")
+    # The range first, as a Python float: an eps beyond float32's range is inf in
+    # the GPU kernels, and its cast (below) warned about an overflow.
+    if not (0.0 < value <= _F32_MAX) or np.float32(value) == 0:
+        raise KernelArgumentError(f"eps must be a finite number > 0 in float32's range "
+                                  f"(at least about 1e-45, the smallest float32, at most "
+                                  f"about 3.4e38), got {eps!r}", argument="eps")
     return value
 
 

@@ -143,7 +143,10 @@ def _adam_loop(p, g, m, v, vmax, out, c):
         gi = _load_grad(g, i) * gmul + l2 * pi
         pi = pi * decay
         mi = b1 * m[i] + omb1 * gi
-        vi = b2 * v[i] + omb2 * (gi * gi)
+        # (1-beta2)*g first, then *g, as torch's addcmul_: g*g alone overflows
+        # float32 from |g| ~ 1.8e19, and v = inf froze the parameter for good
+        # (m / inf = 0 at every later step) where torch and the float64 update move it
+        vi = b2 * v[i] + (omb2 * gi) * gi
         m[i] = mi
         v[i] = vi
         if vmax is not None:

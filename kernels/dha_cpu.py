@@ -205,11 +205,12 @@ def embedding_forward(weight, ids, out, *, stream=None, check: bool = True) -> N
     """``out[t, :] = weight[ids[t], :]``; ``weight`` [V, H] float32, ``ids`` [T]
     int32/int64, ``out`` [T, H] float32. Out-of-range ids always raise
     :class:`~rtmem.errors.KernelArgumentError` before anything is written
-    (``check`` is accepted for signature compatibility)."""
+    (``check``, True or False, is accepted for signature compatibility)."""
     weight, ids = as_host(weight, "weight"), as_host(ids, "ids")
     out = as_host(out, "out", writable=True)
     V, _, _ = check_embedding(weight, ids, out, "weight", "out")
     check_disjoint({"out": out}, {"weight": weight, "ids": ids})
+    check_flag(check, "check")      # as the GPU wrapper does: a call fails on both or neither
     _check_id_range(ids, V)
     _gather(weight, ids, out)
 
@@ -223,8 +224,10 @@ def embedding_backward(grad_out, ids, grad_weight, *, accumulate: bool = False,
     grad_weight = as_host(grad_weight, "grad_weight", writable=True)
     V, _, _ = check_embedding(grad_weight, ids, grad_out, "grad_weight", "grad_out")
     check_disjoint({"grad_weight": grad_weight}, {"grad_out": grad_out, "ids": ids})
+    accumulate = check_flag(accumulate, "accumulate")
+    check_flag(check, "check")      # as the GPU wrapper does: a call fails on both or neither
     _check_id_range(ids, V)
-    _scatter_add(grad_out, ids, grad_weight, check_flag(accumulate, "accumulate"))
+    _scatter_add(grad_out, ids, grad_weight, accumulate)
 
 
 def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,

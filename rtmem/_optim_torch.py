@@ -21,8 +21,8 @@ except ImportError as e:
 from .buffer import Buffer
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
-from .optim import (_STATE_KEYS, _check_hyper, _check_num_threads, _checked_step,
-                    _coefficients, _host_view, _named, _run_step)
+from .optim import (_STATE_KEYS, _check_hyper, _check_num_threads, _check_step_disjoint,
+                    _checked_step, _coefficients, _host_view, _named, _run_step)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -278,7 +278,7 @@ class CPUAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
-        items, added, written = [], [], []
+        items, added, written, named = [], [], [], []
         try:
             for gi, group in enumerate(self.param_groups):
                 decoupled = bool(group.get("decoupled_weight_decay",
@@ -305,9 +305,11 @@ class CPUAdam(torch.optim.Optimizer):
                     c = _coefficients(group, int(st["step"].item()) + 1, decoupled,
                                       grad_scale)
                     items.append((update, c, st))
+                    named.append((f"group {gi} param {pi}", update))
                     written.append(p)
                     if isinstance(out, torch.Tensor):
                         written.append(out)
+            _check_step_disjoint(named, _TORCH_ARGUMENTS)
         except BaseException:
             self._take_back(added)   # a refused step leaves no new state behind
             raise

@@ -24,6 +24,8 @@ NOTE [ Skipped steps ]
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from .buffer import Buffer
@@ -49,7 +51,9 @@ def _check_hyper(lr, betas, eps, weight_decay):
         raise OptimizerError(f"betas={betas!r} must be a pair (beta1, beta2), each in "
                              f"[0, 1).", argument="betas") from None
     # adam_coefficients owns the range checks; step=1 is just a valid placeholder.
-    adam_coefficients(lr=float(lr), step=1, beta1=beta1, beta2=beta2, eps=eps,
+    # lr goes in as given: its check converts it (a tensor lr too), where float(lr)
+    # here raised a bare TypeError/ValueError for lr=None or "1e-3x".
+    adam_coefficients(lr=lr, step=1, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay)
 
 
@@ -120,6 +124,45 @@ def _check_disjoint(params) -> None:
                 f"or views of one array); each would be updated once per occurrence "
                 f"every step. Pass each parameter once, with its own memory.",
                 argument="params")
+
+
+def _check_step_disjoint(named, arguments) -> None:
+    """Refuse a step in which an array that one parameter's update writes (its
+    param, moments or copy) shares memory with an array of another parameter's
+    update. ``named`` holds ``(where, update)`` per parameter, ``arguments`` maps
+    the kernel's array names to the caller's keywords (for the error's argument).
+
+    prepare_update refuses overlaps within one update only; across updates, the
+    updates run one after the other, so a copy buffer that is another parameter's
+    gradient (or a view of its master) silently changed that parameter's step.
+    Arrays are C-contiguous, so each spans [address, address + nbytes): sorted by
+    address, no written span may overlap the next one (then they are sorted by
+    end as well), and each read span is bisected into them, O(n log n).
+    """
+    writes, reads = [], []
+    for where, u in named:
+        for name, a, written in (("param", u.p, True), ("grad", u.g, False),
+                                 ("exp_avg", u.m, True), ("exp_avg_sq", u.v, True),
+                                 ("max_exp_avg_sq", u.vmax, True), ("out", u.out, True)):
+            if a is not None and a.nbytes:
+                lo = a.__array_interface__["data"][0]
+                (writes if written else reads).append((lo, lo + a.nbytes, where, name))
+    writes.sort(key=lambda span: span[0])
+    pairs = [(a, b) for a, b in zip(writes, writes[1:]) if b[0] < a[1]]
+    if not pairs:
+        starts = [span[0] for span in writes]
+        for r in reads:
+            j = bisect.bisect_left(starts, r[1]) - 1
+            if j >= 0 and writes[j][1] > r[0]:
+                pairs = [(writes[j], r)]
+                break
+    if pairs:
+        (_, _, wa, na), (_, _, wb, nb) = pairs[0]
+        keyword = next((arguments[n] for n in (nb, na) if n in arguments), "params")
+        raise OptimizerError(
+            f"{wa} {na} and {wb} {nb} overlap in memory; one parameter's update would "
+            f"change an array of another's. Give each parameter its own gradient and "
+            f"copy buffers.", argument=keyword)
 
 
 def _check_num_threads(num_threads):
@@ -271,7 +314,7 @@ class NumpyAdam:
                                  argument="copies")
         _check_hyper(self.hyper["lr"], self.hyper["betas"], self.hyper["eps"],
                      self.hyper["weight_decay"])
-        items = []
+        items, named = [], []
         for i, (p, g, out, st) in enumerate(zip(self.params, grads, copies, self.state)):
             if g is None:
                 continue
@@ -286,6 +329,8 @@ class NumpyAdam:
             c = _coefficients(self.hyper, st["step"] + 1, self.decoupled_weight_decay,
                               grad_scale)
             items.append((update, c, st))
+            named.append((f"param {i}", update))
+        _check_step_disjoint(named, _NUMPY_ARGUMENTS)
         return _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite)
 
     def state_dict(self) -> dict:
@@ -303,6 +348,13 @@ class NumpyAdam:
             raise OptimizerError("state_dict must be a dict with 'hyper' and 'state', as "
                                  "returned by state_dict()", argument="state_dict")
         states = state_dict["state"]
+        # The shape of the dict first: a dict or None here, or a non-dict entry,
+        # failed below with a bare TypeError from len() or ``key in src``.
+        if not isinstance(states, (list, tuple)) or \
+                not all(isinstance(src, dict) for src in states):
+            raise OptimizerError("state_dict['state'] must be a list with one dict of "
+                                 "state per param, as returned by state_dict().",
+                                 argument="state_dict")
         if len(states) != len(self.state):
             raise OptimizerError(f"state_dict has state for {len(states)} params, this "
                                  f"optimizer has {len(self.state)}.", argument="state_dict")
@@ -339,7 +391,11 @@ class NumpyAdam:
                         f"state saved with the same amsgrad setting?",
                         argument="state_dict")
                 if key in dst:
-                    a = arrays[key] = np.asarray(src[key])
+                    try:
+                        a = arrays[key] = np.asarray(src[key])
+                    except (TypeError, ValueError) as exc:    # ragged nested lists
+                        raise OptimizerError(f"param {i}: {key} is not an array ({exc}).",
+                                             argument="state_dict") from None
                     if a.shape != dst[key].shape:
                         raise OptimizerError(f"param {i}: {key} has shape {a.shape}, "
                                              f"expected {dst[key].shape}.",

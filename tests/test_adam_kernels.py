@@ -237,6 +237,25 @@ def test_bias_correction_at_step_one_moves_each_param_by_lr():
                                atol=4 * np.spacing(np.float32(4)))
 
 
+def test_huge_gradients_keep_the_second_moment_finite(fresh_seed):
+    # g*g overflows float32 from |g| ~ 1.8e19 while (1-beta2)*g*g (torch's
+    # addcmul_ order) stays finite up to ~5.8e20: v = inf froze such parameters
+    # for good (m / inf = 0 at every later step) where torch and the oracle move them.
+    rng = np.random.default_rng(fresh_seed)
+    n = 1000
+    p, m, v, vmax = _state(rng, n=n, amsgrad=True)
+    rp, rm, rv, rvmax = (a.astype(np.float64) for a in (p, m, v, vmax))
+    for step in range(1, 4):
+        g = (rng.choice([-1.0, 1.0], n) * rng.uniform(2e19, 2e20, n)).astype(np.float32)
+        assert adam_update(p, g, m, v, max_exp_avg_sq=vmax, lr=1e-3, step=step)
+        rp, rm, rv, rvmax = _ref_step(rp, g.astype(np.float64), rm, rv, rvmax, lr=1e-3,
+                                      beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0,
+                                      decoupled=False, step=step)
+    assert np.isfinite(v).all() and np.isfinite(vmax).all()
+    assert _rel_err(v, rv) < 1e-5
+    assert _rel_err(p, rp) < 1e-5
+
+
 def test_power_of_two_loss_scale_is_bit_exact():
     rng = np.random.default_rng(5)
     a = _state(rng, amsgrad=True)

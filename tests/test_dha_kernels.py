@@ -217,6 +217,31 @@ def test_layernorm_forward_backward(be, accumulate, fresh_seed):
                                dbeta + base[1], rtol=1e-4, atol=1e-5)
 
 
+def test_layernorm_of_constant_rows_is_beta(be, fresh_seed):
+    # A constant row has variance 0: out = beta exactly, grad_x = rstd * (g - mean(g)).
+    # The GPU kernel's float32 mean of such a row was an ulp off (a sum times an
+    # inexact 1/H), which gave var = ulp^2 >> eps and normalized the row to +-1:
+    # out = beta +- gamma, and a wrong grad_x.
+    rng = np.random.default_rng(fresh_seed)
+    T, H, eps = 12, 13, 1e-5
+    x = np.repeat(rng.choice([-1.0, 1.0], (T, 1)) * rng.uniform(1e3, 1e6, (T, 1)), H,
+                  axis=1).astype(np.float32)
+    gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
+    y, mu, rstd, dx, dgamma, dbeta = _ln_reference(x, gamma, beta, dy, eps)
+    out, mean, rs = be.empty((T, H)), be.empty(T), be.empty(T)
+    x_d, gamma_d = be.act(x), be.param(gamma)
+    be.k.layernorm_forward(x_d, gamma_d, be.param(beta), out, mean, rs, eps=eps)
+    np.testing.assert_allclose(be.host(out), y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(be.host(mean), mu, rtol=1e-7)
+    np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-5)
+    gg, gb, gx = be.param(np.zeros(H, np.float32)), be.param(np.zeros(H, np.float32)), \
+        be.empty((T, H))
+    be.k.layernorm_backward(be.act(dy), x_d, mean, rs, gamma_d, gx, gg, gb)
+    np.testing.assert_allclose(be.host(gx), dx, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(be.host(gg), dgamma, atol=1e-5)
+    np.testing.assert_allclose(be.host(gb), dbeta, rtol=1e-5, atol=1e-5)
+
+
 def test_layernorm_argument_errors(be):
     rng = np.random.default_rng(33)
     x, g = be.act(_rand(rng, 3, 8)), be.param(_rand(rng, 8))
@@ -428,6 +453,34 @@ def test_degenerate_layernorm_arguments_are_refused(be):
     with pytest.raises(KernelArgumentError, match="True or False"):
         be.k.layernorm_backward(x, x, mean, rstd, g, None, be.param(_rand(rng, H)),
                                 be.param(_rand(rng, H)), accumulate="no")
+
+
+def test_flags_and_eps_are_checked_alike_on_both_backends(be):
+    # The CPU twins ignored ``check`` (check="no" passed there, failed on the GPU),
+    # and an eps beyond float32's range passed with an overflow warning (inf in
+    # the GPU kernels, rstd = 0): both now raise before anything is written.
+    import warnings
+    rng = np.random.default_rng(48)
+    T, H, V = 3, 5, 4
+    ids = be.act(np.array([0, 3, 1], np.int32))
+    out, gw = be.empty((T, H)), be.param(_rand(rng, V, H))
+    gw0 = be.host(gw).copy()
+    for call in (lambda: be.k.embedding_forward(be.param(_rand(rng, V, H)), ids, out,
+                                                check="no"),
+                 lambda: be.k.embedding_backward(be.act(_rand(rng, T, H)), ids, gw,
+                                                 check=1)):
+        with pytest.raises(KernelArgumentError, match="True or False") as info:
+            call()
+        assert info.value.argument == "check"
+    np.testing.assert_array_equal(be.host(gw), gw0)
+    x, g = be.act(_rand(rng, T, H)), be.param(_rand(rng, H))
+    mean, rstd = be.empty((T,)), be.empty((T,))
+    for eps in (1e39, 1e300):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(KernelArgumentError, match="3.4e38") as info:
+                be.k.layernorm_forward(x, g, g, out, mean, rstd, eps=eps)
+        assert info.value.argument == "eps"
 
 
 # ------------------------------------------------- memory kinds, launch, errors

@@ -938,3 +938,97 @@ def test_fp16_copy_overflow_is_documented_and_leaves_the_master_finite():
     assert not opt.last_step_skipped and torch.isfinite(p).all()
     assert out[0] == 65504 and out[1:].isinf().all() and out[3] < 0
     assert "65504" in optim.CPUAdam.step.__doc__
+
+
+def test_a_non_numeric_lr_gets_an_optimizer_error():
+    # _check_hyper ran float(lr) before the range check: a bare TypeError/ValueError.
+    p = np.ones(4, np.float32)
+    for lr in (None, "1e-3x", [1e-3]):
+        for make in (lambda: optim.NumpyAdam([p], lr=lr),
+                     lambda: optim.CPUAdam([torch.ones(4, requires_grad=True)], lr=lr)):
+            with pytest.raises(OptimizerError, match="not a real number") as info:
+                make()
+            assert info.value.argument == "lr"
+    opt = optim.NumpyAdam([p], lr=1e-2)
+    bad = opt.state_dict()
+    bad["hyper"]["lr"] = None
+    with pytest.raises(OptimizerError, match="lr=None") as info:
+        opt.load_state_dict(bad)
+    assert info.value.argument == "lr" and opt.hyper["lr"] == 1e-2
+    t = torch.ones(4, requires_grad=True)
+    topt = optim.CPUAdam([t], lr=1e-2)
+    topt.param_groups[0]["lr"] = "0.1x"          # e.g. a broken schedule
+    with pytest.raises(OptimizerError, match="not a real number"):
+        topt.step(grads=[torch.ones(4)])
+    assert torch.equal(t.detach(), torch.ones(4)) and not topt.state
+    # a 0-d tensor lr (torch.optim accepts one) still works
+    optim.CPUAdam([t], lr=torch.tensor(1e-2)).step(grads=[torch.ones(4)])
+    assert not torch.equal(t.detach(), torch.ones(4))
+
+
+def test_arrays_shared_between_params_of_one_step_are_refused(fresh_seed):
+    # prepare_update checks the arrays of one update; across the updates of a
+    # step a copy written for param 0 into param 1's memory (or its gradient)
+    # silently changed param 1's step.
+    rng = np.random.default_rng(fresh_seed)
+    ps = [rng.standard_normal(6).astype(np.float32) for _ in range(3)]
+    opt = optim.NumpyAdam(ps, lr=1e-2)
+    grads = [rng.standard_normal(6).astype(np.float32) for _ in range(3)]
+    opt.step(grads)
+    before = opt.state_dict()
+    params_before = [p.copy() for p in ps]
+    staging = np.empty(12, np.float32)
+    cases = [(dict(copies=[ps[1], None, None]), "param 0 out and param 1 param", "copies"),
+             (dict(copies=[None, None, opt.state[0]["exp_avg"]]),
+              "param 0 exp_avg and param 2 out", "copies"),
+             (dict(copies=[staging[:6], staging[3:9], None]),
+              "param 0 out and param 1 out", "copies"),
+             (dict(grads=[grads[0], ps[2], grads[2]]), "param 1 grad", "grads"),
+             (dict(grads=[grads[0], staging[:6], grads[2]], copies=[staging[6:], None,
+                                                                      staging[:6]]),
+              "param 2 out and param 1 grad", "grads")]
+    for kwargs, fragment, argument in cases:
+        kwargs.setdefault("grads", grads)
+        with pytest.raises(OptimizerError, match="overlap in memory") as info:
+            opt.step(kwargs.pop("grads"), **kwargs)
+        assert fragment in str(info.value) and info.value.argument == argument
+        for p, b in zip(ps, params_before):
+            assert p.tobytes() == b.tobytes()
+        for st, ref in zip(opt.state, before["state"]):
+            assert st["step"] == ref["step"] == 1
+            assert st["exp_avg"].tobytes() == ref["exp_avg"].tobytes()
+    # Disjoint views of one buffer are fine: one copy buffer for all params.
+    copies = np.empty(18, np.float32)
+    assert opt.step(grads, copies=[copies[:6], copies[6:12], copies[12:]])
+    assert copies.tobytes() == np.concatenate(ps).tobytes()
+    ts = [torch.tensor(p, requires_grad=True) for p in params_before]
+    topt = optim.CPUAdam(ts, lr=1e-2)
+    tgrads = [torch.from_numpy(g) for g in grads]
+    with pytest.raises(OptimizerError, match="group 0 param 0 out and group 0 param 1 param"):
+        topt.step(grads=tgrads, copies=[ts[1].detach(), None, None])
+    with pytest.raises(OptimizerError, match="group 0 param 2 grad") as info:
+        topt.step(grads=[tgrads[0], tgrads[1], ts[0].detach()])
+    assert info.value.argument == "grads"
+    for t, b in zip(ts, params_before):
+        assert t.detach().numpy().tobytes() == b.tobytes()
+    assert not topt.state                # refused steps leave no new state behind
+
+
+def test_numpy_load_state_dict_of_the_wrong_structure_gets_an_optimizer_error():
+    # A dict for 'state', a non-dict entry or a ragged array raised a bare
+    # TypeError/ValueError; each is refused by name and loads nothing.
+    rng = np.random.default_rng()
+    opt = optim.NumpyAdam([rng.standard_normal(4).astype(np.float32)], lr=1e-2)
+    opt.step([rng.standard_normal(4).astype(np.float32)])
+    before = opt.state_dict()
+    for change in (lambda sd: {**sd, "state": dict(enumerate(sd["state"]))},
+                   lambda sd: {**sd, "state": None},
+                   lambda sd: {**sd, "state": [None]},
+                   lambda sd: {**sd, "state": [{**sd["state"][0], "step": 5,
+                                                "exp_avg": [[1.0], [2.0, 3.0]]}]}):
+        with pytest.raises(OptimizerError, match=r"state_dict\['state'\]|not an array") \
+                as info:
+            opt.load_state_dict(change(opt.state_dict()))
+        assert info.value.argument == "state_dict"
+        assert opt.state[0]["step"] == 1
+        assert opt.state[0]["exp_avg"].tobytes() == before["state"][0]["exp_avg"].tobytes()
