@@ -6,15 +6,15 @@ the same run; absolute times are only meaningful on the machine that made them.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import math
 import os
 import platform
 import statistics
 import sys
 import time
+
+from rtmem.cli import at_least  # noqa: F401  (the scripts' argparse types, one implementation)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -23,25 +23,6 @@ def results_dir() -> str:
     """Where results go: ``$RTMEM_BENCH_RESULTS`` when set (a folder), else
     bench/results/."""
     return os.environ.get("RTMEM_BENCH_RESULTS") or RESULTS
-
-
-def at_least(low, kind=int, high=None):
-    """An argparse ``type=`` for a finite ``kind`` (int or float) number in
-    ``low`` .. ``high``: a count of 0 (a median of nothing), a negative size or
-    a NaN is refused as bad usage (exit 2) before any work, not met as a
-    traceback after minutes of it."""
-    def check(value: str):
-        try:
-            x = kind(value)
-        except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(
-                f"{value!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not (math.isfinite(x) and low <= x <= (math.inf if high is None else high)):
-            raise argparse.ArgumentTypeError(
-                f"must be {'a finite number, ' if kind is float else ''}at least {low}"
-                + ("" if high is None else f" and at most {high}") + f", got {value}")
-        return x
-    return check
 
 
 def timed(fn) -> float:

@@ -33,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import median_time, write_results  # noqa: E402
+from _common import at_least, median_time, write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.cli import PLOT_SUFFIXES, output_file  # noqa: E402
@@ -480,15 +480,14 @@ def main(argv=None, prog=None) -> int:
                     help="4 KiB..64 MiB in steps of 4x, 3 repeats (about a minute)")
     ap.add_argument("--max-size", type=_max_size, default=None,
                     help="largest buffer (default 1GiB)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per point")
+    ap.add_argument("--repeats", type=at_least(1), default=None,   # 0: a median of nothing
+                    help="timed runs per point")
     # checked now: savefig refused a .txt or a folder after the whole sweep
     ap.add_argument("--plot", type=output_file(*PLOT_SUFFIXES), default=None,
                     help="plot path, .png, .pdf or .svg (default next to the JSON)")
     args = ap.parse_args(argv)
     max_size = args.max_size or parse_bytes("64MiB" if args.quick else "1GiB")
     repeats = (3 if args.quick else 5) if args.repeats is None else args.repeats
-    if repeats < 1:
-        ap.error("--repeats must be at least 1")     # a median of nothing
     device, why = find_gpu()
     if device is None:
         return no_gpu_exit("bench pcie", why)

@@ -61,6 +61,12 @@ def as_vector(name: str, values, n: int | None, *, integral: bool) -> np.ndarray
     return arr.copy()
 
 
+def is_int(value) -> bool:
+    """An int or numpy integer, not a bool: a count, or a byte size taken exactly
+    (through float, sizes above 2**53 round, up as well as down)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def as_scalar(name: str, value, *, integral: bool):
     """Validate one finite non-negative number (bytes rounded up when ``integral``)."""
     try:
@@ -69,8 +75,7 @@ def as_scalar(name: str, value, *, integral: bool):
         raise ChainError(f"{name} must be a number, got {value!r}", field=name) from e
     if not math.isfinite(v) or v < 0:
         raise ChainError(f"{name} = {value!r} must be finite and >= 0", field=name)
-    exact = integral and isinstance(value, (int, np.integer)) \
-        and not isinstance(value, (bool, np.bool_))     # exact above 2**53, as in as_vector
+    exact = integral and is_int(value)     # exact above 2**53, as in as_vector
     if integral and (int(value) if exact else v) >= MAX_BYTES:
         raise ChainError(f"{name} = {value!r} bytes is too large (limit 2**62)", field=name)
     return (int(value) if exact else int(math.ceil(v))) if integral else v
@@ -110,8 +115,7 @@ def check_int(name: str, value, *, low: int = 0, high: int | None = None, error=
     (default :class:`~rtmem.errors.RtmemError`; ``fields`` go to it, e.g.
     ``field=`` for :class:`~rtmem.errors.ChainError`); ``hint`` ends the message."""
     error = error or RtmemError
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or value < low or (high is not None and value > high):
+    if not is_int(value) or value < low or (high is not None and value > high):
         want = f"in {low}..{high}" if high is not None else f">= {low}"
         raise error(f"{name} must be an integer {want}, got {value!r}"
                     + (f"; {hint}" if hint else ""), **fields)

@@ -13,12 +13,10 @@ import json
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from rtmem.errors import ScheduleError
 
 from ._documents import JsonFile, check_document, parse_document
-from ._validation import MAX_BYTES
+from ._validation import MAX_BYTES, is_int
 from .schedule import Schedule
 
 __all__ = ["Plan", "as_budget"]
@@ -138,7 +136,7 @@ class Plan(JsonFile):
 def _exact_int(value, as_float: float) -> int:
     """``value`` as an int: exactly when it is an integer (``int(float(v))`` rounds
     above 2**53), else its float ``as_float`` rounded down."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+    if is_int(value):
         return int(value)
     return int(as_float)
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from rtmem.errors import PlatformError, UnitError
 from rtmem.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
-from ._validation import MAX_BYTES
+from ._validation import MAX_BYTES, is_int
 
 __all__ = ["Platform", "CHANNELS"]
 
@@ -50,7 +48,7 @@ class Platform:
         mem = self.memory
         if isinstance(mem, str) and mem.strip().lower() in ("inf", "unlimited"):
             mem = math.inf
-        if isinstance(mem, (int, np.integer)) and not isinstance(mem, (bool, np.bool_)):
+        if is_int(mem):
             # exact: parse_bytes goes through float, which rounds above 2**53 bytes,
             # up as well (2**54 + 7 became 2**54 + 8: plans over the budget asked)
             mem = int(mem)

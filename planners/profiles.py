@@ -20,6 +20,7 @@ import numpy as np
 
 from rtmem.errors import ChainError
 
+from ._validation import is_int
 from .chain import Chain
 
 __all__ = ["gpt2", "resnet", "builtin", "builtin_names", "from_spec"]
@@ -52,7 +53,7 @@ def _check_sizes(family: str, flops, **sizes) -> None:
     for key, v in sizes.items():
         # an integer type, not 2.0: a float passed here failed later in range()
         # with "'float' object cannot be interpreted as an integer"
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        if not is_int(v) or v < 1:
             raise ChainError(f"{family}: {key} must be a positive integer, got {v!r}",
                              field=key)
     if not (_finite(flops) and flops > 0):
@@ -129,8 +130,7 @@ def resnet(depth: int = 50, image: int = 224, batch: int = 32, classes: int = 10
     ``flops`` (FLOP/s), backward twice the forward.
     """
     # 50.0 matched the key 50 and named the chain "resnet50.0"
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) \
-            or depth not in _RESNET_LAYOUT:
+    if not is_int(depth) or depth not in _RESNET_LAYOUT:
         raise ChainError(f"resnet: depth must be one of {sorted(_RESNET_LAYOUT)}, got "
                          f"{depth!r}", field="depth")
     _check_sizes("resnet", flops, image=image, batch=batch, classes=classes,

@@ -21,7 +21,7 @@ from rtmem.demo import MODEL_OPTIONS
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
-__all__ = ["main", "load_chain", "load_schedule", "output_file"]
+__all__ = ["main", "at_least", "load_chain", "load_schedule", "output_file"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
 PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
@@ -97,16 +97,22 @@ def output_file(*suffixes):
     return check
 
 
-def _at_least(low: int):
-    """An argparse ``type=`` for an integer >= ``low``."""
-    def check(value: str) -> int:
+def at_least(low, kind=int, high=None):
+    """An argparse ``type=`` for a finite ``kind`` (int or float) number in
+    ``low`` .. ``high``: a count of 0 (a median of nothing), a negative size or
+    a NaN is refused as bad usage (exit 2) before any work, not met as a
+    traceback after minutes of it. The bench scripts use it too."""
+    def check(value: str):
         try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
-        return n
+            x = kind(value)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(x) and low <= x <= (math.inf if high is None else high)):
+            raise argparse.ArgumentTypeError(
+                f"must be {'a finite number, ' if kind is float else ''}at least {low}"
+                + ("" if high is None else f" and at most {high}") + f", got {value}")
+        return x
     return check
 
 
@@ -273,16 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gpt2 (sized by --layers --hidden --heads --seq --vocab) or resnet "
                    "(--blocks --width --image); default gpt2")
     for name, default in MODEL_OPTIONS["gpt2"].items():
-        p.add_argument(f"--{name}", type=_at_least(2 if name == "vocab" else 1),
+        p.add_argument(f"--{name}", type=at_least(2 if name == "vocab" else 1),
                        default=None, help=f"gpt2: default {default}")
     p.add_argument("--blocks", type=_blocks, default=None,
                    help="resnet: residual blocks per group, default 2,2,2")
     for name in ("width", "image"):
         default = MODEL_OPTIONS["resnet"][name]
-        p.add_argument(f"--{name}", type=_at_least(1), default=None,
+        p.add_argument(f"--{name}", type=at_least(1), default=None,
                        help=f"resnet: default {default}")
     for name, default in (("batch", 4), ("steps", 5), ("slots", 500)):
-        p.add_argument(f"--{name}", type=_at_least(1), default=default,
+        p.add_argument(f"--{name}", type=at_least(1), default=default,
                        help=f"default {default}")
     p.add_argument("--memory", default=None,
                    help="device budget, e.g. 40MiB (default: half the no-remat peak)")

@@ -109,21 +109,31 @@ def _named(where, exc, arguments):
                           argument=arguments.get(exc.argument, exc.argument))
 
 
+def _span(a, *tag) -> tuple:
+    """``(first address, end address, *tag)`` of C-contiguous array ``a``."""
+    lo = a.__array_interface__["data"][0]
+    return (lo, lo + a.nbytes, *tag)
+
+
+def _first_overlap(spans):
+    """Sort ``spans`` (:func:`_span`) by address and return the first pair of
+    neighbours that overlap, or None: sorted by start, any overlapping pair
+    implies an overlapping pair of neighbours, O(n log n)."""
+    spans.sort(key=lambda span: span[0])
+    return next(((a, b) for a, b in zip(spans, spans[1:]) if b[0] < a[1]), None)
+
+
 def _check_disjoint(params) -> None:
     """Refuse parameters whose memory overlaps (the same array twice, or views of
-    one array): each would be updated once per occurrence per step. Params are
-    C-contiguous, so each spans [address, address + nbytes); sorting by address
-    finds any overlap between neighbours, O(n log n)."""
-    spans = sorted((p.__array_interface__["data"][0], p.nbytes, i)
-                   for i, p in enumerate(params) if p.nbytes)
-    for (lo, size, i), (next_lo, _, j) in zip(spans, spans[1:]):
-        if next_lo < lo + size:
-            i, j = sorted((i, j))
-            raise OptimizerError(
-                f"params[{i}] and params[{j}] overlap in memory (the same array twice, "
-                f"or views of one array); each would be updated once per occurrence "
-                f"every step. Pass each parameter once, with its own memory.",
-                argument="params")
+    one array): each would be updated once per occurrence per step."""
+    pair = _first_overlap([_span(p, i) for i, p in enumerate(params) if p.nbytes])
+    if pair is not None:
+        i, j = sorted((pair[0][2], pair[1][2]))
+        raise OptimizerError(
+            f"params[{i}] and params[{j}] overlap in memory (the same array twice, "
+            f"or views of one array); each would be updated once per occurrence "
+            f"every step. Pass each parameter once, with its own memory.",
+            argument="params")
 
 
 def _check_step_disjoint(named, arguments) -> None:
@@ -135,9 +145,8 @@ def _check_step_disjoint(named, arguments) -> None:
     prepare_update refuses overlaps within one update only; across updates, the
     updates run one after the other, so a copy buffer that is another parameter's
     gradient (or a view of its master) silently changed that parameter's step.
-    Arrays are C-contiguous, so each spans [address, address + nbytes): sorted by
-    address, no written span may overlap the next one (then they are sorted by
-    end as well), and each read span is bisected into them, O(n log n).
+    The written spans must be disjoint (:func:`_first_overlap`); then each read
+    span is bisected into them, O(n log n) in all.
     """
     writes, reads = [], []
     for where, u in named:
@@ -145,19 +154,17 @@ def _check_step_disjoint(named, arguments) -> None:
                                  ("exp_avg", u.m, True), ("exp_avg_sq", u.v, True),
                                  ("max_exp_avg_sq", u.vmax, True), ("out", u.out, True)):
             if a is not None and a.nbytes:
-                lo = a.__array_interface__["data"][0]
-                (writes if written else reads).append((lo, lo + a.nbytes, where, name))
-    writes.sort(key=lambda span: span[0])
-    pairs = [(a, b) for a, b in zip(writes, writes[1:]) if b[0] < a[1]]
-    if not pairs:
+                (writes if written else reads).append(_span(a, where, name))
+    pair = _first_overlap(writes)
+    if pair is None:
         starts = [span[0] for span in writes]
         for r in reads:
             j = bisect.bisect_left(starts, r[1]) - 1
             if j >= 0 and writes[j][1] > r[0]:
-                pairs = [(writes[j], r)]
+                pair = (writes[j], r)
                 break
-    if pairs:
-        (_, _, wa, na), (_, _, wb, nb) = pairs[0]
+    if pair is not None:
+        (_, _, wa, na), (_, _, wb, nb) = pair
         keyword = next((arguments[n] for n in (nb, na) if n in arguments), "params")
         raise OptimizerError(
             f"{wa} {na} and {wb} {nb} overlap in memory; one parameter's update would "

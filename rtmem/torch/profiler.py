@@ -139,8 +139,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     # never counted as activations: the executor's accounting (its _state_count)
     state = _storage_ptrs((*grads, *slot_buffers(slots)))
     x = inputs.detach().clone()   # a first stage may modify its input in place
-    needs_grad = inputs_need_grad([list(stage.parameters()) for stage in model],
-                                  inputs.requires_grad)
+    stage_params = [list(stage.parameters()) for stage in model]
+    needs_grad = inputs_need_grad(stage_params, inputs.requires_grad)
     seen_weights = set()
     try:
         # Iteration, not children(): a module repeated in the Sequential is one
@@ -204,7 +204,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             cols["u_b"].append(statistics.median(bwd_times))
             cols["x"].append(_storage_bytes([y]))
             cols["xbar"].append(max(xbar, _storage_bytes([y])))
-            params = list(stage.parameters())
+            params = stage_params[i]
             cols["w"].append(_storage_bytes(params, exclude=seen_weights))
             seen_weights |= _storage_ptrs(params)
             cols["o_f"].append(o_f)
