@@ -56,7 +56,8 @@ class Platform:
             try:
                 mem = parse_bytes(mem, round_down=True)   # a budget: never above it
             except UnitError as e:
-                raise PlatformError(f"invalid memory {self.memory!r}: {e}") from e
+                # e names the value already: "invalid memory: cannot read 'lots' as a size"
+                raise PlatformError(f"invalid memory: {e}") from e
         if not (isinstance(mem, float) and math.isinf(mem)):
             if mem <= 0:
                 raise PlatformError(f"memory must be > 0 bytes, got {self.memory!r}; give "

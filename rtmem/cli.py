@@ -222,8 +222,8 @@ def _demo_problem(args) -> str | None:
         from rtmem.planners.plan import as_budget
         try:
             as_budget(args.memory)
-        except RtmemError as e:
-            return f"--memory {args.memory!r}: {e}"
+        except RtmemError as e:     # it names the value: said once, as `rtmem plan` does
+            return f"--memory: {e}"
     for extra, module in (("torch", "torch"), ("plot", "matplotlib")):
         if importlib.util.find_spec(module) is None:
             return f"the demo needs {module}: pip install 'rtmem[{extra}]'"

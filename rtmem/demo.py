@@ -15,6 +15,7 @@ Runs on the CPU (host backend) on any machine, and on the GPU when one is usable
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -35,6 +36,19 @@ def _import_torch():
 #: the models the demo trains, with the options that size each (run_demo's defaults)
 MODEL_OPTIONS = {"gpt2": {"layers": 6, "hidden": 128, "heads": 4, "seq": 128, "vocab": 512},
                  "resnet": {"blocks": (2, 2, 2), "width": 16, "image": 32}}
+
+
+@contextlib.contextmanager
+def _output_folder(path: str):
+    made = not os.path.isdir(path)
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):   # not empty: it keeps what was written
+                os.rmdir(path)
+        raise
 
 
 def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: int = 4,
@@ -66,92 +80,94 @@ def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: 
     if model not in MODEL_OPTIONS:    # before anything is made
         raise ValueError(f"model must be one of {', '.join(MODEL_OPTIONS)}, got {model!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    os.makedirs(out, exist_ok=True)   # an unusable folder fails now, not after training
-    torch.manual_seed(0)
-    if model == "gpt2":
-        net, loss_fn, make_batch = gpt2_model(layers=layers, hidden=hidden, heads=heads,
-                                              seq=seq, vocab=vocab)
-        name = f"gpt2-L{layers}-h{hidden}-s{seq}-b{batch}"
-    else:
-        blocks = tuple(blocks)
-        net, loss_fn, make_batch = resnet_model(blocks=blocks, width=width, image=image)
-        name = f"resnet-{'.'.join(map(str, blocks))}-w{width}-i{image}-b{batch}"
-    model = net.to(device)
-    gen = torch.Generator().manual_seed(1)
-    batches = [tuple(t.to(device) for t in make_batch(batch, gen)) for _ in range(steps)]
-    chain = profile_sequential(model, *batches[0], loss_fn, repeats=3, name=name)
-    full = plan_store_all(chain, math.inf)
-    why = ""
-    if memory is not None:
-        budget = as_budget(memory)
-    else:   # half the no-remat peak, unless weights leave no schedule that small
-        least = min_feasible_memory(chain)
-        if full.peak // 2 >= least:
-            budget, why = full.peak // 2, " (half the peak)"
+    # an unusable folder fails now, not after training; one made here goes again if
+    # the run fails before writing into it (an infeasible --memory left it empty)
+    with _output_folder(out):
+        torch.manual_seed(0)
+        if model == "gpt2":
+            net, loss_fn, make_batch = gpt2_model(layers=layers, hidden=hidden, heads=heads,
+                                                  seq=seq, vocab=vocab)
+            name = f"gpt2-L{layers}-h{hidden}-s{seq}-b{batch}"
         else:
-            budget = (least + full.peak) // 2
-            why = f" (half the peak is below the least feasible {format_bytes(least)})"
-    say(f"{chain.name}: {chain.n} stages, {format_bytes(int(chain.w.sum()))} of weights, "
-        f"no-remat peak {format_bytes(full.peak)} (simulated), budget "
-        f"{format_bytes(budget)}{why}\n")
-
-    plans = compare_remat(chain, budget, slots=slots)
-    rows, _ = comparison_rows(plans, chain.compute_time)
-    say(format_table(["planner (simulated)"] + COMPARISON_HEADERS[1:], rows, align="lrrrl"))
-    plan = plans["rotor"]
-    if not isinstance(plan, Plan):
-        raise plan
-
-    def train(schedule):
-        m = copy.deepcopy(model)
-        opt = CPUAdam(m.parameters(), lr=1e-3) if device.type == "cpu" else \
-            torch.optim.Adam(m.parameters(), lr=1e-3)
-        # on the GPU the allocator's peak is the figure; the executor's count is
-        # needed (and paid for) only on the CPU
-        ex = ScheduleExecutor(m, schedule, loss_fn, track_memory=device.type == "cpu")
-        losses, times, peaks = [], [], []
-        for x, y in batches:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            losses.append(float(ex.step(x, y)))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                peaks.append(torch.cuda.max_memory_allocated(device))
+            blocks = tuple(blocks)
+            net, loss_fn, make_batch = resnet_model(blocks=blocks, width=width, image=image)
+            name = f"resnet-{'.'.join(map(str, blocks))}-w{width}-i{image}-b{batch}"
+        model = net.to(device)
+        gen = torch.Generator().manual_seed(1)
+        batches = [tuple(t.to(device) for t in make_batch(batch, gen)) for _ in range(steps)]
+        chain = profile_sequential(model, *batches[0], loss_fn, repeats=3, name=name)
+        full = plan_store_all(chain, math.inf)
+        why = ""
+        if memory is not None:
+            budget = as_budget(memory)
+        else:   # half the no-remat peak, unless weights leave no schedule that small
+            least = min_feasible_memory(chain)
+            if full.peak // 2 >= least:
+                budget, why = full.peak // 2, " (half the peak)"
             else:
-                peaks.append(ex.peak_bytes)
-            times.append(time.perf_counter() - t0)
-            opt.step()
-            opt.zero_grad()
-        return losses, statistics.median(times), max(peaks)
+                budget = (least + full.peak) // 2
+                why = f" (half the peak is below the least feasible {format_bytes(least)})"
+        say(f"{chain.name}: {chain.n} stages, {format_bytes(int(chain.w.sum()))} of weights, "
+            f"no-remat peak {format_bytes(full.peak)} (simulated), budget "
+            f"{format_bytes(budget)}{why}\n")
 
-    torch.manual_seed(2)
-    plain = train(store_all_schedule(chain.n))
-    torch.manual_seed(2)
-    planned = train(plan.schedule)
-    what = "peak memory (GPU)" if device.type == "cuda" else "peak activations"
-    say("\n" + format_table(
-        ["training run", what, "step time", "final loss"],
-        [["no rematerialization", format_bytes(plain[2]), format_seconds(plain[1]),
-          f"{plain[0][-1]:.6f}"],
-         [f"rotor plan, {format_bytes(budget)}", format_bytes(planned[2]),
-          format_seconds(planned[1]), f"{planned[0][-1]:.6f}"]]))
-    same = max(abs(a - b) for a, b in zip(plain[0], planned[0]))
-    say(f"\nlosses of the two runs differ by at most {same:.2e} over {steps} steps; "
-        f"step time ratio {planned[1] / plain[1]:.2f} (simulated "
-        f"{plan.makespan / full.makespan:.2f})")
-    # The plan and chain first: they are written even if plotting fails.
-    plan.save(os.path.join(out, "rotor_plan.json"))
-    chain.save(os.path.join(out, "chain.json"))
-    paths = [plot_schedule(chain, plan.schedule, Platform(budget),
-                           os.path.join(out, "rotor_plan.png"),
-                           title=f"rotor plan for {chain.name} under {format_bytes(budget)}"),
-             plot_schedule(chain, full.schedule, Platform(math.inf),
-                           os.path.join(out, "no_remat.png"))]
-    say("wrote " + ", ".join(paths + [os.path.join(out, "rotor_plan.json"),
-                                      os.path.join(out, "chain.json")]))
-    return {"chain": chain, "plan": plan, "budget": budget, "plain_losses": plain[0],
-            "plan_losses": planned[0], "plain_step_s": plain[1], "plan_step_s": planned[1],
-            "plain_peak_bytes": plain[2], "plan_peak_bytes": planned[2],
-            "max_loss_difference": same}
+        plans = compare_remat(chain, budget, slots=slots)
+        rows, _ = comparison_rows(plans, chain.compute_time)
+        say(format_table(["planner (simulated)"] + COMPARISON_HEADERS[1:], rows, align="lrrrl"))
+        plan = plans["rotor"]
+        if not isinstance(plan, Plan):
+            raise plan
+
+        def train(schedule):
+            m = copy.deepcopy(model)
+            opt = CPUAdam(m.parameters(), lr=1e-3) if device.type == "cpu" else \
+                torch.optim.Adam(m.parameters(), lr=1e-3)
+            # on the GPU the allocator's peak is the figure; the executor's count is
+            # needed (and paid for) only on the CPU
+            ex = ScheduleExecutor(m, schedule, loss_fn, track_memory=device.type == "cpu")
+            losses, times, peaks = [], [], []
+            for x, y in batches:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.perf_counter()
+                losses.append(float(ex.step(x, y)))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    peaks.append(torch.cuda.max_memory_allocated(device))
+                else:
+                    peaks.append(ex.peak_bytes)
+                times.append(time.perf_counter() - t0)
+                opt.step()
+                opt.zero_grad()
+            return losses, statistics.median(times), max(peaks)
+
+        torch.manual_seed(2)
+        plain = train(store_all_schedule(chain.n))
+        torch.manual_seed(2)
+        planned = train(plan.schedule)
+        what = "peak memory (GPU)" if device.type == "cuda" else "peak activations"
+        say("\n" + format_table(
+            ["training run", what, "step time", "final loss"],
+            [["no rematerialization", format_bytes(plain[2]), format_seconds(plain[1]),
+              f"{plain[0][-1]:.6f}"],
+             [f"rotor plan, {format_bytes(budget)}", format_bytes(planned[2]),
+              format_seconds(planned[1]), f"{planned[0][-1]:.6f}"]]))
+        same = max(abs(a - b) for a, b in zip(plain[0], planned[0]))
+        say(f"\nlosses of the two runs differ by at most {same:.2e} over {steps} steps; "
+            f"step time ratio {planned[1] / plain[1]:.2f} (simulated "
+            f"{plan.makespan / full.makespan:.2f})")
+        # The plan and chain first: they are written even if plotting fails.
+        plan.save(os.path.join(out, "rotor_plan.json"))
+        chain.save(os.path.join(out, "chain.json"))
+        paths = [plot_schedule(chain, plan.schedule, Platform(budget),
+                               os.path.join(out, "rotor_plan.png"),
+                               title=f"rotor plan for {chain.name} under {format_bytes(budget)}"),
+                 plot_schedule(chain, full.schedule, Platform(math.inf),
+                               os.path.join(out, "no_remat.png"))]
+        say("wrote " + ", ".join(paths + [os.path.join(out, "rotor_plan.json"),
+                                          os.path.join(out, "chain.json")]))
+        return {"chain": chain, "plan": plan, "budget": budget, "plain_losses": plain[0],
+                "plan_losses": planned[0], "plain_step_s": plain[1], "plan_step_s": planned[1],
+                "plain_peak_bytes": plain[2], "plan_peak_bytes": planned[2],
+                "max_loss_difference": same}

@@ -142,7 +142,8 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["demo", "--layers", "x"], "not an integer"),
     (["demo", "--heads", "3"], "multiple of --heads"),
     (["demo", "--device", "tpu"], "cpu or cuda"),
-    (["demo", "--memory", "abc"], "--memory 'abc'"),    # was checked after profiling
+    # checked before profiling, not after; the value named once
+    (["demo", "--memory", "abc"], "--memory: invalid memory: cannot read 'abc'"),
     (["demo", "--model", "vgg"], "invalid choice"),
     (["demo", "--model", "resnet", "--layers", "4"],
      "--layers sizes the gpt2 model; with --model resnet use --blocks --width --image"),
@@ -244,6 +245,20 @@ def test_demo_result_values(tmp_path):
     assert r["plan_peak_bytes"] <= r["plan"].peak <= r["budget"]
     assert r["plan_peak_bytes"] < r["plain_peak_bytes"]
     assert Plan.load(tmp_path / "rotor_plan.json").schedule == r["plan"].schedule
+
+
+def test_a_failed_demo_removes_the_folder_it_made_and_keeps_one_given(capsys, tmp_path):
+    # an infeasible budget is found only after profiling; the folder made for the plots
+    # used to stay behind empty
+    argv = ["demo", "--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "8",
+            "--batch", "1", "--vocab", "16", "--steps", "1", "--device", "cpu",
+            "--memory", "1B"]
+    code, _, err = run(capsys, *argv, "--out", str(tmp_path / "new" / "demo"))
+    assert code == 1 and "no persistent schedule" in err
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "demo").exists()
+    (tmp_path / "mine").mkdir()
+    code, _, _ = run(capsys, *argv, "--out", str(tmp_path / "mine"))
+    assert code == 1 and (tmp_path / "mine").is_dir()
 
 
 def test_no_command_prints_help(capsys):
