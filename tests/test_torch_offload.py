@@ -559,3 +559,70 @@ def test_an_optimizer_dropped_in_a_garbage_collection_closes_its_arena_after_it(
     with rtmem.HostArena(4096) as other:
         other.alloc(16).free()           # the next allocation closes it
     assert arena.slabs == ()
+
+
+def test_gradients_the_host_buffers_cannot_take_are_refused_up_front(monkeypatch):
+    # A sparse gradient (nn.Embedding(sparse=True) has a dense weight) and one
+    # of a parameter whose data was replaced raised torch's "reshape is not
+    # implemented for sparse tensors" / "The size of tensor a ... must match"
+    # from the gradient hook in the middle of backward; a step with gradients
+    # set by hand flushed the ones before such a gradient, then failed.
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    lin = torch.nn.Linear(4, 1)
+    off = OffloadedAdam([*lin.parameters(), emb.weight], lr=0.1)
+    with pytest.raises(OptimizerError, match="parameter 2 .*sparse_coo gradient.*sparse=False"):
+        lin(emb(torch.tensor([1, 2, 1]))).sum().backward()
+    assert emb.weight.grad.layout == torch.sparse_coo    # left where it was
+    lin.weight.grad = torch.ones_like(lin.weight)         # set by hand: flushed by step
+    before = off._grad_t.clone()
+    with pytest.raises(OptimizerError, match="sparse_coo gradient"):
+        off.step()
+    # bitwise: the slots of parameters without a gradient hold whatever the
+    # arena had (NaN != NaN)
+    assert torch.equal(off._grad_t.view(torch.int32), before.view(torch.int32))
+    assert lin.weight.grad is not None
+    assert off.step_count == 0
+    emb.weight.grad = None
+    assert off.step() and off.steps.tolist() == [1, 1, 0]    # the bias flushed in backward
+    off.close()
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    off = OffloadedAdam(net.parameters(), lr=0.1)
+    net[1].weight.data = torch.randn(1, 2)         # 2 elements where 4 were
+    net[1].in_features = 2
+    net[0] = torch.nn.Linear(4, 2)
+    with pytest.raises(OptimizerError, match="parameter 2 .*2 elements for 4.*replaced"):
+        net(torch.randn(8, 4)).sum().backward()
+    off.close()
+
+
+def test_a_single_tensor_is_not_taken_for_its_rows():
+    # list(tensor) split it into rows, each refused as "not a leaf tensor"
+    with pytest.raises(OptimizerError, match="single tensor: pass \\[p\\]"):
+        OffloadedAdam(torch.nn.Parameter(torch.ones(3, 2)))
+
+
+def test_parameters_sharing_memory_are_refused(monkeypatch):
+    # Two Parameters over one tensor's data each got master weights and moments
+    # of their own: the upload of the second overwrote the first's update (torch
+    # applies both, CPUAdam refuses them), silently
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    w = torch.randn(4, 4)
+    a, b = torch.nn.Parameter(w), torch.nn.Parameter(w)
+    with pytest.raises(OptimizerError, match="parameters 0 and 2 share memory.*clone"):
+        OffloadedAdam([a, torch.nn.Parameter(torch.randn(3)), b])
+    halves = [torch.nn.Parameter(w[:2]), torch.nn.Parameter(w[2:])]   # disjoint views
+    off = OffloadedAdam(halves, lr=0.1)
+    (halves[0].sum() + halves[1].sum()).backward()
+    assert off.step()
+    off.close()
+    # tied after construction: refused before anything changes
+    c, d = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    off = OffloadedAdam([c, d], lr=0.1)
+    (c.sum() + d.sum()).backward()
+    d.data = c.data
+    with pytest.raises(OptimizerError, match="parameters 0 and 1 share memory"):
+        off.step()
+    assert off.step_count == 0 and off.steps.tolist() == [0, 0]
+    off.close()

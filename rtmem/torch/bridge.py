@@ -49,7 +49,18 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     bfloat16 and float8)."""
     if dtype in _BITS:
         return np.dtype(_BITS[dtype])
-    return torch.empty(0, dtype=dtype).numpy().dtype
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        pass
+    if dtype.is_floating_point or dtype.is_complex:
+        # the other float8 formats (fnuz, e8m0), packed float4, complex32: torch
+        # has no numpy twin for them either (it raised "Got unsupported
+        # ScalarType"), and any same-width integer holds their bits
+        return np.dtype(f"u{dtype.itemsize}")
+    raise TypeError(f"rtmem buffers cannot hold {dtype} tensors (quantized, sub-byte "
+                    f"and bits dtypes have no numpy layout); convert the tensor first, "
+                    f"e.g. .dequantize() or .to(torch.uint8)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,6 +198,12 @@ def from_tensor(tensor: torch.Tensor, arena, *, kind: str = "activation") -> Buf
     if tensor.layout != torch.strided:
         raise TypeError(f"from_tensor copies dense tensors; got a {tensor.layout} one: "
                         f"convert it with .to_dense() first")
+    if tensor.is_nested:
+        # a nested tensor reports a strided layout, but has no single shape
+        # (tensor.shape raised torch's "Internal error ... Please file an issue")
+        raise TypeError("from_tensor copies dense tensors; got a nested one: copy each "
+                        "component (tensor.unbind()) or pad it first "
+                        "(tensor.to_padded_tensor(0))")
     if tensor.is_meta:
         raise TypeError("from_tensor copies data, and a meta tensor has none: "
                         "materialize it first (e.g. module.to_empty(device=...) and "
@@ -302,6 +319,10 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
                 old = before[p][1]
                 if old is None:
                     g.zero_()
+                elif old.layout != torch.strided:
+                    # a sparse gradient (nn.Embedding(sparse=True)), which copy_
+                    # refuses; autograd adds the next ones into the dense buffer
+                    g.zero_().add_(old)
                 else:
                     g.copy_(old)
                 p.grad = g

@@ -100,6 +100,30 @@ def _check_own_memory(k: int, p) -> None:
             argument="params")
 
 
+def _check_disjoint(params) -> None:
+    """OptimizerError if two parameters share memory (two Parameters made over one
+    tensor's data, or views of one buffer): each has its own master weights, so
+    the upload of one would overwrite the other's update (torch.optim.Adam
+    applies both; CPUAdam refuses them). Compared by the address range each
+    spans, so two interleaved views of one buffer are refused as well."""
+    spans = []
+    for k, p in enumerate(params):
+        if p.numel():
+            lo = p.data_ptr()
+            extent = sum((size - 1) * abs(st) for size, st in zip(p.shape, p.stride()))
+            spans.append((str(p.device), lo, lo + (extent + 1) * p.element_size(), k))
+    spans.sort()
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            i, j = sorted((a[3], b[3]))
+            raise OptimizerError(
+                f"parameters {i} and {j} share memory (e.g. two nn.Parameter made over "
+                f"one tensor's data); each has its own Adam state here, so one's upload "
+                f"would undo the other's update. Tie weights by assigning the same "
+                f"Parameter object, or give each its own memory (p.data = p.data.clone())",
+                argument="params")
+
+
 def _check_param(k: int, p) -> None:
     """OptimizerError for what OffloadedAdam cannot update: non-tensors (param
     group dicts), sparse or meta tensors, tensors computed from others."""
@@ -117,6 +141,23 @@ def _check_param(k: int, p) -> None:
     if why is not None:
         raise OptimizerError(f"parameter {k} (shape {tuple(p.shape)}) {why}",
                              argument="params")
+
+
+def _check_grad(k: int, p, size: int) -> None:
+    """OptimizerError for a gradient the host buffers cannot take (checked before
+    anything is copied: the flush would fail half way, with torch's message)."""
+    g = p.grad
+    if g.layout != torch.strided:
+        raise OptimizerError(
+            f"parameter {k} (shape {tuple(p.shape)}) has a {g.layout} gradient (e.g. "
+            f"nn.Embedding(sparse=True)); OffloadedAdam updates dense gradients: make "
+            f"the layer produce dense ones (sparse=False)", argument="params")
+    if g.numel() != size:
+        raise OptimizerError(
+            f"parameter {k} has a gradient of {g.numel()} elements for {size} parameter "
+            f"elements: its data was replaced after construction (make a new "
+            f"OffloadedAdam for the changed model), or p.grad was set to a tensor of "
+            f"another shape", argument="params")
 
 
 def _disown(params, ref) -> None:
@@ -181,6 +222,11 @@ class OffloadedAdam:
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}", argument="host_arena")
+        if isinstance(params, torch.Tensor):
+            # list() would split it into rows, each refused as "not a leaf tensor"
+            raise OptimizerError("params must be an iterable of tensors (e.g. "
+                                 "model.parameters()), got a single tensor: pass [p]",
+                                 argument="params")
         params = list(params)
         for k, p in enumerate(params):
             _check_param(k, p)
@@ -201,6 +247,7 @@ class OffloadedAdam:
                     f"flushed by another open OffloadedAdam; close() that one first",
                     argument="params")
             _check_own_memory(i, p)
+        _check_disjoint(self.params)
         if int(chunk_elements) != chunk_elements or chunk_elements < 1:
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
@@ -287,6 +334,7 @@ class OffloadedAdam:
         if p.grad is None:
             return
         lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+        _check_grad(k, p, hi - lo)
         g = p.grad.reshape(-1)
         fresh = self._fresh[k]
         if not fresh:
@@ -358,11 +406,9 @@ class OffloadedAdam:
                     f"make a new OffloadedAdam for the changed model", argument="params")
             if not p.is_contiguous():
                 _check_own_memory(k, p)
-            if p.grad is not None and p.grad.numel() != size:
-                raise OptimizerError(
-                    f"parameter {k} has a gradient of {p.grad.numel()} elements for "
-                    f"{size} parameter elements; set p.grad to a tensor of the "
-                    f"parameter's shape", argument="params")
+            if p.grad is not None:
+                _check_grad(k, p, size)
+        _check_disjoint(self.params)     # their data may have been tied since
 
     def _runs(self, fresh):
         """Maximal runs ``(lo, hi, step)`` of consecutive parameters that have a
@@ -412,7 +458,11 @@ class OffloadedAdam:
         for k in pending:
             self._flush(k, self.params[k])
         if self._streams is not None:
-            self._streams[1].synchronize()        # every gradient is on the host
+            # every gradient is on the host (D2H), and the last step's uploads
+            # (H2D) no longer read the staging buffer the update writes: a flush
+            # orders D2H after them, but step(); step() has no flush in between
+            for stream in self._streams:
+                stream.synchronize()
         for k in list(self._partial):             # before the staging buffer is reused
             self._settle(k)
         for k in zeroed:
