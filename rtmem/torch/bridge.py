@@ -270,8 +270,11 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     works unchanged. With ``grads=True`` a ``kind="gradient"`` buffer (in
     ``grad_arena``, default ``arena``) becomes ``p.grad``, holding the gradient
     ``p`` had (zeros if none); autograd accumulates into it in place, so clear
-    gradients with ``zero_grad(set_to_none=False)`` to keep them there.
-    ``device_alias=True`` places weights in a mapped host arena viewed from the
+    gradients with ``zero_grad(set_to_none=False)`` to keep them there. Every
+    trainable parameter thus has a gradient: a torch optimizer steps one that no
+    backward reached (with a zero gradient: AdamW's decay and Adam's moments still
+    move it, where plain torch skips ``p.grad is None``); use ``grads=False`` to
+    keep that behaviour. ``device_alias=True`` places weights in a mapped host arena viewed from the
     GPU (the DHA layers of MemFerry). Gradients live where the parameter does
     (torch requires it): in a DeviceArena, or in a mapped HostArena viewed from the
     GPU when the parameter is a CUDA tensor, so each of MemFerry's modes can be
