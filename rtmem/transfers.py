@@ -223,12 +223,15 @@ def offload(buf: Buffer, *, arena=None):
     _check_buffer(buf, "offload")
     with buf._lock:
         buf._check_alive()    # freed, or its free waits for views
-        if buf._settle():
-            raise _state_error(buf, "offload", "a transfer is in flight",
-                               "call rtmem.transfers.wait(buf) or synchronize(buf) first")
+        # The copies it has before whether a move is in flight: a host-only buffer
+        # that a copy() is writing was told to synchronize, only to be refused then.
+        in_flight = buf._settle()
         if buf._device is None:
             raise _state_error(buf, "offload", "it has no device copy",
                                "it is already on the host")
+        if in_flight:
+            raise _state_error(buf, "offload", "a transfer is in flight",
+                               "call rtmem.transfers.wait(buf) or synchronize(buf) first")
         if buf._host is not None:
             raise _state_error(buf, "offload", "it already has a host copy",
                                "evict() to drop the device copy, or drop_host() first "
@@ -262,12 +265,9 @@ def _drop_copy(buf: Buffer, side: str, action: str) -> None:
     with buf._lock:
         buf._check_alive()    # freed, or its free waits for views
         in_flight = buf._settle()
-        if in_flight and (side == "host" or buf._pending.side == "device"):
-            # an offload may go on while its source is evicted (its block is
-            # freed stream-ordered); any other copy reads or writes what is dropped
-            raise _state_error(buf, action, "a prefetch into the device copy is in flight"
-                               if side == "device" else "a transfer is in flight",
-                               "synchronize(buf) first")
+        # The copies first: with one copy, synchronizing (what the in-flight
+        # refusal says to do) cannot help, and a copy() into a one-copy buffer
+        # was called "a prefetch".
         mine, theirs = buf.placement(side), buf.placement(other)
         if mine is None:
             raise _state_error(buf, action, f"it has no {side} copy", "nothing to do")
@@ -275,6 +275,12 @@ def _drop_copy(buf: Buffer, side: str, action: str) -> None:
             fix = ("offload(buf) first" if side == "device" else "prefetch(buf) first")
             raise _state_error(buf, action, f"the {side} copy is the only copy",
                                f"{fix}, or buf.free() to discard it")
+        if in_flight and (side == "host" or buf._pending.side == "device"):
+            # an offload may go on while its source is evicted (its block is
+            # freed stream-ordered); any other copy reads or writes what is dropped
+            raise _state_error(buf, action, "a prefetch into the device copy is in flight"
+                               if side == "device" else "a transfer is in flight",
+                               "synchronize(buf) first")
         if mine.pins:
             raise _state_error(buf, action, f"{mine.pins} pinned view(s) (numpy(pin=True), "
                                f"rtmem.torch.as_tensor) still use its {side} copy",
@@ -355,8 +361,20 @@ def synchronize(obj=None) -> None:
     if obj is not None:
         _check_event(obj, "synchronize")
         obj.synchronize()
+        _drop_completed()
         return
     get_engine().synchronize()
+
+
+def _drop_completed() -> None:
+    """Drop every engine's keepalives of completed copies (NOTE [ Keeping memory
+    alive during copies ]). Else only the next copy did: an arena dropped after
+    ``synchronize(buf)`` kept its slabs (GPU memory) while no copy followed."""
+    with _engines_lock:
+        engines = list(_engines.values())
+    for engine in engines:
+        with engine._lock:
+            engine._poll_locked()
 
 
 def _settle_after(buf: Buffer, wait_on) -> None:
@@ -368,4 +386,5 @@ def _settle_after(buf: Buffer, wait_on) -> None:
             wait_on(move.event)
         except BackendError:
             pass
+        _drop_completed()
     buf._settle()

@@ -148,6 +148,88 @@ def test_dropped_arenas_give_their_slabs_back(fake, backend):
     assert len(fake.calls_named("freeHost")) == 4 and len(fake.calls_named("free")) == 3
 
 
+def test_arenas_dropped_after_synchronizing_a_copy_give_their_slabs_back(fake, backend):
+    # The engine kept the slabs of a completed copy until the next copy polled
+    # it: arenas dropped after synchronize(buf) / synchronize(event) held their
+    # GPU and pinned memory meanwhile (a new arena of that size could not fit).
+    for by_event in (False, True):
+        d = DeviceArena(1 << 20, backend=backend)
+        h = HostArena(1 << 20, backend=backend)
+        b = d.alloc(4096)
+        event = T.offload(b, arena=h)
+        T.synchronize(event if by_event else b)
+        b.free()
+        del d, h, b, event
+        gc.collect()
+        assert fake.live == {}
+
+
+def test_empty_or_negative_slabs_are_refused_as_on_the_host_backend(fake, backend):
+    # The host backend refused them; cuda asked cudaMalloc for 0 bytes (a slab
+    # at the null pointer) or passed -1 on (an OverflowError inside CuPy).
+    from rtmem.backends import get_backend
+    for be in (get_backend("host"), backend):
+        for n in (0, -1):
+            with pytest.raises(ValueError, match="slab size must be > 0"):
+                be.device_slab(n)
+            for pinned in (True, False):
+                with pytest.raises(ValueError, match="slab size must be > 0"):
+                    be.host_slab(n, pinned=pinned)
+    assert not fake.calls_named("malloc") and not fake.calls_named("hostAlloc")
+
+
+def test_spans_outside_a_slab_are_refused_by_both_backends(fake, backend):
+    # The host backend sliced a bad span short (a negative size copied nearly the
+    # whole slab; a span past the end copied less, or failed later on the copy
+    # thread); cuda passed it to CUDA, and memset kept the low byte of 300.
+    from rtmem.backends import get_backend
+    for be in (get_backend("host"), backend):
+        d = DeviceArena(1 << 12, backend=be)
+        h = HostArena(1 << 12, backend=be)
+        ds, hs = d.slabs[0], h.slabs[0]
+        stream = be.new_stream("span")
+        for dst_off, src_off, n in ((0, 0, -5), (0, 4000, 100), (4000, 0, 100), (-1, 0, 1)):
+            with pytest.raises(ValueError, match="do not fit"):
+                be.copy_async(ds, dst_off, hs, src_off, n, stream)
+        for slab in (ds, hs):
+            with pytest.raises(ValueError, match="do not fit"):
+                be.fill(slab, 4090, 10, 1)
+            with pytest.raises(ValueError, match="do not fit"):
+                be.read(slab, 0, 5000)
+            with pytest.raises(ValueError, match="byte"):
+                be.fill(slab, 0, 10, 300)
+        stream.synchronize()                        # nothing bad was enqueued
+        hs.host_array[:] = 7
+        be.copy_async(ds, 4000, hs, 0, 96, stream)  # a span that fits, to the last byte
+        stream.synchronize()
+        assert (be.read(ds, 4000, 96) == 7).all()
+        d.close()
+        h.close()
+    assert not fake.calls_named("memsetAsync")
+
+
+def test_numpy_views_of_pinned_memory_outlive_arena_close(fake, backend):
+    # close() called cudaFreeHost under live numpy views (valid after close() on
+    # the host backend): reading one read freed pinned memory (a segfault).
+    for mapped in (False, True):
+        h = HostArena(1 << 16, mapped=mapped, backend=backend)
+        ptr = h.slabs[0].ptr
+        buf = h.alloc(shape=(16,), dtype=np.float32)
+        view = buf.numpy()[2:]
+        view[:] = 1.5
+        h.close()
+        assert ptr in fake.live                     # the view still holds it
+        assert (view == 1.5).all()
+        del view
+        gc.collect()
+        assert ptr not in fake.live                 # freed with the last view
+    h = HostArena(1 << 16, backend=backend)         # no view: freed by close() itself
+    h.alloc(64).numpy()[:] = 1
+    h.close()
+    assert fake.live == {}
+    assert len(fake.calls_named("freeHost")) == 3
+
+
 def test_out_of_memory_leaves_the_arena_unchanged(fake, backend):
     with pytest.raises(OutOfMemoryError, match="cudaMalloc") as exc:
         DeviceArena(128 << 20, backend=backend)

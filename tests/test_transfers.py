@@ -394,6 +394,65 @@ def test_a_closed_host_stream_refuses_work_instead_of_hanging():
     s.close()                                       # idempotent
 
 
+def test_a_record_refused_by_a_closed_stream_leaves_the_event_as_it_was():
+    # The event switched to the new recording before the stream refused it: it
+    # stayed pending forever, and its synchronize() hung.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    s = be.new_stream("closing")
+    ev = be.new_event().record(s)
+    ev.synchronize()
+    s.close()
+    with pytest.raises(BackendError, match="closed"):
+        ev.record(s)
+    assert ev.query() and ev.error is None
+    ev.synchronize()                                # the earlier recording: done
+    fresh = be.new_event()
+    with pytest.raises(BackendError, match="closed"):
+        fresh.record(s)
+    assert fresh.query()                            # still never recorded
+
+
+def test_moves_on_a_one_copy_buffer_being_copied_into_name_the_real_obstacle(arenas):
+    # A copy() into a buffer with one copy made evict / drop_host / offload say
+    # "in flight (a prefetch), synchronize first"; after that they were refused
+    # for having one copy all along.
+    d, h = arenas
+    eng = T.get_engine("host")
+    gates = [gate_stream(eng.h2d), gate_stream(eng.d2h)]
+    on_device, on_host = d.alloc(256), h.alloc(256)
+    T.copy(on_device, d.alloc(256))
+    T.copy(on_host, h.alloc(256))
+    try:
+        assert on_device.residency == on_host.residency == "in-flight"
+        with pytest.raises(ResidencyError, match="device copy is the only copy"):
+            T.evict(on_device)
+        with pytest.raises(ResidencyError, match="no host copy"):
+            T.drop_host(on_device)
+        with pytest.raises(ResidencyError, match="host copy is the only copy"):
+            T.drop_host(on_host)
+        with pytest.raises(ResidencyError, match="no device copy"):
+            T.offload(on_host)
+        with pytest.raises(ResidencyError, match="in flight"):
+            T.offload(on_device, arena=h)         # here the copy is what is in the way
+    finally:
+        for gate in gates:
+            gate.set()
+    T.synchronize()
+
+
+def test_host_streams_refuse_non_events_as_cuda_streams_do():
+    # An AttributeError ('NoneType' object has no attribute '_done') from deep
+    # inside, where a CUDA stream raises a TypeError saying what to pass.
+    be = get_backend("host")
+    for stream in (be.new_stream("w"), be.current_stream()):
+        for bad in (None, 3, "event"):
+            with pytest.raises(TypeError, match="cannot wait for a"):
+                stream.wait_event(bad)
+    with pytest.raises(TypeError, match="cannot wait for a"):
+        be.new_stream("w").wait_event(threading.Event())
+
+
 def test_views_of_a_copy_source_wait_for_the_copy(arenas):
     # The source of copy() is not in flight itself, but the copy still reads it:
     # refilling it through a view (a pinned staging buffer's next batch) must

@@ -74,6 +74,35 @@ class Slab:
                 f"{self.nbytes} B at 0x{self.ptr:x}>")
 
 
+def _slab_size(nbytes) -> int:
+    """``nbytes`` as the size of a new slab; a ValueError unless > 0. Checked by
+    both backends alike: cudaMalloc(0) succeeds with a null pointer, and a
+    negative size failed deep in CuPy (OverflowError) or not at all (fakes)."""
+    nbytes = int(nbytes)
+    if nbytes <= 0:
+        raise ValueError(f"slab size must be > 0 bytes, got {nbytes}")
+    return nbytes
+
+
+def _check_span(slab: Slab, offset, nbytes, what: str) -> None:
+    """A ValueError unless ``nbytes`` bytes at ``offset`` lie inside ``slab``.
+    Checked by both backends alike: the host one's slicing cut a bad span short
+    (a short copy, or nearly the whole slab for a negative size) and CUDA
+    touches whatever memory follows the slab."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > slab.nbytes:
+        raise ValueError(f"{what}: {nbytes} bytes at offset {offset} do not fit in "
+                         f"{slab!r}; pass a span inside the slab")
+
+
+def _check_byte(value) -> int:
+    """``value`` for ``fill``: an int 0..255 (CUDA's memset silently kept the low
+    byte of anything else, numpy raised OverflowError)."""
+    value = int(value)
+    if not 0 <= value <= 255:
+        raise ValueError(f"fill value must be a byte (0..255), got {value}")
+    return value
+
+
 class Backend(abc.ABC):
     """Interface of a memory backend. All sizes and offsets are in bytes.
 

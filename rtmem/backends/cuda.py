@@ -25,7 +25,7 @@ import weakref
 import numpy as np
 
 from ..errors import BackendError
-from . import Backend, Slab
+from . import Backend, Slab, _check_byte, _check_span, _slab_size
 
 __all__ = ["CudaBackend", "CudaEvent", "CudaStream", "PER_THREAD_STREAM", "import_cupy"]
 
@@ -201,7 +201,7 @@ class CudaBackend(Backend):
 
     def device_slab(self, nbytes: int) -> Slab:
         """``cudaMalloc`` of ``nbytes`` bytes (256-byte aligned by CUDA)."""
-        nbytes = int(nbytes)
+        nbytes = _slab_size(nbytes)     # as on the host backend
         try:
             ptr = int(self.runtime.malloc(nbytes))
         except self._cuda_error as exc:
@@ -212,7 +212,7 @@ class CudaBackend(Backend):
     def host_slab(self, nbytes: int, *, pinned: bool = True, mapped: bool = False) -> Slab:
         """``cudaHostAlloc`` (portable, plus mapped when asked) of exactly
         ``nbytes`` bytes: no power-of-two pool."""
-        nbytes = int(nbytes)
+        nbytes = _slab_size(nbytes)
         rt = self.runtime
         if not (pinned or mapped):
             # Pageable host memory: a page-aligned numpy slab, as on the host
@@ -235,10 +235,15 @@ class CudaBackend(Backend):
                     mapped=mapped, owner=owner)
 
     def release(self, slab: Slab) -> None:
-        """Free the slab's memory (the caller synchronized its users)."""
+        """Free the slab's memory (the caller synchronized its users). Host
+        memory goes once no numpy view of it remains, as on the host backend."""
         slab.host_array = None
         owner, slab.owner = slab.owner, None
-        if hasattr(owner, "free"):
+        # Not host memory at once: numpy views (buf.numpy()) hold the allocation
+        # through their ctypes base and stay valid after arena.close() on the host
+        # backend; cudaFreeHost under them made reading one a segfault. Dropping
+        # the last reference here frees it now when no view is left.
+        if slab.location == "device" and hasattr(owner, "free"):
             owner.free()
 
     def new_stream(self, name: str = "stream") -> CudaStream:
@@ -266,6 +271,8 @@ class CudaBackend(Backend):
         if dst.owner is None or src.owner is None:
             raise BackendError(f"copy between released slabs ({dst!r} <- {src!r}); "
                                f"a buffer was used after its arena was closed")
+        _check_span(dst, dst_offset, nbytes, "copy_async destination")
+        _check_span(src, src_offset, nbytes, "copy_async source")
         stream_ptr = 0 if stream is None else stream.ptr
         self.runtime.memcpyAsync(dst.ptr + dst_offset, src.ptr + src_offset, int(nbytes),
                                  self.runtime.memcpyDefault, stream_ptr)
@@ -273,6 +280,8 @@ class CudaBackend(Backend):
     def fill(self, slab: Slab, offset: int, nbytes: int, value: int) -> None:
         """Set bytes synchronously (``cudaMemsetAsync`` on the current stream,
         then a synchronize of it, for device memory)."""
+        _check_span(slab, offset, nbytes, "fill")
+        value = _check_byte(value)
         if slab.host_array is not None:
             slab.host_array[offset:offset + nbytes] = value
             return
@@ -285,6 +294,7 @@ class CudaBackend(Backend):
 
     def read(self, slab: Slab, offset: int, nbytes: int) -> np.ndarray:
         """A host copy of ``nbytes`` bytes (synchronous ``cudaMemcpy`` for device)."""
+        _check_span(slab, offset, nbytes, "read")
         if slab.host_array is not None:
             return slab.host_array[offset:offset + nbytes].copy()
         out = np.empty(nbytes, np.uint8)

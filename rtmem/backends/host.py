@@ -26,7 +26,7 @@ import weakref
 import numpy as np
 
 from ..errors import BackendError, OutOfMemoryError
-from . import Backend, Slab
+from . import Backend, Slab, _check_byte, _check_span, _slab_size
 
 __all__ = ["HostBackend", "HostEvent", "HostStream"]
 
@@ -43,6 +43,11 @@ def _page_aligned(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
 def _stream_failed(name, err) -> BackendError:
     return BackendError(f"work on host stream {name!r} failed: {err!r}; the data that "
                         f"work wrote is not valid")
+
+
+def _not_an_event(obj) -> TypeError:
+    return TypeError(f"cannot wait for a {type(obj).__name__} on a host stream; pass an "
+                     f"event of the host backend (backend.new_event())")
 
 
 def _complete(done, box, failure) -> None:
@@ -83,11 +88,15 @@ class HostEvent:
     def record(self, stream=None) -> "HostEvent":
         """Capture the work enqueued so far on ``stream`` (default: compute stream)."""
         done, box = threading.Event(), [None, getattr(stream, "name", "compute")]
-        self._done, self._box = done, box
         if stream is None or isinstance(stream, HostNullStream):
             done.set()              # the compute stream is synchronous
         else:
+            # Enqueued before the event is switched over: a refused record (a
+            # closed stream) must leave the event as it was, as cudaEventRecord
+            # does, not pending forever (synchronize() hung). The worker sets
+            # ``done`` itself, so it may run before the switch.
             stream._put(functools.partial(_complete, done, box, stream._failure))
+        self._done, self._box = done, box
         return self
 
     def query(self) -> bool:
@@ -122,6 +131,8 @@ class HostNullStream:
     def wait_event(self, event: HostEvent) -> None:
         """Block the caller until ``event`` completed (a synchronous stream waits
         by blocking)."""
+        if not callable(getattr(event, "synchronize", None)):
+            raise _not_an_event(event)      # a TypeError as on a CUDA stream
         event.synchronize()
 
     def synchronize(self) -> None:
@@ -194,6 +205,8 @@ class HostStream:
     def wait_event(self, event: HostEvent) -> None:
         """Make later work on this stream wait for ``event`` (does not block); a
         failure ``event`` reports is reported by this stream's next event too."""
+        if not isinstance(event, HostEvent):
+            raise _not_an_event(event)      # a TypeError as on a CUDA stream
         done, box = event._done, event._box
         if not done.is_set() or box[0] is not None:
             self._put(functools.partial(_wait_for, done, box))
@@ -251,9 +264,7 @@ class HostBackend(Backend):
         self._lock = threading.Lock()
 
     def _slab(self, nbytes, location, pinned, mapped):
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise ValueError(f"slab size must be > 0 bytes, got {nbytes}")
+        nbytes = _slab_size(nbytes)
         try:
             arr, base = _page_aligned(nbytes)
         except MemoryError as exc:
@@ -301,6 +312,8 @@ class HostBackend(Backend):
         if dst.host_array is None or src.host_array is None:
             raise BackendError(f"copy between released slabs ({dst!r} <- {src!r}); "
                                f"a buffer was used after its arena was closed")
+        _check_span(dst, dst_offset, nbytes, "copy_async destination")
+        _check_span(src, src_offset, nbytes, "copy_async source")
         d = dst.host_array[dst_offset:dst_offset + nbytes]
         s = src.host_array[src_offset:src_offset + nbytes]
         if stream is None or isinstance(stream, HostNullStream):
@@ -310,10 +323,12 @@ class HostBackend(Backend):
 
     def fill(self, slab: Slab, offset: int, nbytes: int, value: int) -> None:
         """Set ``nbytes`` bytes at ``offset`` to ``value`` now."""
-        slab.host_array[offset:offset + nbytes] = value
+        _check_span(slab, offset, nbytes, "fill")
+        slab.host_array[offset:offset + nbytes] = _check_byte(value)
 
     def read(self, slab: Slab, offset: int, nbytes: int) -> np.ndarray:
         """A copy of ``nbytes`` bytes at ``offset``."""
+        _check_span(slab, offset, nbytes, "read")
         return slab.host_array[offset:offset + nbytes].copy()
 
     def synchronize(self) -> None:
