@@ -39,6 +39,15 @@ def _byte_count(value, name: str) -> int:
     return int(value)
 
 
+def _request(nbytes, what: str = "allocate") -> int:
+    """A requested size: :func:`_byte_count`, and >= 0 (a ValueError naming
+    ``what``, e.g. ``"resize to"``)."""
+    nbytes = _byte_count(nbytes, "nbytes")
+    if nbytes < 0:
+        raise ValueError(f"cannot {what} a negative size ({nbytes} bytes)")
+    return nbytes
+
+
 def align_up(nbytes: int, alignment: int) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment`` (both in bytes)."""
     return -(-int(nbytes) // alignment) * alignment

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ._blocks import _request   # the core's check, before size arithmetic here
 from .allocator import align_up
 from .errors import OutOfMemoryError, TraceError, UseAfterFreeError
 from .units import format_bytes, parse_bytes
@@ -175,10 +176,13 @@ class LimitAdaptor(AllocatorAdaptor):
 
     def allocate(self, nbytes: int, stream=None):
         """Allocate ``nbytes`` bytes if the budget allows."""
-        size = align_up(max(int(nbytes), 1), self.upstream.alignment)
+        # Checked first: int() made "x" a bare ValueError, and a negative or
+        # bool request over the budget an OutOfMemoryError.
+        nbytes = _request(nbytes)
+        size = align_up(max(nbytes, 1), self.upstream.alignment)
         with self._lock:
             if self._used + size > self.budget_bytes:
-                self._refuse(int(nbytes), size)
+                self._refuse(nbytes, size)
             block = self.upstream.allocate(nbytes, stream)
             self._used += block.size
             self._sizes[block] = block.size
@@ -196,14 +200,15 @@ class LimitAdaptor(AllocatorAdaptor):
         """Resize within the budget. A resize that moves the block holds the old
         and the new block at once, so it must fit ``used + new size``; one that
         stays in place (upstream ``fits_in_place``) only the difference."""
-        size = align_up(max(int(nbytes), 1), self.upstream.alignment)
+        nbytes = _request(nbytes, "resize to")      # as in allocate
+        size = align_up(max(nbytes, 1), self.upstream.alignment)
         with self._lock:
             old = self._sizes.get(block, 0)
             fits_in_place = getattr(self.upstream, "fits_in_place", None)
             in_place = fits_in_place is not None and fits_in_place(block, nbytes)
             extra = size - old if in_place else size
             if self._used + extra > self.budget_bytes:
-                self._refuse(int(nbytes), extra)
+                self._refuse(nbytes, extra)
             new = self.upstream.resize(block, nbytes, stream)
             self._used += new.size - self._sizes.pop(block, 0)
             self._sizes[new] = new.size
@@ -298,7 +303,9 @@ class PoisonAdaptor(AllocatorAdaptor):
     def fits_in_place(self, block, nbytes: int) -> bool:
         """Whether :meth:`resize` keeps ``block`` in place: only a shrink here
         (growth always moves), whatever the allocator below could do."""
-        return nbytes <= block.size     # block.size is aligned: the block holds it
+        # A checked size ("7" <= block.size was a bare TypeError); block.size is
+        # aligned, so the block holds any request up to it.
+        return _request(nbytes, "resize to") <= block.size
 
     def resize(self, block, nbytes: int, stream=None):
         """Shrink in place, poisoning the freed tail; grow by moving to a new,
@@ -414,7 +421,13 @@ def load_trace(source) -> list[tuple]:
     record raises :class:`~rtmem.errors.TraceError` naming its line."""
     if isinstance(source, (str, os.PathLike)):
         with open(source, encoding="utf-8") as f:
-            return load_trace(f)
+            try:
+                return load_trace(f)
+            except UnicodeDecodeError as exc:
+                # a binary file is a malformed trace, not a codec traceback
+                raise TraceError(f"{os.fspath(source)!r} is not a text trace ({exc}); "
+                                 f"pass a JSON-lines file written by TracingAdaptor"
+                                 ) from None
     out = []
     for line, rec in enumerate(source, 1):
         if isinstance(rec, str):
@@ -422,8 +435,10 @@ def load_trace(source) -> list[tuple]:
                 continue
             try:
                 rec = json.loads(rec)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"trace line {line} is not JSON ({exc.msg}): "
+            except (json.JSONDecodeError, RecursionError) as exc:
+                # RecursionError: deeply nested brackets ([[[[...) escaped raw
+                raise TraceError(f"trace line {line} is not JSON "
+                                 f"({getattr(exc, 'msg', 'nested too deeply')}): "
                                  f"{rec.strip()[:80]!r}; a truncated file? Each line must "
                                  f"be one record written by TracingAdaptor",
                                  line=line) from None
@@ -436,12 +451,23 @@ def load_trace(source) -> list[tuple]:
         if op not in _TRACE_OPS:
             raise TraceError(f"trace record {line} has op {op!r}; expected one of "
                              f"{', '.join(_TRACE_OPS)} or oom", line=line)
-        bid, nbytes = rec.get("id"), rec.get("nbytes", 0)
-        if not isinstance(bid, int) or not isinstance(nbytes, int) or nbytes < 0:
+        # JSON true is a Python bool, an int: it was taken as id 1 or 1 byte (and
+        # the core refused it at replay with a bare TypeError). An alloc or resize
+        # with no nbytes is malformed too (it replayed as 0 bytes).
+        bid, nbytes, stream = rec.get("id"), rec.get("nbytes", 0 if op == "free" else None), \
+            rec.get("stream")
+        if not _is_int(bid) or not _is_int(nbytes) or nbytes < 0:
             raise TraceError(f"trace record {line} ({op}) needs an integer id and "
                              f"nbytes >= 0, got id={bid!r} nbytes={nbytes!r}", line=line)
-        out.append((op, bid, nbytes, rec.get("stream")))
+        if stream is not None and not _is_int(stream):
+            raise TraceError(f"trace record {line} ({op}) has stream {stream!r}; a stream "
+                             f"is an integer (its number in the trace) or null", line=line)
+        out.append((op, bid, nbytes, stream))
     return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -509,8 +535,20 @@ def replay(trace, allocator, *, measure_extent: bool = False,
 def _replay_loop(trace, live, alloc, dealloc, resize, ends, measure_extent):
     """The timed loop of :func:`replay`; returns (pairs, ooms, peak live bytes)."""
     pairs = ooms = cur = peak = 0
-    for op, bid, nbytes, stream in trace:
+    for k, rec in enumerate(trace, 1):
+        try:
+            op, bid, nbytes, stream = rec
+        except (TypeError, ValueError):
+            raise TraceError(f"trace record {k} is {repr(rec)[:80]}, not an (op, id, nbytes, "
+                             f"stream) tuple; read trace files and JSON records with "
+                             f"load_trace", line=k) from None
         if op == "alloc":
+            if bid in live:
+                # Overwriting the entry lost its block for good: never freed, even
+                # by free_leftovers, and counted twice in the live bytes.
+                raise TraceError(f"trace record {k} allocates id {bid!r}, which is still "
+                                 f"live (no free since its alloc); ids of live blocks "
+                                 f"must be unique", line=k)
             try:
                 block = alloc(nbytes, stream)
             except OutOfMemoryError:
@@ -533,7 +571,9 @@ def _replay_loop(trace, live, alloc, dealloc, resize, ends, measure_extent):
                 # drop the loop's own references too: a pool that reclaims a
                 # block when its last reference goes (CuPy's) must get it now
                 entry = block = None
-        elif op == "resize" and bid in live:
+        elif op == "resize":
+            if bid not in live:
+                continue
             block, old = live[bid]
             try:
                 block = resize(block, nbytes, stream)
@@ -545,4 +585,9 @@ def _replay_loop(trace, live, alloc, dealloc, resize, ends, measure_extent):
             peak = max(peak, cur)
             if measure_extent:
                 ends[block.slab] = max(ends.get(block.slab, 0), block.offset + block.size)
+        elif op != "oom":
+            # e.g. a dict record, which unpacked into its keys: a silent no-op
+            raise TraceError(f"trace record {k} has op {op!r}; expected one of "
+                             f"{', '.join(_TRACE_OPS)} (read trace files and JSON records "
+                             f"with load_trace)", line=k)
     return pairs, ooms, peak

@@ -56,7 +56,7 @@ from bisect import bisect_left, insort
 
 from ._blocks import (_ADDR_MASK, _DEAD, _LIVE, _MAX_SLAB_BYTES, _OFFSET_BITS, _PENDING,
                       _READY, _SIZE_SHIFT, _SLAB_BITS, DEFAULT_ALIGNMENT, AllocatorStats,
-                      Block, _byte_count, align_up)
+                      Block, _byte_count, _request, align_up)
 from ._stream_order import _MAINTAIN_EVERY, _StreamOrderedFrees
 from .errors import DoubleFreeError, InvalidPointerError, OutOfMemoryError
 from .units import format_bytes
@@ -104,6 +104,11 @@ class BestFitAllocator(_StreamOrderedFrees):
                              f"pass the slab size in bytes (e.g. 1 << 30)")
         self.alignment = alignment
         initial = align_up(initial_bytes, alignment)
+        for name, value in (("max_bytes", max_bytes), ("growth_bytes", growth_bytes)):
+            # align_up(-1) is 0: a negative size was taken as 0 (growth_bytes=-1
+            # silently meant exactly-sized slabs), or named as below initial_bytes.
+            if value is not None and _byte_count(value, name) < 0:
+                raise ValueError(f"{name} must be >= 0 bytes, got {value}")
         self.max_bytes = initial if max_bytes is None else \
             align_up(_byte_count(max_bytes, "max_bytes"), alignment)
         if self.max_bytes < initial:
@@ -238,7 +243,11 @@ class BestFitAllocator(_StreamOrderedFrees):
             # At most what max_bytes leaves: a last, smaller slab (max_bytes need
             # not be initial + k * growth), when it still holds the request.
             grow = min(max(self.growth_bytes, size), self.max_bytes - self._reserved)
-            if grow >= size and size < _MAX_SLAB_BYTES:   # no slab holds >= 1 TiB
+            # Out of slab ids is out of memory too (it raised a bare ValueError
+            # from _add_slab, which callers that catch OutOfMemoryError missed).
+            no_ids = grow >= size and not self._free_ids \
+                and self._next_slab >= (1 << _SLAB_BITS)
+            if grow >= size and size < _MAX_SLAB_BYTES and not no_ids:   # < 1 TiB slabs
                 try:
                     self._add_slab(grow)
                 except OutOfMemoryError as exc:   # the backend has no memory left
@@ -257,6 +266,8 @@ class BestFitAllocator(_StreamOrderedFrees):
                 f"{stats.describe()}; growth limit max_bytes={self.max_bytes:,} B. "
                 + ("No slab holds 1 TiB or more: split the allocation."
                    if size >= _MAX_SLAB_BYTES else
+                   f"All {1 << _SLAB_BITS} slab ids are in use: free buffers and "
+                   f"trim(), or grow by larger slabs (growth_bytes=)." if no_ids else
                    "Free buffers first, raise the arena size or max_bytes, or plan "
                    "with a smaller memory budget."), requested=nbytes, stats=stats)
         (self._remove_ready if block.state == _READY else self._remove_pending)(block)
@@ -272,10 +283,8 @@ class BestFitAllocator(_StreamOrderedFrees):
         :class:`~rtmem.errors.OutOfMemoryError` (with ``requested`` and ``stats``)
         leaving every allocation untouched.
         """
-        if nbytes.__class__ is not int:
-            nbytes = _byte_count(nbytes, "nbytes")
-        if nbytes < 0:
-            raise ValueError(f"cannot allocate a negative size ({nbytes} bytes)")
+        if nbytes.__class__ is not int or nbytes < 0:
+            nbytes = _request(nbytes)
         a = self.alignment
         size = (nbytes + a - 1) & -a if nbytes else a
         # acquire/release in try/finally: measurably cheaper than ``with`` here.
@@ -465,9 +474,7 @@ class BestFitAllocator(_StreamOrderedFrees):
         shared allocator allocates, copies and frees itself, in that order.
         Raises :class:`~rtmem.errors.OutOfMemoryError` with ``block`` still live.
         """
-        nbytes = _byte_count(nbytes, "nbytes")
-        if nbytes < 0:
-            raise ValueError(f"cannot resize to a negative size ({nbytes} bytes)")
+        nbytes = _request(nbytes, "resize to")
         size = align_up(max(nbytes, 1), self.alignment)
         with self._lock:
             self._check_owned_live(block)
@@ -504,7 +511,9 @@ class BestFitAllocator(_StreamOrderedFrees):
     def fits_in_place(self, block: Block, nbytes: int) -> bool:
         """True if :meth:`resize` of live ``block`` to ``nbytes`` bytes would keep
         it in place now (a shrink, or growth into a ready free neighbour)."""
-        size = align_up(max(int(nbytes), 1), self.alignment)
+        # Checked as resize checks it: int() took True, 2.5 and "7", and told a
+        # negative size it fits (resize refuses all of these).
+        size = align_up(max(_request(nbytes, "resize to"), 1), self.alignment)
         with self._lock:
             self._check_owned_live(block)
             return self._fits_in_place(block, size)

@@ -83,9 +83,13 @@ class ArenaStats:
 
 def _shape(shape) -> tuple:
     """``shape`` (an int or a sequence of ints >= 0) as a tuple of ints."""
-    dims = (shape,) if np.isscalar(shape) else shape
     try:
+        dims = (shape,) if np.isscalar(shape) else tuple(shape)
         out = tuple(operator.index(d) for d in dims)
+        # operator.index(True) is 1: a bool taken as a dimension (numpy refuses
+        # it, and so does alloc(True) for nbytes)
+        if any(isinstance(d, (bool, np.bool_)) for d in dims):
+            raise TypeError
     except TypeError:
         raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") \
             from None
@@ -99,7 +103,7 @@ def _plain_dtype(dtype, default) -> np.dtype:
     hold raw memory, so object (pointer) dtypes are refused."""
     try:
         dt = np.dtype(default if dtype is None else dtype)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:   # (np.int32, -1): numpy's bare ValueError
         raise TypeError(f"dtype {dtype!r} is not a numpy dtype ({exc})") from None
     if dt.hasobject:
         raise TypeError(f"dtype {dt} holds Python objects; arena buffers hold raw "
@@ -121,6 +125,21 @@ def is_arena(obj, location: str | None = None) -> bool:
     return isinstance(obj, _Arena) and (location is None or obj.location == location)
 
 
+def _misaligned(slab, align: int) -> bool:
+    return any(p is not None and p % align for p in (slab.ptr, slab.device_ptr))
+
+
+def _sub_slab(slab, shift: int, nbytes: int):
+    """The ``nbytes`` bytes of ``slab`` from ``shift`` on, as a slab of their own
+    (the same owner keeps the memory alive, and releasing either frees it)."""
+    from .backends import Slab
+    return Slab(slab.backend, nbytes, slab.ptr + shift, location=slab.location,
+                device_ptr=None if slab.device_ptr is None else slab.device_ptr + shift,
+                host_array=None if slab.host_array is None else
+                slab.host_array[shift:shift + nbytes],
+                pinned=slab.pinned, mapped=slab.mapped, owner=slab.owner)
+
+
 class _Arena:
     """Common machinery of device and host arenas (see the subclasses)."""
 
@@ -138,6 +157,12 @@ class _Arena:
         self._count_by_kind = dict.fromkeys(KINDS, 0)
         self._closed = False
         nbytes = parse_bytes(nbytes)
+        try:
+            adaptors = tuple(adaptors)
+        except TypeError:   # adaptors=StatisticsAdaptor was "'type' object is not iterable"
+            raise TypeError(f"adaptors must be a sequence of callables upstream -> "
+                            f"allocator, e.g. [StatisticsAdaptor], got {adaptors!r}") from None
+        self._slab_alignment = alignment    # add_slab's (the core validates it)
         self.core = BestFitAllocator(
             nbytes, alignment=alignment,
             max_bytes=None if max_bytes is None else parse_bytes(max_bytes),
@@ -149,6 +174,12 @@ class _Arena:
                                       check=self._check_block)
         for wrap in adaptors:
             allocator = wrap(allocator)
+            # checked now, not at the first alloc (an "int has no attribute" there)
+            if not all(callable(getattr(allocator, name, None))
+                       for name in ("allocate", "deallocate", "stats")):
+                raise TypeError(f"adaptor {wrap!r} returned {allocator!r}, not an allocator "
+                                f"(with allocate, deallocate and stats); pass callables "
+                                f"upstream -> allocator, e.g. StatisticsAdaptor")
         #: Top of the allocator stack (adaptors included); ``.upstream`` walks down.
         self.allocator = allocator
 
@@ -159,6 +190,22 @@ class _Arena:
     def add_slab(self, nbytes: int):
         """Slab-source hook of the allocator core: a new backend slab."""
         slab = self._new_slab(nbytes)
+        align = self._slab_alignment
+        if _misaligned(slab, align):
+            # Offsets are multiples of the alignment relative to the slab, and the
+            # backend aligns slabs less than an alignment may ask (host slabs to a
+            # page, cudaMalloc to 256 B): buffers came out misaligned. Take one
+            # alignment more and use the aligned part (those bytes are not in
+            # reserved_bytes).
+            self.backend.release(slab)
+            wide = self._new_slab(nbytes + align)
+            slab = _sub_slab(wide, (-wide.ptr) % align, nbytes)
+            if _misaligned(slab, align):    # a mapped alias aligned unlike its host side
+                self.backend.release(wide)
+                raise ValueError(f"alignment={align} B: the {self.backend.name} backend's "
+                                 f"device alias 0x{wide.device_ptr:x} of host memory "
+                                 f"0x{wide.ptr:x} is aligned differently; use an "
+                                 f"alignment <= 256 B")
         if self.debug:
             self.backend.fill(slab, 0, nbytes, PoisonAdaptor.POISON)
         with self._lock:
@@ -215,7 +262,11 @@ class _Arena:
         done, since the CPU may touch a new buffer at once). :data:`UNORDERED`
         asks for that on any arena.
         """
-        if kind not in _KINDS:
+        try:
+            known = kind in _KINDS
+        except TypeError:       # unhashable (a list): was a bare TypeError from `in`
+            known = False
+        if not known:
             raise bad_kind(kind)
         if shape is None and dtype is None and nbytes.__class__ is int and nbytes >= 0:
             # The common call, alloc(n): skip the parsing below.
@@ -233,6 +284,16 @@ class _Arena:
             shape = _shape(shape)
             dtype = _plain_dtype(dtype, np.float32)
             need = math.prod(shape) * dtype.itemsize     # Python ints: no overflow
+            if need == 0 or len(shape) > 32:
+                # Shapes numpy cannot hold (a dimension >= 2**63 beside a 0, more
+                # than 64 dimensions) passed as 0 or a few bytes, leaving a buffer
+                # every view of which raised numpy's ValueError. Probing a
+                # zero-element array checks them at no memory cost.
+                try:
+                    np.empty(shape if need == 0 else (0,) * len(shape), dtype)
+                except ValueError as exc:
+                    raise ValueError(f"numpy cannot view shape {shape} of {dtype} ({exc}); "
+                                     f"give a shape numpy arrays can have") from None
             if nbytes is None:
                 nbytes = need
             else:
@@ -426,7 +487,9 @@ class DeviceArena(_Arena):
     backend:
         ``"cuda"``, ``"host"``, a Backend, or None for :func:`~rtmem.backends.get_backend`.
     alignment:
-        Buffer alignment, bytes (power of two, default 256).
+        Buffer alignment, bytes (power of two, default 256). Beyond what the
+        backend aligns slabs to (cudaMalloc 256 B, host memory a page), each slab
+        takes one alignment more than ``reserved_bytes`` counts.
     max_bytes, growth_bytes:
         Growth by extra slabs up to ``max_bytes`` total (default: no growth).
     adaptors:

@@ -6,6 +6,7 @@ import io
 import json
 import random
 
+import numpy as np
 import pytest
 
 from rtmem.adaptors import (LimitAdaptor, PoisonAdaptor, Statistics, StatisticsAdaptor,
@@ -422,3 +423,75 @@ def test_a_limit_over_a_poison_adaptor_counts_a_growing_resize_as_a_move():
     assert core.stats().peak_bytes == 512 and limit.used_bytes == 512
     limit.resize(b, 256)                           # a shrink stays in place
     assert limit.used_bytes == 256
+
+
+def test_limit_and_poison_adaptors_check_the_size_before_using_it():
+    # int() turned "x" into a bare ValueError, and a negative or bool request
+    # over a full budget into an OutOfMemoryError
+    _, fill, check = _poisoned_memory(4096)
+    core = BestFitAllocator(4096)
+    poison = PoisonAdaptor(core, fill=fill, check=check)
+    limit = LimitAdaptor(poison, 512)
+    b = limit.allocate(512)
+    for bad, error in ((-1, ValueError), ("x", TypeError), (True, TypeError),
+                       (None, TypeError), (1.5, TypeError)):
+        with pytest.raises(error, match="nbytes|negative"):
+            limit.allocate(bad)
+        with pytest.raises(error, match="nbytes|negative"):
+            limit.resize(b, bad)
+        with pytest.raises(error, match="nbytes|negative"):
+            poison.fits_in_place(b, bad)
+    assert limit.used_bytes == 512 and core.stats().live_blocks == 1
+    assert limit.resize(b, np.int64(256)) is b and limit.used_bytes == 256
+
+
+def test_replay_refuses_an_id_allocated_twice_and_leaks_nothing():
+    # The second alloc overwrote the first block's entry: that block was never
+    # freed, even by free_leftovers, and counted twice in peak_live_bytes.
+    core = BestFitAllocator(4096)
+    trace = [("alloc", 1, 100, None), ("alloc", 1, 100, None), ("free", 1, 0, None)]
+    with pytest.raises(TraceError, match="id 1") as info:
+        replay(trace, core)
+    assert info.value.line == 2
+    assert core.stats().live_blocks == 0 and core.stats().alloc_count == 1
+    core._check_invariants()
+
+
+@pytest.mark.parametrize("trace, fragment", [
+    # a dict unpacked into its four keys: op "op", silently skipped
+    ([{"op": "alloc", "id": 0, "nbytes": 8, "stream": None}], "op 'op'"),
+    (['{"op":"alloc","id":0,"nbytes":8}'], "not an .op, id"),
+    ([("alloc", 0, 8)], "not an .op, id"),
+    ([("alloc", 0, 8, None), None], "not an .op, id"),
+])
+def test_replay_refuses_records_that_are_not_trace_tuples(trace, fragment):
+    core = BestFitAllocator(4096)
+    with pytest.raises(TraceError, match=fragment):
+        replay(trace, core)
+    assert core.stats().live_blocks == 0
+
+
+@pytest.mark.parametrize("lines, line, fragment", [
+    # JSON true is a Python int: taken as id 1 / 1 byte, then a bare TypeError
+    (['{"op":"alloc","id":true,"nbytes":8}'], 1, "integer id"),
+    (['{"op":"alloc","id":0,"nbytes":8}', '{"op":"resize","id":0,"nbytes":false}'], 2,
+     "nbytes >= 0"),
+    (['{"op":"alloc","id":0}'], 1, "nbytes >= 0"),          # was replayed as 0 bytes
+    (['{"op":"alloc","id":0,"nbytes":8,"stream":[1]}'], 1, "stream"),
+    (['{"op":"alloc","id":0,"nbytes":8,"stream":true}'], 1, "stream"),
+    (['[' * 100000 + ']' * 100000], 1, "not JSON"),         # was a RecursionError
+])
+def test_load_trace_refuses_bools_missing_sizes_odd_streams_and_deep_nesting(
+        lines, line, fragment):
+    with pytest.raises(TraceError, match=fragment) as info:
+        load_trace(io.StringIO("\n".join(lines) + "\n"))
+    assert info.value.line == line
+
+
+def test_load_trace_of_a_binary_file_is_a_trace_error(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b'\xff\xfe{"op":"alloc"}\n')
+    with pytest.raises(TraceError, match="not a text trace"):
+        load_trace(path)
+    path.write_text('{"op":"alloc","id":0,"nbytes":8,"stream":3}\n{"op":"free","id":0}\n')
+    assert load_trace(path) == [("alloc", 0, 8, 3), ("free", 0, 0, None)]

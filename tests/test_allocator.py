@@ -694,3 +694,41 @@ def test_fits_in_place_predicts_resize():
     z = a.allocate(1024)                    # takes the neighbour back
     assert not a.fits_in_place(x, 2048)
     assert a.resize(x, 2048) is not x and a.fits_in_place(z, 1024)
+
+
+def test_running_out_of_slab_ids_is_an_out_of_memory_error():
+    # Slab ids are 16 bits: the 65537th slab is refused as out of memory (with
+    # the stats and what to do), as every other growth limit is, not as a
+    # ValueError that code catching OutOfMemoryError misses.
+    a = BestFitAllocator(1, alignment=1, max_bytes=1 << 20, growth_bytes=1)
+    blocks = [a.allocate(1) for _ in range(1 << 16)]
+    before = a.stats()
+    with pytest.raises(OutOfMemoryError, match="slab ids") as info:
+        a.allocate(1)
+    assert info.value.requested == 1 and info.value.stats == before
+    assert a.stats() == before
+    a.deallocate(blocks.pop())
+    blocks.append(a.allocate(1))            # the freed byte is reused
+    a._check_invariants()
+
+
+def test_negative_growth_and_max_bytes_are_refused():
+    # align_up(-1) is 0: growth_bytes=-1 was taken as 0 (exactly-sized slabs)
+    with pytest.raises(ValueError, match="growth_bytes must be >= 0"):
+        BestFitAllocator(4096, growth_bytes=-1)
+    with pytest.raises(ValueError, match="max_bytes must be >= 0"):
+        BestFitAllocator(4096, max_bytes=-1)
+    assert BestFitAllocator(4096, growth_bytes=np.int64(0)).growth_bytes == 0
+
+
+def test_fits_in_place_checks_its_size_as_resize_does():
+    a = BestFitAllocator(4096)
+    b = a.allocate(100)
+    for bad, error in ((True, TypeError), ("7", TypeError), (None, TypeError),
+                       (2.5, TypeError), (-5, ValueError)):
+        with pytest.raises(error):
+            a.resize(b, bad)
+        with pytest.raises(error):          # int() took these, or said -5 fits
+            a.fits_in_place(b, bad)
+    assert a.fits_in_place(b, np.int64(256)) and not a.fits_in_place(b, 8192)
+    a._check_invariants()

@@ -518,3 +518,70 @@ def test_an_allocation_racing_close_is_refused_and_grows_nothing(monkeypatch):
     t.join(5)
     assert len(outcome) == 1 and isinstance(outcome[0], InvalidPointerError), outcome
     assert "is closed" in str(outcome[0]) and arena.slabs == ()
+
+
+def test_alloc_refuses_unhashable_kinds_bool_shapes_and_bad_dtype_tuples(dev):
+    before = dev.stats()
+    with pytest.raises(ValueError, match="kind must be one of"):
+        dev.alloc(10, kind=["weight"])          # was "unhashable type: 'list'"
+    for shape in (True, (True, 2), (2, np.True_)):  # bools, as alloc(True) for nbytes
+        with pytest.raises(TypeError, match="shape must be"):
+            dev.alloc(shape=shape, dtype=np.uint8)
+    with pytest.raises(TypeError, match="not a numpy dtype"):
+        dev.alloc(shape=(2,), dtype=(np.int32, -1))  # numpy's bare ValueError
+    assert dev.stats() == before
+    dev.alloc(10, kind=np.str_("weight")).free()
+
+
+@pytest.mark.parametrize("shape", [(0, 2 ** 62), (2 ** 63, 0), (1,) * 70])
+def test_shapes_numpy_cannot_view_are_refused_at_alloc(dev, shape):
+    # They passed as 0 or 4 bytes, and every view of the buffer raised numpy's error.
+    before = dev.stats()
+    with pytest.raises(ValueError, match="numpy cannot view shape"):
+        dev.alloc(shape=shape, dtype=np.float32)
+    assert dev.stats() == before
+    buf = dev.alloc(shape=(0, 2 ** 40), dtype=np.float32)
+    assert np.asarray(buf).shape == (0, 2 ** 40)
+    buf.free()
+
+
+def test_adaptors_must_be_callables_returning_allocators():
+    from rtmem.adaptors import StatisticsAdaptor
+    with pytest.raises(TypeError, match="sequence of callables"):
+        HostArena(4096, backend="host", adaptors=StatisticsAdaptor)   # not iterable
+    with pytest.raises(TypeError, match="not an allocator"):
+        HostArena(4096, backend="host", adaptors=[lambda up: None])
+    a = HostArena(4096, backend="host", adaptors=(StatisticsAdaptor,))
+    a.alloc(10).free()
+    assert a.allocator.statistics().total_count == 1
+
+
+def test_an_alignment_beyond_the_backends_is_honoured():
+    # Offsets are aligned relative to the slab: a slab at an address the backend
+    # aligned less than `alignment` gave buffers at misaligned addresses.
+    from rtmem.backends import Slab
+    from rtmem.backends.host import HostBackend
+
+    class Shifted(HostBackend):         # slabs 2 KiB past a page boundary
+        def device_slab(self, nbytes):
+            s = super().device_slab(nbytes + 2048)
+            return Slab(self, nbytes, s.ptr + 2048, location="device",
+                        device_ptr=s.ptr + 2048, host_array=s.host_array[2048:],
+                        owner=s.owner)
+    for align in (2048, 4096, 1 << 16):
+        arena = DeviceArena(1 << 16, backend=Shifted(), alignment=align,
+                            max_bytes=1 << 18, growth_bytes=1 << 16)
+        bufs = [arena.alloc(shape=(10000,), dtype=np.float32) for _ in range(2)]  # grows
+        assert len(arena.slabs) == 2
+        assert all((b.primary.slab.ptr + b.offset) % align == 0 for b in bufs)
+        assert all(b.numpy().ctypes.data % align == 0 for b in bufs)
+        data = [np.random.default_rng(i).standard_normal(10000, np.float32) for i in (1, 2)]
+        for b, d in zip(bufs, data):
+            b.numpy()[:] = d
+        for b, d in zip(bufs, data):
+            assert np.array_equal(b.to_numpy(), d)
+        assert arena.stats().reserved_bytes == 1 << 17
+        arena._check_invariants()
+        arena.close()
+    with HostArena(1 << 16, alignment=1 << 14) as host:    # beyond a page
+        assert all(host.alloc(100).numpy().ctypes.data % (1 << 14) == 0 for _ in range(4))

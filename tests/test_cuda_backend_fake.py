@@ -787,3 +787,18 @@ def test_wait_takes_torch_and_cupy_events(fake, backend):
     done.synchronize()
     with pytest.raises(TypeError, match="cannot wait for a"):
         compute.wait_event(TorchEvent("not a handle"))
+
+
+def test_an_alignment_beyond_cudamallocs_is_honoured(fake, backend):
+    # cudaMalloc aligns to 256 B; offsets are aligned relative to the slab, so an
+    # arena asking for more widens its slab by one alignment and uses the aligned
+    # part (freed as one allocation)
+    for arena in (DeviceArena(1 << 16, backend=backend, alignment=1 << 13),
+                  HostArena(1 << 16, backend=backend, alignment=1 << 13, mapped=True)):
+        bufs = [arena.alloc(1000) for _ in range(3)]
+        slab = arena.slabs[0]
+        assert all((slab.ptr + b.offset) % (1 << 13) == 0 for b in bufs)
+        assert all(b.__cuda_array_interface__["data"][0] % (1 << 13) == 0 for b in bufs)
+        arena.close()
+    gc.collect()
+    assert fake.live == {}
