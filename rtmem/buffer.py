@@ -465,9 +465,13 @@ class Buffer:
 
     def to_numpy(self) -> np.ndarray:
         """A host copy of the data (synchronous), whatever the residency."""
-        p = self._view_placement(None)
-        self._wait_if_in_flight(p, host=True)
-        raw = p.arena.backend.read(p.slab, p.offset, self._view_nbytes())
+        # Under the lock, as _export: a move on another thread (evict, drop_host)
+        # could free the placement between choosing it and reading it, and a new
+        # buffer take the block: the copy had another buffer's bytes.
+        with self._lock:
+            p = self._view_placement(None)
+            self._wait_if_in_flight(p, host=True)
+            raw = p.arena.backend.read(p.slab, p.offset, self._view_nbytes())
         return self._typed(raw)
 
     def cupy(self, where: str | None = None):

@@ -814,3 +814,34 @@ def test_buffer_shape_dtype_and_kind_are_read_only(arenas):
             setattr(b, name, value)
     b.free()
     assert d.stats().bytes_by_kind["activation"] == 0
+
+
+def test_to_numpy_reads_under_the_buffer_lock_so_no_move_frees_what_it_reads(
+        arenas, monkeypatch):
+    # to_numpy chose the placement, then read it without the lock: an evict or
+    # drop_host on another thread could free the block in between and a new
+    # buffer take it, so the copy returned another buffer's bytes
+    d, h = arenas
+    buf = d.alloc(shape=(256,), dtype=np.float32)
+    buf.numpy()[:] = np.random.default_rng(3).standard_normal(256, np.float32)
+    T.synchronize(T.offload(buf, arena=h))
+    backend = d.backend
+    read, seen = backend.read, []
+
+    def try_the_lock():
+        seen.append(buf._lock.acquire(blocking=False))
+        if seen[-1]:
+            buf._lock.release()
+
+    def read_while_a_move_tries_the_lock(*args):
+        other = threading.Thread(target=try_the_lock)
+        other.start()
+        other.join()
+        return read(*args)
+
+    monkeypatch.setattr(backend, "read", read_while_a_move_tries_the_lock)
+    out = buf.to_numpy()
+    monkeypatch.undo()
+    assert seen == [False]           # a move on another thread would have waited
+    assert np.array_equal(out, buf.numpy("host"))
+    buf.free()
