@@ -351,6 +351,7 @@ class TracingAdaptor(AllocatorAdaptor):
         self._next_id = 0
         self._streams = {}
         self._t0 = time.perf_counter()
+        self._closed = False
 
     def _stream_id(self, stream):
         if stream is None:
@@ -361,6 +362,8 @@ class TracingAdaptor(AllocatorAdaptor):
         return self._streams[key][0]
 
     def _write(self, **rec):
+        if self._closed:    # the recording ended; the allocator goes on
+            return
         rec["t"] = round(time.perf_counter() - self._t0, 9)
         self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
@@ -405,8 +408,13 @@ class TracingAdaptor(AllocatorAdaptor):
         return new
 
     def close(self) -> None:
-        """Flush, and close the file if the adaptor opened it."""
+        """End the recording: flush, and close the file if the adaptor opened it.
+        Later calls go to the upstream unrecorded (they failed with "I/O operation
+        on closed file", frees included, which left every buffer unfreeable)."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self._file.flush()
             if self._own:
                 self._file.close()
@@ -419,6 +427,9 @@ def load_trace(source) -> list[tuple]:
     """Read a JSON-lines trace (path, text file, or iterable of dicts/lines) into
     ``(op, id, nbytes, stream)`` tuples; ``oom`` records are skipped. A malformed
     record raises :class:`~rtmem.errors.TraceError` naming its line."""
+    if source is None or isinstance(source, (bytes, int, float)):
+        raise TypeError(f"load_trace reads a path, a text file or an iterable of "
+                        f"records, got {source!r}")
     if isinstance(source, (str, os.PathLike)):
         with open(source, encoding="utf-8") as f:
             try:

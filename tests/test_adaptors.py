@@ -495,3 +495,20 @@ def test_load_trace_of_a_binary_file_is_a_trace_error(tmp_path):
         load_trace(path)
     path.write_text('{"op":"alloc","id":0,"nbytes":8,"stream":3}\n{"op":"free","id":0}\n')
     assert load_trace(path) == [("alloc", 0, 8, 3), ("free", 0, 0, None)]
+
+
+def test_tracing_ends_at_close_and_the_allocator_goes_on(tmp_path):
+    # after close() every alloc was undone and every free refused with "I/O
+    # operation on closed file": no buffer could be freed any more
+    path = tmp_path / "t.jsonl"
+    arena = DeviceArena(1 << 16, adaptors=[lambda up: TracingAdaptor(up, path)])
+    before = arena.alloc(100)
+    arena.allocator.close()
+    arena.allocator.close()                  # idempotent
+    after = arena.alloc(200)
+    before.free()
+    after.free()
+    assert arena.stats().allocated_bytes == 0
+    assert [op for op, *_ in load_trace(path)] == ["alloc"]
+    with pytest.raises(TypeError, match="load_trace reads a path"):
+        load_trace(None)
