@@ -125,6 +125,13 @@ def is_arena(obj, location: str | None = None) -> bool:
     return isinstance(obj, _Arena) and (location is None or obj.location == location)
 
 
+def _check_flag(name: str, flag) -> bool:
+    """``flag`` as a bool; a TypeError unless it is one (debug="no" meant True)."""
+    if not isinstance(flag, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {flag!r}")
+    return bool(flag)
+
+
 def _misaligned(slab, align: int) -> bool:
     return any(p is not None and p % align for p in (slab.ptr, slab.device_ptr))
 
@@ -148,7 +155,7 @@ class _Arena:
     def __init__(self, nbytes, *, backend=None, alignment: int = DEFAULT_ALIGNMENT,
                  max_bytes=None, growth_bytes=None, adaptors=(), debug: bool = False):
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
-        self.debug = bool(debug)
+        self.debug = _check_flag("debug", debug)
         self._lock = threading.Lock()
         self._acct_lock = threading.Lock()     # NOTE [ Arena accounting ]
         self._slabs = []
@@ -534,9 +541,8 @@ class HostArena(_Arena):
     location = "host"
 
     def __init__(self, nbytes, *, pinned: bool = True, mapped: bool = False, **kwargs):
-        for name, flag in (("pinned", pinned), ("mapped", mapped)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        _check_flag("pinned", pinned)
+        _check_flag("mapped", mapped)
         self.pinned = bool(pinned or mapped)
         self.mapped = bool(mapped)
         super().__init__(nbytes, **kwargs)

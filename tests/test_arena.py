@@ -585,3 +585,11 @@ def test_an_alignment_beyond_the_backends_is_honoured():
         arena.close()
     with HostArena(1 << 16, alignment=1 << 14) as host:    # beyond a page
         assert all(host.alloc(100).numpy().ctypes.data % (1 << 14) == 0 for _ in range(4))
+
+
+@pytest.mark.parametrize("cls", [DeviceArena, HostArena])
+def test_debug_must_be_a_bool_as_pinned_and_mapped_are(cls):
+    # bool("no") is True: a debug arena (poisoning, slow) was made silently
+    with pytest.raises(TypeError, match="debug must be True or False, got 'no'"):
+        cls(4096, debug="no")
+    assert cls(4096, debug=np.bool_(True)).debug is True
