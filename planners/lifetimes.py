@@ -89,7 +89,8 @@ def lifetimes(chain: Chain, schedule: Schedule) -> Lifetimes:
     """Derive buffer lifetimes from ``schedule`` run on ``chain`` (sizes in bytes).
 
     The schedule should be valid (check it with :func:`~rtmem.planners.simulate`);
-    a move of data that is not resident raises :class:`~rtmem.errors.ScheduleError`.
+    a move of data that is not resident, or a prefetch of data that is, raises
+    :class:`~rtmem.errors.ScheduleError`.
     Zero-byte buffers are omitted. Stage and activation indices out of range
     for ``chain`` raise :class:`~rtmem.errors.ScheduleError` (an IndexError
     before).
@@ -117,6 +118,15 @@ def lifetimes(chain: Chain, schedule: Schedule) -> Lifetimes:
     def end(idx, j):
         if idx >= 0:
             free[idx] = j
+
+    def put(table, key, j, what, nbytes, k, name):
+        # A prefetch of data already resident replaced its record, which then
+        # stayed live to the end: two copies of one buffer, laid out apart.
+        if key in table:
+            raise ScheduleError(f"op {j} ({schedule.op_text(j)}): {what} is already "
+                                f"resident; validate the schedule with simulate() first",
+                                op_index=j, reason="already-resident")
+        table[key] = new(j, nbytes, k, name)
 
     def take(table, key, j, what):
         if key not in table:
@@ -160,12 +170,12 @@ def lifetimes(chain: Chain, schedule: Schedule) -> Lifetimes:
         elif op == Op.DELETE:
             end(take(act, (s, aux), j, f"{'abar' if aux else 'a'}{s}"), j)
         elif op == Op.PREFETCH:
-            act[(s, aux)] = new(j, abar[s] if aux else a[s], _ACT,
-                                f"{'abar' if aux else 'a'}{s}")
+            name = f"{'abar' if aux else 'a'}{s}"
+            put(act, (s, aux), j, name, abar[s] if aux else a[s], _ACT, name)
         elif op in (Op.W_OFFLOAD, Op.W_DELETE):
             end(take(weights, s, j, f"weights of stage {s}"), j)
         elif op == Op.W_PREFETCH:
-            weights[s] = new(j, w[s], _WEIGHT, f"w{s}")
+            put(weights, s, j, f"weights of stage {s}", w[s], _WEIGHT, f"w{s}")
         elif op == Op.G_OFFLOAD:
             end(take(grads, s, j, f"weight gradient of stage {s}"), j)
         # OFFLOAD leaves the device copy in place: no lifetime change.

@@ -42,8 +42,11 @@ def _numba_info() -> dict:
         # The DHA kernels compile through NVVM (libnvvm + libdevice, from the CUDA
         # toolkit or the nvidia-nvvm wheel); the driver alone is not enough.
         from numba.cuda.cudadrv import nvvm
-        info["numba_cuda_nvvm"] = bool(nvvm.is_available())
-    except Exception:   # simulator or no numba.cuda: no NVVM to report
+        # The simulator's nvvm stub says "not available": the report then told
+        # to set CUDA_HOME, which the simulator never reads.
+        info["numba_cuda_nvvm"] = None if info["numba_cuda_simulator"] else \
+            bool(nvvm.is_available())
+    except Exception:   # no numba.cuda: no NVVM to report
         info["numba_cuda_nvvm"] = None
     if info["numba_cuda_nvvm"] is False:
         try:            # is_available() hides why: loading it again says

@@ -58,12 +58,41 @@ class Layout:
 def _peak_live(alloc, free, sizes) -> int:
     if not len(sizes):
         return 0
-    lo = int(alloc.min())
-    span = int(free.max()) - lo + 2
-    delta = np.zeros(span + 1, np.int64)
-    np.add.at(delta, alloc - lo, sizes)
-    np.add.at(delta, free - lo + 1, -sizes)
-    return int(np.cumsum(delta).max())
+    # A sweep over the sorted events, not an array over the whole op-index span:
+    # that one took 8 bytes per index, so lifetimes [0, 0] and [10**9, 10**9]
+    # allocated 8 GB (and indices near 2**62 raised "array is too big").
+    # Inclusive lifetimes: at one index the allocations come before the frees.
+    where = np.concatenate([alloc, free])
+    is_free = np.repeat([0, 1], len(sizes))
+    delta = np.concatenate([sizes, -sizes])
+    return int(np.cumsum(delta[np.lexsort((is_free, where))]).max())
+
+
+def _ints(values, what: str, *, ceil: bool = False) -> np.ndarray:
+    """``values`` as int64 (fractions rounded up with ``ceil``), or a ValueError
+    naming ``what``. numpy raised bare OverflowError / TypeError from deep
+    inside for 2**64 or None, wrapped 2**63 and 1e30 to negative numbers, and
+    truncated an op index of 0.5 to 0."""
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "biufO":
+        raise ValueError(f"{what} must be integers, got an array of {arr.dtype}")
+    if arr.dtype.kind == "f":
+        if not np.isfinite(arr).all():
+            raise ValueError(f"{what} must be finite numbers")
+        if ceil:
+            arr = np.ceil(arr)
+        elif (arr != np.floor(arr)).any():
+            raise ValueError(f"{what} must be whole numbers, got {arr[arr != np.floor(arr)][0]}")
+    try:
+        if arr.size and (arr.dtype.kind == "u" and int(arr.max()) >= 1 << 63 or
+                         arr.dtype.kind == "f" and (arr.max() >= 2.0 ** 63 or
+                                                    arr.min() < -(2.0 ** 63))):
+            raise OverflowError
+        return np.asarray(arr, np.int64) if arr.dtype.kind != "O" else \
+            np.array([int(v) for v in arr.ravel().tolist()], np.int64).reshape(arr.shape)
+    except (OverflowError, TypeError, ValueError):
+        raise ValueError(f"{what} must be integers in [-2**63, 2**63), got "
+                         f"{np.asarray(values).ravel()[:4].tolist()}") from None
 
 
 def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> Layout:
@@ -72,16 +101,11 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
     ``alloc``/``free``: inclusive op-index intervals (ints, ``free >= alloc``);
     ``nbytes``: sizes in bytes (each rounded up to ``alignment``, bytes).
     """
-    alloc = np.asarray(alloc, np.int64)
-    free = np.asarray(free, np.int64)
-    raw = np.asarray(nbytes)
-    if raw.dtype.kind == "f":
-        # Fractional sizes (e.g. from a Chain's scaled profile) round up, as the
-        # docstring says: truncating gave a 256.5-byte buffer 256 bytes.
-        if not np.isfinite(raw).all():
-            raise ValueError("buffer sizes must be finite numbers of bytes")
-        raw = np.ceil(raw)
-    nbytes = raw.astype(np.int64)
+    alloc = _ints(alloc, "alloc op indices")
+    free = _ints(free, "free op indices")
+    # Fractional sizes (e.g. from a Chain's scaled profile) round up, as the
+    # docstring says: truncating gave a 256.5-byte buffer 256 bytes.
+    nbytes = _ints(nbytes, "buffer sizes (bytes)", ceil=True)
     if not (alloc.shape == free.shape == nbytes.shape) or alloc.ndim != 1:
         raise ValueError(f"alloc, free and nbytes must be 1-D of one length, got "
                          f"shapes {alloc.shape}, {free.shape}, {nbytes.shape}")
@@ -91,9 +115,13 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
                          f"(op {alloc[i]}); lifetimes are inclusive [alloc, free]")
     if (nbytes < 0).any():
         raise ValueError("buffer sizes must be >= 0 bytes")
-    if isinstance(alignment, bool) or int(alignment) != alignment or alignment < 1 \
-            or alignment & (alignment - 1):
+    try:    # 256.0 passed the checks and then raised a bare TypeError at "&"
+        whole = not isinstance(alignment, bool) and int(alignment) == alignment
+    except (TypeError, ValueError, OverflowError):
+        whole = False
+    if not whole or alignment < 1 or int(alignment) & (int(alignment) - 1):
         raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment!r}")
+    alignment = int(alignment)
     # Python ints: the sum of every aligned size bounds any offset + size, and
     # int64 arithmetic below must not wrap (2 x 2**62 gave a reserve of 2**62).
     aligned = [align_up(max(b, 1), alignment) for b in nbytes.tolist()]
@@ -129,10 +157,10 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
 def verify_layout(offsets, sizes, alloc, free) -> None:
     """Raise :class:`~rtmem.errors.LayoutError` naming the first two buffers that
     are live at the same time (inclusive op intervals) and overlap in bytes."""
-    offsets = np.asarray(offsets, np.int64)
-    sizes = np.asarray(sizes, np.int64)
-    alloc = np.asarray(alloc, np.int64)
-    free = np.asarray(free, np.int64)
+    offsets = _ints(offsets, "offsets")
+    sizes = _ints(sizes, "sizes")
+    alloc = _ints(alloc, "alloc op indices")
+    free = _ints(free, "free op indices")
     # Broadcasting would check mismatched arrays, and a negative size hides an
     # overlap: refuse both rather than pass a layout that was never checked.
     if not (offsets.shape == sizes.shape == alloc.shape == free.shape) or offsets.ndim != 1:
@@ -141,6 +169,11 @@ def verify_layout(offsets, sizes, alloc, free) -> None:
                          f"{free.shape}")
     if (sizes < 0).any():
         raise ValueError(f"buffer {int(np.flatnonzero(sizes < 0)[0])} has a negative size")
+    if (free < alloc).any():
+        # such a buffer is live at no op, so its overlaps went unchecked
+        i = int(np.flatnonzero(free < alloc)[0])
+        raise ValueError(f"buffer {i} is freed (op {free[i]}) before it is allocated "
+                         f"(op {alloc[i]}); lifetimes are inclusive [alloc, free]")
     if len(sizes) and int(offsets.max()) + int(sizes.max()) >= 1 << 63:
         raise ValueError("a buffer ends beyond 2**63 bytes")
     if (offsets < 0).any():

@@ -9,6 +9,7 @@ bytes (or bytes/s, or seconds). Leaf module: imports nothing from rtmem but erro
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from rtmem.errors import UnitError
@@ -24,6 +25,7 @@ _PREFIX = {
 _NUMBER = r"([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 _SIZE_RE = re.compile(r"^\s*" + _NUMBER + r"\s*([kKMGTP]i?)?\s*(B|bytes?)?\s*$")
 _BW_RE = re.compile(r"^\s*" + _NUMBER + r"\s*([kKMGTP]i?)?\s*(B/s|Bps|bytes?/s)?\s*$")
+_INTEGER_RE = re.compile(r"^[+-]?[0-9]+$")
 _TIME_RE = re.compile(r"^\s*" + _NUMBER + r"\s*(s|ms|us|µs|ns|min|h)?\s*$")
 _TIME_UNIT = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9,
               "min": 60.0, "h": 3600.0}
@@ -35,6 +37,10 @@ def _number(value, what):
         raise UnitError(f"{what} must be a number or a string like '12GiB', got {value!r}")
     try:
         return float(value)
+    except OverflowError:
+        # An int beyond float's range (10**400) raised a bare OverflowError: it
+        # is a finite number too large for a float, so it reads as infinite.
+        return math.inf if value > 0 else -math.inf
     except (TypeError, ValueError):
         raise UnitError(f"{what} must be a number or a string like '12GiB', got "
                         f"{value!r}") from None
@@ -53,12 +59,27 @@ def parse_bytes(value, *, round_down: bool = False) -> int:
         if m is None or (m.group(2) and m.group(2) not in _PREFIX):
             raise UnitError(
                 f"cannot read {value!r} as a size; write it like '4096', '512 MiB' or '12GiB'")
-        nbytes = float(m.group(1)) * _PREFIX[m.group(2) or ""]
+        number, scale = m.group(1), _PREFIX[m.group(2) or ""]
+        if _INTEGER_RE.match(number) and len(number) <= 40:
+            # exact: through a float, "9007199254740993" became ...992 bytes
+            # (longer digit strings go on through float: beyond any memory size)
+            return _exact_bytes(int(number) * scale, value)
+        nbytes = float(number) * scale
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        # exact, as above: parse_bytes(2**53 + 1) gave 2**53 (and 10**400 an
+        # OverflowError instead of a UnitError)
+        return _exact_bytes(int(value), value)
     else:
         nbytes = _number(value, "a size")
     if not math.isfinite(nbytes) or nbytes < 0:
         raise UnitError(f"a size must be finite and >= 0 bytes, got {value!r}")
     return int(math.floor(nbytes) if round_down else math.ceil(nbytes))
+
+
+def _exact_bytes(nbytes: int, value) -> int:
+    if nbytes < 0:
+        raise UnitError(f"a size must be finite and >= 0 bytes, got {value!r}")
+    return nbytes
 
 
 def parse_bandwidth(value) -> float:
@@ -94,19 +115,20 @@ def parse_seconds(value) -> float:
         secs = _number(value, "a duration")
     if not math.isfinite(secs) or secs < 0:
         raise UnitError(f"a duration must be finite and >= 0 seconds, got {value!r}")
-    return secs
+    return secs + 0.0           # "-0" is 0.0, not -0.0 (printed "-0.0 ns")
 
 
 def format_bytes(nbytes, binary: bool = True) -> str:
     """Format a byte count, e.g. ``12884901888 -> '12.00 GiB'``."""
     nbytes = float(nbytes)
-    if math.isinf(nbytes):
-        return "inf"
+    if not math.isfinite(nbytes):
+        return str(nbytes)      # "inf", "-inf", "nan" (-inf said "inf", nan "nan PiB")
     base, units = (1024.0, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]) if binary else \
         (1000.0, ["B", "kB", "MB", "GB", "TB", "PB"])
     value, unit = nbytes, units[0]
     for unit in units:
-        if abs(value) < base or unit == units[-1]:
+        # compare what is printed: 1048575 B is 1023.999 KiB, printed "1024.00 KiB"
+        if abs(round(value, 2)) < base or unit == units[-1]:
             break
         value /= base
     return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
@@ -114,18 +136,19 @@ def format_bytes(nbytes, binary: bool = True) -> str:
 
 def format_bandwidth(bytes_per_s) -> str:
     """Format a bandwidth in decimal units, e.g. ``12e9 -> '12.00 GB/s'``."""
-    if math.isinf(bytes_per_s):
-        return "inf"
-    return format_bytes(bytes_per_s, binary=False).replace(" B", " B/s", 1) \
-        if bytes_per_s < 1000 else format_bytes(bytes_per_s, binary=False) + "/s"
+    text = format_bytes(bytes_per_s, binary=False)
+    # "inf", "-inf" and "nan" have no unit; the rest ends in B (below 1000 B/s
+    # too, where a rounded 999.999 now reads "1.00 kB")
+    return text if not math.isfinite(float(bytes_per_s)) else text + "/s"
 
 
 def format_seconds(secs) -> str:
     """Format a duration with a unit that keeps 3-4 significant digits."""
-    secs = float(secs)
-    if math.isinf(secs):
-        return "inf"
+    secs = float(secs) + 0.0    # -0.0 printed "-0.0 ns"
+    if not math.isfinite(secs):
+        return str(secs)        # "inf", "-inf", "nan" (-inf said "inf", nan "nan ns")
     for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
-        if abs(secs) >= scale:
+        # compare what is printed: 0.9999999 s was "1000.000 ms"
+        if abs(round(secs / scale, 3)) >= 1:
             return f"{secs / scale:.3f} {unit}"
     return f"{secs * 1e9:.1f} ns"

@@ -311,3 +311,24 @@ def test_numba_emm_plugin_in_subprocess():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=90)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_doctor_gives_no_nvvm_advice_under_the_cuda_simulator(monkeypatch):
+    # The simulator's nvvm stub is "not available": the doctor printed
+    # "! NvvmSupportError: NVVM not supported in the simulator (set CUDA_HOME to a
+    # CUDA toolkit ...)", advice the simulator never reads.
+    import numba
+    from numba.cuda.cudadrv import nvvm
+
+    from rtmem import doctor
+
+    def stub():
+        raise RuntimeError("NVVM not supported in the simulator")
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    monkeypatch.setattr(numba.config, "ENABLE_CUDASIM", True, raising=False)
+    monkeypatch.setattr(nvvm, "is_available", lambda: False)
+    monkeypatch.setattr(nvvm, "NVVM", stub)
+    report = doctor.collect()
+    assert report["numba_cuda_nvvm"] is None and "numba_cuda_nvvm_error" not in report
+    text = "\n".join(doctor._lines(report))
+    assert "CUDA_HOME" not in text and "CUDA simulator" in text

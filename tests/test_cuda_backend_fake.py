@@ -802,3 +802,121 @@ def test_an_alignment_beyond_cudamallocs_is_honoured(fake, backend):
         arena.close()
     gc.collect()
     assert fake.live == {}
+
+
+# ------------------------------------------------ integrations: hunt fixes
+def test_integrations_refuse_a_closed_arena_and_bad_sizes(fake, backend):
+    # A closed arena was installed as CuPy's allocator (every allocation then
+    # failed); allocator(-1) handed out a byte and allocator(10.5) 10 bytes.
+    from rtmem.errors import InvalidPointerError, UnitError
+    from rtmem.integrations import cupy as rtcupy
+    cp = fake.modules["cupy"]
+    default = cp.cuda.get_allocator()
+    closed = DeviceArena(1 << 16, backend=backend)
+    closed.close()
+    for hook in (rtcupy.allocator_for, rtcupy.install):
+        with pytest.raises(InvalidPointerError, match="closed"):
+            hook(closed)
+    with pytest.raises(InvalidPointerError, match="closed"):
+        with rtcupy.using(closed):
+            pass
+    assert cp.cuda.get_allocator() is default
+    d = DeviceArena(1 << 16, backend=backend)
+    alloc = rtcupy.allocator_for(d)
+    for bad in (-1, None, True):
+        with pytest.raises(UnitError):
+            alloc(bad)
+    assert d.stats().count_by_kind["workspace"] == 0
+    mp = alloc(10.5)
+    assert mp.mem.size == 11
+    del mp
+    gc.collect()
+    assert d.stats().count_by_kind["workspace"] == 0
+
+
+def test_cupy_allocator_runs_out_of_memory_as_cupy_does(fake, backend, monkeypatch):
+    # CuPy's callers catch cupy.cuda.memory.OutOfMemoryError (cuTENSOR falls back
+    # to no workspace on it); the arena's OutOfMemoryError went past them.
+    import pickle
+
+    from rtmem.integrations import cupy as rtcupy
+    cp = fake.modules["cupy"]
+
+    class CupyOOM(MemoryError):          # as cupy/cuda/memory.pyx defines it
+        def __init__(self, size, total, limit=0):
+            self._size, self._total, self._limit = size, total, limit
+            super().__init__(f"Out of memory allocating {size:,} bytes")
+
+        def __reduce__(self):
+            return (type(self), (self._size, self._total, self._limit))
+    monkeypatch.setattr(cp.cuda.memory, "OutOfMemoryError", CupyOOM, raising=False)
+    d = DeviceArena(1 << 16, backend=backend)
+    with rtcupy.using(d):
+        with pytest.raises(CupyOOM) as info:
+            cp.empty((1 << 17,), cp.uint8)
+    err = info.value
+    assert isinstance(err, OutOfMemoryError) and err.requested == 1 << 17
+    assert "out of memory" in str(err) and err.stats is not None
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is OutOfMemoryError and back.requested == 1 << 17
+    assert str(back) == str(err)
+    assert d.stats().count_by_kind["workspace"] == 0
+    kept = rtcupy.allocator_for(d)(1 << 10)      # the arena works on
+    assert d.stats().count_by_kind["workspace"] == 1
+    del kept
+
+
+_NUMBA_CLOSED_ARENA = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import _fake_cupy
+fc = _fake_cupy.build(device=0, device_count=1, device_bytes=8 << 20, host_bytes=8 << 20)
+sys.modules.update(fc.modules)
+from numba.cuda.cudadrv import driver
+from rtmem.arena import DeviceArena
+from rtmem.errors import InvalidPointerError, UnitError
+from rtmem.integrations import numba_emm
+driver._logger = driver.make_logger()
+arena = DeviceArena(1 << 20, backend="cuda")
+numba_emm.install(arena)
+closed = DeviceArena(1 << 16, backend="cuda")
+closed.close()
+try:
+    numba_emm.install(closed)
+except InvalidPointerError:
+    pass
+else:
+    raise AssertionError("a closed arena was installed")
+assert numba_emm._arena is arena
+
+
+class Context:
+    pass
+
+
+mgr = numba_emm.manager_class()(context=Context())
+mgr.initialize()
+try:
+    mgr.memalloc(-1)
+except UnitError:
+    pass
+else:
+    raise AssertionError("memalloc(-1) allocated")
+assert arena.stats().count_by_kind["workspace"] == 0
+arena.close()
+fc.shutdown()
+print("ok")
+"""
+
+
+def test_numba_plugin_refuses_a_closed_arena_and_negative_sizes():
+    # install(closed_arena) was accepted (numba then failed at every allocation);
+    # memalloc(-1) returned a MemoryPointer of size -1 over a 1-byte buffer.
+    import os
+    import subprocess
+    pytest.importorskip("numba.cuda")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-c", _NUMBA_CLOSED_ARENA,
+                           str(pathlib.Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

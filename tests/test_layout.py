@@ -162,3 +162,52 @@ def test_lifetimes_and_layout_for_refuse_invalid_schedules():
             lifetimes(chain, P.Schedule.from_text(text))
     with pytest.raises(ScheduleError):                                # two losses
         layout_for(chain, P.Schedule.from_text("F_all 0, F_all 1, L, L, B 1, B 0"))
+
+
+def test_peak_live_does_not_scale_with_the_op_index_span():
+    # _peak_live took 8 bytes per op index between the first allocation and the
+    # last free: far-apart indices asked numpy for an exabyte ("array is too big";
+    # 10**9 apart, 8 GB).
+    lay = plan_layout([0, 2**62, 2**63 - 2], [1, 2**62, 2**63 - 1], [256, 300, 512])
+    assert lay.peak_live_bytes == 512 and lay.reserved_bytes == 512
+    lay = plan_layout([-1, 10**9, -1], [10**9, 10**9, -1], [256, 256, 256])
+    assert lay.peak_live_bytes == 512        # inclusive: both live at 10**9, at -1
+    lay.verify()
+
+
+def test_layout_inputs_are_checked_as_integers():
+    # alignment=256.0 raised a bare TypeError; 2**63 and 1e30 bytes wrapped to
+    # negative sizes ("must be >= 0"); 2**64 and None raised bare OverflowError /
+    # TypeError; an op index of 0.5 was truncated to 0; verify_layout passed a
+    # buffer freed before it was allocated (live at no op: never checked).
+    assert plan_layout([0], [1], [10], alignment=256.0).sizes.tolist() == [256]
+    for sizes in ([2**63], [1e30], [2**64]):
+        with pytest.raises(ValueError, match="2\\*\\*63"):
+            plan_layout([0], [1], sizes)
+    with pytest.raises(ValueError, match="buffer sizes"):
+        plan_layout([0], [1], [None])
+    with pytest.raises(ValueError, match="whole numbers"):
+        plan_layout([0.5], [1], [10])
+    with pytest.raises(ValueError, match="alloc op indices"):
+        plan_layout(["a"], [1], [10])
+    with pytest.raises(ValueError, match="offsets"):
+        verify_layout([2**64], [5], [0], [1])
+    with pytest.raises(ValueError, match="before it is allocated"):
+        verify_layout([0, 0], [256, 256], [0, 3], [1, 2])
+
+
+def test_lifetimes_refuse_a_prefetch_of_resident_data():
+    # The prefetch replaced the resident copy's record, which then stayed live to
+    # the end of the schedule: two 'abar1' (or 'w0') buffers, peak overstated.
+    chain = P.Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 20], xbar=[30, 40], w=[5, 6], x0=7)
+    for text, what in (("F_all 0, F_all 1, offload abar1, prefetch abar1, L, B 1, B 0",
+                        "abar1 is already resident"),
+                       ("F_all 0, F_all 1, w_prefetch 0, L, B 1, B 0",
+                        "weights of stage 0 is already resident")):
+        with pytest.raises(ScheduleError, match=what) as info:
+            lifetimes(chain, P.Schedule.from_text(text))
+        assert info.value.reason == "already-resident"
+    ok = P.Schedule.from_text("F_all 0, F_all 1, offload abar1, delete abar1, L, "
+                              "prefetch abar1, w_offload 0, w_prefetch 0, B 1, B 0")
+    P.simulate(chain, ok, BIG)
+    assert lifetimes(chain, ok).peak_live() == P.simulate(chain, ok, P.Platform(10**14)).peak

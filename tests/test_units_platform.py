@@ -61,3 +61,36 @@ def test_platform():
                              (dict(memory=10, channel="tri"), "channel must be")]:
         with pytest.raises(PlatformError, match=fragment):
             Platform(**kwargs)
+
+
+def test_integer_sizes_are_exact_and_huge_numbers_are_unit_errors():
+    # Through a float, 2**53 + 1 bytes came back as 2**53 (ints and integer
+    # strings alike), and an int beyond float's range raised a bare OverflowError.
+    assert parse_bytes(2**53 + 1) == 2**53 + 1
+    assert parse_bytes(str(2**53 + 1)) == 2**53 + 1
+    assert parse_bytes("9007199254740993 B") == 2**53 + 1
+    assert parse_bytes(f"{2**54 + 7} KiB") == (2**54 + 7) * 1024
+    assert parse_bytes("-0") == 0 and parse_bytes("1e3 MiB") == 1000 * 2**20
+    for parse in (parse_bytes, parse_seconds):
+        with pytest.raises(UnitError):
+            parse(-(10**400))
+    with pytest.raises(UnitError, match="finite"):
+        parse_seconds(10**400)
+    assert parse_bandwidth(10**400) == math.inf      # as the string "1e400"
+    with pytest.raises(UnitError, match=">= 0"):
+        parse_bytes(-(2**70))
+
+
+def test_formatting_rounds_into_the_next_unit_and_keeps_signs():
+    # 1048575 B printed "1024.00 KiB" and 0.9999999 s "1000.000 ms"; -inf printed
+    # "inf", nan "nan PiB", and -0.0 s "-0.0 ns".
+    assert format_bytes(1048575) == "1.00 MiB"
+    assert format_bytes(2**30 - 1, binary=False) == "1.07 GB"
+    assert format_bytes(999_999, binary=False) == "1.00 MB"
+    assert format_bandwidth(999.999) == "1.00 kB/s" and format_bandwidth(999) == "999 B/s"
+    assert format_seconds(0.9999999) == "1.000 s"
+    assert format_seconds(0.0009999999) == "1.000 ms"
+    assert format_seconds(-0.0) == "0.0 ns" and str(parse_seconds("-0")) == "0.0"
+    for fmt in (format_bytes, format_bandwidth, format_seconds):
+        assert fmt(-math.inf) == "-inf" and fmt(math.inf) == "inf"
+        assert fmt(math.nan) == "nan"

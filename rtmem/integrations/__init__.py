@@ -7,6 +7,8 @@ Each imports its library only when called and raises ``ModuleNotFoundError``
 naming the extra to install (``pip install rtmem[cuda12]``) when it is missing.
 """
 
+from ..units import parse_bytes
+
 __all__ = ["cupy", "numba_emm"]
 
 
@@ -23,6 +25,8 @@ def check_arena(arena, kind: str, library: str) -> None:
                          f"{arena.location} arena on the {arena.backend.name} backend")
     if kind not in KINDS:
         raise bad_kind(kind)
+    # A closed arena was accepted, and then every allocation failed.
+    arena._check_open()
 
 
 def alloc_exported(arena, nbytes, kind: str, stream, export):
@@ -31,8 +35,11 @@ def alloc_exported(arena, nbytes, kind: str, stream, export):
     nothing."""
     # At least a byte: a zero-byte buffer exports a null pointer (the CUDA array
     # interface's rule for empty arrays), and the libraries expect an address.
-    # arena.alloc does the frees a garbage collection deferred.
-    buf = arena.alloc(max(int(nbytes), 1), kind=kind, stream=stream)
+    # Sizes are read as arena.alloc reads them: max(int(nbytes), 1) gave a -1
+    # request a byte and a 10.5-byte one 10. arena.alloc does the frees a
+    # garbage collection deferred.
+    size = nbytes if nbytes.__class__ is int and nbytes > 0 else max(parse_bytes(nbytes), 1)
+    buf = arena.alloc(size, kind=kind, stream=stream)
     try:
         return export(buf)
     except BaseException:

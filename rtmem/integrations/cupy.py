@@ -20,6 +20,7 @@ import contextlib
 
 from ..backends.cuda import import_cupy as _cupy
 from .._deferred import flush, release, track
+from ..errors import OutOfMemoryError
 from . import alloc_exported, check_arena
 
 __all__ = ["allocator_for", "flush", "install", "uninstall", "using"]
@@ -38,12 +39,50 @@ class _BufferOwner:
         release(buf)
 
 
+_oom_classes = {}
+
+
+def _cupy_oom_class(cp):
+    """An :class:`~rtmem.errors.OutOfMemoryError` that is also CuPy's
+    ``cupy.cuda.memory.OutOfMemoryError`` (None if this CuPy has none).
+
+    CuPy's callers catch its own class: cuTENSOR falls back to no workspace on
+    it, user code retries smaller. rtmem's error alone went past them all.
+    """
+    base = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", None)
+    if not (isinstance(base, type) and issubclass(base, BaseException)):
+        return None
+    cls = _oom_classes.get(base, False)
+    if cls is False:
+        try:
+            class CupyOutOfMemoryError(OutOfMemoryError, base):
+                """rtmem's OutOfMemoryError, raised to CuPy as its own class too."""
+
+                def __init__(self, message, *, requested=None, stats=None):
+                    MemoryError.__init__(self, message)     # not CuPy's (size, total)
+                    self.requested, self.stats = requested, stats
+                    # the attributes CuPy's own error has (-1: total not known)
+                    self._size, self._total, self._limit = requested, -1, 0
+
+                def __reduce__(self):
+                    # unpickled as rtmem's class: the other side may have no CuPy
+                    return (OutOfMemoryError, self.args, self.__dict__)
+        except TypeError:   # a CuPy whose class cannot be combined: rtmem's alone
+            CupyOutOfMemoryError = None
+        cls = _oom_classes[base] = CupyOutOfMemoryError
+    return cls
+
+
 def allocator_for(arena, *, kind: str = "workspace"):
     """A CuPy allocator function ``(nbytes) -> cupy.cuda.MemoryPointer`` serving
-    every request (bytes) from ``arena`` (a cuda-backend DeviceArena)."""
+    every request (bytes) from ``arena`` (a cuda-backend DeviceArena).
+
+    Out of memory raises an :class:`~rtmem.errors.OutOfMemoryError` that is
+    also a ``cupy.cuda.memory.OutOfMemoryError``, as CuPy's own pool raises."""
     cp = _cupy()
     check_arena(arena, kind, "CuPy")
     device_id = arena.backend.device_id
+    oom = _cupy_oom_class(cp)
     track()
 
     def export(buf):
@@ -52,7 +91,15 @@ def allocator_for(arena, *, kind: str = "workspace"):
         return cp.cuda.MemoryPointer(mem, 0)
 
     def allocate(nbytes):
-        return alloc_exported(arena, nbytes, kind, arena.backend.current_stream(), export)
+        try:
+            return alloc_exported(arena, nbytes, kind, arena.backend.current_stream(),
+                                  export)
+        except OutOfMemoryError as exc:
+            if oom is None or isinstance(exc, oom):
+                raise
+            err = oom(str(exc))
+            err.__dict__.update(exc.__dict__)
+            raise err from None
     return allocate
 
 
