@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # Error codes returned by the jitted core; raise_error() turns them into messages.
 OK = 0
 _E_MISSING_INPUT = 1      # a: activation index, b: 1 if a plain copy was required
-_E_BACKWARD_ORDER = 2     # a: stage given (-1: loss), b: stage expected (-1: loss)
+_E_BACKWARD_ORDER = 2     # a: stage given (-1: loss), b: expected (-1: loss, -2: none)
 _E_MISSING_ABAR = 3       # a: activation index
 _E_MEMORY = 4             # a: bytes over the limit, b: bytes needed by the op
 _E_INCOMPLETE = 5         # a: next expected backward stage (-1: loss)
@@ -61,9 +61,13 @@ def raise_error(err, schedule: Schedule, chain: Chain, platform: Platform) -> No
                     "it again or prefetch it first")
     elif code == _E_BACKWARD_ORDER:
         given = "the loss" if a == -1 else f"B {a}"
-        expected = "the loss (L)" if b == -1 else f"B {b}"
-        what = (f"runs {given} but the next backward step must be {expected}; backward "
-                "steps run once each, in the order L, B n-1, ..., B 0")
+        if b == -2:     # the loss and every B ran already
+            what = (f"runs {given} after B 0 completed the backward pass; backward "
+                    "steps run once each, in the order L, B n-1, ..., B 0")
+        else:
+            expected = "the loss (L)" if b == -1 else f"B {b}"
+            what = (f"runs {given} but the next backward step must be {expected}; "
+                    "backward steps run once each, in the order L, B n-1, ..., B 0")
     elif code == _E_MISSING_ABAR:
         what = (f"needs abar{a} (made by F_all {a - 1}) on the device, but it is not "
                 f"there; run F_all {a - 1} (or prefetch abar{a}) before it")

@@ -227,7 +227,8 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
             need = 0
             if code == _LOSS:
                 if g != n + 1:
-                    _fail(err, _E_BACKWARD_ORDER, j, -1, g - 1)
+                    # -2: nothing is next (B 0 ran), not -1, which names the loss
+                    _fail(err, _E_BACKWARD_ORDER, j, -1, g - 1 if g > 0 else -2)
                     return 0.0, peak
                 if not (dev[n, 0] or dev[n, 1]):
                     _fail(err, _E_MISSING_INPUT, j, n)
@@ -242,7 +243,8 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                 t0 = max(t0, w_ready[s])
                 if code == _B:
                     if g != s + 1:
-                        _fail(err, _E_BACKWARD_ORDER, j, s, -1 if g == n + 1 else g - 1)
+                        _fail(err, _E_BACKWARD_ORDER, j, s,
+                              -1 if g == n + 1 else g - 1 if g > 0 else -2)
                         return 0.0, peak
                     if not dev[s + 1, 1]:
                         _fail(err, _E_MISSING_ABAR, j, s + 1)

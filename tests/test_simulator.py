@@ -299,3 +299,14 @@ def test_exhaustive_oracle_wants_a_chain():
     from rtmem.planners.testing import brute_force_remat
     with pytest.raises(TypeError, match="brute_force_remat plans a Chain"):
         brute_force_remat(3, 10)                # was an AttributeError
+
+
+def test_a_backward_step_after_the_backward_pass_is_named_as_such():
+    # after B 0 the next expected step read as -1, the loss' code: "runs the loss
+    # but the next backward step must be the loss (L)"
+    chain = Chain.homogeneous(2)
+    for extra, name in (("L", "the loss"), ("B 0", "B 0")):
+        text = "F_all 0\nF_all 1\nL\nB 1\nB 0\n" + extra
+        with pytest.raises(ScheduleError, match=f"runs {name} after B 0 completed") as e:
+            simulate(chain, Schedule.parse(text), Platform(math.inf))
+        assert e.value.reason == "backward-order" and e.value.op_index == 5
