@@ -83,13 +83,13 @@ def _ints(values, what: str, *, ceil: bool = False) -> np.ndarray:
             arr = np.ceil(arr)
         elif (arr != np.floor(arr)).any():
             raise ValueError(f"{what} must be whole numbers, got {arr[arr != np.floor(arr)][0]}")
+    # a uint64 or float cast wraps 2**63 and beyond silently (Python ints raise)
+    too_big = arr.size and arr.dtype.kind in "uf" and \
+        (arr.max() >= 2 ** 63 or arr.min() < -2 ** 63)
     try:
-        if arr.size and (arr.dtype.kind == "u" and int(arr.max()) >= 1 << 63 or
-                         arr.dtype.kind == "f" and (arr.max() >= 2.0 ** 63 or
-                                                    arr.min() < -(2.0 ** 63))):
+        if too_big:
             raise OverflowError
-        return np.asarray(arr, np.int64) if arr.dtype.kind != "O" else \
-            np.array([int(v) for v in arr.ravel().tolist()], np.int64).reshape(arr.shape)
+        return np.asarray(arr, np.int64)
     except (OverflowError, TypeError, ValueError):
         raise ValueError(f"{what} must be integers in [-2**63, 2**63), got "
                          f"{np.asarray(values).ravel()[:4].tolist()}") from None

@@ -65,6 +65,11 @@ class TransferEngine:
             self._inflight.append((event, keep))
             self._poll_locked()
 
+    def poll(self) -> None:
+        """Drop the keepalives of copies that have completed."""
+        with self._lock:
+            self._poll_locked()
+
     def _poll_locked(self) -> None:
         q = self._inflight
         while q and q[0][0].query():
@@ -84,8 +89,7 @@ class TransferEngine:
             self.h2d.synchronize()
         finally:
             self.d2h.synchronize()
-            with self._lock:
-                self._poll_locked()
+            self.poll()
 
 
 _engines: dict = {}
@@ -373,8 +377,7 @@ def _drop_completed() -> None:
     with _engines_lock:
         engines = list(_engines.values())
     for engine in engines:
-        with engine._lock:
-            engine._poll_locked()
+        engine.poll()
 
 
 def _settle_after(buf: Buffer, wait_on) -> None:

@@ -63,23 +63,20 @@ def parse_bytes(value, *, round_down: bool = False) -> int:
         if _INTEGER_RE.match(number) and len(number) <= 40:
             # exact: through a float, "9007199254740993" became ...992 bytes
             # (longer digit strings go on through float: beyond any memory size)
-            return _exact_bytes(int(number) * scale, value)
-        nbytes = float(number) * scale
+            nbytes = int(number) * scale
+        else:
+            nbytes = float(number) * scale
     elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
         # exact, as above: parse_bytes(2**53 + 1) gave 2**53 (and 10**400 an
         # OverflowError instead of a UnitError)
-        return _exact_bytes(int(value), value)
+        nbytes = int(value)
     else:
         nbytes = _number(value, "a size")
-    if not math.isfinite(nbytes) or nbytes < 0:
+    if nbytes < 0 or not (isinstance(nbytes, int) or math.isfinite(nbytes)):
         raise UnitError(f"a size must be finite and >= 0 bytes, got {value!r}")
+    if isinstance(nbytes, int):
+        return nbytes
     return int(math.floor(nbytes) if round_down else math.ceil(nbytes))
-
-
-def _exact_bytes(nbytes: int, value) -> int:
-    if nbytes < 0:
-        raise UnitError(f"a size must be finite and >= 0 bytes, got {value!r}")
-    return nbytes
 
 
 def parse_bandwidth(value) -> float:

@@ -53,7 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rtmem._deferred import run_or_defer, track
 from rtmem.errors import OptimizerError
 from rtmem.kernels.adam import adam_coefficients, prepare_update, threads
-from rtmem.optim import _check_hyper, _check_num_threads
+from rtmem.optim import _check_hyper, _check_num_threads, _first_overlap
 
 from .bridge import as_tensor, numpy_dtype
 
@@ -106,16 +106,17 @@ def _check_disjoint(params) -> None:
     the upload of one would overwrite the other's update (torch.optim.Adam
     applies both; CPUAdam refuses them). Compared by the address range each
     spans, so two interleaved views of one buffer are refused as well."""
-    spans = []
+    by_device = {}      # address spaces of their own
     for k, p in enumerate(params):
         if p.numel():
             lo = p.data_ptr()
             extent = sum((size - 1) * abs(st) for size, st in zip(p.shape, p.stride()))
-            spans.append((str(p.device), lo, lo + (extent + 1) * p.element_size(), k))
-    spans.sort()
-    for a, b in zip(spans, spans[1:]):
-        if a[0] == b[0] and b[1] < a[2]:
-            i, j = sorted((a[3], b[3]))
+            by_device.setdefault(p.device, []).append(
+                (lo, lo + (extent + 1) * p.element_size(), k))
+    for spans in by_device.values():
+        pair = _first_overlap(spans)
+        if pair is not None:
+            i, j = sorted((pair[0][2], pair[1][2]))
             raise OptimizerError(
                 f"parameters {i} and {j} share memory (e.g. two nn.Parameter made over "
                 f"one tensor's data); each has its own Adam state here, so one's upload "
