@@ -276,12 +276,15 @@ class MultiChainTable:
 
 
 def multichain_table(lengths, m_max, u_f=1.0, u_b=1.0, u_loss=1.0) -> MultiChainTable:
-    """Fill eq. 1.4 for all sub-instances of ``lengths`` up to ``m_max`` slots."""
+    """Fill eq. 1.4 for all sub-instances of ``lengths`` up to ``m_max`` slots
+    (makespans in the units of ``u_f``/``u_b``/``u_loss``: seconds, or step
+    counts with the defaults)."""
     return MultiChainTable(lengths, m_max, u_f, u_b, u_loss)
 
 
 def multichain_opt(lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0) -> float:
-    """Opt(L, m, b) of eq. 1.4 (``inf`` if m < m_min). ``lengths``: one integer
+    """Opt(L, m, b) of eq. 1.4, a makespan in the units of ``u_f``/``u_b``/``u_loss``
+    (``inf`` if m < m_min). ``lengths``: one integer
     >= 0 per branch; ``m``: slots, an integer >= 0; ``b``: 0/1 flags. Raises
     :class:`~rtmem.errors.RtmemError` when the tables would be too large or slow
     (see ``MAX_MULTICHAIN_TABLE_BYTES``, ``MAX_MULTICHAIN_STEPS``)."""
@@ -289,13 +292,17 @@ def multichain_opt(lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0) -> float:
 
 
 def multichain_schedule(lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0):
-    """``(makespan, ops)``: an optimal MULTI-b schedule with m slots."""
+    """``(makespan, ops)``: an optimal MULTI-b schedule with m slots (makespan in
+    the units of ``u_f``/``u_b``/``u_loss``). Raises
+    :class:`~rtmem.errors.InfeasibleError` (``budget``, ``min_feasible`` in slots)
+    when m < m_min."""
     table = multichain_table(lengths, m, u_f, u_b, u_loss)
     return table.opt(lengths, m, b), table.schedule(m, b)
 
 
 def simulate_multichain(ops, lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0):
-    """Validate ``ops`` under Table 1.1 with m slots; return (makespan, peak slots).
+    """Validate ``ops`` under Table 1.1 with m slots; return ``(makespan, peak)``:
+    the makespan in the units of ``u_f``/``u_b``/``u_loss``, the peak in slots.
 
     Raises :class:`~rtmem.errors.ScheduleError` naming the op index and what was
     missing. At the end every branch must hold exactly its delta_0 if b_j = 1 and

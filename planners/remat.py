@@ -316,6 +316,9 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
 def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=None) -> dict:
     """Run :func:`plan_remat` and every baseline at the same budget.
 
+    ``memory``: the budget in bytes (an int, a string such as ``"12GiB"`` or a
+    :class:`~rtmem.planners.Platform`), as in :func:`plan_remat`.
+
     Returns ``{name: Plan or InfeasibleError}`` for ``rotor``, ``store-all``,
     ``sequential`` (best segment count), ``sqrt`` and ``revolve`` (Revolve
     converted with ``F_all`` before each ``B``), in that order. The rotor plan is

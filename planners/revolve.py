@@ -114,7 +114,10 @@ def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
 
 
 def binomial_makespan(l: int, m: int, u_f: float = 1.0, u_b: float = 1.0) -> float:
-    """Griewank-Walther closed form of Opt_0(l, m) (thesis §2.3, property 15)."""
+    """Griewank-Walther closed form of Opt_0(l, m) (thesis §2.3, property 15).
+
+    ``m`` is a number of slots; the makespan is in the units of ``u_f``/``u_b``
+    (seconds, or step counts with the defaults); ``inf`` when infeasible."""
     _check_lm(l, m, "binomial_makespan:")       # ints (numpy ones included) pass as is
     if l > 0 and m < 3:
         return math.inf

@@ -38,6 +38,10 @@ __all__ = ["ArenaStats", "DeviceArena", "HostArena", "UNORDERED"]
 
 
 class _Unordered:
+    """Type of :data:`UNORDERED`, the ``stream`` of ``alloc(stream=UNORDERED)``:
+    a buffer ordered with no stream, made only of bytes whose frees' work has
+    completed, so any stream or the CPU may use it at once."""
+
     __slots__ = ()
 
     def __repr__(self):
@@ -49,7 +53,7 @@ class _Unordered:
 
 #: ``alloc(stream=UNORDERED)``: a buffer ordered with no stream. Its bytes come
 #: only from frees whose work has completed, so any stream, or the CPU, may use
-#: it at once (what a HostArena does by default). For memory that work on
+#: it at once (what a HostArena does by default). Use it for memory that work on
 #: streams rtmem does not know about will use (e.g. numba's).
 UNORDERED = _Unordered()
 
@@ -498,7 +502,8 @@ class DeviceArena(_Arena):
         backend aligns slabs to (cudaMalloc 256 B, host memory a page), each slab
         takes one alignment more than ``reserved_bytes`` counts.
     max_bytes, growth_bytes:
-        Growth by extra slabs up to ``max_bytes`` total (default: no growth).
+        Growth by extra slabs of ``growth_bytes`` up to ``max_bytes`` total, bytes
+        (ints or strings such as ``"8GiB"``; default: no growth).
     adaptors:
         Callables ``upstream -> allocator`` applied in order (e.g.
         ``lambda up: LimitAdaptor(up, budget_bytes)``).

@@ -87,8 +87,11 @@ class UnitError(RtmemError, ValueError):
 class InfeasibleError(RtmemError):
     """No schedule exists under the given memory budget.
 
-    ``min_feasible`` is the smallest budget (bytes) at which the planner finds a
-    schedule, when it can be computed (``None`` otherwise).
+    ``budget`` is the budget asked for and ``min_feasible`` the smallest budget at
+    which the planner finds a schedule, when it can be computed (``None``
+    otherwise), both in the planner's memory unit: bytes for the chain planners
+    (:func:`~rtmem.planners.plan_remat` and the baselines), slots for the
+    multi-chain DP (:func:`~rtmem.planners.multichain_schedule`).
     """
 
     def __init__(self, message: str, *, budget: int | None = None,
