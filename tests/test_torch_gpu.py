@@ -384,6 +384,50 @@ def test_offloaded_adam_matches_torch_adam_on_cuda(cuda):
     off.close()
 
 
+def test_offloaded_adam_groups_clipping_loss_scale_and_resume_on_cuda(cuda):
+    # the host-side paths of the CPU tests, with the D2H/H2D streams in play:
+    # clip_grad_norm_ and the finite check read gradients the D2H stream
+    # wrote, and a resumed optimizer continues bit for bit
+    model, loss_fn, batches = _model(cuda, layers=2)
+
+    def groups(m):
+        ps = list(m.parameters())
+        return [{"params": [p for p in ps if p.dim() > 1], "weight_decay": 0.1},
+                {"params": [p for p in ps if p.dim() <= 1], "weight_decay": 0.0}]
+
+    def run(m, opt, data, torch_ref=False):
+        for x, y in data:
+            (loss_fn(m(x), y) * (1 if torch_ref else 256.0)).backward()
+            if torch_ref:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                opt.step()
+            else:
+                opt.clip_grad_norm_(0.5, grad_scale=256.0)
+                opt.step(grad_scale=256.0)
+            opt.zero_grad()
+
+    mine, ref, resumed = (copy.deepcopy(model) for _ in range(3))
+    off = OffloadedAdam(groups(mine), lr=2e-3, adamw=True)
+    run(mine, off, batches)
+    run(ref, torch.optim.AdamW(groups(ref), lr=2e-3), batches, torch_ref=True)
+    torch.cuda.synchronize()
+    for p, q in zip(mine.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=5e-4)
+    off.close()
+    half = len(batches) // 2
+    first = OffloadedAdam(groups(resumed), lr=2e-3, adamw=True)
+    run(resumed, first, batches[:half])
+    saved = first.state_dict()
+    first.close()
+    second = OffloadedAdam(groups(resumed), lr=2e-3, adamw=True)
+    second.load_state_dict(saved)
+    run(resumed, second, batches[half:])
+    torch.cuda.synchronize()
+    for p, q in zip(resumed.parameters(), mine.parameters()):     # (atomics in backward)
+        torch.testing.assert_close(p, q, rtol=0, atol=5e-4)
+    second.close()
+
+
 # -------------------------------------------------------------------- demo
 def test_demo_on_cuda_saves_memory_and_trains_the_same(cuda, tmp_path):
     from rtmem.demo import run_demo

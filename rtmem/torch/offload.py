@@ -30,8 +30,17 @@ gradient. The one departure from torch: a step consumes the gradients, so
 without a ``zero_grad`` in between, the next backward starts from nothing
 instead of adding onto the last step's gradients. The update
 runs over maximal runs of consecutive parameters that have a gradient and share
-a step count: in the usual step, where every parameter has one, that is a single
-run over all elements, chunked as above.
+a param group and a step count: in the usual step of a one-group optimizer,
+where every parameter has one, that is a single run over all elements, chunked
+as above.
+
+Since the gradients leave the device during backward, what torch does to
+``p.grad`` between backward and step is done here on the host buffer:
+:meth:`OffloadedAdam.clip_grad_norm_` clips it (one read pass for the norm, a
+scaling pass only when it clips), and ``step(grad_scale=S)`` divides a loss
+scale out inside the update kernel after a read-only finite check that skips
+the whole step on inf/NaN (GradScaler's unscale_/step, which look for
+``p.grad``, do not apply).
 
 Master weights and moments are kept in the parameters' logical (row-major)
 order. A non-contiguous parameter (e.g. a channels_last convolution weight) is
@@ -52,8 +61,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem._deferred import run_or_defer, track
 from rtmem.errors import OptimizerError
-from rtmem.kernels.adam import adam_coefficients, prepare_update, threads
-from rtmem.optim import _check_hyper, _check_num_threads, _first_overlap
+from rtmem.kernels.adam import _unscale_factor, prepare_update, threads
+from rtmem.optim import (_check_hyper, _check_num_threads, _checked_step, _coefficients,
+                         _first_overlap)
 
 from .bridge import as_tensor, numpy_dtype
 
@@ -126,12 +136,12 @@ def _check_disjoint(params) -> None:
 
 
 def _check_param(k: int, p) -> None:
-    """OptimizerError for what OffloadedAdam cannot update: non-tensors (param
-    group dicts), sparse or meta tensors, tensors computed from others."""
+    """OptimizerError for what OffloadedAdam cannot update: non-tensors, sparse or
+    meta tensors, tensors computed from others."""
     if isinstance(p, dict):
-        raise OptimizerError("OffloadedAdam takes one flat list of parameters; torch-style "
-                             "param groups (dicts) are not supported: make one optimizer "
-                             "per group", argument="params")
+        raise OptimizerError("a param group (dict) among tensors: pass either tensors or "
+                             "param groups (dicts with 'params'), not both",
+                             argument="params")
     if not isinstance(p, torch.Tensor):
         raise OptimizerError(f"parameter {k} is a {type(p).__name__}, not a torch.Tensor",
                              argument="params")
@@ -142,6 +152,73 @@ def _check_param(k: int, p) -> None:
     if why is not None:
         raise OptimizerError(f"parameter {k} (shape {tuple(p.shape)}) {why}",
                              argument="params")
+
+
+# Adam options of torch.optim.Adam this optimizer does not implement: refused when
+# a group (or a loaded state dict) turns them on, instead of silently ignored.
+_UNSUPPORTED = ("amsgrad", "maximize")
+
+
+def _check_group(where: str, group: dict) -> None:
+    """OptimizerError unless ``group`` holds hyperparameters this optimizer runs."""
+    try:
+        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    except OptimizerError as exc:
+        raise OptimizerError(f"{where}: {exc}", argument=exc.argument) from None
+    if not isinstance(group["decoupled_weight_decay"], (bool, np.bool_)):
+        raise OptimizerError(f"{where}: decoupled_weight_decay="
+                             f"{group['decoupled_weight_decay']!r} must be True or False",
+                             argument="decoupled_weight_decay")
+    for key in _UNSUPPORTED:
+        if group.get(key):
+            raise OptimizerError(f"{where}: {key}=True is not supported by OffloadedAdam; "
+                                 f"use rtmem.optim.CPUAdam (CPU parameters) or "
+                                 f"torch.optim.Adam for it", argument=key)
+
+
+def _param_groups(params, defaults: dict) -> list:
+    """``params`` (tensors, ``(name, tensor)`` pairs or param-group dicts) as
+    torch-style groups, every parameter and group checked, duplicates within a
+    group dropped; OptimizerError for anything OffloadedAdam cannot take."""
+    if isinstance(params, torch.Tensor):
+        # list() would split it into rows, each refused as "not a leaf tensor"
+        raise OptimizerError("params must be an iterable of tensors (e.g. "
+                             "model.parameters()), got a single tensor: pass [p]",
+                             argument="params")
+    items = list(params)
+    if not items:
+        raise OptimizerError("params is empty; pass the model's parameters",
+                             argument="params")
+    if not isinstance(items[0], dict):
+        items = [{"params": items}]
+    groups, seen, k = [], {}, 0
+    for gi, item in enumerate(items):
+        if not isinstance(item, dict) or "params" not in item:
+            raise OptimizerError(f"param group {gi} is a {type(item).__name__}; pass "
+                                 f"either tensors or dicts with a 'params' entry, not "
+                                 f"both", argument="params")
+        ps = item["params"]
+        if isinstance(ps, set):
+            raise OptimizerError(f"param group {gi}: 'params' is a set, whose order "
+                                 f"changes between runs; pass a list",
+                                 argument="params")
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        kept = {}
+        for entry in ps:
+            named = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+            p = entry[1] if named else entry
+            _check_param(k, p)
+            k += 1
+            if id(p) in seen and seen[id(p)] != gi:
+                raise OptimizerError(f"a parameter (shape {tuple(p.shape)}) is in param "
+                                     f"groups {seen[id(p)]} and {gi}; each parameter "
+                                     f"belongs to one group", argument="params")
+            seen[id(p)] = gi
+            kept.setdefault(id(p), entry)
+        group = {**defaults, **item, "params": list(kept.values())}
+        _check_group(f"param group {gi}", group)
+        groups.append(group)
+    return groups
 
 
 def _check_grad(k: int, p, size: int) -> None:
@@ -183,19 +260,30 @@ def _drop(hooks, params, ref, arena) -> None:
         run_or_defer(arena.close)
 
 
-class OffloadedAdam:
+class OffloadedAdam(torch.optim.Optimizer):
     """Adam/AdamW whose state and update live on the host, for device parameters.
+
+    A ``torch.optim.Optimizer``: param groups (each with its own ``lr``,
+    ``betas``, ``eps``, ``weight_decay`` and ``decoupled_weight_decay``, e.g.
+    no weight decay on biases and norms), lr schedulers, ``state_dict`` /
+    ``load_state_dict`` (in ``torch.optim.Adam``'s layout, plus each
+    parameter's fp32 ``master`` weights), ``zero_grad``.
 
     Parameters
     ----------
     params:
-        The model's parameters (any device; float32, float16 or bfloat16).
+        The model's parameters (any device; all float32, all float16 or all
+        bfloat16), ``(name, parameter)`` pairs, or param-group dicts.
+    lr, betas, eps, weight_decay:
+        Default hyperparameters of the groups (``lr`` in parameter units per
+        step, ``lr >= 0``, ``betas`` in [0, 1), ``eps > 0``, ``weight_decay >= 0``).
+    adamw:
+        Default ``decoupled_weight_decay`` of the groups (True: AdamW's
+        ``p *= 1 - lr * weight_decay``; False: an L2 term added to the gradient).
     host_arena:
         A :class:`~rtmem.HostArena` for the master weights, moments, gradients and
-        the upload staging buffer (``16 + 2 * itemsize`` bytes per parameter); a
-        new one of that size is made when None.
-    lr, betas, eps, weight_decay, adamw:
-        Hyperparameters (``adamw=True``: decoupled weight decay).
+        the upload staging buffer (``12 + 2 * itemsize`` bytes per parameter, plus
+        alignment); a new one of that size is made when None.
     chunk_elements:
         Elements per update chunk (>= 1): smaller chunks overlap more, larger ones
         pay less per-call overhead. Default 4 Mi elements (16 MiB of fp32 master).
@@ -207,40 +295,47 @@ class OffloadedAdam:
     until the next :meth:`step`, which consumes them. Parameters without a
     gradient are left alone, as by ``torch.optim.Adam``; ``zero_grad`` with
     ``set_to_none=False`` gives a zero one, as in torch (NOTE [ Offloaded Adam ]).
+    Since the gradients leave the device during backward, ``p.grad`` is None
+    after it: clip with :meth:`clip_grad_norm_` and unscale a loss scale with
+    ``step(grad_scale=...)`` (NOTE [ Skipped steps ] in :mod:`rtmem.optim`).
+
+    The fp32 master weights are the parameters' values of record: a change made
+    to a parameter after construction is overwritten by the next step unless
+    :meth:`load_state_dict` takes it in. ``state`` stays empty: the moments
+    live in the host arena (:attr:`master`, :attr:`exp_avg`, :attr:`exp_avg_sq`,
+    flat float32 arrays in parameter order) and :meth:`state_dict` copies them.
 
     Attributes
     ----------
     step_count:
-        Number of steps applied (calls to :meth:`step` that returned True).
+        Number of steps applied (calls to :meth:`step` that updated something).
     steps:
         int64 array, one entry per parameter: the steps that updated it (its
         Adam bias-correction step, torch's ``state["step"]``).
+    skipped_steps, last_step_skipped:
+        Steps skipped by the finite check (non-finite unscaled gradients).
     """
 
-    def __init__(self, params, *, host_arena=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, adamw=False, chunk_elements=1 << 22, num_threads=None):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 *, adamw=False, host_arena=None, chunk_elements=1 << 22,
+                 num_threads=None):
         from rtmem.arena import HostArena, is_arena
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}", argument="host_arena")
-        if isinstance(params, torch.Tensor):
-            # list() would split it into rows, each refused as "not a leaf tensor"
-            raise OptimizerError("params must be an iterable of tensors (e.g. "
-                                 "model.parameters()), got a single tensor: pass [p]",
-                                 argument="params")
-        params = list(params)
-        for k, p in enumerate(params):
-            _check_param(k, p)
-        self.params = list(dict.fromkeys(params))
-        if not self.params:
-            raise OptimizerError("params is empty; pass the model's parameters",
-                                 argument="params")
-        dtypes = {p.dtype for p in self.params}
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=False, decoupled_weight_decay=adamw)
+        _check_group("OffloadedAdam", defaults)
+        defaults["betas"] = tuple(betas)
+        groups = _param_groups(params, defaults)
+        flat = [p for g in groups for p in g["params"]]
+        flat = [e[1] if isinstance(e, tuple) else e for e in flat]
+        dtypes = {p.dtype for p in flat}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _FORMATS:
             raise OptimizerError(f"all parameters must share one dtype among float32, "
                                  f"float16, bfloat16; got {sorted(map(str, dtypes))}",
                                  argument="params")
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(flat):
             owner = _owners.get(p)
             if owner is not None and owner() is not None:
                 raise OptimizerError(
@@ -248,17 +343,23 @@ class OffloadedAdam:
                     f"flushed by another open OffloadedAdam; close() that one first",
                     argument="params")
             _check_own_memory(i, p)
-        _check_disjoint(self.params)
+        _check_disjoint(flat)
         if int(chunk_elements) != chunk_elements or chunk_elements < 1:
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
-        _check_hyper(lr, betas, eps, weight_decay)
         self.num_threads = _check_num_threads(num_threads)
+        # every group is checked: torch's constructor adds them (add_param_group)
+        # and refuses nothing more; later additions are refused (_bufs is set)
+        self._bufs = None
+        super().__init__(groups, defaults)
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        # param k's group: runs of the update never mix two groups' coefficients
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self.dtype = next(iter(dtypes))
-        self.hyper = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                          weight_decay=weight_decay, decoupled_weight_decay=adamw)
         self.chunk = int(chunk_elements)
         self.step_count = 0
+        self.skipped_steps = 0
+        self.last_step_skipped = False
         self.steps = np.zeros(len(self.params), dtype=np.int64)
         self._closed = False
         self.offsets = np.cumsum([0] + [p.numel() for p in self.params])
@@ -283,6 +384,20 @@ class OffloadedAdam:
         self._finalizer = weakref.finalize(
             self, _drop, self._hooks, self.params, self._ref,
             self.arena if self._own_arena else None)
+
+    def add_param_group(self, param_group) -> None:
+        """Refused after construction: the host buffers are sized for the
+        parameters given then. (Used by the constructor for its groups.)"""
+        if self._bufs is not None:
+            raise OptimizerError("OffloadedAdam cannot add a param group after "
+                                 "construction (its host buffers are sized for the "
+                                 "parameters given then); make a new OffloadedAdam with "
+                                 "every group", argument="param_group")
+        super().add_param_group(param_group)
+
+    def __getstate__(self):
+        raise TypeError("an OffloadedAdam holds host-arena buffers and gradient hooks and "
+                        "cannot be pickled or copied; save its state_dict() instead")
 
     def _setup(self, n: int) -> None:
         """The host buffers, the initial state and the gradient hooks of
@@ -412,32 +527,26 @@ class OffloadedAdam:
         _check_disjoint(self.params)     # their data may have been tied since
 
     def _runs(self, fresh):
-        """Maximal runs ``(lo, hi, step)`` of consecutive parameters that have a
-        gradient (not ``fresh``) and the same next step: one coefficient vector
-        per run, and a single run in a step where every parameter has a gradient."""
+        """Maximal runs ``(lo, hi, group, step)`` of consecutive parameters that
+        have a gradient (not ``fresh``), the same group and the same next step:
+        one coefficient vector per run, and a single run in a step where every
+        parameter of a one-group optimizer has a gradient."""
         runs = []
         for k, f in enumerate(fresh):
             if f:
                 continue
-            step = int(self.steps[k]) + 1
+            key = (self._group_of[k], int(self.steps[k]) + 1)
             lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
-            if runs and runs[-1][1] == lo and runs[-1][2] == step:
+            if runs and runs[-1][1] == lo and runs[-1][2:] == key:
                 runs[-1][1] = hi
             else:
-                runs.append([lo, hi, step])
+                runs.append([lo, hi, *key])
         return runs
 
-    # ------------------------------------------------------------ public API
-    def step(self) -> bool:
-        """Update the parameters that have a gradient (flushed since the last
-        step, or zeroed by ``zero_grad(set_to_none=False)``), chunked and
-        overlapped with the uploads; the others, frozen ones included, keep
-        their values and state. Returns False when none has one (nothing to do).
-
-        Everything that can be refused (hyperparameters, replaced parameters) is
-        checked before any host state or parameter changes."""
-        self._check_open("step")
-        self._check_params()
+    def _with_gradient(self):
+        """(parameters whose gradient is still on the device, the ``fresh`` list
+        with every parameter that has a gradient False, those with a zeroed one):
+        what :meth:`step` updates. Changes nothing."""
         # A gradient still on the device had no hook to flush it: the parameter
         # was frozen at construction and unfrozen since, or p.grad was set by hand.
         pending = [k for k, p in enumerate(self.params) if p.grad is not None]
@@ -450,12 +559,11 @@ class OffloadedAdam:
                   if had and fresh[k]] if self._grads_zeroed else []
         for k in zeroed:
             fresh[k] = False
-        if all(fresh):
-            return False
-        runs = self._runs(fresh)
-        # one coefficient vector per distinct step, all computed (validated) first
-        coeffs = {step: adam_coefficients(step=step, **self.hyper)
-                  for step in {r[2] for r in runs}}
+        return pending, fresh, zeroed
+
+    def _gather(self, pending, zeroed) -> None:
+        """Bring every gradient to the host buffer: flush ``pending`` ones, wait
+        for the D2H copies, add staged partial ones, zero ``zeroed`` ones."""
         for k in pending:
             self._flush(k, self.params[k])
         if self._streams is not None:
@@ -468,14 +576,63 @@ class OffloadedAdam:
             self._settle(k)
         for k in zeroed:
             self._grad_t[int(self.offsets[k]):int(self.offsets[k + 1])].zero_()
-        h2d = self._streams[0] if self._streams is not None else None
-        if h2d is not None:
-            # the uploads replace p.data's contents: after all GPU work queued so
-            # far (a weight prefetch of the executor may still be writing p.data)
-            h2d.wait_stream(torch.cuda.current_stream())
+
+    def _consume(self) -> None:
+        """A step's end, applied or skipped: the gradients are used up."""
+        self._fresh = [True] * len(self.params)
+        self._grads_zeroed = False
+
+    # ------------------------------------------------------------ public API
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale=None, check_finite=None):
+        """Update the parameters that have a gradient (flushed since the last
+        step, or zeroed by ``zero_grad(set_to_none=False)``), chunked and
+        overlapped with the uploads; the others, frozen ones included, keep
+        their values and state. Returns the closure's loss (or None), like torch.
+
+        ``grad_scale`` is the loss scale the gradients carry (divided out in the
+        kernel); ``check_finite`` (default: ``grad_scale is not None``) first
+        checks every unscaled gradient and skips the whole step if one is inf or
+        NaN: no parameter, moment or step count changes, ``last_step_skipped`` is
+        True and ``skipped_steps`` grows by one. Either way the step consumes the
+        gradients. Everything that can be refused (hyperparameters, replaced
+        parameters) is checked before any host state or parameter changes."""
+        self._check_open("step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_params()
+        for gi, group in enumerate(self.param_groups):
+            _check_group(f"param group {gi}", group)
+        _unscale_factor(grad_scale)       # refused even when there is nothing to do
+        pending, fresh, zeroed = self._with_gradient()
+        self.last_step_skipped = False
+        if all(fresh):
+            return loss
+        runs = self._runs(fresh)
+        # one coefficient vector per (group, step), all computed (validated) first
+        coeffs = {key: _coefficients(self.param_groups[key[0]], key[1],
+                                     bool(self.param_groups[key[0]]["decoupled_weight_decay"]),
+                                     grad_scale)
+                  for key in {tuple(r[2:]) for r in runs}}
+        if check_finite is None:
+            check_finite = grad_scale is not None
+        self._gather(pending, zeroed)
         with threads(self.num_threads):
-            for lo, hi, step in runs:
-                c = coeffs[step]
+            if check_finite and not all(self._update._grads_finite(coeffs[gi, s], lo, hi)
+                                        for lo, hi, gi, s in runs):
+                self.skipped_steps += 1
+                self.last_step_skipped = True
+                self._consume()
+                return loss
+            h2d = self._streams[0] if self._streams is not None else None
+            if h2d is not None:
+                # the uploads replace p.data's contents: after all GPU work queued so
+                # far (a weight prefetch of the executor may still be writing p.data)
+                h2d.wait_stream(torch.cuda.current_stream())
+            for lo, hi, gi, step in runs:
+                c = coeffs[gi, step]
                 for a in range(lo, hi, self.chunk):
                     b = min(hi, a + self.chunk)
                     self._update.apply(c, a, b)
@@ -488,9 +645,168 @@ class OffloadedAdam:
             torch.cuda.current_stream().wait_stream(h2d)
         self.steps[[k for k, f in enumerate(fresh) if not f]] += 1
         self.step_count += 1
-        self._fresh = [True] * len(self.params)
-        self._grads_zeroed = False
-        return True
+        self._consume()
+        return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, *, grad_scale=None,
+                        error_if_nonfinite=False):
+        """Scale the gradients in place so that their total norm is at most
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does for ``p.grad``
+        (which is None here: the gradients live in the host buffer). Returns
+        the total norm (a float32 CPU tensor) of the gradients the next step
+        uses, before clipping.
+
+        ``grad_scale``: the loss scale the gradients carry; the norm is that of
+        the unscaled gradients (what torch computes after
+        ``GradScaler.unscale_``), and the gradients keep their scale for
+        ``step(grad_scale=...)``. A non-finite total norm raises OptimizerError
+        with ``error_if_nonfinite=True``; otherwise the gradients are left
+        unscaled (torch would multiply them by nan or 0), so a step with the
+        finite check skips them."""
+        self._check_open("clip_grad_norm_")
+        if not float(max_norm) >= 0:    # a negative one would flip the gradients
+            raise OptimizerError(f"max_norm must be >= 0, got {max_norm!r}",
+                                 argument="max_norm")
+        _unscale_factor(grad_scale)     # checks it: finite, > 0, float32-representable
+        scale = 1.0 if grad_scale is None else float(grad_scale)
+        self._check_params()
+        pending, fresh, zeroed = self._with_gradient()
+        self._gather(pending, zeroed)
+        grads = [self._grad_t[int(self.offsets[k]):int(self.offsets[k + 1])]
+                 for k, f in enumerate(fresh) if not f]
+        if not grads:
+            return torch.tensor(0.0)
+        total = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                         for g in grads]), norm_type) / scale
+        if not torch.isfinite(total):
+            if error_if_nonfinite:
+                raise OptimizerError(
+                    f"the total norm {float(total)} of order {norm_type} of the "
+                    f"gradients is non-finite, so they cannot be clipped; pass "
+                    f"error_if_nonfinite=False to go on (a step with the finite check "
+                    f"then skips them)", argument="grads")
+            return total
+        coef = float(max_norm) / (float(total) + 1e-6)     # torch's epsilon
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+    def state_dict(self) -> dict:
+        """The state in ``torch.optim.Adam``'s layout (``state``: per parameter
+        index that was ever updated, ``step``, ``exp_avg``, ``exp_avg_sq`` shaped
+        like the parameter, plus its fp32 ``master`` weights; ``param_groups``:
+        the hyperparameters and parameter indices), and ``step_count`` /
+        ``skipped_steps``. Tensors are CPU float32 copies, never views of the
+        host arena. The flushed gradients are not part of it."""
+        self._check_open("state_dict")
+        state, groups, index = {}, [], 0
+        for group in self.param_groups:
+            packed = {key: value for key, value in group.items() if key != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(packed)
+        for k, p in enumerate(self.params):
+            if not self.steps[k]:
+                continue                         # as torch: no state before a step
+            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            state[k] = {"step": torch.tensor(float(self.steps[k]), dtype=torch.float32)}
+            for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq),
+                              ("master", self.master)):
+                state[k][key] = torch.from_numpy(flat[lo:hi].copy()).view(p.shape)
+        return {"state": state, "param_groups": groups, "step_count": self.step_count,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a state dict of this class or of ``torch.optim.Adam``/``AdamW``
+        (same groups, same parameter counts and shapes). Parameters without a
+        saved state start over (step 0, zero moments); master weights without a
+        saved ``master`` (a torch dict) are read from the parameters, so load
+        the model's weights first. Everything is checked before anything
+        changes; a refused dict leaves the optimizer as it was. Flushed
+        gradients are kept."""
+        self._check_open("load_state_dict")
+        if not isinstance(state_dict, dict) or \
+                not {"state", "param_groups"} <= set(state_dict):
+            raise OptimizerError("state_dict must be a dict with 'state' and "
+                                 "'param_groups', as returned by state_dict()",
+                                 argument="state_dict")
+        saved_groups = list(state_dict["param_groups"])
+        if not all(isinstance(s, dict) for s in saved_groups) or \
+                not isinstance(state_dict["state"], dict) or \
+                not all(isinstance(st, dict) for st in state_dict["state"].values()):
+            raise OptimizerError("state_dict['param_groups'] must be a list of dicts and "
+                                 "state_dict['state'] a dict of dicts, as returned by "
+                                 "state_dict()", argument="state_dict")
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s.get("params", ())) != len(g["params"])
+                for s, g in zip(saved_groups, self.param_groups)):
+            raise OptimizerError(
+                f"the state dict has groups of "
+                f"{[len(s.get('params', ())) for s in saved_groups]} parameters, this "
+                f"optimizer {[len(g['params']) for g in self.param_groups]}: it belongs "
+                f"to another model or grouping", argument="state_dict")
+        groups = []
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            merged = {**group, **{key: value for key, value in saved.items()
+                                  if key not in ("params", "param_names")}}
+            missing = [key for key in ("lr", "betas", "eps", "weight_decay")
+                       if key not in saved]
+            if missing:          # e.g. an SGD state dict
+                raise OptimizerError(
+                    f"group {gi} of the state dict has no {', '.join(missing)}: it is "
+                    f"not an Adam state dict", argument="state_dict")
+            _check_group(f"group {gi} of the state dict", merged)
+            groups.append(merged)
+        # saved index -> this optimizer's parameter (the same order, group by group)
+        index = {i: k for k, i in enumerate(
+            i for saved in saved_groups for i in saved.get("params", ()))}
+        arrays = {}
+        for i, st in state_dict["state"].items():
+            if i not in index:
+                raise OptimizerError(f"the state dict has state for parameter {i!r}, "
+                                     f"which none of its groups lists",
+                                     argument="state_dict")
+            k = index[i]
+            where = f"parameter {k}"
+            if st.get("max_exp_avg_sq") is not None:
+                raise OptimizerError(f"{where}: the state has max_exp_avg_sq (amsgrad), "
+                                     f"which OffloadedAdam does not run",
+                                     argument="state_dict")
+            arrays[k] = [_checked_step(st.get("step", 0), where)]
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key not in st:
+                    if key == "master":
+                        arrays[k].append(None)
+                        continue
+                    raise OptimizerError(f"{where}: the state has no {key}",
+                                         argument="state_dict")
+                t = torch.as_tensor(st[key])
+                if tuple(t.shape) != tuple(self.params[k].shape) or \
+                        not t.is_floating_point():
+                    raise OptimizerError(
+                        f"{where}: state {key} is {t.dtype} of shape {tuple(t.shape)}, "
+                        f"the parameter has shape {tuple(self.params[k].shape)}; the "
+                        f"state dict belongs to another model", argument="state_dict")
+                arrays[k].append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
+        counts = (_checked_step(state_dict.get("step_count", max(
+                      [a[0] for a in arrays.values()], default=0)), "step_count"),
+                  _checked_step(state_dict.get("skipped_steps", 0), "skipped_steps"))
+        # checked: now change things
+        for k, p in enumerate(self.params):
+            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            step, m, v, master = arrays.get(k, (0, None, None, None))
+            self.master[lo:hi] = (master if master is not None else
+                                  p.detach().reshape(-1).float().cpu().numpy())
+            self.exp_avg[lo:hi] = 0 if m is None else m
+            self.exp_avg_sq[lo:hi] = 0 if v is None else v
+            self.steps[k] = step
+        for group, merged in zip(self.param_groups, groups):
+            group.clear()
+            group.update(merged)
+        self.step_count, self.skipped_steps = counts
 
     def _check_open(self, what: str) -> None:
         if self._closed:

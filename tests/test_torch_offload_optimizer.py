@@ -1,0 +1,303 @@
+"""OffloadedAdam as a torch.optim.Optimizer: param groups, lr schedulers, state
+dicts (its own and torch.optim.Adam's), loss scaling with the finite check, and
+gradient clipping, each against torch.optim.Adam/AdamW on the same model."""
+
+import copy
+import io
+import pickle
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import rtmem  # noqa: E402
+from rtmem.errors import OptimizerError  # noqa: E402
+from rtmem.torch import OffloadedAdam  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def host_backend(monkeypatch):
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8),
+                               torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+
+
+def batches(n, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(5, 6, generator=g).to(dtype), torch.randn(5, 3, generator=g).to(dtype))
+            for _ in range(n)]
+
+
+def train(model, opt, data, *, scale=1.0, step=None, clip=None, sched=None):
+    """Steps of plain backward + opt.step; ``step``/``clip`` replace the plain
+    step (the OffloadedAdam and torch spellings differ)."""
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float()) * scale
+        loss.backward()
+        if clip is not None:
+            clip()
+        (step or opt.step)()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def groups_of(model):
+    """The GPT-2 recipe: weight decay on matrices only, another lr on the head."""
+    decay = [model[0].weight]
+    rest = [model[0].bias, model[1].weight, model[1].bias, model[3].bias]
+    return [{"params": decay, "weight_decay": 0.1},
+            {"params": rest, "weight_decay": 0.0},
+            {"params": [model[3].weight], "lr": 3e-2, "weight_decay": 0.05}]
+
+
+def assert_same_params(a, b, atol=1e-5):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=atol)
+
+
+def test_is_a_torch_optimizer_with_groups_that_match_adamw():
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(groups_of(mine), lr=1e-2, adamw=True, chunk_elements=7)
+    ref_opt = torch.optim.AdamW(groups_of(ref), lr=1e-2)
+    assert isinstance(off, torch.optim.Optimizer)
+    assert [g["weight_decay"] for g in off.param_groups] == [0.1, 0.0, 0.05]
+    data = batches(6)
+    train(mine, off, data)
+    train(ref, ref_opt, data)
+    assert_same_params(mine, ref)
+    assert off.steps.tolist() == [6] * 6 and off.step_count == 6
+    off.close()
+
+
+def test_lr_schedulers_drive_the_groups():
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(groups_of(mine), lr=1e-2)
+    ref_opt = torch.optim.Adam(groups_of(ref), lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))
+              for o in (off, ref_opt)]
+    data = batches(5)
+    train(mine, off, data, sched=scheds[0])
+    train(ref, ref_opt, data, sched=scheds[1])
+    assert off.param_groups[2]["lr"] == ref_opt.param_groups[2]["lr"] == 3e-2 * (1 / 6)
+    assert_same_params(mine, ref)
+    off.close()
+
+
+def test_named_parameters_are_taken():
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(mine.named_parameters(), lr=1e-2)
+    assert off.param_groups[0]["param_names"][0] == "0.weight"
+    train(mine, off, batches(2))
+    train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), batches(2))
+    assert_same_params(mine, ref)
+    off.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_state_dict_resumes_bit_identically(dtype):
+    # 3 steps, save (through torch.save), load into a new model and optimizer, 3
+    # more steps == 6 uninterrupted steps, bit for bit; with bf16 parameters
+    # only the saved fp32 master weights can give that
+    data = batches(6, dtype=dtype)
+    whole = make_model(dtype)
+    opt = OffloadedAdam(groups_of(whole), lr=1e-2, adamw=True)
+    train(whole, opt, data)
+    opt.close()
+
+    first = make_model(dtype)
+    opt = OffloadedAdam(groups_of(first), lr=1e-2, adamw=True)
+    train(first, opt, data[:3])
+    blob = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, blob)
+    saved = opt.state_dict()
+    opt.close()
+
+    second = make_model(dtype)                          # the initial weights
+    resumed = OffloadedAdam(groups_of(second), lr=1.0, adamw=False)   # overwritten
+    blob.seek(0)
+    ckpt = torch.load(blob)
+    second.load_state_dict(ckpt["model"])
+    resumed.load_state_dict(ckpt["opt"])
+    assert resumed.steps.tolist() == [3] * 6 and resumed.step_count == 3
+    assert [g["lr"] for g in resumed.param_groups] == [1e-2, 1e-2, 3e-2]
+    assert all(g["decoupled_weight_decay"] for g in resumed.param_groups)
+    train(second, resumed, data[3:])
+    for p, q in zip(whole.parameters(), second.parameters()):
+        assert torch.equal(p, q)
+    # the saved tensors are copies: the resumed run did not change them
+    assert torch.equal(saved["state"][0]["exp_avg"], ckpt["opt"]["state"][0]["exp_avg"])
+    resumed.close()
+
+
+def test_state_dicts_move_between_torch_adam_and_offloaded_adam():
+    data = batches(6)
+    ref = make_model()
+    ref_opt = torch.optim.Adam(groups_of(ref), lr=1e-2)
+    train(ref, ref_opt, data)
+
+    # torch for 3 steps, then OffloadedAdam (master weights read from the model)
+    mine = make_model()
+    torch_opt = torch.optim.Adam(groups_of(mine), lr=1e-2)
+    train(mine, torch_opt, data[:3])
+    off = OffloadedAdam(groups_of(mine), lr=1e-2)
+    off.load_state_dict(torch_opt.state_dict())
+    train(mine, off, data[3:])
+    assert_same_params(mine, ref)
+    off.close()
+
+    # OffloadedAdam for 3 steps, then torch.optim.Adam
+    back = make_model()
+    off = OffloadedAdam(groups_of(back), lr=1e-2)
+    train(back, off, data[:3])
+    saved = off.state_dict()
+    off.close()
+    torch_opt = torch.optim.Adam(groups_of(back), lr=1e-2)
+    torch_opt.load_state_dict(saved)
+    train(back, torch_opt, data[3:])
+    assert_same_params(back, ref)
+
+
+def test_bad_state_dicts_are_refused_and_change_nothing():
+    model = make_model()
+    off = OffloadedAdam(groups_of(model), lr=1e-2)
+    train(model, off, batches(2))
+    good = off.state_dict()
+    before = [a.copy() for a in (off.master, off.exp_avg, off.exp_avg_sq, off.steps)]
+    groups_before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                   for g in off.param_groups])
+
+    def edited(change):
+        sd = copy.deepcopy(good)
+        change(sd)
+        return sd
+
+    def set_state(key, value):
+        return lambda sd: sd["state"][1].__setitem__(key, value)
+    sgd = torch.optim.SGD(make_model().parameters(), lr=0.1).state_dict()
+    for bad, fragment in (
+            ("nope", "must be a dict"),
+            ({"state": {}}, "must be a dict"),
+            (edited(lambda sd: sd["param_groups"].pop()), "groups of"),
+            (edited(lambda sd: sd["param_groups"][0]["params"].append(99)), "groups of"),
+            (sgd, "groups of"),
+            (edited(lambda sd: [g.pop("betas") for g in sd["param_groups"]]), "not an Adam"),
+            (edited(lambda sd: sd["param_groups"][1].__setitem__("lr", -1.0)), "group 1.*lr"),
+            (edited(lambda sd: sd["param_groups"][1].__setitem__("amsgrad", True)),
+             "amsgrad"),
+            (edited(set_state("step", -2)), "step is -2"),
+            (edited(set_state("step", 1.5)), "step is 1.5"),
+            (edited(set_state("exp_avg", torch.zeros(3))), "shape"),
+            (edited(set_state("master", torch.zeros(8, 6))), "shape"),
+            (edited(set_state("max_exp_avg_sq", torch.zeros(8))), "amsgrad"),
+            (edited(lambda sd: sd["state"][1].pop("exp_avg_sq")), "no exp_avg_sq"),
+            (edited(lambda sd: sd["state"].__setitem__(42, sd["state"][1])), "parameter 42"),
+            (edited(lambda sd: sd["state"].__setitem__(1, [1, 2])), "dict of dicts"),
+            (edited(lambda sd: sd.__setitem__("step_count", -1)), "step_count")):
+        with pytest.raises(OptimizerError, match=fragment):
+            off.load_state_dict(bad)
+        after = (off.master, off.exp_avg, off.exp_avg_sq, off.steps)
+        assert all(np.array_equal(a, b) for a, b in zip(before, after)), fragment
+        assert [{k: v for k, v in g.items() if k != "params"}
+                for g in off.param_groups] == groups_before, fragment
+    off.load_state_dict(good)                           # the real one still loads
+    off.close()
+    for call in (off.state_dict, lambda: off.load_state_dict(good)):
+        with pytest.raises(OptimizerError, match="closed"):
+            call()
+
+
+def test_loss_scale_unscaled_in_the_step_and_overflow_skips_it():
+    data = batches(4)
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(mine.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    train(mine, off, data, scale=1024.0, step=lambda: off.step(grad_scale=1024.0))
+    train(ref, ref_opt, data)
+    assert_same_params(mine, ref)
+    # an overflowed gradient: nothing changes, the step is counted as skipped,
+    # and its gradients are used up (the next step starts from new ones)
+    before = [a.copy() for a in (off.master, off.exp_avg, off.exp_avg_sq, off.steps)]
+    params = [p.detach().clone() for p in mine.parameters()]
+    x, y = data[0]
+    (torch.nn.functional.mse_loss(mine(x), y) * float("inf")).backward()
+    off.step(grad_scale=1024.0)
+    assert off.last_step_skipped and off.skipped_steps == 1 and off.step_count == 4
+    assert all(np.array_equal(a, b) for a, b in zip(before, (
+        off.master, off.exp_avg, off.exp_avg_sq, off.steps)))
+    assert all(torch.equal(p, q) for p, q in zip(params, mine.parameters()))
+    off.step()                                   # no gradient left: nothing to do
+    assert off.step_count == 4 and not off.last_step_skipped
+    with pytest.raises(OptimizerError, match="grad_scale"):
+        off.step(grad_scale=-1.0)
+    # refused with gradients waiting: they stay for the next step
+    def refused_then_applied():
+        with pytest.raises(OptimizerError, match="grad_scale"):
+            off.step(grad_scale=float("nan"))
+        off.step(grad_scale=8.0)
+    train(mine, off, data[:1], scale=8.0, step=refused_then_applied)
+    train(ref, ref_opt, data[:1])
+    assert off.step_count == 5
+    assert_same_params(mine, ref)
+    off.close()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
+def test_clip_grad_norm_matches_torch(norm_type):
+    data = batches(4)
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(mine.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    norms = ([], [])
+    train(mine, off, data, scale=64.0, step=lambda: off.step(grad_scale=64.0),
+          clip=lambda: norms[0].append(off.clip_grad_norm_(0.05, norm_type,
+                                                           grad_scale=64.0)))
+    train(ref, ref_opt, data, clip=lambda: norms[1].append(
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)))
+    torch.testing.assert_close(torch.stack(norms[0]), torch.stack(norms[1]), rtol=1e-5,
+                               atol=0)
+    assert all(n > 0.05 for n in norms[1])          # every step was clipped
+    assert_same_params(mine, ref)
+    off.close()
+
+
+def test_clip_grad_norm_of_non_finite_or_no_gradients():
+    model = make_model()
+    off = OffloadedAdam(model.parameters(), lr=1e-2)
+    assert float(off.clip_grad_norm_(1.0)) == 0.0       # no gradient yet
+    x, y = batches(1)[0]
+    (torch.nn.functional.mse_loss(model(x), y) * float("nan")).backward()
+    with pytest.raises(OptimizerError, match="non-finite"):
+        off.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    assert not torch.isfinite(off.clip_grad_norm_(1.0))
+    with pytest.raises(OptimizerError, match="max_norm"):
+        off.clip_grad_norm_(-1.0)
+    before = off.master.copy()
+    off.step(check_finite=True)                         # left as they were: skipped
+    assert off.last_step_skipped and np.array_equal(before, off.master)
+    off.close()
+
+
+def test_what_the_host_buffers_cannot_follow_is_refused():
+    model = make_model()
+    off = OffloadedAdam(model.parameters(), lr=1e-2)
+    with pytest.raises(OptimizerError, match="after construction"):
+        off.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert len(off.param_groups) == 1
+    for copier in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="state_dict"):
+            copier(off)
+    off.close()
+    with pytest.raises(OptimizerError, match="group 0: maximize"):
+        OffloadedAdam([{"params": model.parameters(), "maximize": True}])
+    with pytest.raises(OptimizerError, match="decoupled_weight_decay"):
+        OffloadedAdam(model.parameters(), adamw="yes")
+    arena = rtmem.HostArena(1 << 20)
+    OffloadedAdam(model.parameters(), host_arena=arena).close()
+    assert arena.stats().allocated_bytes == 0
+    arena.close()
