@@ -301,3 +301,100 @@ def test_what_the_host_buffers_cannot_follow_is_refused():
     OffloadedAdam(model.parameters(), host_arena=arena).close()
     assert arena.stats().allocated_bytes == 0
     arena.close()
+
+
+def test_state_dict_hooks_run_and_loaded_groups_are_copies():
+    model = make_model()
+    off = OffloadedAdam(model.parameters(), lr=torch.tensor(1e-2))
+    train(model, off, batches(1))
+    calls = []
+    off.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    off.register_state_dict_post_hook(lambda o, sd: {**sd, "tag": calls.append("post")})
+    off.register_load_state_dict_pre_hook(
+        lambda o, sd: calls.append("load-pre") or {**sd, "step_count": 7})
+    off.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    saved = off.state_dict()
+    assert "tag" in saved and calls == ["pre", "post"]
+    other = OffloadedAdam(make_model().parameters())
+    other.register_load_state_dict_pre_hook(lambda o, sd: {**sd, "step_count": 7})
+    other.load_state_dict(saved)
+    assert other.step_count == 7
+    # a tensor lr is copied, as torch does: a scheduler's in-place fill_ on one
+    # optimizer's lr does not reach the other's (or the saved dict's)
+    other.param_groups[0]["lr"].fill_(0.5)
+    assert float(saved["param_groups"][0]["lr"]) == float(off.param_groups[0]["lr"]) == \
+        float(torch.tensor(1e-2))
+    off.load_state_dict(saved)
+    assert calls[-2:] == ["load-pre", "load-post"]
+    other.close()
+    off.close()
+
+
+def test_clip_grad_norm_edge_orders_and_finite_overflowing_gradients():
+    # the 0-"norm" counts non-zero gradients: a loss scale does not change it
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(mine.parameters())
+    x, y = batches(1)[0]
+    (torch.nn.functional.mse_loss(mine(x), y) * 8.0).backward()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, 0)
+    assert float(off.clip_grad_norm_(1e9, 0, grad_scale=8.0)) == float(want) > 0
+    off.zero_grad()
+    # finite gradients of 1e20 (a loss spike): their float32 norm overflows, but
+    # they are clipped with the float64 norm, not applied unclipped (and not
+    # zeroed, as torch's inf norm does)
+    (torch.nn.functional.mse_loss(mine(x), y) * 1e20).backward()
+    grads = off._grad_t.double().clone()
+    norm = off.clip_grad_norm_(1.0)
+    torch.testing.assert_close(float(norm), float(torch.linalg.vector_norm(grads)), rtol=1e-6,
+                               atol=0)
+    torch.testing.assert_close(torch.linalg.vector_norm(off._grad_t.double()),
+                               torch.tensor(1.0, dtype=torch.float64), rtol=1e-5, atol=0)
+    off.step(check_finite=True)
+    assert not off.last_step_skipped and off.exp_avg_sq.max() < 1.0
+    off.close()
+
+
+def test_state_holds_live_views_and_checkpoint_utilities_see_it():
+    model = make_model()
+    off = OffloadedAdam(model.parameters(), lr=1e-2)
+    assert not off.state
+    train(model, off, batches(2))
+    p = model[0].weight
+    st = off.state[p]
+    assert float(st["step"]) == 2 and st["exp_avg"].shape == p.shape
+    assert torch.equal(st["exp_avg"], off.state_dict()["state"][0]["exp_avg"])
+    before = st["exp_avg"].clone()
+    train(model, off, batches(1, seed=5))
+    assert float(off.state[p]["step"]) == 3 and not torch.equal(st["exp_avg"], before)
+    # torch.distributed.checkpoint "initializes" an optimizer with an empty
+    # state by stepping it with zero gradients: that must not happen here
+    dcp = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+    steps = off.steps.copy()
+    sd = dcp.get_optimizer_state_dict(model, off)
+    assert np.array_equal(off.steps, steps) and "0.weight" in sd["state"]
+    off.close()
+    assert not off.state
+
+
+def test_an_optimizer_dropped_without_close_frees_its_buffers_in_the_callers_arena():
+    import gc
+    model = make_model()
+    arena = rtmem.HostArena(1 << 20)
+    for _ in range(3):
+        off = OffloadedAdam(model.parameters(), host_arena=arena)
+        train(model, off, batches(1))
+        del off
+        gc.collect()
+        assert arena.stats().allocated_bytes == 0
+    arena.close()
+
+
+def test_empty_param_groups():
+    model = make_model()
+    off = OffloadedAdam([{"params": []}, {"params": model.parameters(), "lr": 1e-2}])
+    train(model, off, batches(1))
+    assert off.steps.tolist() == [1] * 6
+    off.close()
+    with pytest.raises(OptimizerError, match="every param group is empty"):
+        OffloadedAdam([{"params": []}])

@@ -53,6 +53,7 @@ numerics are tested on any machine.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import numpy as np
@@ -245,9 +246,10 @@ def _disown(params, ref) -> None:
             del _owners[p]
 
 
-def _drop(hooks, params, ref, arena) -> None:
+def _drop(hooks, params, ref, arena, bufs=(), streams=None) -> None:
     """Finalizer of an OffloadedAdam dropped without close(): remove its hooks and
-    ownership (a new optimizer may take the parameters) and close its own arena.
+    ownership (a new optimizer may take the parameters), then, once its copies
+    are done, close its own ``arena`` or free its ``bufs`` in the caller's.
 
     An optimizer caught in a reference cycle (a traceback holding it) is finalized
     by a garbage collection, which may start while rtmem holds the backend's
@@ -256,8 +258,19 @@ def _drop(hooks, params, ref, arena) -> None:
     for h in hooks:
         h.remove()
     _disown(params, ref)
-    if arena is not None:
-        run_or_defer(arena.close)
+    if arena is None and not bufs:
+        return
+
+    def free_all():
+        for stream in streams or ():      # no copy may still use the buffers
+            stream.synchronize()
+        if arena is not None:
+            arena.close()
+        else:
+            for b in bufs:
+                if not b.is_freed:
+                    b.free()
+    run_or_defer(free_all)
 
 
 class OffloadedAdam(torch.optim.Optimizer):
@@ -301,9 +314,12 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     The fp32 master weights are the parameters' values of record: a change made
     to a parameter after construction is overwritten by the next step unless
-    :meth:`load_state_dict` takes it in. ``state`` stays empty: the moments
-    live in the host arena (:attr:`master`, :attr:`exp_avg`, :attr:`exp_avg_sq`,
-    flat float32 arrays in parameter order) and :meth:`state_dict` copies them.
+    :meth:`load_state_dict` takes it in. The master weights and moments live in
+    the host arena (:attr:`master`, :attr:`exp_avg`, :attr:`exp_avg_sq`: flat
+    float32 arrays in parameter order); ``state[p]`` of a parameter that has
+    stepped holds its ``step`` and CPU tensor views of them (shaped like ``p``),
+    as ``torch.optim.Adam``'s would, and :meth:`state_dict` copies them. A
+    closed optimizer's ``state`` is empty.
 
     Attributes
     ----------
@@ -330,6 +346,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         groups = _param_groups(params, defaults)
         flat = [p for g in groups for p in g["params"]]
         flat = [e[1] if isinstance(e, tuple) else e for e in flat]
+        if not flat:
+            raise OptimizerError("every param group is empty; pass the model's "
+                                 "parameters", argument="params")
         dtypes = {p.dtype for p in flat}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _FORMATS:
             raise OptimizerError(f"all parameters must share one dtype among float32, "
@@ -383,7 +402,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             raise
         self._finalizer = weakref.finalize(
             self, _drop, self._hooks, self.params, self._ref,
-            self.arena if self._own_arena else None)
+            self.arena if self._own_arena else None, self._bufs, self._streams)
 
     def add_param_group(self, param_group) -> None:
         """Refused after construction: the host buffers are sized for the
@@ -577,6 +596,25 @@ class OffloadedAdam(torch.optim.Optimizer):
         for k in zeroed:
             self._grad_t[int(self.offsets[k]):int(self.offsets[k + 1])].zero_()
 
+    def _sync_state(self) -> None:
+        """``state[p]`` as ``torch.optim.Adam`` keeps it, for every parameter that
+        has stepped: ``step`` and live views of its ``exp_avg``, ``exp_avg_sq``
+        and ``master`` in the host arena (pinned views: a free waits for any
+        still held). Code that takes an empty ``state`` for an optimizer never
+        stepped sees the truth (torch.distributed.checkpoint "initializes" one
+        by stepping it with zero gradients)."""
+        for k, p in enumerate(self.params):
+            if not self.steps[k]:
+                self.state.pop(p, None)
+                continue
+            st = self.state.get(p)
+            if st is None:
+                lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+                st = self.state[p] = {
+                    key: torch.from_numpy(buf.numpy(pin=True)[lo:hi]).view(p.shape)
+                    for key, buf in zip(("master", "exp_avg", "exp_avg_sq"), self._bufs)}
+            st["step"] = torch.tensor(float(self.steps[k]), dtype=torch.float32)
+
     def _consume(self) -> None:
         """A step's end, applied or skipped: the gradients are used up."""
         self._fresh = [True] * len(self.params)
@@ -645,6 +683,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             torch.cuda.current_stream().wait_stream(h2d)
         self.steps[[k for k, f in enumerate(fresh) if not f]] += 1
         self.step_count += 1
+        self._sync_state()
         self._consume()
         return loss
 
@@ -660,10 +699,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``grad_scale``: the loss scale the gradients carry; the norm is that of
         the unscaled gradients (what torch computes after
         ``GradScaler.unscale_``), and the gradients keep their scale for
-        ``step(grad_scale=...)``. A non-finite total norm raises OptimizerError
-        with ``error_if_nonfinite=True``; otherwise the gradients are left
-        unscaled (torch would multiply them by nan or 0), so a step with the
-        finite check skips them."""
+        ``step(grad_scale=...)``. Finite gradients whose float32 norm overflows
+        (a loss spike, or the scale still in them) are normed in float64 and
+        clipped (torch's inf norm would zero them). Non-finite gradients give a
+        non-finite norm: OptimizerError with ``error_if_nonfinite=True``; else
+        they are left as they are (torch would multiply them by nan), so a step
+        with the finite check skips them."""
         self._check_open("clip_grad_norm_")
         if not float(max_norm) >= 0:    # a negative one would flip the gradients
             raise OptimizerError(f"max_norm must be >= 0, got {max_norm!r}",
@@ -677,10 +718,19 @@ class OffloadedAdam(torch.optim.Optimizer):
                  for k, f in enumerate(fresh) if not f]
         if not grads:
             return torch.tensor(0.0)
-        total = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                         for g in grads]), norm_type) / scale
-        if not torch.isfinite(total):
+        norms = []
+        for g in grads:
+            n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+            if not torch.isfinite(n) and bool(torch.isfinite(g).all()):
+                # finite gradients whose norm overflowed float32 (a loss spike, or
+                # the loss scale still in them): the float64 norm is finite
+                n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
+            norms.append(n.double())
+        total64 = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if norm_type != 0:              # the 0-"norm" counts non-zeros: no scale in it
+            total64 = total64 / scale
+        total = total64.float()
+        if not torch.isfinite(total64):
             if error_if_nonfinite:
                 raise OptimizerError(
                     f"the total norm {float(total)} of order {norm_type} of the "
@@ -688,7 +738,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                     f"error_if_nonfinite=False to go on (a step with the finite check "
                     f"then skips them)", argument="grads")
             return total
-        coef = float(max_norm) / (float(total) + 1e-6)     # torch's epsilon
+        coef = float(max_norm) / (float(total64) + 1e-6)   # torch's epsilon
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
@@ -702,6 +752,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``skipped_steps``. Tensors are CPU float32 copies, never views of the
         host arena. The flushed gradients are not part of it."""
         self._check_open("state_dict")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         state, groups, index = {}, [], 0
         for group in self.param_groups:
             packed = {key: value for key, value in group.items() if key != "params"}
@@ -716,8 +768,13 @@ class OffloadedAdam(torch.optim.Optimizer):
             for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq),
                               ("master", self.master)):
                 state[k][key] = torch.from_numpy(flat[lo:hi].copy()).view(p.shape)
-        return {"state": state, "param_groups": groups, "step_count": self.step_count,
-                "skipped_steps": self.skipped_steps}
+        state_dict = {"state": state, "param_groups": groups,
+                      "step_count": self.step_count, "skipped_steps": self.skipped_steps}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict) -> None:
         """Load a state dict of this class or of ``torch.optim.Adam``/``AdamW``
@@ -728,12 +785,20 @@ class OffloadedAdam(torch.optim.Optimizer):
         changes; a refused dict leaves the optimizer as it was. Flushed
         gradients are kept."""
         self._check_open("load_state_dict")
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()      # shallow, as torch: hooks may edit it
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
         if not isinstance(state_dict, dict) or \
                 not {"state", "param_groups"} <= set(state_dict):
             raise OptimizerError("state_dict must be a dict with 'state' and "
                                  "'param_groups', as returned by state_dict()",
                                  argument="state_dict")
-        saved_groups = list(state_dict["param_groups"])
+        # deep-copied as torch does: a tensor lr (which schedulers fill_ in place)
+        # must not stay shared with the dict or the optimizer it came from
+        saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
         if not all(isinstance(s, dict) for s in saved_groups) or \
                 not isinstance(state_dict["state"], dict) or \
                 not all(isinstance(st, dict) for st in state_dict["state"].values()):
@@ -807,6 +872,9 @@ class OffloadedAdam(torch.optim.Optimizer):
             group.clear()
             group.update(merged)
         self.step_count, self.skipped_steps = counts
+        self._sync_state()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -854,6 +922,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Free the host buffers and close the arena if this optimizer made it.
         No view of the freed memory may outlive it (a later step would write into
         whatever the arena hands out next)."""
+        self.state.clear()
         self._grad_t = self._stage_t = None
         self.master = self.exp_avg = self.exp_avg_sq = None
         self._grad_np = self._stage_np = self._update = None
