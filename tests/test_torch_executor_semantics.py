@@ -1031,3 +1031,65 @@ def test_a_frozen_prefix_gets_no_input_gradients_as_in_plain_autograd(text):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     assert _RecordNeeds.calls == [True, True]   # stage 2's Recorder, in both runs
+
+
+def _autocast_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU()),
+                         nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("text", [
+    # abar2 holds linear's saved bf16 cast of stage 1's weight: its delete freed
+    # autocast's cached copy, which the recomputation F_ck 1 then read as 0 bytes
+    "F_ck 0, F_all 1, offload abar2, delete abar2, F_ck 1, F_all 2, L, B 2, "
+    "prefetch abar2, B 1, F_all 0, B 0",
+    "F_ck 0, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0",
+    "F_all 0, F_all 1, offload abar1, delete abar1, F_all 2, L, B 2, prefetch abar1, "
+    "B 1, B 0"])
+def test_autocast_casts_of_weights_are_model_state_not_activations(text):
+    # two micro-batches in one autocast region: autocast hands its cached cast of
+    # each weight to every forward in the region, recomputations included
+    sched = _sched(text, 3)
+    ref, m = _autocast_model(), _autocast_model()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(4, (8,), generator=g))
+               for _ in range(2)]
+    loss_fn = nn.functional.cross_entropy
+    ex = ScheduleExecutor(m, sched, loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for x, y in batches:
+            ref_loss = loss_fn(ref(x), y)
+            ref_loss.backward()
+            loss = ex.step(x, y)
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=0)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_step_with_gradients_disabled_is_refused():
+    # F_all, L and B enable gradients themselves: under no_grad a "validation"
+    # step added its gradients to the next optimizer step's
+    model = _autocast_model()
+    ex = ScheduleExecutor(model, store_all_schedule(3), nn.functional.cross_entropy)
+    x, y = torch.randn(8, 16), torch.randint(4, (8,))
+    for off in (torch.no_grad, lambda: torch.set_grad_enabled(False)):
+        with off(), pytest.raises(ExecutionError, match="gradients disabled"):
+            ex.step(x, y)
+        assert torch.is_grad_enabled()
+    assert all(p.grad is None for p in model.parameters())
+    ex.step(x, y)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_g_offload_of_a_sparse_gradient_is_refused_by_name():
+    # _to_host read the storage of a sparse tensor (NotImplementedError)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16, sparse=True),
+                          nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
+    sched = _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0, g_offload 0", 3)
+    ex = ScheduleExecutor(model, sched, mse)
+    tok, tgt = torch.randint(50, (4, 6)), torch.randn(4, 6, 4)
+    with pytest.raises(ExecutionError, match="g_offload 0: parameter '0.weight'.*sparse"):
+        ex.step(tok, tgt)
+    assert model[0].weight.grad.layout == torch.sparse_coo     # left where it was

@@ -19,7 +19,7 @@ import torch
 
 from rtmem.planners import Op
 
-from ._stages import _storage_ptrs, _storages
+from ._stages import ExecutionError, _storage_ptrs, _storages
 
 
 def _used_on(storages, stream):
@@ -245,6 +245,14 @@ class _HostSide:
         params = [p for p in self._stage_params[i] if p.grad is not None]
         if not params:
             return
+        for p in params:
+            if p.grad.layout != torch.strided:   # refused before any copy is made
+                raise ExecutionError(
+                    f"g_offload {i}: parameter {self._param_names.get(p, '?')!r} has a "
+                    f"{p.grad.layout} gradient (e.g. nn.Embedding(sparse=True)), and "
+                    f"g_offload copies dense ones: make the layer produce dense "
+                    f"gradients, or keep stage {i}'s gradients on the device (no "
+                    f"g_offload {i} in the schedule)")
         host, event = self._to_host([p.grad for p in params])
         for p, h in zip(params, host):
             p.grad = None   # freed behind the copy (_to_host marked it used there)

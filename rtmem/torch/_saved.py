@@ -22,7 +22,7 @@ class _SavedHooks:
     tensors the graph keeps as they are (the stored abar's saved tensors)."""
 
     __slots__ = ("executor", "i", "state", "x_key", "x_version", "x_dtype", "x_layout",
-                 "saved")
+                 "saved", "cached_casts")
 
     def __init__(self, executor, i: int, x: torch.Tensor):
         self.executor, self.i = executor, i
@@ -33,6 +33,9 @@ class _SavedHooks:
         self.x_key, self.x_version, self.x_dtype = _input_key(x), x._version, x.dtype
         # how x lies in its storage (tuples of ints: the collector stops tracking them)
         self.x_layout = _layout(x)
+        # asked here: inside an op (where pack runs) autocast reads as disabled
+        self.cached_casts = (torch.is_autocast_enabled(x.device.type)
+                             and torch.is_autocast_cache_enabled())
         self.saved = []
 
     def pack(self, t: torch.Tensor):
@@ -50,6 +53,14 @@ class _SavedHooks:
             return (base, t.size(), t.stride(), t.storage_offset(), base._version)
         if _rederived_input(t, t._version, self.x_key, self.x_version, self.x_dtype):
             return (self.i, t.size(), t.stride(), t.storage_offset())   # a view of a_i
+        if self.cached_casts and _param_cast(t, self.executor._param_names):
+            # autocast's cached cast of a parameter (linear saves w_bf16.t()): the
+            # cache holds it for the whole autocast region and hands it to every
+            # later forward reading the parameter (a recomputation, a tied weight,
+            # the next step in the region), so it is model state, not an activation
+            # of abar_{i+1}: an offload + delete must not free it (resize_(0) left
+            # the cache a 0-byte tensor: "setStorage ... out of bounds")
+            return (t, t._version)
         self.saved.append(t)
         return (t, t._version)
 
@@ -92,6 +103,18 @@ class _SavedHooks:
             buf[where.as_strided(x_size, x_stride, x_offset)] = src
             src = buf
         return src.as_strided(size, stride, offset)
+
+
+def _param_cast(t: torch.Tensor, params) -> bool:
+    """Whether ``t`` is (a view of) a dtype cast of one of ``params`` (what
+    autocast makes and caches for a parameter)."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    src = fn.next_functions[0][0]
+    return src is not None and type(src).__name__ == "AccumulateGrad" \
+        and src.variable in params
 
 
 def _layout(x: torch.Tensor) -> tuple:

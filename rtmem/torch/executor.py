@@ -264,6 +264,13 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
                 "step() trains, so it cannot run under torch.inference_mode() or on an "
                 "inference tensor (autograd refuses to record them); call it outside "
                 "inference_mode, with a batch made (or cloned) outside it")
+        if not torch.is_grad_enabled():
+            # F_all, L and B enable grad themselves: under no_grad() the step would
+            # silently accumulate gradients, where loss.backward() raises
+            raise ExecutionError(
+                "step() trains (it accumulates parameter gradients), so it cannot run "
+                "with gradients disabled (torch.no_grad(), set_grad_enabled(False)); for "
+                "a validation loss call loss_fn(model(inputs), target) under no_grad")
         # a placement may have been made after __init__
         check_placement(self._stage_params, self._moves, self._param_names)
         if inputs.device.type == "cuda" and self.host_arena is not None and \
