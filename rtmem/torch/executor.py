@@ -145,7 +145,10 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         parameters placed in an arena (NOTE [ Executor ] rule 5; placement is
         checked again at every step).
     loss_fn:
-        ``loss_fn(output, target) -> scalar tensor``.
+        ``loss_fn(output, target) -> scalar tensor``. It runs at the schedule's
+        ``L``, where a weight the schedule has moved off the device
+        (``w_offload``, ``w_delete``) is an empty placeholder: a loss term on a stage's
+        weights (an L2 penalty) needs a schedule that keeps them there.
     preserve_rng_state:
         Replay recomputations with the RNG state of the first execution (needed
         for dropout; costs a state copy per stage).
