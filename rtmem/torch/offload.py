@@ -596,14 +596,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         for k in zeroed:
             self._grad_t[int(self.offsets[k]):int(self.offsets[k + 1])].zero_()
 
-    def _sync_state(self) -> None:
+    def _sync_state(self, ks=None) -> None:
         """``state[p]`` as ``torch.optim.Adam`` keeps it, for every parameter that
         has stepped: ``step`` and live views of its ``exp_avg``, ``exp_avg_sq``
         and ``master`` in the host arena (pinned views: a free waits for any
         still held). Code that takes an empty ``state`` for an optimizer never
         stepped sees the truth (torch.distributed.checkpoint "initializes" one
-        by stepping it with zero gradients)."""
-        for k, p in enumerate(self.params):
+        by stepping it with zero gradients). ``ks``: the parameters whose step
+        changed (default: all)."""
+        for k in range(len(self.params)) if ks is None else ks:
+            p = self.params[k]
             if not self.steps[k]:
                 self.state.pop(p, None)
                 continue
@@ -613,7 +615,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 st = self.state[p] = {
                     key: torch.from_numpy(buf.numpy(pin=True)[lo:hi]).view(p.shape)
                     for key, buf in zip(("master", "exp_avg", "exp_avg_sq"), self._bufs)}
-            st["step"] = torch.tensor(float(self.steps[k]), dtype=torch.float32)
+                st["step"] = torch.zeros((), dtype=torch.float32)
+            st["step"].fill_(float(self.steps[k]))
 
     def _consume(self) -> None:
         """A step's end, applied or skipped: the gradients are used up."""
@@ -681,9 +684,10 @@ class OffloadedAdam(torch.optim.Optimizer):
                         self._upload(a, b)
         if h2d is not None:                       # rule 3
             torch.cuda.current_stream().wait_stream(h2d)
-        self.steps[[k for k, f in enumerate(fresh) if not f]] += 1
+        updated = [k for k, f in enumerate(fresh) if not f]
+        self.steps[updated] += 1
         self.step_count += 1
-        self._sync_state()
+        self._sync_state(updated)
         self._consume()
         return loss
 
