@@ -21,7 +21,8 @@ except ImportError as e:
 from .buffer import Buffer
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
-from .optim import (_STATE_KEYS, _check_hyper, _check_num_threads, _check_step_disjoint,
+from .optim import (_STATE_KEYS, _check_adam_keys, _check_group_hyper, _check_hyper,
+                    _check_num_threads, _check_state_dict, _check_step_disjoint,
                     _checked_step, _coefficients, _host_view, _named, _run_step)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
@@ -329,11 +330,7 @@ class CPUAdam(torch.optim.Optimizer):
         optimizer as it was."""
         # torch installs new state and group dicts; the checks below run after
         # it, so keep the old ones to put back.
-        if not isinstance(state_dict, dict) or \
-                not {"state", "param_groups"} <= set(state_dict):
-            raise OptimizerError("state_dict must be a dict with 'state' and "
-                                 "'param_groups', as returned by state_dict()",
-                                 argument="state_dict")
+        _check_state_dict(state_dict)
         old_state, old_groups = self.state, self.param_groups
         try:
             self._load_checked(state_dict)
@@ -344,18 +341,8 @@ class CPUAdam(torch.optim.Optimizer):
     def _load_checked(self, state_dict):
         super().load_state_dict(state_dict)
         for gi, group in enumerate(self.param_groups):
-            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in group]
-            if missing:     # e.g. an SGD state dict (a bare KeyError before)
-                raise OptimizerError(
-                    f"group {gi} of the state dict has no {', '.join(missing)}: it is "
-                    f"not an Adam state dict; load one saved by CPUAdam, CPUAdamW or "
-                    f"torch.optim.Adam/AdamW", argument="state_dict")
-            try:
-                _check_hyper(group["lr"], group["betas"], group["eps"],
-                             group["weight_decay"])
-            except OptimizerError as exc:
-                raise OptimizerError(f"group {gi} of the state dict: {exc}",
-                                     argument=exc.argument) from None
+            _check_adam_keys(gi, group)
+            _check_group_hyper(f"group {gi} of the state dict", group)
             self._check_decoupled(group["decoupled_weight_decay"],
                                   f"group {gi}: decoupled_weight_decay")
             for pi, p in enumerate(group["params"]):

@@ -57,6 +57,35 @@ def _check_hyper(lr, betas, eps, weight_decay):
                       weight_decay=weight_decay)
 
 
+def _check_group_hyper(where: str, group: dict) -> None:
+    """:func:`_check_hyper` of a param group's values, its error prefixed by
+    ``where`` (the group)."""
+    try:
+        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    except OptimizerError as exc:
+        raise OptimizerError(f"{where}: {exc}", argument=exc.argument) from None
+
+
+def _check_state_dict(state_dict) -> None:
+    """OptimizerError unless ``state_dict`` has the torch optimizer layout."""
+    if not isinstance(state_dict, dict) or \
+            not {"state", "param_groups"} <= set(state_dict):
+        raise OptimizerError("state_dict must be a dict with 'state' and "
+                             "'param_groups', as returned by state_dict()",
+                             argument="state_dict")
+
+
+def _check_adam_keys(gi: int, group: dict) -> None:
+    """OptimizerError unless group ``gi`` of a loaded state dict has Adam's
+    hyperparameters (an SGD dict has no betas: a bare KeyError otherwise)."""
+    missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in group]
+    if missing:
+        raise OptimizerError(
+            f"group {gi} of the state dict has no {', '.join(missing)}: it is not an "
+            f"Adam state dict; load one saved by CPUAdam, CPUAdamW, OffloadedAdam or "
+            f"torch.optim.Adam/AdamW", argument="state_dict")
+
+
 def _host_view(x, name):
     """``x`` itself, or for an rtmem :class:`~rtmem.Buffer` a zero-copy numpy view
     of its host-addressable bytes that pins the buffer while the view lives

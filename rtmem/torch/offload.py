@@ -63,8 +63,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rtmem._deferred import run_or_defer, track
 from rtmem.errors import OptimizerError
 from rtmem.kernels.adam import _unscale_factor, prepare_update, threads
-from rtmem.optim import (_check_hyper, _check_num_threads, _checked_step, _coefficients,
-                         _first_overlap)
+from rtmem.optim import (_check_adam_keys, _check_group_hyper, _check_num_threads,
+                         _check_state_dict, _checked_step, _coefficients, _first_overlap)
 
 from .bridge import as_tensor, numpy_dtype
 
@@ -162,10 +162,7 @@ _UNSUPPORTED = ("amsgrad", "maximize")
 
 def _check_group(where: str, group: dict) -> None:
     """OptimizerError unless ``group`` holds hyperparameters this optimizer runs."""
-    try:
-        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-    except OptimizerError as exc:
-        raise OptimizerError(f"{where}: {exc}", argument=exc.argument) from None
+    _check_group_hyper(where, group)
     if not isinstance(group["decoupled_weight_decay"], (bool, np.bool_)):
         raise OptimizerError(f"{where}: decoupled_weight_decay="
                              f"{group['decoupled_weight_decay']!r} must be True or False",
@@ -344,8 +341,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         _check_group("OffloadedAdam", defaults)
         defaults["betas"] = tuple(betas)
         groups = _param_groups(params, defaults)
-        flat = [p for g in groups for p in g["params"]]
-        flat = [e[1] if isinstance(e, tuple) else e for e in flat]
+        flat = [e[1] if isinstance(e, tuple) else e for g in groups for e in g["params"]]
         if not flat:
             raise OptimizerError("every param group is empty; pass the model's "
                                  "parameters", argument="params")
@@ -460,15 +456,19 @@ class OffloadedAdam(torch.optim.Optimizer):
             _owners[p] = self._ref
 
     # ------------------------------------------------------------ internals
+    def _span(self, k: int) -> tuple:
+        """Parameter k's element range ``(lo, hi)`` in the flat host arrays."""
+        return int(self.offsets[k]), int(self.offsets[k + 1])
+
     def _slices(self):
         for k, p in enumerate(self.params):
-            yield p, int(self.offsets[k]), int(self.offsets[k + 1])
+            yield (p, *self._span(k))
 
     def _flush(self, k: int, p) -> None:
         """Parameter k's gradient hook: move ``p.grad`` to the host."""
         if p.grad is None:
             return
-        lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+        lo, hi = self._span(k)
         _check_grad(k, p, hi - lo)
         g = p.grad.reshape(-1)
         fresh = self._fresh[k]
@@ -503,7 +503,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         done = self._partial.pop(k)
         if done is not None:
             done.synchronize()
-        lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+        lo, hi = self._span(k)
         self._grad_t[lo:hi].add_(self._stage_t[lo:hi])
 
     def _upload(self, lo: int, hi: int):
@@ -517,7 +517,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         k = int(np.searchsorted(self.offsets, lo, side="right")) - 1
         while k < len(self.params) and self.offsets[k] < hi:
             p = self.params[k]
-            start, end = int(self.offsets[k]), int(self.offsets[k + 1])
+            start, end = self._span(k)
             a, b = max(lo, start), min(hi, end)
             dst = p.data
             if dst.is_contiguous():
@@ -532,7 +532,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Refuse a step, before anything changes, if a parameter no longer matches
         the host state made for it (its data replaced since construction)."""
         for k, p in enumerate(self.params):
-            size = int(self.offsets[k + 1] - self.offsets[k])
+            lo, hi = self._span(k)
+            size = hi - lo
             if p.dtype != self.dtype or p.numel() != size:
                 raise OptimizerError(
                     f"parameter {k} is now {p.dtype} with {p.numel()} elements (shape "
@@ -555,7 +556,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             if f:
                 continue
             key = (self._group_of[k], int(self.steps[k]) + 1)
-            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            lo, hi = self._span(k)
             if runs and runs[-1][1] == lo and runs[-1][2:] == key:
                 runs[-1][1] = hi
             else:
@@ -594,7 +595,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         for k in list(self._partial):             # before the staging buffer is reused
             self._settle(k)
         for k in zeroed:
-            self._grad_t[int(self.offsets[k]):int(self.offsets[k + 1])].zero_()
+            self._grad_t[slice(*self._span(k))].zero_()
 
     def _sync_state(self, ks=None) -> None:
         """``state[p]`` as ``torch.optim.Adam`` keeps it, for every parameter that
@@ -611,7 +612,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 continue
             st = self.state.get(p)
             if st is None:
-                lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+                lo, hi = self._span(k)
                 st = self.state[p] = {
                     key: torch.from_numpy(buf.numpy(pin=True)[lo:hi]).view(p.shape)
                     for key, buf in zip(("master", "exp_avg", "exp_avg_sq"), self._bufs)}
@@ -653,10 +654,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             return loss
         runs = self._runs(fresh)
         # one coefficient vector per (group, step), all computed (validated) first
-        coeffs = {key: _coefficients(self.param_groups[key[0]], key[1],
-                                     bool(self.param_groups[key[0]]["decoupled_weight_decay"]),
-                                     grad_scale)
-                  for key in {tuple(r[2:]) for r in runs}}
+        coeffs = {}
+        for _, _, gi, s in runs:
+            if (gi, s) not in coeffs:
+                group = self.param_groups[gi]
+                coeffs[gi, s] = _coefficients(group, s, bool(group["decoupled_weight_decay"]),
+                                              grad_scale)
         if check_finite is None:
             check_finite = grad_scale is not None
         self._gather(pending, zeroed)
@@ -718,8 +721,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._check_params()
         pending, fresh, zeroed = self._with_gradient()
         self._gather(pending, zeroed)
-        grads = [self._grad_t[int(self.offsets[k]):int(self.offsets[k + 1])]
-                 for k, f in enumerate(fresh) if not f]
+        grads = [self._grad_t[slice(*self._span(k))] for k, f in enumerate(fresh) if not f]
         if not grads:
             return torch.tensor(0.0)
         norms = []
@@ -765,13 +767,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             index += len(group["params"])
             groups.append(packed)
         for k, p in enumerate(self.params):
-            if not self.steps[k]:
-                continue                         # as torch: no state before a step
-            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
-            state[k] = {"step": torch.tensor(float(self.steps[k]), dtype=torch.float32)}
-            for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq),
-                              ("master", self.master)):
-                state[k][key] = torch.from_numpy(flat[lo:hi].copy()).view(p.shape)
+            if p in self.state:                  # as torch: no state before a step
+                state[k] = {key: t.clone() for key, t in self.state[p].items()}
         state_dict = {"state": state, "param_groups": groups,
                       "step_count": self.step_count, "skipped_steps": self.skipped_steps}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -795,11 +792,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 result = pre_hook(self, state_dict)
                 if result is not None:
                     state_dict = result
-        if not isinstance(state_dict, dict) or \
-                not {"state", "param_groups"} <= set(state_dict):
-            raise OptimizerError("state_dict must be a dict with 'state' and "
-                                 "'param_groups', as returned by state_dict()",
-                                 argument="state_dict")
+        _check_state_dict(state_dict)
         # deep-copied as torch does: a tensor lr (which schedulers fill_ in place)
         # must not stay shared with the dict or the optimizer it came from
         saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
@@ -821,12 +814,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             merged = {**group, **{key: value for key, value in saved.items()
                                   if key not in ("params", "param_names")}}
-            missing = [key for key in ("lr", "betas", "eps", "weight_decay")
-                       if key not in saved]
-            if missing:          # e.g. an SGD state dict
-                raise OptimizerError(
-                    f"group {gi} of the state dict has no {', '.join(missing)}: it is "
-                    f"not an Adam state dict", argument="state_dict")
+            _check_adam_keys(gi, saved)
             _check_group(f"group {gi} of the state dict", merged)
             groups.append(merged)
         # saved index -> this optimizer's parameter (the same order, group by group)
@@ -865,7 +853,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                   _checked_step(state_dict.get("skipped_steps", 0), "skipped_steps"))
         # checked: now change things
         for k, p in enumerate(self.params):
-            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            lo, hi = self._span(k)
             step, m, v, master = arrays.get(k, (0, None, None, None))
             self.master[lo:hi] = (master if master is not None else
                                   p.detach().reshape(-1).float().cpu().numpy())
