@@ -500,6 +500,30 @@ def test_copy_of_a_released_slab_is_refused(fake, backend):
         backend.copy_async(h.slabs[0], 0, slab, 0, 16, None)   # ... and the backend
 
 
+def test_a_failed_copy_is_a_backend_error_and_changes_nothing(fake, backend, monkeypatch):
+    d = DeviceArena(1 << 20, backend=backend)
+    h = HostArena(1 << 20, backend=backend)
+    b = d.alloc(shape=(1000,), dtype=np.float32, kind="weight")
+    _device_view(fake, b)[:] = np.random.default_rng(3).standard_normal(1000, np.float32)
+    def state():   # what a failed copy must leave as it was (not the op counters)
+        return (b.to_numpy().tobytes(), b.residency,
+                *((s.allocated_bytes, s.reserved_bytes, s.live_blocks, s.bytes_by_kind)
+                  for s in (d.stats(), h.stats())))
+    before = state()
+
+    def sticky(*args):
+        raise _fake_cupy.CUDARuntimeError(700)    # an earlier kernel's illegal address
+    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", sticky)
+    with pytest.raises(BackendError, match="cudaMemcpyAsync of 4,000 bytes.*earlier kernel"):
+        T.offload(b, arena=h)
+    monkeypatch.undo()
+    assert state() == before
+    T.offload(b, arena=h)                          # the next copy works
+    T.synchronize(b)
+    T.evict(b)
+    assert b.to_numpy().tobytes() == before[0]
+
+
 def test_debug_arena_poisons_and_catches_a_gpu_write_after_free(fake, backend):
     d = DeviceArena(1 << 16, debug=True, backend=backend)
     assert fake.calls_named("memsetAsync")           # the slab was poisoned on device

@@ -274,8 +274,17 @@ class CudaBackend(Backend):
         _check_span(dst, dst_offset, nbytes, "copy_async destination")
         _check_span(src, src_offset, nbytes, "copy_async source")
         stream_ptr = 0 if stream is None else stream.ptr
-        self.runtime.memcpyAsync(dst.ptr + dst_offset, src.ptr + src_offset, int(nbytes),
-                                 self.runtime.memcpyDefault, stream_ptr)
+        try:
+            self.runtime.memcpyAsync(dst.ptr + dst_offset, src.ptr + src_offset, int(nbytes),
+                                     self.runtime.memcpyDefault, stream_ptr)
+        except self._cuda_error as exc:
+            # Nothing was enqueued; the caller undoes its bookkeeping. CUDA errors
+            # are sticky: a kernel that faulted earlier makes every later call fail,
+            # so the message points there as well as at this copy.
+            raise BackendError(f"cudaMemcpyAsync of {int(nbytes):,} bytes ({src!r} -> "
+                               f"{dst!r}) failed: {exc}; if an earlier kernel faulted, the "
+                               f"CUDA context is unusable (restart the process, and run "
+                               f"with CUDA_LAUNCH_BLOCKING=1 to find the kernel)") from exc
 
     def fill(self, slab: Slab, offset: int, nbytes: int, value: int) -> None:
         """Set bytes synchronously (``cudaMemsetAsync`` on the current stream,

@@ -290,6 +290,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     adamw:
         Default ``decoupled_weight_decay`` of the groups (True: AdamW's
         ``p *= 1 - lr * weight_decay``; False: an L2 term added to the gradient).
+        The default ``weight_decay`` stays 0.0 with ``adamw=True`` (torch's
+        ``AdamW`` defaults to 1e-2): pass it.
     host_arena:
         A :class:`~rtmem.HostArena` for the master weights, moments, gradients and
         the upload staging buffer (``12 + 2 * itemsize`` bytes per parameter, plus
