@@ -18,8 +18,8 @@ from .arena import UNORDERED, ArenaStats, DeviceArena, HostArena
 from .backends import get_backend
 from .buffer import KINDS, Buffer
 from .errors import (BackendError, ChainError, DoubleFreeError, InfeasibleError,
-                     InvalidPointerError, KernelArgumentError, LayoutError, OptimizerError,
-                     OutOfMemoryError, PlatformError, ResidencyError, RtmemError,
+                     InvalidPointerError, KernelArgumentError, LayoutError,
+                     NonFiniteGradientError, OptimizerError, OutOfMemoryError, PlatformError, ResidencyError, RtmemError,
                      ScheduleError, TraceError, UnitError, UseAfterFreeError)
 from .transfers import drop_host, evict, offload, prefetch, synchronize, wait
 
@@ -41,7 +41,8 @@ __all__ = [
     "adaptors", "errors", "layout", "transfers",
     # errors
     "BackendError", "ChainError", "DoubleFreeError", "InfeasibleError",
-    "InvalidPointerError", "KernelArgumentError", "LayoutError", "OptimizerError",
+    "InvalidPointerError", "KernelArgumentError", "LayoutError", "NonFiniteGradientError",
+    "OptimizerError",
     "OutOfMemoryError", "PlatformError", "ResidencyError", "RtmemError", "ScheduleError",
     "TraceError", "UnitError", "UseAfterFreeError",
     # loaded on first use

@@ -23,6 +23,7 @@ __all__ = [
     "UseAfterFreeError",
     "ResidencyError",
     "OptimizerError",
+    "NonFiniteGradientError",
     "KernelArgumentError",
     "LayoutError",
     "TraceError",
@@ -168,6 +169,13 @@ class OptimizerError(RtmemError, ValueError):
     def __init__(self, message: str, *, argument: str | None = None):
         super().__init__(message)
         self.argument = argument
+
+
+class NonFiniteGradientError(OptimizerError, RuntimeError):
+    """The gradients' total norm is inf or NaN where a finite one was required
+    (``clip_grad_norm_(..., error_if_nonfinite=True)``). Also a RuntimeError, the
+    class ``torch.nn.utils.clip_grad_norm_`` raises for the same case, so code
+    written against torch catches it unchanged."""
 
 
 class LayoutError(RtmemError, ValueError):

@@ -61,7 +61,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem._deferred import run_or_defer, track
-from rtmem.errors import OptimizerError
+from rtmem.errors import NonFiniteGradientError, OptimizerError
 from rtmem.kernels.adam import _unscale_factor, prepare_update, threads
 from rtmem.optim import (_check_adam_keys, _check_group_hyper, _check_num_threads,
                          _check_state_dict, _checked_step, _coefficients, _first_overlap)
@@ -711,9 +711,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``step(grad_scale=...)``. Finite gradients whose float32 norm overflows
         (a loss spike, or the scale still in them) are normed in float64 and
         clipped (torch's inf norm would zero them). Non-finite gradients give a
-        non-finite norm: OptimizerError with ``error_if_nonfinite=True``; else
-        they are left as they are (torch would multiply them by nan), so a step
-        with the finite check skips them."""
+        non-finite norm: :class:`~rtmem.errors.NonFiniteGradientError` (a
+        RuntimeError, as torch's) with ``error_if_nonfinite=True``; else they are
+        left as they are (torch would multiply them by nan), so a step with the
+        finite check skips them."""
         self._check_open("clip_grad_norm_")
         if not float(max_norm) >= 0:    # a negative one would flip the gradients
             raise OptimizerError(f"max_norm must be >= 0, got {max_norm!r}",
@@ -740,7 +741,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         total = total64.float()
         if not torch.isfinite(total64):
             if error_if_nonfinite:
-                raise OptimizerError(
+                raise NonFiniteGradientError(
                     f"the total norm {float(total)} of order {norm_type} of the "
                     f"gradients is non-finite, so they cannot be clipped; pass "
                     f"error_if_nonfinite=False to go on (a step with the finite check "
