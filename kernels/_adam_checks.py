@@ -81,6 +81,9 @@ def _half_view(arr, fmt, name, format_name):
                                  f"{fmt!r}.", argument=format_name)
         return arr.view(np.uint16), FLOAT16
     if arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:   # ml_dtypes
+        if fmt is not None and half_format_code(fmt, format_name) != BFLOAT16:
+            raise OptimizerError(f"{name} is a bfloat16 array but {format_name}="
+                                 f"{fmt!r}.", argument=format_name)
         return arr.view(np.uint16), BFLOAT16
     if arr.dtype == np.uint16:
         if fmt is None:

@@ -333,8 +333,9 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=
         float32 master parameters and first/second moments, C-contiguous,
         writeable, one shape. Updated in place.
     grad:
-        Gradients, same shape: float32, numpy float16, or uint16 bit patterns with
-        ``grad_format="float16"|"bfloat16"`` (bfloat16 arrives as uint16 views).
+        Gradients, same shape: float32, numpy float16, ml_dtypes' bfloat16, or
+        uint16 bit patterns with ``grad_format="float16"|"bfloat16"`` (how a torch
+        bfloat16 tensor arrives as numpy).
     lr, step, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize,
     bias_correction, grad_scale:
         See :func:`adam_coefficients` (``decoupled_weight_decay=True`` is AdamW).
@@ -347,8 +348,8 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=
         True when ``grad_scale`` is given, else False.
     out, out_format:
         Optional array (same shape) that receives a copy of the updated
-        parameters in the same pass: float32, numpy float16, or uint16 with
-        ``out_format="float16"|"bfloat16"``. Rounded to nearest even. An fp16
+        parameters in the same pass: float32, numpy float16, ml_dtypes'
+        bfloat16, or uint16 with ``out_format="float16"|"bfloat16"``. Rounded to nearest even. An fp16
         copy overflows to +-inf where an updated master value has magnitude
         >= 65520 (fp16's largest finite value is 65504): the float32 master
         stays finite, and the step still counts as applied (the finite check

@@ -623,3 +623,37 @@ def test_num_threads_leaves_torchs_thread_count_alone(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_ml_dtypes_bfloat16_arrays_are_the_bits_they_hold(fresh_seed):
+    # ml_dtypes' bfloat16 (what JAX and others hand numpy users) is taken as the
+    # uint16 bits with format "bfloat16": gradients, the parameter copy, the
+    # finite check and NumpyAdam, bit for bit.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from rtmem.optim import NumpyAdamW
+    rng = np.random.default_rng(fresh_seed)
+    p, m, v, _ = _state(rng, amsgrad=False)
+    g = rng.standard_normal(N).astype(np.float32).astype(ml_dtypes.bfloat16)
+    bits = (p.copy(), m.copy(), v.copy())
+    out, out_bits = np.empty(N, ml_dtypes.bfloat16), np.empty(N, np.uint16)
+    adam_update(p, g, m, v, lr=1e-2, step=3, grad_scale=4.0, out=out)
+    adam_update(*bits[:1], g.view(np.uint16), *bits[1:], lr=1e-2, step=3, grad_scale=4.0,
+                grad_format="bfloat16", out=out_bits, out_format="bfloat16")
+    for a, b in zip((p, m, v, out.view(np.uint16)), (*bits, out_bits)):
+        assert np.array_equal(a, b)
+    assert np.array_equal(out.astype(np.float32), decode_half(out_bits, "bfloat16"))
+    g[N // 2] = np.nan
+    assert grads_finite(g) is False and grads_finite(g, start=N // 2 + 1) is True
+    opts = [NumpyAdamW([a.copy()], lr=1e-2) for a in (p, p)]
+    copies = (np.empty(N, ml_dtypes.bfloat16), np.empty(N, np.uint16))
+    assert not opts[0].step([g], grad_scale=2.0)     # the NaN: skipped, as with bits
+    g[N // 2] = 1.0
+    opts[0].step([g], copies=[copies[0]])
+    opts[1].step([g.view(np.uint16)], grad_format="bfloat16", copies=[copies[1]],
+                 copy_format="bfloat16")
+    assert np.array_equal(opts[0].params[0], opts[1].params[0])
+    assert np.array_equal(copies[0].view(np.uint16), copies[1])
+    before = p.copy()
+    with pytest.raises(OptimizerError, match="bfloat16 array but grad_format='float16'"):
+        adam_update(p, g, m, v, lr=1e-2, step=4, grad_format="float16")   # contradiction
+    assert np.array_equal(p, before)
