@@ -349,12 +349,12 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=
     out, out_format:
         Optional array (same shape) that receives a copy of the updated
         parameters in the same pass: float32, numpy float16, ml_dtypes'
-        bfloat16, or uint16 with ``out_format="float16"|"bfloat16"``. Rounded to nearest even. An fp16
-        copy overflows to +-inf where an updated master value has magnitude
-        >= 65520 (fp16's largest finite value is 65504): the float32 master
-        stays finite, and the step still counts as applied (the finite check
-        covers gradients, not the copy). Use bfloat16 copies for parameters
-        that large.
+        bfloat16, or uint16 with ``out_format="float16"|"bfloat16"``. Rounded to
+        nearest even. An fp16 copy overflows to +-inf where an updated master
+        value has magnitude >= 65520 (fp16's largest finite value is 65504): the
+        float32 master stays finite, and the step still counts as applied (the
+        finite check covers gradients, not the copy). Use bfloat16 copies for
+        parameters that large.
     start, stop:
         Element range to update (default: all). Lets a caller update chunk k
         while chunk k-1 is being copied.

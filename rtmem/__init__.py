@@ -19,8 +19,9 @@ from .backends import get_backend
 from .buffer import KINDS, Buffer
 from .errors import (BackendError, ChainError, DoubleFreeError, InfeasibleError,
                      InvalidPointerError, KernelArgumentError, LayoutError,
-                     NonFiniteGradientError, OptimizerError, OutOfMemoryError, PlatformError, ResidencyError, RtmemError,
-                     ScheduleError, TraceError, UnitError, UseAfterFreeError)
+                     NonFiniteGradientError, OptimizerError, OutOfMemoryError, PlatformError,
+                     ResidencyError, RtmemError, ScheduleError, TraceError, UnitError,
+                     UseAfterFreeError)
 from .transfers import drop_host, evict, offload, prefetch, synchronize, wait
 
 # name -> module that defines it, imported on first access
