@@ -1093,3 +1093,78 @@ def test_g_offload_of_a_sparse_gradient_is_refused_by_name():
     with pytest.raises(ExecutionError, match="g_offload 0: parameter '0.weight'.*sparse"):
         ex.step(tok, tgt)
     assert model[0].weight.grad.layout == torch.sparse_coo     # left where it was
+
+
+class _ScaledLinear(nn.Module):
+    """A linear layer times a constant table held as a plain tensor attribute
+    (neither a parameter nor a buffer, as rotary or mask caches often are):
+    ``mul`` saves the table for the backward."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.table = table
+
+    def forward(self, x):
+        return self.lin(x) * self.table
+
+
+def test_a_constant_tensor_attribute_a_stage_saves_is_never_freed():
+    # abar1 holds the table stage 0 saved; deleting abar1 freed the table's
+    # storage (resize_(0)) under the module: after a failed step it stayed
+    # empty, and a stage reading it meanwhile read freed memory (a segfault)
+    torch.manual_seed(0)
+    table = torch.randn(8) + 2
+    model = nn.Sequential(_ScaledLinear(table), nn.Linear(8, 1))
+    x, y = torch.randn(3, 8), torch.randn(3, 1)
+    sched = _sched("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
+                   "prefetch abar1, B 0", 2)
+
+    def bad_loss(out, target):
+        raise ValueError("loss failed")
+    m = copy.deepcopy(model)
+    before = m[0].table.clone()
+    with pytest.raises(ValueError, match="loss failed"):
+        ScheduleExecutor(m, sched, bad_loss).step(x, y)
+    intact = _intact(m[0].table)   # no repr of a freed tensor: it reads freed memory
+    assert intact, "the step freed the table under the module"
+    assert torch.equal(m[0].table, before)
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, loss, ref, ref_loss)
+    # model state, not an activation: counted as the same table held as a buffer
+    buffered = copy.deepcopy(model)
+    del buffered[0].table
+    buffered[0].register_buffer("table", table.clone())
+    ex2 = ScheduleExecutor(buffered, sched, mse)
+    ex2.step(x, y)
+    assert ex.peak_bytes == ex2.peak_bytes
+
+
+class _LazyScaled(nn.Module):
+    """As _ScaledLinear, with the table made by the first forward (a lazy cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.table = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.arange(8.0) / 10 + 1
+        return self.lin(x) * self.table
+
+
+def test_a_constant_table_made_by_the_first_forward_is_model_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(_LazyScaled(), nn.Linear(8, 8), _LazyScaled())
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    sched = _sched("F_all 0, offload abar1, F_all 1, delete abar1, F_all 2, L, B 2, "
+                   "prefetch abar1, B 1, B 0", 3)
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, loss, ref, ref_loss)
+    assert _intact(m[0].table) and _intact(m[2].table)
+    eager = copy.deepcopy(model)        # the tables there before the executor is built
+    for i in (0, 2):
+        eager[i].table = torch.arange(8.0) / 10 + 1
+    ex2 = ScheduleExecutor(eager, sched, mse)
+    ex2.step(x, y)
+    assert ex.peak_bytes == ex2.peak_bytes     # not counted as activation bytes

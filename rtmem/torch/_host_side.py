@@ -157,7 +157,8 @@ class _HostSide:
         # a tuple of ints: made every step and kept all of it, but not tracked by
         # the garbage collector (a set would be, and would reach the oldest
         # generation)
-        return tuple(_storage_ptrs((*self._stage_params[i], *self._stage_buffers[i])))
+        return tuple(_storage_ptrs((*self._stage_params[i], *self._stage_buffers[i],
+                                    *self._stage_consts[i])))
 
     def _refresh_state_ptrs(self):
         """Storages of the parameters and buffers: never freed by a move (rule 4)

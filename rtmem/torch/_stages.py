@@ -195,6 +195,22 @@ def slot_buffers(slots) -> list:
                               if (t := m._buffers.get(name)) is not None))
 
 
+def stage_constants(modules) -> list:
+    """The tensors ``modules`` hold as plain attributes (``self.table = t``, or in a
+    list or tuple attribute), neither parameters nor buffers: constant tables a
+    forward reads (rotary or mask caches, class weights), each once. When autograd
+    saves one, it is model state like a buffer: a move must never free it under
+    the module (NOTE [ Executor ] rule 4), nor count it as an activation."""
+    out = {}
+    for m in modules:
+        for v in vars(m).values():
+            items = v if isinstance(v, (list, tuple)) else (v,)
+            for t in items:
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                    out[id(t)] = t
+    return list(out.values())
+
+
 class KeptBuffers:
     """Which tensor each of ``slots`` holds now, and its values, to put back with
     :meth:`restore` after a forward that must leave no trace on the module's

@@ -37,7 +37,11 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    Storage-level copies do not bump version counters, so autograd's in-place
    checks stay quiet. A storage is *protected* (:meth:`ScheduleExecutor._protected`)
    and never freed when it belongs to a parameter or buffer of the model, to
-   the caller's inputs or target, or to the output or saved tensors of another
+   a tensor a stage's module holds as a plain attribute (a constant table
+   such as a rotary or mask cache, ``self.table = t``, which autograd may
+   save; a constant a stage reads from outside the model, a global or a
+   closure, is not known to the executor: make it a buffer or an attribute),
+   to the caller's inputs or target, or to the output or saved tensors of another
    resident stored tensor (an ``nn.Identity`` or view stage returns its input's
    storage, batch norm saves its running statistics): a delete leaves it on the
    device, as its other owner needs it. Conversely, dropping or consuming a
@@ -99,7 +103,7 @@ from ._host_side import _HostSide
 from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output,
                       _stage_input, _storage_ptrs, as_stages, buffer_slots, check_inputs,
                       check_loss_fn, check_placement, check_shared_weights,
-                      inputs_need_grad, slot_buffers)
+                      inputs_need_grad, slot_buffers, stage_constants)
 from ._saved import _SavedHooks
 from ._stored import _copy_matches, _Entries, _Stored
 
@@ -123,6 +127,11 @@ def _check_graph_moves(schedule) -> None:
                 f"after B {s - 1} consumed its graph; a graph backward has run through "
                 f"cannot be brought back. Remove the operation, or run F_all {s - 1} "
                 f"again before it")
+
+
+def _changed(now: list, before: list) -> bool:
+    """Whether two lists of tensors differ (by identity)."""
+    return len(now) != len(before) or any(a is not b for a, b in zip(now, before))
 
 
 class ScheduleExecutor(_Bookkeeping, _HostSide):
@@ -208,6 +217,10 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         # Buffers by slot: a forward may reassign one (rule 6)
         self._buffer_slots = [buffer_slots(stage) for stage in self.stages]
         self._stage_buffers = [slot_buffers(slots) for slots in self._buffer_slots]
+        # Plain tensor attributes of the stages' modules (constant tables): model
+        # state too, by module list as a forward may assign them (rule 4)
+        self._stage_modules = [list(stage.modules()) for stage in self.stages]
+        self._stage_consts = [stage_constants(mods) for mods in self._stage_modules]
         self._param_names = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self._param_names.setdefault(p, name)
@@ -301,6 +314,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         self._new_ledger()
         # the caller may have reassigned buffers since the last step
         self._stage_buffers = [slot_buffers(slots) for slots in self._buffer_slots]
+        self._stage_consts = [stage_constants(mods) for mods in self._stage_modules]
         self._refresh_state_ptrs()
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
@@ -380,11 +394,14 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
             self._first[i] = (cpu, cuda)
             y = stage(x)
             now = slot_buffers(self._buffer_slots[i])
-            if len(now) != len(self._stage_buffers[i]) or any(
-                    a is not b for a, b in zip(now, self._stage_buffers[i])):
-                # the stage reassigned a buffer: the new tensor is model state, never
-                # freed by a move nor counted as an activation
+            consts = stage_constants(self._stage_modules[i])
+            if _changed(now, self._stage_buffers[i]) or \
+                    _changed(consts, self._stage_consts[i]):
+                # the stage reassigned a buffer or made a constant table (a lazy
+                # cache): the new tensor is model state, never freed by a move nor
+                # counted as an activation
                 self._stage_buffers[i] = now
+                self._stage_consts[i] = consts
                 self._refresh_stage_ptrs(i)
         else:
             kept = KeptBuffers(self._buffer_slots[i])

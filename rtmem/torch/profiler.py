@@ -8,10 +8,12 @@ output's shape, and:
 - ``x``: bytes of the output's storage;
 - ``xbar``: bytes of the unique storages of the output and of every saved tensor,
   minus the model's parameters and buffers (batch norm saves its running
-  statistics) and the stage input (they are accounted as weights and as the
-  previous activation), unless the stage modified its input in place before
-  autograd saved it, or returns (a view of) its input: then the executor keeps
-  that storage with abar, also once a_i is deleted, and so does ``xbar``;
+  statistics), the constant tables its modules hold as plain tensor attributes
+  (model state for the executor too) and the stage input (they are accounted
+  as weights and as the previous activation), unless the stage modified its
+  input in place before autograd saved it, or returns (a view of) its input:
+  then the executor keeps that storage with abar, also once a_i is deleted,
+  and so does ``xbar``;
 - ``u_f``, ``u_b``: median seconds over ``repeats`` runs (CUDA events on a GPU,
   ``perf_counter`` on the CPU); ``u_b`` is 0 for a stage whose output needs no
   gradient (a frozen or parameter-free stage on integer inputs or a batch
@@ -51,7 +53,8 @@ from rtmem.planners._validation import check_int
 
 from ._stages import (KeptBuffers, _check_output, _input_key, _rederived_input,
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, buffer_slots,
-                      check_inputs, check_loss_fn, inputs_need_grad, slot_buffers)
+                      check_inputs, check_loss_fn, inputs_need_grad, slot_buffers,
+                      stage_constants)
 
 __all__ = ["profile_sequential"]
 
@@ -175,6 +178,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             # its mask) keeps that storage alive in abar too: the executor never
             # frees it while abar_{i+1} is resident, even when a_i is deleted.
             x_key = _input_key(xin)
+            # constant tables the stage holds (after its forward: a lazy cache is
+            # made there) are model state for the executor too
+            state = state | _storage_ptrs(stage_constants(stage.modules()))
             exclude = state if (x_key is not None and _input_key(y) == x_key) or any(
                 t.untyped_storage().data_ptr() == x_key
                 and not _rederived_input(t, version, x_key, x_version, arg.dtype)
