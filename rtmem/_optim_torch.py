@@ -214,7 +214,17 @@ class CPUAdam(torch.optim.Optimizer):
             self._check_decoupled(group["decoupled_weight_decay"],
                                   f"group {len(self.param_groups) - 1}: "
                                   f"decoupled_weight_decay")
+            first = {}
             for i, p in enumerate(group["params"]):
+                j = first.setdefault(id(p), i)
+                if j != i:
+                    # torch only warns, then its loop updates it twice per step;
+                    # here every step was refused as two params "overlapping in
+                    # memory", with advice about gradient and copy buffers
+                    raise OptimizerError(
+                        f"param {i} of group {len(self.param_groups) - 1} is param {j} "
+                        f"again (the same tensor twice in the group); pass each "
+                        f"parameter once", argument="params")
                 if p.dtype != torch.float32:
                     raise OptimizerError(
                         f"param {i} of group {len(self.param_groups) - 1} has dtype "

@@ -1014,6 +1014,25 @@ def test_arrays_shared_between_params_of_one_step_are_refused(fresh_seed):
     assert not topt.state                # refused steps leave no new state behind
 
 
+def test_a_parameter_twice_in_a_group_is_refused_by_name():
+    # torch.optim.Adam warns about it; CPUAdam took it, then refused every step
+    # with "group 0 param 0 param and group 0 param 1 param overlap in memory ...
+    # give each parameter its own gradient and copy buffers"
+    import warnings
+    torch = pytest.importorskip("torch")
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # torch's own warning about duplicates
+        with pytest.raises(OptimizerError, match="param 2 of group 0 is param 0 again") \
+                as info:
+            optim.CPUAdam([p, q, p])
+        assert info.value.argument == "params"
+        opt = optim.CPUAdam([q])
+        with pytest.raises(OptimizerError, match="param 1 of group 1 is param 0 again"):
+            opt.add_param_group({"params": [p, p]})
+    assert len(opt.param_groups) == 1       # the refused group is not kept
+
+
 def test_numpy_load_state_dict_of_the_wrong_structure_gets_an_optimizer_error():
     # A dict for 'state', a non-dict entry or a ragged array raised a bare
     # TypeError/ValueError; each is refused by name and loads nothing.

@@ -637,3 +637,33 @@ def test_parameters_sharing_memory_are_refused(monkeypatch):
         off.step()
     assert off.step_count == 0 and off.steps.tolist() == [0, 0]
     off.close()
+
+
+def test_profiling_with_an_open_optimizer_leaves_its_gradients_alone(setup):
+    # profile_sequential's backward passes (random output gradients, `repeats`
+    # times per stage) fired the optimizer's gradient hooks: those gradients were
+    # flushed and added to the next step's, which then moved the weights by up
+    # to 2 lr the wrong way. Profiling must not perturb training (re-planning
+    # mid-run, or planning after building the optimizer)
+    model, loss_fn, batches = setup
+    mine, ref = copy.deepcopy(model), copy.deepcopy(model)
+    off = OffloadedAdam(mine.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+    (x0, y0), (x1, y1), (x2, y2) = batches[:3]
+    profile_sequential(mine, x0, y0, loss_fn, repeats=2)
+    assert off._fresh == [True] * len(off.params)   # nothing taken for a step
+    ex = ScheduleExecutor(mine, sequential_schedule(len(mine), 2), loss_fn)
+    ex.step(x1, y1)
+    # mid-accumulation too: the flushed micro-batch stays as it was
+    profile_sequential(mine, x0, y0, loss_fn, repeats=2)
+    ex.step(x2, y2)
+    off.step()
+    (loss_fn(ref(x1), y1) + loss_fn(ref(x2), y2)).backward()
+    ref_opt.step()
+    assert all(p.grad is None for p in mine.parameters())
+    for p, q in zip(mine.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-4)
+    # the hooks flush again once profiling is over
+    ex.step(x0, y0)
+    assert not any(off._fresh) and all(p.grad is None for p in mine.parameters())
+    off.close()

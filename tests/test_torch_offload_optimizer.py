@@ -356,6 +356,25 @@ def test_clip_grad_norm_edge_orders_and_finite_overflowing_gradients():
     off.close()
 
 
+def test_clip_grad_norm_takes_the_norm_types_torch_takes():
+    # torch documents norm_type='inf' (a string) for the infinity norm; it reached
+    # torch.linalg.vector_norm as it was: a bare TypeError, after the gradients
+    # were gathered
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(mine.parameters())
+    x, y = batches(1)[0]
+    torch.nn.functional.mse_loss(mine(x), y).backward()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    for norm_type in ("inf", "2", 3):
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type)
+        assert float(off.clip_grad_norm_(1e9, norm_type)) == pytest.approx(float(want),
+                                                                         rel=1e-6)
+    with pytest.raises(OptimizerError, match="norm_type must be a real number") as info:
+        off.clip_grad_norm_(1.0, "two")
+    assert info.value.argument == "norm_type"
+    off.close()
+
+
 def test_state_holds_live_views_and_checkpoint_utilities_see_it():
     model = make_model()
     off = OffloadedAdam(model.parameters(), lr=1e-2)

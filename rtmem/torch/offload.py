@@ -77,12 +77,34 @@ _FORMATS = {torch.float32: None, torch.float16: None, torch.bfloat16: "bfloat16"
 # identity: tensors compare elementwise.)
 _owners = WeakIdKeyDictionary()
 
+# parameter -> nesting count of the passes that own its gradient for a while
+# (rtmem.torch.profile_sequential's backward passes, which put the caller's
+# p.grad back afterwards): their hooks leave p.grad alone, so an open
+# OffloadedAdam does not take those gradients for the next step's.
+_paused = WeakIdKeyDictionary()
+
+
+def _pause_flushes(params) -> None:
+    """Stop flushing the gradients of ``params`` until :func:`_resume_flushes`."""
+    for p in params:
+        _paused[p] = _paused.get(p, 0) + 1
+
+
+def _resume_flushes(params) -> None:
+    """Undo one :func:`_pause_flushes` of ``params``."""
+    for p in params:
+        count = _paused.get(p, 0) - 1
+        if count > 0:
+            _paused[p] = count
+        else:
+            _paused.pop(p, None)
+
 
 def _hook(ref, k: int):
     """Parameter k's post-accumulate-grad hook, holding the optimizer weakly."""
     def flush(p):
         opt = ref()
-        if opt is not None:
+        if opt is not None and p not in _paused:
             opt._flush(k, p)
     return flush
 
@@ -719,6 +741,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         if not float(max_norm) >= 0:    # a negative one would flip the gradients
             raise OptimizerError(f"max_norm must be >= 0, got {max_norm!r}",
                                  argument="max_norm")
+        try:    # as torch's: 'inf' (a string) for the infinity norm, any real order
+            norm_type = float(norm_type)
+        except (TypeError, ValueError):
+            raise OptimizerError(f"norm_type must be a real number or 'inf', got "
+                                 f"{norm_type!r}", argument="norm_type") from None
         _unscale_factor(grad_scale)     # checks it: finite, > 0, float32-representable
         scale = 1.0 if grad_scale is None else float(grad_scale)
         self._check_params()

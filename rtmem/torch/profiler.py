@@ -55,6 +55,7 @@ from ._stages import (KeptBuffers, _check_output, _input_key, _rederived_input,
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, buffer_slots,
                       check_inputs, check_loss_fn, inputs_need_grad, slot_buffers,
                       stage_constants)
+from .offload import _pause_flushes, _resume_flushes
 
 __all__ = ["profile_sequential"]
 
@@ -95,11 +96,14 @@ def _graph_leaves(t, own) -> list:
 
 def _clear_grads(leaves, grads: dict) -> None:
     """Record the ``.grad`` of each of ``leaves`` not yet in ``grads`` (the same
-    object, put back at the end) and set it to None for profiling."""
-    for p in leaves:
-        if p not in grads:
-            grads[p] = p.grad
-            p.grad = None
+    object, put back at the end) and set it to None for profiling. An open
+    :class:`~rtmem.torch.OffloadedAdam` stops flushing their gradients until
+    the end (they are the profiler's, not the next step's)."""
+    new = [p for p in leaves if p not in grads]
+    for p in new:
+        grads[p] = p.grad
+        p.grad = None
+    _pause_flushes(new)
 
 
 def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_fn, *,
@@ -231,6 +235,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         buffers.restore()
         for p, g in grads.items():
             p.grad = g
+        _resume_flushes(grads)
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
