@@ -667,3 +667,30 @@ def test_profiling_with_an_open_optimizer_leaves_its_gradients_alone(setup):
     ex.step(x0, y0)
     assert not any(off._fresh) and all(p.grad is None for p in mine.parameters())
     off.close()
+
+
+def test_gradients_placed_in_an_arena_and_offloaded_adam_are_refused_together(setup):
+    # OffloadedAdam's hook takes p.grad to its pinned buffer and sets None: a
+    # gradient buffer from place_parameters(grads=True) stayed allocated, unused,
+    # and the next backward made a torch gradient outside the arena
+    from rtmem.torch import place_parameters
+    model, loss_fn, batches = setup
+    host = rtmem.HostArena("4MiB")
+    placement = place_parameters(model, host)
+    before = host.stats().bytes_by_kind
+    with pytest.raises(OptimizerError, match="grads=False") as info:
+        OffloadedAdam(model.parameters())
+    assert info.value.argument == "params" and host.stats().bytes_by_kind == before
+    placement.release()
+    off = OffloadedAdam(model.parameters())
+    with pytest.raises(ValueError, match="open rtmem.torch.OffloadedAdam.*grads=False"):
+        place_parameters(model, host)
+    assert host.stats().bytes_by_kind == {k: 0 for k in before}   # nothing placed
+    placement = place_parameters(model, host, grads=False)   # the weights may go there
+    x, y = batches[0]
+    loss_fn(model(x), y).backward()
+    off.step()
+    assert all(p.grad is None for p in model.parameters())
+    off.close()
+    placement.release()
+    place_parameters(model, host).release()     # a closed optimizer flushes nothing

@@ -274,7 +274,11 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     trainable parameter thus has a gradient: a torch optimizer steps one that no
     backward reached (with a zero gradient: AdamW's decay and Adam's moments still
     move it, where plain torch skips ``p.grad is None``); use ``grads=False`` to
-    keep that behaviour. ``device_alias=True`` places weights in a mapped host arena viewed from the
+    keep that behaviour, and with :class:`~rtmem.torch.OffloadedAdam`, which keeps
+    the gradients in its own pinned buffer (placed gradients are refused while
+    one is open on the parameters).
+
+    ``device_alias=True`` places weights in a mapped host arena viewed from the
     GPU (the DHA layers of MemFerry). Gradients live where the parameter does
     (torch requires it): in a DeviceArena, or in a mapped HostArena viewed from the
     GPU when the parameter is a CUDA tensor, so each of MemFerry's modes can be
@@ -300,10 +304,16 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
         raise ValueError("gradients of parameters the GPU computes with must be in a "
                          "DeviceArena or a HostArena(mapped=True) the GPU can write; got "
                          f"{grads_in!r} as the gradient arena")
+    from .offload import _flushed_by_open_optimizer   # offload imports this module
     for i, p in enumerate(dict.fromkeys(module.parameters())):
         if _placement_of(p) is not None:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is already in an "
                              f"arena; call release() on its ModulePlacement first")
+        if grads and p.requires_grad and _flushed_by_open_optimizer(p):
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has its gradients "
+                             f"taken to the host by an open rtmem.torch.OffloadedAdam, "
+                             f"which would leave a gradient buffer here unused; pass "
+                             f"grads=False")
     placement = ModulePlacement()
     before = {}     # parameter -> (its data, its grad) before placement
     try:

@@ -66,7 +66,7 @@ from rtmem.kernels.adam import _unscale_factor, prepare_update, threads
 from rtmem.optim import (_check_adam_keys, _check_group_hyper, _check_num_threads,
                          _check_state_dict, _checked_step, _coefficients, _first_overlap)
 
-from .bridge import as_tensor, numpy_dtype
+from .bridge import _placement_of, as_tensor, numpy_dtype
 
 __all__ = ["OffloadedAdam"]
 
@@ -258,6 +258,12 @@ def _check_grad(k: int, p, size: int) -> None:
             f"another shape", argument="params")
 
 
+def _flushed_by_open_optimizer(p) -> bool:
+    """Whether an open OffloadedAdam's hook takes ``p``'s gradients to the host."""
+    owner = _owners.get(p)
+    return owner is not None and owner() is not None
+
+
 def _disown(params, ref) -> None:
     """Forget the parameters ``ref`` (an optimizer's weak reference) owns."""
     for p in params:
@@ -375,12 +381,22 @@ class OffloadedAdam(torch.optim.Optimizer):
                                  f"float16, bfloat16; got {sorted(map(str, dtypes))}",
                                  argument="params")
         for i, p in enumerate(flat):
-            owner = _owners.get(p)
-            if owner is not None and owner() is not None:
+            if _flushed_by_open_optimizer(p):
                 raise OptimizerError(
                     f"parameter {i} (shape {tuple(p.shape)}) already has its gradients "
                     f"flushed by another open OffloadedAdam; close() that one first",
                     argument="params")
+            placement = _placement_of(p)
+            if placement is not None and p in placement.grads:
+                # its hook takes p.grad to the host buffer and sets None: the arena
+                # buffer would stay allocated, unused, and the next backward make a
+                # torch gradient outside the arena
+                raise OptimizerError(
+                    f"parameter {i} (shape {tuple(p.shape)}) has its gradient in an "
+                    f"arena (rtmem.torch.place_parameters with grads=True); "
+                    f"OffloadedAdam keeps every gradient in its own pinned host buffer "
+                    f"and would leave that one unused: place the parameters with "
+                    f"grads=False", argument="params")
             _check_own_memory(i, p)
         _check_disjoint(flat)
         if int(chunk_elements) != chunk_elements or chunk_elements < 1:
