@@ -99,8 +99,9 @@ def test_named_parameters_are_taken():
     off.close()
 
 
+@pytest.mark.parametrize("model_first", [True, False], ids=["model-first", "opt-first"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_state_dict_resumes_bit_identically(dtype):
+def test_a_state_dict_resumes_bit_identically(dtype, model_first):
     # 3 steps, save (through torch.save), load into a new model and optimizer, 3
     # more steps == 6 uninterrupted steps, bit for bit; with bf16 parameters
     # only the saved fp32 master weights can give that
@@ -122,8 +123,12 @@ def test_a_state_dict_resumes_bit_identically(dtype):
     resumed = OffloadedAdam(groups_of(second), lr=1.0, adamw=False)   # overwritten
     blob.seek(0)
     ckpt = torch.load(blob)
-    second.load_state_dict(ckpt["model"])
-    resumed.load_state_dict(ckpt["opt"])
+    if model_first:
+        second.load_state_dict(ckpt["model"])
+        resumed.load_state_dict(ckpt["opt"])
+    else:   # the model's bf16 weights, loaded after, must not replace the fp32 master
+        resumed.load_state_dict(ckpt["opt"])
+        second.load_state_dict(ckpt["model"])
     assert resumed.steps.tolist() == [3] * 6 and resumed.step_count == 3
     assert [g["lr"] for g in resumed.param_groups] == [1e-2, 1e-2, 3e-2]
     assert all(g["decoupled_weight_decay"] for g in resumed.param_groups)
@@ -418,3 +423,45 @@ def test_empty_param_groups():
     off.close()
     with pytest.raises(OptimizerError, match="every param group is empty"):
         OffloadedAdam([{"params": []}])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_written_in_place_after_construction_are_trained_not_reverted(dtype):
+    # build, make the optimizer, then load pretrained weights (a common order):
+    # the first step's upload wrote the master weights of construction back over
+    # them, silently. Now the master weights take what was written in place.
+    pretrained = make_model(dtype)
+    torch.nn.init.normal_(pretrained[0].weight)
+    data = batches(3, dtype=dtype)
+    mine = make_model(dtype)
+    off = OffloadedAdam(mine.parameters(), lr=1e-2)
+    mine.load_state_dict(pretrained.state_dict())
+    assert off.state_dict()["state"] == {}              # nothing stepped yet, but ...
+    loaded = pretrained[0].weight.detach().float().reshape(-1)
+    assert torch.equal(torch.from_numpy(off.master[:loaded.numel()]), loaded)   # ... taken
+    with torch.no_grad():                               # one by hand, seen by step()
+        mine[3].bias.copy_(torch.tensor([1.5, -2.0, 0.25]))
+        pretrained[3].bias.copy_(mine[3].bias)
+    if dtype == torch.float32:      # against torch Adam on the written weights
+        ref_opt = torch.optim.Adam(pretrained.parameters(), lr=1e-2, foreach=False)
+        train(pretrained, ref_opt, data)
+        train(mine, off, data)
+        assert_same_params(mine, pretrained)
+    else:                           # one Adam step (of at most lr) away from them
+        train(mine, off, data[:1])
+        lo, hi = off._span(len(off.params) - 1)
+        for got, want in ((off.master[lo:hi], [1.5, -2.0, 0.25]),
+                          (off.master[:loaded.numel()], loaded.numpy())):
+            assert 0 < abs(got - want).max() <= 1.1e-2
+    # a write through .data moves no version counter: overwritten, as documented
+    before = mine[0].bias.detach().clone()
+    mine[0].bias.data.fill_(7.0)
+    train(mine, off, data[:1])
+    assert (mine[0].bias - before).abs().max() <= 1.1e-2
+    # a write before load_state_dict: the loaded master weights are of record
+    saved = off.state_dict()
+    with torch.no_grad():
+        mine[0].bias.add_(1.0)
+    off.load_state_dict(saved)
+    assert torch.equal(off.state_dict()["state"][1]["master"], saved["state"][1]["master"])
+    off.close()

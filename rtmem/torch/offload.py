@@ -339,9 +339,14 @@ class OffloadedAdam(torch.optim.Optimizer):
     after it: clip with :meth:`clip_grad_norm_` and unscale a loss scale with
     ``step(grad_scale=...)`` (NOTE [ Skipped steps ] in :mod:`rtmem.optim`).
 
-    The fp32 master weights are the parameters' values of record: a change made
-    to a parameter after construction is overwritten by the next step unless
-    :meth:`load_state_dict` takes it in. The master weights and moments live in
+    The fp32 master weights follow what is written to a parameter in place
+    after construction (``model.load_state_dict``, ``torch.nn.init``, ``with
+    torch.no_grad(): p.copy_(...)``): the next :meth:`step` or
+    :meth:`state_dict` takes the elements that no longer equal the master
+    rounded to the parameter's dtype (so reloading a bf16 model after
+    :meth:`load_state_dict` keeps the saved fp32 master). A write through
+    ``p.data`` moves no version counter, is not seen, and the next step
+    overwrites it. The master weights and moments live in
     the host arena (:attr:`master`, :attr:`exp_avg`, :attr:`exp_avg_sq`: flat
     float32 arrays in parameter order); ``state[p]`` of a parameter that has
     stepped holds its ``step`` and CPU tensor views of them (shaped like ``p``),
@@ -476,6 +481,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.exp_avg_sq[:] = 0
         for p, lo, hi in self._slices():
             self.master[lo:hi] = p.detach().reshape(-1).float().cpu().numpy()
+        # the version counters the master weights agree with (_adopt_changes)
+        self._versions = [p._version for p in self.params]
         self._fresh = [True] * len(self.params)   # no gradient flushed since the step
         # torch would hold a p.grad (flushed since the last zero_grad(set_to_none=True))
         self._had_grad = [False] * len(self.params)
@@ -637,6 +644,29 @@ class OffloadedAdam(torch.optim.Optimizer):
         for k in zeroed:
             self._grad_t[slice(*self._span(k))].zero_()
 
+    def _adopt_changes(self) -> None:
+        """Take what was written to a parameter in place since the master weights
+        last agreed with it (``model.load_state_dict``, ``nn.init``, a broadcast:
+        its version counter moved) into the master weights, which the next upload
+        would otherwise write back over it. Only the elements that differ from the
+        master rounded to the parameter's dtype: a bf16 model reloaded after
+        :meth:`load_state_dict` keeps the saved fp32 master. (Writes through
+        ``p.data`` move no version counter and are not seen; this optimizer's own
+        uploads go that way.)"""
+        for k, p in enumerate(self.params):
+            version = p._version
+            if version == self._versions[k]:
+                continue
+            lo, hi = self._span(k)
+            now = p.detach().reshape(-1).cpu()
+            master = torch.from_numpy(self.master[lo:hi])
+            if self.dtype == torch.float32:
+                master.copy_(now)
+            else:
+                changed = now.view(torch.int16) != master.to(self.dtype).view(torch.int16)
+                master[changed] = now[changed].float()
+            self._versions[k] = version
+
     def _sync_state(self, ks=None) -> None:
         """``state[p]`` as ``torch.optim.Adam`` keeps it, for every parameter that
         has stepped: ``step`` and live views of its ``exp_avg``, ``exp_avg_sq``
@@ -690,6 +720,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         _unscale_factor(grad_scale)       # refused even when there is nothing to do
         pending, fresh, zeroed = self._with_gradient()
         self.last_step_skipped = False
+        self._adopt_changes()            # checked: what the caller wrote is kept
         if all(fresh):
             return loss
         runs = self._runs(fresh)
@@ -804,6 +835,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``skipped_steps``. Tensors are CPU float32 copies, never views of the
         host arena. The flushed gradients are not part of it."""
         self._check_open("state_dict")
+        self._adopt_changes()           # the master weights saved are the model's
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state, groups, index = {}, [], 0
@@ -906,6 +938,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             self.exp_avg[lo:hi] = 0 if m is None else m
             self.exp_avg_sq[lo:hi] = 0 if v is None else v
             self.steps[k] = step
+            self._versions[k] = p._version   # the loaded master is of record
         for group, merged in zip(self.param_groups, groups):
             group.clear()
             group.update(merged)
