@@ -264,10 +264,12 @@ class CPUAdam(torch.optim.Optimizer):
              copies=None):
         """Take one step; returns the closure's loss (or None), like torch.
 
-        ``grads`` overrides ``p.grad``: a dict ``{param: tensor}`` or a
-        sequence in param-group order, with float32, float16 or bfloat16
-        tensors (e.g. half gradients flushed from the GPU); None entries
-        skip that parameter. ``grad_scale`` is the loss scale the gradients
+        ``grads`` overrides ``p.grad``: a dict ``{param: tensor}`` (a
+        parameter it does not name uses its ``p.grad``, so
+        ``grads=executor.host_grads()`` also steps the stages a schedule does
+        not ``g_offload``) or a sequence in param-group order, with float32,
+        float16 or bfloat16 tensors (e.g. half gradients flushed from the
+        GPU); None entries (or values) skip that parameter. ``grad_scale`` is the loss scale the gradients
         carry (divided out in the kernel); ``check_finite`` defaults to
         ``grad_scale is not None``. ``copies`` (same forms) receives each
         updated parameter as float32/float16/bfloat16 in the same pass; a
@@ -295,7 +297,10 @@ class CPUAdam(torch.optim.Optimizer):
                 decoupled = bool(group.get("decoupled_weight_decay",
                                            self.decoupled_weight_decay))
                 for pi, p in enumerate(group["params"]):
-                    g = grad_of.get(id(p), None) if grads is not None else p.grad
+                    # a dict may name some parameters only (an executor's
+                    # host_grads() has those of the g_offload stages): the
+                    # others take p.grad, as step() without grads would
+                    g = grad_of[id(p)] if id(p) in grad_of else p.grad
                     if g is None:
                         continue
                     out = copy_of.get(id(p))
