@@ -176,14 +176,19 @@ class Machine(RuleBasedStateMachine):
             poison = None
         # Powers of two: the kernel's unscaled gradients are exactly ``grads``.
         sent = [None if g is None else (g * (scale or 1.0)).to(dtype) for g in grads]
-        if as_dict:         # a dict may give a param None, or leave it out
+        if as_dict:         # a dict may give a param None, or leave it out: its p.grad
             sent = {p: g for p, g in zip(params, sent) if g is not None or data.draw(st.booleans())}
+            given = {id(p) for p in sent}
+            for k, p in enumerate(params):
+                if id(p) not in given:      # the loss scale is divided out of it too
+                    grads[k] = None if p.grad is None else p.grad.double() / (scale or 1.0)
+        skip = check and any(g is not None and not torch.isfinite(g).all() for g in grads)
         before = self._frozen()
         self.opt.step(grads=sent, grad_scale=scale, check_finite=check)
         after = self._frozen()
         assert same(before[2], after[2]), "step(grads=...) touched p.grad"
-        assert self.opt.last_step_skipped is (poison is not None)
-        if poison is not None:
+        assert self.opt.last_step_skipped is skip
+        if skip:
             self.skips += 1
             assert same(before[:3], after[:3]), "a skipped step changed something"
             return
