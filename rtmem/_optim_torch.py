@@ -142,7 +142,9 @@ class CPUAdam(torch.optim.Optimizer):
     L2 term added to the gradient; with ``decoupled_weight_decay=True``, as
     in ``torch.optim.Adam``, the decoupled decay ``p *= 1 - lr*weight_decay``
     of AdamW, which :class:`CPUAdamW` always uses); ``num_threads`` as in
-    :func:`rtmem.kernels.adam_update`.
+    :func:`rtmem.kernels.adam_update`. ``foreach`` and ``fused`` are taken and
+    ignored (the update is always one fused pass); ``capturable`` and
+    ``differentiable`` must stay False.
 
     ``decoupled_weight_decay`` is a per-group hyperparameter, as in
     ``torch.optim.Adam`` (torch >= 2.6): a state dict carries it, so loading
@@ -159,7 +161,15 @@ class CPUAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, amsgrad=False, *, maximize=False,
-                 bias_correction=True, decoupled_weight_decay=False, num_threads=None):
+                 bias_correction=True, decoupled_weight_decay=False, num_threads=None,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
+        # torch.optim.Adam's implementation switches, taken so a call written for
+        # it runs unchanged: the update is always one fused numba pass
+        for name, value in (("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise OptimizerError(
+                    f"{name}=True is not supported: CPUAdam updates CPU tensors in a "
+                    f"numba kernel, outside CUDA graphs and autograd", argument=name)
         _check_hyper(lr, betas, eps, weight_decay)
         self._check_decoupled(decoupled_weight_decay, "decoupled_weight_decay")
         self.num_threads = _check_num_threads(num_threads)

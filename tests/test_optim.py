@@ -604,6 +604,24 @@ def test_bad_hyperparameters_are_rejected(kwargs, fragment):
         optim.CPUAdam([torch.zeros(3, requires_grad=True)], **kwargs)
 
 
+def test_torch_adams_implementation_switches_are_taken():
+    # a call written for torch.optim.Adam/AdamW runs unchanged (they were a
+    # TypeError); what CPUAdam cannot honour is refused by name
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    ref = torch.nn.Parameter(p.detach().clone())
+    ref.grad = p.grad.clone()
+    opt = optim.CPUAdamW([p], lr=1e-2, foreach=True, fused=False, capturable=False,
+                         differentiable=False)
+    opt.step()
+    torch.optim.AdamW([ref], lr=1e-2, foreach=False).step()
+    torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)
+    for name in ("capturable", "differentiable"):
+        with pytest.raises(OptimizerError, match=f"{name}=True is not supported") as info:
+            optim.CPUAdam([p], **{name: True})
+        assert info.value.argument == name
+
+
 def test_bad_params_and_grads_are_rejected_before_anything_changes():
     with pytest.raises(OptimizerError, match="float32"):
         optim.CPUAdam([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
