@@ -330,7 +330,9 @@ class OffloadedAdam(torch.optim.Optimizer):
     num_threads:
         CPU threads of the update kernel (None: numba's current setting).
 
-    Call :meth:`step` after backward; gradients are already on the host by then.
+    Call :meth:`step` after backward; gradients are already on the host by then
+    (taken by a post-accumulate-grad hook on each parameter: a hook of that kind
+    registered after this optimizer finds ``p.grad`` None).
     Gradients of several backward passes accumulate (in the parameter dtype)
     until the next :meth:`step`, which consumes them. Parameters without a
     gradient are left alone, as by ``torch.optim.Adam``; ``zero_grad`` with
