@@ -1168,3 +1168,37 @@ def test_a_constant_table_made_by_the_first_forward_is_model_state():
     ex2 = ScheduleExecutor(eager, sched, mse)
     ex2.step(x, y)
     assert ex.peak_bytes == ex2.peak_bytes     # not counted as activation bytes
+
+
+class _KeepsLast(nn.Module):
+    """Caches its last hidden state as an attribute, which autograd saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.last = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.last = h
+        return h * h
+
+
+def test_a_tensor_a_recomputation_leaves_in_an_attribute_stays_readable():
+    # the recomputed forward of stage 0 (F_all 0 after F_ck 0) sets .last to a
+    # tensor abar1 saves; deleting abar1 freed it under the module, and a step
+    # failing before the next forward left it so
+    torch.manual_seed(0)
+    model = nn.Sequential(_KeepsLast(), nn.Linear(8, 1))
+    x, y = torch.randn(3, 8), torch.randn(3, 1)
+    sched = _sched("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
+                   "prefetch abar1, B 0", 2)
+
+    def bad_loss(out, target):
+        raise ValueError("loss failed")
+    m = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="loss failed"):
+        ScheduleExecutor(m, sched, bad_loss).step(x, y)
+    assert _intact(m[0].last)      # no repr of a freed tensor: it reads freed memory
+    torch.testing.assert_close(m[0].last, m[0].lin(x))
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, loss, ref, ref_loss)

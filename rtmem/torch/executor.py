@@ -393,16 +393,6 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
                     if self.preserve_rng_state and self._device.type == "cuda" else None)
             self._first[i] = (cpu, cuda)
             y = stage(x)
-            now = slot_buffers(self._buffer_slots[i])
-            consts = stage_constants(self._stage_modules[i])
-            if _changed(now, self._stage_buffers[i]) or \
-                    _changed(consts, self._stage_consts[i]):
-                # the stage reassigned a buffer or made a constant table (a lazy
-                # cache): the new tensor is model state, never freed by a move nor
-                # counted as an activation
-                self._stage_buffers[i] = now
-                self._stage_consts[i] = consts
-                self._refresh_stage_ptrs(i)
         else:
             kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
@@ -419,6 +409,17 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
                 # the stage raises after updating them (a failed step leaves the
                 # statistics of one forward, as plain training does)
                 kept.restore()
+        # A first forward may reassign a buffer (a recomputation's are put back),
+        # and any forward may set a tensor attribute (a lazy constant table, a
+        # cache of the last output): the new tensor is model state, never freed
+        # by a move (whose owner could read freed bytes) nor counted as an
+        # activation
+        now = slot_buffers(self._buffer_slots[i])
+        consts = stage_constants(self._stage_modules[i])
+        if _changed(now, self._stage_buffers[i]) or _changed(consts, self._stage_consts[i]):
+            self._stage_buffers[i] = now
+            self._stage_consts[i] = consts
+            self._refresh_stage_ptrs(i)
         _check_output(i, stage, y)
         return y
 
