@@ -279,8 +279,9 @@ class CPUAdam(torch.optim.Optimizer):
         ``grads=executor.host_grads()`` also steps the stages a schedule does
         not ``g_offload``) or a sequence in param-group order, with float32,
         float16 or bfloat16 tensors (e.g. half gradients flushed from the
-        GPU); None entries (or values) skip that parameter. ``grad_scale`` is the loss scale the gradients
-        carry (divided out in the kernel); ``check_finite`` defaults to
+        GPU); None entries (or values) skip that parameter. ``grad_scale`` is
+        the loss scale the gradients carry (divided out in the kernel, also
+        from a ``p.grad`` a dict leaves out); ``check_finite`` defaults to
         ``grad_scale is not None``. ``copies`` (same forms) receives each
         updated parameter as float32/float16/bfloat16 in the same pass; a
         float16 copy of a master value of magnitude >= 65520 (beyond fp16's
