@@ -51,9 +51,12 @@ def parse_document(text, *, kind: str, error, **kwargs) -> dict:
 
 def read_text(path, *, kind: str, error, **error_kw) -> str:
     """The UTF-8 text of the ``kind`` document at ``path``; a file that is not
-    UTF-8 text raises ``error`` (a missing file raises the usual OSError)."""
+    UTF-8 text raises ``error`` (a missing file raises the usual OSError). A
+    leading byte order mark (Windows editors write one) is dropped: it was read
+    as part of the first token ("unknown operation '\\ufeffF_all'", a JSON
+    schedule parsed as text, "Unexpected UTF-8 BOM" for a chain)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             return f.read()
     except UnicodeDecodeError as e:
         raise error(f"{os.fspath(path)!r} is not a {kind} document (not UTF-8 text: "

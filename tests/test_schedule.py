@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rtmem.errors import ScheduleError
-from rtmem.planners import Op, Schedule, sequential_schedule, store_all_schedule
+from rtmem.planners import Chain, Op, Schedule, sequential_schedule, store_all_schedule
 from rtmem.planners.testing import chains, valid_schedules
 
 
@@ -36,6 +36,20 @@ def test_save_load_both_forms(tmp_path):
     for name in ("s.txt", "s.json"):
         s.save(tmp_path / name)
         assert Schedule.load(tmp_path / name) == s
+
+
+def test_files_starting_with_a_byte_order_mark_load(tmp_path):
+    # Windows editors start UTF-8 files with a BOM: it was read as part of the
+    # first token ("unknown operation '\ufeffF_all'"), a JSON schedule was parsed
+    # as text, and a chain file was "malformed chain JSON: Unexpected UTF-8 BOM"
+    s = sequential_schedule(4, 2)
+    chain = Chain.homogeneous(4)
+    for name, text in (("s.txt", "\n".join(s.op_text(k) for k in range(len(s)))),
+                       ("s.json", s.to_json()), ("c.json", chain.to_json())):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert Schedule.load(tmp_path / "s.txt") == s
+    assert Schedule.load(tmp_path / "s.json") == s
+    assert Chain.load(tmp_path / "c.json") == chain
 
 
 @pytest.mark.parametrize("text, fragment", [

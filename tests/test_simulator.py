@@ -9,8 +9,8 @@ from hypothesis import given, settings
 
 from rtmem.errors import ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate, store_all_schedule
-from rtmem.planners.testing import (platforms, reference_simulate, simulation_cases,
-                                    valid_schedules, wandering_schedules)
+from rtmem.planners.testing import (chains, platforms, reference_simulate,
+                                    simulation_cases, valid_schedules, wandering_schedules)
 
 BIG = Platform(10**12)
 
@@ -252,6 +252,20 @@ def test_generated_schedules_shrink_to_few_moves():
     assert sum(schedule.count(op) for op in moves) <= 3, str(schedule)
 
 
+def test_generated_chains_shrink_to_the_stages_a_failure_needs():
+    # chains() drew x0, u_loss and o_loss after the stage columns, so lowering the
+    # stage count shifted them onto other draws: a failure that needed a large
+    # input kept stages it did not need (6 stages and 13 ops for "peak > 100").
+    from hypothesis import find
+
+    case = find(simulation_cases(), lambda c: simulate(*c).peak > 100,
+                settings=settings(max_examples=1000, database=None, derandomize=True))
+    assert case[0].n == 1, (case[0], str(case[1]))
+    chain = find(chains(1, 8), lambda c: c.n >= 3 and c.x0 > 0,   # u_loss, o_loss alike
+                 settings=settings(max_examples=1000, database=None, derandomize=True))
+    assert chain.n == 3, chain
+
+
 def test_wandering_schedules_shrink_to_the_greedy_finish():
     # choice 0 at every step is the greedy finish: the simplest wandering
     # schedule recomputes every activation from a_0 for each backward step
@@ -266,6 +280,18 @@ def test_wandering_schedules_shrink_to_the_greedy_finish():
                  settings=settings(max_examples=500, database=None, derandomize=True))
     moves = [op for op, _, _ in found if op.name.startswith(("W_", "G_"))]
     assert len(moves) == 2, str(found)
+
+
+def test_wandering_schedules_of_long_chains_finish_without_recursion():
+    # the greedy finish recursed once per stage down to a_0: RecursionError on
+    # 500 stages, although max_steps=0 draws nothing from Hypothesis' buffer
+    from hypothesis import find
+
+    chain = Chain.homogeneous(600)     # the recursion failed from about 500
+    found = find(wandering_schedules(chain, max_steps=0), lambda s: True,
+                 settings=settings(max_examples=1, database=None))
+    assert found.count(Op.LOSS) == 1 and found.count(Op.B) == 600
+    simulate(chain, found, Platform(math.inf))
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -54,7 +54,6 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
         Whether ``w`` and ``o_f``/``o_b`` may be non-zero.
     """
     _check_range("chains", min_stages, max_stages)
-    n = draw(st.integers(min_stages, max_stages))
     homo = draw(st.booleans()) if homogeneous is None else homogeneous
     if small:
         size = st.integers(0, 12)
@@ -63,21 +62,20 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
         size = _spread_ints(10)
         time = _spread_ints(6).map(lambda v: v * 1e-6)
     zero = st.just(0)
-
-    def column(strategy):
-        if homo:
-            return [draw(strategy)] * n
-        return draw(st.lists(strategy, min_size=n, max_size=n))
-
-    x = column(size)
-    extra = column(size)
+    # The chain-wide values first, then one stage at a time: drawn column by
+    # column after the stage count (and x0 last), lowering the count shifted every
+    # later draw onto another value, so a failure that needed x0 > 0 kept extra
+    # stages when shrunk. Now a shorter chain just leaves its last stages unread.
+    x0, u_loss = draw(size), draw(time)
+    o_loss = draw(size if overheads else zero)
+    n = draw(st.integers(min_stages, max_stages))
+    stage = st.tuples(time, time, size, size, size if weights else zero,
+                      size if overheads else zero, size if overheads else zero)
+    stages = [draw(stage)] * n if homo else draw(st.lists(stage, min_size=n, max_size=n))
+    u_f, u_b, x, extra, w, o_f, o_b = (list(column) for column in zip(*stages))
     xbar = [a + b for a, b in zip(x, extra)]
-    return Chain(u_f=column(time), u_b=column(time), x=x, xbar=xbar,
-                 w=column(size if weights else zero),
-                 o_f=column(size if overheads else zero),
-                 o_b=column(size if overheads else zero),
-                 x0=draw(size), u_loss=draw(time), o_loss=draw(size if overheads else zero),
-                 name="hypothesis")
+    return Chain(u_f=u_f, u_b=u_b, x=x, xbar=xbar, w=w, o_f=o_f, o_b=o_b,
+                 x0=x0, u_loss=u_loss, o_loss=o_loss, name="hypothesis")
 
 
 @st.composite

@@ -140,8 +140,20 @@ class _Walk:
         return self._produce(k, Op.F_CK)   # k > 0: a_0 is never lost (_keeps_a0)
 
     def _produce(self, k: int, op):
-        """The next step toward running ``op`` on stage k-1 to make a_k / abar_k."""
-        return self._need_weights(k - 1) or self._need_either(k - 1) or (op, k - 1, 0)
+        """The next step toward running ``op`` on stage k-1 to make a_k / abar_k:
+        down the chain to the nearest resident or host copy. A loop: as a
+        recursion through _need_either it raised RecursionError on chains of
+        ~500 stages (max_steps=0 draws nothing, so any length is usable)."""
+        while True:
+            s = k - 1
+            if s not in self.w_dev:
+                return (Op.W_PREFETCH, s, 0)
+            if self._either(s):
+                return (op, s, 0)
+            for kind in (_A, _ABAR):
+                if (s, kind) in self.host:
+                    return (Op.PREFETCH, s, kind)
+            k, op = s, Op.F_CK     # s > 0: a_0 is never lost (_keeps_a0)
 
 
 @st.composite
