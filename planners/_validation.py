@@ -127,6 +127,27 @@ def check_count(name: str, value) -> int:
     return check_int(name, value, low=1)
 
 
+def simulation_args(chain, schedule, platform):
+    """The checked arguments of a simulator (the jitted one and the reference):
+    TypeError for a non-Chain, non-Platform or a schedule that is neither a
+    Schedule nor its text, ScheduleError for an op out of range. Returns the
+    schedule (parsed from text)."""
+    from .chain import Chain
+    from .platform import Platform
+    from .schedule import Schedule
+    if not isinstance(chain, Chain):
+        raise TypeError(f"chain must be a Chain, got {type_label(chain, Chain)}")
+    if isinstance(schedule, str):
+        schedule = Schedule.from_text(schedule)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule or its text, got "
+                        f"{type_label(schedule, Schedule)}")
+    if not isinstance(platform, Platform):
+        raise TypeError(f"platform must be a Platform, got {type_label(platform, Platform)}")
+    check_ranges(chain, schedule)
+    return schedule
+
+
 def check_ranges(chain, schedule) -> None:
     """Raise ScheduleError for the first op whose stage or activation index is
     out of range for ``chain`` (shared by the simulator and the lifetimes)."""

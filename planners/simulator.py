@@ -57,8 +57,7 @@ from .schedule import Op, Schedule
 
 __all__ = ["SimResult", "simulate"]
 
-from ._validation import check_ranges as _check_ranges  # noqa: E402
-from ._validation import type_label  # noqa: E402
+from ._validation import simulation_args  # noqa: E402
 from ._sim_errors import (_E_ALREADY_RESIDENT, _E_BACKWARD_ORDER, _E_GRAD_MISSING,  # noqa: E402
                           _E_HOST_COPY_EXISTS, _E_INCOMPLETE, _E_INITIAL_MEMORY,
                           _E_MEMORY, _E_MISSING_ABAR, _E_MISSING_INPUT,
@@ -425,16 +424,7 @@ def simulate(chain: Chain, schedule: Schedule, platform: Platform) -> SimResult:
     how many bytes the memory limit is exceeded. The rules are in
     ``NOTE [ Simulator semantics ]`` at the top of this module.
     """
-    if not isinstance(chain, Chain):
-        raise TypeError(f"chain must be a Chain, got {type_label(chain, Chain)}")
-    if isinstance(schedule, str):
-        schedule = Schedule.from_text(schedule)
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule must be a Schedule or its text, got "
-                        f"{type_label(schedule, Schedule)}")
-    if not isinstance(platform, Platform):
-        raise TypeError(f"platform must be a Platform, got {type_label(platform, Platform)}")
-    _check_ranges(chain, schedule)
+    schedule = simulation_args(chain, schedule, platform)
     a_size, abar_size = chain.activation_sizes()
     out = np.zeros((len(schedule), 4))
     err = np.zeros(4, np.int64)

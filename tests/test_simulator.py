@@ -164,13 +164,19 @@ def test_delete_frees_only_after_its_offload():
     assert ref["starts"] == r.timeline["start"].tolist()
 
 
-def test_bad_arguments():
+@pytest.mark.parametrize("sim", [simulate, reference_simulate])
+def test_bad_arguments(sim):
+    # both simulators check and take the same arguments (the reference raised a
+    # bare AttributeError, and refused schedule text)
     chain = Chain.homogeneous(2)
-    with pytest.raises(TypeError, match="Chain"):
-        simulate("chain", store_all_schedule(2), BIG)
-    with pytest.raises(TypeError, match="Platform"):
-        simulate(chain, store_all_schedule(2), 100)
-    assert simulate(chain, str(store_all_schedule(2)), BIG).makespan == 4.0
+    with pytest.raises(TypeError, match="chain must be a Chain"):
+        sim("chain", store_all_schedule(2), BIG)
+    with pytest.raises(TypeError, match="platform must be a Platform"):
+        sim(chain, store_all_schedule(2), 100)
+    with pytest.raises(TypeError, match="schedule must be a Schedule or its text"):
+        sim(chain, [1, 2], BIG)
+    result = sim(chain, str(store_all_schedule(2)), BIG)
+    assert (result.makespan if sim is simulate else result["makespan"]) == 4.0
 
 
 @settings(max_examples=150, deadline=None)
@@ -298,7 +304,8 @@ def test_wandering_schedules_of_long_chains_finish_without_recursion():
     ({"chain": 0}, "stage count >= 1"), ({"chain": "3"}, "Chain or a stage count"),
     ({"chain": True}, "Chain or a stage count"),
     ({"chain": 3, "max_steps": -1}, "max_steps must be an integer >= 0"),
-    ({"chain": 3, "max_steps": 2.5}, "max_steps must be an integer >= 0")])
+    ({"chain": 3, "max_steps": 2.5}, "max_steps must be an integer >= 0"),
+    ({"chain": 3, "max_steps": True}, "max_steps must be an integer >= 0")])
 def test_wandering_schedules_arguments_are_named(kwargs, match):
     from hypothesis import find
 
@@ -313,12 +320,25 @@ def test_wandering_schedules_arguments_are_named(kwargs, match):
     (lambda: valid_schedules(3), "valid_schedules: chain must be a Chain"),
     (lambda: platforms(1.5, 10), "platforms: need integers"),
     (lambda: platforms(1, math.inf), "platforms: need integers"),
+    (lambda: platforms(2**41), "max_memory defaults to 2\\*\\*40"),
+    (lambda: chains(True, 3), "chains: need integers"),     # a bool is no count
 ])
 def test_strategy_arguments_are_named(make, match):
     from hypothesis import find
 
     with pytest.raises(ValueError, match=match):
         find(make(), lambda s: True, settings=settings(max_examples=1, database=None))
+
+
+def test_strategies_take_numpy_integers_as_every_planner_count_does():
+    from hypothesis import find
+
+    once = settings(max_examples=1, database=None)
+    assert find(chains(np.int64(2), np.int32(2)), lambda c: True, settings=once).n == 2
+    assert find(platforms(np.int64(5), np.int64(5)), lambda p: True, settings=once).memory == 5
+    s = find(wandering_schedules(np.int64(3), max_steps=np.int64(0)), lambda s: True,
+             settings=once)
+    assert s.count(Op.B) == 3
 
 
 def test_exhaustive_oracle_wants_a_chain():

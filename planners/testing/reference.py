@@ -16,14 +16,16 @@ from rtmem.errors import ScheduleError
 from ..chain import Chain
 from ..platform import Platform
 from ..schedule import Op, Schedule
-from .._validation import check_ranges as _check_ranges
+from .._validation import simulation_args
 
 __all__ = ["reference_simulate"]
 
 
 def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> dict:
-    """Return ``{"makespan": s, "peak": bytes, "starts": [...], "ends": [...]}``."""
-    _check_ranges(chain, schedule)   # input validation is shared; semantics are not
+    """Return ``{"makespan": s, "peak": bytes, "starts": [...], "ends": [...]}``.
+    Takes what :func:`~rtmem.planners.simulate` takes (a schedule or its text)."""
+    # input validation is shared; semantics are not
+    schedule = simulation_args(chain, schedule, platform)
     n = chain.n
     a_size, abar_size = chain.activation_sizes()
     size = {("a", k): int(a_size[k]) for k in range(n + 1)}

@@ -10,15 +10,19 @@ from hypothesis import strategies as st
 from ..chain import Chain
 from ..platform import CHANNELS, Platform
 from ..schedule import Op, Schedule
+from .._validation import is_int
 from .reference import reference_simulate
 from .wandering import wandering_schedules
 
 __all__ = ["chains", "platforms", "valid_schedules", "simulation_cases"]
 
 
-def _check_range(name, lo, hi):
-    if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 1 or hi < lo:
-        raise ValueError(f"{name}: need integers 1 <= min <= max, got {lo!r}, {hi!r}")
+def _check_range(name, lo, hi, hint=""):
+    """``(lo, hi)`` as Python ints, for bounds ``1 <= lo <= hi``: ints or numpy
+    integers, as every count of the planners (a bool or a float is refused)."""
+    if not (is_int(lo) and is_int(hi)) or lo < 1 or hi < lo:
+        raise ValueError(f"{name}: need integers 1 <= min <= max, got {lo!r}, {hi!r}{hint}")
+    return int(lo), int(hi)
 
 
 @st.composite
@@ -53,7 +57,7 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
     weights, overheads:
         Whether ``w`` and ``o_f``/``o_b`` may be non-zero.
     """
-    _check_range("chains", min_stages, max_stages)
+    min_stages, max_stages = _check_range("chains", min_stages, max_stages)
     homo = draw(st.booleans()) if homogeneous is None else homogeneous
     if small:
         size = st.integers(0, 12)
@@ -84,10 +88,9 @@ def platforms(draw, min_memory: int = 1, max_memory: int = 2**40):
     bytes/s log-uniform from 1 kB/s to 990 TB/s, or infinite; either channel model)."""
     # integers only: a float bound raised Hypothesis' InvalidArgument, and an
     # infinite one an OverflowError
-    if not (isinstance(min_memory, int) and isinstance(max_memory, int)) \
-            or not 1 <= min_memory <= max_memory:
-        raise ValueError(f"platforms: need integers 1 <= min_memory <= max_memory, got "
-                         f"{min_memory!r}, {max_memory!r}")
+    min_memory, max_memory = _check_range(
+        "platforms", min_memory, max_memory,
+        " for min_memory, max_memory (max_memory defaults to 2**40 bytes)")
     memory = draw(st.integers(min_memory, max_memory))
     bandwidth = draw(st.one_of(st.just(math.inf), _spread_ints(11, allow_zero=False)
                                .map(lambda v: max(v, 1) * 1e3)))

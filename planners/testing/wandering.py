@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from ..chain import Chain
 from ..schedule import Op, Schedule
+from .._validation import is_int
 
 __all__ = ["wandering_schedules"]
 
@@ -173,13 +174,14 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     chains to a few dozen stages.
     """
     n = chain.n if isinstance(chain, Chain) else chain
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"wandering_schedules: chain must be a Chain or a stage count "
                          f">= 1, got {chain!r}")
     steps = 6 * n + 8 if max_steps is None else max_steps
-    if not isinstance(steps, int) or steps < 0:
+    if not is_int(steps) or steps < 0:
         raise ValueError(f"wandering_schedules: max_steps must be an integer >= 0, "
                          f"got {max_steps!r}")
+    n, steps = int(n), int(steps)
     walk, ops = _Walk(n), []
     for _ in range(draw(st.integers(0, steps))):
         greedy = walk.progress()
