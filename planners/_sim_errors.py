@@ -94,8 +94,8 @@ def raise_error(err, schedule: Schedule, chain: Chain, platform: Platform) -> No
         what = (f"{_act(a, b)} already has a host copy (each activation is offloaded at "
                 "most once); delete the device copy instead")
     elif code == _E_WEIGHT_MISSING:
-        what = (f"needs the weights of stage {a} on the device, but they were offloaded; "
-                f"w_prefetch {a} first")
+        what = (f"needs the weights of stage {a} on the device, but they were offloaded "
+                f"or deleted (w_offload/w_delete); w_prefetch {a} first")
     elif code == _E_WEIGHT_STATE:
         what = (f"the weights of stage {a} are not on the device" if b == 1 else
                 f"the weights of stage {a} are already on the device")

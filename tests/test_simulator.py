@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from rtmem.errors import ScheduleError
+from rtmem.errors import RtmemError, ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate, store_all_schedule
 from rtmem.planners.testing import (chains, platforms, reference_simulate,
                                     simulation_cases, valid_schedules, wandering_schedules)
@@ -345,6 +345,9 @@ def test_exhaustive_oracle_wants_a_chain():
     from rtmem.planners.testing import brute_force_remat
     with pytest.raises(TypeError, match="brute_force_remat plans a Chain"):
         brute_force_remat(3, 10)                # was an AttributeError
+    for bad in ("7", None, 0):                  # were a bare TypeError, or refused all
+        with pytest.raises(RtmemError, match="max_stages must be an integer >= 1"):
+            brute_force_remat(Chain.homogeneous(2), 10, max_stages=bad)
 
 
 def test_a_backward_step_after_the_backward_pass_is_named_as_such():

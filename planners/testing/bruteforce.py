@@ -21,7 +21,7 @@ import math
 
 from rtmem.errors import RtmemError
 
-from .._validation import check_chain
+from .._validation import check_chain, check_int
 from ..chain import Chain
 from ..multichain import _check_lengths
 from ..plan import as_budget
@@ -39,6 +39,7 @@ def brute_force_remat(chain: Chain, memory, *, max_stages: int = 7):
     space is 2^(2n+1) (n+2)).
     """
     check_chain(chain, "brute_force_remat")     # a TypeError, not an AttributeError
+    max_stages = check_int("brute_force_remat: max_stages", max_stages, low=1)
     n = chain.n
     if n > max_stages:
         raise RtmemError(f"brute_force_remat: {n} stages is too many for exhaustive "

@@ -53,7 +53,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
     small:
         Small integer sizes (0..12 bytes; ``xbar`` = ``x`` + 0..12) and integer
         times (0..10 s), for brute-force oracles; otherwise sizes are 0 or span
-        1 B .. 99 GB and times are 0 or span 1 us .. 9.9 s (log-uniform).
+        1 B .. 99 GB (``xbar`` = ``x`` + such a size: up to 198 GB) and times
+        are 0 or span 1 us .. 9.9 s (log-uniform).
     weights, overheads:
         Whether ``w`` and ``o_f``/``o_b`` may be non-zero.
     """
