@@ -297,8 +297,9 @@ def _unscale_factor(grad_scale, maximize=False) -> np.float32:
         if not _F32_ROUNDS_TO_ZERO < gmul < _F32_ROUNDS_TO_INF:
             raise OptimizerError(
                 f"1/grad_scale is not representable in float32 (the kernel's precision) "
-                f"for grad_scale={grad_scale!r}; use a loss scale within float32 range "
-                f"(about 3e-38 to 3e38).", argument="grad_scale")
+                f"for grad_scale={grad_scale!r}; use a loss scale of about 3e-38 to "
+                f"1e45 (above 8.5e37 the reciprocal is a float32 subnormal and loses "
+                f"precision; GradScaler's scales are far inside).", argument="grad_scale")
     return np.float32(-gmul if maximize else gmul)
 
 
@@ -454,8 +455,9 @@ def prepare_update(param, grad, exp_avg, exp_avg_sq, *, max_exp_avg_sq=None,
 
 def grads_finite(grad, *, grad_scale=None, grad_format=None, start=0, stop=None,
                  num_threads=None) -> bool:
-    """True if every gradient in ``[start, stop)``, divided by ``grad_scale``, is
-    finite. A read-only pass (4 B/param fp32, 2 B/param fp16/bf16).
+    """True if every gradient in ``[start, stop)``, unscaled (times the float32
+    ``1/grad_scale``, as in the update), is finite. A read-only pass (4 B/param
+    fp32, 2 B/param fp16/bf16).
 
     ``grad`` and ``grad_format`` are as in :func:`adam_update`; ``grad_scale`` is
     the loss scale (finite, > 0) or None.

@@ -32,6 +32,10 @@ __all__ = ["CPUAdam", "CPUAdamW"]
 # kernel never blames one.
 _TORCH_ARGUMENTS = {"grad": "grads", "out": "copies", "copy": "copies"}
 
+# The largest step count state["step"] (a float32 tensor, as torch's) holds
+# finite: a larger one is inf, which step() cannot turn back into a count.
+_MAX_STEP = int(np.finfo(np.float32).max)
+
 
 def as_numpy(t, name):
     """(numpy view, 16-bit format or None) of a CPU tensor, zero-copy."""
@@ -375,7 +379,8 @@ class CPUAdam(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if not st:
                     continue
-                step = _checked_step(st.get("step", 0), f"group {gi} param {pi}")
+                step = _checked_step(st.get("step", 0), f"group {gi} param {pi}",
+                                     _MAX_STEP)
                 for key in _STATE_KEYS:
                     if key not in st:
                         continue

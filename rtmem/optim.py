@@ -14,8 +14,9 @@ Two front ends share one step routine:
   imports then.
 
 NOTE [ Skipped steps ]
-    With ``step(..., grad_scale=S)`` the gradients are divided by the loss scale
-    ``S`` inside the kernel, and the step is skipped if any unscaled gradient of
+    With ``step(..., grad_scale=S)`` the gradients are unscaled inside the kernel
+    (multiplied by ``float32(1/S)``, as ``torch.amp.GradScaler.unscale_`` does,
+    bit for bit), and the step is skipped if any unscaled gradient of
     any parameter is inf/NaN: then no parameter, moment or step count changes
     (bit-identical), ``last_step_skipped`` is True and ``skipped_steps`` grows by
     one. All gradients are validated and checked before the first parameter is
@@ -115,10 +116,11 @@ def _zeros_state(shape, arena):
     return view
 
 
-def _checked_step(step, where) -> int:
+def _checked_step(step, where, limit=None) -> int:
     """A saved step count as an int; raise OptimizerError naming ``where`` (the
     parameter) unless it is an integer >= 0 (a Python/numpy number or a
-    one-element tensor; -3, NaN and 2.5 are refused)."""
+    one-element tensor; -3, NaN and 2.5 are refused) and, with ``limit``, at
+    most ``limit`` (the largest count the optimizer's step counter holds)."""
     try:
         count = int(step)
         ok = bool(count == step) and count >= 0
@@ -127,6 +129,12 @@ def _checked_step(step, where) -> int:
     if not ok:
         raise OptimizerError(f"{where}: step is {step!r}; expected an integer >= 0.",
                              argument="state_dict")
+    if limit is not None and count > limit:
+        # refused here, before anything changes: stored, it became inf (a float32
+        # counter: every later step raised OverflowError) or raised half-way
+        # through a load (an int64 counter)
+        raise OptimizerError(f"{where}: step is {step!r}, more than the {limit} this "
+                             f"optimizer's step counter holds.", argument="state_dict")
     return count
 
 

@@ -817,6 +817,28 @@ def test_load_state_dict_refuses_a_step_that_is_not_a_count(bad):
     assert float(opt.state[a[1]]["step"]) == 3.0
 
 
+def test_load_state_dict_refuses_a_step_beyond_the_float32_counter():
+    # state["step"] is a float32 tensor: a larger count (a plain int from an old
+    # torch dict) was stored as inf, and every later step() raised OverflowError
+    a, _ = _models(26, shapes=((4,), (6,)))
+    opt = optim.CPUAdam(a, lr=1e-2)
+    for p in a:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    sd = copy.deepcopy(good)
+    sd["state"][1]["step"] = 10 ** 39
+    with pytest.raises(OptimizerError, match="step counter holds") as info:
+        opt.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    assert float(opt.state[a[1]]["step"]) == 1.0
+    sd["state"][1]["step"] = 2 ** 100            # huge but a finite float32
+    opt.load_state_dict(sd)
+    opt.step()
+    assert float(opt.state[a[1]]["step"]) == 2.0 ** 100
+    assert all(torch.isfinite(p).all() for p in a)
+
+
 def test_add_param_group_takes_rtmem_buffers(arena):
     bufs = [arena.alloc(shape=(8,), dtype=np.float32, kind="weight") for _ in range(3)]
     for b in bufs:

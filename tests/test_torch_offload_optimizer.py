@@ -197,6 +197,9 @@ def test_bad_state_dicts_are_refused_and_change_nothing():
              "amsgrad"),
             (edited(set_state("step", -2)), "step is -2"),
             (edited(set_state("step", 1.5)), "step is 1.5"),
+            # beyond the int64 step counter: was a bare OverflowError after the
+            # earlier parameters' state had been replaced
+            (edited(set_state("step", torch.tensor(1e19))), "step counter holds"),
             (edited(set_state("exp_avg", torch.zeros(3))), "shape"),
             (edited(set_state("master", torch.zeros(8, 6))), "shape"),
             (edited(set_state("max_exp_avg_sq", torch.zeros(8))), "amsgrad"),

@@ -912,7 +912,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                 raise OptimizerError(f"{where}: the state has max_exp_avg_sq (amsgrad), "
                                      f"which OffloadedAdam does not run",
                                      argument="state_dict")
-            arrays[k] = [_checked_step(st.get("step", 0), where)]
+            # steps is int64, and a step adds one to it
+            arrays[k] = [_checked_step(st.get("step", 0), where,
+                                       np.iinfo(np.int64).max - 1)]
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 if key not in st:
                     if key == "master":
