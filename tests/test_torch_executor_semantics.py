@@ -1202,3 +1202,68 @@ def test_a_tensor_a_recomputation_leaves_in_an_attribute_stays_readable():
     torch.testing.assert_close(m[0].last, m[0].lin(x))
     m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
     _assert_same(m, ex, loss, ref, ref_loss)
+
+
+class _DictCached(nn.Module):
+    """As _LazyScaled, with the table in a dict keyed by width (a rotary cache
+    keyed by sequence length, holding ``(cos, sin)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cache = nn.Linear(8, 8), {}
+
+    def forward(self, x):
+        if x.shape[-1] not in self.cache:
+            self.cache[x.shape[-1]] = (torch.arange(8.0) / 10 + 1, torch.ones(8))
+        cos, sin = self.cache[x.shape[-1]]
+        return self.lin(x) * cos + sin
+
+
+def test_a_table_held_in_a_dict_attribute_is_never_freed():
+    # a table in a dict (of tuples) attribute was not model state: deleting
+    # abar1 freed it under the module, as a plain attribute's was before
+    torch.manual_seed(0)
+    model = nn.Sequential(_DictCached(), nn.Linear(8, 1))
+    x, y = torch.randn(3, 8), torch.randn(3, 1)
+    sched = _sched("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
+                   "prefetch abar1, B 0", 2)
+
+    def bad_loss(out, target):
+        raise ValueError("loss failed")
+    m = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="loss failed"):
+        ScheduleExecutor(m, sched, bad_loss).step(x, y)
+    assert all(_intact(t) for t in m[0].cache[8]), "the step freed the table"
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, loss, ref, ref_loss)
+
+
+class _SparseGraph(nn.Module):
+    """Message passing over a graph held as a sparse COO attribute; only its
+    (dense) indices reach autograd."""
+
+    def __init__(self, adj):
+        super().__init__()
+        self.lin, self.adj = nn.Linear(8, 8), adj.coalesce()
+
+    def forward(self, x):
+        src, dst = self.adj.indices()
+        h = self.lin(x)
+        return h.index_add(0, dst, h[src])
+
+
+def test_a_sparse_tensor_attribute_is_profiled_and_trained():
+    # the scan for constant tables asked a sparse attribute for its storage
+    # (NotImplementedError: "Cannot access storage of SparseTensorImpl") in the
+    # profiler and in every step, where such a model ran before
+    torch.manual_seed(0)
+    adj = (torch.rand(5, 5) > 0.5).float().to_sparse()
+    model = nn.Sequential(_SparseGraph(adj), nn.Linear(8, 1))
+    x, y = torch.randn(5, 8), torch.randn(5, 1)
+    chain = profile_sequential(copy.deepcopy(model), x, y, mse, repeats=1)
+    assert chain.n == 2
+    sched = _sched("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
+                   "prefetch abar1, B 0", 2)
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
+    _assert_same(m, ex, loss, ref, ref_loss)
+    assert _intact(m[0].adj.indices())

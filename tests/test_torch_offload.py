@@ -694,3 +694,30 @@ def test_gradients_placed_in_an_arena_and_offloaded_adam_are_refused_together(se
     off.close()
     placement.release()
     place_parameters(model, host).release()     # a closed optimizer flushes nothing
+
+
+def test_a_profile_that_fails_early_resumes_the_optimizer_hooks(setup, monkeypatch):
+    # profile_sequential took the caller's gradients and paused an open
+    # OffloadedAdam's hooks before its try/finally: an error raised in between
+    # (an out-of-memory clone of the batch; a storage its accounting cannot read,
+    # as a sparse buffer's) left p.grad None and the hooks paused for good, so
+    # every later backward kept its gradients on the device until step()
+    from rtmem.torch import offload, profiler
+    model, loss_fn, batches = setup
+    mine = copy.deepcopy(model)
+    off = OffloadedAdam(mine.parameters(), lr=1e-2)
+    (x0, y0), (x1, y1) = batches[:2]
+    p = next(mine.parameters())
+    p.grad = g = torch.zeros_like(p)          # a gradient the caller holds
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(profiler, "inputs_need_grad", oom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        profile_sequential(mine, x0, y0, loss_fn, repeats=1)
+    assert p.grad is g and len(offload._paused) == 0
+    p.grad = None
+    loss_fn(mine(x1), y1).backward()
+    assert all(q.grad is None for q in mine.parameters())    # flushed by the hooks
+    assert not any(off._fresh)
+    off.close()

@@ -195,19 +195,58 @@ def slot_buffers(slots) -> list:
                               if (t := m._buffers.get(name)) is not None))
 
 
+# What every nn.Module keeps in its __dict__ (the parameter, buffer, submodule
+# and hook dicts, ``training``): never a constant table, and ~15 of the ~19
+# entries of a typical module, so skipped by name (the scan runs after every
+# forward, over every module of the stage).
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _strided_parts(t: torch.Tensor) -> tuple:
+    """The strided tensors holding the data of ``t``: itself, or a sparse
+    tensor's indices and values (what autograd saves of it; a sparse tensor has
+    no storage of its own: ``untyped_storage()`` raises). None for the layouts
+    the executor does not handle (nested, mkldnn)."""
+    layout = t.layout
+    if layout == torch.strided:
+        return () if t.is_nested else (t,)
+    if layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return ()
+
+
+def _attribute_tensors(v, out: dict, depth: int = 2) -> None:
+    """Add to ``out`` the non-parameter tensors in attribute value ``v``: a
+    tensor, or one in a list, tuple or dict (a cache keyed by sequence length
+    holding ``(cos, sin)``), ``depth`` containers deep."""
+    if isinstance(v, torch.Tensor):
+        if not isinstance(v, nn.Parameter):
+            for t in _strided_parts(v):
+                out[id(t)] = t
+    elif depth and isinstance(v, (list, tuple, dict)):
+        for item in v.values() if isinstance(v, dict) else v:
+            if isinstance(item, (torch.Tensor, list, tuple, dict)):
+                _attribute_tensors(item, out, depth - 1)
+
+
 def stage_constants(modules) -> list:
     """The tensors ``modules`` hold as plain attributes (``self.table = t``, or in a
-    list or tuple attribute), neither parameters nor buffers: constant tables a
+    list, tuple or dict attribute), neither parameters nor buffers: constant tables a
     forward reads (rotary or mask caches, class weights), each once. When autograd
     saves one, it is model state like a buffer: a move must never free it under
-    the module (NOTE [ Executor ] rule 4), nor count it as an activation."""
+    the module (NOTE [ Executor ] rule 4), nor count it as an activation. A
+    sparse one is taken as its indices and values tensors."""
     out = {}
     for m in modules:
-        for v in vars(m).values():
-            items = v if isinstance(v, (list, tuple)) else (v,)
-            for t in items:
-                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
-                    out[id(t)] = t
+        d = m.__dict__
+        for name in d.keys() - _MODULE_INTERNALS:
+            v = d[name]
+            if isinstance(v, (torch.Tensor, list, tuple, dict)):
+                _attribute_tensors(v, out)
     return list(out.values())
 
 

@@ -132,24 +132,27 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     slots = buffer_slots(model) + (buffer_slots(loss_fn) if isinstance(loss_fn, nn.Module)
                                    else ())
     buffers = KeptBuffers(slots)
-    # the backward passes below accumulate into .grad in place: profile with
-    # none, and put the caller's tensors back afterwards (also those of leaves
-    # outside the model that a stage or the loss uses, see _clear_grads)
-    grads = {}
-    _clear_grads(model.parameters(), grads)
     cuda = device.type == "cuda"
     # dropout and the random output gradients below draw from the generator of
     # the input's device too
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
     cols = {k: [] for k in ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")}
-    # never counted as activations: the executor's accounting (its _state_count)
-    state = _storage_ptrs((*grads, *slot_buffers(slots)))
-    x = inputs.detach().clone()   # a first stage may modify its input in place
-    stage_params = [list(stage.parameters()) for stage in model]
-    needs_grad = inputs_need_grad(stage_params, inputs.requires_grad)
-    seen_weights = set()
+    # the backward passes below accumulate into .grad in place: profile with
+    # none, and put the caller's tensors back afterwards (also those of leaves
+    # outside the model that a stage or the loss uses, see _clear_grads). Taken
+    # inside the try: whatever raises after it (a storage the accounting cannot
+    # read, an out-of-memory clone of the batch) must give them back and resume
+    # an open OffloadedAdam's gradient hooks
+    grads = {}
     try:
+        _clear_grads(model.parameters(), grads)
+        # never counted as activations: the executor's accounting (its _state_count)
+        state = _storage_ptrs((*grads, *slot_buffers(slots)))
+        x = inputs.detach().clone()   # a first stage may modify its input in place
+        stage_params = [list(stage.parameters()) for stage in model]
+        needs_grad = inputs_need_grad(stage_params, inputs.requires_grad)
+        seen_weights = set()
         # Iteration, not children(): a module repeated in the Sequential is one
         # stage per position, as the executor runs it.
         for i, stage in enumerate(model):
@@ -232,11 +235,13 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     loss_fn(z, target).backward()
             loss_times.append(timer(run)[1])
     finally:
-        buffers.restore()
-        for p, g in grads.items():
-            p.grad = g
-        _resume_flushes(grads)
-        torch.set_rng_state(rng)
+        try:
+            buffers.restore()
+        finally:
+            for p, g in grads.items():
+                p.grad = g
+            _resume_flushes(grads)
+            torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
     return Chain(**cols, x0=inputs.numel() * inputs.element_size(),
