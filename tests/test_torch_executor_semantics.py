@@ -533,9 +533,17 @@ def test_weight_moves_of_tied_parameters_are_refused_up_front():
     sched = _sched("F_all 0, w_delete 0, F_all 1, F_all 2, L, B 2, B 1, w_prefetch 0, B 0", 3)
     with pytest.raises(ExecutionError, match=r"'0\.weight'.*shared by stages 0, 2"):
         ScheduleExecutor(model, sched, loss_fn)
-    # gradient moves are fine: the host accumulator and .grad add up
+    # gradient moves of every stage using it are fine: the host accumulator adds up
     sched = _sched("F_all 0, F_all 1, F_all 2, L, B 2, g_offload 2, B 1, B 0, g_offload 0", 3)
-    _assert_same(*_train(model, x, y, loss_fn, sched))
+    m, ex, loss, ref, ref_loss = _train(model, x, y, loss_fn, sched)
+    _assert_same(m, ex, loss, ref, ref_loss)
+    assert m[0].weight.grad is None and m[0].weight in ex.host_grads()
+    # of some of them only, it would be split between host_grads() and .grad (an
+    # optimizer given host_grads() dropped the .grad part)
+    sched = _sched("F_all 0, F_all 1, F_all 2, L, B 2, g_offload 2, B 1, B 0", 3)
+    with pytest.raises(ExecutionError, match=r"'0\.weight'.*g_offloads its gradient at "
+                                             r"stage\(s\) 2 but not 0"):
+        ScheduleExecutor(model, sched, loss_fn)
 
 
 # ---------------------------------------------------------------- defect 7

@@ -367,7 +367,8 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
     """Refuse weight moves of a stage holding a parameter (or a parameter storage)
     another stage also uses: freeing it between that stage's ops would empty a
     weight the other stage still reads (NOTE rule 5); or a parameter that is a
-    view into a larger storage."""
+    view into a larger storage. Refuse ``g_offload`` of some but not all of the
+    stages using a parameter (its gradient would be split)."""
     def key(p):
         s = p.untyped_storage()
         return s.data_ptr() if s.nbytes() else id(p)
@@ -401,6 +402,23 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
                     f"weight moves of stage {i} would free it while another stage still "
                     f"reads it; remove the w_offload/w_delete/w_prefetch ops of stages "
                     f"{', '.join(map(str, stages))} from the schedule, or untie the weights")
+    # A gradient moved by g_offload of some of the stages using a parameter, and
+    # not others, would end up split between host_grads() and p.grad, which an
+    # optimizer given either one alone gets wrong.
+    users: dict = {}    # parameter id -> stages using it
+    for i, params in enumerate(stage_params):
+        for p in params:
+            users.setdefault(id(p), (p, []))[1].append(i)
+    for p, stages in users.values():
+        moved = [i for i in stages if Op.G_OFFLOAD in moves.get(i, ())]
+        if moved and len(moved) < len(stages):
+            kept = [i for i in stages if i not in moved]
+            raise ExecutionError(
+                f"parameter {param_label(names, p)} is shared by stages "
+                f"{', '.join(map(str, stages))} (tied weights), and the schedule "
+                f"g_offloads its gradient at stage(s) {', '.join(map(str, moved))} but "
+                f"not {', '.join(map(str, kept))}: it would be split between "
+                f"host_grads() and .grad; g_offload every stage using it, or none")
 
 
 def check_placement(stage_params, moves: dict, names: dict) -> None:

@@ -53,7 +53,9 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    empty placeholder and back (a host copy of this step's weights is kept);
    ``g_offload i`` moves the stage's parameter gradients into host accumulators
    (:meth:`host_grads`). Schedules that move the weights of a parameter shared
-   by several stages (tied weights), or weights or gradients that
+   by several stages (tied weights), ``g_offload`` of some but not all of the
+   stages using a parameter (its gradient would be split between
+   :meth:`host_grads` and ``.grad``), or weights or gradients that
    :func:`~rtmem.torch.place_parameters` put in an arena, are refused with
    :class:`ExecutionError` before any work: a move would free a weight another
    stage still reads, or take it out of its arena. A stored activation that is
