@@ -40,7 +40,9 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    a tensor a stage's module holds as a plain attribute (a constant table
    such as a rotary or mask cache, ``self.table = t``, which autograd may
    save; a constant a stage reads from outside the model, a global or a
-   closure, is not known to the executor: make it a buffer or an attribute),
+   closure, is not known to the executor: make it a buffer or an attribute;
+   an activation a module keeps as an attribute, ``self.last = h``, is such
+   state too: never freed, and counted neither as activation nor as weight),
    to the caller's inputs or target, or to the output or saved tensors of another
    resident stored tensor (an ``nn.Identity`` or view stage returns its input's
    storage, batch norm saves its running statistics): a delete leaves it on the

@@ -660,6 +660,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             if version == self._versions[k]:
                 continue
             lo, hi = self._span(k)
+            if p.dtype != self.dtype or p.numel() != hi - lo:
+                continue    # its data was replaced: step() refuses it by name
             now = p.detach().reshape(-1).cpu()
             master = torch.from_numpy(self.master[lo:hi])
             if self.dtype == torch.float32:
@@ -722,7 +724,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         _unscale_factor(grad_scale)       # refused even when there is nothing to do
         pending, fresh, zeroed = self._with_gradient()
         self.last_step_skipped = False
-        self._adopt_changes()            # checked: what the caller wrote is kept
         if all(fresh):
             return loss
         runs = self._runs(fresh)
@@ -735,6 +736,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                                               grad_scale)
         if check_finite is None:
             check_finite = grad_scale is not None
+        self._adopt_changes()            # all checked: what the caller wrote is kept
         self._gather(pending, zeroed)
         with threads(self.num_threads):
             if check_finite and not all(self._update._grads_finite(coeffs[gi, s], lo, hi)
