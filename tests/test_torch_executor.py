@@ -354,3 +354,35 @@ def test_gpt2_model_names_a_bad_argument():
         gpt2_model(layers=2.5)
     model, _, _ = gpt2_model(layers=np.int64(1), hidden=8, heads=2, seq=4, vocab=16)
     assert len(model) == 3
+
+
+def test_gradients_equal_plain_autograd_under_compiled_autograd():
+    # Compiled autograd calls the saved-tensor unpack hooks from the backward
+    # graph it compiles: traced by dynamo, their version checks read the traced
+    # tensors' counters and refused every step once a weight had been updated
+    # in place ("'3.weight' ... was modified in place afterwards")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                  for _ in range(3)], torch.nn.Linear(8, 2))
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    loss_fn = torch.nn.functional.cross_entropy
+    ref = copy.deepcopy(model)
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    torch._dynamo.reset()
+    try:
+        ca = torch._dynamo.compiled_autograd   # _enable: torch >= 2.6, enable before
+        with (getattr(ca, "_enable", None) or ca.enable)(torch.compile(backend="aot_eager")):
+            for sched in (sequential_schedule(4, 2), _moves_schedule(4)):
+                m = copy.deepcopy(model)
+                with torch.no_grad():   # as an optimizer step does: versions move
+                    for p in m.parameters():
+                        p.mul_(1.0)
+                ex = ScheduleExecutor(m, sched, loss_fn)
+                assert torch.equal(ex.step(x, y), ref_loss.detach())
+                host = ex.host_grads()      # g_offload moves some there
+                for p, q in zip(m.parameters(), ref.parameters()):
+                    g = host[p] if p in host else p.grad
+                    torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()

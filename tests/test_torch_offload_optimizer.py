@@ -468,3 +468,23 @@ def test_weights_written_in_place_after_construction_are_trained_not_reverted(dt
     off.load_state_dict(saved)
     assert torch.equal(off.state_dict()["state"][1]["master"], saved["state"][1]["master"])
     off.close()
+
+
+def test_steps_like_adam_under_compiled_autograd():
+    # Compiled autograd calls the post-accumulate-grad hooks from the backward
+    # graph it compiles: traced by dynamo, the hook's host bookkeeping failed
+    # inside torch ("AssertionError: sources must not be empty for symbol s41")
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(mine.parameters(), lr=1e-2)
+    data = batches(3)
+    torch._dynamo.reset()
+    try:
+        ca = torch._dynamo.compiled_autograd   # _enable: torch >= 2.6, enable before
+        with (getattr(ca, "_enable", None) or ca.enable)(torch.compile(backend="aot_eager")):
+            train(mine, off, data)
+    finally:
+        torch._dynamo.reset()
+    train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), data)
+    assert_same_params(mine, ref)
+    assert off.step_count == 3
+    off.close()

@@ -105,6 +105,12 @@ class _SavedHooks:
             src = buf
         return src.as_strided(size, stride, offset)
 
+    # Kept out of TorchDynamo: under compiled autograd the backward graph calls
+    # the unpack hook, and traced, its version-counter checks read the traced
+    # tensors' counters and refused every step ("'4.weight' ... was modified in
+    # place afterwards"); run eagerly it re-derives and checks the real tensors.
+    unpack = torch.compiler.disable(unpack)
+
 
 def _param_cast(t: torch.Tensor, params) -> bool:
     """Whether ``t`` is (a view of) a dtype cast of one of ``params`` (what

@@ -101,7 +101,14 @@ def _resume_flushes(params) -> None:
 
 
 def _hook(ref, k: int):
-    """Parameter k's post-accumulate-grad hook, holding the optimizer weakly."""
+    """Parameter k's post-accumulate-grad hook, holding the optimizer weakly.
+
+    Kept out of TorchDynamo: under compiled autograd the backward graph calls
+    the hook, and tracing its host-side bookkeeping (numpy offsets, the D2H
+    copy into the pinned buffer, ``p.grad = None``) failed inside dynamo
+    ("sources must not be empty for symbol s41"); run eagerly, it sees the
+    real gradient, as in eager autograd."""
+    @torch.compiler.disable
     def flush(p):
         opt = ref()
         if opt is not None and p not in _paused:
