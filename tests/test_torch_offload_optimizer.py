@@ -488,3 +488,30 @@ def test_steps_like_adam_under_compiled_autograd():
     assert_same_params(mine, ref)
     assert off.step_count == 3
     off.close()
+
+
+def test_gradients_left_in_p_grad_until_the_step():
+    # flush_in_backward=False (for DistributedDataParallel, tests/test_torch_ddp.py):
+    # no hooks, p.grad accumulates on the device, step() and clipping take it
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+    data = batches(4)
+    for model in (mine, ref):
+        for x, y in data[:2]:                       # accumulated over two backwards
+            torch.nn.functional.mse_loss(model(x), y).backward()
+    assert all(p.grad is not None for p in mine.parameters()) and all(off._fresh)
+    norm = off.clip_grad_norm_(0.5)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    torch.testing.assert_close(norm, want)
+    off.step()
+    ref_opt.step()
+    assert_same_params(mine, ref)
+    off.zero_grad()
+    ref_opt.zero_grad()
+    train(mine, off, data[2:])
+    train(ref, ref_opt, data[2:])
+    assert_same_params(mine, ref)
+    off.close()
+    with pytest.raises(OptimizerError, match="flush_in_backward must be True or False"):
+        OffloadedAdam(mine.parameters(), flush_in_backward="no")

@@ -336,10 +336,20 @@ class OffloadedAdam(torch.optim.Optimizer):
         pay less per-call overhead. Default 4 Mi elements (16 MiB of fp32 master).
     num_threads:
         CPU threads of the update kernel (None: numba's current setting).
+    flush_in_backward:
+        True: each gradient goes to the host as backward produces it (a
+        post-accumulate-grad hook per parameter). False: gradients stay in
+        ``p.grad`` on the device, accumulating there, until :meth:`step` (or
+        :meth:`clip_grad_norm_`) takes them. Needed under
+        ``DistributedDataParallel``, whose reducer all-reduces ``p.grad`` in a
+        hook that runs after this one: with True it finds the gradient already
+        taken, all-reduces zeros, and every rank steps with its own local
+        gradient.
 
     Call :meth:`step` after backward; gradients are already on the host by then
     (taken by a post-accumulate-grad hook on each parameter: a hook of that kind
-    registered after this optimizer finds ``p.grad`` None).
+    registered after this optimizer finds ``p.grad`` None; with
+    ``flush_in_backward=False`` they stay in ``p.grad`` until the step).
     Gradients of several backward passes accumulate (in the parameter dtype)
     until the next :meth:`step`, which consumes them. Parameters without a
     gradient are left alone, as by ``torch.optim.Adam``; ``zero_grad`` with
@@ -375,7 +385,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  *, adamw=False, host_arena=None, chunk_elements=1 << 22,
-                 num_threads=None):
+                 num_threads=None, flush_in_backward=True):
         from rtmem.arena import HostArena, is_arena
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
@@ -417,6 +427,10 @@ class OffloadedAdam(torch.optim.Optimizer):
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
         self.num_threads = _check_num_threads(num_threads)
+        if not isinstance(flush_in_backward, bool):
+            raise OptimizerError(f"flush_in_backward must be True or False, got "
+                                 f"{flush_in_backward!r}", argument="flush_in_backward")
+        self.flush_in_backward = flush_in_backward
         # every group is checked: torch's constructor adds them (add_param_group)
         # and refuses nothing more; later additions are refused (_bufs is set)
         self._bufs = None
@@ -505,7 +519,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         # without close() lets it be collected; its finalizer then removes them
         # (and closes the arena it made).
         for k, p in enumerate(self.params):
-            if p.requires_grad:
+            if p.requires_grad and self.flush_in_backward:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     _hook(self._ref, k)))
         for p in self.params:
