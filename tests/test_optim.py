@@ -795,12 +795,7 @@ def test_copies_and_pickles_keep_threads_and_skip_counters():
 
 @pytest.mark.parametrize("bad", [-3.0, float("nan"), 2.5, float("inf")])
 def test_load_state_dict_refuses_a_step_that_is_not_a_count(bad):
-    a, _ = _models(25, shapes=((4,), (6,)))
-    opt = optim.CPUAdam(a, lr=1e-2)
-    for p in a:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    good = copy.deepcopy(opt.state_dict())
+    a, opt, good = _stepped_once(25)
     sd = copy.deepcopy(good)
     sd["state"][1]["step"] = torch.tensor(bad)
     sd["param_groups"][0]["lr"] = 0.5
@@ -820,12 +815,7 @@ def test_load_state_dict_refuses_a_step_that_is_not_a_count(bad):
 def test_load_state_dict_refuses_a_step_beyond_the_float32_counter():
     # state["step"] is a float32 tensor: a larger count (a plain int from an old
     # torch dict) was stored as inf, and every later step() raised OverflowError
-    a, _ = _models(26, shapes=((4,), (6,)))
-    opt = optim.CPUAdam(a, lr=1e-2)
-    for p in a:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    good = copy.deepcopy(opt.state_dict())
+    a, opt, good = _stepped_once(26)
     sd = copy.deepcopy(good)
     sd["state"][1]["step"] = 10 ** 39
     with pytest.raises(OptimizerError, match="step counter holds") as info:

@@ -1117,6 +1117,22 @@ class _ScaledLinear(nn.Module):
         return self.lin(x) * self.table
 
 
+#: Deletes abar1 (stage 0's saved tensors) and fails before its prefetch.
+_FAILS_AFTER_DELETE = ("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
+                       "prefetch abar1, B 0")
+
+
+def _after_a_failed_step(model, x, y):
+    """A copy of ``model`` after a step of _FAILS_AFTER_DELETE whose loss raised:
+    what the step deleted stays deleted (its prefetch never ran)."""
+    def bad_loss(out, target):
+        raise ValueError("loss failed")
+    m = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="loss failed"):
+        ScheduleExecutor(m, _sched(_FAILS_AFTER_DELETE, 2), bad_loss).step(x, y)
+    return m
+
+
 def test_a_constant_tensor_attribute_a_stage_saves_is_never_freed():
     # abar1 holds the table stage 0 saved; deleting abar1 freed the table's
     # storage (resize_(0)) under the module: after a failed step it stayed
@@ -1125,15 +1141,9 @@ def test_a_constant_tensor_attribute_a_stage_saves_is_never_freed():
     table = torch.randn(8) + 2
     model = nn.Sequential(_ScaledLinear(table), nn.Linear(8, 1))
     x, y = torch.randn(3, 8), torch.randn(3, 1)
-    sched = _sched("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
-                   "prefetch abar1, B 0", 2)
-
-    def bad_loss(out, target):
-        raise ValueError("loss failed")
-    m = copy.deepcopy(model)
-    before = m[0].table.clone()
-    with pytest.raises(ValueError, match="loss failed"):
-        ScheduleExecutor(m, sched, bad_loss).step(x, y)
+    sched = _sched(_FAILS_AFTER_DELETE, 2)
+    before = model[0].table.clone()
+    m = _after_a_failed_step(model, x, y)
     intact = _intact(m[0].table)   # no repr of a freed tensor: it reads freed memory
     assert intact, "the step freed the table under the module"
     assert torch.equal(m[0].table, before)
@@ -1191,27 +1201,6 @@ class _KeepsLast(nn.Module):
         return h * h
 
 
-def test_a_tensor_a_recomputation_leaves_in_an_attribute_stays_readable():
-    # the recomputed forward of stage 0 (F_all 0 after F_ck 0) sets .last to a
-    # tensor abar1 saves; deleting abar1 freed it under the module, and a step
-    # failing before the next forward left it so
-    torch.manual_seed(0)
-    model = nn.Sequential(_KeepsLast(), nn.Linear(8, 1))
-    x, y = torch.randn(3, 8), torch.randn(3, 1)
-    sched = _sched("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
-                   "prefetch abar1, B 0", 2)
-
-    def bad_loss(out, target):
-        raise ValueError("loss failed")
-    m = copy.deepcopy(model)
-    with pytest.raises(ValueError, match="loss failed"):
-        ScheduleExecutor(m, sched, bad_loss).step(x, y)
-    assert _intact(m[0].last)      # no repr of a freed tensor: it reads freed memory
-    torch.testing.assert_close(m[0].last, m[0].lin(x))
-    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
-    _assert_same(m, ex, loss, ref, ref_loss)
-
-
 class _DictCached(nn.Module):
     """As _LazyScaled, with the table in a dict keyed by width (a rotary cache
     keyed by sequence length, holding ``(cos, sin)``)."""
@@ -1227,22 +1216,21 @@ class _DictCached(nn.Module):
         return self.lin(x) * cos + sin
 
 
-def test_a_table_held_in_a_dict_attribute_is_never_freed():
-    # a table in a dict (of tuples) attribute was not model state: deleting
-    # abar1 freed it under the module, as a plain attribute's was before
+@pytest.mark.parametrize("make, held", [
+    # a tensor the recomputed forward (F_all 0 after F_ck 0) leaves in .last
+    (_KeepsLast, lambda mod: [mod.last]),
+    # a table in a dict of tuples (scanned only for list/tuple attributes before)
+    (_DictCached, lambda mod: list(mod.cache[8])),
+], ids=["set-by-recomputation", "in-a-dict"])
+def test_tensors_a_module_keeps_in_attributes_survive_a_failed_step(make, held):
+    # abar1 saved them; deleting it freed them under the module, and the failed
+    # step (no prefetch) left them so: reading one read freed memory
     torch.manual_seed(0)
-    model = nn.Sequential(_DictCached(), nn.Linear(8, 1))
+    model = nn.Sequential(make(), nn.Linear(8, 1))
     x, y = torch.randn(3, 8), torch.randn(3, 1)
-    sched = _sched("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
-                   "prefetch abar1, B 0", 2)
-
-    def bad_loss(out, target):
-        raise ValueError("loss failed")
-    m = copy.deepcopy(model)
-    with pytest.raises(ValueError, match="loss failed"):
-        ScheduleExecutor(m, sched, bad_loss).step(x, y)
-    assert all(_intact(t) for t in m[0].cache[8]), "the step freed the table"
-    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
+    m = _after_a_failed_step(model, x, y)
+    assert all(_intact(t) for t in held(m[0])), "the step freed them under the module"
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, _sched(_FAILS_AFTER_DELETE, 2))
     _assert_same(m, ex, loss, ref, ref_loss)
 
 
@@ -1270,8 +1258,7 @@ def test_a_sparse_tensor_attribute_is_profiled_and_trained():
     x, y = torch.randn(5, 8), torch.randn(5, 1)
     chain = profile_sequential(copy.deepcopy(model), x, y, mse, repeats=1)
     assert chain.n == 2
-    sched = _sched("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, L, B 1, "
-                   "prefetch abar1, B 0", 2)
+    sched = _sched(_FAILS_AFTER_DELETE, 2)
     m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
     _assert_same(m, ex, loss, ref, ref_loss)
     assert _intact(m[0].adj.indices())
