@@ -153,12 +153,15 @@ class _HostSide:
         return host, self._copy("d2h", list(zip(host, tensors)),
                                 _storages(tensors).values())
 
+    def _stage_state(self, i: int) -> tuple:
+        """Stage ``i``'s model state: its parameters, buffers and constant tables."""
+        return (*self._stage_params[i], *self._stage_buffers[i], *self._stage_consts[i])
+
     def _stage_state_ptrs(self, i: int) -> tuple:
         # a tuple of ints: made every step and kept all of it, but not tracked by
         # the garbage collector (a set would be, and would reach the oldest
         # generation)
-        return tuple(_storage_ptrs((*self._stage_params[i], *self._stage_buffers[i],
-                                    *self._stage_consts[i])))
+        return tuple(_storage_ptrs(self._stage_state(i)))
 
     def _refresh_state_ptrs(self):
         """Storages of the parameters and buffers: never freed by a move (rule 4)

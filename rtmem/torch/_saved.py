@@ -27,9 +27,7 @@ class _SavedHooks:
     def __init__(self, executor, i: int, x: torch.Tensor):
         self.executor, self.i = executor, i
         # the stage's parameters, buffers and constant tables by storage pointer
-        self.state = {s.data_ptr(): t
-                      for t in (*executor._stage_params[i], *executor._stage_buffers[i],
-                                *executor._stage_consts[i])
+        self.state = {s.data_ptr(): t for t in executor._stage_state(i)
                       for s in (t.untyped_storage(),) if s.nbytes()}
         self.x_key, self.x_version, self.x_dtype = _input_key(x), x._version, x.dtype
         # how x lies in its storage (tuples of ints: the collector stops tracking them)

@@ -304,12 +304,12 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
         raise ValueError("gradients of parameters the GPU computes with must be in a "
                          "DeviceArena or a HostArena(mapped=True) the GPU can write; got "
                          f"{grads_in!r} as the gradient arena")
-    from .offload import _flushed_by_open_optimizer   # offload imports this module
+    from .offload import _held_by_open_optimizer   # offload imports this module
     for i, p in enumerate(dict.fromkeys(module.parameters())):
         if _placement_of(p) is not None:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is already in an "
                              f"arena; call release() on its ModulePlacement first")
-        if grads and p.requires_grad and _flushed_by_open_optimizer(p):
+        if grads and p.requires_grad and _held_by_open_optimizer(p):
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has its gradients "
                              f"taken to the host by an open rtmem.torch.OffloadedAdam, "
                              f"which would leave a gradient buffer here unused; pass "

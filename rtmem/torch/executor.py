@@ -218,13 +218,12 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         # Module structure is fixed while the executor lives: walking the module
         # tree for every F_all was ~9% of a CPU step of small stages.
         self._stage_params = [list(stage.parameters()) for stage in self.stages]
-        # Buffers by slot: a forward may reassign one (rule 6)
+        # Buffers by slot: a forward may reassign one (rule 6). Plain tensor
+        # attributes of the stages' modules (constant tables) are model state too,
+        # found by module as a forward may assign them (rule 4)
         self._buffer_slots = [buffer_slots(stage) for stage in self.stages]
-        self._stage_buffers = [slot_buffers(slots) for slots in self._buffer_slots]
-        # Plain tensor attributes of the stages' modules (constant tables): model
-        # state too, by module list as a forward may assign them (rule 4)
         self._stage_modules = [list(stage.modules()) for stage in self.stages]
-        self._stage_consts = [stage_constants(mods) for mods in self._stage_modules]
+        self._scan_state()
         self._param_names = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self._param_names.setdefault(p, name)
@@ -316,9 +315,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self._new_ledger()
-        # the caller may have reassigned buffers since the last step
-        self._stage_buffers = [slot_buffers(slots) for slots in self._buffer_slots]
-        self._stage_consts = [stage_constants(mods) for mods in self._stage_modules]
+        self._scan_state()   # the caller may have reassigned buffers since the last step
         self._refresh_state_ptrs()
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
@@ -387,6 +384,11 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         if st.ready is not None:
             torch.cuda.current_stream(self._device).wait_event(st.ready)
             st.ready = None
+
+    def _scan_state(self) -> None:
+        """Each stage's buffers and constant tables as the modules hold them now."""
+        self._stage_buffers = [slot_buffers(slots) for slots in self._buffer_slots]
+        self._stage_consts = [stage_constants(mods) for mods in self._stage_modules]
 
     def _run_stage(self, i: int, x: torch.Tensor):
         stage = self.stages[i]

@@ -37,8 +37,8 @@ as above.
 Since the gradients leave the device during backward, what torch does to
 ``p.grad`` between backward and step is done here on the host buffer:
 :meth:`OffloadedAdam.clip_grad_norm_` clips it (one read pass for the norm, a
-scaling pass only when it clips), and ``step(grad_scale=S)`` divides a loss
-scale out inside the update kernel after a read-only finite check that skips
+scaling pass only when it clips), and ``step(grad_scale=S)`` unscales the
+gradients inside the update kernel after a read-only finite check that skips
 the whole step on inf/NaN (GradScaler's unscale_/step, which look for
 ``p.grad``, do not apply).
 
@@ -265,8 +265,9 @@ def _check_grad(k: int, p, size: int) -> None:
             f"another shape", argument="params")
 
 
-def _flushed_by_open_optimizer(p) -> bool:
-    """Whether an open OffloadedAdam's hook takes ``p``'s gradients to the host."""
+def _held_by_open_optimizer(p) -> bool:
+    """Whether an open OffloadedAdam updates ``p`` (and takes its gradients to
+    the host, in backward or at its step)."""
     owner = _owners.get(p)
     return owner is not None and owner() is not None
 
@@ -354,8 +355,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     until the next :meth:`step`, which consumes them. Parameters without a
     gradient are left alone, as by ``torch.optim.Adam``; ``zero_grad`` with
     ``set_to_none=False`` gives a zero one, as in torch (NOTE [ Offloaded Adam ]).
-    Since the gradients leave the device during backward, ``p.grad`` is None
-    after it: clip with :meth:`clip_grad_norm_` and unscale a loss scale with
+    Since the gradients leave the device during backward (or at the step), clip
+    with :meth:`clip_grad_norm_` and unscale a loss scale with
     ``step(grad_scale=...)`` (NOTE [ Skipped steps ] in :mod:`rtmem.optim`).
 
     The fp32 master weights follow what is written to a parameter in place
@@ -405,7 +406,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                                  f"float16, bfloat16; got {sorted(map(str, dtypes))}",
                                  argument="params")
         for i, p in enumerate(flat):
-            if _flushed_by_open_optimizer(p):
+            if _held_by_open_optimizer(p):
                 raise OptimizerError(
                     f"parameter {i} (shape {tuple(p.shape)}) already has its gradients "
                     f"flushed by another open OffloadedAdam; close() that one first",
@@ -502,10 +503,10 @@ class OffloadedAdam(torch.optim.Optimizer):
                                       out=self._stage_np, out_format=fmt)
         self.exp_avg[:] = 0
         self.exp_avg_sq[:] = 0
-        for p, lo, hi in self._slices():
-            self.master[lo:hi] = p.detach().reshape(-1).float().cpu().numpy()
         # the version counters the master weights agree with (_adopt_changes)
-        self._versions = [p._version for p in self.params]
+        self._versions = [None] * len(self.params)
+        for k in range(len(self.params)):
+            self._read_param(k)
         self._fresh = [True] * len(self.params)   # no gradient flushed since the step
         # torch would hold a p.grad (flushed since the last zero_grad(set_to_none=True))
         self._had_grad = [False] * len(self.params)
@@ -529,6 +530,13 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _span(self, k: int) -> tuple:
         """Parameter k's element range ``(lo, hi)`` in the flat host arrays."""
         return int(self.offsets[k]), int(self.offsets[k + 1])
+
+    def _read_param(self, k: int) -> None:
+        """Parameter k's values into its master weights, which now agree with it."""
+        p = self.params[k]
+        lo, hi = self._span(k)
+        self.master[lo:hi] = p.detach().reshape(-1).float().cpu().numpy()
+        self._versions[k] = p._version
 
     def _slices(self):
         for k, p in enumerate(self.params):
@@ -727,11 +735,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         overlapped with the uploads; the others, frozen ones included, keep
         their values and state. Returns the closure's loss (or None), like torch.
 
-        ``grad_scale`` is the loss scale the gradients carry (divided out in the
-        kernel); ``check_finite`` (default: ``grad_scale is not None``) first
-        checks every unscaled gradient and skips the whole step if one is inf or
-        NaN: no parameter, moment or step count changes, ``last_step_skipped`` is
-        True and ``skipped_steps`` grows by one. Either way the step consumes the
+        ``grad_scale`` is the loss scale the gradients carry (unscaled in the
+        kernel, NOTE [ Skipped steps ] in :mod:`rtmem.optim`); ``check_finite``
+        (default: ``grad_scale is not None``) first checks every unscaled
+        gradient and skips the whole step if one is inf or NaN: no parameter,
+        moment or step count changes, ``last_step_skipped`` is True and
+        ``skipped_steps`` grows by one. Either way the step consumes the
         gradients. Everything that can be refused (hyperparameters, replaced
         parameters) is checked before any host state or parameter changes."""
         self._check_open("step")
@@ -960,12 +969,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         for k, p in enumerate(self.params):
             lo, hi = self._span(k)
             step, m, v, master = arrays.get(k, (0, None, None, None))
-            self.master[lo:hi] = (master if master is not None else
-                                  p.detach().reshape(-1).float().cpu().numpy())
+            if master is None:
+                self._read_param(k)
+            else:                 # the loaded master is of record
+                self.master[lo:hi] = master
+                self._versions[k] = p._version
             self.exp_avg[lo:hi] = 0 if m is None else m
             self.exp_avg_sq[lo:hi] = 0 if v is None else v
             self.steps[k] = step
-            self._versions[k] = p._version   # the loaded master is of record
         for group, merged in zip(self.param_groups, groups):
             group.clear()
             group.update(merged)

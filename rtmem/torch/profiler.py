@@ -242,7 +242,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 p.grad = g
             _resume_flushes(grads)
             torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, device)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, device)
     return Chain(**cols, x0=inputs.numel() * inputs.element_size(),
                  u_loss=statistics.median(loss_times), name=name or f"profiled-{len(model)}-stages")
