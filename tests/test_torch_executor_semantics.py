@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from rtmem.errors import RtmemError  # noqa: E402
+from rtmem.torch import _saved  # noqa: E402
 from rtmem.planners import (Chain, Platform, Schedule, sequential_schedule,  # noqa: E402
                             simulate, store_all_schedule)
 from rtmem.torch import (ExecutionError, ScheduleExecutor, gpt2_model,  # noqa: E402
@@ -1055,9 +1056,15 @@ def _autocast_model():
     "F_ck 0, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0",
     "F_all 0, F_all 1, offload abar1, delete abar1, F_all 2, L, B 2, prefetch abar1, "
     "B 1, B 0"])
-def test_autocast_casts_of_weights_are_model_state_not_activations(text):
+@pytest.mark.parametrize("uncached", [False, True], ids=["as-torch", "uncached-no-grad"])
+def test_autocast_casts_of_weights_are_model_state_not_activations(text, uncached,
+                                                                   monkeypatch):
     # two micro-batches in one autocast region: autocast hands its cached cast of
-    # each weight to every forward in the region, recomputations included
+    # each weight to every forward in the region, recomputations included.
+    # uncached: the no_grad forwards run with the cache off, as on torch < 2.11
+    # (where the F_ck/F_none schedules lost stages 0 and 1's gradients without it)
+    if uncached:
+        monkeypatch.setattr(_saved, "_NO_GRAD_CASTS_CACHED", True)
     sched = _sched(text, 3)
     ref, m = _autocast_model(), _autocast_model()
     g = torch.Generator().manual_seed(1)
@@ -1073,6 +1080,32 @@ def test_autocast_casts_of_weights_are_model_state_not_activations(text):
             torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=0)
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_the_autocast_workaround_is_on_wherever_torch_loses_the_gradient():
+    w = torch.ones(1, 1, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            torch.mm(w, w)              # cached here by torch < 2.11, with no history
+        lost = torch.mm(w, w).grad_fn is None
+    assert _saved._NO_GRAD_CASTS_CACHED or not lost, torch.__version__
+
+
+def test_the_autocast_cache_comes_back_after_a_failed_no_grad_forward(monkeypatch):
+    monkeypatch.setattr(_saved, "_NO_GRAD_CASTS_CACHED", True)
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            assert not torch.is_autocast_cache_enabled()
+            raise ValueError("stage failed")
+    model = nn.Sequential(nn.Linear(4, 4), Fails(), nn.Linear(4, 2))
+    ex = ScheduleExecutor(model, _sched("F_ck 0, F_none 1, F_all 2, L, B 2, F_all 0, "
+                                        "F_all 1, B 1, B 0", 3), mse)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="stage failed"):
+            ex.step(torch.randn(3, 4), torch.randn(3, 2))
+        assert torch.is_autocast_cache_enabled()
+    assert torch.is_autocast_cache_enabled()
 
 
 def test_a_step_with_gradients_disabled_is_refused():

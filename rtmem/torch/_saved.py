@@ -11,6 +11,8 @@ measures the collector's cost per step).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._stages import ExecutionError, _input_key, _rederived_input, param_label
@@ -125,3 +127,27 @@ def _param_cast(t: torch.Tensor, params) -> bool:
 def _layout(x: torch.Tensor) -> tuple:
     """Size, stride, offset and storage bytes of ``x`` (:attr:`_SavedHooks.x_layout`)."""
     return (tuple(x.size()), x.stride(), x.storage_offset(), x.untyped_storage().nbytes())
+
+
+# torch before 2.11 kept in autocast's cache a cast made under no_grad and gave
+# it, without autograd history, to a later forward of the same autocast region
+# that needed the gradient: the weight behind it got none (pytorch issues 112583
+# and 158232; fixed by pytorch PR 165068, first released in 2.11; 2.10.0 still
+# loses the gradient). A pre-release of 2.11 compares below 2.11: it gets the
+# workaround, which only costs casts.
+_NO_GRAD_CASTS_CACHED = torch.__version__ < "2.11"
+
+
+@contextlib.contextmanager
+def uncached_casts():
+    """Turn autocast's cache off for a forward under ``no_grad`` (F_none, F_ck)
+    where this torch would cache its casts without their autograd history; the
+    previous setting comes back on exit, also after an error."""
+    if not (_NO_GRAD_CASTS_CACHED and torch.is_autocast_cache_enabled()):
+        yield
+        return
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(True)

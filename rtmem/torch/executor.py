@@ -6,7 +6,11 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
 (thesis-remat.md §5.1, Table 2.1; the simulator's NOTE [ Simulator semantics ]):
 
 1. ``F_none i`` / ``F_ck i``: stage i under ``no_grad``; F_none drops its plain
-   input, F_ck keeps it. The output is a plain tensor a_{i+1}.
+   input, F_ck keeps it. The output is a plain tensor a_{i+1}. Under
+   ``torch.autocast`` with torch < 2.11, autocast's cache is off for them: that
+   torch cached a weight's cast made under no_grad and handed it, with no
+   autograd history, to the later F_all reading the weight, whose gradient was
+   then silently lost (pytorch issues 112583 and 158232, fixed in 2.11).
 2. ``F_all i``: stage i under ``enable_grad`` from a detached leaf that requires
    grad (its ``.grad`` becomes delta_i), handed to the stage through an identity
    autograd op so that in-place ops at the start of a stage work as in plain
@@ -108,7 +112,7 @@ from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output,
                       _stage_input, _storage_ptrs, as_stages, buffer_slots, check_inputs,
                       check_loss_fn, check_placement, check_shared_weights,
                       inputs_need_grad, slot_buffers, stage_constants)
-from ._saved import _SavedHooks
+from ._saved import _SavedHooks, uncached_casts
 from ._stored import _copy_matches, _Entries, _Stored
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
@@ -441,7 +445,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
             if op == Op.F_ALL:
                 self._forward_all(i, x)
                 return
-            with torch.no_grad():
+            with torch.no_grad(), uncached_casts():
                 self._plain[i + 1] = _Stored.of(self._run_stage(i, x))
         if op == Op.F_NONE:   # after storing a_{i+1}, which may share a_i's storage
             self._drop(self._plain, i)
