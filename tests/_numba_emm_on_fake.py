@@ -50,14 +50,14 @@ def live():
 
 # numba's defer_cleanup keeps freed memory reserved while it is active.
 a = mgr.memalloc(4096)
-address = int(a.device_pointer)
+address = a.device_pointer_value   # an int with either pointer type
 assert all(b.stream is None for b in arena.core.live_blocks())    # UNORDERED
 with mgr.defer_cleanup():
     del a
     gc.collect()
     assert live() == 1, "freed inside defer_cleanup"
     b = mgr.memalloc(4096)
-    assert int(b.device_pointer) != address, "reused inside defer_cleanup"
+    assert b.device_pointer_value != address, "reused inside defer_cleanup"
 mgr.deallocations.clear()
 assert live() == 1
 del b

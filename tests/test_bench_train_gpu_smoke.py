@@ -42,6 +42,8 @@ def train_gpu(monkeypatch):
             "max_memory_allocated": lambda dev=None: 12345,
             "reset_peak_memory_stats": lambda dev=None: None,
             "empty_cache": lambda: None,
+            # torch.optim asks a CUDA build of torch (not a CPU one) before stepping
+            "is_current_stream_capturing": lambda: False,
             "synchronize": lambda dev=None: None}.items():
         monkeypatch.setattr(cuda, name, fn)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)

@@ -1,7 +1,13 @@
 """The distribution ships every package folder, under the one rtmem namespace."""
 
 import os
-import tomllib
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:     # Python 3.10
+    tomllib = pytest.importorskip("tomli", reason="Python 3.10 reads TOML with tomli")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {"rtmem": "rtmem", "kernels": "rtmem.kernels", "planners": "rtmem.planners"}

@@ -223,9 +223,9 @@ def test_release_completes_after_a_buffer_was_freed_by_hand(arena, which):
     place_parameters(model, arena).release()     # placeable again
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-                                   torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
-                                   torch.complex32])
+@pytest.mark.parametrize("dtype", [getattr(torch, name) for name in (
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "complex32")
+    if hasattr(torch, name)])                        # the last float formats came in 2.8
 @pytest.mark.filterwarnings("ignore::UserWarning")     # complex32 is experimental
 def test_every_float_format_round_trips_as_bits(arena, dtype):
     # Only bfloat16 and two float8 formats were mapped to integer bits; the other
