@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test gpu-test bench clean
+.PHONY: demo test test-oldest gpu-test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
+
+# The CPU suite on the oldest versions pyproject.toml admits (constraints-oldest.txt),
+# in its own environment; needs python3.10 and ~4 GB for torch's CUDA build.
+PYTHON_OLDEST ?= python3.10
+OLDEST := .venv-oldest
+test-oldest:
+	$(PYTHON_OLDEST) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST)/bin/python -m pip install -q -c constraints-oldest.txt -e '.[test,plot,torch]'
+	$(OLDEST)/bin/python -m pytest -q -n 2 tests
 
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
