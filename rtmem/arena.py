@@ -89,11 +89,12 @@ def _shape(shape) -> tuple:
     """``shape`` (an int or a sequence of ints >= 0) as a tuple of ints."""
     try:
         dims = (shape,) if np.isscalar(shape) else tuple(shape)
-        out = tuple(operator.index(d) for d in dims)
         # operator.index(True) is 1: a bool taken as a dimension (numpy refuses
-        # it, and so does alloc(True) for nbytes)
+        # it, and so does alloc(True) for nbytes); asked first, as numpy < 2
+        # warns when np.bool_ is used as an index
         if any(isinstance(d, (bool, np.bool_)) for d in dims):
             raise TypeError
+        out = tuple(operator.index(d) for d in dims)
     except TypeError:
         raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") \
             from None
