@@ -14,7 +14,9 @@ import math
 import numba
 from numba import cuda
 
-from ._launch import THREADS
+from ._launch import THREADS, import_numba_cuda_arrays
+
+import_numba_cuda_arrays()     # before the first compile (numpy >= 2.5)
 
 _PARTIAL_ROWS = 64                   # rows per block of the column-sum kernels
 

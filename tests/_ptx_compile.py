@@ -34,6 +34,15 @@ if not hasattr(_dispatcher, "get_current_device"):
              "update tests/_ptx_compile.py")
 _dispatcher.get_current_device = lambda: _Device()
 
+# --without-row-stack: numpy as of 2.5, which removed np.row_stack (numba-cuda's
+# array support overloads it when first imported; rtmem.kernels imports it with
+# the alias put back for that import only)
+import numpy as np  # noqa: E402
+
+if "--without-row-stack" in sys.argv[1:] and hasattr(np, "row_stack"):
+    del np.row_stack
+    np.__all__ = [name for name in np.__all__ if name != "row_stack"]  # scipy reads it
+
 from rtmem.kernels import dha  # noqa: E402
 
 f32 = t.float32
@@ -74,4 +83,5 @@ for name, sigs in SIGNATURES.items():
             report["compiled"].append(label)
         except Exception as exc:   # reported to the test, which shows the message
             report["failed"][label] = f"{type(exc).__name__}: {exc}"[:2000]
+report["row_stack"] = hasattr(np, "row_stack")
 print(json.dumps(report))
