@@ -42,11 +42,14 @@ def train_gpu(monkeypatch):
             "max_memory_allocated": lambda dev=None: 12345,
             "reset_peak_memory_stats": lambda dev=None: None,
             "empty_cache": lambda: None,
-            # torch.optim asks a CUDA build of torch (not a CPU one) before stepping
-            "is_current_stream_capturing": lambda: False,
             "synchronize": lambda dev=None: None}.items():
         monkeypatch.setattr(cuda, name, fn)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    # torch.optim asks the (stubbed) CUDA device whether a graph capture is on;
+    # a CUDA build of torch without a GPU then raises (the names vary by release)
+    for name in ("_cuda_graph_capture_health_check", "_accelerator_graph_capture_health_check"):
+        if hasattr(torch.optim.Optimizer, name):
+            monkeypatch.setattr(torch.optim.Optimizer, name, lambda self: None)
     real = mod.gpt2_model
 
     def gpt2_model(layers, *args, **kwargs):
