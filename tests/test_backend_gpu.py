@@ -223,6 +223,8 @@ def test_numba_kernel_on_device_and_mapped_buffers(cp):
     from numba import cuda
     if not cuda.is_available():
         pytest.skip("numba.cuda cannot see the GPU")
+    from rtmem.kernels._launch import import_numba_cuda_arrays
+    import_numba_cuda_arrays()      # this kernel may be the process's first (numpy 2.5)
 
     @cuda.jit
     def add_one(x):
