@@ -20,30 +20,6 @@ import numpy as np
 
 from rtmem.errors import KernelArgumentError
 
-def import_numba_cuda_arrays() -> None:
-    """Import numba-cuda's NumPy array support with ``np.row_stack`` present.
-
-    numba-cuda (0.30.4 and earlier) registers an overload of ``np.row_stack``
-    when that support is first imported, which is at the first kernel compile;
-    numpy 2.5 removed the alias (of ``np.vstack``), so every compile failed with
-    "module 'numpy' has no attribute 'row_stack'". The alias exists only during
-    the import: numpy is left as it was. Nothing happens under the CUDA
-    simulator, with a numpy that has the alias, or without numba-cuda.
-    """
-    import importlib
-
-    from numba import config
-    if getattr(config, "ENABLE_CUDASIM", False) or hasattr(np, "row_stack"):
-        return
-    np.row_stack = np.vstack
-    try:
-        importlib.import_module("numba.cuda.np.arrayobj")
-    except ImportError:     # numba's built-in numba.cuda: it has no such module
-        pass
-    finally:
-        del np.row_stack
-
-
 #: Threads per block of the streaming and row kernels (a power of two: the
 #: block reductions halve it). 256 lets 8 blocks be resident per SM on every
 #: architecture since Volta (2048 threads/SM), enough loads in flight to cover
@@ -66,6 +42,27 @@ def simulator_active() -> bool:
     """True when numba.cuda is the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
     from numba import config
     return bool(config.ENABLE_CUDASIM)
+
+
+def import_numba_cuda_arrays() -> None:
+    """Import numba-cuda's NumPy array support with ``np.row_stack`` present.
+
+    numba-cuda (0.30.4 and earlier) registers an overload of ``np.row_stack``
+    when that support is first imported, which is at the first kernel compile;
+    numpy 2.5 removed the alias (of ``np.vstack``), so every compile failed with
+    "module 'numpy' has no attribute 'row_stack'". The alias exists only during
+    the import: numpy is left as it was. Nothing happens under the CUDA
+    simulator, with a numpy that has the alias, or without numba-cuda.
+    """
+    if simulator_active() or hasattr(np, "row_stack"):
+        return
+    np.row_stack = np.vstack
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401  (registers its overloads)
+    except ImportError:     # numba's built-in numba.cuda: it has no such module
+        pass
+    finally:
+        del np.row_stack
 
 
 _SM_COUNT: int | None = None

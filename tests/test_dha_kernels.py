@@ -192,6 +192,16 @@ def _ln_reference(x, gamma, beta, dy, eps):
     return y, mu[:, 0], rstd[:, 0], dx, (dy * xhat).sum(0), dy.sum(0)
 
 
+def _ln_forward(be, x, gamma, beta, eps):
+    """layernorm_forward of host arrays on the backend: (x, gamma) as the backend
+    holds them (the backward reads them), then out, mean and rstd."""
+    T, H = x.shape
+    out, mean, rs = be.empty((T, H)), be.empty(T), be.empty(T)
+    x_d, gamma_d = be.act(x), be.param(gamma)
+    be.k.layernorm_forward(x_d, gamma_d, be.param(beta), out, mean, rs, eps=eps)
+    return x_d, gamma_d, out, mean, rs
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_layernorm_forward_backward(be, accumulate, fresh_seed):
     rng = np.random.default_rng(fresh_seed)
@@ -199,9 +209,7 @@ def test_layernorm_forward_backward(be, accumulate, fresh_seed):
     x = _rand(rng, T, H, scale=3.0) + 2.0                  # non-zero mean per row
     gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
     y, mu, rstd, dx, dgamma, dbeta = _ln_reference(x, gamma, beta, dy, eps)
-    out, mean, rs = be.empty((T, H)), be.empty(T), be.empty(T)
-    gamma_d, dx_d = be.param(gamma), be.act(x)
-    be.k.layernorm_forward(dx_d, gamma_d, be.param(beta), out, mean, rs, eps=eps)
+    dx_d, gamma_d, out, mean, rs = _ln_forward(be, x, gamma, beta, eps)
     np.testing.assert_allclose(be.host(out), y, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(be.host(mean), mu, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-4)
@@ -228,9 +236,7 @@ def test_layernorm_of_constant_rows_is_beta(be, fresh_seed):
                   axis=1).astype(np.float32)
     gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
     y, mu, rstd, dx, dgamma, dbeta = _ln_reference(x, gamma, beta, dy, eps)
-    out, mean, rs = be.empty((T, H)), be.empty(T), be.empty(T)
-    x_d, gamma_d = be.act(x), be.param(gamma)
-    be.k.layernorm_forward(x_d, gamma_d, be.param(beta), out, mean, rs, eps=eps)
+    x_d, gamma_d, out, mean, rs = _ln_forward(be, x, gamma, beta, eps)
     np.testing.assert_allclose(be.host(out), y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(be.host(mean), mu, rtol=1e-7)
     np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-5)

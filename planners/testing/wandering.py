@@ -135,10 +135,15 @@ class _Walk:
     def _need_either(self, k: int):
         if self._either(k):
             return None
+        # k > 0: a_0 is never lost (_keeps_a0)
+        return self._host_copy(k) or self._produce(k, Op.F_CK)
+
+    def _host_copy(self, k: int):
+        """The prefetch of a host copy of a_k or abar_k, if there is one."""
         for kind in (_A, _ABAR):
             if (k, kind) in self.host:
                 return (Op.PREFETCH, k, kind)
-        return self._produce(k, Op.F_CK)   # k > 0: a_0 is never lost (_keeps_a0)
+        return None
 
     def _produce(self, k: int, op):
         """The next step toward running ``op`` on stage k-1 to make a_k / abar_k:
@@ -147,13 +152,12 @@ class _Walk:
         ~500 stages (max_steps=0 draws nothing, so any length is usable)."""
         while True:
             s = k - 1
-            if s not in self.w_dev:
-                return (Op.W_PREFETCH, s, 0)
-            if self._either(s):
+            step = self._need_weights(s)
+            if step is None and self._either(s):
                 return (op, s, 0)
-            for kind in (_A, _ABAR):
-                if (s, kind) in self.host:
-                    return (Op.PREFETCH, s, kind)
+            step = step or self._host_copy(s)
+            if step is not None:
+                return step
             k, op = s, Op.F_CK     # s > 0: a_0 is never lost (_keeps_a0)
 
 

@@ -391,8 +391,13 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
 
     def _scan_state(self) -> None:
         """Each stage's buffers and constant tables as the modules hold them now."""
-        self._stage_buffers = [slot_buffers(slots) for slots in self._buffer_slots]
-        self._stage_consts = [stage_constants(mods) for mods in self._stage_modules]
+        scans = [self._scan_stage(i) for i in range(len(self.stages))]
+        self._stage_buffers = [buffers for buffers, _ in scans]
+        self._stage_consts = [consts for _, consts in scans]
+
+    def _scan_stage(self, i: int) -> tuple[list, list]:
+        """Stage ``i``'s buffers and constant tables as its modules hold them now."""
+        return slot_buffers(self._buffer_slots[i]), stage_constants(self._stage_modules[i])
 
     def _run_stage(self, i: int, x: torch.Tensor):
         stage = self.stages[i]
@@ -424,8 +429,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         # cache of the last output): the new tensor is model state, never freed
         # by a move (whose owner could read freed bytes) nor counted as an
         # activation
-        now = slot_buffers(self._buffer_slots[i])
-        consts = stage_constants(self._stage_modules[i])
+        now, consts = self._scan_stage(i)
         if _changed(now, self._stage_buffers[i]) or _changed(consts, self._stage_consts[i]):
             self._stage_buffers[i] = now
             self._stage_consts[i] = consts
