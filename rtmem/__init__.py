@@ -18,10 +18,11 @@ from .arena import UNORDERED, ArenaStats, DeviceArena, HostArena
 from .backends import get_backend
 from .buffer import KINDS, Buffer
 from .errors import (BackendError, ChainError, DoubleFreeError, InfeasibleError,
-                     InvalidPointerError, KernelArgumentError, LayoutError,
+                     InvalidPointerError, KernelArgumentError, LayoutError, LossScaleError,
                      NonFiniteGradientError, OptimizerError, OutOfMemoryError, PlatformError,
                      ResidencyError, RtmemError, ScheduleError, TraceError, UnitError,
                      UseAfterFreeError)
+from .loss_scale import LossScaler
 from .transfers import drop_host, evict, offload, prefetch, synchronize, wait
 
 # name -> module that defines it, imported on first access
@@ -37,12 +38,13 @@ __all__ = [
     "__version__",
     # runtime
     "AllocatorStats", "ArenaStats", "BestFitAllocator", "Buffer", "DeviceArena",
-    "HostArena", "KINDS", "UNORDERED", "get_backend",
+    "HostArena", "KINDS", "LossScaler", "UNORDERED", "get_backend",
     "drop_host", "evict", "offload", "prefetch", "synchronize", "wait",
     "adaptors", "errors", "layout", "transfers",
     # errors
     "BackendError", "ChainError", "DoubleFreeError", "InfeasibleError",
-    "InvalidPointerError", "KernelArgumentError", "LayoutError", "NonFiniteGradientError",
+    "InvalidPointerError", "KernelArgumentError", "LayoutError", "LossScaleError",
+    "NonFiniteGradientError",
     "OptimizerError",
     "OutOfMemoryError", "PlatformError", "ResidencyError", "RtmemError", "ScheduleError",
     "TraceError", "UnitError", "UseAfterFreeError",

@@ -24,6 +24,7 @@ __all__ = [
     "ResidencyError",
     "OptimizerError",
     "NonFiniteGradientError",
+    "LossScaleError",
     "KernelArgumentError",
     "LayoutError",
     "TraceError",
@@ -176,6 +177,14 @@ class NonFiniteGradientError(OptimizerError, RuntimeError):
     (``clip_grad_norm_(..., error_if_nonfinite=True)``). Also a RuntimeError, the
     class ``torch.nn.utils.clip_grad_norm_`` raises for the same case, so code
     written against torch catches it unchanged."""
+
+
+class LossScaleError(RtmemError, RuntimeError):
+    """A :class:`~rtmem.LossScaler` was called out of order (a second ``step`` of
+    one optimizer before ``update``, an ``update`` with no ``step``), or its
+    scale would fall below what the fused kernels can divide out (every
+    gradient inf/NaN at every scale: a non-finite loss). The scaler is unchanged.
+    A RuntimeError, as ``torch.amp.GradScaler``'s misuse errors."""
 
 
 class LayoutError(RtmemError, ValueError):

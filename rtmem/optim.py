@@ -21,6 +21,8 @@ NOTE [ Skipped steps ]
     (bit-identical), ``last_step_skipped`` is True and ``skipped_steps`` grows by
     one. All gradients are validated and checked before the first parameter is
     written, so an error or an overflow never leaves a half-applied step.
+    :class:`rtmem.LossScaler` chooses S step by step as ``torch.amp.GradScaler``
+    does (NOTE [ Loss scale ] in :mod:`rtmem.loss_scale`).
 """
 
 from __future__ import annotations

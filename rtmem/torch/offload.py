@@ -39,8 +39,9 @@ Since the gradients leave the device during backward, what torch does to
 :meth:`OffloadedAdam.clip_grad_norm_` clips it (one read pass for the norm, a
 scaling pass only when it clips), and ``step(grad_scale=S)`` unscales the
 gradients inside the update kernel after a read-only finite check that skips
-the whole step on inf/NaN (GradScaler's unscale_/step, which look for
-``p.grad``, do not apply).
+the whole step on inf/NaN. :class:`rtmem.LossScaler` keeps ``S`` as
+``torch.amp.GradScaler`` would; GradScaler itself looks for ``p.grad``, so it
+drives only ``flush_in_backward=False`` (NOTE [ GradScaler ]).
 
 Master weights and moments are kept in the parameters' logical (row-major)
 order. A non-contiguous parameter (e.g. a channels_last convolution weight) is
@@ -309,6 +310,17 @@ def _drop(hooks, params, ref, arena, bufs=(), streams=None) -> None:
 class OffloadedAdam(torch.optim.Optimizer):
     """Adam/AdamW whose state and update live on the host, for device parameters.
 
+    NOTE [ GradScaler ]
+    Loss scaling: :class:`rtmem.LossScaler` drives any instance (its ``step``
+    passes ``grad_scale=S``). ``torch.amp.GradScaler`` drives one made with
+    ``flush_in_backward=False``, whose gradients are still in ``p.grad`` for its
+    inf check: as for torch's fused Adam (``_step_supports_amp_scaling``), it
+    then sets ``grad_scale`` (None after ``unscale_``) and ``found_inf`` on the
+    optimizer, and the step divides the scale out in the fused kernel instead of
+    a pass over ``p.grad``, after the finite check (which finds what GradScaler
+    found). With the default flushing, GradScaler would see no gradient and
+    never lower the scale: the step refuses it and names LossScaler.
+
     A ``torch.optim.Optimizer``: param groups (each with its own ``lr``,
     ``betas``, ``eps``, ``weight_decay`` and ``decoupled_weight_decay``, e.g.
     no weight decay on biases and norms), lr schedulers, ``state_dict`` /
@@ -383,6 +395,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     skipped_steps, last_step_skipped:
         Steps skipped by the finite check (non-finite unscaled gradients).
     """
+
+    _step_supports_amp_scaling = True       # NOTE [ GradScaler ]
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  *, adamw=False, host_arena=None, chunk_elements=1 << 22,
@@ -744,6 +758,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         gradients. Everything that can be refused (hyperparameters, replaced
         parameters) is checked before any host state or parameter changes."""
         self._check_open("step")
+        if "found_inf" in self.__dict__:      # set by torch.amp.GradScaler.step
+            grad_scale, check_finite = self._grad_scaler_args(grad_scale, check_finite)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -798,6 +814,24 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._sync_state(updated)
         self._consume()
         return loss
+
+    def _grad_scaler_args(self, grad_scale, check_finite) -> tuple:
+        """``step``'s (grad_scale, check_finite) when ``torch.amp.GradScaler``
+        drives it (NOTE [ GradScaler ])."""
+        if self.flush_in_backward:
+            # its attributes would outlive the error (it deletes them after step)
+            del self.grad_scale, self.found_inf
+            raise OptimizerError(
+                "torch.amp.GradScaler cannot drive an OffloadedAdam that flushes the "
+                "gradients during backward: they left p.grad before its inf check, so "
+                "it would never lower the scale. Use rtmem.LossScaler (the same calls: "
+                "scale, step, update), or flush_in_backward=False.", argument="optimizer")
+        if grad_scale is not None or check_finite is not None:
+            raise OptimizerError(
+                "scaler.step(optimizer) passes the scale itself; drop grad_scale= and "
+                "check_finite=", argument="grad_scale")
+        s = self.grad_scale      # None after scaler.unscale_(optimizer): unscaled
+        return (None if s is None else float(s)), True
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, *, grad_scale=None,
