@@ -33,8 +33,13 @@ def _rank(rank, port, optimizer, queue):
             opt = torch.optim.Adam(ddp.parameters(), lr=0.1)
         else:
             from rtmem.torch import OffloadedAdam
-            opt = OffloadedAdam(ddp.parameters(), lr=0.1,
-                                flush_in_backward=optimizer == "flush-in-backward")
+            if optimizer == "default":
+                opt = OffloadedAdam(ddp.parameters(), lr=0.1)
+                # two ranks in the group: the default keeps the gradients in p.grad
+                assert opt.flush_in_backward is False
+            else:
+                opt = OffloadedAdam(ddp.parameters(), lr=0.1,
+                                    flush_in_backward=optimizer == "flush-in-backward")
         gen = torch.Generator().manual_seed(100 + rank)      # each rank its own data
         for _ in range(3):
             for _ in range(2):                               # two micro-batches
@@ -75,10 +80,11 @@ def test_offloaded_adam_under_ddp_needs_gradients_left_in_p_grad():
     # DDP's reducer all-reduces p.grad in a hook that runs after OffloadedAdam's
     # gradient hook: flushed in backward, the gradient was gone, DDP averaged
     # zeros and each rank stepped with its own gradient. flush_in_backward=False
-    # leaves p.grad to DDP; step() takes the averaged one.
+    # (the default in a process group of two) leaves p.grad to DDP; step()
+    # takes the averaged one.
     ref, ref1 = _train("torch")
     assert all(torch.equal(a, b) for a, b in zip(ref, ref1))
-    mine, mine1 = _train("step-takes-p-grad")
+    mine, mine1 = _train("default")
     assert all(torch.equal(a, b) for a, b in zip(mine, mine1))      # ranks agree
     for a, b in zip(mine, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

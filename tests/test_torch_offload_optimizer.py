@@ -513,5 +513,24 @@ def test_gradients_left_in_p_grad_until_the_step():
     train(ref, ref_opt, data[2:])
     assert_same_params(mine, ref)
     off.close()
-    with pytest.raises(OptimizerError, match="flush_in_backward must be True or False"):
+    with pytest.raises(OptimizerError, match="flush_in_backward must be True, False or None"):
         OffloadedAdam(mine.parameters(), flush_in_backward="no")
+
+
+@pytest.mark.parametrize("ranks, flush", [(None, True), (1, True), (2, False), (8, False)])
+def test_the_default_keeps_gradients_in_p_grad_in_a_process_group(monkeypatch, ranks, flush):
+    # None: no process group. With more than one rank, DDP (or the caller) may
+    # all-reduce p.grad after backward: the default leaves it there
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: ranks is not None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: ranks)
+    model = make_model()
+    off = OffloadedAdam(model.parameters())
+    assert off.flush_in_backward is flush
+    torch.nn.functional.mse_loss(model(batches(1)[0][0]), batches(1)[0][1]).backward()
+    assert all((p.grad is None) is flush for p in model.parameters())
+    off.close()
+    explicit = OffloadedAdam(model.parameters(), flush_in_backward=True)   # an override
+    assert explicit.flush_in_backward is True
+    explicit.close()

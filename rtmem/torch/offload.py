@@ -117,6 +117,16 @@ def _hook(ref, k: int):
     return flush
 
 
+def _data_parallel() -> bool:
+    """Whether torch.distributed has a process group of more than one rank: then
+    the gradients may be all-reduced from ``p.grad`` after backward (DDP's
+    reducer, or the caller's own all-reduce), so the default leaves them there.
+    Without data parallelism (pipeline or tensor parallel ranks) that costs only
+    the device memory of the gradients until the step."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _overlaps(t) -> bool:
     """True unless the layout of ``t`` provably maps distinct elements to distinct
     memory (checked on the strides: sorted by stride, each dimension must step
@@ -357,7 +367,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``DistributedDataParallel``, whose reducer all-reduces ``p.grad`` in a
         hook that runs after this one: with True it finds the gradient already
         taken, all-reduces zeros, and every rank steps with its own local
-        gradient.
+        gradient. None (the default): False when ``torch.distributed`` has a
+        process group of more than one rank at construction, else True; the
+        choice is in :attr:`flush_in_backward`.
 
     Call :meth:`step` after backward; gradients are already on the host by then
     (taken by a post-accumulate-grad hook on each parameter: a hook of that kind
@@ -400,7 +412,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  *, adamw=False, host_arena=None, chunk_elements=1 << 22,
-                 num_threads=None, flush_in_backward=True):
+                 num_threads=None, flush_in_backward=None):
         from rtmem.arena import HostArena, is_arena
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
@@ -442,8 +454,10 @@ class OffloadedAdam(torch.optim.Optimizer):
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
         self.num_threads = _check_num_threads(num_threads)
+        if flush_in_backward is None:
+            flush_in_backward = not _data_parallel()
         if not isinstance(flush_in_backward, bool):
-            raise OptimizerError(f"flush_in_backward must be True or False, got "
+            raise OptimizerError(f"flush_in_backward must be True, False or None, got "
                                  f"{flush_in_backward!r}", argument="flush_in_backward")
         self.flush_in_backward = flush_in_backward
         # every group is checked: torch's constructor adds them (add_param_group)
