@@ -419,3 +419,33 @@ def test_torch_gradscaler_is_refused_by_a_flushing_offloaded_adam_with_nothing_l
     scaler.step(opt)
     assert opt.step_count == 1 and not opt.last_step_skipped
     opt.close()
+
+
+def test_float16_gradients_overflow_skip_and_the_scale_settles():
+    """The use it is for: a float16 model whose scaled gradients overflow float16
+    at the first scales. Those steps are skipped with the parameters untouched,
+    the scale backs off until they fit, and training goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 3)).half()
+    opt = OffloadedAdam(model.parameters(), lr=1e-2)
+    scaler = LossScaler(init_scale=2.0 ** 24, growth_interval=50)
+    first = [p.detach().clone() for p in model.parameters()]
+    data = batches(30)
+    losses = []
+    for x, y, _ in data:
+        loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if len(losses) == 1:
+            assert opt.last_step_skipped                # 2**24 * grad > 65504
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), first))
+    assert 1 <= opt.skipped_steps < 15
+    assert scaler.get_scale() == 2.0 ** (24 - opt.skipped_steps)
+    assert opt.step_count == 30 - opt.skipped_steps
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    opt.close()
