@@ -398,6 +398,10 @@ def test_torch_gradscaler_drives_cpu_adam_and_unflushed_offloaded_adam(kind):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
     if kind != "cpu_adam":
         assert opt.skipped_steps == len(BAD) and "found_inf" not in vars(opt)
+        scaler.scale(torch.nn.functional.mse_loss(mine(data[0][0]), data[0][1])).backward()
+        with pytest.raises(OptimizerError, match="passes the scale itself"):
+            scaler.step(opt, grad_scale=2.0)
+        assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
         opt.close()
 
 

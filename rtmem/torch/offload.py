@@ -832,9 +832,12 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _grad_scaler_args(self, grad_scale, check_finite) -> tuple:
         """``step``'s (grad_scale, check_finite) when ``torch.amp.GradScaler``
         drives it (NOTE [ GradScaler ])."""
-        if self.flush_in_backward:
-            # its attributes would outlive the error (it deletes them after step)
+        s = self.grad_scale      # None after scaler.unscale_(optimizer): unscaled
+        if self.flush_in_backward or grad_scale is not None or check_finite is not None:
+            # GradScaler deletes its attributes only after a step that returns: a
+            # later plain step() must not find them
             del self.grad_scale, self.found_inf
+        if self.flush_in_backward:
             raise OptimizerError(
                 "torch.amp.GradScaler cannot drive an OffloadedAdam that flushes the "
                 "gradients during backward: they left p.grad before its inf check, so "
@@ -844,7 +847,6 @@ class OffloadedAdam(torch.optim.Optimizer):
             raise OptimizerError(
                 "scaler.step(optimizer) passes the scale itself; drop grad_scale= and "
                 "check_finite=", argument="grad_scale")
-        s = self.grad_scale      # None after scaler.unscale_(optimizer): unscaled
         return (None if s is None else float(s)), True
 
     @torch.no_grad()
