@@ -123,7 +123,11 @@ class LossScaler:
     ``check_finite=`` and records ``last_step_skipped``: :class:`rtmem.optim.NumpyAdam`,
     :class:`rtmem.optim.CPUAdam` and :class:`rtmem.torch.OffloadedAdam` (whose
     gradients leave ``p.grad`` during backward, so GradScaler cannot check them).
-    For ``torch.optim`` optimizers use ``torch.amp.GradScaler``.
+    For ``torch.optim`` optimizers use ``torch.amp.GradScaler``. There is no
+    ``unscale_``: clip an OffloadedAdam's gradients with
+    ``optimizer.clip_grad_norm_(max_norm, grad_scale=scaler.get_scale())`` (the
+    norm of the unscaled gradients, no extra pass); CPUAdam keeps ``p.grad``, so
+    GradScaler's ``unscale_`` + ``torch.nn.utils.clip_grad_norm_`` work for it.
 
     Parameters (dimensionless; as GradScaler's):
         init_scale: the first scale S (default 2**16), rounded to float32.
