@@ -57,6 +57,11 @@ def _f32(x: float) -> float:
         return float(np.float32(x))
 
 
+def _is_integer(x) -> bool:
+    """An int or numpy integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_scale(value, name: str) -> float:
     """A loss scale the fused kernels accept: a normal float32 (so its float32
     reciprocal is finite). Returned rounded to float32."""
@@ -89,8 +94,7 @@ def _check_hyper(growth_factor, backoff_factor, growth_interval) -> tuple:
         raise OptimizerError(f"backoff_factor={backoff_factor!r} must be in (0, 1) "
                              f"(the scale shrinks after an overflow)",
                              argument="backoff_factor")
-    if (isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral)
-            or growth_interval < 1):
+    if not _is_integer(growth_interval) or growth_interval < 1:
         raise OptimizerError(f"growth_interval={growth_interval!r} must be an integer >= 1 "
                              f"(update()s without a skip before the scale grows)",
                              argument="growth_interval")
@@ -278,8 +282,7 @@ class LossScaler:
         hyper = _check_hyper(state_dict["growth_factor"], state_dict["backoff_factor"],
                              state_dict["growth_interval"])
         tracker = state_dict["_growth_tracker"]
-        if (isinstance(tracker, bool) or not isinstance(tracker, numbers.Integral)
-                or not 0 <= tracker < hyper[2]):
+        if not _is_integer(tracker) or not 0 <= tracker < hyper[2]:
             raise OptimizerError(f"_growth_tracker={tracker!r} must be an integer in "
                                  f"[0, growth_interval={hyper[2]})",
                                  argument="_growth_tracker")

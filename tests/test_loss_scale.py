@@ -120,31 +120,50 @@ def train(model, opt, scaler, data, clip=None, loss_fn=torch.nn.functional.mse_l
 BAD = {2, 3, 9, 10, 11, 17}
 
 
-@pytest.mark.parametrize("kind", ["cpu_adam", "offloaded_adam", "offloaded_adam_clipped"])
-def test_training_matches_gradscaler_with_torch_adam(kind):
+def assert_same_params(a, b):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
+def against_torch(make_opt, scaler, clip=None):
+    """Train ``make_opt(params)`` driven by ``scaler`` and, on a copy of the
+    model, torch.optim.Adam driven by GradScaler (with ``unscale_`` + torch's
+    clipping when ``clip`` is given), over batches that overflow on the BAD
+    steps. Asserts the same scales after every update and the same parameters;
+    returns (model, optimizer, the scales)."""
     mine, ref = make_model(), make_model()
     data = batches(24, BAD)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    ref_scaler, scaler = torch_scaler(), LossScaler(**HYPER)
-    ref_clip = clip = None
-    if kind == "cpu_adam":
-        opt = CPUAdam(mine.parameters(), lr=1e-2)
-    else:
-        opt = OffloadedAdam(mine.parameters(), lr=1e-2, chunk_elements=7)
-    if kind == "offloaded_adam_clipped":
+    ref_opt, ref_scaler = torch.optim.Adam(ref.parameters(), lr=1e-2), torch_scaler()
+    opt = make_opt(mine.parameters())
+    ref_clip = my_clip = None
+    if clip is not None:
         def ref_clip():
             ref_scaler.unscale_(ref_opt)
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
 
-        def clip():
-            opt.clip_grad_norm_(0.05, grad_scale=scaler.get_scale())
+        def my_clip():
+            clip(mine, opt)
     want = train(ref, ref_opt, ref_scaler, data, ref_clip)
-    got = train(mine, opt, scaler, data, clip)
-    assert got == want
+    assert train(mine, opt, scaler, data, my_clip) == want
+    assert_same_params(mine, ref)
+    return mine, opt, want
+
+
+@pytest.mark.parametrize("kind", ["cpu_adam", "offloaded_adam", "offloaded_adam_clipped"])
+def test_training_matches_gradscaler_with_torch_adam(kind):
+    scaler, clip = LossScaler(**HYPER), None
+    if kind == "cpu_adam":
+        def make_opt(params):
+            return CPUAdam(params, lr=1e-2)
+    else:
+        def make_opt(params):
+            return OffloadedAdam(params, lr=1e-2, chunk_elements=7)
+    if kind == "offloaded_adam_clipped":
+        def clip(model, opt):
+            opt.clip_grad_norm_(0.05, grad_scale=scaler.get_scale())
+    _, opt, want = against_torch(make_opt, scaler, clip)
     assert opt.skipped_steps == len(BAD)
     assert len({s for s, _ in want}) > 4      # it grew and backed off, more than once
-    for p, q in zip(mine.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
     if kind != "cpu_adam":
         opt.close()
 
@@ -179,9 +198,8 @@ def test_two_optimizers_skip_on_their_own_and_the_update_backs_off():
     opts = [OffloadedAdam(m.parameters(), lr=1e-2) for m in (ma, mb)]
     assert run(ma, mb, opts, LossScaler(**HYPER)) == want
     assert [o.skipped_steps for o in opts] == [0, 2]
-    for m, r in ((ma, ra), (mb, rb)):
-        for p, q in zip(m.parameters(), r.parameters()):
-            torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    assert_same_params(ma, ra)
+    assert_same_params(mb, rb)
     for o in opts:
         o.close()
 
@@ -213,8 +231,7 @@ def test_a_schedule_executor_scales_inside_its_loss_function():
     ref_opt, ref_scaler = torch.optim.Adam(ref.parameters(), lr=1e-2, eps=1e-3), torch_scaler()
     want = train(ref, ref_opt, ref_scaler, data, loss_fn=loss_fn)
     assert got == want and opt.skipped_steps == 2
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    assert_same_params(model, ref)
 
 
 def test_numpy_adam_without_torch_tensors():
@@ -375,30 +392,22 @@ def test_torch_gradscaler_drives_cpu_adam_and_unflushed_offloaded_adam(kind):
     """CPUAdam keeps p.grad, so GradScaler unscales it as for any optimizer;
     OffloadedAdam(flush_in_backward=False) takes GradScaler's scale into its
     kernel (NOTE [ GradScaler ]), or none after an explicit unscale_."""
-    mine, ref = make_model(), make_model()
-    data = batches(24, BAD)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    ref_scaler, scaler = torch_scaler(), torch_scaler()
+    scaler, clip = torch_scaler(), None
     if kind == "cpu_adam":
-        opt = CPUAdam(mine.parameters(), lr=1e-2)
+        def make_opt(params):
+            return CPUAdam(params, lr=1e-2)
     else:
-        opt = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False)
-    ref_clip = clip = None
+        def make_opt(params):
+            return OffloadedAdam(params, lr=1e-2, flush_in_backward=False)
     if kind.endswith("clipped"):
-        def ref_clip():
-            ref_scaler.unscale_(ref_opt)
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-
-        def clip():
+        def clip(model, opt):
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(mine.parameters(), 0.05)
-    want = train(ref, ref_opt, ref_scaler, data, ref_clip)
-    assert train(mine, opt, scaler, data, clip) == want
-    for p, q in zip(mine.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    mine, opt, _ = against_torch(make_opt, scaler, clip)
     if kind != "cpu_adam":
         assert opt.skipped_steps == len(BAD) and "found_inf" not in vars(opt)
-        scaler.scale(torch.nn.functional.mse_loss(mine(data[0][0]), data[0][1])).backward()
+        x, y, _ = batches(1)[0]
+        scaler.scale(torch.nn.functional.mse_loss(mine(x), y)).backward()
         with pytest.raises(OptimizerError, match="passes the scale itself"):
             scaler.step(opt, grad_scale=2.0)
         assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
