@@ -23,6 +23,7 @@ completes (CuPy's ``_EventWatcher`` idea), guarded by ``TransferEngine._lock``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 
@@ -130,15 +131,31 @@ def _issue(dst, src, stream, engine, wait_for=()):
     The copy also waits for the last copies that touched either block (possibly
     on the other transfer stream), so its event implies theirs: the placements
     keep one event each, and freeing on it is then safe.
+
+    ``wait_for`` holds the events of moves not settled yet (the prior move of a
+    chain): they are waited for even when already complete, so that a failure
+    they carry reaches this copy's event (NOTE [ Host stream failures ]); the
+    placements' events may carry failures already reported, so only unfinished
+    ones are waited for.
     """
-    engine._after_compute(stream)
-    for ev in (*wait_for, dst.event, src.event):
-        if ev is not None and not ev.query():
-            stream.wait_event(ev)
-    src_slab, dst_slab = src.slab, dst.slab
-    engine.backend.copy_async(dst_slab, dst.offset, src_slab, src.offset,
-                              min(src.block.requested, dst.block.requested), stream)
-    event = engine.backend.new_event().record(stream)
+    # One step on a host stream: another thread's event recorded between this
+    # copy and its event would report the copy's failure in its place (and
+    # this event success, the host copy garbage). CUDA streams need no lock.
+    with getattr(stream, "ordered", contextlib.nullcontext)():
+        engine._after_compute(stream)
+        for ev in wait_for:
+            # A prior move that completed with an error between the caller's
+            # _settle() and here is waited for too: skipped, its failure was
+            # lost (the chained copy ran on garbage and reported success).
+            if ev is not None and (not ev.query() or getattr(ev, "error", None) is not None):
+                stream.wait_event(ev)
+        for ev in (dst.event, src.event):
+            if ev is not None and ev not in wait_for and not ev.query():
+                stream.wait_event(ev)
+        src_slab, dst_slab = src.slab, dst.slab
+        engine.backend.copy_async(dst_slab, dst.offset, src_slab, src.offset,
+                                  min(src.block.requested, dst.block.requested), stream)
+        event = engine.backend.new_event().record(stream)
     for p in (dst, src):
         p.event, p.stream = event, stream
     engine._track(event, dst_slab, src_slab)

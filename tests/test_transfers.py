@@ -845,3 +845,68 @@ def test_to_numpy_reads_under_the_buffer_lock_so_no_move_frees_what_it_reads(
     assert seen == [False]           # a move on another thread would have waited
     assert np.array_equal(out, buf.numpy("host"))
     buf.free()
+
+
+def test_a_prefetch_chained_on_an_offload_that_fails_just_before_it_still_fails(
+        arenas, monkeypatch):
+    # The offload failed (and completed) between prefetch's residency check and
+    # the enqueue of its copy: _issue skipped events that query() complete, so
+    # the H2D copy never inherited the failure. The prefetch copied the garbage
+    # host bytes and reported success: residency "both", no error, zeros.
+    d, h = arenas
+    eng = T.get_engine("host")
+    b = d.alloc(shape=(64,), dtype=np.float32)
+    b.numpy()[:] = 3
+    fail_next_copy(monkeypatch)
+    gate = gate_stream(eng.d2h)
+    off = T.offload(b, arena=h)
+    T.evict(b)
+    real = eng._after_compute
+
+    def after_compute(stream):      # the first step of the prefetch's _issue
+        monkeypatch.setattr(eng, "_after_compute", real)
+        gate.set()                  # a thread switch: the offload runs and fails
+        settled(off)
+        real(stream)
+    monkeypatch.setattr(eng, "_after_compute", after_compute)
+    settled(T.prefetch(b))
+    assert off.error is not None
+    with pytest.raises(BackendError, match="not valid"):
+        T.synchronize(b)
+    assert b.residency == "device"
+    b.free()
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+
+
+def test_a_failed_copy_reports_on_its_own_event_when_another_thread_records_meanwhile(
+        arenas, monkeypatch):
+    # A host stream reports a failure by the first event recorded after the
+    # failed work. _issue enqueued the copy and recorded its event in two steps:
+    # another thread's event in between (its own offload, a gated free) took the
+    # failure, and the failed offload reported success with a host copy of zeros.
+    d, h = arenas
+    eng = T.get_engine("host")
+    b = d.alloc(shape=(64,), dtype=np.float32)
+    b.numpy()[:] = 7
+    fail_next_copy(monkeypatch)
+    real = eng.backend.copy_async
+    other = []
+    thread = threading.Thread(target=lambda: other.append(
+        eng.backend.new_event().record(eng.d2h)))
+
+    def copy_async(*args):
+        monkeypatch.setattr(eng.backend, "copy_async", real)
+        real(*args)
+        thread.start()
+        # unlocked, the other thread records here; held off by the stream's
+        # lock, it records once this copy's event is in (the join times out)
+        thread.join(0.2)
+    monkeypatch.setattr(eng.backend, "copy_async", copy_async)
+    off = T.offload(b, arena=h)
+    thread.join()
+    settled(off)
+    other[0].synchronize()           # clean: the failure is not its to report
+    with pytest.raises(BackendError, match="D2H copy .* failed: MemoryError"):
+        T.synchronize(b)
+    assert b.residency == "device" and np.all(b.numpy() == 7)
+    b.free()

@@ -175,7 +175,8 @@ class HostStream:
 
     NOTE: ``_queue`` is a thread-safe FIFO; ``_failure.error`` (the first failure
     no event has reported yet: NOTE [ Host stream failures ]) is written only by
-    the worker thread; ``_thread`` is started once under ``_start_lock``.
+    the worker thread; ``_thread`` is started once under ``_lock``, which every
+    enqueue takes and :meth:`ordered` holds across several.
     """
 
     synchronous = False
@@ -186,12 +187,20 @@ class HostStream:
         self._failure = _Failure()
         self._thread = None
         self._closed = False
-        self._start_lock = threading.Lock()
+        self._lock = threading.RLock()
+
+    def ordered(self):
+        """A context manager in which no other thread enqueues on this stream:
+        work and the event recorded after it stay adjacent, so that event is
+        the one that reports the work's failure (NOTE [ Host stream failures ]).
+        Another thread's event recorded in between took the failure, and the
+        failed copy's own event reported success."""
+        return self._lock
 
     def _put(self, fn) -> None:
         # Under the lock: work enqueued after close()'s stop marker would never run
         # (and a synchronize() waiting for it would hang), so it is refused.
-        with self._start_lock:
+        with self._lock:
             if self._closed:
                 raise BackendError(f"host stream {self.name!r} is closed; enqueue work "
                                    f"on a new stream (backend.new_stream())")
@@ -218,7 +227,7 @@ class HostStream:
     def synchronize(self) -> None:
         """Block until all work enqueued so far is done; raise a failure no
         event has reported (NOTE [ Host stream failures ])."""
-        with self._start_lock:
+        with self._lock:
             closed, thread = self._closed, self._thread
         if not closed:
             HostEvent().record(self).synchronize()
@@ -231,7 +240,7 @@ class HostStream:
 
     def close(self) -> None:
         """Stop the worker after the work already enqueued; later work is refused."""
-        with self._start_lock:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
