@@ -156,7 +156,9 @@ class LimitAdaptor(AllocatorAdaptor):
 
     def __init__(self, upstream, budget_bytes: int):
         super().__init__(upstream)
-        self.budget_bytes = parse_bytes(budget_bytes)   # bytes, or a string like "2GiB"
+        # bytes, or a string like "2GiB"; a fractional budget rounds down (what it
+        # allows), as parse_bytes says: rounded up, 102.4 allowed 103 bytes
+        self.budget_bytes = parse_bytes(budget_bytes, round_down=True)
         self._lock = threading.Lock()
         self._used = 0
         self._sizes = {}

@@ -240,6 +240,12 @@ class _Arena:
         return self.core.slab_handle(block.slab)
 
     def _fill_block(self, block, value):
+        # After close() the slabs are released: a free (legal then) has nothing
+        # to poison, and filling wrote into a released slab (a TypeError on the
+        # host backend, a memset of freed device memory on cuda). Called under
+        # _acct_lock (frees, allocations), which close() marks closed under.
+        if self._closed:
+            return
         self.backend.fill(self._slab_of(block), block.offset, block.size, value)
 
     def _check_block(self, block, value) -> int:

@@ -33,7 +33,9 @@ _INF = {"inf", "infinity", "unlimited", "∞"}
 
 
 def _number(value, what):
-    if isinstance(value, bool):
+    # numpy's bool (np.True_, a 0-d bool array) is no numbers.Integral and went
+    # through float(): alloc(np.True_) allocated 1 byte where alloc(True) is refused.
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
         raise UnitError(f"{what} must be a number or a string like '12GiB', got {value!r}")
     try:
         return float(value)

@@ -512,3 +512,14 @@ def test_tracing_ends_at_close_and_the_allocator_goes_on(tmp_path):
     assert [op for op, *_ in load_trace(path)] == ["alloc"]
     with pytest.raises(TypeError, match="load_trace reads a path"):
         load_trace(None)
+
+
+def test_a_fractional_budget_rounds_down():
+    # "0.1KiB" is 102.4 bytes: rounded up to 103, it let a 103-byte block in,
+    # above the budget (parse_bytes rounds budgets down with round_down=True).
+    lim = LimitAdaptor(BestFitAllocator(4096, alignment=1), "0.1KiB")
+    assert lim.budget_bytes == 102
+    with pytest.raises(OutOfMemoryError):
+        lim.allocate(103)
+    lim.deallocate(lim.allocate(102))
+    assert lim.used_bytes == 0

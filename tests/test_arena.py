@@ -593,3 +593,26 @@ def test_debug_must_be_a_bool_as_pinned_and_mapped_are(cls):
     with pytest.raises(TypeError, match="debug must be True or False, got 'no'"):
         cls(4096, debug="no")
     assert cls(4096, debug=np.bool_(True)).debug is True
+
+
+@pytest.mark.parametrize("cls", [DeviceArena, HostArena])
+def test_a_debug_arena_frees_its_buffers_after_close(cls):
+    # Freeing stays legal after close(); in debug mode the poisoning adaptor
+    # filled the block in a slab close() had released: a raw TypeError on the
+    # host backend (a memset of freed memory on cuda), and the buffer could
+    # never be freed.
+    arena = cls(4096, backend="host", debug=True)
+    b = arena.alloc(100)
+    arena.close()
+    b.free()
+    assert b.is_freed and arena.stats().allocated_bytes == 0
+
+
+def test_numpy_bools_are_refused_as_sizes_as_python_bools_are(dev):
+    # parse_bytes refused True but took np.True_ through float(): alloc(np.True_)
+    # allocated 1 byte, a bool taken as a size.
+    from rtmem.errors import UnitError
+    for flag in (True, np.True_, np.False_, np.array(True)):
+        with pytest.raises(UnitError):
+            dev.alloc(flag)
+    assert dev.stats().alloc_count == 0
