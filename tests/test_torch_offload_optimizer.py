@@ -5,6 +5,7 @@ gradient clipping, each against torch.optim.Adam/AdamW on the same model."""
 import copy
 import io
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -531,6 +532,15 @@ def test_the_default_keeps_gradients_in_p_grad_in_a_process_group(monkeypatch, r
     torch.nn.functional.mse_loss(model(batches(1)[0][0]), batches(1)[0][1]).backward()
     assert all((p.grad is None) is flush for p in model.parameters())
     off.close()
-    explicit = OffloadedAdam(model.parameters(), flush_in_backward=True)   # an override
+    # an override; in a group of several ranks it says what DDP would do with it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explicit = OffloadedAdam(model.parameters(), flush_in_backward=True)
     assert explicit.flush_in_backward is True
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if flush:
+        assert said == []
+    else:
+        assert len(said) == 1 and f"group of {ranks} ranks" in said[0]
+        assert "flush_in_backward=False" in said[0]
     explicit.close()

@@ -55,6 +55,7 @@ numerics are tested on any machine.
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 
 import numpy as np
@@ -459,6 +460,17 @@ class OffloadedAdam(torch.optim.Optimizer):
         if not isinstance(flush_in_backward, bool):
             raise OptimizerError(f"flush_in_backward must be True, False or None, got "
                                  f"{flush_in_backward!r}", argument="flush_in_backward")
+        if flush_in_backward and _data_parallel():
+            # not an error: pipeline or tensor parallel ranks own disjoint parameters
+            # and may flush; under DDP it trains each rank on its own gradient with
+            # nothing failing, so say so where the choice was made
+            warnings.warn(
+                f"OffloadedAdam(flush_in_backward=True) in a torch.distributed process "
+                f"group of {torch.distributed.get_world_size()} ranks: if these "
+                f"parameters are in DistributedDataParallel, the gradient leaves "
+                f"p.grad before DDP all-reduces it and every rank steps with its own "
+                f"local gradient; pass flush_in_backward=False (or leave the default) "
+                f"for data parallelism", UserWarning, stacklevel=2)
         self.flush_in_backward = flush_in_backward
         # every group is checked: torch's constructor adds them (add_param_group)
         # and refuses nothing more; later additions are refused (_bufs is set)
