@@ -306,6 +306,10 @@ class CPUAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
+        # before any state is added: _run_step raises for a num_threads this
+        # machine has not (one kept by a pickle from a bigger machine), outside
+        # the take-back below
+        _check_num_threads(self.num_threads)
         items, added, written, named = [], [], [], []
         try:
             for gi, group in enumerate(self.param_groups):

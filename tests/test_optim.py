@@ -758,6 +758,22 @@ def test_applied_step_bumps_the_autograd_version_of_params_and_copies(fallback,
         ref_loss.backward()
 
 
+def test_a_step_refused_for_num_threads_adds_no_state():
+    # A pickle keeps num_threads: loaded on a machine with fewer numba threads,
+    # every step is refused, and a refused step leaves no new state behind.
+    import numba
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = optim.CPUAdam([p], lr=0.1, amsgrad=True)
+    opt.num_threads = numba.config.NUMBA_NUM_THREADS + 1
+    p.grad = torch.ones(3)
+    with pytest.raises(OptimizerError, match="num_threads"):
+        opt.step()
+    assert len(opt.state) == 0 and torch.equal(p.detach(), torch.ones(3))
+    opt.num_threads = None
+    opt.step()
+    assert int(opt.state[p]["step"]) == 1
+
+
 def test_copies_and_pickles_keep_threads_and_skip_counters():
     p = torch.randn(5, requires_grad=True)
     opt = optim.CPUAdamW([p], lr=1e-2, num_threads=1)
