@@ -74,7 +74,9 @@ def _ints(values, what: str, *, ceil: bool = False) -> np.ndarray:
     inside for 2**64 or None, wrapped 2**63 and 1e30 to negative numbers, and
     truncated an op index of 0.5 to 0."""
     arr = np.asarray(values)
-    if arr.dtype.kind not in "biufO":
+    # bools refused, as parse_bytes refuses them: a mask passed for sizes or
+    # op indices is a mistake, not 0s and 1s
+    if arr.dtype.kind not in "iufO":
         raise ValueError(f"{what} must be integers, got an array of {arr.dtype}")
     if arr.dtype.kind == "f":
         if not np.isfinite(arr).all():

@@ -128,6 +128,14 @@ def test_fractional_sizes_round_up():
         plan_layout([0], [1], [float("inf")])
 
 
+def test_bool_arrays_are_refused_as_sizes_and_op_indices():
+    # A mask passed by mistake was taken as 0s and 1s (parse_bytes refuses bools)
+    with pytest.raises(ValueError, match="buffer sizes .* must be integers, got .* bool"):
+        plan_layout([0, 0], [1, 1], np.array([True, False]))
+    with pytest.raises(ValueError, match="alloc op indices must be integers"):
+        plan_layout(np.array([False, True]), [1, 1], [8, 8])
+
+
 def test_a_forward_rerun_over_a_resident_output_is_counted():
     # lifetimes() gave a re-run whose output was already resident no buffer, so
     # its peak (and layout_for's reservation) fell short of the simulator's.
