@@ -35,6 +35,13 @@ def load_chain(spec: str):
     (``gpt2:layers=6``)."""
     from rtmem.errors import ChainError
     from rtmem.planners import Chain, from_spec
+    if os.path.isdir(spec):
+        # a folder named like a built-in chain (an output folder "resnet50") must
+        # not hide it: it said "[Errno 21] Is a directory: 'resnet50'"
+        try:
+            return from_spec(spec)
+        except ChainError:
+            pass
     if os.path.exists(spec):
         return Chain.load(spec)
     if spec.lower().endswith(".json"):
@@ -50,7 +57,9 @@ def load_schedule(spec: str, chain):
     from rtmem.planners import Plan, Schedule, sequential_schedule, store_all_schedule
     from rtmem.planners._documents import read_text
     from rtmem.planners.schedule import _DIGITS, OP_WORDS
-    if os.path.exists(spec):
+    # a folder named "store-all" or "sequential:2" must not hide the keyword
+    keyword = spec == "store-all" or spec.startswith("sequential:")
+    if os.path.exists(spec) and not (keyword and os.path.isdir(spec)):
         text = read_text(spec, kind="schedule", error=ScheduleError, reason="parse")
         if text.lstrip().startswith("{"):
             try:
@@ -214,6 +223,18 @@ def _demo_problem(args) -> str | None:
                 setattr(args, name, default)
     if args.model == "gpt2" and args.hidden % args.heads:
         return f"--hidden {args.hidden} must be a multiple of --heads {args.heads}"
+    if args.model == "resnet":
+        # every group after the first halves the image (stride 2, rounded up);
+        # batch norm in training needs more than one value per channel, which a
+        # batch of one 1x1 image lacks (a ValueError traceback from profiling)
+        side = args.image
+        for _ in args.blocks[1:]:
+            side = (side + 1) // 2
+        if args.batch * side * side < 2:
+            return (f"--batch {args.batch} with --image {args.image}: the last residual "
+                    f"group sees {side}x{side} images, and batch norm needs more than one "
+                    f"value per channel to train; use --batch 2 or more, or a larger "
+                    f"--image")
     # run_demo's makedirs said only "[Errno 17] File exists" or "No such file: ''"
     if not args.out.strip() or (os.path.exists(args.out) and not os.path.isdir(args.out)):
         return (f"--out {args.out!r} is not a folder; give a folder for the plots, plan "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 
@@ -109,6 +110,9 @@ def _cmd_remat(args) -> int:
     reference = chain.compute_time       # makespan without rematerialization
     rows, docs = comparison_rows(results, reference)
     if args.save:
+        # a missing folder is made, as --plot makes one (it failed with "[Errno 2] No
+        # such file or directory" after the whole solve)
+        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
         rotor.save(args.save)
         say(f"wrote the rotor plan to {args.save}")
     if args.plot:

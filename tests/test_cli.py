@@ -150,6 +150,12 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["demo", "--width", "4"], "--width sizes the resnet model"),
     (["demo", "--model", "resnet", "--blocks", "2,0"], "positive integers"),
     (["demo", "--model", "resnet", "--blocks", "two"], "e.g. 2,2,2"),
+    # batch norm cannot train on one value per channel: a ValueError traceback
+    # from profiling (the last group of 2,2,2 sees 1x1 images of a 4x4 input)
+    (["demo", "--model", "resnet", "--batch", "1", "--image", "4"],
+     "more than one value per channel"),
+    (["demo", "--model", "resnet", "--batch", "1", "--image", "2", "--blocks", "1,1"],
+     "sees 1x1 images"),
 ])
 def test_bad_arguments_exit_2_before_any_work(capsys, tmp_path, argv, fragment):
     (tmp_path / "file").write_text("")
@@ -295,3 +301,34 @@ def test_a_reader_that_goes_away_is_not_an_error_message(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     code = main(["chains", "--json"])
     assert code == 1 and capsys.readouterr().err == ""
+
+
+def test_a_folder_named_like_a_built_in_does_not_hide_it(capsys, tmp_path, monkeypatch):
+    # an output folder "resnet50" (or "store-all") in the working directory made
+    # `rtmem simulate resnet50 store-all` fail with "[Errno 21] Is a directory"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "resnet50").mkdir()
+    (tmp_path / "store-all").mkdir()
+    (tmp_path / "sequential:2").mkdir()
+    code, out, err = run(capsys, "simulate", "resnet50", "store-all", "--memory", "inf",
+                         "--json")
+    assert code == 0 and json.loads(out)["chain"] == "resnet50", err
+    code, out, err = run(capsys, "simulate", "gpt2-small", "sequential:2", "--memory",
+                         "inf", "--json")
+    assert code == 0, err
+    code, out, err = run(capsys, "plan", "remat", "resnet50", "--memory", "inf",
+                         "--quiet", "--json")
+    assert code == 0, err
+    # a folder that names no built-in is still reported as one
+    (tmp_path / "mine").mkdir()
+    code, _, err = run(capsys, "simulate", "mine", "store-all", "--memory", "inf")
+    assert code == 1 and "Is a directory" in err
+
+
+def test_plan_save_makes_a_missing_folder_as_plot_does(capsys, tmp_path):
+    # --plot made its folder; --save failed on one with "[Errno 2]" after the solve
+    save, plot = tmp_path / "a" / "plan.json", tmp_path / "b" / "plan.png"
+    code, _, err = run(capsys, "plan", "remat", "gpt2:layers=2", "--memory", "inf",
+                       "--quiet", "--save", str(save), "--plot", str(plot))
+    assert code == 0, err
+    assert save.is_file() and plot.is_file()

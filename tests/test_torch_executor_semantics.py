@@ -1295,3 +1295,17 @@ def test_a_sparse_tensor_attribute_is_profiled_and_trained():
     m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
     _assert_same(m, ex, loss, ref, ref_loss)
     assert _intact(m[0].adj.indices())
+
+
+def test_profiling_under_inference_mode_is_refused_by_name():
+    # it raised torch's "Inference tensors do not track version counter" after
+    # running the first stage; step() already refused inference mode by name
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x, y = torch.randn(3, 4), torch.randint(2, (3,))
+    with torch.inference_mode(), pytest.raises(ExecutionError, match="inference_mode"):
+        profile_sequential(model, x, y, nn.functional.cross_entropy, repeats=1)
+    # outside it, an inference tensor as the batch is fine (the profiler copies it)
+    with torch.inference_mode():
+        xi = torch.randn(3, 4)
+    chain = profile_sequential(model, xi, y, nn.functional.cross_entropy, repeats=1)
+    assert chain.n == 3 and (chain.u_b >= 0).all()

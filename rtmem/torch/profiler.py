@@ -51,10 +51,10 @@ from torch import nn
 from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
-from ._stages import (KeptBuffers, _check_output, _input_key, _rederived_input,
-                      _stage_input, _storage_bytes, _storage_ptrs, as_stages, buffer_slots,
-                      check_inputs, check_loss_fn, inputs_need_grad, slot_buffers,
-                      stage_constants)
+from ._stages import (ExecutionError, KeptBuffers, _check_output, _input_key,
+                      _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, as_stages,
+                      buffer_slots, check_inputs, check_loss_fn, inputs_need_grad,
+                      slot_buffers, stage_constants)
 from .offload import _pause_flushes, _resume_flushes
 
 __all__ = ["profile_sequential"]
@@ -124,6 +124,13 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     """
     model = as_stages(model, "profile_sequential")
     check_inputs(inputs)
+    if torch.is_inference_mode_enabled():
+        # autograd records nothing there: it failed with torch's "Inference tensors
+        # do not track version counter" after running the first stage
+        raise ExecutionError(
+            "profile_sequential measures backward passes, so it cannot run under "
+            "torch.inference_mode() (autograd records nothing there); call it outside "
+            "inference_mode")
     check_loss_fn(loss_fn)
     repeats = check_int("repeats", repeats, low=1)
     device = inputs.device
