@@ -351,6 +351,13 @@ def main(argv=None) -> int:
     except (RtmemError, OSError, ModuleNotFoundError) as e:
         print(f"rtmem {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except MemoryError as e:
+        # numpy's "Unable to allocate 7.45 GiB for an array ..." for a problem
+        # too large for this machine (gpt2:layers=999999999) was a traceback
+        print(f"rtmem {args.command}: error: out of host memory ({str(e) or 'MemoryError'}); "
+              f"the problem is too large for this machine: make it smaller",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -332,3 +332,19 @@ def test_plan_save_makes_a_missing_folder_as_plot_does(capsys, tmp_path):
                        "--quiet", "--save", str(save), "--plot", str(plot))
     assert code == 0, err
     assert save.is_file() and plot.is_file()
+
+
+def test_a_problem_too_large_for_host_memory_is_one_line(capsys, monkeypatch):
+    # `rtmem simulate gpt2:layers=999999999 ...` ended in numpy's MemoryError
+    # traceback; it is said in one line with what to do
+    import rtmem.cli as cli
+
+    def too_large(spec):
+        raise MemoryError("Unable to allocate 7.45 GiB for an array with shape "
+                          "(999999999,) and data type float64")
+    monkeypatch.setattr(cli, "load_chain", too_large)
+    code, out, err = run(capsys, "simulate", "gpt2:layers=999999999", "store-all",
+                         "--memory", "inf")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "out of host memory (Unable to allocate 7.45 GiB" in err
+    assert "make it smaller" in err
