@@ -62,6 +62,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import at_least, write_results  # noqa: E402
 
+from rtmem.cli import output_file  # noqa: E402
 from rtmem.kernels import adam_update, encode_half  # noqa: E402
 
 BYTES_FP32 = 28
@@ -279,7 +280,9 @@ def main(argv=None):
                          "rounds, up to 50 (default 12)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="do not evict caches before each timed call")
-    ap.add_argument("--out", type=Path, default=None,
+    # checked now: a folder was met by open() after the whole benchmark (a traceback,
+    # the results lost)
+    ap.add_argument("--out", type=output_file(), default=None,
                     help="JSON output path (default: adam.json in bench/results or "
                          "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)

@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import at_least, write_results  # noqa: E402
 
+from rtmem.cli import output_file
 from rtmem.planners import Platform, simulate, store_all_schedule
 from rtmem.planners.profiles import builtin, gpt2
 from rtmem.planners.remat import min_feasible_memory, plan_remat
@@ -106,7 +107,8 @@ def main(argv=None):
     ap.add_argument("--fraction", type=at_least(0.0, float, 1.0), default=0.4)
     ap.add_argument("--python-budget", type=at_least(0.0, float), default=3e7,
                     help="run the Python DP only below this many estimated steps")
-    ap.add_argument("--out", default=None,
+    # checked now: a folder was met by open() after every case had been solved
+    ap.add_argument("--out", type=output_file(), default=None,
                     help="results file (default: remat.json under $RTMEM_BENCH_RESULTS "
                          "or bench/results)")
     args = ap.parse_args(argv)

@@ -49,7 +49,9 @@ def _flags(args, names) -> list[str]:
     for name in names:
         value = getattr(args, name.replace("-", "_"))
         if value is not None:
-            argv += [f"--{name}", str(value)]
+            # one token: a value starting with '-' (a plot named -run1.png) was read
+            # by the script's parser as an option ("expected one argument")
+            argv.append(f"--{name}={value}")
     return argv
 
 

@@ -101,6 +101,10 @@ def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
     ("train", ["--out", "x.json"], "give a result name"),
     ("pcie", ["--max-size", "lots"], "--max-size: cannot read 'lots'"),
     ("pcie", ["--plot", "x.txt"], "must end in .png"),
+    # --out a folder: open() raised IsADirectoryError after the whole run
+    ("adam", ["--sizes", "1000", "--repeats", "1", "--budget", "0", "--warm-cache",
+              "--out", str(BENCH)], "is a folder"),
+    ("remat", ["--out", str(BENCH)], "is a folder"),
 ])
 def test_bench_scripts_refuse_bad_arguments_before_any_work(monkeypatch, capsys, tmp_path,
                                                             name, argv, fragment):

@@ -558,6 +558,25 @@ def test_cli_bench_runs_pcie_and_dha(capsys, tmp_path, monkeypatch):
     assert args.func(args) == 2                # no benchmark named: usage
 
 
+def test_cli_bench_hands_values_starting_with_a_dash_to_the_script(capsys, tmp_path,
+                                                                   monkeypatch):
+    # The values went over as separate tokens: the script's parser took
+    # "-run1.png" for an option ("--plot: expected one argument", exit 2).
+    import argparse
+    from rtmem import cli_bench
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    parser = argparse.ArgumentParser(prog="rtmem")
+    cli_bench.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "pcie", "--plot=-run1.png"])
+    assert args.func(args) == 0                # accepted; no GPU here
+    assert "bench pcie: no CUDA GPU found" in capsys.readouterr().out
+    args = parser.parse_args(["bench", "dha", "--sweep=-64,256"])
+    with pytest.raises(SystemExit) as exc:
+        args.func(args)
+    assert exc.value.code == 2
+    assert "ascending, distinct and >= 1" in capsys.readouterr().err
+
+
 def test_probe_arguments_must_be_integers(be):
     buf = be.param(np.arange(16, dtype=np.uint64))
     for kwargs, fragment in ((dict(value="x"), "integer"), (dict(value=1.7), "integer"),

@@ -189,6 +189,31 @@ def test_a_placed_module_cannot_be_placed_again_until_released(arena):
     again.release()
 
 
+def test_a_dropped_placement_frees_its_buffers_once_the_parameters_let_go(arena):
+    # place_parameters(model, arena) with the result not kept (README's GPU line):
+    # the parameters counted as placed no more, so placing again was accepted and
+    # the first placement's buffers stayed allocated forever (no release possible).
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    want = m(x).detach().clone()
+    place_parameters(m, arena)
+    gc.collect()
+    used = arena.stats().allocated_bytes
+    assert used > 0
+    torch.testing.assert_close(m(x), want)     # the module keeps working meanwhile
+    again = place_parameters(m, arena)          # the old buffers go as p.data moves
+    gc.collect()
+    assert arena.stats().allocated_bytes == used
+    torch.testing.assert_close(m(x), want)
+    again.release()
+    gc.collect()
+    assert arena.stats().allocated_bytes == 0
+    place_parameters(m, arena)
+    del m
+    gc.collect()
+    assert arena.stats().allocated_bytes == 0
+
+
 def test_on_torch_stream_is_a_no_op_without_cuda():
     # The README wraps rtmem calls in it; on CPU-only torch it raised torch's
     # "Torch not compiled with CUDA enabled" AssertionError.

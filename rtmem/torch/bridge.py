@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rtmem._deferred import run_or_defer
 from rtmem.arena import is_arena
 from rtmem.buffer import Buffer
 from rtmem.errors import DoubleFreeError, ResidencyError
@@ -224,10 +225,16 @@ class ModulePlacement:
 
     ``weights`` / ``grads`` map each parameter to its buffer. :meth:`release`
     moves the parameters back to ordinary torch memory and frees the buffers.
+    A placement dropped without :meth:`release` frees its buffers when it is
+    garbage collected; their bytes come back once the parameters stop viewing
+    them (e.g. a new placement, or the module itself collected).
     """
 
     weights: dict = field(default_factory=dict)
     grads: dict = field(default_factory=dict)
+    # frees the buffers if the placement is dropped without release() (see
+    # place_parameters); detached by release()
+    _finalizer: object = field(default=None, init=False, repr=False, compare=False)
 
     def release(self) -> None:
         """Copy every parameter (and gradient) out of the arenas and free the buffers.
@@ -243,6 +250,8 @@ class ModulePlacement:
             if grad is not None:
                 p.grad = grad
         bufs = [*self.weights.values(), *self.grads.values()]
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self.weights.clear()
         self.grads.clear()
         for buf in bufs:
@@ -252,6 +261,23 @@ class ModulePlacement:
                 # freed by hand while placed: given back already (once the
                 # parameter stopped viewing it); the others must still go
                 pass
+
+
+def _free_dropped(bufs) -> None:
+    """Free the buffers of a placement garbage-collected without ``release()``.
+
+    The parameters then count as placed no more (:func:`_placement_of`), so the
+    buffers must not stay allocated: a second placement doubled the arena use,
+    and nothing could ever free the first one's buffers. Each free waits for the
+    parameter tensors still viewing its bytes (NOTE [ Pinned views ] in
+    ``rtmem/buffer.py``), so the module keeps working meanwhile. May run inside
+    a garbage collection: NOTE [ Frees from finalizers ] in rtmem/_deferred.py.
+    """
+    def free():
+        for buf in bufs:
+            if not (buf._freed or buf._free_requested):   # freed by hand: skip
+                buf.free()
+    run_or_defer(free)
 
 
 def _placement_of(p):
@@ -349,4 +375,8 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     ref = weakref.ref(placement)
     for p in placement.weights:
         _placed[p] = ref
+    finalizer = weakref.finalize(
+        placement, _free_dropped, [*placement.weights.values(), *placement.grads.values()])
+    finalizer.atexit = False     # the process gives everything back at exit
+    placement._finalizer = finalizer
     return placement
