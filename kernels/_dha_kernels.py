@@ -186,14 +186,18 @@ def _layernorm_fwd_kernel(x, gamma, beta, out, mean, rstd, eps, staged):
             s2 += d * d
         c = _block_sum(sm, s) / fh
         var = max(_block_sum(sm, s2) / fh - c * c, numba.float32(0.0))
-        mu += c
         rs = numba.float32(1.0) / math.sqrt(var + eps)
+        # Centre with (x - mu) - c, not x - (mu + c): mu + c rounded to float32
+        # is up to half an ulp of the mean off (5e-4 at 1e4), which for a row of
+        # 1e4 + noise of 1e-2 shifted every output by ~0.05 * gamma; x - mu is
+        # exact there and c is small, so this keeps float32 accuracy relative to
+        # the row's spread. The saved mean is still the rounded mu + c.
         for h in range(tid, H, cuda.blockDim.x):
             g = params[h] if staged else gamma[h]
             b = params[H + h] if staged else beta[h]
-            out[r, h] = (x[r, h] - mu) * rs * g + b
+            out[r, h] = ((x[r, h] - mu) - c) * rs * g + b
         if tid == 0:
-            mean[r] = mu
+            mean[r] = mu + c
             rstd[r] = rs
 
 

@@ -198,6 +198,8 @@ def dha_read(src, *, width: int = 8, blocks: int | None = None, stream=0, out=No
             raise KernelArgumentError(f"out holds {out.shape[0]} partials but the grid "
                                       f"has {grid} blocks; pass blocks= or a longer out",
                                       argument="out")
+        # blocks store their partials while others may still be reading src
+        check_disjoint({"out": out[:grid]}, {"src": words})
     launch = numba_stream(stream)
     _read_kernel[grid, THREADS, launch](words, out)
     # bound to the launch stream, so that reading the partials back

@@ -113,6 +113,22 @@ def test_probe_argument_errors(be):
         be.k.dha_read(be.param(np.ones(3, np.float32)), width=8)
 
 
+def test_read_probe_refuses_partials_that_overlap_src():
+    # A block stored its partial into out while another block still had to read
+    # that word of src: a silently wrong checksum.
+    from numba import cuda
+    from rtmem.kernels import dha
+    data = np.arange(1, 1025, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    src = cuda.to_device(data)
+    with pytest.raises(KernelArgumentError, match="overlap") as e:
+        dha.dha_read(src, blocks=2, out=src[256:258])
+    assert e.value.argument == "out"
+    np.testing.assert_array_equal(src.copy_to_host(), data)
+    spare = cuda.device_array(8, np.uint64)
+    partials = dha.dha_read(src, blocks=2, out=spare)
+    assert dha.xor_checksum(partials) == int(np.bitwise_xor.reduce(data))
+
+
 def test_device_views_name_what_is_wrong():
     from rtmem.kernels._launch import as_device, simulator_active
 
@@ -246,6 +262,21 @@ def test_layernorm_of_constant_rows_is_beta(be, fresh_seed):
     np.testing.assert_allclose(be.host(gx), dx, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(be.host(gg), dgamma, atol=1e-5)
     np.testing.assert_allclose(be.host(gb), dbeta, rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_forward_of_rows_with_a_large_mean(be, fresh_seed):
+    # Rows of 1e4 + noise of 1e-2: the GPU kernel centred x with the corrected mean
+    # mu + c rounded to float32 (half an ulp of 1e4 is 5e-4, 5% of the spread),
+    # which shifted every output by up to ~0.2 where the CPU twin was exact.
+    rng = np.random.default_rng(fresh_seed)
+    T, H, eps = 4, 40, 1e-5
+    x = (1e4 + rng.standard_normal((T, H)) * 1e-2).astype(np.float32)
+    gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
+    y, mu, rstd, _, _, _ = _ln_reference(x, gamma, beta, dy, eps)
+    _, _, out, mean, rs = _ln_forward(be, x, gamma, beta, eps)
+    np.testing.assert_allclose(be.host(out), y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(be.host(mean), mu, rtol=1e-7)
+    np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-4)
 
 
 def test_layernorm_argument_errors(be):
