@@ -345,7 +345,9 @@ def test_never_slower_than_the_baselines_that_fit(chain, frac, slots):
             other = baseline(chain, budget)
         except InfeasibleError:
             continue
-        assert plan.makespan <= other.makespan, (other.algorithm, plan.info)
+        # equal makespans summed in another order differ in the last bit
+        # (7.799999999999999e-05 against revolve's 7.799999999999997e-05)
+        assert plan.makespan <= other.makespan * (1 + 1e-12), (other.algorithm, plan.info)
 
 
 def test_a_baseline_that_wins_is_recorded():
