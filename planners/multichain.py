@@ -41,7 +41,7 @@ import numpy as np
 from rtmem.errors import ChainError, InfeasibleError, RtmemError, ScheduleError
 
 from ._validation import check_int
-from .revolve import _check_slots, _opt0_cost, opt0_table, revolve_ops
+from .revolve import _check_slots, _check_times, _opt0_cost, opt0_table, revolve_ops
 
 #: Largest tables (bytes) the multi-chain DP allocates (its own and Revolve's).
 MAX_MULTICHAIN_TABLE_BYTES = 2 * 2**30
@@ -205,7 +205,7 @@ class MultiChainTable:
         self.lengths, _ = _check_lengths(lengths, None)
         self.m_max = _check_slots(m_max, "m_max")
         _check_size(self.lengths, self.m_max)
-        self.u_f, self.u_b, self.u_loss = float(u_f), float(u_b), float(u_loss)
+        self.u_f, self.u_b, self.u_loss = _check_times(u_f=u_f, u_b=u_b, u_loss=u_loss)
         lmax = max(self.lengths)
         self.opt0, self.arg0 = opt0_table(max(lmax, 1), self.m_max, u_f, u_b)
         Lmax = np.array(self.lengths, np.int64)
@@ -309,6 +309,7 @@ def simulate_multichain(ops, lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0):
     nothing if b_j = 0."""
     L, b = _check_lengths(lengths, b)
     m = _check_slots(m)
+    u_f, u_b, u_loss = _check_times(u_f=u_f, u_b=u_b, u_loss=u_loss)
     K = len(L)
     counts = [dict({0: 1}) for _ in range(K)]
     delta = [None] * K            # index of the branch's current delta, or "gone"

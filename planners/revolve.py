@@ -39,7 +39,7 @@ import numpy as np
 from rtmem.errors import ChainError, InfeasibleError, RtmemError
 
 from .baselines import fastest_fitting
-from ._validation import check_chain, check_int
+from ._validation import as_scalar, check_chain, check_int
 from .chain import Chain
 from .plan import Plan
 from .schedule import Op, Schedule
@@ -88,6 +88,14 @@ def _check_lm(steps, slots, what: str) -> tuple[int, int]:
             _check_slots(slots, f"{what} m", field="m"))
 
 
+def _check_times(**times) -> tuple[float, ...]:
+    """Step times (``u_f``, ``u_b``, ``u_loss``) as floats, each finite and >= 0; a
+    :class:`~rtmem.errors.ChainError` names the bad one. A negative time gave
+    negative makespans (and a DP favouring recomputation), a NaN one ``inf``
+    (reported as infeasible, "needs at least 5 slots, got 7")."""
+    return tuple(as_scalar(name, value, integral=False) for name, value in times.items())
+
+
 def _opt0_cost(l_max: int, m_max: int) -> tuple[int, int]:
     """Bytes of :func:`opt0_table`'s two tables and the steps of its fill."""
     return 16 * (l_max + 1) * (m_max + 1), (l_max + 1) ** 2 * (m_max + 1) // 2
@@ -102,6 +110,7 @@ def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
     tables or the fill would exceed ``MAX_OPT0_TABLE_BYTES`` / ``MAX_OPT0_STEPS``
     (use :func:`binomial_makespan` for makespans of long chains)."""
     l_max, m_max = _check_lm(l_max, m_max, "opt0_table:")
+    u_f, u_b = _check_times(u_f=u_f, u_b=u_b)
     table_bytes, steps = _opt0_cost(l_max, m_max)
     if table_bytes > MAX_OPT0_TABLE_BYTES or steps > MAX_OPT0_STEPS:
         raise RtmemError(
@@ -119,6 +128,7 @@ def binomial_makespan(l: int, m: int, u_f: float = 1.0, u_b: float = 1.0) -> flo
     ``m`` is a number of slots; the makespan is in the units of ``u_f``/``u_b``
     (seconds, or step counts with the defaults); ``inf`` when infeasible."""
     _check_lm(l, m, "binomial_makespan:")       # ints (numpy ones included) pass as is
+    u_f, u_b = _check_times(u_f=u_f, u_b=u_b)
     if l > 0 and m < 3:
         return math.inf
     if l == 0:

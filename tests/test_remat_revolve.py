@@ -253,3 +253,23 @@ def test_exhaustive_multichain_oracle_checks_its_instance(call, fragment):
     from rtmem.errors import ChainError
     with pytest.raises(ChainError, match=fragment):
         call()
+
+
+@pytest.mark.parametrize("call, fragment", [
+    # negative times gave negative makespans (multichain_opt([3, 2], 7, u_f=-1)
+    # was -3.0), a NaN time inf: multichain_schedule then raised "needs at least
+    # 5 slots, got 7" for an instance that has a schedule
+    (lambda: opt0_table(3, 5, u_f=-1.0), r"u_f = -1.0 must be finite and >= 0"),
+    (lambda: opt0_table(3, 5, u_b=math.inf), r"u_b = inf must be finite"),
+    (lambda: binomial_makespan(3, 3, u_f=-2.0), r"u_f = -2.0 must be finite"),
+    (lambda: binomial_makespan(3, 3, u_b=math.nan), r"u_b = nan must be finite"),
+    (lambda: multichain_opt([3, 2], 7, u_f=-1.0), r"u_f = -1.0 must be finite"),
+    (lambda: multichain_opt([3, 2], 7, u_loss=math.inf), r"u_loss = inf must be finite"),
+    (lambda: multichain_schedule([3, 2], 7, u_f=math.nan), r"u_f = nan must be finite"),
+    (lambda: simulate_multichain(single_chain_ops(3, 3), [3], 3, [1], u_b=-5.0),
+     r"u_b = -5.0 must be finite"),
+])
+def test_step_times_must_be_finite_and_non_negative(call, fragment):
+    from rtmem.errors import ChainError
+    with pytest.raises(ChainError, match=fragment):
+        call()
