@@ -408,6 +408,71 @@ def test_replaced_parameter_refused_before_any_change(monkeypatch):
     off.close()
 
 
+@pytest.mark.parametrize("where", ["update", "upload"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_interrupted_midway_applies_no_gradient_twice(monkeypatch, where, dtype):
+    # NOTE [ Interrupted step ]: an exception in the chunked update (a
+    # KeyboardInterrupt, a failed upload) used to leave the first chunks stepped
+    # with no step counted and every gradient kept, so the next step applied the
+    # same gradient to them again
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(dtype)
+
+    x = torch.randn(3, 4).to(dtype)
+    init, ref, net = make(), make(), make()
+    ref(x).float().sum().backward()
+    torch.optim.Adam(ref.parameters(), lr=0.1).step()
+    off = OffloadedAdam(net.parameters(), lr=0.1, chunk_elements=4)
+    net(x).float().sum().backward()
+    update, upload, calls = off._update, off._upload, [0]
+
+    def failing(real):
+        def call(*args):
+            calls[0] += 1
+            if calls[0] == 3:     # chunk 2: elements [8, 12) of the first weight
+                raise KeyboardInterrupt(where)
+            return real(*args)
+        return call
+
+    class Update:                 # PreparedUpdate has slots: wrap it
+        apply = staticmethod(failing(update.apply) if where == "update" else update.apply)
+
+        def __getattr__(self, name):
+            return getattr(update, name)
+
+    off._update = Update()
+    if where == "upload":
+        off._upload = failing(upload)
+    with pytest.raises(KeyboardInterrupt):
+        off.step()
+    off._update = update
+    off.__dict__.pop("_upload", None)
+    # the parameter it reached counts as stepped, the others keep their gradients
+    assert off.steps.tolist() == [1, 0, 0, 0] and off.step_count == 1
+    assert set(off.state) == {net[0].weight}
+    for k, p in enumerate(net.parameters()):      # the device copy is the master's
+        lo, hi = off._span(k)
+        assert torch.equal(p.detach().reshape(-1),
+                           torch.from_numpy(off.master[lo:hi]).to(dtype))
+    off.step()                    # the rest, once
+    assert off.steps.tolist() == [1, 1, 1, 1] and off.step_count == 2
+    tol = 0.02 if dtype == torch.bfloat16 else 1e-5
+    for p, q, p0 in zip(net.parameters(), ref.parameters(), init.parameters()):
+        stepped = (p.float() - q.float()).abs() <= tol
+        untouched = p == p0       # past the failed chunk of the weight it reached
+        assert (stepped | untouched).all()
+    assert (net[0].weight.reshape(-1)[:8] != init[0].weight.reshape(-1)[:8]).all()
+    for p, q in list(zip(net.parameters(), ref.parameters()))[1:]:
+        torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=tol)
+    net(x).float().sum().backward()               # and training goes on
+    off.step()
+    assert off.steps.tolist() == [2, 2, 2, 2]
+    off.close()
+
+
 @pytest.mark.parametrize("adamw", [False, True])
 def test_zero_grad_keeping_tensors_matches_torch(monkeypatch, adamw):
     # zero_grad(set_to_none=False) leaves torch's p.grad a zero tensor, and Adam

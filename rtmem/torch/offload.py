@@ -782,7 +782,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         moment or step count changes, ``last_step_skipped`` is True and
         ``skipped_steps`` grows by one. Either way the step consumes the
         gradients. Everything that can be refused (hyperparameters, replaced
-        parameters) is checked before any host state or parameter changes."""
+        parameters) is checked before any host state or parameter changes.
+
+        NOTE [ Interrupted step ]
+        An exception raised once the update has started (a KeyboardInterrupt, a
+        failed upload) leaves no parameter half counted: each parameter the
+        chunked update had reached counts as stepped (its step count advanced,
+        its gradient consumed; elements of it past the failing chunk keep their
+        values and moments this step), and the ones it had not reached keep
+        their gradients, so the next ``step()`` updates just those, once. No
+        element is ever updated twice with one gradient."""
         self._check_open("step")
         if "found_inf" in self.__dict__:      # set by torch.amp.GradScaler.step
             grad_scale, check_finite = self._grad_scaler_args(grad_scale, check_finite)
@@ -822,24 +831,63 @@ class OffloadedAdam(torch.optim.Optimizer):
                 # the uploads replace p.data's contents: after all GPU work queued so
                 # far (a weight prefetch of the executor may still be writing p.data)
                 h2d.wait_stream(torch.cuda.current_stream())
-            for lo, hi, gi, step in runs:
-                c = coeffs[gi, step]
-                for a in range(lo, hi, self.chunk):
-                    b = min(hi, a + self.chunk)
-                    self._update.apply(c, a, b)
-                    if h2d is not None:           # rule 2: upload k while updating k+1
-                        with torch.cuda.stream(h2d):
+            reached = None      # the chunk the update is at (NOTE [ Interrupted step ])
+            try:
+                for lo, hi, gi, step in runs:
+                    c = coeffs[gi, step]
+                    for a in range(lo, hi, self.chunk):
+                        b = min(hi, a + self.chunk)
+                        reached = a, b
+                        self._update.apply(c, a, b)
+                        if h2d is not None:       # rule 2: upload k while updating k+1
+                            with torch.cuda.stream(h2d):
+                                self._upload(a, b)
+                        else:
                             self._upload(a, b)
-                    else:
-                        self._upload(a, b)
-        if h2d is not None:                       # rule 3
-            torch.cuda.current_stream().wait_stream(h2d)
+            except BaseException:
+                if reached is not None:
+                    self._interrupted(fresh, *reached)
+                raise
+            finally:
+                if h2d is not None:               # rule 3 (the uploads enqueued)
+                    torch.cuda.current_stream().wait_stream(h2d)
         updated = [k for k, f in enumerate(fresh) if not f]
         self.steps[updated] += 1
         self.step_count += 1
         self._sync_state(updated)
         self._consume()
         return loss
+
+    def _interrupted(self, fresh, a: int, b: int) -> None:
+        """The bookkeeping of a step whose update raised in the chunk ``[a, b)``
+        (NOTE [ Interrupted step ]): the parameters it reached count as stepped,
+        the others keep their gradients for the next step, and the device copy
+        of the parameters the chunk covers is made from their master weights."""
+        updated = [k for k, f in enumerate(fresh) if not f]
+        reached = [k for k in updated if self.offsets[k] < b]
+        self.steps[reached] += 1
+        self.step_count += 1
+        self._sync_state(reached)
+        self._consume()
+        for k in updated:
+            if self.offsets[k] >= b:      # not reached: still has its gradient
+                self._fresh[k] = False
+        # the chunk in flight may be written in part (master and staging buffer
+        # alike), or written and not uploaded: upload the parameters it covers
+        # from their master weights (those before it were uploaded whole, those
+        # after it are unchanged)
+        cover = [k for k in reached if self.offsets[k + 1] > a]
+        if cover:
+            lo, hi = self._span(cover[0])[0], self._span(cover[-1])[1]
+            h2d = self._streams[0] if self._streams is not None else None
+            if h2d is not None:
+                h2d.synchronize()         # no upload still reads the staging buffer
+            self._stage_t[a:hi].copy_(torch.from_numpy(self.master[a:hi]))
+            if h2d is not None:
+                with torch.cuda.stream(h2d):
+                    self._upload(lo, hi)
+            else:
+                self._upload(lo, hi)
 
     def _grad_scaler_args(self, grad_scale, check_finite) -> tuple:
         """``step``'s (grad_scale, check_finite) when ``torch.amp.GradScaler``
