@@ -447,9 +447,11 @@ class _Arena:
 
     def stats(self) -> ArenaStats:
         """Allocator stats (top of the stack) plus per-kind bytes and counts, one
-        consistent snapshot. After :meth:`close` they stay as they were when the
-        arena closed (its peak, what was still live, its slabs), for a look back,
-        though every slab has been given back to the backend."""
+        consistent snapshot. After :meth:`close` they keep the arena's counts (its
+        peak, what is still live, its slabs), for a look back, though every slab
+        has been given back to the backend; a buffer freed after close (legal)
+        leaves them, so take the snapshot before freeing to see what was live at
+        close."""
         with self._acct_lock:
             st = self.allocator.stats()
             # Copies: the snapshot never changes with the arena.

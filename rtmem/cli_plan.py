@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from rtmem.cli import PLOT_SUFFIXES, output_file
+from rtmem.cli import PLOT_SUFFIXES, at_least, output_file
 
 __all__ = ["COMPARISON_HEADERS", "ProgressBar", "comparison_rows", "register"]
 
@@ -145,7 +145,9 @@ def register(subparsers) -> None:
                    "'gpt2:layers=24' or a chain JSON file")
     p.add_argument("--memory", required=True,
                    help="device memory budget including weights, e.g. 8GiB")
-    p.add_argument("--slots", type=int, default=500,
+    # at_least: --slots 0 is bad usage (exit 2), as `rtmem demo --slots 0` (it was
+    # exit 1, refused by plan_remat after the chain had been loaded)
+    p.add_argument("--slots", type=at_least(1), default=500,
                    help="memory slots of the DP (default 500; more: closer to optimal, slower)")
     p.add_argument("--plot", type=output_file(*PLOT_SUFFIXES),
                    help="write a Gantt chart + memory plot of the rotor plan here (.png, "

@@ -18,6 +18,7 @@ __all__ = [
     "OutOfMemoryError",
     "UnitError",
     "BackendError",
+    "CuPyMissingError",
     "DoubleFreeError",
     "InvalidPointerError",
     "UseAfterFreeError",
@@ -121,6 +122,12 @@ class BackendError(RtmemError, RuntimeError):
     """A memory backend (``cuda`` or ``host``) is unavailable or one of its
     operations failed (a copy on a host stream thread raised, CuPy is missing,
     ``RTMEM_BACKEND`` names an unknown backend)."""
+
+
+class CuPyMissingError(BackendError, ModuleNotFoundError):
+    """CuPy is not installed, so the cuda backend is unavailable. A
+    :class:`BackendError` (``except BackendError`` falls back to the host
+    backend) and a ``ModuleNotFoundError``, as every missing optional extra."""
 
 
 class DoubleFreeError(RtmemError, ValueError):

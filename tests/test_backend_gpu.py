@@ -81,10 +81,17 @@ def test_doctor_names_the_cuda_simulator(monkeypatch):
 def test_missing_cupy_names_the_extra():
     from rtmem.backends import get_backend
     from rtmem.integrations import cupy as rtcupy
+    from rtmem.errors import BackendError
     with pytest.raises(ModuleNotFoundError, match=r"rtmem\[cuda12\]"):
         get_backend("cuda")
     with pytest.raises(ModuleNotFoundError, match=r"rtmem\[cuda12\]"):
         rtcupy.install(None)
+    # BackendError documents a missing CuPy among its causes: a caller falling
+    # back to the host backend with `except BackendError` got a ModuleNotFoundError
+    with pytest.raises(BackendError, match=r"rtmem\[cuda12\]"):
+        get_backend("cuda")
+    with pytest.raises(BackendError, match=r"rtmem\[cuda12\]"):
+        DeviceArena(4096, backend="cuda")
 
 
 def test_numba_emm_class_is_a_versioned_plugin():

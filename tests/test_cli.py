@@ -138,6 +138,8 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["bench", "pcie", "--plot", "{tmp}/"], "is a folder"),
     (["bench", "dha", "--tokens", "0"], "usage: rtmem bench dha"),
     (["demo", "--steps", "0"], "at least 1"),
+    (["plan", "remat", "gpt2-small", "--memory", "4GiB", "--slots", "0"], "at least 1"),
+    (["plan", "remat", "gpt2-small", "--memory", "4GiB", "--slots", "-3"], "at least 1"),
     (["demo", "--vocab", "1"], "at least 2"),
     (["demo", "--layers", "x"], "not an integer"),
     (["demo", "--heads", "3"], "multiple of --heads"),

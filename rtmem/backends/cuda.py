@@ -9,7 +9,8 @@ timing disabled. numba.cuda kernels consume buffers through
 ``__cuda_array_interface__``; nothing here imports numba.
 
 CuPy is imported when this backend is first used, never at ``import rtmem``;
-without it, :func:`import_cupy` raises ``ModuleNotFoundError`` naming the extra.
+without it, :func:`import_cupy` raises :class:`~rtmem.errors.CuPyMissingError` naming the extra
+(a :class:`~rtmem.errors.BackendError` and a ``ModuleNotFoundError``).
 See NOTE [ Stream and event semantics ] in :mod:`rtmem.backends`.
 """
 
@@ -24,7 +25,7 @@ import weakref
 
 import numpy as np
 
-from ..errors import BackendError
+from ..errors import BackendError, CuPyMissingError
 from . import Backend, Slab, _check_byte, _check_span, _slab_size
 
 __all__ = ["CudaBackend", "CudaEvent", "CudaStream", "PER_THREAD_STREAM", "import_cupy"]
@@ -34,11 +35,14 @@ _INSTALL_HINT = ("the cuda backend needs CuPy: pip install rtmem[cuda12] (or "
 
 
 def import_cupy():
-    """Import CuPy, or raise ModuleNotFoundError saying which extra to install."""
+    """Import CuPy, or raise :class:`CuPyMissingError` (a BackendError and a
+    ModuleNotFoundError) saying which extra to install."""
     try:
         import cupy
     except ImportError as exc:
-        raise ModuleNotFoundError(f"cupy is not installed: {_INSTALL_HINT}") from exc
+        # a plain ModuleNotFoundError escaped `except BackendError`, which the
+        # BackendError docstring promises for a missing CuPy
+        raise CuPyMissingError(f"cupy is not installed: {_INSTALL_HINT}") from exc
     return cupy
 
 
