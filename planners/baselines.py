@@ -151,10 +151,17 @@ def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:
         # a plain int: a numpy integer would reach info and fail the plan's JSON
         segments = _check_segments(chain.n, segments)[1]
     counts = range(1, chain.n + 1) if segments is None else [segments]
+    return _segmented(chain, memory, counts, "sequential")
+
+
+def _segmented(chain: Chain, memory, counts, algorithm: str) -> Plan:
+    """The fastest of ``checkpoint_sequential``'s schedules with a segment count
+    in ``counts`` that fits, as a plan of ``algorithm`` (its name in errors too)."""
     return fastest_fitting(chain, memory,
                            ((k, sequential_schedule(chain.n, k)) for k in counts),
-                           "sequential", "segments",
-                           f"segment count in {counts[0]}..{counts[-1]}",
+                           algorithm, "segments",
+                           f"segment count in {counts[0]}..{counts[-1]}" if len(counts) > 1
+                           else f"schedule of {counts[0]} segments",
                            first_is_fastest=True)   # 1 segment: store-all
 
 
@@ -163,5 +170,4 @@ def plan_sqrt(chain: Chain, memory) -> Plan:
     round(sqrt(n)) segments (at least 1). ``memory`` in bytes."""
     check_chain(chain, "plan_sqrt")
     k = max(1, min(chain.n, int(round(math.sqrt(chain.n)))))
-    plan = plan_sequential(chain, memory, segments=k)
-    return Plan(plan.schedule, plan.makespan, plan.peak, plan.budget, "sqrt", plan.info)
+    return _segmented(chain, memory, [k], "sqrt")     # its errors say "sqrt:"

@@ -54,6 +54,10 @@ def test_sqrt_uses_round_sqrt_n_segments():
     plan = plan_sqrt(chain, math.inf)
     assert plan.info["segments"] == round(math.sqrt(chain.n))
     assert plan.algorithm == "sqrt"
+    # its refusal names it (it said "sequential: no segment count in 4..4 fits")
+    with pytest.raises(InfeasibleError, match=r"^sqrt: no schedule of 4 segments fits") as err:
+        plan_sqrt(chain, plan.peak - 1)
+    assert err.value.min_feasible == plan.peak
 
 
 @SETTINGS
