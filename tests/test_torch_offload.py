@@ -169,8 +169,10 @@ def test_bad_arguments(setup):
     with pytest.raises(OptimizerError, match="one dtype"):
         OffloadedAdam([torch.zeros(2, requires_grad=True),
                        torch.zeros(2, dtype=torch.float64, requires_grad=True)])
-    with pytest.raises(OptimizerError, match="chunk_elements"):
-        OffloadedAdam(model.parameters(), chunk_elements=0)
+    # nan and inf raised int()'s bare ValueError / OverflowError; True was 1
+    for bad in (0, 2.5, "4", float("nan"), float("inf"), True):
+        with pytest.raises(OptimizerError, match="chunk_elements must be an integer >= 1"):
+            OffloadedAdam(model.parameters(), chunk_elements=bad)
     # each failed inside torch before (unhashable dict, a hook on a non-leaf, a
     # reshape of a sparse gradient in backward, a copy out of a meta tensor)
     leaf = torch.zeros(4, requires_grad=True)

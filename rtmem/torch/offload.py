@@ -451,7 +451,11 @@ class OffloadedAdam(torch.optim.Optimizer):
                     f"grads=False", argument="params")
             _check_own_memory(i, p)
         _check_disjoint(flat)
-        if int(chunk_elements) != chunk_elements or chunk_elements < 1:
+        try:    # nan and inf raised int()'s bare ValueError / OverflowError
+            whole = not isinstance(chunk_elements, bool) and int(chunk_elements) == chunk_elements
+        except (TypeError, ValueError, OverflowError):
+            whole = False
+        if not whole or chunk_elements < 1:
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
         self.num_threads = _check_num_threads(num_threads)
