@@ -336,7 +336,9 @@ class TracingAdaptor(AllocatorAdaptor):
 
     Each line is ``{"t": s, "op": "alloc"|"free"|"resize"|"oom", "id": n,
     "nbytes": bytes, "stream": k}`` (``t`` in seconds since the adaptor was made,
-    streams numbered by first appearance, None -> null). :func:`load_trace` and
+    streams numbered by first appearance, None -> null), less what an op does not
+    have: a ``free`` has no ``nbytes`` (its id's block), an ``oom`` no ``id``
+    (no block was made). :func:`load_trace` and
     :func:`replay` read it back. ``sink`` is a path or a text file object.
     NOTE: ``_ids``, ``_streams`` and writes are guarded by ``_lock``.
     """

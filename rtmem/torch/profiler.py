@@ -132,7 +132,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             "torch.inference_mode() (autograd records nothing there); call it outside "
             "inference_mode")
     check_loss_fn(loss_fn)
-    repeats = check_int("repeats", repeats, low=1)
+    repeats = check_int("repeats", repeats, low=1, error=ExecutionError)
     device = inputs.device
     timer = _Timer(device)
     # a loss module's buffers and gradients are the caller's too
