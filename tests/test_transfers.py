@@ -675,6 +675,16 @@ def fail_next_copy(monkeypatch):
     monkeypatch.setattr(H, "_copy", failing)
 
 
+def failing_copy_of_a_buffer(arenas, monkeypatch, value):
+    """(device arena, host arena, host engine, a 64-float device buffer filled
+    with ``value``), the next copy set to fail."""
+    d, h = arenas
+    b = d.alloc(shape=(64,), dtype=np.float32)
+    b.numpy()[:] = value
+    fail_next_copy(monkeypatch)
+    return d, h, T.get_engine("host"), b
+
+
 def settled(event):
     """Wait for ``event`` and ignore its failure (the buffer reports it)."""
     try:
@@ -853,11 +863,7 @@ def test_a_prefetch_chained_on_an_offload_that_fails_just_before_it_still_fails(
     # the enqueue of its copy: _issue skipped events that query() complete, so
     # the H2D copy never inherited the failure. The prefetch copied the garbage
     # host bytes and reported success: residency "both", no error, zeros.
-    d, h = arenas
-    eng = T.get_engine("host")
-    b = d.alloc(shape=(64,), dtype=np.float32)
-    b.numpy()[:] = 3
-    fail_next_copy(monkeypatch)
+    d, h, eng, b = failing_copy_of_a_buffer(arenas, monkeypatch, 3)
     gate = gate_stream(eng.d2h)
     off = T.offload(b, arena=h)
     T.evict(b)
@@ -884,11 +890,7 @@ def test_a_failed_copy_reports_on_its_own_event_when_another_thread_records_mean
     # failed work. _issue enqueued the copy and recorded its event in two steps:
     # another thread's event in between (its own offload, a gated free) took the
     # failure, and the failed offload reported success with a host copy of zeros.
-    d, h = arenas
-    eng = T.get_engine("host")
-    b = d.alloc(shape=(64,), dtype=np.float32)
-    b.numpy()[:] = 7
-    fail_next_copy(monkeypatch)
+    d, h, eng, b = failing_copy_of_a_buffer(arenas, monkeypatch, 7)
     real = eng.backend.copy_async
     other = []
     thread = threading.Thread(target=lambda: other.append(
