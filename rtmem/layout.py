@@ -23,6 +23,7 @@ import numpy as np
 
 from .allocator import DEFAULT_ALIGNMENT, align_up
 from .errors import LayoutError
+from .units import is_whole
 
 __all__ = ["Layout", "layout_for", "plan_layout", "verify_layout"]
 
@@ -117,11 +118,8 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
                          f"(op {alloc[i]}); lifetimes are inclusive [alloc, free]")
     if (nbytes < 0).any():
         raise ValueError("buffer sizes must be >= 0 bytes")
-    try:    # 256.0 passed the checks and then raised a bare TypeError at "&"
-        whole = not isinstance(alignment, bool) and int(alignment) == alignment
-    except (TypeError, ValueError, OverflowError):
-        whole = False
-    if not whole or alignment < 1 or int(alignment) & (int(alignment) - 1):
+    # is_whole: 256.0 passed the checks and then raised a bare TypeError at "&"
+    if not is_whole(alignment) or alignment < 1 or int(alignment) & (int(alignment) - 1):
         raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment!r}")
     alignment = int(alignment)
     # Python ints: the sum of every aligned size bounds any offset + size, and

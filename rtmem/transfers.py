@@ -23,7 +23,6 @@ completes (CuPy's ``_EventWatcher`` idea), guarded by ``TransferEngine._lock``.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import deque
 
@@ -141,7 +140,7 @@ def _issue(dst, src, stream, engine, wait_for=()):
     # One step on a host stream: another thread's event recorded between this
     # copy and its event would report the copy's failure in its place (and
     # this event success, the host copy garbage). CUDA streams need no lock.
-    with getattr(stream, "ordered", contextlib.nullcontext)():
+    with stream.ordered():
         engine._after_compute(stream)
         for ev in wait_for:
             # A prior move that completed with an error between the caller's

@@ -32,6 +32,15 @@ _TIME_UNIT = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e
 _INF = {"inf", "infinity", "unlimited", "∞"}
 
 
+def is_whole(value) -> bool:
+    """An int, numpy integer or whole float (``4.0``), not a bool; False for what
+    ``int()`` refuses (nan and inf raise its bare ValueError / OverflowError)."""
+    try:
+        return not isinstance(value, bool) and int(value) == value
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _number(value, what):
     # numpy's bool (np.True_, a 0-d bool array) is no numbers.Integral and went
     # through float(): alloc(np.True_) allocated 1 byte where alloc(True) is refused.

@@ -218,17 +218,28 @@ def _ln_forward(be, x, gamma, beta, eps):
     return x_d, gamma_d, out, mean, rs
 
 
+def _ln_forward_checked(be, rng, x, eps, *, out_tol, mean_tol, rstd_rtol):
+    """:func:`_ln_forward` of ``x`` with fresh gamma and beta, its out, mean and
+    rstd checked against the float64 reference (``out_tol``, ``mean_tol``:
+    (rtol, atol)). Returns the reference (y, mu, rstd, dx, dgamma, dbeta) for a
+    fresh ``dy``, ``dy``, and x, gamma, mean, rstd as the backend holds them."""
+    T, H = x.shape
+    gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
+    ref = _ln_reference(x, gamma, beta, dy, eps)
+    x_d, gamma_d, out, mean, rs = _ln_forward(be, x, gamma, beta, eps)
+    np.testing.assert_allclose(be.host(out), ref[0], rtol=out_tol[0], atol=out_tol[1])
+    np.testing.assert_allclose(be.host(mean), ref[1], rtol=mean_tol[0], atol=mean_tol[1])
+    np.testing.assert_allclose(be.host(rs), ref[2], rtol=rstd_rtol)
+    return ref, dy, x_d, gamma_d, mean, rs
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_layernorm_forward_backward(be, accumulate, fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     T, H, eps = 5, 24, 1e-5
     x = _rand(rng, T, H, scale=3.0) + 2.0                  # non-zero mean per row
-    gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
-    y, mu, rstd, dx, dgamma, dbeta = _ln_reference(x, gamma, beta, dy, eps)
-    dx_d, gamma_d, out, mean, rs = _ln_forward(be, x, gamma, beta, eps)
-    np.testing.assert_allclose(be.host(out), y, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(be.host(mean), mu, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-4)
+    (_, _, _, dx, dgamma, dbeta), dy, dx_d, gamma_d, mean, rs = _ln_forward_checked(
+        be, rng, x, eps, out_tol=(1e-4, 1e-5), mean_tol=(1e-5, 1e-6), rstd_rtol=1e-4)
     g0, b0 = _rand(rng, H), _rand(rng, H)
     gg, gb, gx = be.param(g0), be.param(b0), be.empty((T, H))
     be.k.layernorm_backward(be.act(dy), dx_d, mean, rs, gamma_d, gx, gg, gb,
@@ -250,12 +261,8 @@ def test_layernorm_of_constant_rows_is_beta(be, fresh_seed):
     T, H, eps = 12, 13, 1e-5
     x = np.repeat(rng.choice([-1.0, 1.0], (T, 1)) * rng.uniform(1e3, 1e6, (T, 1)), H,
                   axis=1).astype(np.float32)
-    gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
-    y, mu, rstd, dx, dgamma, dbeta = _ln_reference(x, gamma, beta, dy, eps)
-    x_d, gamma_d, out, mean, rs = _ln_forward(be, x, gamma, beta, eps)
-    np.testing.assert_allclose(be.host(out), y, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(be.host(mean), mu, rtol=1e-7)
-    np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-5)
+    (_, _, _, dx, dgamma, dbeta), dy, x_d, gamma_d, mean, rs = _ln_forward_checked(
+        be, rng, x, eps, out_tol=(1e-5, 1e-6), mean_tol=(1e-7, 0), rstd_rtol=1e-5)
     gg, gb, gx = be.param(np.zeros(H, np.float32)), be.param(np.zeros(H, np.float32)), \
         be.empty((T, H))
     be.k.layernorm_backward(be.act(dy), x_d, mean, rs, gamma_d, gx, gg, gb)
@@ -271,12 +278,8 @@ def test_layernorm_forward_of_rows_with_a_large_mean(be, fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     T, H, eps = 4, 40, 1e-5
     x = (1e4 + rng.standard_normal((T, H)) * 1e-2).astype(np.float32)
-    gamma, beta, dy = _rand(rng, H), _rand(rng, H), _rand(rng, T, H)
-    y, mu, rstd, _, _, _ = _ln_reference(x, gamma, beta, dy, eps)
-    _, _, out, mean, rs = _ln_forward(be, x, gamma, beta, eps)
-    np.testing.assert_allclose(be.host(out), y, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(be.host(mean), mu, rtol=1e-7)
-    np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-4)
+    _ln_forward_checked(be, rng, x, eps, out_tol=(1e-4, 1e-4), mean_tol=(1e-7, 0),
+                        rstd_rtol=1e-4)
 
 
 def test_layernorm_argument_errors(be):

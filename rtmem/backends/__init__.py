@@ -108,10 +108,12 @@ class Backend(abc.ABC):
 
     Streams expose ``wait_event(event)``, ``synchronize()``,
     ``launch_host_func(fn)`` (run ``fn()`` on the host once earlier work on the
-    stream is done) and ``synchronous`` (True when work on it runs in the calling
-    thread, so nothing is ever pending on it); events expose
-    ``record(stream=None)``, ``query()`` and ``synchronize()`` (NOTE [ Stream and
-    event semantics ]).
+    stream is done), ``ordered()`` (a context manager in which no other thread
+    enqueues on it, so an event recorded there reports the failure of the work
+    before it: NOTE [ Host stream failures ]) and ``synchronous`` (True when work
+    on it runs in the calling thread, so nothing is ever pending on it); events
+    expose ``record(stream=None)``, ``query()`` and ``synchronize()`` (NOTE [
+    Stream and event semantics ]).
     """
 
     name: str = "?"

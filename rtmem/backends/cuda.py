@@ -16,6 +16,7 @@ See NOTE [ Stream and event semantics ] in :mod:`rtmem.backends`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -84,6 +85,12 @@ class CudaStream:
 
     def __hash__(self):
         return hash(self._key)
+
+    def ordered(self):
+        """The stream interface's :meth:`HostStream.ordered
+        <rtmem.backends.host.HostStream.ordered>`: nothing to hold, since CUDA
+        reports a failed copy as a sticky error, not on the next event."""
+        return contextlib.nullcontext()
 
     def wait_event(self, event) -> None:
         """Later work on this stream waits for ``event`` (host not blocked): an

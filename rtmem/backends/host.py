@@ -16,6 +16,7 @@ offered by buffers on this backend.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -127,6 +128,10 @@ class HostNullStream:
 
     name = "compute"
     synchronous = True
+
+    def ordered(self):
+        """Nothing to hold: work on this stream runs in the calling thread."""
+        return contextlib.nullcontext()
 
     def wait_event(self, event: HostEvent) -> None:
         """Block the caller until ``event`` completed (a synchronous stream waits

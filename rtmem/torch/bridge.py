@@ -254,13 +254,18 @@ class ModulePlacement:
             self._finalizer.detach()
         self.weights.clear()
         self.grads.clear()
-        for buf in bufs:
-            try:
-                buf.free()
-            except DoubleFreeError:
-                # freed by hand while placed: given back already (once the
-                # parameter stopped viewing it); the others must still go
-                pass
+        _free_all(bufs)
+
+
+def _free_all(bufs) -> None:
+    """Free a placement's buffers, skipping those freed by hand while placed
+    (given back already, once the parameter stopped viewing them): the others
+    must still go."""
+    for buf in bufs:
+        try:
+            buf.free()
+        except DoubleFreeError:
+            pass
 
 
 def _free_dropped(bufs) -> None:
@@ -273,11 +278,7 @@ def _free_dropped(bufs) -> None:
     ``rtmem/buffer.py``), so the module keeps working meanwhile. May run inside
     a garbage collection: NOTE [ Frees from finalizers ] in rtmem/_deferred.py.
     """
-    def free():
-        for buf in bufs:
-            if not (buf._freed or buf._free_requested):   # freed by hand: skip
-                buf.free()
-    run_or_defer(free)
+    run_or_defer(lambda: _free_all(bufs))
 
 
 def _placement_of(p):

@@ -67,6 +67,7 @@ from rtmem.errors import NonFiniteGradientError, OptimizerError
 from rtmem.kernels.adam import _unscale_factor, prepare_update, threads
 from rtmem.optim import (_check_adam_keys, _check_group_hyper, _check_num_threads,
                          _check_state_dict, _checked_step, _coefficients, _first_overlap)
+from rtmem.units import is_whole
 
 from .bridge import _placement_of, as_tensor, numpy_dtype
 
@@ -451,11 +452,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                     f"grads=False", argument="params")
             _check_own_memory(i, p)
         _check_disjoint(flat)
-        try:    # nan and inf raised int()'s bare ValueError / OverflowError
-            whole = not isinstance(chunk_elements, bool) and int(chunk_elements) == chunk_elements
-        except (TypeError, ValueError, OverflowError):
-            whole = False
-        if not whole or chunk_elements < 1:
+        if not is_whole(chunk_elements) or chunk_elements < 1:
             raise OptimizerError(f"chunk_elements must be an integer >= 1, got "
                                  f"{chunk_elements!r}", argument="chunk_elements")
         self.num_threads = _check_num_threads(num_threads)
@@ -843,36 +840,41 @@ class OffloadedAdam(torch.optim.Optimizer):
                         b = min(hi, a + self.chunk)
                         reached = a, b
                         self._update.apply(c, a, b)
-                        if h2d is not None:       # rule 2: upload k while updating k+1
-                            with torch.cuda.stream(h2d):
-                                self._upload(a, b)
-                        else:
-                            self._upload(a, b)
+                        self._upload_on(h2d, a, b)   # rule 2: upload k while updating k+1
             except BaseException:
                 if reached is not None:
-                    self._interrupted(fresh, *reached)
+                    self._interrupted(fresh, h2d, *reached)
                 raise
             finally:
                 if h2d is not None:               # rule 3 (the uploads enqueued)
                     torch.cuda.current_stream().wait_stream(h2d)
-        updated = [k for k, f in enumerate(fresh) if not f]
-        self.steps[updated] += 1
-        self.step_count += 1
-        self._sync_state(updated)
-        self._consume()
+        self._count_step([k for k, f in enumerate(fresh) if not f])
         return loss
 
-    def _interrupted(self, fresh, a: int, b: int) -> None:
+    def _upload_on(self, h2d, lo: int, hi: int) -> None:
+        """:meth:`_upload` of ``[lo, hi)`` on the H2D stream (None: host backend)."""
+        if h2d is None:
+            self._upload(lo, hi)
+        else:
+            with torch.cuda.stream(h2d):
+                self._upload(lo, hi)
+
+    def _count_step(self, stepped) -> None:
+        """A step's end: the parameters ``stepped`` (indices) advance a step, and
+        every gradient is used up."""
+        self.steps[stepped] += 1
+        self.step_count += 1
+        self._sync_state(stepped)
+        self._consume()
+
+    def _interrupted(self, fresh, h2d, a: int, b: int) -> None:
         """The bookkeeping of a step whose update raised in the chunk ``[a, b)``
         (NOTE [ Interrupted step ]): the parameters it reached count as stepped,
         the others keep their gradients for the next step, and the device copy
         of the parameters the chunk covers is made from their master weights."""
         updated = [k for k, f in enumerate(fresh) if not f]
         reached = [k for k in updated if self.offsets[k] < b]
-        self.steps[reached] += 1
-        self.step_count += 1
-        self._sync_state(reached)
-        self._consume()
+        self._count_step(reached)
         for k in updated:
             if self.offsets[k] >= b:      # not reached: still has its gradient
                 self._fresh[k] = False
@@ -883,15 +885,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         cover = [k for k in reached if self.offsets[k + 1] > a]
         if cover:
             lo, hi = self._span(cover[0])[0], self._span(cover[-1])[1]
-            h2d = self._streams[0] if self._streams is not None else None
             if h2d is not None:
                 h2d.synchronize()         # no upload still reads the staging buffer
             self._stage_t[a:hi].copy_(torch.from_numpy(self.master[a:hi]))
-            if h2d is not None:
-                with torch.cuda.stream(h2d):
-                    self._upload(lo, hi)
-            else:
-                self._upload(lo, hi)
+            self._upload_on(h2d, lo, hi)
 
     def _grad_scaler_args(self, grad_scale, check_finite) -> tuple:
         """``step``'s (grad_scale, check_finite) when ``torch.amp.GradScaler``
