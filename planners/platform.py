@@ -79,5 +79,10 @@ class Platform:
         return MAX_BYTES if math.isinf(self.memory) else int(self.memory)
 
     def __str__(self) -> str:
-        return (f"{format_bytes(self.memory)} device memory, "
-                f"{format_bandwidth(self.bandwidth)} {self.channel} channel")
+        memory = ("unlimited" if math.isinf(self.memory) else format_bytes(self.memory))
+        if math.isinf(self.bandwidth):
+            # "inf shared channel" read as a channel model; say what the model means
+            link = "instant transfers (infinite bandwidth)"
+        else:
+            link = f"{format_bandwidth(self.bandwidth)} {self.channel} channel"
+        return f"{memory} device memory, {link}"

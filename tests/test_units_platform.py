@@ -53,7 +53,10 @@ def test_formatting():
 def test_platform():
     p = Platform("12GiB", "12 GB/s", "duplex")
     assert p.memory == 12 * 2**30 and p.bandwidth == 12e9 and p.channel == "duplex"
-    assert "12.00 GiB" in str(p)
+    assert str(p) == "12.00 GiB device memory, 12.00 GB/s duplex channel"
+    # no "inf shared channel": an infinite bandwidth is no channel at all
+    assert str(Platform("inf")) == ("unlimited device memory, "
+                                    "instant transfers (infinite bandwidth)")
     assert Platform("inf").memory_limit == 2**62
     for kwargs, fragment in [(dict(memory=0), "> 0 bytes"), (dict(memory=-5), "> 0 bytes"),
                              (dict(memory="lots"), "invalid memory"),
