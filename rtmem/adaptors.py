@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 from ._blocks import _request   # the core's check, before size arithmetic here
@@ -73,7 +74,9 @@ class AllocatorAdaptor:
 class Statistics:
     """Counters of a :class:`StatisticsAdaptor`; bytes are requested bytes.
 
-    ``current_*``: live now; ``peak_*``: highest seen; ``total_*``: ever allocated.
+    ``current_*``: live now; ``peak_*``: highest seen (a moving resize holds
+    both blocks for a moment); ``total_*``: ever allocated, a resize counting
+    as one allocation of its new size.
     """
 
     current_bytes: int = 0
@@ -130,11 +133,17 @@ class StatisticsAdaptor(AllocatorAdaptor):
             self._remove(block)
 
     def resize(self, block, nbytes: int, stream=None):
-        """Resize, counting the new size (a moved block counts as a new one)."""
+        """Resize, counting it as one allocation of the new size (in ``total_*``)."""
         with self._lock:
             new = self.upstream.resize(block, nbytes, stream)
-            self._remove(block)
-            self._add(new, int(nbytes))
+            if new is block:
+                self._remove(block)
+                self._add(new, int(nbytes))
+            else:
+                # a moving resize holds both blocks for a moment (the core's
+                # peak_bytes counts it): the peaks must see that moment too
+                self._add(new, int(nbytes))
+                self._remove(block)
         return new
 
     def statistics(self) -> Statistics:
@@ -402,13 +411,36 @@ class TracingAdaptor(AllocatorAdaptor):
             self._ids.pop(block, None)
 
     def resize(self, block, nbytes: int, stream=None):
-        """Resize and record it (the id follows the block if it moves)."""
-        new = self.upstream.resize(block, nbytes, stream)
+        """Resize and record it (the id follows the block if it moves; a refusal
+        is recorded as ``oom``).
+
+        Unlike an allocation, a resize cannot be undone when the sink fails
+        after it (a moved block's old bytes are already free, and the caller's
+        handle dead): the resize stands and is returned, and the recording ends
+        there, as :meth:`close` ends it, with a :class:`RuntimeWarning` naming
+        the sink's error (a trace missing a record could not be replayed)."""
+        try:
+            new = self.upstream.resize(block, nbytes, stream)
+        except OutOfMemoryError:
+            with self._lock:
+                self._write(op="oom", nbytes=int(nbytes), stream=self._stream_id(stream))
+            raise
         with self._lock:
             bid = self._ids.pop(block, -1)
             self._ids[new] = bid
-            self._write(op="resize", id=bid, nbytes=int(nbytes),
-                        stream=self._stream_id(stream))
+            try:
+                self._write(op="resize", id=bid, nbytes=int(nbytes),
+                            stream=self._stream_id(stream))
+            except Exception as exc:
+                # raising would leak the block (its only handle is `new`)
+                try:
+                    self._end_recording()
+                except Exception:
+                    pass    # the sink is failing; the recording is over either way
+                warnings.warn(f"TracingAdaptor: writing a resize record failed "
+                              f"({type(exc).__name__}: {exc}); the resize stands and the "
+                              f"recording ended here (later operations are not traced)",
+                              RuntimeWarning, stacklevel=2)
         return new
 
     def close(self) -> None:
@@ -416,10 +448,16 @@ class TracingAdaptor(AllocatorAdaptor):
         Later calls go to the upstream unrecorded (they failed with "I/O operation
         on closed file", frees included, which left every buffer unfreeable)."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            self._end_recording()
+
+    def _end_recording(self) -> None:
+        # under _lock
+        if self._closed:
+            return
+        self._closed = True
+        try:
             self._file.flush()
+        finally:
             if self._own:
                 self._file.close()
 

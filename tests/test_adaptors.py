@@ -523,3 +523,56 @@ def test_a_fractional_budget_rounds_down():
         lim.allocate(103)
     lim.deallocate(lim.allocate(102))
     assert lim.used_bytes == 0
+
+
+def test_statistics_peak_sees_both_blocks_of_a_moving_resize():
+    core = BestFitAllocator(4096, alignment=256)
+    s = StatisticsAdaptor(core)
+    a = s.allocate(1024)
+    s.allocate(256)                     # blocks a's growth in place
+    moved = s.resize(a, 2048)
+    assert moved is not a
+    st = s.statistics()
+    # 1024 + 256 + 2048 live at once inside the move, as the core's peak says
+    assert st.peak_bytes == 3328 == core.stats().peak_bytes and st.peak_count == 3
+    assert st.current_bytes == 2304 and st.current_count == 2
+    s._check_invariants()
+
+
+class _FlakySink(io.StringIO):
+    fail = False
+
+    def write(self, text):
+        if self.fail:
+            raise OSError("disk full")
+        return super().write(text)
+
+
+def test_tracing_resize_survives_a_failing_sink_without_leaking():
+    core = BestFitAllocator(4096, alignment=256)
+    sink = _FlakySink()
+    tr = TracingAdaptor(core, sink)
+    a = tr.allocate(256)
+    b = tr.allocate(256)                # a's neighbour: growing a moves it
+    sink.fail = True
+    with pytest.warns(RuntimeWarning, match="disk full.*resize stands.*recording ended"):
+        grown = tr.resize(a, 1024)
+    assert grown is not a and grown.is_live and not a.is_live
+    sink.fail = False
+    c = tr.allocate(100)                # the recording ended: no more lines
+    for blk in (grown, b, c):
+        tr.deallocate(blk)
+    assert core.stats().live_blocks == 0 and core.stats().allocated_bytes == 0
+    assert [json.loads(ln)["op"] for ln in sink.getvalue().splitlines()] == ["alloc", "alloc"]
+
+
+def test_tracing_records_a_refused_resize_as_oom():
+    buf = io.StringIO()
+    tr = TracingAdaptor(BestFitAllocator(4096), buf)
+    a = tr.allocate(256)
+    with pytest.raises(OutOfMemoryError):
+        tr.resize(a, 1 << 20)
+    assert a.is_live
+    tr.deallocate(a)
+    ops = [json.loads(ln) for ln in buf.getvalue().splitlines()]
+    assert [r["op"] for r in ops] == ["alloc", "oom", "free"] and ops[1]["nbytes"] == 1 << 20
