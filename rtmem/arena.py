@@ -152,6 +152,17 @@ def _sub_slab(slab, shift: int, nbytes: int):
                 pinned=slab.pinned, mapped=slab.mapped, owner=slab.owner)
 
 
+def _retired(stream) -> bool:
+    """True for a closed host stream, after waiting out the work queued on it
+    before it closed: nothing can be enqueued on it any more, so a block it
+    used is free for everyone now (freeing behind an event recorded there
+    raised, and the block could never be freed)."""
+    if getattr(stream, "closed", False):
+        stream.join()
+        return True
+    return False
+
+
 class _Arena:
     """Common machinery of device and host arenas (see the subclasses)."""
 
@@ -375,9 +386,10 @@ class _Arena:
         # [ Stream-ordered frees ] in _stream_order.py); freeing it for everyone now
         # would let the CPU or another stream overwrite bytes a queued copy reads.
         last_copy, home = placement.event, block.stream
-        copying = last_copy is not None and not last_copy.query()
+        copying = last_copy is not None and not last_copy.query() \
+            and not _retired(placement.stream)
         # equality, not identity: a CUDA stream may have several wrappers
-        elsewhere = home is not None and home != compute
+        elsewhere = home is not None and home != compute and not _retired(home)
         stream = event = None
         if copying or elsewhere:
             # Free on the copy's stream (else the home one) behind an event

@@ -394,6 +394,28 @@ def test_a_closed_host_stream_refuses_work_instead_of_hanging():
     s.close()                                       # idempotent
 
 
+def test_a_buffer_allocated_for_a_stream_later_closed_can_still_be_freed():
+    # Its free enqueued an ordering event on its allocation stream, which the
+    # closed stream refused: every free() raised and the bytes leaked for good.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    h = HostArena(4096, backend=be)
+    s = be.new_stream("user")
+    b = h.alloc(256, stream=s)
+    gate = gate_stream(s)                   # work queued before close still runs
+    ran = []
+    s.launch_host_func(lambda: ran.append(1))
+    s.close()
+    assert s.closed
+    threading.Timer(0.1, gate.set).start()
+    b.free()                                # waits out s's queue, then frees
+    assert ran == [1] and h.stats().live_blocks == 0 and h.stats().allocated_bytes == 0
+    open_stream = be.new_stream("open")
+    with pytest.raises(ValueError, match="open"):
+        open_stream.join()
+    h.close()
+
+
 def test_a_record_refused_by_a_closed_stream_leaves_the_event_as_it_was():
     # The event switched to the new recording before the stream refused it: it
     # stayed pending forever, and its synchronize() hung.

@@ -237,11 +237,27 @@ class HostStream:
         if not closed:
             HostEvent().record(self).synchronize()
             return
-        if thread is not None:
-            thread.join()           # it stops after the work enqueued before close()
+        self.join()                 # it stops after the work enqueued before close()
         err, self._failure.error = self._failure.error, None
         if err is not None:
             raise _stream_failed(self.name, err) from err
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the stream takes no more work)."""
+        return self._closed
+
+    def join(self) -> None:
+        """Block until a closed stream has run the work enqueued before
+        :meth:`close`. Its failures stay to be reported by :meth:`synchronize`.
+        An open stream: ValueError (its queue may still grow; use synchronize)."""
+        with self._lock:
+            closed, thread = self._closed, self._thread
+        if not closed:
+            raise ValueError(f"host stream {self.name!r} is open; join() waits for a "
+                             f"closed stream, synchronize() for an open one")
+        if thread is not None:
+            thread.join()
 
     def close(self) -> None:
         """Stop the worker after the work already enqueued; later work is refused."""
