@@ -416,6 +416,68 @@ def test_a_buffer_allocated_for_a_stream_later_closed_can_still_be_freed():
     h.close()
 
 
+def _in_forked_child(fn, timeout=30):
+    """Run ``fn()`` in a child made by fork(); its exit code (None: it hung)."""
+    import multiprocessing
+    import warnings
+    with warnings.catch_warnings():         # "multi-threaded, use of fork()": the point
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child = multiprocessing.get_context("fork").Process(target=fn)
+        child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return None
+    return child.exitcode
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
+def test_transfers_and_close_work_in_a_child_forked_after_copies_ran():
+    # The child inherited the streams but not their worker threads: its copies
+    # never ran and every wait, and arena close(), hung (NOTE [ Host streams
+    # after fork ]).
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
+    b = d.alloc(shape=(256,), dtype=np.float32)
+    b.numpy()[:] = np.arange(256)
+    T.synchronize(T.offload(b, arena=h))    # the worker threads now exist
+    gate = gate_stream(T.get_engine(be).d2h)
+
+    def child():
+        import os
+        try:
+            ev = be.new_event().record(T.get_engine(be).d2h)
+            try:                            # the gate was running at the fork: lost
+                ev.synchronize()
+                os._exit(3)
+            except BackendError as e:
+                if "forked" not in str(e):
+                    os._exit(4)
+            c = d.alloc(shape=(64,), dtype=np.float32)
+            c.numpy()[:] = 7.0
+            T.synchronize(T.offload(c, arena=h))    # a fresh worker serves it
+            ok = (c.to_numpy() == 7.0).all() and (b.to_numpy() == np.arange(256)).all()
+            with HostArena(4096, backend=be) as scratch:
+                scratch.alloc(16).free()
+            d.close()
+            h.close()
+            os._exit(0 if ok else 5)
+        except BaseException:
+            os._exit(6)
+
+    try:
+        assert _in_forked_child(child) == 0
+    finally:
+        gate.set()
+    T.synchronize(b)
+    assert (b.to_numpy() == np.arange(256)).all()   # the parent is unaffected
+    b.free()
+    d.close()
+    h.close()
+
+
 def test_a_record_refused_by_a_closed_stream_leaves_the_event_as_it_was():
     # The event switched to the new recording before the stream refused it: it
     # stayed pending forever, and its synchronize() hung.

@@ -152,13 +152,14 @@ class HostNullStream:
 
 
 class _Failure:
-    """Holds a stream's first failure not yet reported by an event; shared by the
-    stream and its worker."""
+    """Holds a stream's first failure not yet reported by an event, and whether
+    its worker is running a piece of work; shared by the stream and its worker."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "running")
 
     def __init__(self):
         self.error = None
+        self.running = False
 
 
 def _serve(q, failure) -> None:
@@ -168,11 +169,37 @@ def _serve(q, failure) -> None:
         fn = q.get()
         if fn is None:
             return
+        failure.running = True
         try:
             fn()
         except BaseException as exc:   # reported on synchronize, never lost
             if failure.error is None:
                 failure.error = exc
+        finally:
+            failure.running = False
+
+
+# NOTE [ Host streams after fork ]
+# A child made by fork() (multiprocessing's default start method on Linux, e.g.
+# DataLoader workers) inherits every HostStream but none of their worker
+# threads: work it enqueued was never run, and every wait, copy and arena
+# close() in the child hung forever. In the child, each stream and backend gets
+# a fresh lock (another thread may have held it at the fork), each stream a new
+# worker if work
+# is queued; the child's queue is the parent's at the fork, so that work runs
+# in the child too, on the child's copy of the memory. Work that was running at
+# the fork is lost with its thread: it counts as failed (BackendError), so the
+# event after it reports that instead of a success over half-copied bytes.
+_renewed_after_fork = weakref.WeakSet()
+
+
+def _renew_after_fork() -> None:
+    for obj in list(_renewed_after_fork):       # streams and backends
+        obj._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_after_fork)
 
 
 class HostStream:
@@ -193,6 +220,29 @@ class HostStream:
         self._thread = None
         self._closed = False
         self._lock = threading.RLock()
+        _renewed_after_fork.add(self)
+
+    def _start_worker(self) -> None:
+        self._thread = threading.Thread(
+            target=_serve, args=(self._queue, self._failure), daemon=True,
+            name=f"rtmem-{self.name}")
+        self._thread.start()
+
+    def _after_fork_in_child(self) -> None:
+        """NOTE [ Host streams after fork ]."""
+        self._lock = threading.RLock()
+        if self._thread is None:
+            return
+        failure = self._failure
+        if failure.running:
+            failure.running = False
+            if failure.error is None:
+                failure.error = BackendError(
+                    f"work on host stream {self.name!r} was running when this process "
+                    f"was forked and did not finish in the child")
+        self._thread = None
+        if not self._queue.empty():     # work (or close()'s stop marker) to serve
+            self._start_worker()
 
     def ordered(self):
         """A context manager in which no other thread enqueues on this stream:
@@ -210,10 +260,7 @@ class HostStream:
                 raise BackendError(f"host stream {self.name!r} is closed; enqueue work "
                                    f"on a new stream (backend.new_stream())")
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=_serve, args=(self._queue, self._failure), daemon=True,
-                    name=f"rtmem-{self.name}")
-                self._thread.start()
+                self._start_worker()
             self._queue.put(fn)
 
     def wait_event(self, event: HostEvent) -> None:
@@ -291,6 +338,11 @@ class HostBackend(Backend):
     def __init__(self):
         self._null = HostNullStream()
         self._streams = weakref.WeakSet()
+        self._lock = threading.Lock()
+        _renewed_after_fork.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """NOTE [ Host streams after fork ]."""
         self._lock = threading.Lock()
 
     def _slab(self, nbytes, location, pinned, mapped):
