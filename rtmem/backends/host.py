@@ -280,7 +280,7 @@ class HostStream:
         """Block until all work enqueued so far is done; raise a failure no
         event has reported (NOTE [ Host stream failures ])."""
         with self._lock:
-            closed, thread = self._closed, self._thread
+            closed = self._closed
         if not closed:
             HostEvent().record(self).synchronize()
             return
