@@ -443,7 +443,11 @@ def test_transfers_and_close_work_in_a_child_forked_after_copies_ran():
     b = d.alloc(shape=(256,), dtype=np.float32)
     b.numpy()[:] = np.arange(256)
     T.synchronize(T.offload(b, arena=h))    # the worker threads now exist
-    gate = gate_stream(T.get_engine(be).d2h)
+    gate, running = threading.Event(), threading.Event()
+    # running (not only queued) at the fork: the child's new worker would run a
+    # queued gate.wait, and nothing sets the gate in the child
+    T.get_engine(be).d2h.launch_host_func(lambda: (running.set(), gate.wait()))
+    assert running.wait(30)
 
     def child():
         import os
