@@ -24,6 +24,7 @@ completes (CuPy's ``_EventWatcher`` idea), guarded by ``TransferEngine._lock``.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 
 from . import _deferred
@@ -40,11 +41,23 @@ class TransferEngine:
     """The H2D and D2H streams of one backend and the in-flight keepalive list."""
 
     def __init__(self, backend: Backend):
-        self.backend = backend
+        # weak: _engines holds engines for as long as their backend lives, and a
+        # strong reference here kept every Backend ever used (and its two copy
+        # threads) alive for good
+        self._backend = weakref.ref(backend)
         self.h2d = backend.new_stream("h2d")
         self.d2h = backend.new_stream("d2h")
         self._lock = threading.Lock()
         self._inflight = deque()
+
+    @property
+    def backend(self) -> Backend:
+        """The backend whose transfers this engine runs."""
+        backend = self._backend()
+        if backend is None:     # only an engine kept past its backend's life sees this
+            raise BackendError("this transfer engine's backend was garbage-collected; "
+                               "get the engine of a live backend with get_engine()")
+        return backend
 
     def _after_compute(self, stream) -> None:
         """Order ``stream``'s next work after the compute work enqueued so far."""
@@ -92,7 +105,9 @@ class TransferEngine:
             self.poll()
 
 
-_engines: dict = {}
+# backend -> its engine, for as long as the backend lives (a backend made per
+# arena, DeviceArena(..., backend=HostBackend()), is dropped with its arenas)
+_engines = weakref.WeakKeyDictionary()
 _engines_lock = threading.Lock()
 
 
@@ -102,9 +117,9 @@ def get_engine(backend: Backend | str | None = None) -> TransferEngine:
     if not isinstance(backend, Backend):
         backend = get_backend(backend)
     with _engines_lock:
-        eng = _engines.get(id(backend))
-        if eng is None or eng.backend is not backend:
-            eng = _engines[id(backend)] = TransferEngine(backend)
+        eng = _engines.get(backend)
+        if eng is None:
+            eng = _engines[backend] = TransferEngine(backend)
         return eng
 
 

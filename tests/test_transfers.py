@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -414,6 +415,32 @@ def test_a_buffer_allocated_for_a_stream_later_closed_can_still_be_freed():
     with pytest.raises(ValueError, match="open"):
         open_stream.join()
     h.close()
+
+
+def test_a_dropped_backend_takes_its_transfer_engine_and_threads_with_it():
+    # The engine registry held every backend ever used, with its two copy
+    # threads: one per DeviceArena(..., backend=HostBackend()), never freed.
+    import weakref
+    from rtmem.backends.host import HostBackend
+    gc.collect()
+    threads = threading.active_count()
+    refs = []
+    for _ in range(5):
+        be = HostBackend()
+        d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
+        b = d.alloc(shape=(64,), dtype=np.float32)
+        T.synchronize(T.offload(b, arena=h))
+        b.free()
+        d.close()
+        h.close()
+        refs.append(weakref.ref(be))
+        del be, d, h, b
+    gc.collect()
+    assert all(r() is None for r in refs)
+    deadline = time.monotonic() + 10        # the stopped workers exit
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= threads
 
 
 def _in_forked_child(fn, timeout=30):
