@@ -100,6 +100,11 @@ class Placement:
         return self.block.offset
 
 
+def _poll_transfers(backend) -> None:
+    from .transfers import _poll_engine     # transfers imports this module
+    _poll_engine(backend)
+
+
 class _Move:
     """A buffer's pending copy: its ``event``, the ``side`` it writes
     (``"device"`` for H2D, ``"host"`` for D2H) and the ``prior`` move it was
@@ -229,6 +234,7 @@ class Buffer:
         Under the buffer's lock: ``wait``/``synchronize`` call it without holding
         it, and an unlocked read-then-clear could erase a move another thread
         had just started (its residency checks would then pass illegal moves)."""
+        failed = None
         with self._lock:
             move = self._pending
             if move is not None:
@@ -240,8 +246,17 @@ class Buffer:
                     self._failed = self._undo_failed_move(move, error)
             if report and self._failed is not None:
                 failed, self._failed = self._failed, None
-                raise failed
-            return False
+            placement = self._device or self._host
+        if move is not None and placement is not None:
+            # The engine keeps the copy's slabs alive until it polls; only
+            # transfers.synchronize/wait polled, so arenas dropped after a copy
+            # waited here (numpy(), to_numpy(), residency) kept their slabs
+            # until some unrelated later copy (NOTE [ Keeping memory alive
+            # during copies ] in rtmem.transfers).
+            _poll_transfers(placement.arena.backend)
+        if failed is not None:
+            raise failed
+        return False
 
     def _undo_failed_move(self, move: _Move, error) -> BackendError:
         """A move's copy failed (NOTE [ Host stream failures ]). The placements

@@ -123,6 +123,15 @@ def get_engine(backend: Backend | str | None = None) -> TransferEngine:
         return eng
 
 
+def _poll_engine(backend: Backend) -> None:
+    """Drop the keepalives of ``backend``'s completed copies, if it has an
+    engine (never makes one)."""
+    with _engines_lock:
+        eng = _engines.get(backend)
+    if eng is not None:
+        eng.poll()
+
+
 def _state_error(buf, action, why, fix):
     state = buf.residency
     return ResidencyError(f"cannot {action} this {buf.kind} buffer ({buf.nbytes:,} bytes, "

@@ -443,6 +443,33 @@ def test_a_dropped_backend_takes_its_transfer_engine_and_threads_with_it():
     assert threading.active_count() <= threads
 
 
+@pytest.mark.parametrize("wait", ["numpy", "to_numpy", "residency"])
+def test_slabs_of_arenas_dropped_after_a_copy_waited_through_the_buffer_are_freed(wait):
+    # Only transfers.synchronize/wait polled the engine's keepalives; a copy
+    # waited through the buffer kept both slabs alive after the arenas were
+    # dropped, until some unrelated later copy.
+    import weakref
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    d, h = DeviceArena(1 << 20, backend=be), HostArena(1 << 20, backend=be)
+    b = d.alloc(shape=(1024,), dtype=np.float32)
+    b.numpy()[:] = 1.0
+    T.offload(b, arena=h)
+    if wait == "numpy":
+        b.numpy("host")
+    elif wait == "to_numpy":
+        b.to_numpy()
+    else:
+        while b.residency == "in-flight":
+            time.sleep(0.001)
+    slabs = [weakref.ref(sl.owner) for a in (d, h) for sl in a.slabs]
+    b.free()
+    del b, d, h
+    gc.collect()
+    assert [r() for r in slabs] == [None, None]
+    assert T.get_engine(be).in_flight == 0
+
+
 def _in_forked_child(fn, timeout=30):
     """Run ``fn()`` in a child made by fork(); its exit code (None: it hung)."""
     import multiprocessing
