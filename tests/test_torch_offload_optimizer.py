@@ -419,6 +419,34 @@ def test_an_optimizer_dropped_without_close_frees_its_buffers_in_the_callers_are
     arena.close()
 
 
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_master_and_moments_kept_by_the_caller_survive_the_optimizer(how):
+    # The public arrays were unpinned views: after close() (or a drop) the
+    # caller's arena handed their bytes out again, and a kept opt.master read
+    # whatever the next buffer held.
+    import gc
+    model = make_model()
+    arena = rtmem.HostArena(1 << 20)
+    off = OffloadedAdam(model.parameters(), host_arena=arena)
+    train(model, off, batches(1))
+    kept = (off.master, off.exp_avg, off.exp_avg_sq)
+    before = [a.copy() for a in kept]
+    if how == "close":
+        off.close()
+    else:
+        del off
+        gc.collect()
+    junk = arena.alloc(shape=(1 << 16,), dtype=np.float32)
+    junk.numpy()[:] = 12345.0
+    for a, b in zip(kept, before):
+        assert np.array_equal(a, b)
+    junk.free()
+    del kept, a
+    gc.collect()
+    assert arena.stats().allocated_bytes == 0   # the frees waited for the views only
+    arena.close()
+
+
 def test_empty_param_groups():
     model = make_model()
     off = OffloadedAdam([{"params": []}, {"params": model.parameters(), "lr": 1e-2}])

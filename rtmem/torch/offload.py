@@ -532,7 +532,11 @@ class OffloadedAdam(torch.optim.Optimizer):
                             (numpy_dtype(self.dtype), "gradient"),
                             (numpy_dtype(self.dtype), "workspace")):
             self._bufs.append(self.arena.alloc(shape=(n,), dtype=dtype, kind=kind))
-        self.master, self.exp_avg, self.exp_avg_sq = (b.numpy() for b in self._bufs[:3])
+        # pinned (NOTE [ Pinned views ]), as the state[p] tensors over them are:
+        # public arrays a caller may keep past close() must not start reading
+        # whatever the arena hands out next
+        self.master, self.exp_avg, self.exp_avg_sq = (b.numpy(pin=True)
+                                                      for b in self._bufs[:3])
         grad_buf, stage_buf = self._bufs[3:]
         self._grad_t = as_tensor(grad_buf, dtype=self.dtype)
         self._stage_t = as_tensor(stage_buf, dtype=self.dtype)
