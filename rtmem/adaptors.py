@@ -369,7 +369,14 @@ class TracingAdaptor(AllocatorAdaptor):
     def _stream_id(self, stream):
         if stream is None:
             return None
-        key = id(stream)
+        # By equality where streams define it: two wrappers of one CUDA stream
+        # compare equal (the allocator treats them as one), and numbering them
+        # apart made a replay order their blocks as two streams'.
+        try:
+            key = (stream,)
+            hash(key)
+        except TypeError:
+            key = id(stream)
         if key not in self._streams:
             self._streams[key] = (len(self._streams), stream)  # keep alive: ids stay unique
         return self._streams[key][0]

@@ -944,3 +944,24 @@ def test_numba_plugin_refuses_a_closed_arena_and_negative_sizes():
                            str(pathlib.Path(__file__).parent)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_trace_numbers_two_wrappers_of_one_stream_as_one(fake, backend):
+    # Numbered by id(): two wrappers of one CUDA stream (equal, one stream to
+    # the allocator) became two streams in the trace, and a replay ordered
+    # their blocks apart.
+    import io
+    import json
+    from rtmem.adaptors import TracingAdaptor
+    from rtmem.allocator import BestFitAllocator
+    from rtmem.backends.cuda import CudaStream
+    s = backend.new_stream("x")
+    again = CudaStream(s.raw)
+    assert again is not s and again == s
+    sink = io.StringIO()
+    tr = TracingAdaptor(BestFitAllocator(1 << 16), sink)
+    blocks = [tr.allocate(100, s), tr.allocate(100, again), tr.allocate(100, object())]
+    for b in blocks:
+        tr.deallocate(b)
+    streams = [json.loads(ln)["stream"] for ln in sink.getvalue().splitlines()[:3]]
+    assert streams == [0, 0, 1]
