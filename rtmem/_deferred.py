@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import gc
 import sys
+import warnings
 
 __all__ = ["flush", "release", "run_or_defer", "track"]
 
@@ -73,5 +74,13 @@ def flush() -> int:
             free = queue.popleft()
         except IndexError:
             return n
-        free()
+        try:
+            free()
+        except Exception as exc:
+            # It was a finalizer's free: its failure belongs to no caller, and
+            # raising it out of the unrelated alloc() or copy that flushes would
+            # fail that call and leave the frees queued after it undone.
+            # Reported as Python reports an exception in __del__.
+            warnings.warn(f"a free deferred from a finalizer failed: "
+                          f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
         n += 1

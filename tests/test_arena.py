@@ -384,6 +384,28 @@ def test_deferred_frees_survive_a_concurrent_flush(monkeypatch):
     assert ran == [1] and not _deferred.queue
 
 
+def test_a_failing_deferred_free_neither_fails_the_alloc_that_flushes_nor_blocks_others(
+        monkeypatch):
+    # A finalizer's queued free that raised came out of the next, unrelated
+    # alloc() (which failed), and the frees queued after it stayed undone.
+    import collections
+
+    from rtmem import _deferred
+    ran = []
+
+    def broken():
+        raise RuntimeError("stream gone")
+
+    monkeypatch.setattr(_deferred, "queue",
+                        collections.deque([broken, lambda: ran.append(1)]))
+    dev = DeviceArena(1 << 16, backend="host")
+    with pytest.warns(RuntimeWarning, match="deferred from a finalizer failed.*stream gone"):
+        b = dev.alloc(256)
+    assert ran == [1] and not _deferred.queue and b.nbytes == 256
+    b.free()
+    dev.close()
+
+
 def test_host_arena_flags_must_be_booleans():
     for kwargs in (dict(pinned="no"), dict(mapped=1)):
         with pytest.raises(TypeError, match="True or False"):
