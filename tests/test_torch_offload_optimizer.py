@@ -169,6 +169,69 @@ def test_state_dicts_move_between_torch_adam_and_offloaded_adam():
     assert_same_params(back, ref)
 
 
+def through_torch_save(sd):
+    blob = io.BytesIO()
+    torch.save(sd, blob)
+    blob.seek(0)
+    return torch.load(blob, weights_only=True)
+
+
+@pytest.mark.parametrize("other", ["Adam", "CPUAdam"])
+def test_a_master_carried_through_another_optimizers_training_is_not_restored(other):
+    # OffloadedAdam -> torch.optim.Adam or CPUAdam (which keep the unknown
+    # "master" and train) -> OffloadedAdam: the 3-step-old master was taken as
+    # of record and silently reverted the other optimizer's 3 steps. Its
+    # master_step now tells it is stale, and it is read from the model instead.
+    from rtmem.optim import CPUAdam
+    cls = CPUAdam if other == "CPUAdam" else torch.optim.Adam
+    data = batches(7)
+    model = make_model()
+    off = OffloadedAdam(groups_of(model), lr=1e-2)
+    train(model, off, data[:3])
+    saved = through_torch_save(off.state_dict())
+    off.close()
+
+    elsewhere = make_model()
+    elsewhere.load_state_dict(model.state_dict())
+    other_opt = cls(groups_of(elsewhere), lr=1e-2)
+    other_opt.load_state_dict(saved)
+    train(elsewhere, other_opt, data[3:6])
+    carried = through_torch_save(other_opt.state_dict())
+
+    back = make_model()
+    back.load_state_dict(elsewhere.state_dict())
+    resumed = OffloadedAdam(groups_of(back), lr=1e-2)
+    resumed.load_state_dict(carried)
+    weights = torch.cat([p.detach().reshape(-1) for p in resumed.params])  # back's ==
+    assert torch.equal(torch.from_numpy(resumed.master), weights)         # elsewhere's
+    assert resumed.steps.tolist() == [6] * 6
+    train(back, resumed, data[6:])
+    train(elsewhere, other_opt, data[6:])
+    assert_same_params(back, elsewhere)
+    resumed.close()
+    # how: the other optimizer carried master and master_step (an int) unchanged,
+    # through torch.save and a weights_only load, while its steps moved "step" on
+    for i, st in carried["state"].items():
+        assert st["master_step"] == saved["state"][i]["master_step"] == 3
+        assert isinstance(st["master_step"], int) and float(st["step"]) == 6
+        assert torch.equal(st["master"], saved["state"][i]["master"])
+
+
+def test_a_master_without_master_step_is_still_of_record():
+    # an older rtmem dict (no master_step): its master is of record, as before
+    model = make_model()
+    off = OffloadedAdam(model.parameters(), lr=1e-2)
+    train(model, off, batches(2))
+    saved = off.state_dict()
+    for st in saved["state"].values():
+        st.pop("master_step", None)
+    with torch.no_grad():
+        model[0].bias.add_(1.0)
+    off.load_state_dict(saved)
+    assert torch.equal(off.state_dict()["state"][1]["master"], saved["state"][1]["master"])
+    off.close()
+
+
 def test_bad_state_dicts_are_refused_and_change_nothing():
     model = make_model()
     off = OffloadedAdam(groups_of(model), lr=1e-2)
@@ -203,6 +266,8 @@ def test_bad_state_dicts_are_refused_and_change_nothing():
             (edited(set_state("step", torch.tensor(1e19))), "step counter holds"),
             (edited(set_state("exp_avg", torch.zeros(3))), "shape"),
             (edited(set_state("master", torch.zeros(8, 6))), "shape"),
+            (edited(set_state("master_step", -1)), "master_step: step is -1"),
+            (edited(set_state("master_step", "2")), "master_step: step is '2'"),
             (edited(set_state("max_exp_avg_sq", torch.zeros(8))), "amsgrad"),
             (edited(lambda sd: sd["state"][1].pop("exp_avg_sq")), "no exp_avg_sq"),
             (edited(lambda sd: sd["state"].__setitem__(42, sd["state"][1])), "parameter 42"),

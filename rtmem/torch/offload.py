@@ -337,7 +337,7 @@ class OffloadedAdam(torch.optim.Optimizer):
     ``betas``, ``eps``, ``weight_decay`` and ``decoupled_weight_decay``, e.g.
     no weight decay on biases and norms), lr schedulers, ``state_dict`` /
     ``load_state_dict`` (in ``torch.optim.Adam``'s layout, plus each
-    parameter's fp32 ``master`` weights), ``zero_grad``.
+    parameter's fp32 ``master`` weights and their ``master_step``), ``zero_grad``.
 
     Parameters
     ----------
@@ -979,8 +979,9 @@ class OffloadedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The state in ``torch.optim.Adam``'s layout (``state``: per parameter
         index that was ever updated, ``step``, ``exp_avg``, ``exp_avg_sq`` shaped
-        like the parameter, plus its fp32 ``master`` weights; ``param_groups``:
-        the hyperparameters and parameter indices), and ``step_count`` /
+        like the parameter, plus its fp32 ``master`` weights and ``master_step``,
+        the int step they are the weights of; ``param_groups``: the
+        hyperparameters and parameter indices), and ``step_count`` /
         ``skipped_steps``. Tensors are CPU float32 copies, never views of the
         host arena. The flushed gradients are not part of it."""
         self._check_open("state_dict")
@@ -996,6 +997,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         for k, p in enumerate(self.params):
             if p in self.state:                  # as torch: no state before a step
                 state[k] = {key: t.clone() for key, t in self.state[p].items()}
+                # A Python int: torch.optim.Adam and CPUAdam carry it through their
+                # load, state_dict and steps unchanged (a tensor would be cast to
+                # the parameter's dtype), while their steps move "step" on.
+                state[k]["master_step"] = int(self.steps[k])
         state_dict = {"state": state, "param_groups": groups,
                       "step_count": self.step_count, "skipped_steps": self.skipped_steps}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -1007,11 +1012,16 @@ class OffloadedAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Load a state dict of this class or of ``torch.optim.Adam``/``AdamW``
         (same groups, same parameter counts and shapes). Parameters without a
-        saved state start over (step 0, zero moments); master weights without a
-        saved ``master`` (a torch dict) are read from the parameters, so load
-        the model's weights first. Everything is checked before anything
-        changes; a refused dict leaves the optimizer as it was. Flushed
-        gradients are kept."""
+        saved state start over (step 0, zero moments). A saved ``master`` is of
+        record (a bf16 model's weights, loaded before or after, do not replace
+        it) unless its ``master_step`` differs from the saved ``step``: then
+        another optimizer (``torch.optim.Adam``, CPUAdam, which keep unknown
+        keys) trained the parameter after this class saved it, and the master is
+        stale. A stale master, or none (a torch dict), is read from the
+        parameter, so load the model's weights first. A ``master`` without a
+        ``master_step`` (a dict of an older rtmem) is of record. Everything is
+        checked before anything changes; a refused dict leaves the optimizer as
+        it was. Flushed gradients are kept."""
         self._check_open("load_state_dict")
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()      # shallow, as torch: hooks may edit it
@@ -1060,13 +1070,17 @@ class OffloadedAdam(torch.optim.Optimizer):
                                      f"which OffloadedAdam does not run",
                                      argument="state_dict")
             # steps is int64, and a step adds one to it
-            arrays[k] = [_checked_step(st.get("step", 0), where,
-                                       np.iinfo(np.int64).max - 1)]
+            step = _checked_step(st.get("step", 0), where, np.iinfo(np.int64).max - 1)
+            arrays[k] = [step]
+            # the master's step, when saved: another optimizer's steps moved the
+            # parameter and "step" on, and carried the master along unchanged
+            stale = "master_step" in st and _checked_step(
+                st["master_step"], f"{where}: master_step") != step
             for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key == "master" and (key not in st or stale):
+                    arrays[k].append(None)       # read from the parameter
+                    continue
                 if key not in st:
-                    if key == "master":
-                        arrays[k].append(None)
-                        continue
                     raise OptimizerError(f"{where}: the state has no {key}",
                                          argument="state_dict")
                 t = torch.as_tensor(st[key])
