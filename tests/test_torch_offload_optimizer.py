@@ -286,6 +286,35 @@ def test_bad_state_dicts_are_refused_and_change_nothing():
             call()
 
 
+@pytest.mark.parametrize("replaced", [1, 3], ids=["no-saved-state", "saved-state"])
+def test_a_load_with_a_replaced_parameter_is_refused_and_changes_nothing(replaced):
+    # A parameter whose data was replaced (another size) after construction: the
+    # load wrote the parameters before it, then raised numpy's "could not
+    # broadcast" (no saved state for it) or blamed the dict ("belongs to another
+    # model"). Refused up front, by name, as step() refuses it.
+    model = make_model()
+    off = OffloadedAdam(model.parameters(), lr=1e-2)
+    model[0].bias.requires_grad_(False)      # parameter 1: never steps, no saved state
+    train(model, off, batches(2))
+    saved = off.state_dict()
+    assert 1 not in saved["state"] and 3 in saved["state"]
+    train(model, off, batches(2, seed=3))
+    before = [a.copy() for a in (off.master, off.exp_avg, off.exp_avg_sq, off.steps)]
+    p = off.params[replaced]
+    kept = p.data
+    p.data = torch.zeros(p.numel() + 1)
+    with pytest.raises(OptimizerError, match=f"parameter {replaced} is now .* 9 elements"
+                       f".*replaced after construction.*new OffloadedAdam"):
+        off.load_state_dict(saved)
+    after = (off.master, off.exp_avg, off.exp_avg_sq, off.steps)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert off.step_count == 4
+    p.data = kept                            # restored: the load goes through
+    off.load_state_dict(saved)
+    assert off.steps.tolist() == [2, 0, 2, 2, 2, 2]
+    off.close()
+
+
 def test_loss_scale_unscaled_in_the_step_and_overflow_skips_it():
     data = batches(4)
     mine, ref = make_model(), make_model()

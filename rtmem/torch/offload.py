@@ -651,22 +651,27 @@ class OffloadedAdam(torch.optim.Optimizer):
                           non_blocking=non_blocking)
             k += 1
 
+    def _check_not_replaced(self, k: int, p) -> None:
+        """Refuse parameter k if it no longer matches the host state made for it
+        (its data replaced since construction, with another dtype or size)."""
+        lo, hi = self._span(k)
+        size = hi - lo
+        if p.dtype != self.dtype or p.numel() != size:
+            raise OptimizerError(
+                f"parameter {k} is now {p.dtype} with {p.numel()} elements (shape "
+                f"{tuple(p.shape)}), but this optimizer holds {self.dtype} state "
+                f"for {size} elements: its data was replaced after construction; "
+                f"make a new OffloadedAdam for the changed model", argument="params")
+
     def _check_params(self) -> None:
         """Refuse a step, before anything changes, if a parameter no longer matches
         the host state made for it (its data replaced since construction)."""
         for k, p in enumerate(self.params):
-            lo, hi = self._span(k)
-            size = hi - lo
-            if p.dtype != self.dtype or p.numel() != size:
-                raise OptimizerError(
-                    f"parameter {k} is now {p.dtype} with {p.numel()} elements (shape "
-                    f"{tuple(p.shape)}), but this optimizer holds {self.dtype} state "
-                    f"for {size} elements: its data was replaced after construction; "
-                    f"make a new OffloadedAdam for the changed model", argument="params")
+            self._check_not_replaced(k, p)     # so p.numel() is its span's size
             if not p.is_contiguous():
                 _check_own_memory(k, p)
             if p.grad is not None:
-                _check_grad(k, p, size)
+                _check_grad(k, p, p.numel())
         _check_disjoint(self.params)     # their data may have been tied since
 
     def _runs(self, fresh):
@@ -1019,9 +1024,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         keys) trained the parameter after this class saved it, and the master is
         stale. A stale master, or none (a torch dict), is read from the
         parameter, so load the model's weights first. A ``master`` without a
-        ``master_step`` (a dict of an older rtmem) is of record. Everything is
-        checked before anything changes; a refused dict leaves the optimizer as
-        it was. Flushed gradients are kept."""
+        ``master_step`` (a dict of an older rtmem) is of record. A parameter
+        whose data was replaced since construction (another dtype or size) is
+        refused, as :meth:`step` refuses it. Everything is checked before
+        anything changes; a refused load leaves the optimizer as it was.
+        Flushed gradients are kept."""
         self._check_open("load_state_dict")
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()      # shallow, as torch: hooks may edit it
@@ -1054,6 +1061,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             _check_adam_keys(gi, saved)
             _check_group(f"group {gi} of the state dict", merged)
             groups.append(merged)
+        # Before the state's shapes are held to the parameters' (a replaced one
+        # would be blamed on the dict) and before anything changes: loading into
+        # its span raised numpy's ValueError half-way, the earlier parameters
+        # already overwritten.
+        for k, p in enumerate(self.params):
+            self._check_not_replaced(k, p)
         # saved index -> this optimizer's parameter (the same order, group by group)
         index = {i: k for k, i in enumerate(
             i for saved in saved_groups for i in saved.get("params", ()))}
