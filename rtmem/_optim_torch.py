@@ -210,9 +210,14 @@ class CPUAdam(torch.optim.Optimizer):
         for name, default in self._EXTRA_STATE:
             if name not in self.__dict__:
                 setattr(self, name, default)
-        self.defaults.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
-        for group in self.param_groups:
-            group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+        # As torch.optim.Adam.__setstate__, for the keys the step reads: a dict
+        # without them (an older torch's, transformers' AdamW's) loaded, then every
+        # step raised KeyError 'amsgrad'.
+        group_defaults = {"amsgrad": False, "maximize": False,
+                          "decoupled_weight_decay": self.decoupled_weight_decay}
+        for group in (self.defaults, *self.param_groups):
+            for key, value in group_defaults.items():
+                group.setdefault(key, value)
 
     def add_param_group(self, param_group):
         """Add a group (see ``torch.optim.Optimizer.add_param_group``); rtmem
@@ -360,8 +365,9 @@ class CPUAdam(torch.optim.Optimizer):
         loaded dict is never aliased; each saved step must be an integer >= 0.
         Groups keep the saved ``decoupled_weight_decay`` (the class default
         where the dict has none; :class:`CPUAdamW`, like
-        ``torch.optim.AdamW``, always decouples). A refused dict leaves the
-        optimizer as it was."""
+        ``torch.optim.AdamW``, always decouples); a group without ``amsgrad``
+        or ``maximize`` (an older torch's dict) takes False for it, as in
+        ``torch.optim.Adam``. A refused dict leaves the optimizer as it was."""
         # torch installs new state and group dicts; the checks below run after
         # it, so keep the old ones to put back.
         _check_state_dict(state_dict)

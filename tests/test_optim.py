@@ -504,6 +504,35 @@ def test_state_dict_moves_between_torch_adam_and_cpu_adam():
         assert _rel_err(p.detach(), q.detach()) < 1e-6
 
 
+def test_a_state_dict_whose_groups_lack_torch_adams_later_keys_loads_and_steps():
+    # groups without amsgrad, maximize, ... (an older torch's, transformers'
+    # AdamW's): torch.optim.Adam's __setstate__ defaults them, CPUAdam loaded
+    # them, then every step raised a bare KeyError 'amsgrad'
+    ours, _ = _models(41)
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    ref_opt = torch.optim.Adam(ref, lr=1e-2)
+    gen = torch.Generator().manual_seed(42)
+    for p in ref:
+        p.grad = torch.randn(p.shape, generator=gen)
+    ref_opt.step()
+    with torch.no_grad():
+        for p, q in zip(ours, ref):
+            p.copy_(q)
+    saved = copy.deepcopy(ref_opt.state_dict())
+    for group in saved["param_groups"]:
+        for key in ("amsgrad", "maximize", "foreach", "capturable", "differentiable",
+                    "fused", "decoupled_weight_decay"):
+            group.pop(key, None)
+    opt = optim.CPUAdam(ours, lr=5.0, amsgrad=True, maximize=True)
+    opt.load_state_dict(saved)
+    group = opt.param_groups[0]
+    assert (group["amsgrad"], group["maximize"], group["decoupled_weight_decay"]) == \
+        (False, False, False)
+    _step_twins(ours, ref, opt, ref_opt, gen, steps=3)
+    for p, q in zip(ours, ref):
+        assert _rel_err(p.detach(), q.detach()) < 1e-5
+
+
 def test_lr_scheduler_drives_the_learning_rate():
     ours, ref = _models(17)
     opt = optim.CPUAdam(ours, lr=1e-2)
