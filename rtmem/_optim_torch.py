@@ -362,7 +362,9 @@ class CPUAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
         The state is copied into fresh contiguous float32 tensors, so the
-        loaded dict is never aliased; each saved step must be an integer >= 0.
+        loaded dict is never aliased; each saved step must be an integer >= 0,
+        and each parameter's state must have both ``exp_avg`` and
+        ``exp_avg_sq`` (an Adamax state, with ``exp_inf``, is refused).
         Groups keep the saved ``decoupled_weight_decay`` (the class default
         where the dict has none; :class:`CPUAdamW`, like
         ``torch.optim.AdamW``, always decouples); a group without ``amsgrad``
@@ -391,6 +393,17 @@ class CPUAdam(torch.optim.Optimizer):
                     continue
                 step = _checked_step(st.get("step", 0), f"group {gi} param {pi}",
                                      _MAX_STEP)
+                # _state_for zero-fills a missing moment at the next step: an
+                # Adamax state (exp_avg and exp_inf) then took its first step with
+                # exp_avg_sq zero, ~10x too large, silently
+                missing = [key for key in _STATE_KEYS[:2] if key not in st]
+                if missing:
+                    raise OptimizerError(
+                        f"group {gi} param {pi}: the state has "
+                        f"{', '.join(map(str, st))} but no {' or '.join(missing)}: it "
+                        f"is not an Adam state dict; load one saved by CPUAdam, "
+                        f"CPUAdamW, OffloadedAdam or torch.optim.Adam/AdamW",
+                        argument="state_dict")
                 for key in _STATE_KEYS:
                     if key not in st:
                         continue

@@ -438,6 +438,35 @@ def test_an_sgd_state_dict_is_refused_by_name():
     assert opt.state_dict() == before
 
 
+def test_a_state_without_both_moments_is_refused_by_name():
+    # An Adamax state (exp_avg and exp_inf, no exp_avg_sq) loaded, and the next
+    # step zero-filled exp_avg_sq beside the kept step and exp_avg: a first
+    # update ~10x too large, silently (torch.optim.Adam raises KeyError there)
+    p = torch.randn(3, requires_grad=True)
+    adamax = torch.optim.Adamax([p], lr=1e-3)
+    for _ in range(3):
+        p.grad = torch.randn(3)
+        adamax.step()
+    saved = adamax.state_dict()
+    saved["param_groups"][0].setdefault("amsgrad", False)
+    q = p.detach().clone().requires_grad_()
+    opt = optim.CPUAdam([q], lr=1e-3)
+    q.grad = torch.ones(3)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(OptimizerError, match="group 0 param 0: the state has step, "
+                       "exp_avg, exp_inf but no exp_avg_sq: it is not an Adam"):
+        opt.load_state_dict(saved)
+    lacking_exp_avg = copy.deepcopy(before)
+    del lacking_exp_avg["state"][0]["exp_avg"]
+    with pytest.raises(OptimizerError, match="group 0 param 0: .* but no exp_avg:"):
+        opt.load_state_dict(lacking_exp_avg)
+    now = opt.state_dict()
+    assert now["param_groups"] == before["param_groups"]
+    assert now["state"][0].keys() == before["state"][0].keys()
+    assert all(torch.equal(now["state"][0][k], v) for k, v in before["state"][0].items())
+
+
 def test_amsgrad_keeps_a_nan_in_its_maximum_as_torch_does():
     # torch.maximum propagates NaN; numba's max(vmax, nan) returned vmax, so the
     # state dicts disagreed after a NaN gradient (no loss scale: no finite check)
