@@ -23,7 +23,8 @@ from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_group_hyper, _check_hyper,
                     _check_num_threads, _check_state_dict, _check_step_disjoint,
-                    _checked_step, _coefficients, _host_view, _named, _run_step)
+                    _checked_step, _coefficients, _host_view, _named, _pre_hooked,
+                    _run_step)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -369,19 +370,35 @@ class CPUAdam(torch.optim.Optimizer):
         where the dict has none; :class:`CPUAdamW`, like
         ``torch.optim.AdamW``, always decouples); a group without ``amsgrad``
         or ``maximize`` (an older torch's dict) takes False for it, as in
-        ``torch.optim.Adam``. A refused dict leaves the optimizer as it was."""
+        ``torch.optim.Adam``. A refused dict leaves the optimizer as it was.
+        The pre-hooks run first (they may adapt the dict), the post-hooks only
+        once the load is accepted."""
+        state_dict = _pre_hooked(self, state_dict)
+        _check_state_dict(state_dict)
         # torch installs new state and group dicts; the checks below run after
         # it, so keep the old ones to put back.
-        _check_state_dict(state_dict)
         old_state, old_groups = self.state, self.param_groups
         try:
             self._load_checked(state_dict)
         except BaseException:
             self.state, self.param_groups = old_state, old_groups
             raise
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _load_checked(self, state_dict):
-        super().load_state_dict(state_dict)
+        # torch's load without its hooks: the pre-hooks ran (once) before the
+        # checks, and the post-hooks wait for the checks below. The same dicts
+        # go back, which the hooks' removable handles refer to.
+        hooks = (self._optimizer_load_state_dict_pre_hooks,
+                 self._optimizer_load_state_dict_post_hooks)
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            (self._optimizer_load_state_dict_pre_hooks,
+             self._optimizer_load_state_dict_post_hooks) = hooks
         for gi, group in enumerate(self.param_groups):
             _check_adam_keys(gi, group)
             _check_group_hyper(f"group {gi} of the state dict", group)

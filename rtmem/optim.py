@@ -78,6 +78,20 @@ def _check_state_dict(state_dict) -> None:
                              argument="state_dict")
 
 
+def _pre_hooked(optimizer, state_dict):
+    """``state_dict`` after ``optimizer``'s load_state_dict pre-hooks, run as
+    torch runs them (on a shallow copy; a hook's non-None result replaces it),
+    before the checks: a hook may adapt the dict (unwrap a checkpoint, rename
+    keys). A non-dict is left to the checks to refuse."""
+    if isinstance(state_dict, dict):
+        state_dict = state_dict.copy()
+        for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(optimizer, state_dict)
+            if result is not None:
+                state_dict = result
+    return state_dict
+
+
 def _check_adam_keys(gi: int, group: dict) -> None:
     """OptimizerError unless group ``gi`` of a loaded state dict has Adam's
     hyperparameters (an SGD dict has no betas: a bare KeyError otherwise)."""

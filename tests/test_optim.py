@@ -748,6 +748,33 @@ def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     assert float(opt.state[a[0]]["step"]) == 2.0
 
 
+def test_load_hooks_run_around_the_checks_as_torch_documents():
+    # A pre-hook adapting the dict (unwrapping a checkpoint) was bypassed by the
+    # up-front check ("must be a dict with 'state'"), and post-hooks ran for a
+    # load then refused and rolled back.
+    a, opt, good = _stepped_once(28)
+    calls = []
+
+    def unwrap(o, sd):
+        calls.append("pre")
+        return sd["optimizer"] if "optimizer" in sd else None
+    opt.register_load_state_dict_pre_hook(unwrap)
+    opt.register_load_state_dict_post_hook(
+        lambda o: calls.append(("post", float(o.state[a[0]]["step"]))))
+    bad = copy.deepcopy(good)
+    bad["state"][0]["step"] = torch.tensor(7.0)
+    bad["state"][2]["exp_avg"] = torch.zeros(5)          # another model's state
+    for refused in (bad, {"optimizer": bad}):
+        with pytest.raises(OptimizerError, match="another model"):
+            opt.load_state_dict(refused)
+    assert calls == ["pre", "pre"] and float(opt.state[a[0]]["step"]) == 1.0
+    ok = copy.deepcopy(good)
+    ok["state"][0]["step"] = torch.tensor(7.0)
+    calls.clear()
+    opt.load_state_dict({"optimizer": ok})
+    assert calls == ["pre", ("post", 7.0)]           # each once, post after the load
+
+
 @pytest.mark.parametrize("key, value, argument", [
     ("lr", -1.0, "lr"), ("betas", (1.5, 0.9), "beta1"), ("betas", (0.9,), "betas"),
     ("eps", 0.0, "eps"), ("weight_decay", float("nan"), "weight_decay")])

@@ -66,7 +66,8 @@ from rtmem._deferred import run_or_defer, track
 from rtmem.errors import NonFiniteGradientError, OptimizerError
 from rtmem.kernels.adam import _unscale_factor, prepare_update, threads
 from rtmem.optim import (_check_adam_keys, _check_group_hyper, _check_num_threads,
-                         _check_state_dict, _checked_step, _coefficients, _first_overlap)
+                         _check_state_dict, _checked_step, _coefficients, _first_overlap,
+                         _pre_hooked)
 from rtmem.units import is_whole
 
 from .bridge import _placement_of, as_tensor, numpy_dtype
@@ -1030,12 +1031,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         anything changes; a refused load leaves the optimizer as it was.
         Flushed gradients are kept."""
         self._check_open("load_state_dict")
-        if isinstance(state_dict, dict):
-            state_dict = state_dict.copy()      # shallow, as torch: hooks may edit it
-            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-                result = pre_hook(self, state_dict)
-                if result is not None:
-                    state_dict = result
+        state_dict = _pre_hooked(self, state_dict)
         _check_state_dict(state_dict)
         # deep-copied as torch does: a tensor lr (which schedulers fill_ in place)
         # must not stay shared with the dict or the optimizer it came from
