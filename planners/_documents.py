@@ -29,7 +29,9 @@ def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),
     missing = [k for k in required if k not in d]
     if missing:
         raise error(f"not a {kind} document: it lacks the field(s) {missing}", **error_kw)
-    if d.get("version", version if lenient else None) != version:
+    found = d.get("version", version if lenient else None)
+    # an int: true and 1.0 equal 1 but are no version number
+    if type(found) is not int or found != version:
         raise error(f"{kind} document version {d.get('version')!r} is not supported "
                     f"(this rtmem reads version {version})", **error_kw)
     return d

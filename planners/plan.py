@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from rtmem.errors import ScheduleError
@@ -117,9 +118,20 @@ class Plan(JsonFile):
 
     @classmethod
     def from_dict(cls, d) -> "Plan":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`. Each field must have the JSON type
+        :meth:`to_dict` writes (``schedule`` and ``algorithm`` strings,
+        ``makespan``, ``peak`` and ``budget`` numbers, ``budget`` also
+        ``"inf"``, ``info`` an object); :class:`~rtmem.errors.ScheduleError`
+        names a field that has not."""
         check_document(d, kind="plan", fmt=_FORMAT, version=_VERSION, error=ScheduleError,
                        required=_REQUIRED, reason="parse")
+        # The constructor converts what it is given (str(), float()), so a list
+        # schedule was parsed as its repr ("unknown operation \"['F_all\""), a null
+        # algorithm became "None" and a string makespan or a true peak a number.
+        for key, ok, form in _FIELDS:
+            if key in d and not ok(d[key]):
+                raise ScheduleError(f"plan document: {key} must be {form}, got {d[key]!r}",
+                                    reason="parse")
         budget = math.inf if d["budget"] == "inf" else d["budget"]
         return cls(schedule=Schedule.from_text(d["schedule"]), makespan=d["makespan"],
                    peak=d["peak"], budget=budget, algorithm=d["algorithm"],
@@ -131,6 +143,22 @@ class Plan(JsonFile):
         return cls.from_dict(parse_document(text, kind="plan", fmt=_FORMAT, version=_VERSION,
                                             error=ScheduleError, required=_REQUIRED,
                                             reason="parse"))
+
+
+def _is_number(value) -> bool:
+    """A JSON number (an int or float; a bool is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# (field, its check, the form it must have) of a plan document
+_FIELDS = (("schedule", lambda v: isinstance(v, str), "the text form (a string)"),
+           ("algorithm", lambda v: isinstance(v, str),
+            "a string (the planner's name, e.g. \"rotor\")"),
+           ("makespan", _is_number, "a number (seconds)"),
+           ("peak", _is_number, "a number (bytes)"),
+           ("budget", lambda v: v == "inf" or _is_number(v),
+            "a number (bytes) or \"inf\" (unlimited)"),
+           ("info", lambda v: isinstance(v, dict), "an object (the planner's extras)"))
 
 
 def _exact_int(value, as_float: float) -> int:

@@ -112,8 +112,36 @@ def test_plan_documents_with_bad_numbers_are_schedule_errors():
     d = plan_store_all(Chain.homogeneous(2), "inf").to_dict()
     for key, value in (("makespan", "x"), ("peak", float("inf")), ("budget", -5),
                        ("info", [1])):
-        with pytest.raises(ScheduleError, match="plan:"):
+        with pytest.raises(ScheduleError, match="plan( document)?:"):
             Plan.from_dict({**d, key: value})
+
+
+def test_plan_documents_with_fields_of_the_wrong_type_are_refused_by_name():
+    # The constructor converts what it gets: a list schedule was parsed as its
+    # repr ("unknown operation \"['F_all\""), a null algorithm became "None",
+    # a string makespan, a true peak or an "Infinity" budget numbers, a list
+    # info {}, and a version true passed for 1.
+    import json
+    from rtmem.planners import Chain, Plan, plan_store_all
+    d = plan_store_all(Chain.homogeneous(2), "inf").to_dict()
+    for key, value, form in (
+            ("schedule", ["F_all 0"], r"the text form \(a string\), got \['F_all 0'\]"),
+            ("schedule", None, r"the text form \(a string\), got None"),
+            ("algorithm", None, "a string"), ("algorithm", [1], "a string"),
+            ("makespan", "1e3", r"a number \(seconds\), got '1e3'"),
+            ("makespan", True, "a number"), ("peak", True, r"a number \(bytes\)"),
+            ("peak", "100", "a number"), ("budget", "Infinity", 'a number .* or "inf"'),
+            ("budget", [1], 'a number .* or "inf"'), ("info", [], "an object"),
+            ("info", None, "an object")):
+        with pytest.raises(ScheduleError, match=f"plan document: {key} must be {form}"):
+            Plan.from_dict({**d, key: value})
+    for version in (True, 1.0):
+        with pytest.raises(ScheduleError, match="version .* is not supported"):
+            Plan.from_dict({**d, "version": version})
+    # what the planners write still loads, through JSON too
+    for value in (d, json.loads(json.dumps(d)), {**d, "budget": 1 << 40},
+                  {**d, "budget": float("inf")}, {**d, "makespan": 0}):
+        assert Plan.from_dict(value).schedule == Plan.from_dict(d).schedule
 
 
 def test_loss_stage_is_dropped_so_schedules_round_trip():
