@@ -159,12 +159,38 @@ def _cmd_chains(args) -> int:
     return 0
 
 
+def _for_another_chain(error, schedule, chain):
+    """``error`` (a ScheduleError of simulating ``schedule`` on ``chain``) with the
+    executor's hint added when the schedule's forward and backward steps cover
+    another number of stages than the chain has: a plan for a shorter chain
+    fails at its loss, which "needs a26 ... compute it again or prefetch it
+    first", with nothing pointing at the chain. Otherwise ``error`` itself."""
+    from rtmem.errors import ScheduleError
+    from rtmem.planners import Op
+    steps = [stage for op, stage, _ in schedule
+             if op in (Op.F_NONE, Op.F_CK, Op.F_ALL, Op.B)]
+    stages = max(steps) + 1 if steps else 0
+    if stages in (0, chain.n):
+        return error
+    return ScheduleError(f"{error} (was the plan made for another chain? its forward and "
+                         f"backward steps cover {stages} stages, this chain has {chain.n})",
+                         op_index=error.op_index, reason=error.reason,
+                         over_bytes=error.over_bytes)
+
+
 def _cmd_simulate(args) -> int:
+    from rtmem.errors import ScheduleError
     from rtmem.planners import simulate
     chain = load_chain(args.chain)
     schedule = load_schedule(args.schedule, chain)
     platform = _platform(args)
-    r = simulate(chain, schedule, platform)
+    try:
+        r = simulate(chain, schedule, platform)
+    except ScheduleError as e:
+        hinted = _for_another_chain(e, schedule, chain)
+        if hinted is e:
+            raise
+        raise hinted from e
     if not math.isfinite(r.makespan):
         # Chain bounds the times of planners' schedules; a hand-written one can
         # still repeat operations until the float64 sum overflows

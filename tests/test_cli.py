@@ -182,6 +182,24 @@ def test_simulate_reads_a_saved_plan_and_huge_budgets(capsys, tmp_path):
     assert code == 0 and json.loads(out)["memory_bytes"] is None
 
 
+def test_simulate_a_plan_for_another_chain_says_so(capsys, tmp_path):
+    # A plan for a shorter chain failed at its loss with "needs a26 ... compute it
+    # again or prefetch it first", nothing pointing at the chain it was made for
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "remat", "gpt2:layers=6", "--memory", "64GiB",
+                     "--save", str(plan), "--quiet")
+    assert code == 0
+    for chain, stages in (("gpt2:layers=24", 26), ("gpt2:layers=2", 4)):
+        code, _, err = run(capsys, "simulate", chain, str(plan), "--memory", "inf")
+        assert code == 1 and err.count("\n") == 1
+        assert err.rstrip().endswith(f"(was the plan made for another chain? its forward "
+                                     f"and backward steps cover 8 stages, this chain has "
+                                     f"{stages})")
+    # another error of a schedule for the chain gets no such hint
+    code, _, err = run(capsys, "simulate", "gpt2:layers=6", str(plan), "--memory", "1GiB")
+    assert code == 1 and "memory" in err and "another chain" not in err
+
+
 def test_simulate_json_is_strict_json(capsys):
     # The default bandwidth is unlimited: it was written as Infinity (not JSON),
     # and unlimited memory as rtmem's internal 2**62.
