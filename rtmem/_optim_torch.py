@@ -396,6 +396,13 @@ class CPUAdam(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = {}
         try:
             super().load_state_dict(state_dict)
+        except ValueError as e:
+            if isinstance(e, OptimizerError):
+                raise
+            # torch's own refusal (groups of other sizes): rtmem's error type, as
+            # every other refusal of a state dict here
+            raise OptimizerError(f"{e}: the state dict belongs to another model or "
+                                 f"grouping", argument="state_dict") from e
         finally:
             (self._optimizer_load_state_dict_pre_hooks,
              self._optimizer_load_state_dict_post_hooks) = hooks

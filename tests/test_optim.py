@@ -467,6 +467,18 @@ def test_a_state_without_both_moments_is_refused_by_name():
     assert all(torch.equal(now["state"][0][k], v) for k, v in before["state"][0].items())
 
 
+def test_a_state_dict_with_groups_of_other_sizes_is_an_optimizer_error():
+    # torch's own refusal came out as a bare ValueError, not rtmem's type
+    a, b = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    saved = optim.CPUAdam([a, b], lr=1e-3).state_dict()
+    opt = optim.CPUAdam([{"params": [a]}, {"params": [b]}], lr=1e-3)
+    saved["param_groups"] = [dict(saved["param_groups"][0], params=[0]),
+                             dict(saved["param_groups"][0], params=[1, 2])]
+    with pytest.raises(OptimizerError, match="belongs to another model or grouping"):
+        opt.load_state_dict(saved)
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
+
+
 def test_amsgrad_keeps_a_nan_in_its_maximum_as_torch_does():
     # torch.maximum propagates NaN; numba's max(vmax, nan) returned vmax, so the
     # state dicts disagreed after a NaN gradient (no loss scale: no finite check)
