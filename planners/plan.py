@@ -39,7 +39,8 @@ class Plan(JsonFile):
         Simulated makespan of ``schedule``, seconds.
     peak:
         Simulated peak device memory, bytes (weights, weight gradients and the
-        chain input included, as the simulator counts them).
+        chain input included, as the simulator counts them); a whole number in
+        ``0 .. 2**62 - 1``, compared exactly when given as an int.
     budget:
         Memory budget the plan was made for, bytes (``math.inf``: unlimited).
     algorithm:
@@ -68,9 +69,18 @@ class Plan(JsonFile):
         except (TypeError, ValueError) as e:
             raise ScheduleError(f"plan: makespan, peak and budget must be numbers and info "
                                 f"a dict ({e})", reason="parse") from None
-        if not (makespan >= 0 and 0 <= peak < MAX_BYTES and budget > 0):   # NaN: False
-            raise ScheduleError(f"plan: makespan {self.makespan!r} and peak {self.peak!r} "
-                                f"must be >= 0 and budget {self.budget!r} > 0",
+        # an int peak is compared exactly: float(2**62 - 1) == 2**62, so a peak a few
+        # hundred bytes under the limit was refused (and reported as "must be >= 0")
+        exact_peak = int(self.peak) if is_int(self.peak) else peak
+        bad = _bounds_failed(makespan=(self.makespan, makespan >= 0, "s", ">= 0"),
+                             peak=(self.peak, 0 <= exact_peak, "bytes", ">= 0"),
+                             budget=(self.budget, budget > 0, "bytes", "> 0"))  # NaN: False
+        if not bad and not exact_peak < MAX_BYTES:
+            bad = [f"peak {self.peak!r} bytes must be below 2**62 (the planners count "
+                   f"bytes in int64)"]
+        if bad:
+            raise ScheduleError(f"plan: {'; '.join(bad)}; a Plan's numbers come from the "
+                                "simulator: check the file, or the planner that built it",
                                 reason="parse")
         if peak != math.floor(peak):
             raise ScheduleError(f"plan: peak {self.peak!r} must be a whole number of bytes",
@@ -167,6 +177,13 @@ def _exact_int(value, as_float: float) -> int:
     if is_int(value):
         return int(value)
     return int(as_float)
+
+
+def _bounds_failed(**checks) -> list[str]:
+    """For each ``name=(given, ok, unit, bound)`` whose ``ok`` is false (NaN compares
+    false, so a NaN fails every bound), the phrase "name given unit must be bound"."""
+    return [f"{name} {given!r} {unit} must be {bound}"
+            for name, (given, ok, unit, bound) in checks.items() if not ok]
 
 
 def as_budget(memory) -> float:

@@ -188,6 +188,26 @@ def test_plan_keeps_integer_peaks_and_budgets_exact():
         Plan(s, 1.0, 12.5, 100, "test")
 
 
+def test_plan_accepts_a_peak_just_below_2_62_and_names_the_bound_that_failed():
+    # Plan compared float(peak) < 2**62 and float(2**62 - 1) == 2**62: every planner
+    # refused a valid chain peaking within ~256 bytes of 2**62, saying "must be >= 0"
+    chain = Chain(u_f=[1.0], u_b=[1.0], x=[0], xbar=[0], x0=2**61 - 1, o_b=[1])
+    for planner in (plan_store_all, plan_remat, plan_sequential):
+        assert planner(chain, math.inf).peak == 2**62 - 1
+    s = Schedule.from_text("F_all 0, L, B 0")
+    with pytest.raises(ScheduleError, match=r"peak 4611686018427387904 bytes must be below "
+                                            r"2\*\*62") as err:
+        Plan(s, 1.0, 2**62, math.inf, "test")
+    assert "makespan" not in str(err.value) and "budget" not in str(err.value)
+    with pytest.raises(ScheduleError, match=r"peak -1 bytes must be >= 0") as err:
+        Plan(s, 1.0, -1, 10, "test")
+    assert "below 2" not in str(err.value)
+    with pytest.raises(ScheduleError, match=r"plan: budget 0 bytes must be > 0; [a-z]"):
+        Plan(s, 1.0, 1, 0, "test")
+    with pytest.raises(ScheduleError, match=r"plan: makespan -1.0 s must be >= 0; [a-z]"):
+        Plan(s, -1.0, 1, 10, "test")
+
+
 def test_integer_budgets_and_sizes_above_2_53_stay_exact():
     # through float64, the budget 2**54 + 7 became 2**54 + 8 (the plans below
     # came back with peak 2**54 + 8 > the budget asked) and the size 2**54 + 2
