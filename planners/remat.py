@@ -324,9 +324,27 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     converted with ``F_all`` before each ``B``), in that order. The rotor plan is
     never slower than a baseline that fits (it takes the fastest, see
     :func:`plan_remat`), and the baselines it planned are shown, not planned again.
+
+    A baseline that was not attempted has an :class:`~rtmem.errors.InfeasibleError`
+    with ``min_feasible=None`` whose message starts with ``"not attempted:"`` and
+    says why: ``revolve`` on a chain longer than
+    :func:`~rtmem.planners.revolve.max_revolve_stages` (2,712 stages), whose Opt_0
+    table :func:`~rtmem.planners.plan_revolve` refuses. The other entries are
+    still planned. An error of the rotor plan itself (a DP table over
+    :data:`MAX_TABLE_BYTES`) is raised, as by :func:`plan_remat`.
     """
     check_chain(chain, "compare_remat")
-    from .revolve import plan_revolve
+    from .revolve import max_revolve_stages, plan_revolve
+
+    def revolve():
+        longest = max_revolve_stages()
+        if chain.n > longest:
+            # plan_revolve would refuse the table (RtmemError): that entry alone is
+            # left out, the other plans of the comparison stand
+            return InfeasibleError(f"not attempted: {chain.n:,} stages, plan_revolve "
+                                   f"plans at most {longest:,}", budget=as_budget(memory),
+                                   min_feasible=None)
+        return plan_revolve(chain, memory)
 
     say = progress or (lambda msg: None)
     out = {}
@@ -338,7 +356,7 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
             ("store-all", lambda: plan_store_all(chain, memory)),
             ("sequential", lambda: plan_sequential(chain, memory)),
             ("sqrt", lambda: plan_sqrt(chain, memory)),
-            ("revolve", lambda: plan_revolve(chain, memory))]
+            ("revolve", revolve)]
     for name, run in runs:
         say(f"planning {name} ...")
         if name in planned:

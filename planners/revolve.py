@@ -45,7 +45,7 @@ from .plan import Plan
 from .schedule import Op, Schedule
 
 __all__ = ["opt0_table", "binomial_makespan", "revolve_ops", "single_chain_ops",
-           "revolve_schedule", "plan_revolve"]
+           "revolve_schedule", "plan_revolve", "max_revolve_stages"]
 
 
 @numba.njit(cache=True)
@@ -101,6 +101,26 @@ def _opt0_cost(l_max: int, m_max: int) -> tuple[int, int]:
     return 16 * (l_max + 1) * (m_max + 1), (l_max + 1) ** 2 * (m_max + 1) // 2
 
 
+def _table_fits(l_max: int, m_max: int) -> bool:
+    """Whether :func:`opt0_table` builds the tables for ``l_max``, ``m_max``."""
+    table_bytes, steps = _opt0_cost(l_max, m_max)
+    return table_bytes <= MAX_OPT0_TABLE_BYTES and steps <= MAX_OPT0_STEPS
+
+
+def max_revolve_stages() -> int:
+    """Longest chain (stages) :func:`plan_revolve` plans: the most ``n`` whose
+    Opt_0 tables for ``l <= n``, ``m <= n + 2`` slots stay within
+    ``MAX_OPT0_TABLE_BYTES`` and ``MAX_OPT0_STEPS`` (2,712 with the defaults: the
+    fill grows as n^3)."""
+    lo, hi = 0, 1                 # _table_fits(lo, lo + 2) holds, (hi, hi + 2) does not
+    while _table_fits(hi, hi + 2):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _table_fits(mid, mid + 2) else (lo, mid)
+    return lo
+
+
 def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
     """Opt_0(l, m) for l = 0..l_max, m = 0..m_max (NOTE [ Revolve DP Opt_0 ]).
 
@@ -111,8 +131,8 @@ def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
     (use :func:`binomial_makespan` for makespans of long chains)."""
     l_max, m_max = _check_lm(l_max, m_max, "opt0_table:")
     u_f, u_b = _check_times(u_f=u_f, u_b=u_b)
-    table_bytes, steps = _opt0_cost(l_max, m_max)
-    if table_bytes > MAX_OPT0_TABLE_BYTES or steps > MAX_OPT0_STEPS:
+    if not _table_fits(l_max, m_max):
+        table_bytes, steps = _opt0_cost(l_max, m_max)
         raise RtmemError(
             f"the Revolve table for l <= {l_max} and m <= {m_max} slots needs "
             f"{table_bytes:,} bytes and about {steps:.2g} steps (limits "
@@ -217,9 +237,22 @@ def plan_revolve(chain: Chain, memory) -> Plan:
 
     ``info["slots"]`` is the chosen m. Revolve never keeps abar across a phase, so
     it cannot use memory beyond m = n+2. Raises
-    :class:`~rtmem.errors.InfeasibleError` with the least peak over all m."""
+    :class:`~rtmem.errors.InfeasibleError` with the least peak over all m, and
+    :class:`~rtmem.errors.RtmemError` for a chain longer than
+    :func:`max_revolve_stages` (2,712 stages), whose Opt_0 table is too large."""
     check_chain(chain, "plan_revolve")
     n = chain.n
+    longest = max_revolve_stages()
+    if n > longest:
+        # said here, not by opt0_table: its advice (fewer slots, binomial_makespan)
+        # names arguments and results plan_revolve does not have
+        table_bytes, steps = _opt0_cost(n, n + 2)
+        raise RtmemError(
+            f"plan_revolve: {chain.name or 'the chain'} has {n:,} stages, more than the "
+            f"{longest:,} it plans: Revolve's Opt_0 table for them takes {table_bytes:,} "
+            f"bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} bytes, "
+            f"{MAX_OPT0_STEPS:,} steps). Plan it with plan_remat or plan_sequential, or "
+            "describe the model with fewer, coarser stages (group layers)")
     arg = opt0_table(n, n + 2)[1]
     # most slots first: ties go to the schedule that recomputes least
     return fastest_fitting(chain, memory,

@@ -68,7 +68,10 @@ COMPARISON_HEADERS = ["planner", "makespan", "peak", "overhead", "notes"]
 def comparison_rows(results: dict, reference: float) -> tuple[list, list]:
     """Table rows and JSON records for ``compare_remat``'s ``{name: Plan or
     InfeasibleError}``; overheads are against ``reference`` (seconds, the
-    no-rematerialization makespan)."""
+    no-rematerialization makespan). An InfeasibleError's row says the least
+    budget it needs, or, when that is unknown (``min_feasible`` None: a planner
+    compare_remat did not attempt), its message; its JSON record has
+    ``infeasible``, ``min_feasible_bytes`` (None then) and ``message``."""
     from rtmem.planners.plan import Plan
     from rtmem.units import format_bytes, format_seconds
     rows, docs = [], []
@@ -85,9 +88,12 @@ def comparison_rows(results: dict, reference: float) -> tuple[list, list]:
                          "overhead": res.overhead(reference), "info": res.info})
         else:
             need = res.min_feasible
-            rows.append([name, "-", "-", "-", "infeasible: needs " +
-                         (format_bytes(need) if need is not None else "more memory")])
-            docs.append({"planner": name, "infeasible": True, "min_feasible_bytes": need})
+            # no least budget: more memory is not the remedy, the message says what is
+            # ("not attempted: 2,800 stages, plan_revolve plans at most 2,712")
+            rows.append([name, "-", "-", "-", f"infeasible: needs {format_bytes(need)}"
+                         if need is not None else str(res)])
+            docs.append({"planner": name, "infeasible": True, "min_feasible_bytes": need,
+                         "message": str(res)})
     return rows, docs
 
 

@@ -162,6 +162,32 @@ def test_early_exit_returns_what_a_full_scan_returns(chain):
             assert fast.schedule == full.schedule and fast.makespan == full.makespan
 
 
+def test_compare_remat_leaves_out_only_revolve_on_chains_too_long_for_it(monkeypatch):
+    # plan_revolve's Opt_0 table is refused beyond 2,712 stages (RtmemError), and
+    # compare_remat did not catch it: the whole comparison failed although every
+    # other planner had a plan. The refusal also told the user to pass fewer slots
+    # (plan_revolve takes none) or to use plan_remat (compare_remat's own planner).
+    from rtmem.errors import RtmemError
+    from rtmem.planners import revolve
+    monkeypatch.setattr(revolve, "MAX_OPT0_STEPS", 10**4)  # 25 stages at most: fast
+    chain = Chain.homogeneous(30)
+    out = compare_remat(chain, math.inf)
+    assert list(out) == ["rotor", "store-all", "sequential", "sqrt", "revolve"]
+    assert all(isinstance(out[k], Plan) for k in list(out)[:-1])
+    skipped = out["revolve"]
+    assert isinstance(skipped, InfeasibleError) and skipped.min_feasible is None
+    assert str(skipped) == "not attempted: 30 stages, plan_revolve plans at most 25"
+    assert skipped.budget == math.inf
+    with pytest.raises(RtmemError, match="has 30 stages, more than the 25 it plans") as err:
+        plan_revolve(chain, math.inf)
+    assert "plan_remat or plan_sequential" in str(err.value)
+    assert "slots" not in str(err.value) and "binomial_makespan" not in str(err.value)
+    assert plan_revolve(Chain.homogeneous(25), math.inf).peak > 0
+    assert not revolve._table_fits(26, 28)
+    monkeypatch.undo()
+    assert revolve.max_revolve_stages() == 2712          # with the default limits
+
+
 def test_numpy_segment_count_gives_a_json_plan():
     import json
 
