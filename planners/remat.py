@@ -194,7 +194,8 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
     slots:
         Number S of memory slots the activation budget is split into (default
         500, thesis §3.7). The slot is ``floor(activation budget / S)`` bytes
-        (at least 1) and every size is rounded up to whole slots, so the plan is
+        (at least 1: an S above the activation budget in bytes gives one-byte,
+        exact slots) and every size is rounded up to whole slots, so the plan is
         valid in bytes; more slots: closer to optimal, slower (time and table
         memory grow linearly in S). When rounding leaves the DP no schedule
         (near the least budget), it is retried with slots a quarter the size,
@@ -259,12 +260,14 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
                 "solve_seconds": time.perf_counter() - t0}
         return Plan(schedule=store_all, makespan=res.makespan, peak=res.peak,
                     budget=budget, algorithm="rotor", info=info)
+    fixed = _fixed_bytes(chain)
     if slot_bytes is None:
         # the table has about `slots` columns: refuse an impossible size before the
-        # O(n^2)-memory, O(n^3)-time least-memory pass below
-        _check_table(chain.n, slots)
+        # O(n^2)-memory, O(n^3)-time least-memory pass below. With more slots than
+        # activation bytes the slot is 1 byte and the columns are the bytes: checking
+        # `slots` itself refused slots=10**8 on a 115-byte budget ("7.45 GiB table")
+        _check_table(chain.n, min(slots, max(1, int(budget) - fixed)))
     arrays = stage_arrays(chain)
-    fixed = _fixed_bytes(chain)
     mm, choice = min_memory(arrays)
     min_feasible = fixed + mm
     if budget < min_feasible:

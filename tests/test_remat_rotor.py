@@ -387,3 +387,20 @@ def test_slots_within_the_table_limit_are_never_refused(monkeypatch):
         plan = plan_remat(chain, budget, slots=20)
         assert plan.info["slots"] <= 20
         assert simulate(chain, plan.schedule, Platform(budget)).peak <= budget
+
+
+def test_slots_above_the_activation_budget_are_one_byte_slots():
+    # the table was checked for `slots` columns although the DP uses at most one per
+    # activation byte: slots=10**8 on a 115-byte budget was refused as a 7.45 GiB table
+    chain = Chain(u_f=[1., 2., 3.], u_b=[1., 2., 3.], x=[10, 20, 30], xbar=[15, 25, 35],
+                  x0=5)
+    exact = plan_remat(chain, 120, slots=115)
+    for slots in (1000, 10**8, 2**62):
+        plan = plan_remat(chain, 120, slots=slots)
+        assert (plan.info["slots"], plan.info["slot_bytes"]) == (115, 1)
+        assert plan.schedule == exact.schedule and plan.makespan == exact.makespan
+    # an activation budget of more bytes than the table takes is still refused
+    from rtmem.errors import RtmemError
+    big = Chain(u_f=[1., 2., 3.], u_b=[1., 2., 3.], x=[2**40] * 3, xbar=[2**41] * 3)
+    with pytest.raises(RtmemError, match=r"100000000 slots.*use at most 26843544 slots"):
+        plan_remat(big, min_feasible_memory(big), slots=10**8)
