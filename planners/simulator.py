@@ -70,6 +70,7 @@ _DELETE, _OFFLOAD, _PREFETCH = int(Op.DELETE), int(Op.OFFLOAD), int(Op.PREFETCH)
 _W_OFFLOAD, _W_DELETE, _W_PREFETCH, _G_OFFLOAD = int(Op.W_OFFLOAD), int(Op.W_DELETE), \
     int(Op.W_PREFETCH), int(Op.G_OFFLOAD)
 
+#: dtype of :attr:`SimResult.timeline`: times in float64 seconds, bytes in int64.
 TIMELINE_DTYPE = np.dtype([("start", np.float64), ("end", np.float64),
                            ("mem", np.int64), ("mem_after", np.int64)])
 
@@ -85,14 +86,16 @@ class SimResult:
     peak:
         Highest device memory in use at any time, bytes.
     timeline:
-        Structured array, one row per operation: ``start`` and ``end`` (s),
-        ``mem`` (bytes in use while it runs: for compute ops resident data plus
-        output plus overhead; for transfers and frees the usage right after the
-        op was issued) and ``mem_after`` (bytes when the op is over).
+        Structured array (dtype ``TIMELINE_DTYPE``), one row per operation:
+        ``start`` and ``end`` (float64 s), ``mem`` (int64 bytes in use while it
+        runs: for compute ops resident data plus output plus overhead; for
+        transfers and frees the usage right after the op was issued) and
+        ``mem_after`` (int64 bytes when the op is over). The byte columns are
+        exact: the largest ``mem`` is ``peak``.
     compute_time:
         Total busy time of the compute stream, seconds.
     h2d_bytes, d2h_bytes:
-        Bytes moved host->device and device->host.
+        Bytes moved host->device and device->host (exact ints).
     """
 
     makespan: float
@@ -177,9 +180,14 @@ def _fail(err, code, j, a=-1, b=-1):
 
 @numba.njit(cache=True, nogil=True)
 def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
-                   u_loss, o_loss, limit, bandwidth, duplex, out, err, stats):
-    """Walk the schedule; fill ``out`` (n_ops x 4: start, end, mem, mem_after).
+                   u_loss, o_loss, limit, bandwidth, duplex, times, mems, err, stats,
+                   moved):
+    """Walk the schedule; fill ``times`` (n_ops x 2 float64: start, end, s),
+    ``mems`` (n_ops x 2 int64: mem, mem_after, bytes), ``stats[0]`` (compute
+    busy time, s) and ``moved`` (int64 bytes host->device, device->host).
 
+    Byte counts stay int64 (in a float64 array, as they once were, they were
+    rounded above 2**53 bytes: the timeline's maximum differed from the peak).
     Returns (makespan, peak). On a violation ``err`` holds (code, op index, a, b)
     and the return values are meaningless. Stage ranges are checked by the caller.
     """
@@ -269,7 +277,7 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                 _fail(err, _E_MEMORY, j, over, need)
                 return 0.0, peak
             end = start + dur
-            out[j, 2] = mem + need
+            mems[j, 0] = mem + need
             if mem + need > peak:
                 peak = mem + need
             busy += dur
@@ -349,7 +357,7 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
                     dev[s, kind] = False
                     end = max(cursor, busy_until[s, kind])
                     mem, npf = _release(end, cursor, size, mem, pf_t, pf_b, npf)
-            out[j, 2] = mem
+            mems[j, 0] = mem
         elif code == _W_PREFETCH:
             if w_dev[s]:
                 _fail(err, _E_WEIGHT_STATE, j, s, 0)
@@ -369,7 +377,7 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
             w_dev[s] = True
             w_ready[s] = end
             moved_h2d += w[s]
-            out[j, 2] = mem
+            mems[j, 0] = mem
         elif code == _W_OFFLOAD or code == _W_DELETE:
             if not w_dev[s]:
                 _fail(err, _E_WEIGHT_STATE, j, s, 1)
@@ -384,7 +392,7 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
             else:
                 end = max(cursor, w_ready[s])
             mem, npf = _release(end, cursor, w[s], mem, pf_t, pf_b, npf)
-            out[j, 2] = mem
+            mems[j, 0] = mem
         else:  # _G_OFFLOAD
             if not g_dev[s]:
                 _fail(err, _E_GRAD_MISSING, j, s)
@@ -395,9 +403,9 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
             chan_free[d2h] = end
             moved_d2h += w[s]
             mem, npf = _release(end, cursor, w[s], mem, pf_t, pf_b, npf)
-            out[j, 2] = mem
-        out[j, 0] = start
-        out[j, 1] = end
+            mems[j, 0] = mem
+        times[j, 0] = start
+        times[j, 1] = end
         if end > last_end:
             last_end = end
         # bytes in use once this op is over (frees due by its end applied)
@@ -405,13 +413,13 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
         for k in range(npf):
             if pf_t[k] <= end:
                 after -= pf_b[k]
-        out[j, 3] = after
+        mems[j, 1] = after
     if g != 0:
         _fail(err, _E_INCOMPLETE, -1, -1 if g == n + 1 else g - 1)
         return 0.0, peak
     stats[0] = busy
-    stats[1] = moved_h2d
-    stats[2] = moved_d2h
+    moved[0] = moved_h2d
+    moved[1] = moved_d2h
     return last_end, peak
 
 
@@ -426,20 +434,22 @@ def simulate(chain: Chain, schedule: Schedule, platform: Platform) -> SimResult:
     """
     schedule = simulation_args(chain, schedule, platform)
     a_size, abar_size = chain.activation_sizes()
-    out = np.zeros((len(schedule), 4))
+    times = np.zeros((len(schedule), 2))
+    mems = np.zeros((len(schedule), 2), np.int64)
     err = np.zeros(4, np.int64)
-    stats = np.zeros(3)
+    stats = np.zeros(1)
+    moved = np.zeros(2, np.int64)
     makespan, peak = _simulate_core(
         schedule.op, schedule.stage, schedule.aux, chain.u_f, chain.u_b, a_size, abar_size,
         chain.w, chain.o_f, chain.o_b, chain.u_loss, chain.o_loss, platform.memory_limit,
-        platform.bandwidth, platform.channel == "duplex", out, err, stats)
+        platform.bandwidth, platform.channel == "duplex", times, mems, err, stats, moved)
     if err[0] != OK:
         raise_error(err, schedule, chain, platform)
     timeline = np.empty(len(schedule), TIMELINE_DTYPE)
-    timeline["start"] = out[:, 0]
-    timeline["end"] = out[:, 1]
-    timeline["mem"] = out[:, 2]
-    timeline["mem_after"] = out[:, 3]
+    timeline["start"] = times[:, 0]
+    timeline["end"] = times[:, 1]
+    timeline["mem"] = mems[:, 0]
+    timeline["mem_after"] = mems[:, 1]
     return SimResult(makespan=float(makespan), peak=int(peak), timeline=timeline,
-                     compute_time=float(stats[0]), h2d_bytes=int(stats[1]),
-                     d2h_bytes=int(stats[2]))
+                     compute_time=float(stats[0]), h2d_bytes=int(moved[0]),
+                     d2h_bytes=int(moved[1]))

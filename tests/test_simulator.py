@@ -359,3 +359,20 @@ def test_a_backward_step_after_the_backward_pass_is_named_as_such():
         with pytest.raises(ScheduleError, match=f"runs {name} after B 0 completed") as e:
             simulate(chain, Schedule.parse(text), Platform(math.inf))
         assert e.value.reason == "backward-order" and e.value.op_index == 5
+
+
+def test_timeline_bytes_and_transfer_counts_are_exact_above_2_53():
+    # the jitted core kept the byte columns and the h2d/d2h counters in a float64
+    # array: above 2**53 bytes they were rounded, so max(timeline mem) != peak
+    big = 2**55 + 1                     # odd: no float64 holds it
+    chain = Chain(u_f=[1.0], u_b=[1.0], x=[big], xbar=[big], x0=3)
+    r = simulate(chain, store_all_schedule(1), Platform(math.inf))
+    assert r.timeline.dtype["mem"] == np.int64 and r.timeline.dtype["mem_after"] == np.int64
+    # F_all 0: a_0 + abar_1; L: + delta_1; B 0: + delta_0 (sizes 3, big, big, 3)
+    assert r.timeline["mem"].tolist() == [big + 3, 2 * big + 3, 2 * big + 6]
+    assert int(r.timeline["mem"].max()) == r.peak == 2 * big + 6
+    assert r.timeline["mem_after"].tolist() == [big + 3, 2 * big + 3, 3]
+    s = Schedule.from_text("F_all 0, offload abar1, delete abar1, prefetch abar1, L, B 0")
+    moved = simulate(chain, s, Platform(math.inf, bandwidth=1e30))
+    assert moved.d2h_bytes == big and moved.h2d_bytes == big
+    assert type(moved.d2h_bytes) is int and int(moved.timeline["mem"].max()) == moved.peak
