@@ -81,6 +81,29 @@ def as_scalar(name: str, value, *, integral: bool):
     return (int(value) if exact else int(math.ceil(v))) if integral else v
 
 
+def check_time_bound(n: int, sum_f: float, sum_b: float, u_loss: float, *, what: str,
+                     formula: str, values: str) -> None:
+    """Raise :class:`~rtmem.errors.ChainError` unless ``(n + 1) * sum_f + sum_b +
+    u_loss`` (seconds, or the caller's time unit) is finite.
+
+    Times are summed in float64 by the simulator and the DPs: finite but huge times
+    overflow to inf there (an "inf" makespan, a JSON Infinity, or an instance the
+    DPs report as infeasible). This bounds the makespan of any schedule they
+    build on ``n`` forward steps whose times add up to ``sum_f`` once: no step
+    runs forward more than n + 1 times (Revolve with 3 slots: n (n + 1) / 2
+    forwards in all). ``what`` names the times ("the chain's times"), ``formula``
+    spells the bound in the caller's notation and ``values`` gives its terms; the
+    error's ``field`` is ``"u_f"`` when the forward part alone overflows, else
+    ``"u_b"``."""
+    with np.errstate(over="ignore"):     # overflow is what is checked here
+        forward = (n + 1) * sum_f
+        bound = forward + sum_b + u_loss
+    if not math.isfinite(bound):
+        raise ChainError(f"{what} are too large: {formula}, the longest makespan a planner "
+                         f"may compute, overflows a float64 ({values}); express times in "
+                         "larger units", field="u_f" if not math.isfinite(forward) else "u_b")
+
+
 def type_label(obj, expected: type) -> str:
     """``obj``'s type name for a "got ..." message; when it is named like
     ``expected`` but is another class, says where it comes from: the usual cause

@@ -29,7 +29,7 @@ import numpy as np
 from rtmem.errors import ChainError
 
 from ._documents import JsonFile, check_document, parse_document
-from ._validation import MAX_BYTES, as_scalar, as_vector, check_int
+from ._validation import MAX_BYTES, as_scalar, as_vector, check_int, check_time_bound
 
 __all__ = ["Chain"]
 
@@ -126,21 +126,15 @@ class Chain(JsonFile):
             raise ChainError(f"the chain's sizes add up to {total:,} bytes, beyond the "
                              f"2**62 the planners count in; express sizes in larger units "
                              f"or use fewer stages", field="xbar")
-        # Times are summed in float64 by the simulator and the DPs: finite but huge
-        # times overflow to inf there (an "inf" makespan, a JSON Infinity). Bound
-        # the makespan of any planner's schedule: no stage runs forward more than
-        # n + 1 times (Revolve with 3 slots: n (n + 1) / 2 forwards in all).
-        with np.errstate(over="ignore"):     # overflow is what is checked here
+        # Times are summed in float64 by the simulator and the DPs: bound the
+        # makespan of any planner's schedule (the multi-chain and Revolve DPs check
+        # their step times with the same bound)
+        with np.errstate(over="ignore"):     # a sum that overflows is refused below
             sum_f, sum_b = float(values["u_f"].sum()), float(values["u_b"].sum())
-            forward = (n + 1) * sum_f
-            bound = forward + sum_b + self.u_loss
-        if not np.isfinite(bound):
-            raise ChainError(
-                f"the chain's times are too large: (n + 1) * sum(u_f) + sum(u_b) + u_loss, "
-                f"the longest makespan a planner may compute, overflows a float64 "
-                f"(sum(u_f) = {sum_f:.3g} s, sum(u_b) = {sum_b:.3g} s, "
-                f"u_loss = {self.u_loss:.3g} s, {n} stages); express times in larger units",
-                field="u_f" if not np.isfinite(forward) else "u_b")
+        check_time_bound(n, sum_f, sum_b, self.u_loss, what="the chain's times",
+                         formula="(n + 1) * sum(u_f) + sum(u_b) + u_loss",
+                         values=f"sum(u_f) = {sum_f:.3g} s, sum(u_b) = {sum_b:.3g} s, "
+                                f"u_loss = {self.u_loss:.3g} s, {n} stages")
         object.__setattr__(self, "name", str(self.name))
 
     # ------------------------------------------------------------------ basics

@@ -205,7 +205,11 @@ class MultiChainTable:
         self.lengths, _ = _check_lengths(lengths, None)
         self.m_max = _check_slots(m_max, "m_max")
         _check_size(self.lengths, self.m_max)
-        self.u_f, self.u_b, self.u_loss = _check_times(u_f=u_f, u_b=u_b, u_loss=u_loss)
+        # sum(L) forward steps and as many backward ones: huge times are refused
+        # here, not left to overflow the tables to inf, which reads as infeasible
+        steps = sum(self.lengths)
+        self.u_f, self.u_b, self.u_loss = _check_times(steps, steps, u_f=u_f, u_b=u_b,
+                                                       u_loss=u_loss)
         lmax = max(self.lengths)
         self.opt0, self.arg0 = opt0_table(max(lmax, 1), self.m_max, u_f, u_b)
         Lmax = np.array(self.lengths, np.int64)
@@ -287,7 +291,10 @@ def multichain_opt(lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0) -> float:
     (``inf`` if m < m_min). ``lengths``: one integer
     >= 0 per branch; ``m``: slots, an integer >= 0; ``b``: 0/1 flags. Raises
     :class:`~rtmem.errors.RtmemError` when the tables would be too large or slow
-    (see ``MAX_MULTICHAIN_TABLE_BYTES``, ``MAX_MULTICHAIN_STEPS``)."""
+    (see ``MAX_MULTICHAIN_TABLE_BYTES``, ``MAX_MULTICHAIN_STEPS``), and
+    :class:`~rtmem.errors.ChainError` for a negative or non-finite time, or times
+    so large that a makespan could overflow a float64 (the bound
+    :class:`~rtmem.planners.Chain` checks, on sum(lengths) steps)."""
     return multichain_table(lengths, _check_slots(m), u_f, u_b, u_loss).opt(lengths, m, b)
 
 
@@ -295,7 +302,7 @@ def multichain_schedule(lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0):
     """``(makespan, ops)``: an optimal MULTI-b schedule with m slots (makespan in
     the units of ``u_f``/``u_b``/``u_loss``). Raises
     :class:`~rtmem.errors.InfeasibleError` (``budget``, ``min_feasible`` in slots)
-    when m < m_min."""
+    when m < m_min, and the errors of :func:`multichain_opt`."""
     table = multichain_table(lengths, m, u_f, u_b, u_loss)
     return table.opt(lengths, m, b), table.schedule(m, b)
 
@@ -309,7 +316,7 @@ def simulate_multichain(ops, lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0):
     nothing if b_j = 0."""
     L, b = _check_lengths(lengths, b)
     m = _check_slots(m)
-    u_f, u_b, u_loss = _check_times(u_f=u_f, u_b=u_b, u_loss=u_loss)
+    u_f, u_b, u_loss = _check_times(sum(L), sum(L), u_f=u_f, u_b=u_b, u_loss=u_loss)
     K = len(L)
     counts = [dict({0: 1}) for _ in range(K)]
     delta = [None] * K            # index of the branch's current delta, or "gone"

@@ -39,7 +39,7 @@ import numpy as np
 from rtmem.errors import ChainError, InfeasibleError, RtmemError
 
 from .baselines import fastest_fitting
-from ._validation import as_scalar, check_chain, check_int
+from ._validation import as_scalar, check_chain, check_int, check_time_bound
 from .chain import Chain
 from .plan import Plan
 from .schedule import Op, Schedule
@@ -88,12 +88,25 @@ def _check_lm(steps, slots, what: str) -> tuple[int, int]:
             _check_slots(slots, f"{what} m", field="m"))
 
 
-def _check_times(**times) -> tuple[float, ...]:
+def _check_times(steps: int, backward: int, **times) -> tuple[float, ...]:
     """Step times (``u_f``, ``u_b``, ``u_loss``) as floats, each finite and >= 0; a
     :class:`~rtmem.errors.ChainError` names the bad one. A negative time gave
     negative makespans (and a DP favouring recomputation), a NaN one ``inf``
-    (reported as infeasible, "needs at least 5 slots, got 7")."""
-    return tuple(as_scalar(name, value, integral=False) for name, value in times.items())
+    (reported as infeasible, "needs at least 5 slots, got 7").
+
+    ``steps`` forward steps (each ``u_f``) and ``backward`` backward steps (each
+    ``u_b``) must also pass the bound :class:`~rtmem.planners.Chain` checks
+    (:func:`~rtmem.planners._validation.check_time_bound`): finite but huge times
+    (u_f = 1e307 on 30 steps) overflowed the DPs to ``inf``, reported as
+    infeasible as well."""
+    values = {name: as_scalar(name, value, integral=False) for name, value in times.items()}
+    u_f, u_b, u_loss = values["u_f"], values.get("u_b", 0.0), values.get("u_loss", 0.0)
+    loss = f", u_loss = {u_loss:.3g}" if "u_loss" in values else ""
+    check_time_bound(steps, steps * u_f, backward * u_b, u_loss, what="the step times",
+                     formula=f"(l + 1) * l * u_f + {backward} * u_b"
+                             + (" + u_loss" if loss else "") + f" for l = {steps} forward steps",
+                     values=f"u_f = {u_f:.3g}, u_b = {u_b:.3g}{loss}")
+    return tuple(values.values())
 
 
 def _opt0_cost(l_max: int, m_max: int) -> tuple[int, int]:
@@ -128,9 +141,12 @@ def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
     step counts; ``inf`` when infeasible) and ``arg[l, m]`` the optimal first
     checkpoint position i. Raises :class:`~rtmem.errors.RtmemError` when the
     tables or the fill would exceed ``MAX_OPT0_TABLE_BYTES`` / ``MAX_OPT0_STEPS``
-    (use :func:`binomial_makespan` for makespans of long chains)."""
+    (use :func:`binomial_makespan` for makespans of long chains), and
+    :class:`~rtmem.errors.ChainError` for a negative or non-finite time, or times
+    so large that a makespan could overflow a float64 (the bound
+    :class:`~rtmem.planners.Chain` checks)."""
     l_max, m_max = _check_lm(l_max, m_max, "opt0_table:")
-    u_f, u_b = _check_times(u_f=u_f, u_b=u_b)
+    u_f, u_b = _check_times(l_max, l_max + 1, u_f=u_f, u_b=u_b)
     if not _table_fits(l_max, m_max):
         table_bytes, steps = _opt0_cost(l_max, m_max)
         raise RtmemError(
@@ -146,9 +162,10 @@ def binomial_makespan(l: int, m: int, u_f: float = 1.0, u_b: float = 1.0) -> flo
     """Griewank-Walther closed form of Opt_0(l, m) (thesis §2.3, property 15).
 
     ``m`` is a number of slots; the makespan is in the units of ``u_f``/``u_b``
-    (seconds, or step counts with the defaults); ``inf`` when infeasible."""
+    (seconds, or step counts with the defaults); ``inf`` when infeasible. Times
+    are checked as by :func:`opt0_table` (:class:`~rtmem.errors.ChainError`)."""
     _check_lm(l, m, "binomial_makespan:")       # ints (numpy ones included) pass as is
-    u_f, u_b = _check_times(u_f=u_f, u_b=u_b)
+    u_f, u_b = _check_times(int(l), int(l) + 1, u_f=u_f, u_b=u_b)
     if l > 0 and m < 3:
         return math.inf
     if l == 0:

@@ -273,3 +273,29 @@ def test_step_times_must_be_finite_and_non_negative(call, fragment):
     from rtmem.errors import ChainError
     with pytest.raises(ChainError, match=fragment):
         call()
+
+
+@pytest.mark.parametrize("call, field", [
+    # finite but huge times overflowed the tables to inf, read as infeasible:
+    # multichain_opt and binomial_makespan answered inf, and multichain_schedule
+    # raised "multi-chain (30,) with b=(0,) needs at least 3 slots, got 5"
+    (lambda: multichain_opt((30,), 5, u_f=1e307), "u_f"),
+    (lambda: multichain_schedule((30,), 5, u_f=1e307), "u_f"),
+    (lambda: multichain_schedule((10, 20), 6, u_b=1e307), "u_b"),
+    (lambda: binomial_makespan(30, 5, u_f=1e307), "u_f"),
+    (lambda: opt0_table(30, 5, u_f=1e307), "u_f"),
+    (lambda: simulate_multichain(single_chain_ops(30, 5), [30], 5, u_f=1e307), "u_f"),
+])
+def test_step_times_whose_makespan_overflows_are_refused(call, field):
+    from rtmem.errors import ChainError
+    with pytest.raises(ChainError, match="too large.*express times in larger units") as err:
+        call()
+    assert err.value.field == field
+
+
+def test_huge_but_bounded_step_times_give_finite_makespans():
+    # the bound is Chain's, (l + 1) l u_f + ...: 1e305 s steps on 30 stages pass
+    makespan, ops = multichain_schedule((30,), 5, u_f=1e305)
+    assert math.isfinite(makespan) and makespan == multichain_opt((30,), 5, u_f=1e305)
+    assert math.isfinite(binomial_makespan(30, 5, u_f=1e305))
+    assert math.isfinite(opt0_table(30, 5, u_f=1e305)[0][30, 5])
