@@ -218,16 +218,19 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         the DP's schedule, the least-memory schedule (exact in bytes), the best
         ``checkpoint_sequential`` segment count and Revolve (on chains of at most
         :data:`REVOLVE_MAX_STAGES` stages); rounding to slots can make the DP
-        miss schedules these find. ``info`` holds ``method`` (the winner:
+        miss schedules these find. ``info`` always holds ``method`` (the winner:
         ``"store-all"`` when the budget allows no recomputation, ``"dp"``,
         ``"min-memory"``, ``"sequential"`` or ``"revolve"``), ``candidates``
         (``{method: makespan in s}`` of every candidate that fit),
         ``dp_makespan`` (s, the DP's prediction; ``None`` when the DP found no
-        schedule at any slot size tried), ``slot_bytes`` and ``slots`` (M,
-        slots available to the DP) of the last DP run, ``refined`` (whether that
-        run used finer slots than asked), ``min_feasible`` (bytes),
-        ``solve_seconds``, and ``segments`` or ``revolve_slots`` when a baseline
-        won.
+        schedule at any slot size tried; the no-recomputation makespan for
+        ``"store-all"``) and ``solve_seconds``. Only when the DP ran (``method``
+        other than ``"store-all"``) does it also hold ``slot_bytes`` and
+        ``slots`` (M, slots available to the DP) of the last DP run,
+        ``refined`` (whether that run used finer slots than asked) and
+        ``min_feasible`` (bytes): the store-all shortcut skips the O(n^3) pass
+        that computes it (call :func:`min_feasible_memory`). ``segments`` or
+        ``revolve_slots`` are there when a baseline won.
 
     Raises
     ------

@@ -404,3 +404,22 @@ def test_slots_above_the_activation_budget_are_one_byte_slots():
     big = Chain(u_f=[1., 2., 3.], u_b=[1., 2., 3.], x=[2**40] * 3, xbar=[2**41] * 3)
     with pytest.raises(RtmemError, match=r"100000000 slots.*use at most 26843544 slots"):
         plan_remat(big, min_feasible_memory(big), slots=10**8)
+
+
+def test_info_keys_are_those_documented_for_each_path():
+    # the docstring listed min_feasible, slot_bytes, slots and refined for every
+    # plan, but the store-all shortcut (no DP run) has none of them: a KeyError
+    chain = Chain(u_f=[1., 2., 3.], u_b=[1., 2., 3.], x=[10, 20, 30], xbar=[15, 25, 35],
+                  x0=5)
+    always = {"method", "candidates", "dp_makespan", "solve_seconds"}
+    dp_only = {"min_feasible", "slot_bytes", "slots", "refined"}
+    doc = " ".join(plan_remat.__doc__.split())
+    assert "always holds ``method``" in doc
+    dp_sentence = doc[doc.index("Only when the DP ran"):]
+    dp_sentence = dp_sentence[:dp_sentence.index("(bytes)")]
+    assert all(f"``{key}``" in dp_sentence for key in dp_only)
+    store_all = plan_remat(chain, 10**6)
+    assert store_all.info["method"] == "store-all" and set(store_all.info) == always
+    dp = plan_remat(chain, 120)
+    assert dp.info["method"] != "store-all" and always | dp_only <= set(dp.info)
+    assert dp.info["min_feasible"] == min_feasible_memory(chain)
