@@ -28,7 +28,8 @@ class Platform:
     Parameters
     ----------
     memory:
-        Device memory available to the schedule, in bytes (> 0). Everything the
+        Device memory available to the schedule, in bytes (> 0; a fraction of a
+        byte is rounded down, so at least 1 byte must be given). Everything the
         simulator tracks counts against it: activations, weights, weight
         gradients, temporaries. ``math.inf`` (or anything >= 2**62 bytes) means
         unlimited. Strings such as ``"12GiB"`` are accepted.
@@ -59,6 +60,11 @@ class Platform:
                 # e names the value already: "invalid memory: cannot read 'lots' as a size"
                 raise PlatformError(f"invalid memory: {e}") from e
         if not (isinstance(mem, float) and math.isinf(mem)):
+            if mem == 0 and not is_int(self.memory) and parse_bytes(self.memory) > 0:
+                # 0 < memory < 1 byte: "must be > 0 bytes, got 0.9" contradicted itself
+                raise PlatformError(f"memory {self.memory!r} rounds down to 0 bytes (a budget "
+                                    "counts whole bytes, never more than given); give at "
+                                    "least 1 byte, e.g. Platform('12GiB')")
             if mem <= 0:
                 raise PlatformError(f"memory must be > 0 bytes, got {self.memory!r}; give "
                                     "the device memory budget, e.g. Platform('12GiB')")

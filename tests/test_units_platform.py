@@ -66,6 +66,19 @@ def test_platform():
             Platform(**kwargs)
 
 
+def test_a_budget_below_one_byte_says_it_rounds_down_to_zero():
+    # "memory must be > 0 bytes, got 0.9": 0.9 is > 0, it was rounded down first
+    for memory in (0.9, "0.5 B", "0.9", "0.0001 KiB"):
+        with pytest.raises(PlatformError, match=r"rounds down to 0 bytes .* give at least "
+                                                r"1 byte") as err:
+            Platform(memory)
+        assert repr(memory) in str(err.value) and "> 0" not in str(err.value)
+    assert Platform(1.9).memory == 1
+    for memory in (0, 0.0, "0", "0 B"):         # zero itself is just zero
+        with pytest.raises(PlatformError, match=r"must be > 0 bytes, got"):
+            Platform(memory)
+
+
 def test_integer_sizes_are_exact_and_huge_numbers_are_unit_errors():
     # Through a float, 2**53 + 1 bytes came back as 2**53 (ints and integer
     # strings alike), and an int beyond float's range raised a bare OverflowError.
