@@ -1310,3 +1310,55 @@ def test_profiling_under_inference_mode_is_refused_by_name():
         xi = torch.randn(3, 4)
     chain = profile_sequential(model, xi, y, nn.functional.cross_entropy, repeats=1)
     assert chain.n == 3 and (chain.u_b >= 0).all()
+
+
+class _ToSpectrum(nn.Module):
+    """A linear layer, then an FFT: a complex activation (spectral / FNO models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.fft.fft(self.lin(x))
+
+
+class _SpectralMix(nn.Module):
+    """A complex weight on a complex input; ``real`` says whether it goes back to
+    real values (else the last stage's output, which the loss gets, is complex)."""
+
+    def __init__(self, real=True):
+        super().__init__()
+        self.w, self.real = nn.Parameter(torch.randn(8, dtype=torch.cfloat)), real
+
+    def forward(self, z):
+        out = torch.fft.ifft(z * self.w)
+        return out.real if self.real else out
+
+
+def _spectral_loss(out, target):
+    return (out.abs() - target).square().mean() if out.is_complex() else mse(out, target)
+
+
+@pytest.mark.parametrize("text", [
+    "F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0",
+    # recomputes stage 0 and moves the complex abar1 through the host
+    "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, offload abar1, delete abar1, "
+    "prefetch abar1, B 0",
+])
+@pytest.mark.parametrize("real", [True, False], ids=["real-output", "complex-output"])
+def test_complex_activations_carry_the_gradient_to_earlier_stages(text, real):
+    # a complex a1 was handed to stage 1 as it was (only floating inputs became
+    # grad-requiring leaves), so stage 0 silently got no gradient; a complex
+    # output went to the loss so too; the profiler failed on the stage
+    # (backward with no gradient for a non-scalar output)
+    torch.manual_seed(0)
+    stages = [_ToSpectrum(), _SpectralMix(real)] + ([nn.Linear(8, 1)] if real else
+                                                   [nn.Identity()])
+    model = nn.Sequential(*stages)
+    x, y = torch.randn(4, 8), torch.randn(4, 1) if real else torch.rand(4, 8)
+    m, ex, loss, ref, ref_loss = _train(model, x, y, _spectral_loss, _sched(text, 3))
+    assert m[0].lin.weight.grad is not None
+    _assert_same(m, ex, loss, ref, ref_loss)
+    chain = profile_sequential(copy.deepcopy(model), x, y, _spectral_loss, repeats=1)
+    assert chain.n == 3 and chain.xbar[0] > 0

@@ -339,11 +339,21 @@ def _grad_input(x: torch.Tensor):
     return leaf, _Alias.apply(leaf)
 
 
+def differentiable(t: torch.Tensor) -> bool:
+    """Whether autograd can carry a gradient through ``t``: a floating-point or
+    complex tensor (a spectral model's activations are complex). Integer and
+    bool tensors (token ids, masks) cannot require grad."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def _stage_input(x: torch.Tensor, needs_grad: bool = True):
-    """``(leaf, arg)`` of :func:`_grad_input` for a floating-point ``x`` that
-    ``needs_grad``; other inputs (token ids, the input of a stage that
-    :func:`inputs_need_grad` says needs none) go in as they are: ``(x, x)``."""
-    return _grad_input(x) if needs_grad and x.is_floating_point() else (x, x)
+    """``(leaf, arg)`` of :func:`_grad_input` for a :func:`differentiable` ``x``
+    (floating-point or complex) that ``needs_grad``; other inputs (token ids, the
+    input of a stage that :func:`inputs_need_grad` says needs none) go in as they
+    are: ``(x, x)``. Testing for floating point alone handed a complex
+    activation over as it was, which cut the gradient to every earlier stage
+    without a word."""
+    return _grad_input(x) if needs_grad and differentiable(x) else (x, x)
 
 
 def inputs_need_grad(stage_params, batch_needs_grad: bool) -> list:

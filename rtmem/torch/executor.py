@@ -12,7 +12,8 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    autograd history, to the later F_all reading the weight, whose gradient was
    then silently lost (pytorch issues 112583 and 158232, fixed in 2.11).
 2. ``F_all i``: stage i under ``enable_grad`` from a detached leaf that requires
-   grad (its ``.grad`` becomes delta_i), handed to the stage through an identity
+   grad (its ``.grad`` becomes delta_i) when a_i is floating-point or complex
+   (integer a_i, token ids, carry no gradient), handed to the stage through an identity
    autograd op so that in-place ops at the start of a stage work as in plain
    training. A stage whose input needs no gradient in plain autograd (stage 0
    unless the batch requires grad, and every stage up to the first with a

@@ -53,8 +53,8 @@ from rtmem.planners._validation import check_int
 
 from ._stages import (ExecutionError, KeptBuffers, _check_output, _input_key,
                       _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, as_stages,
-                      buffer_slots, check_inputs, check_loss_fn, inputs_need_grad,
-                      slot_buffers, stage_constants)
+                      buffer_slots, check_inputs, check_loss_fn, differentiable,
+                      inputs_need_grad, slot_buffers, stage_constants)
 from .offload import _pause_flushes, _resume_flushes
 
 __all__ = ["profile_sequential"]
@@ -203,7 +203,10 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             o_f = 0
             if cuda:
                 o_f = max(0, torch.cuda.max_memory_allocated(device) - base - xbar)
-            delta = torch.randn_like(y) if y.is_floating_point() else None
+            # complex outputs get a complex delta (randn_like draws one); a delta
+            # of None for them made backward fail ("implicitly created only for
+            # scalar outputs")
+            delta = torch.randn_like(y) if differentiable(y) else None
             _clear_grads(_graph_leaves(y, xin), grads)
             # nothing to backpropagate through a frozen stage on integer inputs
             bwd_times = [] if y.requires_grad else [0.0]
