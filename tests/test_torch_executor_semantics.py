@@ -1362,3 +1362,47 @@ def test_complex_activations_carry_the_gradient_to_earlier_stages(text, real):
     _assert_same(m, ex, loss, ref, ref_loss)
     chain = profile_sequential(copy.deepcopy(model), x, y, _spectral_loss, repeats=1)
     assert chain.n == 3 and chain.xbar[0] > 0
+
+
+class _OwnNoise(nn.Module):
+    """A linear layer times noise drawn from a ``torch.Generator`` the module holds
+    (a custom dropout or stochastic depth), as an attribute or, ``boxed``, in a
+    dict attribute."""
+
+    def __init__(self, gen, boxed=False):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        if boxed:
+            self.gens = {"noise": gen}
+        else:
+            self.gen = gen
+
+    def forward(self, x):
+        gen = self.gens["noise"] if hasattr(self, "gens") else self.gen
+        return self.lin(x) * torch.rand(x.shape, generator=gen)
+
+
+@pytest.mark.parametrize("segments", [2, 4])
+def test_recomputing_a_stage_replays_the_draws_of_its_own_generator(segments):
+    # only the default generators were replayed: a recomputation drew new noise
+    # from the module's own generator (gradients of other noise than the loss
+    # saw) and advanced it a second time. One generator serves stages 0 and 2,
+    # so a replay must also put it back where the later stage left it
+    gen = torch.Generator().manual_seed(123)
+    torch.manual_seed(0)
+    model = nn.Sequential(_OwnNoise(gen), nn.Tanh(), _OwnNoise(gen, boxed=True),
+                          nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)   # each copy shares one generator
+    ex = ScheduleExecutor(m, sequential_schedule(4, segments), mse)
+    for _ in range(2):   # the second step starts from where plain training left it
+        ref_loss = mse(ref(x), y)
+        ref_loss.backward()
+        loss = ex.step(x, y)
+        _assert_same(m, ex, loss, ref, ref_loss.detach())
+        assert torch.equal(m[0].gen.get_state(), ref[0].gen.get_state())
+    assert m[2].gens["noise"] is m[0].gen
+    # profiling draws again for every repeat, and gives the generator back as it was
+    before = m[0].gen.get_state()
+    profile_sequential(m, x, y, mse, repeats=2)
+    assert torch.equal(m[0].gen.get_state(), before)

@@ -5,6 +5,8 @@ and what it must return, storage bookkeeping, and the construction checks of
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -219,35 +221,67 @@ def _strided_parts(t: torch.Tensor) -> tuple:
     return ()
 
 
-def _attribute_tensors(v, out: dict, depth: int = 2) -> None:
-    """Add to ``out`` the non-parameter tensors in attribute value ``v``: a
-    tensor, or one in a list, tuple or dict (a cache keyed by sequence length
-    holding ``(cos, sin)``), ``depth`` containers deep."""
+def _attribute_state(v, tensors: dict, generators: dict, depth: int = 2) -> None:
+    """Add to ``tensors`` the non-parameter tensors, and to ``generators`` the
+    ``torch.Generator`` objects, in attribute value ``v``: one itself, or one in
+    a list, tuple or dict (a cache keyed by sequence length holding ``(cos,
+    sin)``), ``depth`` containers deep."""
     if isinstance(v, torch.Tensor):
         if not isinstance(v, nn.Parameter):
             for t in _strided_parts(v):
-                out[id(t)] = t
+                tensors[id(t)] = t
+    elif isinstance(v, torch.Generator):
+        generators[id(v)] = v
     elif depth and isinstance(v, (list, tuple, dict)):
         for item in v.values() if isinstance(v, dict) else v:
-            if isinstance(item, (torch.Tensor, list, tuple, dict)):
-                _attribute_tensors(item, out, depth - 1)
+            if isinstance(item, (torch.Tensor, torch.Generator, list, tuple, dict)):
+                _attribute_state(item, tensors, generators, depth - 1)
 
 
-def stage_constants(modules) -> list:
-    """The tensors ``modules`` hold as plain attributes (``self.table = t``, or in a
-    list, tuple or dict attribute), neither parameters nor buffers: constant tables a
-    forward reads (rotary or mask caches, class weights), each once. When autograd
-    saves one, it is model state like a buffer: a move must never free it under
-    the module (NOTE [ Executor ] rule 4), nor count it as an activation. A
-    sparse one is taken as its indices and values tensors."""
-    out = {}
+def stage_state(modules) -> tuple[list, list]:
+    """``(constants, generators)`` that ``modules`` hold as plain attributes
+    (``self.x = ...``, or in a list, tuple or dict attribute), each once, in one
+    walk over their attributes (it runs after every forward):
+
+    - constants: tensors that are neither parameters nor buffers, constant
+      tables a forward reads (rotary or mask caches, class weights). When
+      autograd saves one, it is model state like a buffer: a move must never
+      free it under the module (NOTE [ Executor ] rule 4), nor count it as an
+      activation. A sparse one is taken as its indices and values tensors.
+    - generators: the ``torch.Generator`` objects a forward may draw from
+      (``torch.rand(..., generator=self.gen)``), whose state a recomputation
+      replays (NOTE [ Executor ] rule 6)."""
+    tensors, generators = {}, {}
     for m in modules:
         d = m.__dict__
         for name in d.keys() - _MODULE_INTERNALS:
             v = d[name]
-            if isinstance(v, (torch.Tensor, list, tuple, dict)):
-                _attribute_tensors(v, out)
-    return list(out.values())
+            if isinstance(v, (torch.Tensor, torch.Generator, list, tuple, dict)):
+                _attribute_state(v, tensors, generators)
+    return list(tensors.values()), list(generators.values())
+
+
+def stage_constants(modules) -> list:
+    """The constants of :func:`stage_state`: tensors ``modules`` hold as plain
+    attributes, neither parameters nor buffers."""
+    return stage_state(modules)[0]
+
+
+@contextlib.contextmanager
+def replayed_generators(first: list):
+    """Run the body with each generator of ``first`` (``(generator, state)``
+    pairs taken before a stage's first forward) set back to that state, so a
+    recomputation draws what the first forward drew, and put each back where
+    it was before the body afterwards (also when the body raises), so the
+    generator ends the step where plain training leaves it: advanced once."""
+    now = [(g, g.get_state()) for g, _ in first]
+    try:
+        for g, state in first:
+            g.set_state(state)
+        yield
+    finally:
+        for g, state in now:
+            g.set_state(state)
 
 
 class KeptBuffers:

@@ -72,7 +72,20 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
 6. Every execution of a stage after its first restores the RNG state of the first
    (dropout draws the same masks) and the module buffers, updated in place or
    reassigned (batch-norm running statistics are updated once per step, as in
-   plain training). A recomputation sees the buffers as the first forward left
+   plain training). The RNG state is that of the default generators (the
+   CPU's and the batch's CUDA device's) and of every ``torch.Generator`` the
+   stage's modules hold as attributes (``self.gen = torch.Generator()``, or in
+   a list, tuple or dict attribute; found as rule 4 finds constant tables, at
+   the start of each step): a recomputation runs from the state each had
+   before the first forward, and afterwards each is put back where it was, so
+   it ends the step advanced once, as in plain training. A generator the
+   executor cannot see (a global, a closure, one passed through
+   ``functools.partial``, or one a forward creates, which is seen from the next
+   step on) is neither replayed nor put back: a recomputation draws new
+   numbers from it (other noise than the first forward: wrong gradients) and
+   advances it again; hold it as a module attribute made before the step.
+   With ``preserve_rng_state=False`` no generator is replayed. A
+   recomputation sees the buffers as the first forward left
    them (as with ``torch.utils.checkpoint``): only a stage whose output depends
    on a buffer it updates computes another output than the first time.
 7. A stored tensor records its version counter. A stage (or the loss) may modify
@@ -112,7 +125,7 @@ from ._host_side import _HostSide
 from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output,
                       _stage_input, _storage_ptrs, as_stages, buffer_slots, check_inputs,
                       check_loss_fn, check_placement, check_shared_weights,
-                      inputs_need_grad, slot_buffers, stage_constants)
+                      inputs_need_grad, replayed_generators, slot_buffers, stage_state)
 from ._saved import _SavedHooks, uncached_casts
 from ._stored import _copy_matches, _Entries, _Stored
 
@@ -169,7 +182,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         weights (an L2 penalty) needs a schedule that keeps them there.
     preserve_rng_state:
         Replay recomputations with the RNG state of the first execution (needed
-        for dropout; costs a state copy per stage).
+        for dropout; costs a state copy per stage, and per generator its modules
+        hold: NOTE [ Executor ] rule 6).
     host_arena:
         A :class:`~rtmem.HostArena` (pinned) that receives offloaded activations.
         Its buffers are freed at the end of every step. Without one, offloaded data
@@ -391,14 +405,18 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
             st.ready = None
 
     def _scan_state(self) -> None:
-        """Each stage's buffers and constant tables as the modules hold them now."""
+        """Each stage's buffers, constant tables and generators as the modules
+        hold them now."""
         scans = [self._scan_stage(i) for i in range(len(self.stages))]
-        self._stage_buffers = [buffers for buffers, _ in scans]
-        self._stage_consts = [consts for _, consts in scans]
+        self._stage_buffers = [buffers for buffers, _, _ in scans]
+        self._stage_consts = [consts for _, consts, _ in scans]
+        self._stage_gens = [gens for _, _, gens in scans]
 
-    def _scan_stage(self, i: int) -> tuple[list, list]:
-        """Stage ``i``'s buffers and constant tables as its modules hold them now."""
-        return slot_buffers(self._buffer_slots[i]), stage_constants(self._stage_modules[i])
+    def _scan_stage(self, i: int) -> tuple[list, list, list]:
+        """Stage ``i``'s buffers, constant tables and generators as its modules
+        hold them now."""
+        return (slot_buffers(self._buffer_slots[i]),
+                *stage_state(self._stage_modules[i]))
 
     def _run_stage(self, i: int, x: torch.Tensor):
         stage = self.stages[i]
@@ -407,15 +425,20 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
             cpu = torch.get_rng_state() if self.preserve_rng_state else None
             cuda = (torch.cuda.get_rng_state(self._device)
                     if self.preserve_rng_state and self._device.type == "cuda" else None)
-            self._first[i] = (cpu, cuda)
+            # the generators the stage's modules hold (rule 6), as the scan at the
+            # start of the step found them
+            gens = ([(g, g.get_state()) for g in self._stage_gens[i]]
+                    if self.preserve_rng_state else [])
+            self._first[i] = (cpu, cuda, gens)
             y = stage(x)
         else:
             kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
+            cpu, cuda, gens = self._first[i]
             try:
-                with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state):
+                with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state), \
+                        replayed_generators(gens):
                     if self.preserve_rng_state:
-                        cpu, cuda = self._first[i]
                         torch.set_rng_state(cpu)
                         if cuda is not None:
                             torch.cuda.set_rng_state(cuda, self._device)
@@ -430,7 +453,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         # cache of the last output): the new tensor is model state, never freed
         # by a move (whose owner could read freed bytes) nor counted as an
         # activation
-        now, consts = self._scan_stage(i)
+        now, consts, _ = self._scan_stage(i)   # generators: read at first runs only
         if _changed(now, self._stage_buffers[i]) or _changed(consts, self._stage_consts[i]):
             self._stage_buffers[i] = now
             self._stage_consts[i] = consts

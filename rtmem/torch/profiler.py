@@ -54,7 +54,7 @@ from rtmem.planners._validation import check_int
 from ._stages import (ExecutionError, KeptBuffers, _check_output, _input_key,
                       _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, as_stages,
                       buffer_slots, check_inputs, check_loss_fn, differentiable,
-                      inputs_need_grad, slot_buffers, stage_constants)
+                      inputs_need_grad, slot_buffers, stage_constants, stage_state)
 from .offload import _pause_flushes, _resume_flushes
 
 __all__ = ["profile_sequential"]
@@ -116,9 +116,10 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     gradients (the same ``.grad`` objects, with their values, also of tensors
     outside the model that a stage or the loss uses), module buffers (of the
     model and of a loss that is an ``nn.Module``; updated in place or reassigned)
-    and the RNG state are restored afterwards, also after an error, so profiling
-    does not perturb training. Returns a :class:`~rtmem.planners.Chain` with
-    times in seconds and sizes in bytes. Raises
+    and the RNG state (of the default generators, and of the ``torch.Generator``
+    objects the modules hold as attributes) are restored afterwards, also after
+    an error, so profiling does not perturb training. Returns a
+    :class:`~rtmem.planners.Chain` with times in seconds and sizes in bytes. Raises
     :class:`~rtmem.torch.ExecutionError` for a model, batch or loss it cannot run
     (before running any stage) and when a stage does not return a single tensor.
     """
@@ -144,6 +145,11 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     # the input's device too
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
+    # and so do stages from generators of their own (NOTE [ Executor ] rule 6):
+    # each repeat draws again, which would leave them advanced past plain training
+    modules = [*model.modules(), *(loss_fn.modules() if isinstance(loss_fn, nn.Module)
+                                   else ())]
+    gens = [(g, g.get_state()) for g in stage_state(modules)[1]]
     cols = {k: [] for k in ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")}
     # the backward passes below accumulate into .grad in place: profile with
     # none, and put the caller's tensors back afterwards (also those of leaves
@@ -254,5 +260,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, device)
+            for g, g_state in gens:
+                g.set_state(g_state)
     return Chain(**cols, x0=inputs.numel() * inputs.element_size(),
                  u_loss=statistics.median(loss_times), name=name or f"profiled-{len(model)}-stages")
