@@ -1406,3 +1406,83 @@ def test_recomputing_a_stage_replays_the_draws_of_its_own_generator(segments):
     before = m[0].gen.get_state()
     profile_sequential(m, x, y, mse, repeats=2)
     assert torch.equal(m[0].gen.get_state(), before)
+
+
+def _clamping_hook(calls):
+    """Per-parameter gradient clipping (an RL / GAN recipe): not linear, so the
+    clamp of each stage's part differs from the clamp of their sum."""
+    def hook(g):
+        calls.append(g)
+        return g.clamp(-0.05, 0.05)
+    return hook
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post-accumulate"])
+def test_gradient_hooks_on_tied_weights_are_refused(kind):
+    # the executor ran the hook once per stage on that stage's part of the
+    # gradient, where loss.backward() runs it once on the sum: a clamp per part
+    # gave other gradients than plain training, silently
+    model, x, y, loss_fn = _tied_model()
+    w = model[0].weight
+    calls = []
+
+    def add_hook(p):
+        if kind == "tensor":
+            return p.register_hook(_clamping_hook(calls))
+        return p.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad))
+    what = "tensor hook" if kind == "tensor" else "post-accumulate-grad hook"
+    message = rf"'0\.weight'.*shared by stages 0, 2.*1 {what}.*register_step_pre_hook"
+    handle = add_hook(w)
+    with pytest.raises(ExecutionError, match=message):
+        ScheduleExecutor(model, store_all_schedule(3), loss_fn)
+    handle.remove()
+    ex = ScheduleExecutor(model, store_all_schedule(3), loss_fn)
+    # one registered after the executor was built is refused before any work
+    handle = add_hook(w)
+    with pytest.raises(ExecutionError, match=message):
+        ex.step(x, y)
+    assert not calls and all(p.grad is None for p in model.parameters())
+    # and the executor is usable again once it is gone
+    handle.remove()
+    _assert_same(*_train(model, x, y, loss_fn, store_all_schedule(3)))
+    # a hook on a weight only one stage uses runs once per step, as in plain torch
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)   # (hooks are not copied)
+    for net in (ref, m):
+        net[1][0].weight.register_hook(_clamping_hook(calls))
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    ex = ScheduleExecutor(m, store_all_schedule(3), loss_fn)
+    _assert_same(m, ex, ex.step(x, y), ref, ref_loss.detach())
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("text", [
+    "F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0",
+    "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0",
+])
+def test_offloaded_adam_trains_tied_weights_under_the_executor(text, monkeypatch):
+    # OffloadedAdam's gradient flush is a post-accumulate-grad hook: it adds up
+    # the per-stage parts it is handed, so the refusal above must let it pass
+    from rtmem.torch import OffloadedAdam
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    model, x, y, loss_fn = _tied_model()
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    opts = [OffloadedAdam(net.parameters(), lr=1e-2) for net in (ref, m)]
+    ex = ScheduleExecutor(m, _sched(text, 3), loss_fn)
+    g = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(3):
+            x, y = torch.randint(16, (2, 5), generator=g), torch.randint(16, (2, 5), generator=g)
+            ref_loss = loss_fn(ref(x), y)
+            ref_loss.backward()
+            loss = ex.step(x, y)
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+            assert m[0].weight.grad is None     # flushed to the host in backward
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    finally:
+        for opt in opts:
+            opt.close()

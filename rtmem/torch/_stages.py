@@ -15,9 +15,16 @@ from rtmem.planners import Op
 
 from .bridge import _placement_of   # bridge imports nothing of the executor
 
-__all__ = ["ExecutionError", "check_placement", "check_shared_weights", "param_label"]
+__all__ = ["ExecutionError", "check_placement", "check_shared_hooks", "check_shared_weights",
+           "param_label", "shared_parameters"]
 
 _WEIGHT_MOVES = frozenset((Op.W_OFFLOAD, Op.W_DELETE, Op.W_PREFETCH))
+
+#: Set (True) on a gradient hook of rtmem's own that adds up the gradients it is
+#: given (:class:`~rtmem.torch.OffloadedAdam`'s flush, which adds micro-batches
+#: anyway): it may see a tied parameter's per-stage parts one at a time, and
+#: :func:`check_shared_hooks` lets it pass.
+SUMS_PARTIAL_GRADIENTS = "_rtmem_sums_partial_gradients"
 
 
 class ExecutionError(RtmemError):
@@ -449,11 +456,7 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
     # A gradient moved by g_offload of some of the stages using a parameter, and
     # not others, would end up split between host_grads() and p.grad, which an
     # optimizer given either one alone gets wrong.
-    users: dict = {}    # parameter id -> stages using it
-    for i, params in enumerate(stage_params):
-        for p in params:
-            users.setdefault(id(p), (p, []))[1].append(i)
-    for p, stages in users.values():
+    for p, stages in shared_parameters(stage_params):
         moved = [i for i in stages if Op.G_OFFLOAD in moves.get(i, ())]
         if moved and len(moved) < len(stages):
             kept = [i for i in stages if i not in moved]
@@ -463,6 +466,50 @@ def check_shared_weights(stage_params, moves: dict, names: dict) -> None:
                 f"g_offloads its gradient at stage(s) {', '.join(map(str, moved))} but "
                 f"not {', '.join(map(str, kept))}: it would be split between "
                 f"host_grads() and .grad; g_offload every stage using it, or none")
+
+
+def shared_parameters(stage_params) -> list:
+    """``(p, stages)`` for each parameter (by identity) that several stages use
+    (tied weights, a module repeated in the Sequential), ``stages`` ascending:
+    each of those stages' ``B i`` adds its part of the gradient to ``p.grad``
+    in a backward of its own."""
+    users: dict = {}    # parameter id -> (parameter, stages using it)
+    for i, params in enumerate(stage_params):
+        for p in params:
+            stages = users.setdefault(id(p), (p, []))[1]
+            if not stages or stages[-1] != i:
+                stages.append(i)
+    return [(p, stages) for p, stages in users.values() if len(stages) > 1]
+
+
+def check_shared_hooks(shared: list, names: dict) -> None:
+    """Refuse gradient hooks on a parameter of :func:`shared_parameters`
+    (``shared``): the executor runs one backward per stage, so a tensor hook
+    (``register_hook``) or a post-accumulate-grad hook runs once per stage on
+    that stage's part of the gradient, where ``loss.backward()`` runs it once on
+    their sum, and a hook that is not linear (a clamp, a clip, an optimizer step
+    in backward) gives another result. rtmem's own hooks that add up what they
+    are given (:data:`SUMS_PARTIAL_GRADIENTS`) pass."""
+    for p, stages in shared:
+        kinds = []
+        if p._backward_hooks:
+            kinds.append(f"{len(p._backward_hooks)} tensor hook(s) (register_hook)")
+        post = [h for h in (p._post_accumulate_grad_hooks or {}).values()
+                if not getattr(h, SUMS_PARTIAL_GRADIENTS, False)]
+        if post:
+            kinds.append(f"{len(post)} post-accumulate-grad hook(s) "
+                         f"(register_post_accumulate_grad_hook)")
+        if kinds:
+            used = ", ".join(map(str, stages))
+            raise ExecutionError(
+                f"parameter {param_label(names, p)} is shared by stages {used} (tied "
+                f"weights) and has {' and '.join(kinds)}; the executor runs one backward "
+                f"per stage, so each hook would run once per stage on that stage's part of "
+                f"the gradient, where loss.backward() runs it once on their sum (a clamp "
+                f"of each part is not the clamp of the sum). Remove the hook and apply it "
+                f"to the summed p.grad after step() instead (before the optimizer's step, "
+                f"e.g. in optimizer.register_step_pre_hook), merge stages {stages[0]} to "
+                f"{stages[-1]} into one stage, or untie the weights")
 
 
 def check_placement(stage_params, moves: dict, names: dict) -> None:

@@ -30,7 +30,13 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    the resident one, as the simulator does.
 3. ``L``: the loss on a_n; its gradient is delta_n. ``B i``: backward through the
    graph of abar_{i+1} with delta_{i+1}; the input's ``.grad`` is delta_i.
-   Parameter gradients accumulate in ``.grad`` as with ``loss.backward()``. A B i
+   Parameter gradients accumulate in ``.grad`` as with ``loss.backward()``; a
+   parameter several stages use (tied weights) gets one part per stage, each
+   added by that stage's B. A gradient hook on it would run once per part, where
+   ``loss.backward()`` runs it once on the sum, so such a parameter with tensor
+   hooks or post-accumulate-grad hooks is refused with :class:`ExecutionError`,
+   at construction and at every step, unless the hooks are rtmem's own that add
+   up what they get (:class:`~rtmem.torch.OffloadedAdam`'s gradient flush). A B i
    with nothing to backpropagate (a frozen or parameter-free stage on integer
    inputs, or an output nothing used) is skipped, and delta_i is None.
 4. ``offload`` copies the storages of a tensor (abar: output and saved tensors)
@@ -124,8 +130,9 @@ from ._bookkeeping import _CHECK_ACCOUNTING, _Bookkeeping
 from ._host_side import _HostSide
 from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output,
                       _stage_input, _storage_ptrs, as_stages, buffer_slots, check_inputs,
-                      check_loss_fn, check_placement, check_shared_weights,
-                      inputs_need_grad, replayed_generators, slot_buffers, stage_state)
+                      check_loss_fn, check_placement, check_shared_hooks,
+                      check_shared_weights, inputs_need_grad, replayed_generators,
+                      shared_parameters, slot_buffers, stage_state)
 from ._saved import _SavedHooks, uncached_casts
 from ._stored import _copy_matches, _Entries, _Stored
 
@@ -166,7 +173,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         stages, each taking
         and returning a single tensor. Their parameters and buffers are listed
         once, here: build a new executor after adding or replacing any (``.data``
-        swaps and in-place updates are fine).
+        swaps and in-place updates are fine). A parameter several stages share
+        (tied weights) must have no gradient hooks, here and at every step
+        (:class:`ExecutionError`; NOTE [ Executor ] rule 3).
     schedule:
         A :class:`~rtmem.planners.Schedule`, or any object with a ``.schedule``
         (a planner's ``Plan``). It is validated against ``len(model)`` stages
@@ -255,6 +264,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
                 self._moves.setdefault(s, set()).add(op)
         check_shared_weights(self._stage_params, self._moves, self._param_names)
         check_placement(self._stage_params, self._moves, self._param_names)
+        self._shared = shared_parameters(self._stage_params)   # tied weights
+        check_shared_hooks(self._shared, self._param_names)
         self.peak_bytes: int | None = 0 if track_memory else None
         self.resident_bytes: list[int] = []
         super().__init__()
@@ -309,8 +320,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
                 "step() trains (it accumulates parameter gradients), so it cannot run "
                 "with gradients disabled (torch.no_grad(), set_grad_enabled(False)); for "
                 "a validation loss call loss_fn(model(inputs), target) under no_grad")
-        # a placement may have been made after __init__
+        # a placement, or a gradient hook, may have been made after __init__
         check_placement(self._stage_params, self._moves, self._param_names)
+        check_shared_hooks(self._shared, self._param_names)
         if inputs.device.type == "cuda" and self.host_arena is not None and \
                 self.host_arena.backend.name == "cuda":
             # the host arena reuses its blocks in the order of CuPy's current

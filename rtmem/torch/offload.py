@@ -70,6 +70,7 @@ from rtmem.optim import (_check_adam_keys, _check_group_hyper, _check_num_thread
                          _pre_hooked)
 from rtmem.units import is_whole
 
+from ._stages import SUMS_PARTIAL_GRADIENTS
 from .bridge import _placement_of, as_tensor, numpy_dtype
 
 __all__ = ["OffloadedAdam"]
@@ -117,6 +118,11 @@ def _hook(ref, k: int):
         opt = ref()
         if opt is not None and p not in _paused:
             opt._flush(k, p)
+    # It adds every gradient it is given to the host gradient (micro-batches), so
+    # a tied parameter's per-stage parts under the ScheduleExecutor, one backward
+    # per stage, add up to the sum one loss.backward() gives: the executor lets
+    # it pass where it refuses other hooks on tied weights
+    setattr(flush, SUMS_PARTIAL_GRADIENTS, True)
     return flush
 
 
