@@ -1486,3 +1486,96 @@ def test_offloaded_adam_trains_tied_weights_under_the_executor(text, monkeypatch
     finally:
         for opt in opts:
             opt.close()
+
+
+class _Cut(nn.Module):
+    """A linear layer whose output, as ``cut`` says, keeps its autograd history
+    (None), is detached ("detach") or is an integer argmax ("argmax")."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cut = nn.Linear(8, 4), None
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {None: y, "detach": y.detach(), "argmax": y.argmax(-1, keepdim=True)}[self.cut]
+
+
+def _float_mse(out, target):
+    return (out.float() - target).square().mean()
+
+
+#: Moves abar1 through the host arena before B 2 finds that nothing trains.
+_OFFLOADS_FIRST = ("F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, F_all 2, L, B 2, "
+                   "B 1, prefetch abar1, B 0")
+
+
+@pytest.mark.parametrize("case, message", [
+    ("frozen", r"all frozen.*model\.requires_grad_\(True\)"),
+    ("detach", r"cut it.*last stage \(_Cut\)"),
+    ("argmax", r"cut it.*last stage \(_Cut\)"),
+    ("loss", r"loss_fn\(output, target\) returned a loss that does not require grad"),
+])
+def test_a_step_where_nothing_needs_a_gradient_is_refused(case, message, arena):
+    # plain loss.backward() raises there ("element 0 of tensors does not require
+    # grad"); the executor returned a loss and trained nothing, silently
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), _Cut())
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    loss_fn = _float_mse
+    if case == "frozen":
+        model.requires_grad_(False)
+    elif case == "loss":
+        def loss_fn(out, target):
+            return _float_mse(out, target).detach()
+    else:
+        model[2].cut = case
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        loss_fn(copy.deepcopy(model)(x), y).backward()     # as plain torch does
+    m = copy.deepcopy(model)
+    ex = ScheduleExecutor(m, _sched(_OFFLOADS_FIRST, 3), loss_fn, host_arena=arena)
+    with pytest.raises(ExecutionError, match=message):
+        ex.step(x, y)
+    assert all(p.grad is None for p in m.parameters())
+    assert arena.stats().allocated_bytes == 0      # the offloaded abar1 went back
+    assert not ex._plain and not ex._bar and ex._delta is None
+    # once the cause is gone, the same executor trains as plain torch
+    m.requires_grad_(True)
+    m[2].cut = None
+    ex.loss_fn = _float_mse
+    ref = copy.deepcopy(m)
+    ref_loss = _float_mse(ref(x), y)
+    ref_loss.backward()
+    _assert_same(m, ex, ex.step(x, y), ref, ref_loss.detach())
+
+
+class _TemperedMSE(nn.Module):
+    """A loss with a parameter of its own (a learnable temperature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, out, target):
+        return mse(out * self.t, target)
+
+
+@pytest.mark.parametrize("what", ["loss-parameter", "batch"])
+def test_a_frozen_model_whose_loss_still_needs_a_gradient_trains(what):
+    # plain loss.backward() runs when the loss trains something of its own or
+    # the batch requires grad: the check for nothing to train must not refuse it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).requires_grad_(False)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    loss_fn = _TemperedMSE() if what == "loss-parameter" else nn.MSELoss()
+    xs = [x.clone().requires_grad_(what == "batch") for _ in range(2)]
+    ref_loss = loss_fn(model(xs[0]), y)
+    ref_loss.backward()
+    want = [t.grad.clone() for t in (*loss_fn.parameters(), xs[0]) if t.grad is not None]
+    for t in loss_fn.parameters():
+        t.grad = None
+    ex = ScheduleExecutor(model, _sched(_OFFLOADS_FIRST, 3), loss_fn)
+    torch.testing.assert_close(ex.step(xs[1], y), ref_loss.detach())
+    got = [t.grad for t in (*loss_fn.parameters(), xs[1]) if t.grad is not None]
+    assert len(got) == len(want) == 1
+    torch.testing.assert_close(got[0], want[0])

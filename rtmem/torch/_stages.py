@@ -397,6 +397,24 @@ def _stage_input(x: torch.Tensor, needs_grad: bool = True):
     return _grad_input(x) if needs_grad and differentiable(x) else (x, x)
 
 
+def _graph_leaves(t, own) -> list:
+    """The tensors whose ``.grad`` a backward from ``t`` accumulates into (its
+    graph's leaves), but ``own`` (the input leaf the profiler or the executor
+    gave the stage or the loss): parameters of the model, any a stage or the
+    loss closes over, a target that requires grad."""
+    leaves, seen, todo = [], set(), [t.grad_fn] if isinstance(t, torch.Tensor) else []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)   # an AccumulateGrad node
+        if leaf is not None and leaf is not own:
+            leaves.append(leaf)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return leaves
+
+
 def inputs_need_grad(stage_params, batch_needs_grad: bool) -> list:
     """Whether each stage's input a_i requires grad in plain autograd: when the
     batch does, or a stage before i has a parameter that requires grad. Only
@@ -407,6 +425,38 @@ def inputs_need_grad(stage_params, batch_needs_grad: bool) -> list:
         needs.append(trainable)
         trainable = trainable or any(p.requires_grad for p in params)
     return needs
+
+
+def nothing_trains(stage_params, batch_needs_grad: bool, last_stage, *,
+                   loss_cut: bool = False) -> ExecutionError:
+    """The error for a step whose loss needs no gradient, where plain
+    ``loss.backward()`` raises ("element 0 of tensors does not require grad"):
+    the model's output a_n needs none, nor does anything else the loss reads,
+    or (``loss_cut``) it does but ``loss_fn`` returned a loss without autograd
+    history. ``stage_params`` are the stages' parameters, ``last_stage`` the
+    module making a_n; the message names the likely cause and what to do."""
+    if loss_cut:
+        return ExecutionError(
+            "loss_fn(output, target) returned a loss that does not require grad, "
+            "although the output does: it drops the autograd history (a .detach(), "
+            ".item() or torch.tensor(...) of the value, a torch.no_grad() block), so "
+            "nothing would train; return the loss tensor as computed")
+    if batch_needs_grad or any(p.requires_grad for ps in stage_params for p in ps):
+        cause = (f"a stage cut it from the parameters that train: the last stage "
+                 f"({type(last_stage).__name__}) or one before it returns a tensor without "
+                 f"autograd history (a .detach(), an integer result such as argmax, a "
+                 f"forward under torch.no_grad())")
+        remedy = "return the differentiable tensor"
+    else:
+        cause = ("no parameter of the model requires grad (all frozen: "
+                 "requires_grad=False) and the batch does not either")
+        remedy = "unfreeze the parameters (model.requires_grad_(True))"
+    return ExecutionError(
+        f"nothing in this step needs a gradient: the model's output does not require "
+        f"grad, nor does anything else the loss reads, because {cause}. Plain "
+        f"loss.backward() raises here too. To train, {remedy}; for a loss without "
+        f"training, compute loss_fn(model(inputs), target) under torch.no_grad() "
+        f"instead of step()")
 
 
 def param_label(names: dict, p) -> str:

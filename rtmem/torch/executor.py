@@ -38,7 +38,15 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    at construction and at every step, unless the hooks are rtmem's own that add
    up what they get (:class:`~rtmem.torch.OffloadedAdam`'s gradient flush). A B i
    with nothing to backpropagate (a frozen or parameter-free stage on integer
-   inputs, or an output nothing used) is skipped, and delta_i is None.
+   inputs, or an output nothing used) is skipped, and delta_i is None. A step
+   whose loss needs no gradient at all, where ``loss.backward()`` raises, is
+   refused with :class:`ExecutionError` before any gradient is written: at L
+   when the loss does not require grad, or at ``B n-1`` when abar_n's output
+   (made as plain autograd makes a_n) does not and the loss reads nothing else
+   that does (a loss module's parameter, a target that requires grad); the
+   cause is every parameter frozen with a batch that needs no gradient, or a
+   stage detaching its output (the loss gets a leaf that requires grad whatever
+   a_n needs, so without the check such a step trained nothing, silently).
 4. ``offload`` copies the storages of a tensor (abar: output and saved tensors)
    to host memory; ``delete`` frees the device storages with
    ``untyped_storage().resize_(0)``, which keeps every tensor object (and the
@@ -129,10 +137,10 @@ from rtmem.planners._validation import type_label
 from ._bookkeeping import _CHECK_ACCOUNTING, _Bookkeeping
 from ._host_side import _HostSide
 from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output,
-                      _stage_input, _storage_ptrs, as_stages, buffer_slots, check_inputs,
-                      check_loss_fn, check_placement, check_shared_hooks,
-                      check_shared_weights, inputs_need_grad, replayed_generators,
-                      shared_parameters, slot_buffers, stage_state)
+                      _graph_leaves, _stage_input, _storage_ptrs, as_stages, buffer_slots,
+                      check_inputs, check_loss_fn, check_placement, check_shared_hooks,
+                      check_shared_weights, inputs_need_grad, nothing_trains,
+                      replayed_generators, shared_parameters, slot_buffers, stage_state)
 from ._saved import _SavedHooks, uncached_casts
 from ._stored import _copy_matches, _Entries, _Stored
 
@@ -303,6 +311,10 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         ``inputs`` that require grad get their gradient as from
         ``loss.backward()``: in ``.grad``, or through the graph that made them.
 
+        A step in which nothing needs a gradient (every parameter frozen and a
+        batch that does not require grad, or a last stage that detaches its
+        output) raises :class:`ExecutionError`, as ``loss.backward()`` raises.
+
         If the step raises, the weights are all back on the device, but the
         gradients it produced before the error stay where they went (``.grad``,
         or the :meth:`host_grads` of ``g_offload``), as after a failed
@@ -350,6 +362,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         self._refresh_state_ptrs()
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
+        self._loss_alone = False   # set by L (_loss)
         track = self.track_memory
         self.peak_bytes = 0 if track else None
         self.resident_bytes = []
@@ -509,12 +522,29 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
                     else f"a {type(loss).__name__}")
             raise ExecutionError(f"loss_fn(output, target) must return a scalar tensor (0-d), "
                                  f"got {what}; reduce it (e.g. .mean()) in loss_fn")
+        if not loss.requires_grad:   # where loss.backward() raises (rule 3)
+            raise nothing_trains(self._stage_params, self._caller_inputs is not None,
+                                 self.stages[-1], loss_cut=z.requires_grad)
+        # z is a leaf that requires grad whatever a_n needs, so this loss requires
+        # grad where plain autograd's may not; B n-1 decides, as abar_n says whether
+        # a_n needs a gradient. What it needs from here: whether the loss trains
+        # something without a_n (a loss module's parameter, a target that requires
+        # grad), a walk of the loss's graph, skipped when abar_n already needs one
+        st = self._resident(k)
+        self._loss_alone = ((st.inp is not None and st.out.requires_grad)
+                            or bool(_graph_leaves(loss, leaf)))
         loss.backward()
         self._delta = leaf.grad
         self._consume_plain(k)
         return loss.detach()
 
     def _backward(self, i: int):
+        if i == self.n - 1 and not self._bar[i + 1].out.requires_grad and \
+                not self._loss_alone:
+            # a_n needs no gradient (abar_n is as plain autograd makes a_n), nor
+            # does anything else the loss reads: loss.backward() raises (rule 3)
+            raise nothing_trains(self._stage_params, self._caller_inputs is not None,
+                                 self.stages[-1])
         bar = self._bar.pop(i + 1)
         self._wait(bar)
         self._wait_weights(i)

@@ -51,7 +51,7 @@ from torch import nn
 from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
-from ._stages import (ExecutionError, KeptBuffers, _check_output, _input_key,
+from ._stages import (ExecutionError, KeptBuffers, _check_output, _graph_leaves, _input_key,
                       _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, as_stages,
                       buffer_slots, check_inputs, check_loss_fn, differentiable,
                       inputs_need_grad, slot_buffers, stage_constants, stage_state)
@@ -75,23 +75,6 @@ class _Timer:
         t0 = time.perf_counter()
         out = fn()
         return out, time.perf_counter() - t0
-
-
-def _graph_leaves(t, own) -> list:
-    """The tensors whose ``.grad`` a backward from ``t`` accumulates into (its
-    graph's leaves), but ``own`` (the profiler's input leaf): parameters of the
-    model, and any a stage or the loss closes over."""
-    leaves, seen, todo = [], set(), [t.grad_fn] if isinstance(t, torch.Tensor) else []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        leaf = getattr(node, "variable", None)   # an AccumulateGrad node
-        if leaf is not None and leaf is not own:
-            leaves.append(leaf)
-        todo.extend(nxt for nxt, _ in node.next_functions)
-    return leaves
 
 
 def _clear_grads(leaves, grads: dict) -> None:
