@@ -1579,3 +1579,31 @@ def test_a_frozen_model_whose_loss_still_needs_a_gradient_trains(what):
     got = [t.grad for t in (*loss_fn.parameters(), xs[1]) if t.grad is not None]
     assert len(got) == len(want) == 1
     torch.testing.assert_close(got[0], want[0])
+
+
+class _ConjMix(nn.Module):
+    """Saves lazy conjugate views of its complex input and of its complex weight
+    (``mul`` keeps its operands as given, conj bit and all)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, dtype=torch.cfloat))
+
+    def forward(self, z):
+        return (z.conj() * self.w.conj() * z).real
+
+
+@pytest.mark.parametrize("text", [
+    "F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0",
+    "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0",
+    "F_all 0, F_ck 1, F_all 1, w_delete 1, offload abar2, delete abar2, F_all 2, L, "
+    "B 2, w_prefetch 1, prefetch abar2, B 1, B 0",
+])
+def test_saved_conjugate_views_keep_their_conjugation(text):
+    # a saved view of the stage's input or weight is re-derived at B i with
+    # as_strided, which dropped the lazy conj bit of z.conj() / w.conj(): the
+    # gradients of stage 1 and of everything before it came out conjugated
+    torch.manual_seed(0)
+    model = nn.Sequential(_ToSpectrum(), _ConjMix(), nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    _assert_same(*_train(model, x, y, mse, _sched(text, 3)))

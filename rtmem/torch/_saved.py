@@ -49,6 +49,15 @@ class _SavedHooks:
         # copy F_all i happened to read does not break the graph; unless the
         # stage modified its input before saving it: then no copy of a_i holds
         # those values, and the graph keeps the tensor, as autograd would.
+        if t.is_conj() or t.is_neg():
+            # A lazy conjugate or negative view (z.conj() of a complex input or
+            # weight) holds that bit, not the values, in its storage, and the
+            # re-derivations below (as_strided) drop the bit: the gradient came out
+            # conjugated. Packed as its plain view, the bits put back at unpack.
+            conj, neg = t.is_conj(), t.is_neg()
+            plain = t.conj() if conj else t            # a view without the bit
+            plain = torch._neg_view(plain) if neg else plain
+            return (self.pack(plain), conj, neg)
         base = self.state.get(t.untyped_storage().data_ptr())
         if base is not None and base.dtype == t.dtype:
             return (base, t.size(), t.stride(), t.storage_offset(), base._version)
@@ -67,6 +76,11 @@ class _SavedHooks:
 
     def unpack(self, packed):
         i = self.i
+        if len(packed) == 3:    # a conjugate or negative view (pack)
+            inner, conj, neg = packed
+            t = self.unpack(inner)
+            t = torch._neg_view(t) if neg else t
+            return t.conj() if conj else t
         if len(packed) == 2:
             t, version = packed
             if t._version != version:   # autograd's own check is off under hooks

@@ -25,7 +25,8 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    recorded graph (its saved tensors) and the output form abar_{i+1}. Saved
    tensors go through ``saved_tensors_hooks`` so the executor knows their
    storages (for accounting and offload); views of the stage's parameters,
-   buffers and input are re-derived when the backward reads them.
+   buffers and input are re-derived when the backward reads them (a lazy
+   conjugate view, ``z.conj()`` of a complex one, with its conj bit).
    A forward whose output (a_{i+1} or abar_{i+1}) is already resident keeps
    the resident one, as the simulator does.
 3. ``L``: the loss on a_n; its gradient is delta_n. ``B i``: backward through the
