@@ -539,26 +539,17 @@ def test_statistics_peak_sees_both_blocks_of_a_moving_resize():
     s._check_invariants()
 
 
-class _FlakySink(io.StringIO):
-    fail = False
-
-    def write(self, text):
-        if self.fail:
-            raise OSError("disk full")
-        return super().write(text)
-
-
 def test_tracing_resize_survives_a_failing_sink_without_leaking():
     core = BestFitAllocator(4096, alignment=256)
-    sink = _FlakySink()
+    sink = _BrokenSink()
     tr = TracingAdaptor(core, sink)
     a = tr.allocate(256)
     b = tr.allocate(256)                # a's neighbour: growing a moves it
-    sink.fail = True
-    with pytest.warns(RuntimeWarning, match="disk full.*resize stands.*recording ended"):
+    sink.broken = True
+    with pytest.warns(RuntimeWarning, match="no space left.*resize stands.*recording ended"):
         grown = tr.resize(a, 1024)
     assert grown is not a and grown.is_live and not a.is_live
-    sink.fail = False
+    sink.broken = False
     c = tr.allocate(100)                # the recording ended: no more lines
     for blk in (grown, b, c):
         tr.deallocate(blk)

@@ -519,18 +519,25 @@ def test_state_dict_round_trip_mid_training_is_exact():
     assert float(saved["opt"]["state"][0]["step"]) == 5.0
 
 
-def test_state_dict_moves_between_torch_adam_and_cpu_adam():
-    ours, _ = _models(15)
+def _trained_torch_twin(ours, seed: int, steps: int):
+    """torch.optim.Adam (lr 1e-2) over clones of ``ours`` after ``steps`` steps of
+    random gradients, ``ours`` set to its weights; (its params, it, the generator)."""
     theirs = [p.detach().clone().requires_grad_() for p in ours]
     torch_opt = torch.optim.Adam(theirs, lr=1e-2)
-    gen = torch.Generator().manual_seed(16)
-    for _ in range(4):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
         for p in theirs:
             p.grad = torch.randn(p.shape, generator=gen)
         torch_opt.step()
     with torch.no_grad():
         for p, q in zip(ours, theirs):
             p.copy_(q)
+    return theirs, torch_opt, gen
+
+
+def test_state_dict_moves_between_torch_adam_and_cpu_adam():
+    ours, _ = _models(15)
+    theirs, torch_opt, gen = _trained_torch_twin(ours, 16, steps=4)
     opt = optim.CPUAdam(ours, lr=1e-2)
     opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     _step_twins(ours, theirs, opt, torch_opt, gen, steps=4)
@@ -550,15 +557,7 @@ def test_a_state_dict_whose_groups_lack_torch_adams_later_keys_loads_and_steps()
     # AdamW's): torch.optim.Adam's __setstate__ defaults them, CPUAdam loaded
     # them, then every step raised a bare KeyError 'amsgrad'
     ours, _ = _models(41)
-    ref = [p.detach().clone().requires_grad_() for p in ours]
-    ref_opt = torch.optim.Adam(ref, lr=1e-2)
-    gen = torch.Generator().manual_seed(42)
-    for p in ref:
-        p.grad = torch.randn(p.shape, generator=gen)
-    ref_opt.step()
-    with torch.no_grad():
-        for p, q in zip(ours, ref):
-            p.copy_(q)
+    ref, ref_opt, gen = _trained_torch_twin(ours, 42, steps=1)
     saved = copy.deepcopy(ref_opt.state_dict())
     for group in saved["param_groups"]:
         for key in ("amsgrad", "maximize", "foreach", "capturable", "differentiable",
