@@ -490,48 +490,62 @@ def _in_forked_child(fn, timeout=30):
 def test_transfers_and_close_work_in_a_child_forked_after_copies_ran():
     # The child inherited the streams but not their worker threads: its copies
     # never ran and every wait, and arena close(), hung (NOTE [ Host streams
-    # after fork ]).
+    # after fork ]). The parent's work in flight at the fork does not run in
+    # the child; its events fail there, and its buffers are undone.
     from rtmem.backends.host import HostBackend
     be = HostBackend()
     d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
     b = d.alloc(shape=(256,), dtype=np.float32)
     b.numpy()[:] = np.arange(256)
     T.synchronize(T.offload(b, arena=h))    # the worker threads now exist
-    gate, running = threading.Event(), threading.Event()
-    # running (not only queued) at the fork: the child's new worker would run a
-    # queued gate.wait, and nothing sets the gate in the child
-    T.get_engine(be).d2h.launch_host_func(lambda: (running.set(), gate.wait()))
-    assert running.wait(30)
+    d2h = T.get_engine(be).d2h
+    gate, running, ran = threading.Event(), threading.Event(), []
+    d2h.launch_host_func(lambda: (running.set(), gate.wait()))
+    assert running.wait(30)                 # running at the fork, the rest queued
+    d2h.launch_host_func(lambda: ran.append("queued"))
+    moving = d.alloc(shape=(128,), dtype=np.float32)
+    moving.numpy()[:] = 5.0
+    T.offload(moving, arena=h)
+    ev = be.new_event().record(d2h)
 
     def child():
         import os
         try:
-            ev = be.new_event().record(T.get_engine(be).d2h)
-            try:                            # the gate was running at the fork: lost
+            try:
                 ev.synchronize()
                 os._exit(3)
             except BackendError as e:
                 if "forked" not in str(e):
                     os._exit(4)
+            try:
+                T.synchronize(moving)
+                os._exit(5)
+            except BackendError:            # undone: still on the device, intact
+                pass
+            if moving.residency != "device" or not (moving.to_numpy() == 5.0).all():
+                os._exit(6)
             c = d.alloc(shape=(64,), dtype=np.float32)
             c.numpy()[:] = 7.0
             T.synchronize(T.offload(c, arena=h))    # a fresh worker serves it
-            ok = (c.to_numpy() == 7.0).all() and (b.to_numpy() == np.arange(256)).all()
+            ok = ran == [] and (c.to_numpy() == 7.0).all() and \
+                (b.to_numpy() == np.arange(256)).all()
             with HostArena(4096, backend=be) as scratch:
                 scratch.alloc(16).free()
             d.close()
             h.close()
-            os._exit(0 if ok else 5)
+            os._exit(0 if ok else 7)
         except BaseException:
-            os._exit(6)
+            os._exit(8)
 
     try:
         assert _in_forked_child(child) == 0
     finally:
         gate.set()
-    T.synchronize(b)
-    assert (b.to_numpy() == np.arange(256)).all()   # the parent is unaffected
+    T.synchronize(moving)                   # the parent is unaffected
+    assert ran == ["queued"] and moving.residency == "both"
+    assert (moving.to_numpy() == 5.0).all() and (b.to_numpy() == np.arange(256)).all()
     b.free()
+    moving.free()
     d.close()
     h.close()
 

@@ -159,7 +159,7 @@ class _Failure:
 
     def __init__(self):
         self.error = None
-        self.running = False
+        self.running = None     # the work the worker is running, if any
 
 
 def _serve(q, failure) -> None:
@@ -169,14 +169,14 @@ def _serve(q, failure) -> None:
         fn = q.get()
         if fn is None:
             return
-        failure.running = True
+        failure.running = fn
         try:
             fn()
         except BaseException as exc:   # reported on synchronize, never lost
             if failure.error is None:
                 failure.error = exc
         finally:
-            failure.running = False
+            failure.running = None
 
 
 # NOTE [ Host streams after fork ]
@@ -184,12 +184,14 @@ def _serve(q, failure) -> None:
 # DataLoader workers) inherits every HostStream but none of their worker
 # threads: work it enqueued was never run, and every wait, copy and arena
 # close() in the child hung forever. In the child, each stream and backend gets
-# a fresh lock (another thread may have held it at the fork), each stream a new
-# worker if work
-# is queued; the child's queue is the parent's at the fork, so that work runs
-# in the child too, on the child's copy of the memory. Work that was running at
-# the fork is lost with its thread: it counts as failed (BackendError), so the
-# event after it reports that instead of a success over half-copied bytes.
+# a fresh lock (another thread may have held it at the fork), and each stream
+# an empty queue whose worker starts with the child's first work there. What
+# the parent had queued or running at the fork does not run in the child:
+# rerunning its copies there would cost each worker (of a DataLoader, say) the
+# copy and the copy-on-write pages it touches, for data it never reads. The
+# events it recorded complete at once with a BackendError saying so, so a
+# buffer whose copy was in flight is undone in the child as after any failed
+# copy (its source, the child's snapshot, is intact), and nothing waits forever.
 _renewed_after_fork = weakref.WeakSet()
 
 
@@ -232,17 +234,25 @@ class HostStream:
         """NOTE [ Host streams after fork ]."""
         self._lock = threading.RLock()
         if self._thread is None:
-            return
-        failure = self._failure
-        if failure.running:
-            failure.running = False
-            if failure.error is None:
-                failure.error = BackendError(
-                    f"work on host stream {self.name!r} was running when this process "
-                    f"was forked and did not finish in the child")
-        self._thread = None
-        if not self._queue.empty():     # work (or close()'s stop marker) to serve
-            self._start_worker()
+            return                          # never served: nothing is queued
+        self._thread = None                 # started by the child's first work here
+        old, self._queue = self._queue, queue.SimpleQueue()
+        abandoned = BackendError(
+            f"work on host stream {self.name!r} was queued or running when this "
+            f"process was forked; it does not run in the child")
+        pending = [self._failure.running]
+        self._failure.running = None
+        while True:
+            try:
+                pending.append(old.get_nowait())
+            except queue.Empty:
+                break
+        for fn in pending:
+            if isinstance(fn, functools.partial) and fn.func is _complete:
+                done, box, _ = fn.args      # an event recorded behind that work
+                if not done.is_set():
+                    box[0] = abandoned
+                    done.set()
 
     def ordered(self):
         """A context manager in which no other thread enqueues on this stream:
