@@ -17,6 +17,8 @@ bound: the most bytes live at once).
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +71,24 @@ def _peak_live(alloc, free, sizes) -> int:
     return int(np.cumsum(delta[np.lexsort((is_free, where))]).max())
 
 
+def _whole(value, what: str, ceil: bool):
+    """One Python-object ``value`` as an int: rounded up with ``ceil``, else
+    refused unless whole (as :func:`_ints` treats floats)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{what} must be integers, got {value!r}")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    try:
+        if not math.isfinite(value):
+            raise ValueError(f"{what} must be finite numbers")
+        whole = math.ceil(value) if ceil else int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{what} must be integers, got {value!r}") from None
+    if not ceil and whole != value:
+        raise ValueError(f"{what} must be whole numbers, got {value!r}")
+    return whole
+
+
 def _ints(values, what: str, *, ceil: bool = False) -> np.ndarray:
     """``values`` as int64 (fractions rounded up with ``ceil``), or a ValueError
     naming ``what``. numpy raised bare OverflowError / TypeError from deep
@@ -79,6 +99,12 @@ def _ints(values, what: str, *, ceil: bool = False) -> np.ndarray:
     # op indices is a mistake, not 0s and 1s
     if arr.dtype.kind not in "iufO":
         raise ValueError(f"{what} must be integers, got an array of {arr.dtype}")
+    if arr.dtype.kind == "O":
+        # Python objects (ints beyond int64, Fraction, Decimal): int() truncated
+        # a Fraction(3, 2)-byte size to 1 and an op index of 1/2 to 0, where the
+        # same float values round up or are refused
+        arr = np.asarray([_whole(v, what, ceil) for v in arr.ravel()],
+                         dtype=object).reshape(arr.shape)
     if arr.dtype.kind == "f":
         if not np.isfinite(arr).all():
             raise ValueError(f"{what} must be finite numbers")
@@ -126,8 +152,10 @@ def plan_layout(alloc, free, nbytes, *, alignment: int = DEFAULT_ALIGNMENT) -> L
     # int64 arithmetic below must not wrap (2 x 2**62 gave a reserve of 2**62).
     aligned = [align_up(max(b, 1), alignment) for b in nbytes.tolist()]
     if sum(aligned) >= 1 << 63:
-        raise ValueError("the buffers add up to 2**63 bytes or more; no layout of them "
-                         "fits a 64-bit address space")
+        # a bound for the int64 arithmetic, not the layout's peak (buffers never
+        # live together could share bytes)
+        raise ValueError("the buffers add up to 2**63 bytes or more, too large to lay "
+                         "out in int64 offsets; give sizes in larger units")
     sizes = np.asarray(aligned, dtype=np.int64)
     order = np.lexsort((alloc, -sizes))
     offsets = np.full(len(sizes), -1, np.int64)

@@ -219,3 +219,19 @@ def test_lifetimes_refuse_a_prefetch_of_resident_data():
                               "prefetch abar1, w_offload 0, w_prefetch 0, B 1, B 0")
     P.simulate(chain, ok, BIG)
     assert lifetimes(chain, ok).peak_live() == P.simulate(chain, ok, P.Platform(10**14)).peak
+
+
+def test_python_number_objects_round_up_as_sizes_and_must_be_whole_as_op_indices():
+    # object arrays went straight to int(): Fraction(3, 2) bytes became 1 and an
+    # op index of 1/2 became 0, where the same floats round up or are refused
+    from decimal import Decimal
+    from fractions import Fraction
+    lay = plan_layout([0, 0], [0, 0], [Fraction(3, 2), Decimal("2.5")], alignment=1)
+    assert lay.sizes.tolist() == [2, 3]
+    with pytest.raises(ValueError, match="whole numbers, got Fraction"):
+        plan_layout([Fraction(1, 2)], [1], [4])
+    with pytest.raises(ValueError, match="must be integers, got None"):
+        plan_layout([None], [1], [4])
+    # a bound on the int64 arithmetic, not a claim about the layout
+    with pytest.raises(ValueError, match="too large to lay out in int64"):
+        plan_layout([0, 1], [0, 1], [2**62, 2**62])
