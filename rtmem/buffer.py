@@ -444,7 +444,11 @@ class Buffer:
         buffer (optimizer state, parameters).
         """
         if pin:
-            return np.asarray(self._export(where, cuda=False))
+            view = np.asarray(self._export(where, cuda=False))
+            # the interface's descr cannot carry a structured dtype's padding
+            # (numpy rebuilds it with named void fields): view it as ours, which
+            # keeps the pin through .base
+            return view if view.dtype == self._dtype else view.view(self._dtype)
         return self._typed(self._bytes(self._view_placement(where)))
 
     def _bytes(self, p: Placement) -> np.ndarray:
@@ -526,7 +530,9 @@ class Buffer:
     def __array_interface__(self) -> dict:
         """NumPy's array interface over the host-addressable primary placement
         (AttributeError for cuda device memory, so consumers fall back to the
-        CUDA array interface or DLPack)."""
+        CUDA array interface or DLPack). A structured dtype with padding comes
+        back from ``np.asarray(buf)`` with the padding as named void fields (the
+        interface's ``descr`` cannot say "aligned"); :meth:`numpy` gives ``dtype``."""
         p = self._view_placement(None)
         if p.slab.host_array is None:
             raise AttributeError("cuda device memory has no __array_interface__; use "

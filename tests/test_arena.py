@@ -638,3 +638,19 @@ def test_numpy_bools_are_refused_as_sizes_as_python_bools_are(dev):
         with pytest.raises(UnitError):
             dev.alloc(flag)
     assert dev.stats().alloc_count == 0
+
+
+def test_a_pinned_view_of_a_padded_structured_dtype_has_the_buffers_dtype():
+    # numpy rebuilt the dtype from the interface's descr, padding as a named
+    # void field: the pinned view's dtype differed and copies between views failed
+    dt = np.dtype([("a", "u1"), ("b", "<f4")], align=True)
+    dev = DeviceArena(1 << 16, backend="host")
+    b = dev.alloc(shape=(4,), dtype=dt)
+    plain, pinned = b.numpy(), b.numpy(pin=True)
+    assert plain.dtype == pinned.dtype == dt
+    pinned["b"] = [1.5, 2.5, 3.5, 4.5]
+    plain[:] = pinned                      # refused between the two dtypes before
+    assert plain["b"].tolist() == [1.5, 2.5, 3.5, 4.5]
+    del plain, pinned
+    b.free()
+    dev.close()

@@ -66,6 +66,8 @@ def test_bad_requests(arena):
         as_tensor(np.zeros(3))
     with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
         as_tensor(buf, dtype="float32")
+    with pytest.raises(TypeError, match="cannot hold torch.quint8 tensors"):
+        as_tensor(buf, dtype=torch.quint8)
     with pytest.raises(TypeError, match="dense tensors.*sparse_coo.*to_dense"):
         from_tensor(torch.eye(3).to_sparse(), arena)
     with pytest.raises(rtmem.OutOfMemoryError):
@@ -151,9 +153,20 @@ def test_gradients_go_where_the_parameters_compute(arena):
         place_parameters(model, mapped, grad_arena=host, device_alias=True)
     assert [(p.data_ptr(), p.grad.data_ptr()) for p in model.parameters()] == before
     assert mapped.stats().allocated_bytes == host.stats().allocated_bytes == 0
+    # device_alias on a DeviceArena (or an unmapped host one) is refused by its
+    # cause, before anything moves; it was "no host copy; prefetch or offload it"
+    dev = rtmem.DeviceArena("1MiB", backend="host")
+    for wrong in (dev, host):
+        with pytest.raises(ValueError, match=r"device_alias=True .*HostArena\(nbytes, "
+                                             r"mapped=True\), got"):
+            place_parameters(model, wrong, device_alias=True)
+    assert [(p.data_ptr(), p.grad.data_ptr()) for p in model.parameters()] == before
+    with pytest.raises(ResidencyError, match="mapped host buffer on the cuda backend"):
+        as_tensor(dev.alloc(16), device_alias=True)
     gc.collect()
     host.close()
     mapped.close()
+    dev.close()
 
 
 def test_wrong_argument_types_are_named(arena):

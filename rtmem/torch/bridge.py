@@ -45,9 +45,23 @@ _BITS = {torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8,
          torch.float8_e5m2: np.uint8}
 
 
+# torch deprecates making tensors of these (a warning): known by name instead
+_QUANTIZED = frozenset(getattr(torch, name) for name in
+                       ("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, name))
+
+
+def _cannot_hold(dtype) -> TypeError:
+    return TypeError(f"rtmem buffers cannot hold {dtype} tensors (quantized, sub-byte "
+                     f"and bits dtypes have no numpy layout); convert the tensor first, "
+                     f"e.g. .dequantize() or .to(torch.uint8)")
+
+
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype an arena buffer uses to hold ``dtype`` (bit patterns for
     bfloat16 and float8)."""
+    if dtype in _QUANTIZED:
+        raise _cannot_hold(dtype)
     if dtype in _BITS:
         return np.dtype(_BITS[dtype])
     try:
@@ -59,9 +73,7 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
         # has no numpy twin for them either (it raised "Got unsupported
         # ScalarType"), and any same-width integer holds their bits
         return np.dtype(f"u{dtype.itemsize}")
-    raise TypeError(f"rtmem buffers cannot hold {dtype} tensors (quantized, sub-byte "
-                    f"and bits dtypes have no numpy layout); convert the tensor first, "
-                    f"e.g. .dequantize() or .to(torch.uint8)")
+    raise _cannot_hold(dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,14 +164,21 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got "
                         f"{dtype!r}")
+    if dtype in _QUANTIZED:
+        # a quantized view came back as a tensor without its scale and zero point,
+        # on which every op (dequantize() too) raised
+        raise _cannot_hold(dtype)
     if not _torch_shares(buf.dtype):
         raise TypeError(f"torch has no dtype for this buffer's numpy dtype {buf.dtype}; "
                         f"view it with buf.numpy(), or allocate it with a dtype torch "
                         f"shares (uint16 holds bfloat16 bits: as_tensor(buf, "
                         f"dtype=torch.bfloat16))")
     if device_alias:
-        p = buf._view_placement("host")
-        if p.arena.backend.name != "cuda" or p.slab.device_ptr is None:
+        try:
+            p = buf._view_placement("host")
+        except ResidencyError:
+            p = None      # a DeviceArena's buffer: "offload it first" was no fix
+        if p is None or p.arena.backend.name != "cuda" or p.slab.device_ptr is None:
             raise ResidencyError(
                 "device_alias=True needs a mapped host buffer on the cuda backend "
                 "(HostArena(nbytes, mapped=True) with RTMEM_BACKEND=cuda)",
@@ -322,6 +341,11 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     if grad_arena is not None:
         _check_arena(grad_arena, "grad_arena")
     grads_in = grad_arena or arena
+    if device_alias and not (arena.location == "host" and getattr(arena, "mapped", False)):
+        # refused before anything moves, by its real cause (the first weight
+        # buffer was made, then refused as "no host copy; prefetch or offload it")
+        raise ValueError(f"device_alias=True runs the GPU on weights in mapped host "
+                         f"memory: give a HostArena(nbytes, mapped=True), got {arena!r}")
     # Gradients of CUDA parameters must be CUDA tensors: device memory, or mapped
     # host memory through its device alias. Decided once, before anything moves.
     cuda_params = device_alias or (arena.location == "device"
