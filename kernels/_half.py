@@ -270,7 +270,9 @@ def decode_half(bits, fmt, *, _soft=False) -> np.ndarray:
         :func:`half_format_code`).
 
     Returns a new float32 array of the same shape (4 bytes per element); the
-    conversion is exact.
+    conversion is exact for every number, infinity and quiet NaN. A signalling
+    fp16 NaN may come back quieted (the CPU's conversion instruction sets the
+    quiet bit; its payload is kept).
     """
     code = _code(fmt, _soft)
     bits = np.asarray(bits)

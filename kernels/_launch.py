@@ -313,12 +313,13 @@ def check_disjoint(writes: dict, reads: dict) -> None:
     outs = [(n, _span(a)) for n, a in writes.items() if a is not None and a.size]
     spans = outs + [(n, _span(a)) for n, a in reads.items() if a is not None and a.size]
     for i, (name, (s0, e0)) in enumerate(outs):
-        for other, (s1, e1) in spans[i + 1:]:   # later outputs, then every input
+        for j, (other, (s1, e1)) in enumerate(spans[i + 1:], i + 1):  # outputs, inputs
             if s0 < e1 and s1 < e0:
+                how = ("writes both" if j < len(outs) and other not in reads
+                       else f"reads {other} while it writes {name}")
                 raise KernelArgumentError(
-                    f"{name} and {other} overlap in memory; the kernel reads {other} "
-                    f"while it writes {name}, so the result would be wrong: pass "
-                    f"separate arrays", argument=name)
+                    f"{name} and {other} overlap in memory; the kernel {how}, so the "
+                    f"result would be wrong: pass separate arrays", argument=name)
 
 
 def word_dtype(width: int) -> np.dtype:

@@ -28,6 +28,7 @@ NOTE [ Skipped steps ]
 from __future__ import annotations
 
 import bisect
+import re
 
 import numpy as np
 
@@ -157,8 +158,15 @@ def _checked_step(step, where, limit=None) -> int:
 def _named(where, exc, arguments):
     """``exc`` (an OptimizerError from the kernel's checks, which know an array
     only as "grad" or "out") again, prefixed with the parameter it is about and
-    with its argument renamed to the caller's keyword (``arguments``)."""
-    return OptimizerError(f"{where}: {exc}",
+    with its argument renamed to the caller's keyword (``arguments``), in the
+    text too ("out has shape (8,)" reached a caller who passed ``copies=``)."""
+    text = str(exc)
+    for kernel_name, keyword in arguments.items():
+        # only the copies' names differ in kind ("grad" is the parameter's
+        # gradient either way, "param" the parameter)
+        if kernel_name in ("out", "out_format"):
+            text = re.sub(rf"(?<![\w.]){kernel_name}(?= has | is |=)", keyword, text)
+    return OptimizerError(f"{where}: {text}",
                           argument=arguments.get(exc.argument, exc.argument))
 
 

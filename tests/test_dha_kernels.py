@@ -723,3 +723,15 @@ def test_stream_arguments():
     assert numba_stream(None) == 0 and numba_stream(0) == 0
     with pytest.raises(KernelArgumentError, match="not a stream"):
         numba_stream(True)
+
+
+def test_two_overlapping_outputs_are_named_as_both_written():
+    # "the kernel reads rstd while it writes mean": rstd is only written
+    from rtmem.kernels._launch import check_disjoint
+    buf = np.zeros(8, np.float32)
+    with pytest.raises(KernelArgumentError, match="mean and rstd overlap in memory; the "
+                       "kernel writes both"):
+        check_disjoint({"out": np.zeros(4, np.float32), "mean": buf[:4], "rstd": buf[2:6]},
+                       {"x": np.ones(4, np.float32)})
+    with pytest.raises(KernelArgumentError, match="the kernel reads x while it writes out"):
+        check_disjoint({"out": buf[:4]}, {"x": buf[2:6]})

@@ -246,7 +246,7 @@ def test_numpy_adam_errors_name_the_param_and_the_keyword():
     with pytest.raises(OptimizerError, match=r"^param 1: grad has shape \(5,\)") as info:
         opt.step([ok, np.ones(5, np.float32), ok])
     assert info.value.argument == "grads"
-    with pytest.raises(OptimizerError, match=r"^param 2: out") as info:
+    with pytest.raises(OptimizerError, match=r"^param 2: copies is not C-contiguous") as info:
         opt.step([ok, ok, ok], copies=[None, None, np.ones(8, np.float32)[::2]])
     assert info.value.argument == "copies"
     with pytest.raises(OptimizerError, match=r"^params\[1\]: param is not C-contiguous"):
@@ -1056,7 +1056,7 @@ def test_grad_and_copy_errors_name_the_param():
         (dict(grads=grads[:2] + [torch.randn(8)[::2]] + grads[3:]),
          r"^group 1 param 0: grad is not contiguous", "grads"),
         (dict(grads=grads, copies={ps[1]: torch.empty(3, dtype=torch.float16)}),
-         r"^group 0 param 1: out has shape \(3,\)", "copies"),
+         r"^group 0 param 1: copies has shape \(3,\)", "copies"),
         (dict(grads=grads, copies={ps[4]: torch.empty(4, dtype=torch.int32)}),
          r"^group 1 param 2: copy has dtype torch.int32", "copies"),
     ]
@@ -1193,3 +1193,16 @@ def test_numpy_load_state_dict_of_the_wrong_structure_gets_an_optimizer_error():
         assert info.value.argument == "state_dict"
         assert opt.state[0]["step"] == 1
         assert opt.state[0]["exp_avg"].tobytes() == before["state"][0]["exp_avg"].tobytes()
+
+
+def test_refusals_of_copies_name_the_callers_keyword_in_the_text():
+    # the kernel's own names reached the caller: "out has shape (8,) ... (with
+    # out_format=)" for an array passed as copies= (with copy_format=)
+    p = [np.zeros(7, np.float32)]
+    opt = optim.NumpyAdam(p)
+    g = [np.ones(7, np.float32)]
+    with pytest.raises(OptimizerError, match=r"^param 0: copies has shape \(8,\)") as info:
+        opt.step(g, copies=[np.zeros(8, np.float32)])
+    assert info.value.argument == "copies"
+    with pytest.raises(OptimizerError, match=r"copies has dtype float64.*copy_format=\)"):
+        opt.step(g, copies=[np.zeros(7, np.float64)])
