@@ -666,3 +666,34 @@ def test_the_default_keeps_gradients_in_p_grad_in_a_process_group(monkeypatch, r
         assert len(said) == 1 and f"group of {ranks} ranks" in said[0]
         assert "flush_in_backward=False" in said[0]
     explicit.close()
+
+
+def test_a_refused_step_under_grad_scaler_leaves_no_scale_behind_for_the_retry():
+    # GradScaler.step sets grad_scale/found_inf on the optimizer and deletes them
+    # only after a step that returns; it multiplies a grad_scale it finds into the
+    # next one, so the retry of a refused step unscaled by S**2
+    torch.manual_seed(0)
+    ref, mine = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    mine.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+    off = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
+    for it in range(3):
+        gen = torch.Generator().manual_seed(it)
+        x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 2, generator=gen)
+        for m, sc in zip((ref, mine), scalers):
+            sc.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        scalers[0].step(ref_opt)
+        if it == 1:
+            off.param_groups[0]["lr"] = -1.0          # refused before anything changes
+            with pytest.raises(OptimizerError, match="lr=-1.0"):
+                scalers[1].step(off)
+            assert "grad_scale" not in off.__dict__ and "found_inf" not in off.__dict__
+            off.param_groups[0]["lr"] = 1e-2
+        scalers[1].step(off)
+        for sc, opt in zip(scalers, (ref_opt, off)):
+            sc.update()
+            opt.zero_grad()
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    off.close()

@@ -810,8 +810,22 @@ class OffloadedAdam(torch.optim.Optimizer):
         their gradients, so the next ``step()`` updates just those, once. No
         element is ever updated twice with one gradient."""
         self._check_open("step")
-        if "found_inf" in self.__dict__:      # set by torch.amp.GradScaler.step
+        if "found_inf" not in self.__dict__:
+            return self._step(closure, grad_scale, check_finite)
+        # Set by torch.amp.GradScaler.step, which deletes them only after a step
+        # that returns, and multiplies a grad_scale it finds into the next one:
+        # left behind by a raising step (refused, interrupted), the retry
+        # unscaled by S**2.
+        try:
             grad_scale, check_finite = self._grad_scaler_args(grad_scale, check_finite)
+            return self._step(closure, grad_scale, check_finite)
+        except BaseException:
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+
+    def _step(self, closure, grad_scale, check_finite):
+        """:meth:`step` once GradScaler's arguments are read."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
