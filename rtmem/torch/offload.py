@@ -1040,7 +1040,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         (same groups, same parameter counts and shapes). Parameters without a
         saved state start over (step 0, zero moments). A saved ``master`` is of
         record (a bf16 model's weights, loaded before or after, do not replace
-        it) unless its ``master_step`` differs from the saved ``step``: then
+        it; elements written in place that differ from it rounded to the
+        parameter's dtype, before or after the load, do, as with plain torch)
+        unless its ``master_step`` differs from the saved ``step``: then
         another optimizer (``torch.optim.Adam``, CPUAdam, which keep unknown
         keys) trained the parameter after this class saved it, and the master is
         stale. A stale master, or none (a torch dict), is read from the
@@ -1129,9 +1131,14 @@ class OffloadedAdam(torch.optim.Optimizer):
             step, m, v, master = arrays.get(k, (0, None, None, None))
             if master is None:
                 self._read_param(k)
-            else:                 # the loaded master is of record
+            else:
+                # The loaded master is of record, except where the parameter was
+                # written in place since the master last agreed with it (its
+                # version moved): _adopt_changes takes those elements at the next
+                # step or state_dict(), as for writes after the load. Declaring
+                # them agreed here dropped a re-initialised head (nn.init before
+                # the load) and the next step wrote the old weights back.
                 self.master[lo:hi] = master
-                self._versions[k] = p._version
             self.exp_avg[lo:hi] = 0 if m is None else m
             self.exp_avg_sq[lo:hi] = 0 if v is None else v
             self.steps[k] = step
