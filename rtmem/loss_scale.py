@@ -212,7 +212,8 @@ class LossScaler:
             raise LossScaleError(
                 f"scaler.step() was already called for this {type(optimizer).__name__} "
                 f"since the last update(); call scaler.update() once per iteration, after "
-                f"every optimizer's step")
+                f"every optimizer's step (if that update() raised, it ended nothing: "
+                f"update(new_scale=...) ends the iteration with a scale you choose)")
         result = optimizer.step(*args, grad_scale=self._scale, check_finite=True, **kwargs)
         self._stepped[id(optimizer)] = bool(optimizer.last_step_skipped)
         return result
@@ -240,7 +241,8 @@ class LossScaler:
                     f"the loss scale would fall to {scale:.3g}, below what the fused "
                     f"kernels can divide out ({_MIN_SCALE:.3g}): the steps keep finding "
                     f"inf/NaN gradients however small the scale, so the loss or the model "
-                    f"is non-finite (check for a NaN loss); the scale stays {self._scale:g}")
+                    f"is non-finite (check for a NaN loss); the scale stays {self._scale:g} "
+                    f"and the iteration open: end it with update(new_scale=...)")
             tracker = 0
         else:
             scale, tracker = self._scale, self._growth_tracker + 1

@@ -80,9 +80,13 @@ def test_growth_stops_at_the_float32_limit_and_backoff_error_leaves_the_scale():
     assert s.get_scale() == float(np.float32(3e38))     # 6e38 is inf in float32: kept
     tiny = LossScaler(init_scale=2e-38)
     tiny.step(adam, [np.full(2, np.nan, np.float32)])
-    with pytest.raises(LossScaleError, match="non-finite"):
+    with pytest.raises(LossScaleError, match=r"non-finite.*end it with "
+                                             r"update\(new_scale=\.\.\.\)"):
         tiny.update()
     assert tiny.get_scale() == float(np.float32(2e-38))
+    # the next step said only "call update() once per iteration", which raised again
+    with pytest.raises(LossScaleError, match=r"already called.*update\(new_scale=\.\.\.\)"):
+        tiny.step(adam, [np.ones(2, np.float32)])
     # the pending skip is still there: a new scale ends the iteration
     tiny.update(new_scale=1.0)
     assert tiny.get_scale() == 1.0
