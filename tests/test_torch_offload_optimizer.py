@@ -724,3 +724,71 @@ def test_weights_written_before_a_load_are_kept_as_torch_keeps_them(dtype):
     mine = run(lambda ps: OffloadedAdam(ps, lr=1e-3))
     assert mine.abs().max() < 1e-2          # from the zeros, not the old weights
     torch.testing.assert_close(mine, ref, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("line", ["st = self.state.get(p)", "st[\"step\"] = torch.zeros",
+                                  "st[\"step\"].fill_"])
+def test_an_interrupt_in_the_state_update_neither_repeats_the_step_nor_breaks_state(line):
+    # The step counted (steps += 1), then built state[p], then consumed the
+    # gradients: an interrupt in between left them unconsumed (the next step
+    # applied every gradient again, steps counted twice) or left a state[p]
+    # without "step" (every later step raised KeyError after updating).
+    import linecache
+    import sys
+    from rtmem.torch import offload
+    ps = [torch.nn.Parameter(torch.zeros(4)) for _ in range(3)]
+    off = OffloadedAdam(ps, lr=1.0)
+    for p in ps:
+        p.grad = torch.ones(4)
+    off.step()                               # state exists: the steady case too
+    off.zero_grad()
+    before = [p.detach().clone() for p in ps]
+    for p in ps:
+        p.grad = torch.ones(4)
+    code, fired = offload.OffloadedAdam._sync_state.__code__, []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and not fired and \
+                    line in linecache.getline(code.co_filename, frame.f_lineno):
+                fired.append(frame.f_lineno)
+                raise KeyboardInterrupt
+            return local
+        return local
+
+    if "zeros" in line:
+        off.state.clear()                    # reach the lines that build an entry
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            off.step()
+    finally:
+        sys.settrace(None)
+    assert fired
+    off.step()                               # nothing left to apply
+    assert off.steps.tolist() == [2, 2, 2] and off.step_count == 2
+    for p, b in zip(ps, before):             # one update of lr=1 from one gradient
+        torch.testing.assert_close((p.detach() - b).abs(), torch.ones(4))
+    assert all(float(off.state[p]["step"]) == 2 for p in ps)
+    assert all(st["step"] == 2 for st in off.state_dict()["state"].values())
+    off.close()
+
+
+def test_interrupts_are_held_across_the_bookkeeping_and_raised_after_it():
+    import signal
+    import threading
+    from rtmem.torch.offload import _interrupts_held
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("KeyboardInterrupt comes from SIGINT only in the main thread")
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+            with _interrupts_held():         # nested: held by the outer one
+                done.append(1)
+            done.append(2)
+    assert done == [1, 2] and signal.getsignal(signal.SIGINT) is signal.default_int_handler

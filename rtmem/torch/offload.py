@@ -54,7 +54,10 @@ numerics are tested on any machine.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import signal
+import threading
 import warnings
 import weakref
 
@@ -326,6 +329,27 @@ def _drop(hooks, params, ref, arena, bufs=(), streams=None) -> None:
     run_or_defer(free_all)
 
 
+@contextlib.contextmanager
+def _interrupts_held():
+    """Hold a KeyboardInterrupt (SIGINT, ``_thread.interrupt_main``) until the
+    block ends, then raise it: bookkeeping that a step's gradients were used
+    (step counts, consumed gradients, ``state``) must not be cut in half
+    (NOTE [ Interrupted step ]). Only where Python raises KeyboardInterrupt
+    itself: in the main thread, under the default SIGINT handler."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield        # another thread, a handler of the caller's, or already held
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if received:
+            signal.default_int_handler(*received[0])     # raises KeyboardInterrupt
+
+
 class OffloadedAdam(torch.optim.Optimizer):
     """Adam/AdamW whose state and update live on the host, for device parameters.
 
@@ -557,6 +581,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.exp_avg_sq[:] = 0
         # the version counters the master weights agree with (_adopt_changes)
         self._versions = [None] * len(self.params)
+        self._state_synced = True   # state[p] matches steps (_sync_state)
         for k in range(len(self.params)):
             self._read_param(k)
         self._fresh = [True] * len(self.params)   # no gradient flushed since the step
@@ -630,11 +655,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         gradient, after waiting for its D2H copy (done long ago, in practice)."""
         if k not in self._partial:
             return
-        done = self._partial.pop(k)
+        done = self._partial[k]
         if done is not None:
             done.synchronize()
         lo, hi = self._span(k)
-        self._grad_t[lo:hi].add_(self._stage_t[lo:hi])
+        with _interrupts_held():    # added and forgotten together, never one alone
+            self._grad_t[lo:hi].add_(self._stage_t[lo:hi])
+            del self._partial[k]
 
     def _upload(self, lo: int, hi: int):
         """Copy staged elements [lo, hi) into the device parameters they cover.
@@ -764,20 +791,24 @@ class OffloadedAdam(torch.optim.Optimizer):
         still held). Code that takes an empty ``state`` for an optimizer never
         stepped sees the truth (torch.distributed.checkpoint "initializes" one
         by stepping it with zero gradients). ``ks``: the parameters whose step
-        changed (default: all)."""
+        changed (default: all). A pass cut short (an exception, an interrupt)
+        leaves ``_state_synced`` False: the next step or state_dict() redoes all."""
+        if not self._state_synced:
+            ks = None
         for k in range(len(self.params)) if ks is None else ks:
             p = self.params[k]
             if not self.steps[k]:
                 self.state.pop(p, None)
                 continue
             st = self.state.get(p)
-            if st is None:
+            if st is None or "step" not in st:
                 lo, hi = self._span(k)
-                st = self.state[p] = {
-                    key: torch.from_numpy(buf.numpy(pin=True)[lo:hi]).view(p.shape)
-                    for key, buf in zip(("master", "exp_avg", "exp_avg_sq"), self._bufs)}
+                st = {key: torch.from_numpy(buf.numpy(pin=True)[lo:hi]).view(p.shape)
+                      for key, buf in zip(("master", "exp_avg", "exp_avg_sq"), self._bufs)}
                 st["step"] = torch.zeros((), dtype=torch.float32)
+                self.state[p] = st     # whole: an entry without "step" broke every step
             st["step"].fill_(float(self.steps[k]))
+        self._state_synced = True
 
     def _consume(self) -> None:
         """A step's end, applied or skipped: the gradients are used up."""
@@ -826,6 +857,8 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def _step(self, closure, grad_scale, check_finite):
         """:meth:`step` once GradScaler's arguments are read."""
+        if not self._state_synced:      # a step's state update was cut short
+            self._sync_state()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -853,9 +886,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         with threads(self.num_threads):
             if check_finite and not all(self._update._grads_finite(coeffs[gi, s], lo, hi)
                                         for lo, hi, gi, s in runs):
-                self.skipped_steps += 1
-                self.last_step_skipped = True
-                self._consume()
+                with _interrupts_held():
+                    self.skipped_steps += 1
+                    self.last_step_skipped = True
+                    self._consume()
                 return loss
             h2d = self._streams[0] if self._streams is not None else None
             if h2d is not None:
@@ -863,6 +897,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 # far (a weight prefetch of the executor may still be writing p.data)
                 h2d.wait_stream(torch.cuda.current_stream())
             reached = None      # the chunk the update is at (NOTE [ Interrupted step ])
+            counted = False
             try:
                 for lo, hi, gi, step in runs:
                     c = coeffs[gi, step]
@@ -871,14 +906,22 @@ class OffloadedAdam(torch.optim.Optimizer):
                         reached = a, b
                         self._update.apply(c, a, b)
                         self._upload_on(h2d, a, b)   # rule 2: upload k while updating k+1
+                # Counted in the try: an interrupt between the last chunk and the
+                # count is an interrupted step at that chunk (all reached), where
+                # outside it the next step applied every gradient again. The
+                # count itself holds interrupts, raised once it is whole.
+                with _interrupts_held():
+                    stepped = [k for k, f in enumerate(fresh) if not f]
+                    self._count_step(stepped)
+                    counted = True
+                    self._sync_state(stepped)
             except BaseException:
-                if reached is not None:
+                if reached is not None and not counted:
                     self._interrupted(fresh, h2d, *reached)
                 raise
             finally:
                 if h2d is not None:               # rule 3 (the uploads enqueued)
                     torch.cuda.current_stream().wait_stream(h2d)
-        self._count_step([k for k, f in enumerate(fresh) if not f])
         return loss
 
     def _upload_on(self, h2d, lo: int, hi: int) -> None:
@@ -891,10 +934,11 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def _count_step(self, stepped) -> None:
         """A step's end: the parameters ``stepped`` (indices) advance a step, and
-        every gradient is used up."""
+        every gradient is used up; ``state`` follows with :meth:`_sync_state`
+        (a failure there leaves it to the next step or state_dict())."""
+        self._state_synced = False
         self.steps[stepped] += 1
         self.step_count += 1
-        self._sync_state(stepped)
         self._consume()
 
     def _interrupted(self, fresh, h2d, a: int, b: int) -> None:
@@ -904,10 +948,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         of the parameters the chunk covers is made from their master weights."""
         updated = [k for k, f in enumerate(fresh) if not f]
         reached = [k for k in updated if self.offsets[k] < b]
-        self._count_step(reached)
-        for k in updated:
-            if self.offsets[k] >= b:      # not reached: still has its gradient
-                self._fresh[k] = False
+        with _interrupts_held():          # a second interrupt waits for the count
+            self._count_step(reached)
+            for k in updated:
+                if self.offsets[k] >= b:  # not reached: still has its gradient
+                    self._fresh[k] = False
+        self._sync_state(reached)
         # the chunk in flight may be written in part (master and staging buffer
         # alike), or written and not uploaded: upload the parameters it covers
         # from their master weights (those before it were uploaded whole, those
@@ -1011,6 +1057,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``skipped_steps``. Tensors are CPU float32 copies, never views of the
         host arena. The flushed gradients are not part of it."""
         self._check_open("state_dict")
+        if not self._state_synced:      # a step's state update was cut short
+            self._sync_state()
         self._adopt_changes()           # the master weights saved are the model's
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
