@@ -40,14 +40,25 @@ MODEL_OPTIONS = {"gpt2": {"layers": 6, "hidden": 128, "heads": 4, "seq": 128, "v
 
 @contextlib.contextmanager
 def _output_folder(path: str):
-    made = not os.path.isdir(path)
+    """Make ``path`` (and missing parents) for the run; if the run fails, remove
+    again the folders made here that stayed empty (only the last one went, and
+    ``--out a/b/c`` left ``a`` and ``a/b`` behind)."""
+    made, folder = [], os.path.abspath(path)
+    while not os.path.isdir(folder):
+        made.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
     os.makedirs(path, exist_ok=True)
     try:
         yield
     except BaseException:
-        if made:
-            with contextlib.suppress(OSError):   # not empty: it keeps what was written
-                os.rmdir(path)
+        for folder in made:                      # deepest first
+            try:
+                os.rmdir(folder)
+            except OSError:                      # not empty: it keeps what was written
+                break
         raise
 
 
