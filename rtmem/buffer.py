@@ -423,6 +423,10 @@ class Buffer:
             try:
                 if host:
                     event.synchronize()
+                    # waited here: drop the engine's keepalive of the copy's slabs
+                    # now, as _settle does for a move over before the call (on a
+                    # GPU the copy is usually still in flight at this point)
+                    _poll_transfers(p.arena.backend)
                 else:
                     p.arena.backend.current_stream().wait_event(event)
             except BackendError:
