@@ -792,3 +792,27 @@ def test_interrupts_are_held_across_the_bookkeeping_and_raised_after_it():
                 done.append(1)
             done.append(2)
     assert done == [1, 2] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_master_cast_to_the_parameters_dtype_by_torch_adam_is_not_taken_silently():
+    # torch.optim.Adam's load casts every state tensor to a bf16 parameter's dtype,
+    # master included, and keeps master_step: after a trip through it (no step)
+    # the rounded master was loaded as of record, unnoticed
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+    off = OffloadedAdam([p], lr=1e-3)
+    p.grad = torch.randn(64).to(torch.bfloat16)
+    off.step()
+    saved = off.state_dict()
+    q = torch.nn.Parameter(p.detach().clone())
+    through = torch.optim.Adam([q], lr=1e-3)
+    through.load_state_dict(copy.deepcopy(saved))
+    assert through.state[q]["master"].dtype == torch.bfloat16
+    with pytest.warns(RuntimeWarning, match=r"parameter\(s\) 0 were cast to torch.bfloat16"):
+        off.load_state_dict(through.state_dict())
+    assert torch.equal(torch.from_numpy(off.master), p.detach().float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        off.load_state_dict(saved)                   # the fp32 master: no warning
+    assert torch.equal(torch.from_numpy(off.master), saved["state"][0]["master"])
+    off.close()

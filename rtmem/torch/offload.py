@@ -1095,7 +1095,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         keys) trained the parameter after this class saved it, and the master is
         stale. A stale master, or none (a torch dict), is read from the
         parameter, so load the model's weights first. A ``master`` without a
-        ``master_step`` (a dict of an older rtmem) is of record. A parameter
+        ``master_step`` (a dict of an older rtmem) is of record. A master cast
+        below float32 (``torch.optim.Adam``'s load casts its state to a bf16
+        parameter's dtype) is read from the parameter, with a RuntimeWarning
+        that its extra precision was lost. A parameter
         whose data was replaced since construction (another dtype or size) is
         refused, as :meth:`step` refuses it. Everything is checked before
         anything changes; a refused load leaves the optimizer as it was.
@@ -1136,7 +1139,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         # saved index -> this optimizer's parameter (the same order, group by group)
         index = {i: k for k, i in enumerate(
             i for saved in saved_groups for i in saved.get("params", ()))}
-        arrays = {}
+        arrays, cast = {}, []
         for i, st in state_dict["state"].items():
             if i not in index:
                 raise OptimizerError(f"the state dict has state for parameter {i!r}, "
@@ -1169,10 +1172,24 @@ class OffloadedAdam(torch.optim.Optimizer):
                         f"{where}: state {key} is {t.dtype} of shape {tuple(t.shape)}, "
                         f"the parameter has shape {tuple(self.params[k].shape)}; the "
                         f"state dict belongs to another model", argument="state_dict")
+                if key == "master" and t.element_size() < 4:
+                    # torch.optim.Adam's load casts its state to the parameter's
+                    # dtype, master included, and keeps master_step: a trip through
+                    # it (a conversion, no step) rounded the master unnoticed
+                    cast.append((k, t.dtype))
+                    arrays[k].append(None)       # read from the parameter
+                    continue
                 arrays[k].append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
         counts = (_checked_step(state_dict.get("step_count", max(
                       [a[0] for a in arrays.values()], default=0)), "step_count"),
                   _checked_step(state_dict.get("skipped_steps", 0), "skipped_steps"))
+        if cast:
+            warnings.warn(
+                f"the saved fp32 master weights of parameter(s) "
+                f"{', '.join(str(k) for k, _ in cast)} were cast to {cast[0][1]} (by "
+                f"another optimizer's load_state_dict, e.g. torch.optim.Adam's): they are "
+                f"read from the parameters, and their precision beyond the parameters' "
+                f"dtype is lost", RuntimeWarning, stacklevel=2)
         # checked: now change things
         for k, p in enumerate(self.params):
             lo, hi = self._span(k)
