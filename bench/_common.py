@@ -19,6 +19,13 @@ from rtmem.cli import at_least  # noqa: F401  (the scripts' argparse types, one 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def gpu_required() -> bool:
+    """Whether a GPU benchmark that measured nothing must fail (exit 3): set by
+    bench/gpu_session.sh (``RTMEM_REQUIRE_GPU=1``), whose steps report ok/FAILED
+    by exit code."""
+    return os.environ.get("RTMEM_REQUIRE_GPU") == "1"
+
+
 def results_dir() -> str:
     """Where results go: ``$RTMEM_BENCH_RESULTS`` when set (a folder), else
     bench/results/."""

@@ -45,7 +45,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import at_least, write_results  # noqa: E402
+from _common import at_least, gpu_required, write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay
@@ -510,6 +510,10 @@ def main(argv=None) -> int:
                       f"{n:,}") for name, n in d["warmup_ooms"].items() if n]
     print(format_table(["metric", "value"], rows, align="ll"))
     print(f"\nwrote {write_results('allocator', results)}")
+    if "skipped" in results["gpu"] and gpu_required():
+        # a GPU session must not report ok for the pool ratios it never measured
+        print(f"RTMEM_REQUIRE_GPU=1: {results['gpu']['skipped']}")
+        return 3
     return 0
 
 

@@ -33,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import at_least, median_time, write_results  # noqa: E402
+from _common import at_least, gpu_required, median_time, write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.cli import PLOT_SUFFIXES, output_file  # noqa: E402
@@ -74,7 +74,7 @@ def no_gpu_exit(what: str, why: str) -> int:
     "nothing to do"), or 3 when ``RTMEM_REQUIRE_GPU=1`` (a GPU session, which
     must not report success for a run that measured nothing)."""
     print(f"{what}: no CUDA GPU found ({why}); nothing measured, nothing written.")
-    return 3 if os.environ.get("RTMEM_REQUIRE_GPU") == "1" else 0
+    return 3 if gpu_required() else 0
 
 
 def elapsed_s(cp, start, end) -> float:

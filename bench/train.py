@@ -81,7 +81,7 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import at_least, round_robin, write_results  # noqa: E402
+from _common import at_least, gpu_required, round_robin, write_results  # noqa: E402
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -579,12 +579,18 @@ def main(argv=None):
         gpu = gpu_section(args, save)
     if not gpu["measured"]:
         print(gpu["reason"])
+        if not args.skip_gpu and gpu_required():
+            # a GPU session's train step: exit 3, and keep the results of an
+            # earlier GPU run rather than replace them with "not measured"
+            print("RTMEM_REQUIRE_GPU=1: the GPU section measured nothing; nothing written")
+            return 3
     doc["gpu"] = gpu
     doc["load_average_at_end"] = list(os.getloadavg())
     doc["total_seconds"] = time.perf_counter() - t0
     path = write_results(args.out, _jsonable(doc))
     print(f"wrote {path} ({doc['total_seconds']:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -49,3 +49,32 @@ def test_gpu_benchmarks_without_a_gpu_exit_3_only_when_required(script, monkeypa
     monkeypatch.setenv("RTMEM_REQUIRE_GPU", "1")
     assert module.main(["--quick"]) == 3
     assert capsys.readouterr().out.count("nothing measured, nothing written") == 2
+
+
+def test_train_and_allocator_benchmarks_without_a_gpu_exit_3_only_when_required(
+        monkeypatch, capsys, tmp_path):
+    # They exited 0 with the GPU section "not measured", so a session step whose
+    # torch CUDA did not work reported ok; train also replaced an earlier GPU
+    # result with "measured": false
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    import importlib
+    train = importlib.import_module("train")
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("RTMEM_REQUIRE_GPU", "1")
+    assert train.main(["--skip-cpu", "--out", "train"]) == 3
+    assert "nothing written" in capsys.readouterr().out and not list(tmp_path.iterdir())
+    monkeypatch.delenv("RTMEM_REQUIRE_GPU")
+    assert train.main(["--skip-cpu", "--out", "train"]) == 0
+    assert (tmp_path / "train.json").exists()
+
+    allocator = importlib.import_module("allocator")
+    monkeypatch.setattr(allocator, "cuda_available", lambda: False)
+    # only the exit is under test: the CPU measurements are stubbed out
+    monkeypatch.setattr(allocator, "time_pair", lambda *a, **k: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(allocator, "pinned_check", lambda nbytes: {"error": "stubbed"})
+    monkeypatch.setenv("RTMEM_REQUIRE_GPU", "1")
+    assert allocator.main(["--quick"]) == 3
+    assert "RTMEM_REQUIRE_GPU=1: no usable CUDA GPU" in capsys.readouterr().out
+    monkeypatch.delenv("RTMEM_REQUIRE_GPU")
+    assert allocator.main(["--quick"]) == 0
