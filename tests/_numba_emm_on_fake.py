@@ -48,6 +48,22 @@ def live():
     return arena.stats().count_by_kind["workspace"]
 
 
+# get_memory_info: the arena's capacity, not its reserved size (a growable arena
+# said it held a quarter of what fits)
+growable = DeviceArena(1 << 20, max_bytes=4 << 20, backend="cuda")
+numba_emm.install(growable)
+grow_mgr = numba_emm.manager_class()(context=Context())
+grow_mgr.initialize()
+info = grow_mgr.get_memory_info()
+assert (info.free, info.total) == (4 << 20, 4 << 20), info
+held = grow_mgr.memalloc(4096)
+info = grow_mgr.get_memory_info()
+assert info.total == 4 << 20 and info.free == (4 << 20) - growable.stats().allocated_bytes
+del held, grow_mgr
+gc.collect()
+numba_emm.install(arena)
+
+
 # numba's defer_cleanup keeps freed memory reserved while it is active.
 a = mgr.memalloc(4096)
 address = a.device_pointer_value   # an int with either pointer type

@@ -135,9 +135,14 @@ def manager_class():
                 return alloc_exported(self.arena, size, "workspace", UNORDERED, export)
 
         def get_memory_info(self):
-            """(free, total) bytes of the arena."""
+            """(free, total) bytes of the arena: ``total`` its capacity (the most it
+            may grow to), ``free`` what it can still hand out (free bytes in its
+            slabs plus the growth left). The reserved size alone told a growable
+            arena's users a fraction of what fits."""
             st = self.arena.stats()
-            return driver.MemoryInfo(free=st.free_bytes, total=st.reserved_bytes)
+            total = max(self.arena.core.max_bytes, st.reserved_bytes)
+            return driver.MemoryInfo(free=st.free_bytes + total - st.reserved_bytes,
+                                     total=total)
 
         # reset() and defer_cleanup() are HostOnlyCUDAMemoryManager's: they act
         # on self.deallocations, which holds the pending device frees too.
