@@ -89,6 +89,12 @@ class ZeroOffloadShaped:
         return loss.detach()
 
 
+def _is_oom(exc: BaseException) -> bool:
+    """Whether a RuntimeError from CUDA libraries means memory ran out."""
+    text = str(exc)
+    return "ALLOC_FAILED" in text or "out of memory" in text.lower()
+
+
 def gpu_section(args, save=None):
     """The GPU results (a dict). ``save(partial)``, when given, is called after
     the depth search and after each throughput size, so a run stopped by a time
@@ -196,6 +202,13 @@ def gpu_section(args, save=None):
         except (torch.cuda.OutOfMemoryError, MemoryError):
             # MemoryError: rtmem's OutOfMemoryError (pinned host memory) or the
             # host itself: this depth does not fit either way
+            return None
+        except RuntimeError as exc:
+            # near the limit cuBLAS/cuDNN fail to get their workspace with a plain
+            # RuntimeError ("CUBLAS_STATUS_ALLOC_FAILED"), which ended the whole
+            # depth search instead of counting as "does not fit"
+            if not _is_oom(exc):
+                raise
             return None
         finally:
             for o in objs or ():

@@ -158,3 +158,24 @@ def test_rtmem_setup_closes_its_optimizer_when_setup_fails(train_gpu, monkeypatc
     with pytest.raises(KeyboardInterrupt, match="stub: stopped"):
         train_gpu.gpu_section(args)
     assert len(made) == 1 and made[0]._bufs == [] and made[0]._hooks == []
+
+
+def test_cuda_library_allocation_failures_count_as_out_of_memory(train_gpu, monkeypatch):
+    # cuBLAS near the limit fails with a plain RuntimeError, which ended the depth
+    # search instead of counting as "does not fit"; other RuntimeErrors still end it
+    real = train_gpu.gpt2_model
+
+    def gpt2_model(layers, *args, **kwargs):
+        if layers > FITS:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                               "`cublasCreate(handle)`")
+        return real(layers, *args, **kwargs)
+    monkeypatch.setattr(train_gpu, "gpt2_model", gpt2_model)
+    out = train_gpu.gpu_section(_args(gpu_deadline_s=0.0))
+    assert out["plain_torch"]["largest_layers"] == out["rtmem"]["largest_layers"] == FITS
+
+    def broken(layers, *args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    monkeypatch.setattr(train_gpu, "gpt2_model", broken)
+    with pytest.raises(RuntimeError, match="shapes"):
+        train_gpu.gpu_section(_args(gpu_deadline_s=0.0))
