@@ -161,11 +161,12 @@ def _named(where, exc, arguments):
     with its argument renamed to the caller's keyword (``arguments``), in the
     text too ("out has shape (8,)" reached a caller who passed ``copies=``)."""
     text = str(exc)
-    for kernel_name, keyword in arguments.items():
-        # only the copies' names differ in kind ("grad" is the parameter's
-        # gradient either way, "param" the parameter)
-        if kernel_name in ("out", "out_format"):
-            text = re.sub(rf"(?<![\w.]){kernel_name}(?= has | is |=)", keyword, text)
+    # only the copies' names differ in kind ("grad" is the parameter's gradient
+    # either way, "param" the parameter)
+    for kernel_name in ("out", "out_format"):
+        if kernel_name in arguments:
+            text = re.sub(rf"(?<![\w.]){kernel_name}(?= has | is |=)",
+                          arguments[kernel_name], text)
     return OptimizerError(f"{where}: {text}",
                           argument=arguments.get(exc.argument, exc.argument))
 

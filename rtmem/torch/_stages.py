@@ -268,12 +268,6 @@ def stage_state(modules) -> tuple[list, list]:
     return list(tensors.values()), list(generators.values())
 
 
-def stage_constants(modules) -> list:
-    """The constants of :func:`stage_state`: tensors ``modules`` hold as plain
-    attributes, neither parameters nor buffers."""
-    return stage_state(modules)[0]
-
-
 @contextlib.contextmanager
 def replayed_generators(first: list):
     """Run the body with each generator of ``first`` (``(generator, state)``

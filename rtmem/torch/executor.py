@@ -363,7 +363,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         self._refresh_state_ptrs()
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
-        self._loss_alone = False   # set by L (_loss)
+        self._loss_trains = False  # set by L (_loss)
         track = self.track_memory
         self.peak_bytes = 0 if track else None
         self.resident_bytes = []
@@ -532,8 +532,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         # something without a_n (a loss module's parameter, a target that requires
         # grad), a walk of the loss's graph, skipped when abar_n already needs one
         st = self._resident(k)
-        self._loss_alone = ((st.inp is not None and st.out.requires_grad)
-                            or bool(_graph_leaves(loss, leaf)))
+        self._loss_trains = ((st.inp is not None and st.out.requires_grad)
+                             or bool(_graph_leaves(loss, leaf)))
         loss.backward()
         self._delta = leaf.grad
         self._consume_plain(k)
@@ -541,7 +541,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
 
     def _backward(self, i: int):
         if i == self.n - 1 and not self._bar[i + 1].out.requires_grad and \
-                not self._loss_alone:
+                not self._loss_trains:
             # a_n needs no gradient (abar_n is as plain autograd makes a_n), nor
             # does anything else the loss reads: loss.backward() raises (rule 3)
             raise nothing_trains(self._stage_params, self._caller_inputs is not None,

@@ -54,7 +54,7 @@ from rtmem.planners._validation import check_int
 from ._stages import (ExecutionError, KeptBuffers, _check_output, _graph_leaves, _input_key,
                       _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, as_stages,
                       buffer_slots, check_inputs, check_loss_fn, differentiable,
-                      inputs_need_grad, slot_buffers, stage_constants, stage_state)
+                      inputs_need_grad, slot_buffers, stage_state)
 from .offload import _pause_flushes, _resume_flushes
 
 __all__ = ["profile_sequential"]
@@ -183,7 +183,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             x_key = _input_key(xin)
             # constant tables the stage holds (after its forward: a lazy cache is
             # made there) are model state for the executor too
-            state = state | _storage_ptrs(stage_constants(stage.modules()))
+            state = state | _storage_ptrs(stage_state(stage.modules())[0])
             exclude = state if (x_key is not None and _input_key(y) == x_key) or any(
                 t.untyped_storage().data_ptr() == x_key
                 and not _rederived_input(t, version, x_key, x_version, arg.dtype)
