@@ -15,6 +15,10 @@ embedding, LayerNorm and linear layers whose weights (and weight gradients) may
 live in mapped host memory. Their CPU twins, with the same signatures, are in
 :mod:`rtmem.kernels.dha_cpu`. The DHA names are loaded on first use, so that
 ``import rtmem.kernels`` does not import numba.cuda.
+
+The CPU kernels may be called from several threads at once, under any of numba's
+threading layers: under ``workqueue``, which would abort the process, they take
+turns (NOTE [ One parallel region at a time under workqueue ] in ``_parallel``).
 """
 
 from ._half import decode_half, encode_half

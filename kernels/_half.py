@@ -33,6 +33,8 @@ from numba.extending import intrinsic
 
 from rtmem.errors import OptimizerError
 
+from ._parallel import parallel_kernel
+
 __all__ = ["FLOAT16", "BFLOAT16", "HAVE_F16C", "decode_half", "encode_half"]
 
 #: Format codes used by the kernels for 16-bit data held as uint16 bits.
@@ -232,7 +234,7 @@ else:
 _FLOAT16_SOFT = 3
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _decode_into(bits, fmt, out):
     # The format branch is per element here; these helpers are for tests and
     # one-off conversions, the Adam loop specialises on the format instead.
@@ -245,7 +247,7 @@ def _decode_into(bits, fmt, out):
             out[i] = fp16_bits_to_f32(bits[i])
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _encode_into(x, fmt, out):
     for i in numba.prange(x.size):
         if fmt == 2:

@@ -53,6 +53,7 @@ from ._adam_checks import (_check_no_overlap, _check_range, _check_real, _check_
                            _flat_operand)
 from ._half import (bf16_bits_to_f32, bits_from_f32, f32_to_bf16_bits, f32_to_fp16_bits,
                     fp16_bits_to_f32)
+from ._parallel import parallel_kernel
 
 __all__ = ["adam_update", "grads_finite", "adam_coefficients", "prepare_update",
            "PreparedUpdate", "threads", "BLOCK_ELEMENTS"]
@@ -169,7 +170,7 @@ def _adam_range(p, g, m, v, vmax, out, c, lo, hi):
                _window(out, lo, hi), c)
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _adam_kernel(p, g, m, v, vmax, out, c, start, stop, block):
     nblocks = (stop - start + block - 1) // block
     for b in numba.prange(nblocks):
@@ -188,7 +189,7 @@ def _nonfinite_loop(g, gmul):
     return bad
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _nonfinite_kernel(g, gmul, start, stop, block):
     nblocks = (stop - start + block - 1) // block
     bad = 0

@@ -19,7 +19,6 @@ rows).
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import prange
 
@@ -29,6 +28,7 @@ from ._launch import (as_host, check_array, check_blocks, check_disjoint, check_
                       check_eps, check_flag, check_layernorm_backward,
                       check_layernorm_forward, check_linear, check_word_alignment, check_words,
                       word_dtype, word_value)
+from ._parallel import parallel_kernel
 
 __all__ = ["dha_read", "dha_write", "dha_rmw", "xor_checksum",
            "embedding_forward", "embedding_backward",
@@ -43,13 +43,13 @@ _COLS = 64           # columns per parallel work item of the column reductions
 # The streaming probes and the GEMMs are numpy (memory-bound ufuncs, BLAS);
 # numba compiles only the loops numpy cannot express without temporaries.
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _gather(weight, ids, out):
     for t in prange(ids.shape[0]):
         out[t, :] = weight[ids[t], :]
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _scatter_add(grad_out, ids, grad_weight, accumulate):
     # Parallel over column blocks, tokens in order inside: race-free and
     # deterministic without atomics.
@@ -66,7 +66,7 @@ def _scatter_add(grad_out, ids, grad_weight, accumulate):
                 grad_weight[v, h] += grad_out[t, h]
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _layernorm_fwd(x, gamma, beta, out, mean, rstd, eps):
     T, H = x.shape
     for r in prange(T):
@@ -85,7 +85,7 @@ def _layernorm_fwd(x, gamma, beta, out, mean, rstd, eps):
         rstd[r] = rs
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _layernorm_dx(grad_out, x, mean, rstd, gamma, grad_x):
     T, H = x.shape
     for r in prange(T):
@@ -104,7 +104,7 @@ def _layernorm_dx(grad_out, x, mean, rstd, gamma, grad_x):
             grad_x[r, h] = rs * (g - m1 - (x[r, h] - mu) * rs * m2)
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_kernel
 def _column_sums(grad_out, x, mean, rstd, with_xhat, out0, out1, accumulate):
     # out0[h] (=|+=) sum_t grad_out[t, h]; with_xhat: out1[h] (=|+=) sum_t grad_out*xhat.
     T, H = grad_out.shape

@@ -657,3 +657,62 @@ def test_ml_dtypes_bfloat16_arrays_are_the_bits_they_hold(fresh_seed):
     with pytest.raises(OptimizerError, match="bfloat16 array but grad_format='float16'"):
         adam_update(p, g, m, v, lr=1e-2, step=4, grad_format="float16")   # contradiction
     assert np.array_equal(p, before)
+
+
+# ------------------------------------------------------- threads under workqueue
+
+_CONCURRENT_KERNELS = """
+import threading
+import numpy as np
+from rtmem.kernels import adam_update, decode_half, encode_half, BLOCK_ELEMENTS
+from rtmem.kernels import dha_cpu
+
+n = 8 * BLOCK_ELEMENTS          # several work items: every call is a parallel region
+errors = []
+
+def run(k):
+    rng = np.random.default_rng(k)
+    p, g, m, v = (rng.standard_normal(n).astype(np.float32) for _ in range(4))
+    v = np.abs(v)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    gamma, beta = np.ones(64, np.float32), np.zeros(64, np.float32)
+    out, mean, rstd = np.empty_like(x), np.empty(256, np.float32), np.empty(256, np.float32)
+    try:
+        for step in range(1, 40):
+            adam_update(p, g, m, v, lr=1e-3, step=step, grad_scale=2.0)
+            decode_half(encode_half(p, "bf16"), "bf16")
+            dha_cpu.layernorm_forward(x, gamma, beta, out, mean, rstd)
+    except BaseException as e:          # noqa: BLE001 - reported below
+        errors.append(e)
+
+threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+import numba
+print("layer", numba.threading_layer(), "errors", errors)
+"""
+
+
+def test_threads_may_call_the_kernels_at_once_under_workqueue():
+    # NOTE [ One parallel region at a time under workqueue ]: numba's workqueue
+    # layer aborts the process when two threads enter parallel regions at once;
+    # rtmem's kernels take turns there instead.
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    done = subprocess.run([sys.executable, "-c", _CONCURRENT_KERNELS], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "layer workqueue errors []" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_kernels_take_turns_only_where_the_layer_needs_it():
+    from rtmem.kernels import _parallel
+    rng = np.random.default_rng(31)
+    p, m, v = _state(rng)[:3]
+    adam_update(p, rng.standard_normal(N).astype(np.float32), m, v, lr=1e-3, step=1)
+    assert _parallel._concurrent == (numba.threading_layer() != "workqueue")
+    assert K.adam._adam_kernel.dispatcher.signatures      # the compiled kernel is reachable
