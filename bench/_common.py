@@ -148,13 +148,25 @@ def machine() -> dict:
 
 def write_results(name: str, doc: dict, path=None) -> str:
     """Write ``doc`` plus machine facts and a timestamp as JSON to ``path`` (default
-    bench/results/NAME.json); a ``"machine"`` dict in ``doc`` adds to the facts."""
+    bench/results/NAME.json); a ``"machine"`` dict in ``doc`` adds to the facts.
+
+    The file is replaced whole (written beside it, then renamed): a partial
+    document rewritten after each section must not be left cut short, the
+    earlier one lost with it, by a stop that lands during a write."""
     doc = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            **doc, "machine": {**machine(), **doc.get("machine", {})}}
     path = os.fspath(path) if path is not None else \
         os.path.join(results_dir(), f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    text = json.dumps(doc, indent=1) + "\n"
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     return path
+

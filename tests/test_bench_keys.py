@@ -1,6 +1,7 @@
 """Labels of bench results: each size keeps its own ratios."""
 
 import importlib
+import json
 import pathlib
 
 import pytest
@@ -142,3 +143,19 @@ def test_pcie_plot_makes_its_folder(monkeypatch, tmp_path):
         {"bytes": 4096, "bytes_per_s": 1e9}, {"bytes": 8192, "bytes_per_s": 2e9}]}}
     path = tmp_path / "new" / "pcie.png"
     assert pcie.plot(doc, str(path)) == str(path) and path.stat().st_size > 0
+
+
+def test_results_are_replaced_whole_when_a_write_is_interrupted(monkeypatch, tmp_path):
+    # A partial document is rewritten after each section; a SIGINT landing during
+    # a write left the file cut short, the document before it lost as well
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    common = bench_module(monkeypatch, "_common")
+    path = common.write_results("x", {"done": [1]})
+
+    class Interrupting(dict):            # a value whose encoding the SIGINT cuts
+        def items(self):
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        common.write_results("x", {"done": [1, 2], "more": Interrupting(a=1)})
+    assert json.loads(pathlib.Path(path).read_text())["done"] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
