@@ -170,3 +170,48 @@ def write_results(name: str, doc: dict, path=None) -> str:
         raise
     return path
 
+
+#: Exit code of a benchmark stopped by SIGINT (KeyboardInterrupt): what a shell
+#: reports for a command that Ctrl-C ended (128 + 2).
+INTERRUPTED_EXIT = 130
+
+
+class PartialResults:
+    """A benchmark's JSON document written again after each finished section (or
+    size), so that a run stopped before the end keeps what it measured. On the
+    GPU machine bench/gpu_session.sh stops a step that runs past its time with
+    SIGINT (``timeout --signal=INT``; Python raises KeyboardInterrupt) and kills
+    it 15 s later, and a GPU session is too short to measure a section twice.
+
+    A document written here carries ``"partial": true``; the complete one goes
+    through :func:`write_results`, as it always did, without it. Each section is
+    put into the document whole, once measured, so a partial document holds
+    finished sections only.
+    """
+
+    def __init__(self, name: str, path=None):
+        """``name`` and ``path`` as :func:`write_results` takes them."""
+        self.name, self.path = name, path
+        #: the document last written (None before the first :meth:`save`)
+        self.doc = None
+
+    def save(self, doc: dict, **why) -> str:
+        """Write ``doc`` marked ``"partial": true``, with the entries of ``why``
+        added (``error=``: why the run ended early); returns the path."""
+        self.doc = {**doc, "partial": True, **why}
+        return write_results(self.name, self.doc, self.path)
+
+    def interrupted(self, during: str) -> int:
+        """After a KeyboardInterrupt while measuring ``during`` (words, e.g.
+        "size 1e8"): rewrite the last saved document with ``"interrupted":
+        during``, or, when nothing was saved yet, write nothing (a result of an
+        earlier run stays); say which in one line on stderr, instead of a
+        traceback; return :data:`INTERRUPTED_EXIT`."""
+        if self.doc is None:
+            print(f"{self.name}: interrupted during {during}, before any section "
+                  f"finished; nothing written", file=sys.stderr)
+        else:
+            path = self.save(self.doc, interrupted=during)
+            print(f"{self.name}: interrupted during {during}; what was measured before "
+                  f"is in {path} (marked partial)", file=sys.stderr)
+        return INTERRUPTED_EXIT

@@ -37,7 +37,10 @@ shows its cost as a lower effective rate. torch's rows use the same 28 B: their
 "effective" GB/s is what a one-pass kernel would need for the same time.
 
 Writes bench/results/adam.json (medians in seconds, params/s, GB/s, and the
-ratios quoted in the report; absolute times depend on the shared machine).
+ratios quoted in the report; absolute times depend on the shared machine), after
+each size too, marked ``"partial": true`` until every size is done: a run
+stopped early (SIGINT, as bench/gpu_session.sh's time limit sends) keeps the
+sizes it finished and exits with code 130.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import at_least, write_results  # noqa: E402
+from _common import PartialResults, at_least, write_results  # noqa: E402
 
 from rtmem.cli import output_file  # noqa: E402
 from rtmem.kernels import adam_update, encode_half  # noqa: E402
@@ -269,46 +272,9 @@ def _sizes(text: str) -> list:
     return sizes
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=_sizes, default="1e6,1e7,5e7,1e8",
-                    help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
-    ap.add_argument("--repeats", type=at_least(1), default=5,
-                    help="minimum timed rounds per size (default 5)")
-    ap.add_argument("--budget", type=at_least(0.0, float), default=12.0,
-                    help="seconds of timed rounds per size; small sizes get more "
-                         "rounds, up to 50 (default 12)")
-    ap.add_argument("--warm-cache", action="store_true",
-                    help="do not evict caches before each timed call")
-    # checked now: a folder was met by open() after the whole benchmark (a traceback,
-    # the results lost)
-    ap.add_argument("--out", type=output_file(), default=None,
-                    help="JSON output path (default: adam.json in bench/results or "
-                         "$RTMEM_BENCH_RESULTS)")
-    args = ap.parse_args(argv)
-    sizes = args.sizes
-    llc = last_level_cache_bytes()
-    evict = None if args.warm_cache else CacheEvictor(2 * llc)
-    t_start = time.perf_counter()
-    rows, notes = [], {}
-    for k, n in enumerate(sizes):
-        r, nt = bench_size(n, args.repeats, seed=k, budget_s=args.budget, evict=evict)
-        rows += r
-        notes.update(nt)
-        print(f"size {n:>12,d}: done ({time.perf_counter() - t_start:.0f} s elapsed)",
-              file=sys.stderr)
-
-    print(f"\n{'params':>12} {'implementation':<22} {'Mparams/s':>10} {'GB/s':>7}"
-          f" {'vs roofline':>11}")
-    for r in rows:
-        half = ("bf16" in r["impl"] or "fp16" in r["impl"]) and "torch" not in r["impl"]
-        roof = "roofline bf16" if half else "roofline fp32"
-        rr = _ratio(rows, r["size"], r["impl"], roof)
-        print(f"{r['size']:>12,d} {r['impl']:<22} {r['params_per_s'] / 1e6:>10.1f}"
-              f" {r['gb_per_s']:>7.1f} {rr:>11.2f}")
-    for name, note in notes.items():
-        print(f"{name}: {note}")
-
+def _ratios(rows, sizes) -> tuple[dict, dict]:
+    """The speed ratios quoted in the report per size key (:func:`_size_key`):
+    of the medians, and of the best rounds."""
     ratios = {}
     keys = [_size_key(n) for n in sizes]
     for key, n in zip(keys, sizes):
@@ -334,16 +300,18 @@ def main(argv=None):
         ("rtmem_fp32_over_roofline", ("rtmem fp32", "roofline fp32")),
         ("rtmem_bf16_over_roofline_bf16", ("rtmem bf16", "roofline bf16")))}
         for key, n in zip(keys, sizes)}
-    print("\nratios (speed, >1 = first is faster):")
-    for key, rs in ratios.items():
-        print(f"  {key}: " + ", ".join(f"{k}={v:.2f}" for k, v in rs.items()
-                                       if v is not None))
+    return ratios, ratios_min
+
+
+def _document(args, argv, llc, sizes, rows, notes, t_start) -> dict:
+    """The JSON document of the ``sizes`` measured so far (``rows``, ``notes``)."""
+    ratios, ratios_min = _ratios(rows, sizes)
     try:
         import torch
         torch_info = dict(version=torch.__version__, threads=torch.get_num_threads())
     except ImportError:
         torch_info = None
-    result = dict(
+    return dict(
         benchmark="cpu-adam",
         command=" ".join(["python bench/adam.py",
                           *(argv if argv is not None else sys.argv[1:])]),
@@ -361,11 +329,67 @@ def main(argv=None):
             "fp32+check": "28 B/param counted; the finite pass reads g again (+4 B)",
             "torch": "same 28 B/param (effective rate of a one-pass kernel)",
         },
-        min_repeats=args.repeats, budget_s_per_size=args.budget, sizes=sizes,
-        results=rows, notes=notes, ratios=ratios, ratios_best_of_rounds=ratios_min,
-        wall_s=time.perf_counter() - t_start)
+        min_repeats=args.repeats, budget_s_per_size=args.budget, sizes=list(sizes),
+        results=list(rows), notes=dict(notes), ratios=ratios,
+        ratios_best_of_rounds=ratios_min, wall_s=time.perf_counter() - t_start)
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; returns the exit code, 130 when interrupted (the sizes
+    measured before are kept, marked partial: :class:`_common.PartialResults`)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=_sizes, default="1e6,1e7,5e7,1e8",
+                    help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
+    ap.add_argument("--repeats", type=at_least(1), default=5,
+                    help="minimum timed rounds per size (default 5)")
+    ap.add_argument("--budget", type=at_least(0.0, float), default=12.0,
+                    help="seconds of timed rounds per size; small sizes get more "
+                         "rounds, up to 50 (default 12)")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="do not evict caches before each timed call")
+    # checked now: a folder was met by open() after the whole benchmark (a traceback,
+    # the results lost)
+    ap.add_argument("--out", type=output_file(), default=None,
+                    help="JSON output path (default: adam.json in bench/results or "
+                         "$RTMEM_BENCH_RESULTS)")
+    args = ap.parse_args(argv)
+    sizes = args.sizes
+    llc = last_level_cache_bytes()
+    evict = None if args.warm_cache else CacheEvictor(2 * llc)
+    t_start = time.perf_counter()
+    rows, notes = [], {}
+    # written after each size, so that a run stopped by a time limit keeps them
+    partial = PartialResults("adam", args.out)
+    for k, n in enumerate(sizes):
+        try:
+            r, nt = bench_size(n, args.repeats, seed=k, budget_s=args.budget, evict=evict)
+            rows += r
+            notes.update(nt)
+            partial.save(_document(args, argv, llc, sizes[:k + 1], rows, notes, t_start))
+        except KeyboardInterrupt:
+            return partial.interrupted(f"size {n:,d}")
+        print(f"size {n:>12,d}: done ({time.perf_counter() - t_start:.0f} s elapsed)",
+              file=sys.stderr)
+
+    print(f"\n{'params':>12} {'implementation':<22} {'Mparams/s':>10} {'GB/s':>7}"
+          f" {'vs roofline':>11}")
+    for r in rows:
+        half = ("bf16" in r["impl"] or "fp16" in r["impl"]) and "torch" not in r["impl"]
+        roof = "roofline bf16" if half else "roofline fp32"
+        rr = _ratio(rows, r["size"], r["impl"], roof)
+        print(f"{r['size']:>12,d} {r['impl']:<22} {r['params_per_s'] / 1e6:>10.1f}"
+              f" {r['gb_per_s']:>7.1f} {rr:>11.2f}")
+    for name, note in notes.items():
+        print(f"{name}: {note}")
+
+    result = _document(args, argv, llc, sizes, rows, notes, t_start)
+    print("\nratios (speed, >1 = first is faster):")
+    for key, rs in result["ratios"].items():
+        print(f"  {key}: " + ", ".join(f"{k}={v:.2f}" for k, v in rs.items()
+                                       if v is not None))
     print(f"\nwrote {write_results('adam', result, path=args.out)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

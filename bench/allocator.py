@@ -31,7 +31,10 @@ Usage::
     python bench/allocator.py [--repeats 7] [--quick]
 
 Prints a table and writes ``bench/results/allocator.json``. Rates and ratios
-are medians over repeats, measured in the same run.
+are medians over repeats, measured in the same run. The JSON is written after
+each section too, marked ``"partial": true`` until the run is complete, so a
+run stopped early (SIGINT, as bench/gpu_session.sh's time limit sends) keeps
+the sections it finished; it then exits with code 130.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import at_least, gpu_required, write_results  # noqa: E402
+from _common import PartialResults, at_least, gpu_required, write_results  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay
@@ -394,51 +397,44 @@ def pinned_pools(request_bytes):
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=at_least(1), default=None,
-                    help="timing repeats (median; default 7, 3 with --quick)")
-    ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")
-    args = ap.parse_args(argv)
-    # --quick gives the default only: it replaced an explicit --repeats silently
-    repeats = args.repeats if args.repeats is not None else 3 if args.quick else 7
-    results = {"repeats": repeats}
-
-    # (a) random sizes
-    rtrace = random_trace(4000 if args.quick else 40000)
+def random_section(trace, repeats) -> dict:
+    """(a) The random trace: rtmem's core against the naive floor, fragmentation,
+    and the host arena path over the core."""
     slab = 2 * GIB
     rt, nv, speedup = time_pair(lambda: BestFitAllocator(slab), lambda: NaiveBestFit(slab),
-                                rtrace, repeats, 1)
-    mean_f, max_f, extent = sampled_fragmentation(rtrace, slab)
-    peak = peak_live_aligned(rtrace)
-    results["random"] = {
-        "ops": len(rtrace), "pairs": sum(op == "free" for op, *_ in rtrace),
+                                trace, repeats, 1)
+    mean_f, max_f, extent = sampled_fragmentation(trace, slab)
+    peak = peak_live_aligned(trace)
+    out = {
+        "ops": len(trace), "pairs": sum(op == "free" for op, *_ in trace),
         "rtmem_pairs_per_s": rt, "naive_pairs_per_s": nv, "speedup_vs_naive": speedup,
         "fragmentation_mean": mean_f, "fragmentation_max": max_f,
         "extent_bytes": extent, "peak_live_bytes": peak,
         "reserved_over_peak_live": extent / peak,
-        "naive_max_holes": max_holes(rtrace, slab)}
+        "naive_max_holes": max_holes(trace, slab)}
     # The arena's own cost over the core's (Buffer objects, accounting), on the
     # host backend: 256 MiB of numpy slab holds the trace's ~100 MB peak.
     ar, co, ratio = time_pair(lambda: ArenaPath(256 << 20, backend="host"),
-                              lambda: BestFitAllocator(256 << 20), rtrace, repeats, 1)
-    results["random"].update(host_arena_pairs_per_s=ar, core_pairs_per_s_same_run=co,
-                             host_arena_over_core=ratio)
+                              lambda: BestFitAllocator(256 << 20), trace, repeats, 1)
+    out.update(host_arena_pairs_per_s=ar, core_pairs_per_s_same_run=co,
+               host_arena_over_core=ratio)
+    return out
 
-    # (b) GPT-2 trace
-    gtrace, lt = gpt2_trace()
-    loops = 20 if args.quick else 200
+
+def gpt2_section(trace, lt, repeats, loops) -> dict:
+    """(b) The GPT-2 trace (``lt``: its lifetimes): rtmem's core against the naive
+    floor, fragmentation, and the static layout of the same lifetimes."""
     rt, nv, speedup = time_pair(lambda: BestFitAllocator(64 * GIB),
-                                lambda: NaiveBestFit(64 * GIB), gtrace, repeats, loops)
-    mean_f, max_f, extent = sampled_fragmentation(gtrace, 64 * GIB, every=10)
-    peak = peak_live_aligned(gtrace)
+                                lambda: NaiveBestFit(64 * GIB), trace, repeats, loops)
+    mean_f, max_f, extent = sampled_fragmentation(trace, 64 * GIB, every=10)
+    peak = peak_live_aligned(trace)
     lay = plan_layout(lt.alloc, lt.free, lt.nbytes)
     lay.verify()
-    results["gpt2"] = {
+    return {
         "chain": "gpt2-small", "schedule": "sequential_schedule(n, 4)",
-        "buffers": len(lt), "ops": len(gtrace),
+        "buffers": len(lt), "ops": len(trace),
         "rtmem_pairs_per_s": rt, "naive_pairs_per_s": nv, "speedup_vs_naive": speedup,
-        "naive_max_holes": max_holes(gtrace, 64 * GIB),
+        "naive_max_holes": max_holes(trace, 64 * GIB),
         "fragmentation_mean": mean_f, "fragmentation_max": max_f,
         "peak_live_bytes": peak, "best_fit_reserved_bytes": extent,
         "best_fit_reserved_over_peak_live": extent / peak,
@@ -446,18 +442,58 @@ def main(argv=None) -> int:
         "static_layout_reserved_over_peak_live": lay.reserved_bytes / lay.peak_live_bytes,
         "goal_best_fit": 1.05, "goal_static": 1.01}
 
-    if cuda_available():
-        results["gpu"] = {"random": gpu_baselines(rtrace, repeats, 1, 256 << 20,
-                                                  results["random"]["peak_live_bytes"]),
-                          "gpt2": gpu_baselines(gtrace, repeats, loops,
-                                                align_up(peak * 5 // 4, 1 << 20), peak)}
-    else:
-        results["gpu"] = {"skipped": "no usable CUDA GPU here: CuPy MemoryPool and "
-                                     "torch caching allocator not measured"}
 
-    results["pinned"] = pinned_check(int(20.4 * GIB))
+def gpu_section(rtrace, gtrace, repeats, loops, random_peak, gpt2_peak) -> dict:
+    """Both traces against CuPy's and torch's pools (:func:`gpu_baselines`), or
+    ``{"skipped": why}`` without a usable GPU. ``*_peak``: each trace's peak of
+    live bytes."""
+    if not cuda_available():
+        return {"skipped": "no usable CUDA GPU here: CuPy MemoryPool and "
+                           "torch caching allocator not measured"}
+    return {"random": gpu_baselines(rtrace, repeats, 1, 256 << 20, random_peak),
+            "gpt2": gpu_baselines(gtrace, repeats, loops,
+                                  align_up(gpt2_peak * 5 // 4, 1 << 20), gpt2_peak)}
+
+
+def pinned_section() -> dict:
+    """The pinned-arena check at 20.4 GiB (:func:`pinned_check`), and on a GPU what
+    CuPy's and torch's pinned pools take (:func:`pinned_pools`)."""
+    out = pinned_check(int(20.4 * GIB))
     if cuda_available():
-        results["pinned"]["pools"] = pinned_pools(int(20.4 * GIB))
+        out["pools"] = pinned_pools(int(20.4 * GIB))
+    return out
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; returns the exit code: 3 when ``RTMEM_REQUIRE_GPU=1`` and
+    no GPU was measured, 130 when interrupted (the sections measured before are
+    kept, marked partial: :class:`_common.PartialResults`)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=at_least(1), default=None,
+                    help="timing repeats (median; default 7, 3 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")
+    args = ap.parse_args(argv)
+    # --quick gives the default only: it replaced an explicit --repeats silently
+    repeats = args.repeats if args.repeats is not None else 3 if args.quick else 7
+    loops = 20 if args.quick else 200
+    results = {"repeats": repeats}
+    partial, during = PartialResults("allocator"), "making the traces"
+    try:
+        rtrace = random_trace(4000 if args.quick else 40000)
+        gtrace, lt = gpt2_trace()
+        sections = {
+            "random": lambda: random_section(rtrace, repeats),
+            "gpt2": lambda: gpt2_section(gtrace, lt, repeats, loops),
+            "gpu": lambda: gpu_section(rtrace, gtrace, repeats, loops,
+                                       results["random"]["peak_live_bytes"],
+                                       results["gpt2"]["peak_live_bytes"]),
+            "pinned": pinned_section}
+        for key, measure in sections.items():
+            during = f"the {key} section"
+            results[key] = measure()
+            partial.save(results)
+    except KeyboardInterrupt:
+        return partial.interrupted(during)
 
     # ---------------------------------------------------------------- table
     r, g, p = results["random"], results["gpt2"], results["pinned"]

@@ -159,3 +159,64 @@ def test_results_are_replaced_whole_when_a_write_is_interrupted(monkeypatch, tmp
         common.write_results("x", {"done": [1, 2], "more": Interrupting(a=1)})
     assert json.loads(pathlib.Path(path).read_text())["done"] == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt            # what gpu_session.sh's timeout (SIGINT) raises
+
+
+def test_allocator_keeps_its_finished_sections_when_interrupted(monkeypatch, tmp_path,
+                                                                capsys):
+    # allocator.py wrote its JSON only at the end: a step stopped by its time
+    # limit kept none of the sections it had measured
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    allocator = bench_module(monkeypatch, "allocator")
+    monkeypatch.setattr(allocator, "pinned_check", _interrupt)     # the last section
+    assert allocator.main(["--quick", "--repeats", "1"]) == 130
+    doc = json.loads((tmp_path / "allocator.json").read_text())
+    assert doc["partial"] is True and doc["interrupted"] == "the pinned section"
+    assert doc["random"]["rtmem_pairs_per_s"] > 0 and doc["random"]["host_arena_over_core"] > 0
+    assert doc["gpt2"]["static_layout_reserved_bytes"] > 0 and "gpu" in doc
+    assert "pinned" not in doc
+    err = capsys.readouterr().err
+    assert "interrupted during the pinned section" in err and "Traceback" not in err
+
+
+def test_adam_keeps_its_finished_sizes_when_interrupted(monkeypatch, tmp_path, capsys):
+    # adam.py wrote its JSON only at the end: a time limit during the last size
+    # took every size before it too
+    adam = bench_module(monkeypatch, "adam")
+    monkeypatch.setattr(adam, "_deepspeed_contenders",       # its import alone takes seconds
+                        lambda n, seed: ({}, {"DeepSpeed CPUAdam": "not timed in tests"}))
+    measure, sizes = adam.bench_size, []
+
+    def second_size_interrupted(n, *args, **kwargs):
+        sizes.append(n)
+        return measure(n, *args, **kwargs) if len(sizes) == 1 else _interrupt()
+    monkeypatch.setattr(adam, "bench_size", second_size_interrupted)
+    out = tmp_path / "adam.json"
+    argv = ["--sizes", "1000,2000", "--repeats", "1", "--budget", "0", "--warm-cache",
+            "--out", str(out)]
+    assert adam.main(argv) == 130
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True and doc["interrupted"] == "size 2,000"
+    assert doc["sizes"] == [1000] and {r["size"] for r in doc["results"]} == {1000}
+    assert doc["results"][0]["median_s"] > 0 and doc["ratios"]["1e3"]["rtmem_fp32_over_roofline"]
+    err = capsys.readouterr().err
+    assert "interrupted during size 2,000" in err and "Traceback" not in err
+    # run to the end, the document is the complete one, without the marker
+    monkeypatch.setattr(adam, "bench_size", measure)
+    assert adam.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert "partial" not in doc and "interrupted" not in doc and doc["sizes"] == [1000, 2000]
+
+
+def test_a_benchmark_interrupted_before_any_section_keeps_an_earlier_result(
+        monkeypatch, tmp_path, capsys):
+    # nothing measured: an earlier (complete) result is not replaced by an empty one
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    common = bench_module(monkeypatch, "_common")
+    common.write_results("x", {"done": True})
+    assert common.PartialResults("x").interrupted("the first section") == 130
+    assert "partial" not in json.loads((tmp_path / "x.json").read_text())
+    assert "before any section finished; nothing written" in capsys.readouterr().err
