@@ -16,7 +16,9 @@
 # The last call carries .whl/ (made here by bench/device_wheels.sh) so that
 # bench/adam.py can time DeepSpeed's CPUAdam, JIT-built there (~1-2 min).
 # (train runs its GPU section only; the CPU section is `python bench/train.py`, and
-# it writes its JSON after the depth search and after each throughput size.)
+# it writes its JSON after each depth search and after each throughput size.)
+# allocator and adam write theirs after each section or size: a step stopped by
+# its timeout keeps what it finished, marked "partial": true.
 # Each call installs rtmem first (offline, --no-deps). Results land in
 # bench/results/gpu/ and, when $OUT is set (the device tool, which returns at most 8
 # files), they and the logs are packed into $OUT/gpu_results_<steps>.tgz after

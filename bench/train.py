@@ -62,6 +62,9 @@ time inflates too) while 1 thread stayed within +-10%; ratios are what count.
 
 Writes a table to stdout and JSON to ``bench/results/train.json``. Times are
 seconds, sizes bytes; quote the ratios, absolute times are noisy on shared CPUs.
+The JSON is also written after each GPU depth search and each GPU throughput
+size, marked ``"partial": true`` until the run is complete; a run stopped by
+SIGINT (bench/gpu_session.sh's time limit) keeps those and exits with code 130.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import at_least, gpu_required, round_robin, write_results  # noqa: E402
+from _common import (PartialResults, at_least, gpu_required, round_robin,  # noqa: E402
+                     write_results)
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -515,6 +519,9 @@ def _result_name(name: str) -> str:
 
 
 def main(argv=None):
+    """Run the benchmark; returns the exit code: 3 when ``RTMEM_REQUIRE_GPU=1`` and
+    the GPU section measured nothing, 130 when interrupted (what was finished is
+    kept, marked partial: :class:`_common.PartialResults`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # type=at_least(...): a count of 0 (--layers 0 timed a model of no blocks and
     # wrote it; --repeats 0 was a median of nothing after minutes of profiling)
@@ -565,18 +572,22 @@ def main(argv=None):
     doc = {"command": "python bench/train.py " + " ".join(sys.argv[1:] if argv is None
                                                           else argv),
            "torch": torch.__version__}
-    if args.skip_cpu:
-        doc["cpu"] = {"measured": False, "reason": "skipped (--skip-cpu)"}
-    else:
-        doc.update(cpu_report(args))
-    if args.skip_gpu:
-        gpu = {"measured": False, "reason": "skipped (--skip-gpu)"}
-    else:
-        torch.set_num_threads(os.cpu_count() or 1)   # the GPU section feeds the device
-
-        def save(partial):   # a time limit must not take what was measured with it
-            write_results(args.out, _jsonable({**doc, "gpu": {**partial, "partial": True}}))
-        gpu = gpu_section(args, save)
+    # a time limit must not take what was measured with it: the GPU section's
+    # parts are written as they finish (marked partial)
+    partial, during = PartialResults(args.out), "the CPU section"
+    try:
+        if args.skip_cpu:
+            doc["cpu"] = {"measured": False, "reason": "skipped (--skip-cpu)"}
+        else:
+            doc.update(cpu_report(args))
+        if args.skip_gpu:
+            gpu = {"measured": False, "reason": "skipped (--skip-gpu)"}
+        else:
+            torch.set_num_threads(os.cpu_count() or 1)   # the GPU section feeds the device
+            during = "the GPU section"
+            gpu = gpu_section(args, lambda gpu: partial.save(_jsonable({**doc, "gpu": gpu})))
+    except KeyboardInterrupt:
+        return partial.interrupted(during)
     if not gpu["measured"]:
         print(gpu["reason"])
         if not args.skip_gpu and gpu_required():

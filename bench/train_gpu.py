@@ -97,8 +97,8 @@ def _is_oom(exc: BaseException) -> bool:
 
 def gpu_section(args, save=None):
     """The GPU results (a dict). ``save(partial)``, when given, is called after
-    the depth search and after each throughput size, so a run stopped by a time
-    limit still leaves what it measured."""
+    each depth search (plain torch's, then rtmem's) and after each throughput
+    size, so a run stopped by a time limit still leaves what it measured."""
     save = save or (lambda partial: None)
     if not torch.cuda.is_available():
         return {"measured": False, "reason": "no GPU: GPU section not measured "
@@ -248,6 +248,7 @@ def gpu_section(args, save=None):
 
     print("GPU: searching the largest trainable depth", flush=True)
     out["plain_torch"] = largest(plain_setup, "plain torch + Adam")
+    save(out)     # a stop in rtmem's search (minutes) must not take this one with it
     out["rtmem"] = largest(rtmem_setup, "rtmem (rotor + OffloadedAdam)")
     out["time_limited"] = time.perf_counter() - t_start >= args.gpu_time_s
     sizes = sorted({s for s in (out["plain_torch"]["largest_layers"],

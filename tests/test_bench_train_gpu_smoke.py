@@ -13,6 +13,7 @@ tested by tests/test_torch_gpu.py on a GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 
@@ -74,11 +75,12 @@ def test_gpu_section_searches_depths_and_compares_throughput(train_gpu, capsys):
     args = _args()
     saved = []
     out = train_gpu.gpu_section(args, save=lambda partial: saved.append(
-        (sorted(partial), dict(partial["throughput"]))))
+        (sorted(partial), dict(partial["throughput"]) if "throughput" in partial else None)))
     assert out["measured"] and not out["time_limited"]
-    # saved after the search (no throughput yet) and after the one throughput size
-    assert len(saved) == 2 and saved[0][1] == {} and list(saved[1][1]) == [str(FITS)]
-    assert "rtmem" in saved[0][0] and "plain_torch" in saved[0][0]
+    # saved after each search (no throughput yet) and after the one throughput size
+    assert len(saved) == 3 and saved[0][1] is None and saved[1][1] == {}
+    assert "plain_torch" in saved[0][0] and "rtmem" not in saved[0][0]
+    assert "rtmem" in saved[1][0] and list(saved[2][1]) == [str(FITS)]
     for name in ("plain_torch", "rtmem"):
         search = out[name]
         assert search["largest_layers"] == FITS and search["first_failing_layers"] == FITS + 1
@@ -179,3 +181,27 @@ def test_cuda_library_allocation_failures_count_as_out_of_memory(train_gpu, monk
     monkeypatch.setattr(train_gpu, "gpt2_model", broken)
     with pytest.raises(RuntimeError, match="shapes"):
         train_gpu.gpu_section(_args(gpu_deadline_s=0.0))
+
+
+def test_train_keeps_the_finished_search_when_interrupted(train_gpu, monkeypatch, tmp_path,
+                                                          capsys):
+    # a SIGINT (gpu_session.sh's time limit) in rtmem's depth search took plain
+    # torch's finished search with it, and ended in a traceback
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train", raising=False)
+    import train
+    monkeypatch.setitem(sys.modules, "train", train)   # dropped after the test
+    assert train.gpu_section is train_gpu.gpu_section
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_gpu, "plan_remat", interrupt)     # only rtmem's search plans
+    opts = {f"--{k.replace('_', '-')}": str(v)
+            for k, v in vars(_args(gpu_max_layers=2)).items()}      # one depth each
+    argv = ["--skip-cpu", "--out", "train_gpu"] + [x for kv in opts.items() for x in kv]
+    assert train.main(argv) == 130
+    doc = json.loads((tmp_path / "train_gpu.json").read_text())
+    assert doc["partial"] is True and doc["interrupted"] == "the GPU section"
+    assert doc["gpu"]["plain_torch"]["largest_layers"] == 2 and "rtmem" not in doc["gpu"]
+    err = capsys.readouterr().err
+    assert "interrupted during the GPU section" in err and "Traceback" not in err
