@@ -45,7 +45,10 @@ forward order of::
 A DHA planner reads T_FP = forward_s.gpu, T_trans = transfer_s, T^H_FP =
 forward_s.dha, T_BP = T_CBP = backward_s.gpu, T^H_BP = backward_s.dha and T_GBP =
 backward_s.gpu_go (notation of memferry.md §3.2 and §5.2). GPU only: without a
-GPU it says so and writes nothing.
+GPU it says so and writes nothing. The JSON is also written after each layer,
+marked ``"partial": true`` (with ``"error"`` when a layer failed, then exit 1),
+so that a run stopped by SIGINT (bench/gpu_session.sh's time limit) keeps the
+layers it finished; it then exits with code 130.
 
 Crossover sweep (the size where DHA beats copy-then-compute, per layer type).
 Copying costs the same at any batch, DHA's cost grows with the tokens (an
@@ -84,7 +87,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import write_results  # noqa: E402
+from _common import PartialResults, write_results  # noqa: E402
 from pcie import Timer, find_gpu, l2_flusher, no_gpu_exit  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -445,9 +448,11 @@ def parse_tokens(text: str) -> list[int]:
 SWEEP_TOKENS, SWEEP_TOKENS_QUICK = "64,256,1024,4096,16384,65536", "64,512,4096"
 
 
-def _measure_all(what: str, specs, measure, doc: dict, key: str) -> list | None:
-    """``measure(spec)`` for every spec, in order; on a failure writes what was
-    measured (``doc[key]`` partial, with the error) and returns None."""
+def _measure_all(what: str, specs, measure, doc: dict, key: str,
+                 partial: PartialResults) -> list | None:
+    """``measure(spec)`` for every spec, in order, writing what was measured
+    (``doc[key]`` partial) after each, so that a run stopped by a time limit
+    keeps it; on a failure writes it with the error and returns None."""
     done = []
     for spec in specs:
         try:
@@ -455,18 +460,19 @@ def _measure_all(what: str, specs, measure, doc: dict, key: str) -> list | None:
         except Exception as e:  # noqa: BLE001 - reported with what was measured
             # The first kernel launch compiles: a missing NVVM shows here.
             error = f"{type(e).__name__}: {e}"
-            path = write_results("dha_layers", {**doc, key: done, "partial": True,
-                                                "error": f"{spec['name']}: {error}"})
+            path = partial.save({**doc, key: done}, error=f"{spec['name']}: {error}")
             print(f"{what} {spec['name']} failed: {error}\n(`rtmem doctor` says whether "
                   f"numba-cuda finds NVVM; see CUDA_HOME there); wrote {path}",
                   file=sys.stderr)
             return None
+        partial.save({**doc, key: done})
         print(f"  {what} {spec['name']}", flush=True)
     return done
 
 
 def main(argv=None, prog=None) -> int:
-    """Run the benchmark; returns the exit code (0 also when no GPU is found).
+    """Run the benchmark; returns the exit code (0 also when no GPU is found; 1
+    when a layer failed, 130 when interrupted: what was measured is kept).
     ``prog``: the command named in usage messages (``rtmem bench dha``; default
     the script's name)."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
@@ -500,8 +506,13 @@ def main(argv=None, prog=None) -> int:
     doc = {"format": "rtmem.dha_layers/1", "device": device, "model": args.model,
            "hidden": h, "tokens": tokens}
     specs = layer_specs(h)
-    layers = _measure_all("measured", specs,
-                          lambda spec: measure_layer(spec, tokens, repeats, rng), doc, "layers")
+    partial = PartialResults("dha_layers")
+    try:
+        layers = _measure_all("measured", specs,
+                              lambda spec: measure_layer(spec, tokens, repeats, rng), doc,
+                              "layers", partial)
+    except KeyboardInterrupt:
+        return partial.interrupted("the per-layer measurements")
     if layers is None:
         return 1
     rows = [[r["name"], r["kind"], f"{r['param_bytes'] / 2**20:.2f}",
@@ -526,10 +537,13 @@ def main(argv=None, prog=None) -> int:
         print(f"\ncrossover sweep over {','.join(map(str, sweep))} tokens", flush=True)
         doc["sweep"] = {"tokens": sweep, "compares": SWEEP_COMPARES}
         by_name = {layer["name"]: layer for layer in layers}
-        swept = _measure_all("swept", specs,
-                             lambda spec: sweep_layer(spec, sweep, repeats, rng,
-                                                      by_name.get(spec["name"])),
-                             doc, "sweep_layers")
+        try:
+            swept = _measure_all("swept", specs,
+                                 lambda spec: sweep_layer(spec, sweep, repeats, rng,
+                                                          by_name.get(spec["name"])),
+                                 doc, "sweep_layers", partial)
+        except KeyboardInterrupt:
+            return partial.interrupted("the crossover sweep")
         if swept is None:
             return 1
         doc["sweep"].update(layers=swept, by_kind=by_kind(swept))

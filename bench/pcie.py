@@ -19,7 +19,10 @@ the events bracket device time, not the Python launch path (pageable copies:
 host wall clock around the copy and a stream synchronize, since the driver's
 staging happens on the host). The kernel paths flush L2 before each run. Writes
 ``bench/results/pcie.json`` (or ``$RTMEM_BENCH_RESULTS/pcie.json``) and a plot
-with one curve per path. Without a GPU it says so and writes nothing.
+with one curve per path; the JSON also after each size, marked ``"partial":
+true``, so that a run stopped by SIGINT (bench/gpu_session.sh's time limit)
+keeps the sizes it finished (it then exits with code 130). Without a GPU it
+says so and writes nothing.
 
     python bench/pcie.py [--quick] [--max-size 1GiB] [--repeats 5] [--plot PATH]
 """
@@ -33,7 +36,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import at_least, gpu_required, median_time, write_results  # noqa: E402
+from _common import (PartialResults, at_least, gpu_required, median_time,  # noqa: E402
+                     write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.cli import PLOT_SUFFIXES, output_file  # noqa: E402
@@ -285,8 +289,8 @@ KERNEL_PATHS = ("dha_read", "dha_write", "hbm_read")
 def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) -> dict:
     """All measurements; returns the JSON document body (bytes, seconds, bytes/s).
 
-    ``save(partial_body)``, when given, is called after each size, so a run
-    stopped by a time limit keeps what it measured. When the DHA kernels cannot
+    ``save(body)``, when given, is called with the body of the sizes measured
+    so far after each size, so a run stopped by a time limit keeps them. When the DHA kernels cannot
     run (no NVVM, a launch error) the copy paths are still measured and
     ``dha_error`` says why the kernel paths are missing."""
     import cupy as cp
@@ -365,8 +369,7 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
         print(f"  {format_bytes(n):>10}: " + "  ".join(
             f"{p} {curves[p][-1]['bytes_per_s'] / 1e9:.1f}" for p in paths), flush=True)
         if save is not None:
-            save({"sizes_bytes": sizes[:i + 1], "curves": curves, "dha_error": dha_error,
-                  "partial": True})
+            save({"sizes_bytes": sizes[:i + 1], "curves": curves, "dha_error": dha_error})
     contention, dha_probe = None, None
     if dha_error is None:
         contention = _contention(cp, timer, copy, sizes[-1], mapped, partials, flush_l2,
@@ -473,8 +476,8 @@ def _max_size(text: str) -> int:
 
 def main(argv=None, prog=None) -> int:
     """Run the benchmark; returns the exit code (0 also when no GPU is found,
-    unless ``RTMEM_REQUIRE_GPU=1``). ``prog``: the command named in usage
-    messages (``rtmem bench pcie``; default the script's name)."""
+    unless ``RTMEM_REQUIRE_GPU=1``; 130 when interrupted). ``prog``: the command
+    named in usage messages (``rtmem bench pcie``; default the script's name)."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="4 KiB..64 MiB in steps of 4x, 3 repeats (about a minute)")
@@ -495,8 +498,12 @@ def main(argv=None, prog=None) -> int:
           f"median of {repeats}, GB/s = 1e9 bytes/s")
     head = {"device": device, "repeats": repeats, "units": {"bytes": "B", "seconds": "s",
             "bytes_per_s": "B/s"}}
-    doc = measure(max_size, MIN_SIZE, 4 if args.quick else 2, repeats,
-                  save=lambda partial: write_results("pcie", {**head, **partial}))
+    partial = PartialResults("pcie")
+    try:
+        doc = measure(max_size, MIN_SIZE, 4 if args.quick else 2, repeats,
+                      save=lambda body: partial.save({**head, **body}))
+    except KeyboardInterrupt:
+        return partial.interrupted("the measurements")
     doc = {**head, **doc, "goals": goals(doc)}
     c = doc["curves"]
     paths = list(c)

@@ -292,11 +292,13 @@ def test_pcie_without_dha_kernels_measures_copies_and_saves_each_size(bench, mon
             raise KeyboardInterrupt
         return real_wall(self, fn, stream)
     monkeypatch.setattr(pcie.Timer, "wall", stop_at_second_size)
-    with pytest.raises(KeyboardInterrupt):
-        pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1"])
+    assert pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1"]) == 130
     doc = bench.json("pcie")
     assert doc["partial"] is True and doc["sizes_bytes"] == [4096]
+    assert doc["interrupted"] == "the measurements"
     assert all(len(points) == 1 for points in doc["curves"].values())
+    err = capsys.readouterr().err
+    assert "pcie: interrupted during the measurements" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("nvrtc", [True, False])
@@ -330,6 +332,33 @@ def test_dha_layers_reports_a_kernel_failure_with_what_it_measured(bench, capsys
     assert doc["partial"] is True and [layer["name"] for layer in doc["layers"]] == ["wte"]
     assert doc["error"] == "ln: RuntimeError: libNVVM cannot be found"
     assert "rtmem doctor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_dha_layers_keeps_the_layers_it_finished_when_interrupted(bench, monkeypatch, capsys,
+                                                                  sweep):
+    # the layers were written at the end (or on a failure) only: a SIGINT from
+    # gpu_session.sh's time limit kept none of those measured, in a traceback
+    dl = bench.load("dha_layers")
+    bench.stub_kernels()
+    name = "sweep_point" if sweep else "measure_layer"
+    real, started = getattr(dl, name), []
+
+    def interrupted_at_the_second_layer(spec, *args):
+        started.append(spec["name"])
+        if len(started) > 1:
+            raise KeyboardInterrupt
+        return real(spec, *args)
+    monkeypatch.setattr(dl, name, interrupted_at_the_second_layer)
+    assert dl.main(["--model", "tiny", "--tokens", "8", "--repeats", "1",
+                    "--sweep", "4,8" if sweep else "none"]) == 130
+    doc = bench.json("dha_layers")
+    key = "sweep_layers" if sweep else "layers"
+    assert doc["partial"] is True and [layer["name"] for layer in doc[key]] == ["wte"]
+    assert doc["interrupted"] == ("the crossover sweep" if sweep
+                                  else "the per-layer measurements")
+    assert len(doc["layers"]) == (6 if sweep else 1) and "error" not in doc
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_dha_layers_keeps_the_table_when_the_sweep_fails(bench, monkeypatch, capsys):
@@ -399,6 +428,7 @@ def test_dha_layers_gpu_path(bench, capsys):
                     "--sweep", "8,16,32"]) == 0
     out = capsys.readouterr().out
     doc = bench.json("dha_layers")
+    assert "partial" not in doc                   # written after each layer until the end
     h, v = 48, 96
     assert (doc["format"], doc["device"], doc["model"], doc["hidden"], doc["tokens"],
             doc["dtype"], doc["repeats"]) == ("rtmem.dha_layers/1", "Fake H200", "tiny",
