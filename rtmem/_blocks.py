@@ -57,9 +57,10 @@ class Block:
     """A contiguous range ``[offset, offset + size)`` of slab ``slab``, bytes.
 
     ``requested`` is what the caller asked for (<= ``size``), -1 while the block
-    has never been handed out; ``stream`` is the stream the block was last
-    allocated or freed on; ``event`` (pending blocks only) is the event after
-    which any stream may reuse it; ``addr`` packs (slab, offset) and never
+    has never been handed out; ``stream`` is the stream a live block was
+    allocated for or a pending block freed on (None once ready, so that a free
+    block keeps no stream alive); ``event`` (pending blocks only) is the event
+    after which any stream may reuse it; ``addr`` packs (slab, offset) and never
     changes while the block exists (a block's offset is fixed for its life).
     Users treat a block as an opaque handle; its fields are guarded by the owning
     allocator's lock.

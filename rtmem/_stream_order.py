@@ -25,6 +25,18 @@ stream); it does not absorb ready neighbours, which would hide them from other
 streams until the stamp completes. Torch's caching allocator and CuPy's pool
 keep free blocks per stream in the same way; they never move a block to another
 stream, rtmem does once the stamp has completed.
+
+The indexes are keyed by the stream object, and a stream may be short-lived (one
+per batch; a host stream owns a worker thread), so a stream is forgotten as soon
+as a poll finds nothing pending on it any more, and a deferred free on a stream
+the indexes do not know yet polls first, retiring what completed on the streams
+before (each dead stream stayed referenced until every pending free of the
+allocator was retired at once, which a program that keeps freeing on new
+streams never reaches). An ordered free there also stamps first: the frees of
+the stream in use before (a per-batch current stream) have no event otherwise
+until the next maintenance round. An event-gated free does not: that is a copy
+stream's free beside the compute stream's, whose lazy stamp it must not force.
+Ready blocks name no stream.
 """
 
 from __future__ import annotations
@@ -109,6 +121,17 @@ class _StreamOrderedFrees:
             self._fifo.clear()      # only stale entries can remain
             self._pending.clear()
             self._unstamped.clear()
+        else:
+            self._forget_idle_streams()
+
+    def _forget_idle_streams(self) -> None:
+        """Drop the index entries of streams with no pending block left (NOTE
+        [ Stream-ordered frees ]): their FIFO and unstamped entries are stale."""
+        pending = self._pending
+        for stream in [s for s, keys in pending.items() if not keys]:
+            del pending[stream]
+            self._fifo.pop(stream, None)
+            self._unstamped.pop(stream, None)
 
     def _check_free_args(self, stream, event, ordered) -> None:
         if ordered:

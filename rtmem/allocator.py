@@ -194,7 +194,7 @@ class BestFitAllocator(_StreamOrderedFrees):
     def _make_ready(self, block: Block) -> None:
         """Insert a free block (in no index) into ``_ready``, merging ready
         neighbours (Rule 4). :meth:`deallocate` inlines this for a live block."""
-        block.state, block.event = _READY, None
+        block.state, block.stream, block.event = _READY, None, None
         prev, nxt = block.prev, block.next
         if prev is not None and prev.state == _READY:
             self._remove_ready(prev)
@@ -424,17 +424,25 @@ class BestFitAllocator(_StreamOrderedFrees):
             self._allocated -= size
             self._requested -= block.requested
             self._free_count += 1
+            # A stream the indexes do not know may be a new short-lived one, after
+            # others now dead: retire what completed first, so that their pending
+            # frees stop holding them (NOTE [ Stream-ordered frees ]).
             if ordered:
+                if stream not in self._pending:
+                    self._maintain()
                 self._free_ordered(block, stream)
                 self._deferrals += 1
                 return
             if event is not None and not event.query():
+                if stream not in self._pending:
+                    self._poll_pending()
                 self._defer(block, stream, event)
                 self._deferrals += 1
                 return
             # _make_ready inlined for a live block (in no index, no event): the call
             # cost ~3% of a pair on bench/allocator.py; keep the two in step.
             keys, prev, nxt = self._ready, block.prev, block.next
+            block.stream = None     # ready blocks name no stream (nor keep it alive)
             if prev is not None and prev.state == _READY:
                 psize = prev.size
                 del keys[bisect_left(keys, (psize << _SIZE_SHIFT) | prev.addr)]

@@ -269,6 +269,58 @@ def test_stamp_completes_then_other_streams_reuse_without_waiting():
     a._check_invariants()
 
 
+def test_completed_frees_let_go_of_their_short_lived_streams():
+    # A pending free kept its stream referenced (from the pending indexes, and
+    # from the block once ready) until every pending free of the allocator was
+    # retired at once, which never happens while another stream's free is in
+    # flight: a program making one stream per batch kept every dead stream (on
+    # the host backend, each with its worker thread).
+    import gc
+    import weakref
+
+    class Stream:
+        pass
+
+    events = []                                    # what the stamps recorded
+
+    def record(stream):                            # (a Recorder keeps the streams)
+        events.append(FakeEvent())
+        return events[-1]
+
+    a = BestFitAllocator(1 << 16, event_source=record)
+    busy = Stream()                                # long-lived, its work in flight
+    a.deallocate(a.allocate(4096, busy), stream=busy, event=FakeEvent())
+    for how in ("event", "ordered"):
+        refs = []
+        for i in range(50):
+            s = Stream()
+            b = a.allocate(1024 * (1 + i % 3), s)
+            if how == "event":
+                events.append(FakeEvent())
+                a.deallocate(b, stream=s, event=events[-1])
+            else:
+                a.deallocate(b, stream=s, ordered=True)
+            for ev in events:                      # the work so far has completed
+                ev.done = True
+            refs.append(weakref.ref(s))
+            del s, b
+        a._check_invariants()
+        gc.collect()
+        # Each free on a new stream retired the streams before it whose work had
+        # completed: the last one or two (its stamp not yet polled) remain.
+        assert sum(r() is not None for r in refs) <= 2, how
+        a.stats()                                  # a poll retires what completed
+        gc.collect()
+        # What remains is pending: an ordered free waits for a stamp.
+        assert sum(r() is not None for r in refs) == (how == "ordered"), how
+        assert all(keys for keys in a._pending.values()), "an idle stream is indexed"
+    a.flush()
+    gc.collect()
+    assert all(r() is None for r in refs), "a ready block keeps its last stream"
+    assert a.stats().pending_bytes == 0
+    a._check_invariants()
+
+
 def test_ordered_free_bad_arguments_leave_the_block_live():
     a = BestFitAllocator(4096)
     b = a.allocate(1024, "s")

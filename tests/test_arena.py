@@ -654,3 +654,41 @@ def test_a_pinned_view_of_a_padded_structured_dtype_has_the_buffers_dtype():
     del plain, pinned
     b.free()
     dev.close()
+
+
+def test_short_lived_streams_do_not_outlive_their_frees():
+    # A pending free held its stream, and so the stream's worker thread, until
+    # every pending free of the arena was retired at once, which never happens
+    # while another stream has work in flight: one thread leaked per stream
+    # made for a batch, allocated on, freed on and dropped.
+    import gc
+    import time
+    import weakref
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    arena = DeviceArena("1MiB", backend=be)
+    busy, gate = be.new_stream("busy"), threading.Event()
+    busy.launch_host_func(gate.wait)               # in flight for the whole loop
+    arena.free(arena.alloc(4096, stream=busy))     # pending behind that work
+    gc.collect()
+    threads = threading.active_count()
+    refs = []
+    for i in range(40):
+        s = be.new_stream(f"batch{i}")
+        arena.free(arena.alloc(1024, stream=s))
+        refs.append(weakref.ref(s))
+        del s
+    deadline = time.monotonic() + 10               # the last events complete
+    while time.monotonic() < deadline:
+        arena.stats()                              # polls the pending frees
+        gc.collect()
+        if all(r() is None for r in refs) and threading.active_count() <= threads:
+            break
+        time.sleep(0.01)
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} dropped streams are still referenced"
+    assert threading.active_count() <= threads
+    assert arena.stats().pending_bytes == 4096     # busy's free still waits
+    gate.set()
+    arena._check_invariants()
+    arena.close()
