@@ -36,7 +36,7 @@ class Plan(JsonFile):
     schedule:
         The operations to execute (:class:`~rtmem.planners.Schedule`).
     makespan:
-        Simulated makespan of ``schedule``, seconds.
+        Simulated makespan of ``schedule``, seconds (finite, >= 0).
     peak:
         Simulated peak device memory, bytes (weights, weight gradients and the
         chain input included, as the simulator counts them); a whole number in
@@ -46,8 +46,13 @@ class Plan(JsonFile):
     algorithm:
         Short name of the planner, e.g. ``"rotor"``, ``"sequential"``.
     info:
-        Planner-specific extras (JSON-serializable): DP prediction, slot size,
-        number of segments, ...
+        Planner-specific extras (JSON-serializable, numbers finite: ``None``
+        for an infinite DP prediction): DP prediction, slot size, number of
+        segments, ...
+
+    Non-finite numbers (a NaN or infinite makespan or peak, NaN anywhere,
+    infinity in ``info``) raise :class:`~rtmem.errors.ScheduleError` naming the
+    field; only ``budget`` may be ``math.inf`` (unlimited), written ``"inf"``.
     """
 
     schedule: Schedule
@@ -72,12 +77,20 @@ class Plan(JsonFile):
         # an int peak is compared exactly: float(2**62 - 1) == 2**62, so a peak a few
         # hundred bytes under the limit was refused (and reported as "must be >= 0")
         exact_peak = int(self.peak) if is_int(self.peak) else peak
-        bad = _bounds_failed(makespan=(self.makespan, makespan >= 0, "s", ">= 0"),
+        # A finite makespan: no planner returns an infinite one (an infeasible
+        # budget raises InfeasibleError, and Chain bounds the times so that the
+        # simulator's sums cannot overflow), and to_json wrote it as Infinity,
+        # which is not JSON.
+        bad = _bounds_failed(makespan=(self.makespan, 0 <= makespan < math.inf, "s",
+                                       "finite and >= 0"),
                              peak=(self.peak, 0 <= exact_peak, "bytes", ">= 0"),
                              budget=(self.budget, budget > 0, "bytes", "> 0"))  # NaN: False
         if not bad and not exact_peak < MAX_BYTES:
             bad = [f"peak {self.peak!r} bytes must be below 2**62 (the planners count "
                    f"bytes in int64)"]
+        if not bad:
+            bad = [f"info{path} {value!r} must be finite (write None for a value that "
+                   f"does not exist, as the planners do)" for path, value in _nonfinite(info)]
         if bad:
             raise ScheduleError(f"plan: {'; '.join(bad)}; a Plan's numbers come from the "
                                 "simulator: check the file, or the planner that built it",
@@ -177,6 +190,21 @@ def _exact_int(value, as_float: float) -> int:
     if is_int(value):
         return int(value)
     return int(as_float)
+
+
+def _nonfinite(value, path=""):
+    """``(path, number)`` for each NaN or infinite float in ``value`` (nested
+    dicts and lists), ``path`` as ``['key'][0]``: JSON has no such numbers
+    (``json.dumps`` writes NaN and Infinity, which strict readers refuse)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _nonfinite(v, f"{path}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _nonfinite(v, f"{path}[{i}]")
+    elif isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
+            and not math.isfinite(value):
+        yield path, value
 
 
 def _bounds_failed(**checks) -> list[str]:

@@ -230,7 +230,8 @@ def test_plan_accepts_a_peak_just_below_2_62_and_names_the_bound_that_failed():
     assert "below 2" not in str(err.value)
     with pytest.raises(ScheduleError, match=r"plan: budget 0 bytes must be > 0; [a-z]"):
         Plan(s, 1.0, 1, 0, "test")
-    with pytest.raises(ScheduleError, match=r"plan: makespan -1.0 s must be >= 0; [a-z]"):
+    with pytest.raises(ScheduleError,
+                       match=r"plan: makespan -1.0 s must be finite and >= 0; [a-z]"):
         Plan(s, -1.0, 1, 10, "test")
 
 

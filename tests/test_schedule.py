@@ -116,6 +116,38 @@ def test_plan_documents_with_bad_numbers_are_schedule_errors():
             Plan.from_dict({**d, key: value})
 
 
+def test_plans_with_non_finite_numbers_are_refused_by_field():
+    # An infinite makespan was accepted (NaN and the other fields were not), from
+    # the constructor and from documents alike, and to_json wrote it as
+    # Infinity, which is not JSON; no planner makes one (infeasible budgets
+    # raise InfeasibleError). NaN or infinity in info was written the same way.
+    import json
+    import math
+    from rtmem.planners import Chain, Plan, plan_store_all
+    plan = plan_store_all(Chain.homogeneous(2), "inf")
+    d = plan.to_dict()
+    fields = dict(schedule=plan.schedule, makespan=plan.makespan, peak=plan.peak,
+                  budget=plan.budget, algorithm=plan.algorithm)
+    for value in (math.inf, -math.inf, math.nan):
+        with pytest.raises(ScheduleError, match=r"plan: makespan .* s must be finite"):
+            Plan(**{**fields, "makespan": value})
+        with pytest.raises(ScheduleError, match="plan: makespan"):
+            Plan.from_dict({**d, "makespan": value})
+        with pytest.raises(ScheduleError, match="plan: peak"):
+            Plan(**{**fields, "peak": value})
+    with pytest.raises(ScheduleError, match="plan: makespan inf s must be finite"):
+        Plan.from_json(json.dumps({**d, "makespan": math.inf}))    # "Infinity"
+    for info, path in (({"dp_makespan": math.nan}, r"\['dp_makespan'\] nan"),
+                       ({"persistent": {"candidates": [1.0, math.inf]}},
+                        r"\['persistent'\]\['candidates'\]\[1\] inf")):
+        with pytest.raises(ScheduleError, match=rf"plan: info{path} must be finite"):
+            Plan(**fields, info=info)
+    # an unlimited budget is what "inf" means there; None in info is fine
+    ok = Plan(**{**fields, "budget": math.inf}, info={"dp_makespan": None, "n": 2})
+    assert Plan.from_json(ok.to_json()) == ok
+    assert "Infinity" not in ok.to_json() and "NaN" not in ok.to_json()
+
+
 def test_plan_documents_with_fields_of_the_wrong_type_are_refused_by_name():
     # The constructor converts what it gets: a list schedule was parsed as its
     # repr ("unknown operation \"['F_all\""), a null algorithm became "None",
