@@ -432,6 +432,56 @@ def test_a_batch_that_requires_grad_gets_its_gradient_as_from_loss_backward(text
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
 
 
+class _MaybeInPlace(nn.Module):
+    """Doubles its input, in place while ``in_place``."""
+
+    in_place = True
+
+    def forward(self, x):
+        return x.mul_(2) if self.in_place else x * 2
+
+
+@pytest.mark.parametrize("text", [
+    None,                                                          # store all
+    "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0",         # stage 0 recomputed
+    "F_all 0, offload abar1, F_all 1, delete abar1, F_all 2, L, B 2, prefetch abar1, B 1, "
+    "B 0",                                                         # offload
+    "offload a0, F_all 0, delete a0, F_all 1, w_delete 1, F_all 2, L, B 2, w_prefetch 1, "
+    "B 1, g_offload 1, prefetch a0, B 0",                          # combined
+])
+@pytest.mark.parametrize("view", [False, True])
+def test_an_in_place_first_stage_on_a_leaf_batch_that_requires_grad_is_refused(text, view,
+                                                                               arena):
+    # plain torch refuses x.mul_(2) on a leaf that requires grad (or a view of
+    # one) and leaves it unchanged; the executor handed stage 0 an alias of the
+    # caller's batch, which it doubled, silently (or raised at a recomputation,
+    # after writing gradients)
+    torch.manual_seed(0)
+    model = nn.Sequential(_MaybeInPlace(), nn.Linear(8, 8), nn.Linear(8, 1))
+    sched = store_all_schedule(3) if text is None else _sched(text, 3)
+    z, y = torch.randn(6, 8, requires_grad=True), torch.randn(4, 1)
+    x = z[:4] if view else z.detach()[:4].clone().requires_grad_()
+    leaf, before = z if view else x, x.detach().clone()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        mse(model(x), y)                                   # as plain torch does
+    m = copy.deepcopy(model)
+    ex = ScheduleExecutor(m, sched, mse, host_arena=arena)
+    with pytest.raises(ExecutionError, match=r"stage 0 \(_MaybeInPlace\) modifies its input "
+                                             r"in place.*leaf.*out-of-place"):
+        ex.step(x, y)
+    assert torch.equal(x.detach(), before) and leaf.grad is None
+    assert all(p.grad is None for p in m.parameters()) and not ex.host_grads()
+    assert arena.stats().allocated_bytes == 0
+    assert not ex._plain and not ex._bar and ex._delta is None
+    # once the stage works out of place, the same executor trains as plain torch
+    m[0].in_place = model[0].in_place = False
+    ref_loss = mse(model(x), y)
+    ref_loss.backward()
+    want, leaf.grad = leaf.grad, None
+    _assert_same(m, ex, ex.step(x, y), model, ref_loss.detach())
+    torch.testing.assert_close(leaf.grad, want)
+
+
 def _profiled_run(model, x, y, text):
     """Profile ``model``, simulate schedule ``text`` on its activation chain and
     train one step with it, checked against plain torch: (chain, sim, executor)."""

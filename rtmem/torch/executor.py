@@ -70,7 +70,8 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    tensor also frees its storages that other stored tensors hold without
    needing them (the leaf input of an abar built from it, a deleted view of
    it), as the simulator does. A schedule that frees a_0 before ``B 0`` runs on
-   a private copy of the caller's batch.
+   a private copy of the caller's batch, and so does a batch that autograd
+   refuses to change in place (rule 7).
 5. ``w_offload``/``w_delete``/``w_prefetch`` swap the parameters' ``.data`` with an
    empty placeholder and back (a host copy of this step's weights is kept);
    ``g_offload i`` moves the stage's parameter gradients into host accumulators
@@ -107,7 +108,12 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    its input in place, but a stored tensor read again after such a change (to
    recompute from it, or by a backward that saved it) would give wrong values,
    so reading it raises :class:`ExecutionError`, where plain autograd raises its
-   "modified by an inplace operation" error for saved tensors.
+   "modified by an inplace operation" error for saved tensors. Stage 0 gets an
+   alias of the batch, on which in-place ops are allowed; a batch that is a leaf
+   requiring grad (or a view of one), which plain autograd refuses to change in
+   place, is copied first, and a forward of stage 0 that changes it raises
+   :class:`ExecutionError` at once (the first one runs before any ``B``), the
+   caller's batch unchanged.
 
 On a CUDA device every move (activations, weights, gradients) is a copy on a
 dedicated H2D / D2H stream to or from pinned memory, so it overlaps compute:
@@ -283,6 +289,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         self._new_ledger()
         self._caller_keys: set = set()
         self._caller_inputs = None   # the batch during a step, when it requires grad
+        self._fixed_batch = False    # whether autograd refuses in-place ops on it
         self._op_index = 0   # of the operation running, for error messages
         # If the schedule frees a0 before B 0 (a delete, or F_none 0 consuming it),
         # work on a private copy, which it can free: the caller holds its batch,
@@ -308,9 +315,12 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         """One forward + backward pass following the schedule; returns the loss
         (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``.
         ``inputs`` and ``target`` are never freed or moved (a0 is a private copy
-        when the schedule frees it before B 0: ``delete a0`` or ``F_none 0``).
-        ``inputs`` that require grad get their gradient as from
-        ``loss.backward()``: in ``.grad``, or through the graph that made them.
+        when the schedule frees it before B 0: ``delete a0`` or ``F_none 0``, and
+        when ``inputs`` are a leaf that requires grad, or a view of one, which a
+        first stage changing them in place makes raise :class:`ExecutionError`,
+        as plain autograd refuses that). ``inputs`` that require grad get their
+        gradient as from ``loss.backward()``: in ``.grad``, or through the graph
+        that made them.
 
         A step in which nothing needs a gradient (every parameter frozen and a
         batch that does not require grad, or a last stage that detaches its
@@ -352,8 +362,14 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         self._caller_inputs = inputs if inputs.requires_grad else None
         # per step: the caller may freeze or unfreeze parameters between steps
         self._needs_grad = inputs_need_grad(self._stage_params, inputs.requires_grad)
-        if self._own_input or (inputs.untyped_storage().nbytes()
-                               != inputs.numel() * inputs.element_size()):
+        # A batch autograd refuses to change in place (a leaf that requires grad,
+        # or a view of one) is never handed to stage 0, which gets a detached
+        # alias: a private copy keeps it unchanged when stage 0 modifies its
+        # input, which _run_stage then refuses (rule 7)
+        self._fixed_batch = inputs.requires_grad and (
+            inputs.is_leaf or (inputs._is_view() and inputs._base.is_leaf))
+        if self._own_input or self._fixed_batch or (
+                inputs.untyped_storage().nbytes() != inputs.numel() * inputs.element_size()):
             # a compact private copy: its bytes are exactly the chain's x0
             inputs = inputs.detach().clone(memory_format=torch.contiguous_format)
         if device.type == "cuda" and self._streams is None:
@@ -447,6 +463,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
     def _run_stage(self, i: int, x: torch.Tensor):
         stage = self.stages[i]
         first = i not in self._first
+        version = x._version   # shared with a_i and every alias of it
         if first:
             cpu = torch.get_rng_state() if self.preserve_rng_state else None
             cuda = (torch.cuda.get_rng_state(self._device)
@@ -484,6 +501,16 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
             self._stage_buffers[i] = now
             self._stage_consts[i] = consts
             self._refresh_stage_ptrs(i)
+        if i == 0 and self._fixed_batch and x._version != version:
+            raise ExecutionError(
+                f"stage 0 ({type(stage).__name__}) modifies its input in place (x.mul_(2), "
+                f"nn.ReLU(inplace=True), ...), and the batch is a leaf tensor that requires "
+                f"grad (or a view of one), which plain PyTorch refuses to change in place "
+                f"(\"a leaf Variable that requires grad is being used in an in-place "
+                f"operation\"); the executor ran the stage on a copy, so the batch is "
+                f"unchanged. Make the operation out-of-place (x = x * 2 instead of "
+                f"x.mul_(2)), or pass a batch that is not a leaf (step(inputs.clone(), "
+                f"target): inputs.grad still gets its gradient)")
         _check_output(i, stage, y)
         return y
 
