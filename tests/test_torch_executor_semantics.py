@@ -1540,13 +1540,17 @@ def test_offloaded_adam_trains_tied_weights_under_the_executor(text, monkeypatch
 
 class _Cut(nn.Module):
     """A linear layer whose output, as ``cut`` says, keeps its autograd history
-    (None), is detached ("detach") or is an integer argmax ("argmax")."""
+    (None), is detached ("detach"), is computed under no_grad ("no_grad") or
+    is an integer argmax ("argmax")."""
 
     def __init__(self):
         super().__init__()
         self.lin, self.cut = nn.Linear(8, 4), None
 
     def forward(self, x):
+        if self.cut == "no_grad":
+            with torch.no_grad():
+                return self.lin(x)
         y = self.lin(x)
         return {None: y, "detach": y.detach(), "argmax": y.argmax(-1, keepdim=True)}[self.cut]
 
@@ -1597,6 +1601,70 @@ def test_a_step_where_nothing_needs_a_gradient_is_refused(case, message, arena):
     ref_loss = _float_mse(ref(x), y)
     ref_loss.backward()
     _assert_same(m, ex, ex.step(x, y), ref, ref_loss.detach())
+
+
+@pytest.mark.parametrize("text", [
+    "F_all 0, F_all 1, offload abar2, F_all 2, delete abar2, F_all 3, L, B 3, "
+    "prefetch abar2, B 2, B 1, B 0",                             # abar2 in the host arena
+    "F_ck 0, F_ck 1, F_all 2, F_all 3, L, B 3, B 2, F_all 1, B 1, F_all 0, B 0",  # remat
+])
+@pytest.mark.parametrize("cut", ["detach", "no_grad"])
+def test_a_middle_stage_cutting_the_chain_before_frozen_stages_is_refused(cut, text, arena):
+    # stage 1 detaches its output and stages 2 and 3 are frozen: a_4 needs no
+    # gradient and plain loss.backward() raises; the executor gave stages 2 and
+    # 3 a leaf requiring grad, so abar_4 did, and the step trained nothing
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Cut(), nn.Linear(4, 4), nn.Linear(4, 4))
+    model[2:].requires_grad_(False)
+    model[1].cut = cut
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        mse(copy.deepcopy(model)(x), y).backward()     # as plain torch does
+    m = copy.deepcopy(model)
+    ex = ScheduleExecutor(m, _sched(text, 4), mse, host_arena=arena)
+    with pytest.raises(ExecutionError, match=r"stage 1 \(_Cut\) or one before it returns a "
+                                             r"tensor without autograd history.*no stage "
+                                             r"after it"):
+        ex.step(x, y)
+    assert all(p.grad is None for p in m.parameters())
+    assert arena.stats().allocated_bytes == 0
+    assert not ex._plain and not ex._bar and ex._delta is None
+    # once the cause is gone, the same executor trains as plain torch
+    m[1].cut = model[1].cut = None
+    ref_loss = mse(model(x), y)
+    ref_loss.backward()
+    _assert_same(m, ex, ex.step(x, y), model, ref_loss.detach())
+
+
+@pytest.mark.parametrize("trains", ["stage 3", "closure"])
+def test_a_middle_stage_cutting_the_chain_trains_what_comes_after_it(trains):
+    # plain loss.backward() trains what the loss still reaches after the cut (a
+    # later stage's parameter, a tensor a frozen stage closes over): the B that
+    # finds the cut must not refuse it
+    torch.manual_seed(0)
+    outside = torch.randn(4, requires_grad=True)
+
+    class _Scale(nn.Module):
+        def forward(self, x):
+            return x * outside
+    model = nn.Sequential(nn.Linear(8, 8), _Cut(), _Scale(), nn.Linear(4, 4),
+                          nn.Linear(4, 4))
+    model[1].cut = "detach"
+    model[3:].requires_grad_(False)
+    if trains == "stage 3":
+        model[3].requires_grad_(True)
+        outside.requires_grad_(False)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    sched = _sched("F_ck 0, F_ck 1, F_ck 2, F_all 3, F_all 4, L, B 4, B 3, F_all 2, B 2, "
+                   "F_all 1, B 1, F_all 0, B 0", 5)
+    if trains == "closure":
+        mse(copy.deepcopy(model)(x), y).backward()
+        want, outside.grad = outside.grad.clone(), None
+    m, ex, *rest = _train(model, x, y, mse, sched)   # a plain step, then the executor's
+    _assert_same(m, ex, *rest)
+    assert all(p.grad is None for p in m[:2].parameters())
+    if trains == "closure":                           # as much from each of the two
+        torch.testing.assert_close(outside.grad, 2 * want)
 
 
 class _TemperedMSE(nn.Module):

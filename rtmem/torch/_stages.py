@@ -391,12 +391,10 @@ def _stage_input(x: torch.Tensor, needs_grad: bool = True):
     return _grad_input(x) if needs_grad and differentiable(x) else (x, x)
 
 
-def _graph_leaves(t, own) -> list:
-    """The tensors whose ``.grad`` a backward from ``t`` accumulates into (its
-    graph's leaves), but ``own`` (the input leaf the profiler or the executor
-    gave the stage or the loss): parameters of the model, any a stage or the
-    loss closes over, a target that requires grad."""
-    leaves, seen, todo = [], set(), [t.grad_fn] if isinstance(t, torch.Tensor) else []
+def _iter_graph_leaves(t, own):
+    """:func:`_graph_leaves`, one at a time, found as the walk of the graph
+    reaches them."""
+    seen, todo = set(), [t.grad_fn] if isinstance(t, torch.Tensor) else []
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -404,9 +402,23 @@ def _graph_leaves(t, own) -> list:
         seen.add(node)
         leaf = getattr(node, "variable", None)   # an AccumulateGrad node
         if leaf is not None and leaf is not own:
-            leaves.append(leaf)
+            yield leaf
         todo.extend(nxt for nxt, _ in node.next_functions)
-    return leaves
+
+
+def _graph_leaves(t, own) -> list:
+    """The tensors whose ``.grad`` a backward from ``t`` accumulates into (its
+    graph's leaves), but ``own`` (the input leaf the profiler or the executor
+    gave the stage or the loss): parameters of the model, any a stage or the
+    loss closes over, a target that requires grad."""
+    return list(_iter_graph_leaves(t, own))
+
+
+def trains_beyond(t, own) -> bool:
+    """Whether a backward from ``t`` writes a gradient other than ``own``'s
+    (:func:`_graph_leaves` is not empty), the walk stopping at the first leaf:
+    a few nodes for a stage or a loss with a parameter that trains."""
+    return next(_iter_graph_leaves(t, own), None) is not None
 
 
 def inputs_need_grad(stage_params, batch_needs_grad: bool) -> list:
@@ -421,14 +433,16 @@ def inputs_need_grad(stage_params, batch_needs_grad: bool) -> list:
     return needs
 
 
-def nothing_trains(stage_params, batch_needs_grad: bool, last_stage, *,
+def nothing_trains(stage_params, batch_needs_grad: bool, stages, *, cut_at: int | None = None,
                    loss_cut: bool = False) -> ExecutionError:
     """The error for a step whose loss needs no gradient, where plain
     ``loss.backward()`` raises ("element 0 of tensors does not require grad"):
     the model's output a_n needs none, nor does anything else the loss reads,
     or (``loss_cut``) it does but ``loss_fn`` returned a loss without autograd
-    history. ``stage_params`` are the stages' parameters, ``last_stage`` the
-    module making a_n; the message names the likely cause and what to do."""
+    history. ``stage_params`` are the stages' parameters and ``stages`` their
+    modules; ``cut_at`` is the stage whose output was found without autograd
+    history, every stage after it training nothing (None: the last stage or one
+    before it). The message names the likely cause and what to do."""
     if loss_cut:
         return ExecutionError(
             "loss_fn(output, target) returned a loss that does not require grad, "
@@ -436,10 +450,15 @@ def nothing_trains(stage_params, batch_needs_grad: bool, last_stage, *,
             ".item() or torch.tensor(...) of the value, a torch.no_grad() block), so "
             "nothing would train; return the loss tensor as computed")
     if batch_needs_grad or any(p.requires_grad for ps in stage_params for p in ps):
-        cause = (f"a stage cut it from the parameters that train: the last stage "
-                 f"({type(last_stage).__name__}) or one before it returns a tensor without "
+        last = len(stages) - 1
+        k = last if cut_at is None else cut_at
+        where = "the last stage" if k == last else f"stage {k}"
+        after = ("" if k == last else
+                 ", and no stage after it has a parameter that requires grad")
+        cause = (f"a stage cut it from the parameters that train: {where} "
+                 f"({type(stages[k]).__name__}) or one before it returns a tensor without "
                  f"autograd history (a .detach(), an integer result such as argmax, a "
-                 f"forward under torch.no_grad())")
+                 f"forward under torch.no_grad()){after}")
         remedy = "return the differentiable tensor"
     else:
         cause = ("no parameter of the model requires grad (all frozen: "

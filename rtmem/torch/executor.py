@@ -42,12 +42,16 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    inputs, or an output nothing used) is skipped, and delta_i is None. A step
    whose loss needs no gradient at all, where ``loss.backward()`` raises, is
    refused with :class:`ExecutionError` before any gradient is written: at L
-   when the loss does not require grad, or at ``B n-1`` when abar_n's output
-   (made as plain autograd makes a_n) does not and the loss reads nothing else
-   that does (a loss module's parameter, a target that requires grad); the
-   cause is every parameter frozen with a batch that needs no gradient, or a
-   stage detaching its output (the loss gets a leaf that requires grad whatever
-   a_n needs, so without the check such a step trained nothing, silently).
+   when the loss does not require grad, or at the first ``B i`` (from ``B n-1``
+   down) whose abar_{i+1} output has no autograd history while nothing has
+   written a gradient yet: the loss reads nothing else that requires grad (a
+   loss module's parameter, a target that requires grad), and the Bs after
+   ``B i`` wrote only delta (their stages frozen). The cause is every parameter
+   frozen with a batch that needs no gradient, or a stage detaching its output
+   (``.detach()``, ``torch.no_grad()``) with every stage after it frozen: the
+   loss, and each stage after one that trains, get a leaf that requires grad
+   whatever a_i needs (rule 2), so without the check such a step trained
+   nothing, silently.
 4. ``offload`` copies the storages of a tensor (abar: output and saved tensors)
    to host memory; ``delete`` frees the device storages with
    ``untyped_storage().resize_(0)``, which keeps every tensor object (and the
@@ -144,10 +148,11 @@ from rtmem.planners._validation import type_label
 from ._bookkeeping import _CHECK_ACCOUNTING, _Bookkeeping
 from ._host_side import _HostSide
 from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output,
-                      _graph_leaves, _stage_input, _storage_ptrs, as_stages, buffer_slots,
+                      _stage_input, _storage_ptrs, as_stages, buffer_slots,
                       check_inputs, check_loss_fn, check_placement, check_shared_hooks,
                       check_shared_weights, inputs_need_grad, nothing_trains,
-                      replayed_generators, shared_parameters, slot_buffers, stage_state)
+                      replayed_generators, shared_parameters, slot_buffers, stage_state,
+                      trains_beyond)
 from ._saved import _SavedHooks, uncached_casts
 from ._stored import _copy_matches, _Entries, _Stored
 
@@ -323,8 +328,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         that made them.
 
         A step in which nothing needs a gradient (every parameter frozen and a
-        batch that does not require grad, or a last stage that detaches its
-        output) raises :class:`ExecutionError`, as ``loss.backward()`` raises.
+        batch that does not require grad, or a stage that detaches its output
+        with every stage after it frozen) raises :class:`ExecutionError` before
+        any gradient is written, as ``loss.backward()`` raises.
 
         If the step raises, the weights are all back on the device, but the
         gradients it produced before the error stay where they went (``.grad``,
@@ -379,7 +385,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
         self._refresh_state_ptrs()
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
-        self._loss_trains = False  # set by L (_loss)
+        self._trains = False  # whether the backward writes a gradient (_loss, _backward)
         track = self.track_memory
         self.peak_bytes = 0 if track else None
         self.resident_bytes = []
@@ -552,27 +558,30 @@ class ScheduleExecutor(_Bookkeeping, _HostSide):
                                  f"got {what}; reduce it (e.g. .mean()) in loss_fn")
         if not loss.requires_grad:   # where loss.backward() raises (rule 3)
             raise nothing_trains(self._stage_params, self._caller_inputs is not None,
-                                 self.stages[-1], loss_cut=z.requires_grad)
+                                 self.stages, loss_cut=z.requires_grad)
         # z is a leaf that requires grad whatever a_n needs, so this loss requires
-        # grad where plain autograd's may not; B n-1 decides, as abar_n says whether
-        # a_n needs a gradient. What it needs from here: whether the loss trains
-        # something without a_n (a loss module's parameter, a target that requires
-        # grad), a walk of the loss's graph, skipped when abar_n already needs one
-        st = self._resident(k)
-        self._loss_trains = ((st.inp is not None and st.out.requires_grad)
-                             or bool(_graph_leaves(loss, leaf)))
+        # grad where plain autograd's may not; the Bs decide (_backward). What they
+        # need from here: whether the loss trains something without a_n (a loss
+        # module's parameter, a target that requires grad)
+        self._trains = trains_beyond(loss, leaf)
         loss.backward()
         self._delta = leaf.grad
         self._consume_plain(k)
         return loss.detach()
 
     def _backward(self, i: int):
-        if i == self.n - 1 and not self._bar[i + 1].out.requires_grad and \
-                not self._loss_trains:
-            # a_n needs no gradient (abar_n is as plain autograd makes a_n), nor
-            # does anything else the loss reads: loss.backward() raises (rule 3)
-            raise nothing_trains(self._stage_params, self._caller_inputs is not None,
-                                 self.stages[-1])
+        if self._delta is not None and not self._trains:
+            # No gradient written yet (the loss and the Bs after this one wrote
+            # only into the executor's input leaves). An output without autograd
+            # history (stage i, or one before it, cut the chain) means a_n needs
+            # no gradient in plain autograd, where loss.backward() raises (rule 3)
+            out, inp = self._bar[i + 1].out, self._bar[i + 1].inp
+            if not out.requires_grad:
+                raise nothing_trains(self._stage_params, self._caller_inputs is not None,
+                                     self.stages, cut_at=i)
+            # a backward that writes a gradient of its own (a parameter) trains
+            # something: no later B may refuse the step
+            self._trains = trains_beyond(out, inp)
         bar = self._bar.pop(i + 1)
         self._wait(bar)
         self._wait_weights(i)
