@@ -33,9 +33,10 @@ def _used_on(storages, stream):
 class _HostSide:
     """Mixin of :class:`~rtmem.torch.ScheduleExecutor`, which provides ``n``,
     ``_stage_params``, ``_stage_buffers``, ``host_arena``, the copy ``_streams``
-    (None until a CUDA step), and per step ``_device`` and ``_ledger``; its
-    activation moves use ``_host``, :meth:`_host_storage` and :meth:`_copy`. A
-    mixin rather than an object the executor owns: both sides share that state."""
+    (None until a CUDA step), and per step ``_device`` and ``_ledger``; the
+    activation moves (:mod:`._moves`) use ``_host``, :meth:`_host_storage` and
+    :meth:`_copy`. A mixin rather than an object the executor owns: both sides
+    share that state."""
 
     def __init__(self):
         # parameter -> pinned host copy of this step's weights; stage -> the CUDA
