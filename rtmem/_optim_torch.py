@@ -112,6 +112,39 @@ def per_param(values, params, name):
     return {id(p): v for p, v in zip(params, values)}
 
 
+# torch.optim.Adam's switches that change what its step does, which CPUAdam
+# cannot do: refused wherever a group can turn them on (constructor,
+# add_param_group, load_state_dict, a group edited before a step), instead of
+# kept in the group and ignored.
+_REFUSED_SWITCHES = {
+    "capturable": "CPUAdam updates CPU tensors in a numba kernel, outside CUDA graphs "
+                  "(torch.optim.Adam's step refuses it for CPU parameters too)",
+    "differentiable": "CPUAdam's update is not recorded by autograd, so no gradient "
+                      "flows through it",
+}
+
+
+def _check_switches(where, group, loaded=False) -> None:
+    """OptimizerError if ``group`` turns on a switch of :data:`_REFUSED_SWITCHES`;
+    ``where`` ("" for the constructor's keywords) names the group, ``loaded``
+    says it comes from a state dict (the remedy differs)."""
+    for name, why in _REFUSED_SWITCHES.items():
+        if not group.get(name):
+            continue
+        if not where:
+            raise OptimizerError(f"{name}=True is not supported: {why}.", argument=name)
+        if not loaded:
+            fix = f"leave {name} out of the group (or set it to False)"
+        elif name == "capturable":      # the update's math does not depend on it
+            fix = ("set it to False in the dict's param_groups before loading (the "
+                   "update is the same without it)")
+        else:
+            fix = ("set it to False in the dict's param_groups to train on without a "
+                   "gradient through the step, or keep torch.optim.Adam for it")
+        raise OptimizerError(f"{where} has {name}={group[name]!r}, which is not "
+                             f"supported: {why}; {fix}.", argument=name)
+
+
 def bump_versions(tensors):
     """Tell autograd the ``tensors`` were modified in place.
 
@@ -149,7 +182,11 @@ class CPUAdam(torch.optim.Optimizer):
     of AdamW, which :class:`CPUAdamW` always uses); ``num_threads`` as in
     :func:`rtmem.kernels.adam_update`. ``foreach`` and ``fused`` are taken and
     ignored (the update is always one fused pass); ``capturable`` and
-    ``differentiable`` must stay False.
+    ``differentiable`` must stay False: True is refused with an
+    OptimizerError in the constructor, in :meth:`add_param_group`, in a
+    loaded state dict's groups (e.g. one saved by
+    ``torch.optim.Adam(capturable=True)``: set it to False in the dict) and
+    at a step whose group was edited to True.
 
     ``decoupled_weight_decay`` is a per-group hyperparameter, as in
     ``torch.optim.Adam`` (torch >= 2.6): a state dict carries it, so loading
@@ -170,11 +207,7 @@ class CPUAdam(torch.optim.Optimizer):
                  foreach=None, fused=None, capturable=False, differentiable=False):
         # torch.optim.Adam's implementation switches, taken so a call written for
         # it runs unchanged: the update is always one fused numba pass
-        for name, value in (("capturable", capturable), ("differentiable", differentiable)):
-            if value:
-                raise OptimizerError(
-                    f"{name}=True is not supported: CPUAdam updates CPU tensors in a "
-                    f"numba kernel, outside CUDA graphs and autograd", argument=name)
+        _check_switches("", dict(capturable=capturable, differentiable=differentiable))
         _check_hyper(lr, betas, eps, weight_decay)
         self._check_decoupled(decoupled_weight_decay, "decoupled_weight_decay")
         self.num_threads = _check_num_threads(num_threads)
@@ -231,6 +264,7 @@ class CPUAdam(torch.optim.Optimizer):
         try:
             _check_hyper(group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
+            _check_switches(f"group {len(self.param_groups) - 1}", group)
             self._check_decoupled(group["decoupled_weight_decay"],
                                   f"group {len(self.param_groups) - 1}: "
                                   f"decoupled_weight_decay")
@@ -309,9 +343,10 @@ class CPUAdam(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         grad_of = per_param(grads, params, "grads")
         copy_of = per_param(copies, params, "copies")
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             _check_hyper(group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
+            _check_switches(f"group {gi}", group)
         # before any state is added: _run_step raises for a num_threads this
         # machine has not (one kept by a pickle from a bigger machine), outside
         # the take-back below
@@ -370,7 +405,9 @@ class CPUAdam(torch.optim.Optimizer):
         where the dict has none; :class:`CPUAdamW`, like
         ``torch.optim.AdamW``, always decouples); a group without ``amsgrad``
         or ``maximize`` (an older torch's dict) takes False for it, as in
-        ``torch.optim.Adam``. A refused dict leaves the optimizer as it was.
+        ``torch.optim.Adam``. A group with ``capturable`` or ``differentiable``
+        True is refused (as by the constructor): set them to False in the
+        dict to load it. A refused dict leaves the optimizer as it was.
         The pre-hooks run first (they may adapt the dict), the post-hooks only
         once the load is accepted."""
         state_dict = _pre_hooked(self, state_dict)
@@ -409,6 +446,7 @@ class CPUAdam(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             _check_adam_keys(gi, group)
             _check_group_hyper(f"group {gi} of the state dict", group)
+            _check_switches(f"group {gi} of the state dict", group, loaded=True)
             self._check_decoupled(group["decoupled_weight_decay"],
                                   f"group {gi}: decoupled_weight_decay")
             for pi, p in enumerate(group["params"]):

@@ -691,6 +691,44 @@ def test_torch_adams_implementation_switches_are_taken():
         assert info.value.argument == name
 
 
+@pytest.mark.parametrize("name", ["capturable", "differentiable"])
+def test_switches_the_constructor_refuses_are_refused_from_dicts_and_groups_too(name):
+    # A state dict saved by torch.optim.Adam(capturable=True) (or edited), a group
+    # added or edited with the switch on: all were taken and the switch kept in
+    # the group, ignored by every step. Now refused as by the constructor,
+    # before anything changes.
+    a, opt, good = _stepped_once(26)
+    q = [p.detach().clone().requires_grad_() for p in a]
+    saved = copy.deepcopy(torch.optim.Adam(q, lr=0.1, **{name: True}).state_dict())
+    saved["state"] = copy.deepcopy(good["state"])
+    assert saved["param_groups"][0][name] is True
+    old_groups, old_state = opt.param_groups, opt.state
+    with pytest.raises(OptimizerError, match=f"group 0 of the state dict has {name}=True"
+                       ) as info:
+        opt.load_state_dict(saved)
+    assert info.value.argument == name and "set it to False" in str(info.value)
+    assert opt.param_groups is old_groups and opt.state is old_state
+    assert opt.state_dict()["param_groups"] == good["param_groups"]
+    with pytest.raises(OptimizerError, match=f"group 1 has {name}=True") as info:
+        opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)], name: True})
+    assert info.value.argument == name and len(opt.param_groups) == 1
+    # edited into a group: the step is refused, nothing changed
+    before = [p.detach().clone() for p in a]
+    for p in a:
+        p.grad = torch.randn_like(p)
+    opt.param_groups[0][name] = True
+    with pytest.raises(OptimizerError, match=f"group 0 has {name}=True"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(a, before))
+    assert float(opt.state[a[0]]["step"]) == 1.0
+    # with the switch off, the same dict loads
+    opt.param_groups[0][name] = False
+    saved["param_groups"][0][name] = False
+    opt.load_state_dict(saved)
+    opt.step()
+    assert float(opt.state[a[0]]["step"]) == 2.0
+
+
 def test_bad_params_and_grads_are_rejected_before_anything_changes():
     with pytest.raises(OptimizerError, match="float32"):
         optim.CPUAdam([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
