@@ -24,7 +24,7 @@ from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_group_hyper, _check_hyper,
                     _check_num_threads, _check_state_dict, _check_step_disjoint,
                     _checked_step, _coefficients, _host_view, _named, _pre_hooked,
-                    _run_step)
+                    _run_step, _saved_skips)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -194,7 +194,7 @@ class CPUAdam(torch.optim.Optimizer):
     keeps AdamW. The step bumps the autograd version counter of every
     updated parameter and copy, as torch's in-place update does. Copies,
     pickles and ``torch.save`` of the optimizer keep ``num_threads`` and
-    the skipped-step counters.
+    the skipped-step counters; :meth:`state_dict` keeps the counters.
     """
 
     #: The class's ``decoupled_weight_decay``: the default for groups (and
@@ -395,6 +395,28 @@ class CPUAdam(torch.optim.Optimizer):
             self._take_back(added)
         return loss
 
+    def state_dict(self):
+        """``torch.optim.Optimizer.state_dict`` (``state`` and ``param_groups``,
+        in ``torch.optim.Adam``'s layout) plus the top-level ``skipped_steps``
+        and ``last_step_skipped`` (NOTE [ Skipped steps ]), which
+        ``torch.optim.Adam``'s load ignores, as OffloadedAdam's dict has them.
+        The post-hooks see the whole dict."""
+        # torch's state_dict without its post-hooks, which run on the dict with
+        # the counters (the same dict goes back: the hooks' handles refer to it)
+        hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = {}
+        try:
+            state_dict = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = hooks
+        state_dict["skipped_steps"] = self.skipped_steps
+        state_dict["last_step_skipped"] = self.last_step_skipped
+        for post_hook in hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
     def load_state_dict(self, state_dict):
         """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
         The state is copied into fresh contiguous float32 tensors, so the
@@ -407,11 +429,14 @@ class CPUAdam(torch.optim.Optimizer):
         or ``maximize`` (an older torch's dict) takes False for it, as in
         ``torch.optim.Adam``. A group with ``capturable`` or ``differentiable``
         True is refused (as by the constructor): set them to False in the
-        dict to load it. A refused dict leaves the optimizer as it was.
+        dict to load it. ``skipped_steps`` and ``last_step_skipped`` are
+        restored (0 and False from a dict without them: torch's, an older
+        rtmem's). A refused dict leaves the optimizer as it was.
         The pre-hooks run first (they may adapt the dict), the post-hooks only
         once the load is accepted."""
         state_dict = _pre_hooked(self, state_dict)
         _check_state_dict(state_dict)
+        skips = _saved_skips(state_dict)
         # torch installs new state and group dicts; the checks below run after
         # it, so keep the old ones to put back.
         old_state, old_groups = self.state, self.param_groups
@@ -420,6 +445,7 @@ class CPUAdam(torch.optim.Optimizer):
         except BaseException:
             self.state, self.param_groups = old_state, old_groups
             raise
+        self.skipped_steps, self.last_step_skipped = skips
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

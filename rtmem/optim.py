@@ -79,6 +79,20 @@ def _check_state_dict(state_dict) -> None:
                              argument="state_dict")
 
 
+def _saved_skips(state_dict) -> tuple:
+    """``(skipped_steps, last_step_skipped)`` of a state dict (NOTE [ Skipped
+    steps ]): its top-level keys of those names, which every rtmem optimizer's
+    ``state_dict()`` writes and torch's loads ignore; 0 and False for a dict
+    without them (torch.optim.Adam's, an older rtmem's). OptimizerError unless
+    the count is an integer >= 0 and the flag a bool."""
+    skipped = _checked_step(state_dict.get("skipped_steps", 0), "skipped_steps")
+    last = state_dict.get("last_step_skipped", False)
+    if not isinstance(last, (bool, np.bool_)):
+        raise OptimizerError(f"last_step_skipped is {last!r}; expected True or False, "
+                             f"as state_dict() saves it.", argument="state_dict")
+    return skipped, bool(last)
+
+
 def _pre_hooked(optimizer, state_dict):
     """``state_dict`` after ``optimizer``'s load_state_dict pre-hooks, run as
     torch runs them (on a shallow copy; a hook's non-None result replaces it),
@@ -403,16 +417,20 @@ class NumpyAdam:
         return _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite)
 
     def state_dict(self) -> dict:
-        """A deep copy of the hyperparameters and per-parameter state (arrays copied)."""
+        """A deep copy of the hyperparameters and per-parameter state (arrays
+        copied), and the ``skipped_steps`` / ``last_step_skipped`` counters."""
         return {"hyper": dict(self.hyper),
                 "state": [{k: (v.copy() if isinstance(v, np.ndarray) else v)
-                           for k, v in st.items()} for st in self.state]}
+                           for k, v in st.items()} for st in self.state],
+                "skipped_steps": self.skipped_steps,
+                "last_step_skipped": self.last_step_skipped}
 
     def load_state_dict(self, state_dict) -> None:
         """Restore :meth:`state_dict` output, copying into the existing state arrays
         (their memory stays where it was allocated). ``hyper`` must hold every
         hyperparameter, with this optimizer's ``amsgrad``; each ``step`` must be an
-        integer >= 0. A refused dict leaves the optimizer as it was."""
+        integer >= 0. The skip counters are restored (0 and False from a dict
+        saved without them). A refused dict leaves the optimizer as it was."""
         if not isinstance(state_dict, dict) or not {"state", "hyper"} <= set(state_dict):
             raise OptimizerError("state_dict must be a dict with 'hyper' and 'state', as "
                                  "returned by state_dict()", argument="state_dict")
@@ -474,12 +492,14 @@ class NumpyAdam:
                                              f"expected real floating point.",
                                              argument="state_dict")
             checked.append((arrays, _checked_step(src.get("step"), f"param {i}")))
+        skips = _saved_skips(state_dict)
         # Everything checked: copying can no longer fail half-way.
         for (arrays, step), dst in zip(checked, self.state):
             for key, a in arrays.items():
                 np.copyto(dst[key], a, casting="same_kind")
             dst["step"] = step
         self.hyper = hyper
+        self.skipped_steps, self.last_step_skipped = skips
 
 
 class NumpyAdamW(NumpyAdam):

@@ -908,6 +908,86 @@ def test_a_step_refused_for_num_threads_adds_no_state():
     assert int(opt.state[p]["step"]) == 1
 
 
+def _skipped_once(cls=None):
+    """(param, a CPUAdam(W) with one applied and one skipped step)."""
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = (cls or optim.CPUAdam)([p], lr=1e-2)
+    opt.step(grads=[torch.randn(5)])
+    opt.step(grads=[torch.full((5,), float("nan"))], grad_scale=4.0)
+    assert (opt.skipped_steps, opt.last_step_skipped) == (1, True)
+    return p, opt
+
+
+def test_state_dict_keeps_the_skip_counters_and_torch_adam_still_loads_it():
+    # state_dict() had torch's two keys only: a checkpoint round trip reset
+    # skipped_steps to 0 and last_step_skipped to False
+    p, opt = _skipped_once()
+    saved = opt.state_dict()
+    assert (saved["skipped_steps"], saved["last_step_skipped"]) == (1, True)
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    buf.seek(0)
+    q = torch.nn.Parameter(p.detach().clone())
+    back = optim.CPUAdam([q], lr=1.0)
+    back.load_state_dict(torch.load(buf, weights_only=True))
+    assert (back.skipped_steps, back.last_step_skipped) == (1, True)
+    # torch.optim.Adam loads it (the extra top-level keys are ignored) and steps
+    # as CPUAdam does; its own dict has no skip record: 0 and False
+    r = torch.nn.Parameter(p.detach().clone())
+    ref = torch.optim.Adam([r], lr=1.0)
+    ref.load_state_dict(copy.deepcopy(saved))
+    g = torch.randn(5)
+    r.grad, q.grad = g.clone(), g.clone()
+    ref.step()
+    back.step()
+    torch.testing.assert_close(q, r)
+    assert not back.last_step_skipped and back.skipped_steps == 1
+    back.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert (back.skipped_steps, back.last_step_skipped) == (0, False)
+    assert float(back.state[q]["step"]) == 2.0
+    # an older rtmem's dict (no counters) loads with 0 and False too
+    _, opt2 = _skipped_once()
+    old = copy.deepcopy(saved)
+    del old["skipped_steps"], old["last_step_skipped"]
+    opt2.load_state_dict(old)
+    assert (opt2.skipped_steps, opt2.last_step_skipped) == (0, False)
+    # the post-hooks see the whole dict
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(sd["skipped_steps"]))
+    opt.state_dict()
+    assert seen == [1]
+
+
+@pytest.mark.parametrize("key, bad", [("skipped_steps", -1), ("skipped_steps", 2.5),
+                                      ("skipped_steps", "3"), ("last_step_skipped", "yes"),
+                                      ("last_step_skipped", 1)])
+def test_load_state_dict_refuses_skip_counters_that_are_no_counters(key, bad):
+    p, opt = _skipped_once()
+    good = copy.deepcopy(opt.state_dict())
+    _, other = _skipped_once()
+    other.step(grads=[torch.randn(5)])       # another step count and counters to load
+    sd = copy.deepcopy(other.state_dict())
+    sd[key] = bad
+    with pytest.raises(OptimizerError, match=key) as info:
+        opt.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    now = opt.state_dict()
+    assert (now["skipped_steps"], now["last_step_skipped"]) == (1, True)
+    assert float(now["state"][0]["step"]) == float(good["state"][0]["step"]) == 1.0
+    # NumpyAdam: the same counters, the same checks
+    a = np.ones(4, np.float32)
+    nopt = optim.NumpyAdam([a])
+    nopt.step([np.full(4, np.nan, np.float32)], grad_scale=2.0)
+    nsd = nopt.state_dict()
+    assert (nsd["skipped_steps"], nsd["last_step_skipped"]) == (1, True)
+    fresh = optim.NumpyAdam([np.ones(4, np.float32)])
+    fresh.load_state_dict(nsd)
+    assert (fresh.skipped_steps, fresh.last_step_skipped) == (1, True)
+    with pytest.raises(OptimizerError, match=key):
+        fresh.load_state_dict({**nsd, key: bad})
+    assert (fresh.skipped_steps, fresh.last_step_skipped) == (1, True)
+
+
 def test_copies_and_pickles_keep_threads_and_skip_counters():
     p = torch.randn(5, requires_grad=True)
     opt = optim.CPUAdamW([p], lr=1e-2, num_threads=1)

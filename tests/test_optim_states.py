@@ -111,8 +111,12 @@ class Machine(RuleBasedStateMachine):
         return (CPUAdamW if self.adamw else CPUAdam)(pg, **defaults)
 
     def _frozen(self):
-        """What a refused or skipped call must leave bit-identical."""
-        return (copy.deepcopy(self.opt.state_dict()), [p.detach().clone() for p in self.ours],
+        """What a refused or skipped call must leave bit-identical (the skip
+        counters, which a skip moves, apart from the state dict's)."""
+        sd = copy.deepcopy(self.opt.state_dict())
+        assert (sd.pop("skipped_steps"), sd.pop("last_step_skipped")) == \
+            (self.opt.skipped_steps, self.opt.last_step_skipped)
+        return (sd, [p.detach().clone() for p in self.ours],
                 [None if p.grad is None else p.grad.clone() for p in self.ours],
                 self.opt.skipped_steps, self.opt.last_step_skipped)
 
@@ -263,7 +267,10 @@ class Machine(RuleBasedStateMachine):
         if dst_torch:
             self.ropt = fresh
         else:
-            self.opt, self.skips = fresh, 0
+            # rtmem's dict carries the skip counters; torch's has none: 0, False
+            want = (self.skips, self.opt.last_step_skipped) if not src_torch else (0, False)
+            assert (fresh.skipped_steps, fresh.last_step_skipped) == want
+            self.opt, self.skips = fresh, want[0]
 
     @rule(data=st.data(), kind=st.sampled_from(["shape", "step", "lr", "sgd"]))
     def refused_load(self, data, kind):

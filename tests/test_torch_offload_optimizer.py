@@ -406,6 +406,32 @@ def test_what_the_host_buffers_cannot_follow_is_refused():
     arena.close()
 
 
+def test_state_dict_keeps_last_step_skipped_and_a_torch_dict_resets_the_counters():
+    # skipped_steps was saved, last_step_skipped not: a round trip after a
+    # skipped step said the last step was applied
+    mine = make_model()
+    off = OffloadedAdam(mine.parameters(), lr=1e-2)
+    train(mine, off, batches(1))
+    x, y = batches(1)[0]
+    (torch.nn.functional.mse_loss(mine(x), y) * float("inf")).backward()
+    off.step(grad_scale=8.0)
+    saved = off.state_dict()
+    assert (saved["skipped_steps"], saved["last_step_skipped"]) == (1, True)
+    off.close()
+    other = make_model()
+    back = OffloadedAdam(other.parameters(), lr=1e-2)
+    back.load_state_dict(saved)
+    assert (back.step_count, back.skipped_steps, back.last_step_skipped) == (1, 1, True)
+    ref = torch.optim.Adam(make_model().parameters(), lr=1e-2)
+    ref.load_state_dict(copy.deepcopy(saved))     # the extra keys are ignored
+    back.load_state_dict(ref.state_dict())       # and torch keeps no skip record
+    assert (back.step_count, back.skipped_steps, back.last_step_skipped) == (1, 0, False)
+    with pytest.raises(OptimizerError, match="last_step_skipped"):
+        back.load_state_dict({**saved, "last_step_skipped": "yes"})
+    assert (back.skipped_steps, back.last_step_skipped) == (0, False)
+    back.close()
+
+
 def test_state_dict_hooks_run_and_loaded_groups_are_copies():
     model = make_model()
     off = OffloadedAdam(model.parameters(), lr=torch.tensor(1e-2))

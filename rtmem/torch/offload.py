@@ -70,7 +70,7 @@ from rtmem.errors import NonFiniteGradientError, OptimizerError
 from rtmem.kernels.adam import _unscale_factor, prepare_update, threads
 from rtmem.optim import (_check_adam_keys, _check_group_hyper, _check_num_threads,
                          _check_state_dict, _checked_step, _coefficients, _first_overlap,
-                         _pre_hooked)
+                         _pre_hooked, _saved_skips)
 from rtmem.units import is_whole
 
 from ._stages import SUMS_PARTIAL_GRADIENTS
@@ -1053,9 +1053,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         index that was ever updated, ``step``, ``exp_avg``, ``exp_avg_sq`` shaped
         like the parameter, plus its fp32 ``master`` weights and ``master_step``,
         the int step they are the weights of; ``param_groups``: the
-        hyperparameters and parameter indices), and ``step_count`` /
-        ``skipped_steps``. Tensors are CPU float32 copies, never views of the
-        host arena. The flushed gradients are not part of it."""
+        hyperparameters and parameter indices), and ``step_count``,
+        ``skipped_steps`` and ``last_step_skipped``. Tensors are CPU float32
+        copies, never views of the host arena. The flushed gradients are not
+        part of it."""
         self._check_open("state_dict")
         if not self._state_synced:      # a step's state update was cut short
             self._sync_state()
@@ -1076,7 +1077,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 # the parameter's dtype), while their steps move "step" on.
                 state[k]["master_step"] = int(self.steps[k])
         state_dict = {"state": state, "param_groups": groups,
-                      "step_count": self.step_count, "skipped_steps": self.skipped_steps}
+                      "step_count": self.step_count, "skipped_steps": self.skipped_steps,
+                      "last_step_skipped": self.last_step_skipped}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -1102,7 +1104,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         whose data was replaced since construction (another dtype or size) is
         refused, as :meth:`step` refuses it. Everything is checked before
         anything changes; a refused load leaves the optimizer as it was.
-        Flushed gradients are kept."""
+        ``step_count``, ``skipped_steps`` and ``last_step_skipped`` are
+        restored (from a torch dict, without them: the largest saved step, 0
+        and False). Flushed gradients are kept."""
         self._check_open("load_state_dict")
         state_dict = _pre_hooked(self, state_dict)
         _check_state_dict(state_dict)
@@ -1182,7 +1186,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 arrays[k].append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
         counts = (_checked_step(state_dict.get("step_count", max(
                       [a[0] for a in arrays.values()], default=0)), "step_count"),
-                  _checked_step(state_dict.get("skipped_steps", 0), "skipped_steps"))
+                  *_saved_skips(state_dict))
         if cast:
             warnings.warn(
                 f"the saved fp32 master weights of parameter(s) "
@@ -1210,7 +1214,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         for group, merged in zip(self.param_groups, groups):
             group.clear()
             group.update(merged)
-        self.step_count, self.skipped_steps = counts
+        self.step_count, self.skipped_steps, self.last_step_skipped = counts
         self._sync_state()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
