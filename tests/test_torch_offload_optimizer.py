@@ -5,6 +5,7 @@ gradient clipping, each against torch.optim.Adam/AdamW on the same model."""
 import copy
 import io
 import pickle
+import sys
 import warnings
 
 import numpy as np
@@ -725,6 +726,77 @@ def test_a_refused_step_under_grad_scaler_leaves_no_scale_behind_for_the_retry()
             opt.zero_grad()
         for p, q in zip(ref.parameters(), mine.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    off.close()
+
+
+@pytest.mark.parametrize("where", ["check", "update", "last"])
+def test_an_interrupted_step_under_grad_scaler_recovers_as_documented(monkeypatch, where):
+    # The step took the gradients out of p.grad, then was interrupted: the retried
+    # scaler.step(opt) applied the ones left on the host, but GradScaler's inf
+    # check found no p.grad and scaler.update() asserted "No inf checks were
+    # recorded prior to update" (torch's optimizers keep p.grad, so their retry is
+    # checked again). Now the unused gradients go back to p.grad; when none is left
+    # the exception says to update without stepping, and a retry is refused clearly.
+    from rtmem.kernels.adam import PreparedUpdate
+    torch.manual_seed(0)
+    ref, mine = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    mine.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+    # chunks of 4 elements: the weight's 12 in three, the bias's 3 in the fourth
+    off = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False,
+                        chunk_elements=4)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+               for _ in range(2)]
+    # interrupted before the update (in the finite check), after the weight's last
+    # chunk (the bias not reached), after the bias's (every parameter reached)
+    target, name, when = {"check": (PreparedUpdate, "_grads_finite", 1),
+                          "update": (OffloadedAdam, "_upload_on", 3),
+                          "last": (OffloadedAdam, "_upload_on", 4)}[where]
+    for it in range(3):
+        gen = torch.Generator().manual_seed(it)
+        x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 3, generator=gen)
+        for m, sc in zip((ref, mine), scalers):
+            sc.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        scalers[0].step(ref_opt)
+        if it == 1:
+            original, calls = getattr(target, name), []
+
+            def interrupt(*args, **kwargs):
+                calls.append(1)
+                result = original(*args, **kwargs) if target is OffloadedAdam else None
+                if len(calls) == when:
+                    raise KeyboardInterrupt
+                return result if target is OffloadedAdam else original(*args, **kwargs)
+            monkeypatch.setattr(target, name, interrupt)
+            with pytest.raises(KeyboardInterrupt) as info:
+                scalers[1].step(off)
+            monkeypatch.undo()
+            notes = " ".join(getattr(info.value, "__notes__", []))
+            left = [p.grad is not None for p in mine.parameters()]
+            if where == "last":
+                assert left == [False, False] and off.steps.tolist() == [2, 2]
+                assert sys.version_info < (3, 11) or "without calling scaler.step" in notes
+                # the retry the note warns of (by another scaler, whose record
+                # of this iteration does not matter): refused, naming the way out
+                other = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+                other.scale(torch.ones(()))             # its scale made lazily
+                with pytest.raises(OptimizerError, match="new_scale=scaler.get_scale"):
+                    other.step(off)
+                other.update(new_scale=other.get_scale())
+            else:
+                assert left == ([True, True] if where == "check" else [False, True])
+                assert sys.version_info < (3, 11) or "call scaler.step" in notes
+                scalers[1].step(off)                        # the documented retry
+        else:
+            scalers[1].step(off)
+        for sc, opt in zip(scalers, (ref_opt, off)):
+            sc.update()
+            opt.zero_grad()
+        assert scalers[1].get_scale() == scalers[0].get_scale()
+        assert off.steps.tolist() == [it + 1] * 2
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert scalers[1]._growth_tracker.item() == scalers[0]._growth_tracker.item()
     off.close()
 
 

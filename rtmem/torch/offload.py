@@ -362,7 +362,9 @@ class OffloadedAdam(torch.optim.Optimizer):
     optimizer, and the step divides the scale out in the fused kernel instead of
     a pass over ``p.grad``, after the finite check (which finds what GradScaler
     found). With the default flushing, GradScaler would see no gradient and
-    never lower the scale: the step refuses it and names LossScaler.
+    never lower the scale: the step refuses it and names LossScaler. A step
+    interrupted under GradScaler puts the gradients it did not use back in
+    ``p.grad`` for GradScaler's check of the retry (NOTE [ Interrupted step ]).
 
     A ``torch.optim.Optimizer``: param groups (each with its own ``lr``,
     ``betas``, ``eps``, ``weight_decay`` and ``decoupled_weight_decay``, e.g.
@@ -516,6 +518,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.step_count = 0
         self.skipped_steps = 0
         self.last_step_skipped = False
+        # a GradScaler-driven step raised after using every gradient: GradScaler's
+        # retry would find nothing to check (_return_grads)
+        self._done_when_interrupted = False
         self.steps = np.zeros(len(self.params), dtype=np.int64)
         self._closed = False
         self.offsets = np.cumsum([0] + [p.numel() for p in self.params])
@@ -648,6 +653,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._partial[k] = done
         self._fresh[k] = False
         self._had_grad[k] = True
+        self._done_when_interrupted = False     # a new gradient: a new step
         p.grad = None          # the device gradient is freed right away
 
     def _settle(self, k: int) -> None:
@@ -839,7 +845,19 @@ class OffloadedAdam(torch.optim.Optimizer):
         its gradient consumed; elements of it past the failing chunk keep their
         values and moments this step), and the ones it had not reached keep
         their gradients, so the next ``step()`` updates just those, once. No
-        element is ever updated twice with one gradient."""
+        element is ever updated twice with one gradient.
+
+        Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``), the
+        gradients this step took from ``p.grad`` and did not use go back to
+        ``p.grad`` (all of them if it raised before the update started), where
+        GradScaler's inf check looks for them: recover with
+        ``scaler.step(optimizer)`` again, then ``scaler.update()``, as with
+        torch's optimizers. If the step had reached every parameter, no
+        gradient is left and it counts as done: call ``scaler.update()``
+        without stepping again (a second ``scaler.step`` finds no gradient to
+        check, and GradScaler's ``update()`` then fails with "No inf checks
+        were recorded"). The exception carries a note saying which case it is
+        (Python >= 3.11)."""
         self._check_open("step")
         if "found_inf" not in self.__dict__:
             return self._step(closure, grad_scale, check_finite)
@@ -847,16 +865,70 @@ class OffloadedAdam(torch.optim.Optimizer):
         # that returns, and multiplies a grad_scale it finds into the next one:
         # left behind by a raising step (refused, interrupted), the retry
         # unscaled by S**2.
+        checked = None       # the parameters whose p.grad GradScaler checked
         try:
             grad_scale, check_finite = self._grad_scaler_args(grad_scale, check_finite)
+            checked = [p.grad is not None for p in self.params]
+            if self._done_when_interrupted and not any(checked) and \
+                    all(self._with_gradient()[1]):
+                raise OptimizerError(
+                    "scaler.step(optimizer) after an interrupted step that had applied "
+                    "every gradient: nothing is left to step, and GradScaler, finding "
+                    "no gradient in p.grad, has just replaced its record of that step's "
+                    "inf check with an empty one, so scaler.update() would fail with "
+                    "'No inf checks were recorded'. End this iteration with "
+                    "scaler.update(new_scale=scaler.get_scale()) (the scale unchanged); "
+                    "after such an interrupt, call scaler.update() without stepping "
+                    "again (NOTE [ Interrupted step ])", argument="optimizer")
             return self._step(closure, grad_scale, check_finite)
-        except BaseException:
+        except BaseException as exc:
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
+            if checked is not None:
+                self._return_grads(checked, exc)
             raise
+
+    def _return_grads(self, checked, exc) -> None:
+        """After a GradScaler-driven step raised: put the gradients it took from
+        ``p.grad`` (``checked``) and did not use back there, and note on ``exc``
+        how to recover (NOTE [ Interrupted step ]).
+
+        GradScaler's retry re-runs its inf check over ``p.grad`` and records
+        what it finds for ``update()``; left on the host, the gradients were
+        invisible to it, so it recorded nothing and ``update()`` asserted "No
+        inf checks were recorded" (torch's optimizers keep ``p.grad`` through a
+        step, so their retry is checked as the first try was)."""
+        back = [k for k, took in enumerate(checked)
+                if took and not self._fresh[k] and self.params[k].grad is None]
+        if back and self._streams is not None:
+            for stream in self._streams:     # the D2H copies into the host buffer
+                stream.synchronize()
+        for k in back:
+            self._settle(k)                  # a staged partial gradient included
+            p = self.params[k]
+            lo, hi = self._span(k)
+            g = torch.empty_like(p, memory_format=torch.preserve_format)
+            g.copy_(self._grad_t[lo:hi].view(p.shape))
+            with _interrupts_held():         # in p.grad or on the host, never both
+                p.grad = g
+                self._fresh[k] = True
+        if not any(checked) or isinstance(exc, OptimizerError):
+            return                  # refused before taking anything: no note needed
+        if back or any(p.grad is not None for p in self.params):
+            note = ("OffloadedAdam: the gradients the interrupted step did not use "
+                    "are in p.grad; call scaler.step(optimizer) again, then "
+                    "scaler.update().")
+        else:
+            self._done_when_interrupted = True
+            note = ("OffloadedAdam: the interrupted step had reached every parameter "
+                    "and counts as done (no gradient is left); call scaler.update() "
+                    "without calling scaler.step(optimizer) again.")
+        if hasattr(exc, "add_note"):     # Python >= 3.11
+            exc.add_note(note)
 
     def _step(self, closure, grad_scale, check_finite):
         """:meth:`step` once GradScaler's arguments are read."""
+        self._done_when_interrupted = False
         if not self._state_synced:      # a step's state update was cut short
             self._sync_state()
         loss = None
@@ -1242,6 +1314,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             p.grad = None
         self._fresh = [True] * len(self.params)
         self._partial.clear()
+        self._done_when_interrupted = False
         if set_to_none:
             self._had_grad = [False] * len(self.params)
         self._grads_zeroed = not set_to_none
