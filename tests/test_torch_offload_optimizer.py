@@ -729,6 +729,30 @@ def test_a_refused_step_under_grad_scaler_leaves_no_scale_behind_for_the_retry()
     off.close()
 
 
+def test_a_step_updates_runs_of_parameters_chunk_by_chunk_not_one_call_each(monkeypatch):
+    # NOTE [ Offloaded Adam ]: consecutive parameters of one group and one step
+    # count form one run, chunked by chunk_elements. The run's key was compared
+    # as a list to a tuple, never equal: every parameter was a run of its own,
+    # one kernel call and one upload each however small it was.
+    mine, ref = make_model(), make_model()
+    off = OffloadedAdam(groups_of(mine), lr=1e-2, chunk_elements=20)
+    ref_opt = torch.optim.Adam(groups_of(ref), lr=1e-2)
+    uploads = []
+    original = OffloadedAdam._upload_on
+    monkeypatch.setattr(OffloadedAdam, "_upload_on",
+                        lambda self, h2d, a, b: (uploads.append((a, b)),
+                                                 original(self, h2d, a, b))[1])
+    train(mine, off, batches(1))
+    train(ref, ref_opt, batches(1))
+    assert_same_params(mine, ref)
+    # parameters in group order: [w0] (48 elements), [b0, ln.w, ln.b, b3]
+    # (8 + 8 + 8 + 3), [w3] (24): three runs, chunked at 20 elements each
+    assert [int(n) for n in off.offsets] == [0, 48, 56, 64, 72, 75, 99]
+    assert uploads == [(0, 20), (20, 40), (40, 48), (48, 68), (68, 75), (75, 95),
+                       (95, 99)]
+    off.close()
+
+
 @pytest.mark.parametrize("where", ["check", "update", "last"])
 def test_an_interrupted_step_under_grad_scaler_recovers_as_documented(monkeypatch, where):
     # The step took the gradients out of p.grad, then was interrupted: the retried

@@ -725,7 +725,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                 continue
             key = (self._group_of[k], int(self.steps[k]) + 1)
             lo, hi = self._span(k)
-            if runs and runs[-1][1] == lo and runs[-1][2:] == key:
+            # (a run is a list, to grow in place: its key compared as a list
+            # never equalled the tuple, and every parameter was a run of its own)
+            if runs and runs[-1][1] == lo and tuple(runs[-1][2:]) == key:
                 runs[-1][1] = hi
             else:
                 runs.append([lo, hi, *key])
