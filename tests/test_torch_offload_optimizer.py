@@ -729,6 +729,42 @@ def test_a_refused_step_under_grad_scaler_leaves_no_scale_behind_for_the_retry()
     off.close()
 
 
+def test_a_clip_before_grad_scalers_check_is_refused_and_the_documented_loop_works():
+    # clip_grad_norm_ moves the gradients from p.grad to the host; clipped before
+    # scaler.step (no unscale_), they escaped GradScaler's inf check, the step ran
+    # and scaler.update() asserted "No inf checks were recorded prior to update".
+    torch.manual_seed(0)
+    ref, mine = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    mine.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+    off = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
+    for it in range(3):
+        gen = torch.Generator().manual_seed(it)
+        x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 3, generator=gen)
+        for m, sc in zip((ref, mine), scalers):
+            sc.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        scalers[0].unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        scalers[0].step(ref_opt)
+        if it == 1:                           # the clip before unscale_: refused
+            off.clip_grad_norm_(0.05, grad_scale=scalers[1].get_scale())
+            with pytest.raises(OptimizerError, match=r"unscale_\(optimizer\) before"):
+                scalers[1].step(off)
+            assert all(p.grad is not None for p in mine.parameters())
+            assert off.steps.tolist() == [1, 1]               # nothing stepped
+        scalers[1].unscale_(off)
+        off.clip_grad_norm_(0.05)
+        scalers[1].step(off)
+        for sc, opt in zip(scalers, (ref_opt, off)):
+            sc.update()
+            opt.zero_grad()
+        assert scalers[1].get_scale() == scalers[0].get_scale()
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    off.close()
+
+
 def test_a_step_updates_runs_of_parameters_chunk_by_chunk_not_one_call_each(monkeypatch):
     # NOTE [ Offloaded Adam ]: consecutive parameters of one group and one step
     # count form one run, chunked by chunk_elements. The run's key was compared

@@ -365,6 +365,9 @@ class OffloadedAdam(torch.optim.Optimizer):
     never lower the scale: the step refuses it and names LossScaler. A step
     interrupted under GradScaler puts the gradients it did not use back in
     ``p.grad`` for GradScaler's check of the retry (NOTE [ Interrupted step ]).
+    ``clip_grad_norm_`` moves the gradients to the host, so under GradScaler it
+    comes after ``scaler.unscale_(optimizer)``, as torch's does; a step after a
+    clip of still-scaled gradients is refused, with the gradients put back.
 
     A ``torch.optim.Optimizer``: param groups (each with its own ``lr``,
     ``betas``, ``eps``, ``weight_decay`` and ``decoupled_weight_decay``, e.g.
@@ -871,6 +874,23 @@ class OffloadedAdam(torch.optim.Optimizer):
         try:
             grad_scale, check_finite = self._grad_scaler_args(grad_scale, check_finite)
             checked = [p.grad is not None for p in self.params]
+            # Scaled gradients already on the host (clip_grad_norm_ took them)
+            # escaped GradScaler's inf check: it recorded none, and its update()
+            # would assert. Back to p.grad with them (by _return_grads), and say
+            # how the loop goes (after unscale_, grad_scale is None: allowed).
+            escaped = [grad_scale is not None and not took and not fresh
+                       for took, fresh in zip(checked, self._fresh)]
+            if any(escaped):
+                checked = [a or b for a, b in zip(checked, escaped)]
+                raise OptimizerError(
+                    f"scaler.step(optimizer): GradScaler checks p.grad for inf/NaN, but "
+                    f"{sum(escaped)} gradient(s) had already left p.grad for the host "
+                    f"buffer (optimizer.clip_grad_norm_ moves them there), so its check "
+                    f"missed them and scaler.update() would fail with 'No inf checks "
+                    f"were recorded'. They are back in p.grad and nothing has stepped: "
+                    f"call scaler.unscale_(optimizer) before optimizer.clip_grad_norm_"
+                    f"(...), then scaler.step(optimizer), as with torch's "
+                    f"clip_grad_norm_ under GradScaler", argument="optimizer")
             if self._done_when_interrupted and not any(checked) and \
                     all(self._with_gradient()[1]):
                 raise OptimizerError(
@@ -1078,7 +1098,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         non-finite norm: :class:`~rtmem.errors.NonFiniteGradientError` (a
         RuntimeError, as torch's) with ``error_if_nonfinite=True``; else they are
         left as they are (torch would multiply them by nan), so a step with the
-        finite check skips them."""
+        finite check skips them.
+
+        Under ``torch.amp.GradScaler`` call ``scaler.unscale_(optimizer)`` first,
+        as with torch's ``clip_grad_norm_``: this moves the gradients from
+        ``p.grad`` to the host, where GradScaler's inf check does not look, and a
+        ``scaler.step`` after a clip of still-scaled gradients is refused (the
+        gradients are put back in ``p.grad``)."""
         self._check_open("clip_grad_norm_")
         if not float(max_norm) >= 0:    # a negative one would flip the gradients
             raise OptimizerError(f"max_norm must be >= 0, got {max_norm!r}",
