@@ -698,21 +698,35 @@ def test_the_default_keeps_gradients_in_p_grad_in_a_process_group(monkeypatch, r
     explicit.close()
 
 
+def _scaler_twins(out_features, scaler_kwargs=(), **offloaded):
+    """A Linear(4, out_features) under torch.optim.Adam and its copy under an
+    OffloadedAdam(flush_in_backward=False, **offloaded), and a GradScaler each."""
+    torch.manual_seed(0)
+    ref, mine = torch.nn.Linear(4, out_features), torch.nn.Linear(4, out_features)
+    mine.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+    off = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False, **offloaded)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, **dict(scaler_kwargs))
+               for _ in range(2)]
+    return ref, mine, ref_opt, off, scalers
+
+
+def _scaled_backward(it, models, scalers):
+    """Iteration ``it``'s scaled MSE backward through both models."""
+    out_features = models[0].out_features
+    gen = torch.Generator().manual_seed(it)
+    x, y = torch.randn(5, 4, generator=gen), torch.randn(5, out_features, generator=gen)
+    for m, sc in zip(models, scalers):
+        sc.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+
+
 def test_a_refused_step_under_grad_scaler_leaves_no_scale_behind_for_the_retry():
     # GradScaler.step sets grad_scale/found_inf on the optimizer and deletes them
     # only after a step that returns; it multiplies a grad_scale it finds into the
     # next one, so the retry of a refused step unscaled by S**2
-    torch.manual_seed(0)
-    ref, mine = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
-    mine.load_state_dict(ref.state_dict())
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
-    off = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
+    ref, mine, ref_opt, off, scalers = _scaler_twins(2)
     for it in range(3):
-        gen = torch.Generator().manual_seed(it)
-        x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 2, generator=gen)
-        for m, sc in zip((ref, mine), scalers):
-            sc.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        _scaled_backward(it, (ref, mine), scalers)
         scalers[0].step(ref_opt)
         if it == 1:
             off.param_groups[0]["lr"] = -1.0          # refused before anything changes
@@ -733,17 +747,9 @@ def test_a_clip_before_grad_scalers_check_is_refused_and_the_documented_loop_wor
     # clip_grad_norm_ moves the gradients from p.grad to the host; clipped before
     # scaler.step (no unscale_), they escaped GradScaler's inf check, the step ran
     # and scaler.update() asserted "No inf checks were recorded prior to update".
-    torch.manual_seed(0)
-    ref, mine = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    mine.load_state_dict(ref.state_dict())
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
-    off = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
+    ref, mine, ref_opt, off, scalers = _scaler_twins(3)
     for it in range(3):
-        gen = torch.Generator().manual_seed(it)
-        x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 3, generator=gen)
-        for m, sc in zip((ref, mine), scalers):
-            sc.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        _scaled_backward(it, (ref, mine), scalers)
         scalers[0].unscale_(ref_opt)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         scalers[0].step(ref_opt)
@@ -798,25 +804,16 @@ def test_an_interrupted_step_under_grad_scaler_recovers_as_documented(monkeypatc
     # checked again). Now the unused gradients go back to p.grad; when none is left
     # the exception says to update without stepping, and a retry is refused clearly.
     from rtmem.kernels.adam import PreparedUpdate
-    torch.manual_seed(0)
-    ref, mine = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    mine.load_state_dict(ref.state_dict())
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
     # chunks of 4 elements: the weight's 12 in three, the bias's 3 in the fourth
-    off = OffloadedAdam(mine.parameters(), lr=1e-2, flush_in_backward=False,
-                        chunk_elements=4)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
-               for _ in range(2)]
+    ref, mine, ref_opt, off, scalers = _scaler_twins(3, {"growth_interval": 2},
+                                                     chunk_elements=4)
     # interrupted before the update (in the finite check), after the weight's last
     # chunk (the bias not reached), after the bias's (every parameter reached)
     target, name, when = {"check": (PreparedUpdate, "_grads_finite", 1),
                           "update": (OffloadedAdam, "_upload_on", 3),
                           "last": (OffloadedAdam, "_upload_on", 4)}[where]
     for it in range(3):
-        gen = torch.Generator().manual_seed(it)
-        x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 3, generator=gen)
-        for m, sc in zip((ref, mine), scalers):
-            sc.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        _scaled_backward(it, (ref, mine), scalers)
         scalers[0].step(ref_opt)
         if it == 1:
             original, calls = getattr(target, name), []
