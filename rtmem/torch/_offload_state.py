@@ -1,0 +1,260 @@
+"""The state of :class:`~rtmem.torch.OffloadedAdam` in torch's terms: the fp32
+master weights read from the parameters and following what is written to them
+in place, ``state[p]`` as ``torch.optim.Adam`` keeps it (live views of the host
+arena), and ``state_dict`` / ``load_state_dict`` with each parameter's
+``master`` and ``master_step``. Separate from ``offload.py``, which holds the
+optimizer and its host buffers; the step that changes the state is
+:mod:`._offload_update`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import torch
+
+from rtmem.errors import OptimizerError
+from rtmem.optim import (_check_adam_keys, _check_state_dict, _checked_step, _pre_hooked,
+                         _saved_skips)
+
+from ._offload_checks import _check_group
+
+
+class _StateDict:
+    """Mixin of :class:`~rtmem.torch.OffloadedAdam`, which provides ``params``,
+    ``param_groups``, ``state``, ``dtype``, the host arrays (``master``,
+    ``exp_avg``, ``exp_avg_sq`` and their ``_bufs``), the counters (``steps``,
+    ``step_count``, ``skipped_steps``, ``last_step_skipped``), the version
+    counters ``_versions`` and ``_state_synced``, and :meth:`_span`,
+    :meth:`_check_open` and :meth:`_check_not_replaced`."""
+
+    def _read_param(self, k: int) -> None:
+        """Parameter k's values into its master weights, which now agree with it."""
+        p = self.params[k]
+        lo, hi = self._span(k)
+        self.master[lo:hi] = p.detach().reshape(-1).float().cpu().numpy()
+        self._versions[k] = p._version
+
+    def _adopt_changes(self) -> None:
+        """Take what was written to a parameter in place since the master weights
+        last agreed with it (``model.load_state_dict``, ``nn.init``, a broadcast:
+        its version counter moved) into the master weights, which the next upload
+        would otherwise write back over it. Only the elements that differ from the
+        master rounded to the parameter's dtype: a bf16 model reloaded after
+        :meth:`load_state_dict` keeps the saved fp32 master. (Writes through
+        ``p.data`` move no version counter and are not seen; this optimizer's own
+        uploads go that way.)"""
+        for k, p in enumerate(self.params):
+            version = p._version
+            if version == self._versions[k]:
+                continue
+            lo, hi = self._span(k)
+            if p.dtype != self.dtype or p.numel() != hi - lo:
+                continue    # its data was replaced: step() refuses it by name
+            now = p.detach().reshape(-1).cpu()
+            master = torch.from_numpy(self.master[lo:hi])
+            if self.dtype == torch.float32:
+                master.copy_(now)
+            else:
+                changed = now.view(torch.int16) != master.to(self.dtype).view(torch.int16)
+                master[changed] = now[changed].float()
+            self._versions[k] = version
+
+    def _sync_state(self, ks=None) -> None:
+        """``state[p]`` as ``torch.optim.Adam`` keeps it, for every parameter that
+        has stepped: ``step`` and live views of its ``exp_avg``, ``exp_avg_sq``
+        and ``master`` in the host arena (pinned views: a free waits for any
+        still held). Code that takes an empty ``state`` for an optimizer never
+        stepped sees the truth (torch.distributed.checkpoint "initializes" one
+        by stepping it with zero gradients). ``ks``: the parameters whose step
+        changed (default: all). A pass cut short (an exception, an interrupt)
+        leaves ``_state_synced`` False: the next step or state_dict() redoes all."""
+        if not self._state_synced:
+            ks = None
+        for k in range(len(self.params)) if ks is None else ks:
+            p = self.params[k]
+            if not self.steps[k]:
+                self.state.pop(p, None)
+                continue
+            st = self.state.get(p)
+            if st is None or "step" not in st:
+                lo, hi = self._span(k)
+                st = {key: torch.from_numpy(buf.numpy(pin=True)[lo:hi]).view(p.shape)
+                      for key, buf in zip(("master", "exp_avg", "exp_avg_sq"), self._bufs)}
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                self.state[p] = st     # whole: an entry without "step" broke every step
+            st["step"].fill_(float(self.steps[k]))
+        self._state_synced = True
+
+    def state_dict(self) -> dict:
+        """The state in ``torch.optim.Adam``'s layout (``state``: per parameter
+        index that was ever updated, ``step``, ``exp_avg``, ``exp_avg_sq`` shaped
+        like the parameter, plus its fp32 ``master`` weights and ``master_step``,
+        the int step they are the weights of; ``param_groups``: the
+        hyperparameters and parameter indices), and ``step_count``,
+        ``skipped_steps`` and ``last_step_skipped``. Tensors are CPU float32
+        copies, never views of the host arena. The flushed gradients are not
+        part of it."""
+        self._check_open("state_dict")
+        if not self._state_synced:      # a step's state update was cut short
+            self._sync_state()
+        self._adopt_changes()           # the master weights saved are the model's
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state, groups, index = {}, [], 0
+        for group in self.param_groups:
+            packed = {key: value for key, value in group.items() if key != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(packed)
+        for k, p in enumerate(self.params):
+            if p in self.state:                  # as torch: no state before a step
+                state[k] = {key: t.clone() for key, t in self.state[p].items()}
+                # A Python int: torch.optim.Adam and CPUAdam carry it through their
+                # load, state_dict and steps unchanged (a tensor would be cast to
+                # the parameter's dtype), while their steps move "step" on.
+                state[k]["master_step"] = int(self.steps[k])
+        state_dict = {"state": state, "param_groups": groups,
+                      "step_count": self.step_count, "skipped_steps": self.skipped_steps,
+                      "last_step_skipped": self.last_step_skipped}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a state dict of this class or of ``torch.optim.Adam``/``AdamW``
+        (same groups, same parameter counts and shapes). Parameters without a
+        saved state start over (step 0, zero moments). A saved ``master`` is of
+        record (a bf16 model's weights, loaded before or after, do not replace
+        it; elements written in place that differ from it rounded to the
+        parameter's dtype, before or after the load, do, as with plain torch)
+        unless its ``master_step`` differs from the saved ``step``: then
+        another optimizer (``torch.optim.Adam``, CPUAdam, which keep unknown
+        keys) trained the parameter after this class saved it, and the master is
+        stale. A stale master, or none (a torch dict), is read from the
+        parameter, so load the model's weights first. A ``master`` without a
+        ``master_step`` (a dict of an older rtmem) is of record. A master cast
+        below float32 (``torch.optim.Adam``'s load casts its state to a bf16
+        parameter's dtype) is read from the parameter, with a RuntimeWarning
+        that its extra precision was lost. A parameter
+        whose data was replaced since construction (another dtype or size) is
+        refused, as :meth:`step` refuses it. Everything is checked before
+        anything changes; a refused load leaves the optimizer as it was.
+        ``step_count``, ``skipped_steps`` and ``last_step_skipped`` are
+        restored (from a torch dict, without them: the largest saved step, 0
+        and False). Flushed gradients are kept."""
+        self._check_open("load_state_dict")
+        state_dict = _pre_hooked(self, state_dict)
+        _check_state_dict(state_dict)
+        # deep-copied as torch does: a tensor lr (which schedulers fill_ in place)
+        # must not stay shared with the dict or the optimizer it came from
+        saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
+        if not all(isinstance(s, dict) for s in saved_groups) or \
+                not isinstance(state_dict["state"], dict) or \
+                not all(isinstance(st, dict) for st in state_dict["state"].values()):
+            raise OptimizerError("state_dict['param_groups'] must be a list of dicts and "
+                                 "state_dict['state'] a dict of dicts, as returned by "
+                                 "state_dict()", argument="state_dict")
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s.get("params", ())) != len(g["params"])
+                for s, g in zip(saved_groups, self.param_groups)):
+            raise OptimizerError(
+                f"the state dict has groups of "
+                f"{[len(s.get('params', ())) for s in saved_groups]} parameters, this "
+                f"optimizer {[len(g['params']) for g in self.param_groups]}: it belongs "
+                f"to another model or grouping", argument="state_dict")
+        groups = []
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            merged = {**group, **{key: value for key, value in saved.items()
+                                  if key not in ("params", "param_names")}}
+            _check_adam_keys(gi, saved)
+            _check_group(f"group {gi} of the state dict", merged)
+            groups.append(merged)
+        # Before the state's shapes are held to the parameters' (a replaced one
+        # would be blamed on the dict) and before anything changes: loading into
+        # its span raised numpy's ValueError half-way, the earlier parameters
+        # already overwritten.
+        for k, p in enumerate(self.params):
+            self._check_not_replaced(k, p)
+        # saved index -> this optimizer's parameter (the same order, group by group)
+        index = {i: k for k, i in enumerate(
+            i for saved in saved_groups for i in saved.get("params", ()))}
+        arrays, cast = {}, []
+        for i, st in state_dict["state"].items():
+            if i not in index:
+                raise OptimizerError(f"the state dict has state for parameter {i!r}, "
+                                     f"which none of its groups lists",
+                                     argument="state_dict")
+            k = index[i]
+            where = f"parameter {k}"
+            if st.get("max_exp_avg_sq") is not None:
+                raise OptimizerError(f"{where}: the state has max_exp_avg_sq (amsgrad), "
+                                     f"which OffloadedAdam does not run",
+                                     argument="state_dict")
+            # steps is int64, and a step adds one to it
+            step = _checked_step(st.get("step", 0), where, np.iinfo(np.int64).max - 1)
+            arrays[k] = [step]
+            # the master's step, when saved: another optimizer's steps moved the
+            # parameter and "step" on, and carried the master along unchanged
+            stale = "master_step" in st and _checked_step(
+                st["master_step"], f"{where}: master_step") != step
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key == "master" and (key not in st or stale):
+                    arrays[k].append(None)       # read from the parameter
+                    continue
+                if key not in st:
+                    raise OptimizerError(f"{where}: the state has no {key}",
+                                         argument="state_dict")
+                t = torch.as_tensor(st[key])
+                if tuple(t.shape) != tuple(self.params[k].shape) or \
+                        not t.is_floating_point():
+                    raise OptimizerError(
+                        f"{where}: state {key} is {t.dtype} of shape {tuple(t.shape)}, "
+                        f"the parameter has shape {tuple(self.params[k].shape)}; the "
+                        f"state dict belongs to another model", argument="state_dict")
+                if key == "master" and t.element_size() < 4:
+                    # torch.optim.Adam's load casts its state to the parameter's
+                    # dtype, master included, and keeps master_step: a trip through
+                    # it (a conversion, no step) rounded the master unnoticed
+                    cast.append((k, t.dtype))
+                    arrays[k].append(None)       # read from the parameter
+                    continue
+                arrays[k].append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
+        counts = (_checked_step(state_dict.get("step_count", max(
+                      [a[0] for a in arrays.values()], default=0)), "step_count"),
+                  *_saved_skips(state_dict))
+        if cast:
+            warnings.warn(
+                f"the saved fp32 master weights of parameter(s) "
+                f"{', '.join(str(k) for k, _ in cast)} were cast to {cast[0][1]} (by "
+                f"another optimizer's load_state_dict, e.g. torch.optim.Adam's): they are "
+                f"read from the parameters, and their precision beyond the parameters' "
+                f"dtype is lost", RuntimeWarning, stacklevel=2)
+        # checked: now change things
+        for k, p in enumerate(self.params):
+            lo, hi = self._span(k)
+            step, m, v, master = arrays.get(k, (0, None, None, None))
+            if master is None:
+                self._read_param(k)
+            else:
+                # The loaded master is of record, except where the parameter was
+                # written in place since the master last agreed with it (its
+                # version moved): _adopt_changes takes those elements at the next
+                # step or state_dict(), as for writes after the load. Declaring
+                # them agreed here dropped a re-initialised head (nn.init before
+                # the load) and the next step wrote the old weights back.
+                self.master[lo:hi] = master
+            self.exp_avg[lo:hi] = 0 if m is None else m
+            self.exp_avg_sq[lo:hi] = 0 if v is None else v
+            self.steps[k] = step
+        for group, merged in zip(self.param_groups, groups):
+            group.clear()
+            group.update(merged)
+        self.step_count, self.skipped_steps, self.last_step_skipped = counts
+        self._sync_state()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
