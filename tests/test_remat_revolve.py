@@ -248,11 +248,25 @@ def test_numpy_integers_are_counts():
     (lambda: brute_force_multichain([2], 3, [2]), r"b\[0\] must be an integer in 0..1"),
     (lambda: brute_force_multichain([], 3), "non-empty sequence"),
     (lambda: brute_force_multichain([2], -1), "m must be an integer >= 0"),
+    # the oracle checks what the DP checks: a negative time ran Dijkstra forever,
+    # a NaN one reported a feasible instance infeasible
+    (lambda: brute_force_multichain([2], 3, u_f=-1.0), "u_f = -1.0 must be finite and >= 0"),
+    (lambda: brute_force_multichain([2], 3, u_b=math.nan), "u_b = nan must be finite"),
 ])
 def test_exhaustive_multichain_oracle_checks_its_instance(call, fragment):
     from rtmem.errors import ChainError
     with pytest.raises(ChainError, match=fragment):
         call()
+
+
+def test_exhaustive_multichain_oracle_refuses_what_would_take_minutes():
+    # the docstring's "L_j <= ~5, K <= 3" ran for minutes ([5, 5, 5]: 2 min)
+    from rtmem.errors import RtmemError
+    with pytest.raises(RtmemError, match="134,217,728 states, too many"):
+        brute_force_multichain([5, 5, 5], 8)
+    with pytest.raises(RtmemError, match="max_states"):
+        brute_force_multichain([3, 3, 3], 8, max_states=1000)
+    assert brute_force_multichain([3, 3, 3], 9) == multichain_opt([3, 3, 3], 9)
 
 
 @pytest.mark.parametrize("call, fragment", [

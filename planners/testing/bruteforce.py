@@ -25,7 +25,7 @@ from .._validation import check_chain, check_int
 from ..chain import Chain
 from ..multichain import _check_lengths
 from ..plan import as_budget
-from ..revolve import _check_slots
+from ..revolve import _check_slots, _check_times
 from ..schedule import Op, Schedule
 
 __all__ = ["brute_force_remat", "brute_force_multichain"]
@@ -117,7 +117,7 @@ def brute_force_remat(chain: Chain, memory, *, max_stages: int = 7):
 
 
 def brute_force_multichain(lengths, m: int, b=None, u_f: float = 1.0, u_b: float = 1.0,
-                           u_loss: float = 1.0) -> float:
+                           u_loss: float = 1.0, *, max_states: int = 1 << 20) -> float:
     """Optimal MULTI-b makespan by Dijkstra (thesis-remat.md Appendix A.5).
 
     State per branch: the set of stored a-indices and the position of its delta
@@ -125,13 +125,24 @@ def brute_force_multichain(lengths, m: int, b=None, u_f: float = 1.0, u_b: float
     keeping its input (keeping needs a free slot: S then F), B with or without
     keeping a_{i-1}, the loss when every a_{L_j} is stored, discarding any a, and
     discarding delta_0 when b_j = 0. Memory = number of stored items <= m. Returns
-    ``math.inf`` when no schedule exists. Small instances only (L_j <= ~5, K <= 3).
+    ``math.inf`` when no schedule exists. Small instances only: refuses those
+    whose state space, prod_j 2^(L_j+1) (L_j+3), exceeds ``max_states`` (the
+    default admits three branches of 3 stages or two of 5, seconds at most;
+    three of 4 took minutes).
+    Step times are checked as by the DP (a negative one made Dijkstra run forever).
     """
     # the DP's own checks: int() truncated 2.5 branches to 2, a negative length
     # raised "negative shift count", and a b of the wrong length (zip stops at the
     # shorter) or b_j = 2 gave a silent answer for another instance
     L, b = _check_lengths(lengths, b)
     m = _check_slots(m)
+    u_f, u_b, u_loss = _check_times(sum(L), sum(L), u_f=u_f, u_b=u_b, u_loss=u_loss)
+    max_states = check_int("brute_force_multichain: max_states", max_states, low=1)
+    states = math.prod((1 << (n + 1)) * (n + 3) for n in L)
+    if states > max_states:
+        raise RtmemError(f"brute_force_multichain: lengths {list(L)} give up to {states:,} "
+                         f"states, too many for exhaustive search (max_states="
+                         f"{max_states:,}); use shorter or fewer branches")
     K = len(L)
 
     def used(state):
