@@ -94,13 +94,15 @@ class BestFitAllocator(_StreamOrderedFrees):
 
     def __init__(self, initial_bytes: int, *, alignment: int = DEFAULT_ALIGNMENT,
                  max_bytes: int | None = None, growth_bytes: int | None = None,
-                 slab_source=None, event_source=None):
+                 slab_source=None, event_source=None, _size_name: str = "initial_bytes"):
+        # _size_name: what the caller calls initial_bytes, for the messages (an
+        # arena's nbytes: its users were told to lower an argument it lacks)
         alignment = _byte_count(alignment, "alignment")
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment}")
-        initial_bytes = _byte_count(initial_bytes, "initial_bytes")
+        initial_bytes = _byte_count(initial_bytes, _size_name)
         if initial_bytes <= 0:
-            raise ValueError(f"initial_bytes must be > 0 bytes, got {initial_bytes}; "
+            raise ValueError(f"{_size_name} must be > 0 bytes, got {initial_bytes}; "
                              f"pass the slab size in bytes (e.g. 1 << 30)")
         self.alignment = alignment
         initial = align_up(initial_bytes, alignment)
@@ -112,8 +114,8 @@ class BestFitAllocator(_StreamOrderedFrees):
         self.max_bytes = initial if max_bytes is None else \
             align_up(_byte_count(max_bytes, "max_bytes"), alignment)
         if self.max_bytes < initial:
-            raise ValueError(f"max_bytes ({self.max_bytes} B) is below initial_bytes "
-                             f"({initial} B); raise max_bytes or lower initial_bytes")
+            raise ValueError(f"max_bytes ({self.max_bytes} B) is below {_size_name} "
+                             f"({initial} B); raise max_bytes or lower {_size_name}")
         self.growth_bytes = initial if growth_bytes is None else \
             align_up(_byte_count(growth_bytes, "growth_bytes"), alignment)
         if self.growth_bytes >= _MAX_SLAB_BYTES:

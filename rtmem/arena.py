@@ -190,7 +190,7 @@ class _Arena:
             nbytes, alignment=alignment,
             max_bytes=None if max_bytes is None else parse_bytes(max_bytes),
             growth_bytes=None if growth_bytes is None else parse_bytes(growth_bytes),
-            slab_source=self, event_source=self._record_event)
+            slab_source=self, event_source=self._record_event, _size_name="nbytes")
         allocator = self.core
         if self.debug:
             allocator = PoisonAdaptor(allocator, fill=self._fill_block,

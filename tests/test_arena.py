@@ -692,3 +692,15 @@ def test_short_lived_streams_do_not_outlive_their_frees():
     gate.set()
     arena._check_invariants()
     arena.close()
+
+
+@pytest.mark.parametrize("cls", [DeviceArena, HostArena])
+def test_slab_size_errors_name_the_arenas_own_argument(cls):
+    # the allocator core's name leaked: "initial_bytes must be > 0 ... lower
+    # initial_bytes", an argument the arenas do not take (a TypeError if passed)
+    with pytest.raises(ValueError, match=r"^nbytes must be > 0 bytes, got 0") as info:
+        cls(0)
+    assert "initial_bytes" not in str(info.value)
+    with pytest.raises(ValueError, match=r"below nbytes \(4096 B\); raise max_bytes or "
+                                         r"lower nbytes$"):
+        cls(4096, max_bytes=1024)
