@@ -99,17 +99,29 @@ def per_param(values, params, name):
         return {}
     if isinstance(values, dict):
         ids = {id(p) for p in params}
-        if any(id(k) not in ids for k in values):
+        keyed = {_param_id(k, params, name): v for k, v in values.items()}
+        if any(k not in ids for k in keyed):
             raise OptimizerError(f"{name} has a key that is not a parameter of this "
                                  f"optimizer; key the dict by the parameters passed "
                                  f"to it", argument=name)
-        return {id(k): v for k, v in values.items()}
+        return keyed
     values = list(values)
     if len(values) != len(params):
         raise OptimizerError(f"{name} has {len(values)} entries for {len(params)} "
                              f"params; pass one per param in param-group order, or a "
                              f"dict {{param: tensor}}.", argument=name)
     return {id(p): v for p, v in zip(params, values)}
+
+
+def _param_id(key, params, name) -> int | None:
+    """``id`` of the parameter a dict ``key`` names: a Buffer passed as a
+    parameter is held as a tensor over its host memory, found by address."""
+    if not isinstance(key, Buffer):
+        return id(key)
+    view = _host_view(key, name)
+    where = (view.ctypes.data, view.nbytes)
+    return next((id(p) for p in params
+                 if (p.data_ptr(), p.numel() * p.element_size()) == where), None)
 
 
 # torch.optim.Adam's switches that change what its step does, which CPUAdam
@@ -169,8 +181,9 @@ class CPUAdam(torch.optim.Optimizer):
     A drop-in ``torch.optim.Optimizer`` (param groups, lr schedulers,
     ``state_dict``/``load_state_dict``, ``zero_grad``). Parameters must be
     contiguous float32 CPU tensors, or float32 rtmem Buffers in host memory
-    (held as zero-copy CPU tensors that pin them; pass their gradients with
-    ``step(grads=...)``); they are updated in place through zero-copy numpy
+    (held as zero-copy CPU tensors that pin them; pass their gradients, tensors
+    or Buffers, with ``step(grads=...)``, a list or a dict keyed by the
+    parameters or by the Buffers); they are updated in place through zero-copy numpy
     views. State per parameter: ``step`` (float32 scalar
     tensor) and float32 ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``
     with ``amsgrad``), 8-12 bytes per parameter, laid out like
@@ -365,9 +378,11 @@ class CPUAdam(torch.optim.Optimizer):
                         continue
                     out = copy_of.get(id(p))
                     try:
-                        g_np, g_fmt = as_numpy(g, "grad")
+                        # rtmem Buffers (the gradients of Buffer parameters)
+                        # as pinned host views, as NumpyAdam takes them
+                        g_np, g_fmt = as_numpy(_host_view(g, "grad"), "grad")
                         o_np, o_fmt = ((None, None) if out is None
-                                       else as_numpy(out, "copy"))
+                                       else as_numpy(_host_view(out, "copy"), "copy"))
                         st = self._state_for(p, group, added)
                         update = prepare_update(
                             p.detach().numpy(), g_np, st["exp_avg"].numpy(),

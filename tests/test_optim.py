@@ -128,6 +128,20 @@ def test_cpu_adam_on_arena_buffers(monkeypatch):
         opt.step(grads=[g])
         ref.step(grads=[g])
     assert buf.numpy().tobytes() == twin.detach().numpy().tobytes()
+    # the gradients (and the fp16 copies) of Buffer parameters may be Buffers too,
+    # as the docstring has it and NumpyAdam takes them: they were refused ("grad
+    # must be a torch.Tensor or numpy array, got Buffer")
+    grad = arena.alloc(shape=(64,), dtype=np.float32, kind="gradient")
+    copy = arena.alloc(shape=(64,), dtype=np.float16, kind="workspace")
+    want = torch.empty(64, dtype=torch.float16)
+    for k, as_dict in ((3, False), (4, True)):
+        g = torch.randn(64, generator=torch.Generator().manual_seed(k))
+        grad.numpy()[...] = g.numpy()
+        opt.step(grads={buf: grad} if as_dict else [grad],
+                 copies={buf: copy} if as_dict else [copy])
+        ref.step(grads=[g], copies=[want])
+        assert buf.numpy().tobytes() == twin.detach().numpy().tobytes()
+        assert copy.numpy().tobytes() == want.numpy().tobytes()
     half = arena.alloc(shape=(4,), dtype=np.float16)
     with pytest.raises(OptimizerError, match="float32"):
         optim.CPUAdam([half])
