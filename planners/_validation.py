@@ -145,6 +145,14 @@ def check_int(name: str, value, *, low: int = 0, high: int | None = None, error=
     return int(value)
 
 
+def check_flags(what: str, **flags) -> None:
+    """Each of ``flags`` is a bool (or numpy bool): a string such as "no" or a
+    count would otherwise switch an option on. None is left to the caller."""
+    for name, value in flags.items():
+        if value is not None and not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{what}: {name} must be True or False, got {value!r}")
+
+
 def check_count(name: str, value) -> int:
     """A count argument (slots, segments, slot_bytes): an integer >= 1."""
     return check_int(name, value, low=1)

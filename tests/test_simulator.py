@@ -322,6 +322,14 @@ def test_wandering_schedules_arguments_are_named(kwargs, match):
     (lambda: platforms(1, math.inf), "platforms: need integers"),
     (lambda: platforms(2**41), "max_memory defaults to 2\\*\\*40"),
     (lambda: chains(True, 3), "chains: need integers"),     # a bool is no count
+    # a string or a count switched a flag on
+    (lambda: chains(homogeneous="no"), "chains: homogeneous must be True or False"),
+    (lambda: chains(small=1), "chains: small must be True or False"),
+    (lambda: valid_schedules(Chain.homogeneous(3), transfers="no"),
+     "valid_schedules: transfers must be True or False"),
+    (lambda: wandering_schedules(3, weights="no"),
+     "wandering_schedules: weights must be True or False"),
+    (lambda: simulation_cases(wander="yes"), "simulation_cases: wander must be True or"),
 ])
 def test_strategy_arguments_are_named(make, match):
     from hypothesis import find

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ..chain import Chain
 from ..platform import CHANNELS, Platform
 from ..schedule import Op, Schedule
-from .._validation import is_int
+from .._validation import check_flags, is_int
 from .reference import reference_simulate
 from .wandering import wandering_schedules
 
@@ -59,6 +59,8 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
         Whether ``w`` and ``o_f``/``o_b`` may be non-zero.
     """
     min_stages, max_stages = _check_range("chains", min_stages, max_stages)
+    check_flags("chains", homogeneous=homogeneous, small=small, weights=weights,
+                overheads=overheads)
     homo = draw(st.booleans()) if homogeneous is None else homogeneous
     if small:
         size = st.integers(0, 12)
@@ -193,6 +195,7 @@ def valid_schedules(draw, chain: Chain, *, transfers: bool = True):
         # chain.n raised a bare AttributeError, e.g. for the stage count that
         # wandering_schedules takes
         raise ValueError(f"valid_schedules: chain must be a Chain, got {chain!r}")
+    check_flags("valid_schedules", transfers=transfers)
     n = chain.n
     ops = draw(_persistent_compute(n))
     if not transfers:
@@ -252,6 +255,7 @@ def simulation_cases(draw, min_stages: int = 1, max_stages: int = 8, *,
     ``max_stages`` below ~120 (below ~200 with ``transfers=False``; a few dozen
     with ``wander``).
     """
+    check_flags("simulation_cases", transfers=transfers, small=small, wander=wander)
     chain = draw(chains(min_stages, max_stages, small=small))
     schedule = draw(wandering_schedules(chain, transfers=transfers, weights=transfers)
                     if wander else valid_schedules(chain, transfers=transfers))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from ..chain import Chain
 from ..schedule import Op, Schedule
-from .._validation import is_int
+from .._validation import check_flags, is_int
 
 __all__ = ["wandering_schedules"]
 
@@ -177,6 +177,7 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     gradient moves. Each step takes a draw from Hypothesis's input buffer: keep
     chains to a few dozen stages.
     """
+    check_flags("wandering_schedules", transfers=transfers, weights=weights)
     n = chain.n if isinstance(chain, Chain) else chain
     if not is_int(n) or n < 1:
         raise ValueError(f"wandering_schedules: chain must be a Chain or a stage count "
