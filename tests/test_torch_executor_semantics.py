@@ -825,6 +825,44 @@ def test_a_loss_that_is_not_a_scalar_tensor_is_named(bad, fragment):
         ex.step(torch.randn(3, 4), torch.randn(3, 1))
 
 
+class _ArgMax(nn.Module):
+    def forward(self, x):
+        return x.argmax(-1)
+
+
+@pytest.mark.parametrize("bad, fragment, last", [
+    (lambda out, y: mse(out, y).item(), "must return a scalar tensor.*float", None),
+    (nn.MSELoss(reduction="none"), r"scalar tensor.*shape \(3, 1\)", None),
+    (lambda out, y: mse(out, y).reshape(1), r"scalar tensor.*shape \(1,\)", None),
+    (lambda out, y: mse(out, y).detach(), "loss that does not require grad", None),
+    (lambda out, y: out.float().mean(), "the last stage \\(_ArgMax\\)", _ArgMax()),
+])
+def test_the_profiler_refuses_the_losses_the_executor_refuses(bad, fragment, last):
+    # The profiler let torch's errors out of the loss' backward ("grad can be
+    # implicitly created only for scalar outputs", 'float' object has no attribute
+    # 'backward'), and measured a loss of shape (1,) that the executor then refused
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), last or nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    grads = [torch.full_like(p, 3.0) for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    stats = model[1].running_mean.clone()
+    rng = torch.get_rng_state()
+    with pytest.raises(ExecutionError, match=fragment) as profiled:
+        profile_sequential(model, x, y, bad, repeats=2)
+    # the caller's gradients, statistics and RNG state, as before
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is g and torch.equal(g, torch.full_like(p, 3.0))
+    assert torch.equal(model[1].running_mean, stats)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(ExecutionError) as executed:
+        ScheduleExecutor(model, store_all_schedule(3), bad).step(x, y)
+    assert str(profiled.value) == str(executed.value)
+
+
 def test_executor_arguments_are_named():
     for empty in (nn.Sequential(), []):
         with pytest.raises(ExecutionError, match="no stages"):

@@ -472,6 +472,22 @@ def nothing_trains(stage_params, batch_needs_grad: bool, stages, *, cut_at: int 
         f"instead of step()")
 
 
+def check_loss(loss, z, stage_params, batch_needs_grad: bool, stages) -> None:
+    """Refuse, before its backward, a ``loss_fn(z, target)`` result that
+    ``loss.backward()`` cannot run on: one that is not a 0-d tensor, or has no
+    autograd history (:func:`nothing_trains`; ``z`` is the output handed to
+    ``loss_fn``). The executor's L and the profiler's first loss call share it,
+    so a loss the profiler measures is one the executor trains with."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                else f"a {type(loss).__name__}")
+        raise ExecutionError(f"loss_fn(output, target) must return a scalar tensor (0-d), "
+                             f"got {what}; reduce it (e.g. .mean()) in loss_fn")
+    if not loss.requires_grad:   # where loss.backward() raises (rule 3)
+        raise nothing_trains(stage_params, batch_needs_grad, stages,
+                             loss_cut=z.requires_grad)
+
+
 def param_label(names: dict, p) -> str:
     """``'name' (shape ...)`` of parameter ``p`` for error messages."""
     return f"{names.get(p, '?')!r} (shape {tuple(p.shape)})"

@@ -150,7 +150,7 @@ from ._host_side import _HostSide
 from ._moves import _ActivationMoves, _check_graph_moves
 from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output,
                       _stage_input, _storage_ptrs, as_stages, buffer_slots,
-                      check_inputs, check_loss_fn, check_placement, check_shared_hooks,
+                      check_inputs, check_loss, check_loss_fn, check_placement, check_shared_hooks,
                       check_shared_weights, inputs_need_grad, nothing_trains,
                       replayed_generators, shared_parameters, slot_buffers, stage_state,
                       trains_beyond)
@@ -533,14 +533,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         with torch.enable_grad():
             leaf, z = _stage_input(src)
             loss = self.loss_fn(z, target)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                    else f"a {type(loss).__name__}")
-            raise ExecutionError(f"loss_fn(output, target) must return a scalar tensor (0-d), "
-                                 f"got {what}; reduce it (e.g. .mean()) in loss_fn")
-        if not loss.requires_grad:   # where loss.backward() raises (rule 3)
-            raise nothing_trains(self._stage_params, self._caller_inputs is not None,
-                                 self.stages, loss_cut=z.requires_grad)
+        check_loss(loss, z, self._stage_params, self._caller_inputs is not None, self.stages)
         # z is a leaf that requires grad whatever a_n needs, so this loss requires
         # grad where plain autograd's may not; the Bs decide (_backward). What they
         # need from here: whether the loss trains something without a_n (a loss

@@ -53,7 +53,7 @@ from rtmem.planners._validation import check_int
 
 from ._stages import (ExecutionError, KeptBuffers, _check_output, _graph_leaves, _input_key,
                       _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, as_stages,
-                      buffer_slots, check_inputs, check_loss_fn, differentiable,
+                      buffer_slots, check_inputs, check_loss, check_loss_fn, differentiable,
                       inputs_need_grad, slot_buffers, stage_state)
 from .offload import _pause_flushes, _resume_flushes
 
@@ -104,7 +104,11 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     an error, so profiling does not perturb training. Returns a
     :class:`~rtmem.planners.Chain` with times in seconds and sizes in bytes. Raises
     :class:`~rtmem.torch.ExecutionError` for a model, batch or loss it cannot run
-    (before running any stage) and when a stage does not return a single tensor.
+    (before running any stage), when a stage does not return a single tensor, and
+    when ``loss_fn`` returns what :class:`~rtmem.torch.ScheduleExecutor` refuses
+    at ``L`` (not a 0-d tensor, or a loss without autograd history), with the
+    executor's message, found at the loss's first call (after the stages were
+    measured) and before its backward.
     """
     model = as_stages(model, "profile_sequential")
     check_inputs(inputs)
@@ -227,7 +231,11 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             with torch.enable_grad():
                 leaf, z = _stage_input(x)   # as the executor's L hands it to loss_fn
                 if r == 0:   # untimed: find the leaves outside the model it uses
-                    _clear_grads(_graph_leaves(loss_fn(z, target), leaf), grads)
+                    loss = loss_fn(z, target)
+                    # refused as the executor's L refuses it, before a backward
+                    # from it raises torch's error (or trains nothing)
+                    check_loss(loss, z, stage_params, inputs.requires_grad, model)
+                    _clear_grads(_graph_leaves(loss, leaf), grads)
 
             def run():
                 with torch.enable_grad():
