@@ -356,6 +356,36 @@ def test_gpt2_model_names_a_bad_argument():
     assert len(model) == 3
 
 
+def test_tied_gpt2_model_has_the_weights_of_its_analytic_chain():
+    # profiles.gpt2 counts the LM head as tied to the embedding; gpt2_model's head
+    # had a (vocab, hidden) matrix of its own (163M parameters at GPT-2 small's
+    # sizes, not 124M), and could not be built tied
+    from rtmem.planners.profiles import gpt2
+    sizes = dict(layers=2, hidden=16, heads=2, seq=8, vocab=40)
+    torch.manual_seed(0)
+    model, loss_fn, make = gpt2_model(**sizes, tie_weights=True)
+    assert model[-1].out.weight is model[0].tok.weight
+    analytic = gpt2(**sizes, batch=3, weight_bytes=4)        # float32 parameters
+    assert sum(p.numel() for p in model.parameters()) * 4 == analytic.w.sum()
+    x, y = make(3, torch.Generator().manual_seed(1))
+    chain = profile_sequential(model, x, y, loss_fn, repeats=1)
+    assert chain.w.tolist() == analytic.w.tolist()         # stage by stage, too
+    ref = copy.deepcopy(model)                              # still tied
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    ex = ScheduleExecutor(model, sequential_schedule(len(model), 2), loss_fn)
+    torch.testing.assert_close(ex.step(x, y), ref_loss.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    # untied, as before: the head's own matrix on top of the analytic count
+    torch.manual_seed(0)
+    untied = gpt2_model(**sizes)[0]
+    assert untied[-1].out.weight is not untied[0].tok.weight
+    assert sum(p.numel() for p in untied.parameters()) * 4 == analytic.w.sum() + 40 * 16 * 4
+    with pytest.raises(ValueError, match="tie_weights must be True or False, got 'yes'"):
+        gpt2_model(**sizes, tie_weights="yes")
+
+
 def test_gradients_equal_plain_autograd_under_compiled_autograd():
     # Compiled autograd calls the saved-tensor unpack hooks from the backward
     # graph it compiles: traced by dynamo, their version checks read the traced

@@ -3,7 +3,11 @@
 Each builder returns an ``nn.Sequential`` whose children are the chain's stages
 (rotor-style: a stage may be a whole transformer or residual block) and a loss
 function ``loss_fn(output, target) -> scalar``. They mirror the analytic chains
-of :mod:`rtmem.planners.profiles` (same structure, same names).
+of :mod:`rtmem.planners.profiles` (same structure, same names). Weight counts
+too, with one switch: :func:`~rtmem.planners.profiles.gpt2` counts GPT-2's LM
+head as tied to the token embedding, as ``gpt2_model(tie_weights=True)`` builds
+it; the default untied head has ``vocab x hidden`` parameters more (163M instead
+of GPT-2 small's 124M).
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ class GPTBlock(nn.Module):
 
 
 class GPTHead(nn.Module):
-    """Final LayerNorm and the language-model head: -> (batch, seq, vocab) logits."""
+    """Final LayerNorm and the language-model head: -> (batch, seq, vocab) logits.
+    The head's ``out.weight`` (vocab, hidden) is its own; :func:`gpt2_model`
+    with ``tie_weights=True`` replaces it with the embedding's ``tok.weight``."""
 
     def __init__(self, hidden: int, vocab: int):
         super().__init__()
@@ -89,8 +95,17 @@ def _check_ints(*checks) -> None:
 
 
 def gpt2_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 32,
-               vocab: int = 128, dropout: float = 0.0):
+               vocab: int = 128, dropout: float = 0.0, tie_weights: bool = False):
     """A GPT-2-style model as ``nn.Sequential(embedding, block * layers, head)``.
+
+    ``tie_weights=True`` ties the LM head's weight to the token embedding, as
+    GPT-2 does: one (vocab, hidden) parameter used by the first and the last
+    stage, initialised as GPT-2's (normal, std 0.02; ``nn.Embedding``'s std 1
+    made the initial logits' std about sqrt(hidden)). Its parameter count is
+    the weight count of :func:`rtmem.planners.profiles.gpt2` at the same sizes
+    (``weight_bytes`` per parameter). A schedule may not move (``w_offload``,
+    ``w_delete``) the weights of those two stages (NOTE [ Executor ] rule 5).
+    The default, untied, gives the head a (vocab, hidden) matrix of its own.
 
     Returns ``(model, loss_fn, make_batch)`` where ``make_batch(batch, generator)``
     draws random token ids and next-token targets (int64 tensors of shape
@@ -102,9 +117,15 @@ def gpt2_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 32,
         raise ValueError(f"hidden = {hidden} must be a multiple of heads = {heads}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    if not isinstance(tie_weights, bool):
+        raise ValueError(f"tie_weights must be True or False, got {tie_weights!r}")
     model = nn.Sequential(GPTEmbedding(vocab, hidden, seq, dropout),
                           *[GPTBlock(hidden, heads, dropout) for _ in range(layers)],
                           GPTHead(hidden, vocab))
+    if tie_weights:
+        # drawn last, so every other parameter is the untied model's for one seed
+        nn.init.normal_(model[0].tok.weight, std=0.02)
+        model[-1].out.weight = model[0].tok.weight
 
     def make_batch(batch: int, generator=None, device="cpu"):
         tokens = torch.randint(vocab, (batch, seq + 1), generator=generator)
