@@ -322,6 +322,9 @@ def test_profile_matches_storage_accounting(setup):
     (dict(layers=-1), "layers"), (dict(hidden=0), "hidden"), (dict(heads=3), "multiple"),
     (dict(seq=0), "seq"), (dict(vocab=0), "vocab"), (dict(layers=2.5), "layers"),
     (dict(dropout=1.0), "dropout"),
+    # a string failed in a comparison with a bare TypeError
+    (dict(dropout="0.1"), r"dropout must be a number in \[0, 1\), got '0.1'"),
+    (dict(dropout=True), "dropout must be a number"),
 ])
 def test_gpt2_model_refuses_bad_sizes(kwargs, fragment):
     from rtmem.torch import gpt2_model
@@ -333,6 +336,9 @@ def test_gpt2_model_refuses_bad_sizes(kwargs, fragment):
     ({"blocks": ()}, "blocks must be a non-empty sequence"),
     ({"blocks": 3}, "blocks must be a non-empty sequence"),
     ({"blocks": "22"}, "blocks must be a non-empty sequence"),
+    # a dict's keys were read as the counts: {1: 2} built one group of one block
+    ({"blocks": {1: 2}}, r"blocks must be a non-empty sequence.*got \{1: 2\}"),
+    ({"blocks": {2, 3}}, "blocks must be a non-empty sequence"),
     ({"blocks": (2, 0)}, r"blocks\[1\] must be an integer >= 1, got 0"),
     ({"blocks": (2, 1.5)}, r"blocks\[1\] must be an integer >= 1, got 1.5"),
     ({"width": 0}, "width must be an integer >= 1"),
@@ -384,6 +390,31 @@ def test_tied_gpt2_model_has_the_weights_of_its_analytic_chain():
     assert sum(p.numel() for p in untied.parameters()) * 4 == analytic.w.sum() + 40 * 16 * 4
     with pytest.raises(ValueError, match="tie_weights must be True or False, got 'yes'"):
         gpt2_model(**sizes, tie_weights="yes")
+
+
+def test_model_blocks_name_a_bad_size():
+    # GPTBlock(8, 0) raised ZeroDivisionError, GPTBlock(8, -2) a reshape error at
+    # its first forward, and a sequence longer than seq torch's "index out of
+    # range in self" from the position embedding
+    from rtmem.torch.models import BasicBlock, Bottleneck, GPTBlock, GPTEmbedding, GPTHead
+    for make, fragment in [
+            (lambda: GPTBlock(8, 0), "heads must be an integer >= 1, got 0"),
+            (lambda: GPTBlock(8, -2), "heads must be an integer >= 1, got -2"),
+            (lambda: GPTBlock(8.0, 2), "hidden must be an integer >= 1, got 8.0"),
+            (lambda: GPTBlock(8, 2, dropout="0.1"), "dropout must be a number"),
+            (lambda: GPTEmbedding(-1, 8, 4), "vocab must be an integer >= 1, got -1"),
+            (lambda: GPTHead(0, 16), "hidden must be an integer >= 1, got 0"),
+            (lambda: BasicBlock(3, 4, stride=0), "stride must be an integer >= 1, got 0"),
+            (lambda: Bottleneck(3, -1), "width must be an integer >= 1, got -1")]:
+        with pytest.raises(ValueError, match=fragment):
+            make()
+    model, loss_fn, make = gpt2_model(layers=1, hidden=8, heads=2, seq=4, vocab=16)
+    assert model(torch.randint(16, (2, 4))).shape == (2, 4, 16)     # seq tokens, and fewer
+    assert model(torch.randint(16, (2, 3))).shape == (2, 3, 16)
+    with pytest.raises(ValueError, match="sequences of 6 tokens, more than seq = 4"):
+        model(torch.randint(16, (2, 6)))
+    with pytest.raises(ValueError, match=r"shape \(batch, seq\), got a tensor of shape \(6,\)"):
+        model(torch.randint(16, (6,)))
 
 
 def test_gradients_equal_plain_autograd_under_compiled_autograd():

@@ -13,6 +13,8 @@ of GPT-2 small's 124M).
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping, Set
 
 import torch
 import torch.nn.functional as F
@@ -24,17 +26,46 @@ __all__ = ["gpt2_model", "resnet_model", "GPTEmbedding", "GPTBlock", "GPTHead",
            "BasicBlock", "Bottleneck"]
 
 
+def _check_ints(*checks) -> None:
+    """Each ``(name, value, low)``: ``value`` must be an integer >= ``low``
+    (ValueError otherwise)."""
+    for name, value, low in checks:
+        check_int(name, value, low=low, error=ValueError)
+
+
+def _check_dropout(dropout) -> None:
+    """``dropout`` must be a real number in [0, 1) (ValueError otherwise): a
+    string failed in a comparison with a bare TypeError, and 1 drops everything."""
+    if (isinstance(dropout, bool) or not isinstance(dropout, numbers.Real)
+            or not 0.0 <= dropout < 1.0):
+        raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+
+
 class GPTEmbedding(nn.Module):
     """Token + learned position embedding, then dropout: (batch, seq) int64 ->
-    (batch, seq, hidden)."""
+    (batch, seq, hidden). ``seq`` is the most tokens per sequence it takes (one
+    learned position each); a longer input raises ValueError."""
 
     def __init__(self, vocab: int, hidden: int, seq: int, dropout: float = 0.0):
         super().__init__()
+        _check_ints(("vocab", vocab, 1), ("hidden", hidden, 1), ("seq", seq, 1))
+        _check_dropout(dropout)
         self.tok = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(seq, hidden)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx):
+        if idx.dim() != 2:
+            raise ValueError(f"GPTEmbedding takes token ids of shape (batch, seq), got a "
+                             f"tensor of shape {tuple(idx.shape)}; add the batch dimension "
+                             f"(idx.unsqueeze(0)) or flatten the extra ones")
+        seq = self.pos.num_embeddings
+        if idx.shape[1] > seq:
+            # the position table has seq rows: torch said only "index out of range"
+            raise ValueError(f"got sequences of {idx.shape[1]} tokens, more than seq = {seq} "
+                             f"positions the model was built with; build it with seq >= "
+                             f"{idx.shape[1]} (gpt2_model(seq=...)) or pass at most {seq} "
+                             f"tokens per sequence")
         pos = torch.arange(idx.shape[1], device=idx.device)
         return self.drop(self.tok(idx) + self.pos(pos))
 
@@ -44,6 +75,8 @@ class GPTBlock(nn.Module):
 
     def __init__(self, hidden: int, heads: int, dropout: float = 0.0):
         super().__init__()
+        _check_ints(("hidden", hidden, 1), ("heads", heads, 1))
+        _check_dropout(dropout)
         if hidden % heads:
             raise ValueError(f"hidden = {hidden} must be a multiple of heads = {heads}")
         self.heads = heads
@@ -76,6 +109,7 @@ class GPTHead(nn.Module):
 
     def __init__(self, hidden: int, vocab: int):
         super().__init__()
+        _check_ints(("hidden", hidden, 1), ("vocab", vocab, 1))
         self.ln = nn.LayerNorm(hidden)
         self.out = nn.Linear(hidden, vocab, bias=False)
 
@@ -85,13 +119,6 @@ class GPTHead(nn.Module):
 
 def _lm_loss(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-
-def _check_ints(*checks) -> None:
-    """Each ``(name, value, low)``: ``value`` must be an integer >= ``low``
-    (ValueError otherwise)."""
-    for name, value, low in checks:
-        check_int(name, value, low=low, error=ValueError)
 
 
 def gpt2_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 32,
@@ -115,8 +142,7 @@ def gpt2_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 32,
                 ("seq", seq, 1), ("vocab", vocab, 1))
     if hidden % heads:
         raise ValueError(f"hidden = {hidden} must be a multiple of heads = {heads}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    _check_dropout(dropout)
     if not isinstance(tie_weights, bool):
         raise ValueError(f"tie_weights must be True or False, got {tie_weights!r}")
     model = nn.Sequential(GPTEmbedding(vocab, hidden, seq, dropout),
@@ -139,6 +165,7 @@ class BasicBlock(nn.Module):
 
     def __init__(self, c_in: int, c_out: int, stride: int = 1):
         super().__init__()
+        _check_ints(("c_in", c_in, 1), ("c_out", c_out, 1), ("stride", stride, 1))
         self.body = nn.Sequential(
             nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out),
             nn.ReLU(inplace=True), nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False),
@@ -155,6 +182,7 @@ class Bottleneck(nn.Module):
 
     def __init__(self, c_in: int, width: int, stride: int = 1):
         super().__init__()
+        _check_ints(("c_in", c_in, 1), ("width", width, 1), ("stride", stride, 1))
         c_out = 4 * width
         self.body = nn.Sequential(
             nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(True),
@@ -176,7 +204,9 @@ def resnet_model(blocks=(1, 1), width: int = 8, bottleneck: bool = False,
     ``(model, loss_fn, make_batch)``; ``make_batch(batch, generator)`` draws
     images (batch, 3, image, image) and class labels.
     """
-    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__len__") or not blocks:
+    # a dict or a set iterates its keys, unordered: {1: 2} built one group of one block
+    if (isinstance(blocks, (str, bytes, Mapping, Set)) or not hasattr(blocks, "__len__")
+            or not len(blocks)):
         raise ValueError(f"blocks must be a non-empty sequence of block counts per group, "
                          f"e.g. (2, 2), got {blocks!r}")
     _check_ints(*((f"blocks[{g}]", n, 1) for g, n in enumerate(blocks)),
