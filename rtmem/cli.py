@@ -353,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prog(args) -> str:
+    """The command as typed, subcommand included ("rtmem plan remat", "rtmem
+    bench pcie"), as argparse names it in its own errors."""
+    words = [args.command] + [w for w in (getattr(args, "planner", None),
+                                          getattr(args, "bench", None)) if w]
+    return "rtmem " + " ".join(words)
+
+
 def main(argv=None) -> int:
     """Entry point of the ``rtmem`` console script; returns the exit code."""
     parser = build_parser()
@@ -375,12 +383,12 @@ def main(argv=None) -> int:
     # OSError: a file that cannot be read or written; ModuleNotFoundError: an
     # optional extra (torch, matplotlib) is not installed
     except (RtmemError, OSError, ModuleNotFoundError) as e:
-        print(f"rtmem {args.command}: error: {e}", file=sys.stderr)
+        print(f"{_prog(args)}: error: {e}", file=sys.stderr)
         return 1
     except MemoryError as e:
         # numpy's "Unable to allocate 7.45 GiB for an array ..." for a problem
         # too large for this machine (gpt2:layers=999999999) was a traceback
-        print(f"rtmem {args.command}: error: out of host memory ({str(e) or 'MemoryError'}); "
+        print(f"{_prog(args)}: error: out of host memory ({str(e) or 'MemoryError'}); "
               f"the problem is too large for this machine: make it smaller",
               file=sys.stderr)
         return 1

@@ -79,6 +79,14 @@ def test_infeasible_budget_raises_with_minimum(capsys):
     assert err.value.min_feasible == min_feasible_memory(from_spec(SPEC))
 
 
+def test_errors_name_the_command_as_typed(capsys):
+    # "rtmem plan: error: ..." for `rtmem plan remat`; argparse's own errors name
+    # the whole command
+    from rtmem.cli import main
+    assert main(["plan", "remat", SPEC, "--memory", "1000", "--quiet"]) == 1
+    assert capsys.readouterr().err.startswith("rtmem plan remat: error: no persistent")
+
+
 def test_plot_calls_plot_schedule(capsys, tmp_path, monkeypatch):
     import rtmem.plot
     calls = []
