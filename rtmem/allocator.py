@@ -422,22 +422,27 @@ class BestFitAllocator(_StreamOrderedFrees):
             if type(block) is not Block or block.owner is not self \
                     or block.state != _LIVE:
                 self._check_owned_live(block)
+            # A stream the indexes do not know may be a new short-lived one, after
+            # others now dead: retire what completed first, so that their pending
+            # frees stop holding them (NOTE [ Stream-ordered frees ]). Before the
+            # counters change: a stamp or a query may raise (a closed stream's
+            # event source), and the block is then still live, the state unchanged.
+            if ordered:
+                if stream not in self._pending:
+                    self._maintain()
+            elif event is not None:
+                waiting = not event.query()
+                if waiting and stream not in self._pending:
+                    self._poll_pending()
             size = block.size
             self._allocated -= size
             self._requested -= block.requested
             self._free_count += 1
-            # A stream the indexes do not know may be a new short-lived one, after
-            # others now dead: retire what completed first, so that their pending
-            # frees stop holding them (NOTE [ Stream-ordered frees ]).
             if ordered:
-                if stream not in self._pending:
-                    self._maintain()
                 self._free_ordered(block, stream)
                 self._deferrals += 1
                 return
-            if event is not None and not event.query():
-                if stream not in self._pending:
-                    self._poll_pending()
+            if event is not None and waiting:
                 self._defer(block, stream, event)
                 self._deferrals += 1
                 return

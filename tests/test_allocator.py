@@ -784,3 +784,26 @@ def test_fits_in_place_checks_its_size_as_resize_does():
             a.fits_in_place(b, bad)
     assert a.fits_in_place(b, np.int64(256)) and not a.fits_in_place(b, 8192)
     a._check_invariants()
+
+
+def test_a_free_whose_maintenance_raises_leaves_the_block_live_and_counted():
+    # A free on a stream the indexes do not know first stamps the other streams'
+    # frees; a stamp that raises (here on a closed host stream) came after the
+    # counters dropped: the block stayed live but counted as freed, and a retried
+    # free counted it twice (allocated -2048)
+    from rtmem.backends.host import HostBackend
+    from rtmem.errors import BackendError
+    be = HostBackend()
+    a = BestFitAllocator(1 << 16, event_source=lambda s: be.new_event().record(s))
+    s1, s2 = be.new_stream("s1"), be.new_stream("s2")
+    a.deallocate(a.allocate(1024, s1), stream=s1, ordered=True)    # unstamped on s1
+    s1.close()
+    b = a.allocate(2048, s2)
+    before = a.stats()
+    with pytest.raises(BackendError, match="closed"):
+        a.deallocate(b, stream=s2, ordered=True)
+    assert a.stats() == before
+    a._check_invariants()
+    a.deallocate(b)                                      # the retry frees it once
+    assert a.stats().allocated_bytes == 0
+    a._check_invariants()
