@@ -115,9 +115,13 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    "modified by an inplace operation" error for saved tensors. Stage 0 gets an
    alias of the batch, on which in-place ops are allowed; a batch that is a leaf
    requiring grad (or a view of one), which plain autograd refuses to change in
-   place, is copied first, and a forward of stage 0 that changes it raises
-   :class:`ExecutionError` at once (the first one runs before any ``B``), the
-   caller's batch unchanged.
+   place, is copied first (the stages never change the caller's batch), and a
+   grad-mode forward of stage 0 (``F_all 0``) whose change autograd recorded
+   raises :class:`ExecutionError` at once, as plain autograd refuses it; a
+   change under the stage's own ``torch.no_grad()`` is allowed, as in torch.
+   Under the executor's ``no_grad`` (``F_ck 0``, ``F_none 0``) the two cannot
+   be told apart: the change goes on the copy, and a recomputation of stage 0
+   then finds a0 changed (above).
 
 On a CUDA device every move (activations, weights, gradients) is a copy on a
 dedicated H2D / D2H stream to or from pinned memory, so it overlaps compute:
@@ -304,8 +308,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         ``inputs`` and ``target`` are never freed or moved (a0 is a private copy
         when the schedule frees it before B 0: ``delete a0`` or ``F_none 0``, and
         when ``inputs`` are a leaf that requires grad, or a view of one, which a
-        first stage changing them in place makes raise :class:`ExecutionError`,
-        as plain autograd refuses that). ``inputs`` that require grad get their
+        first stage changing them in place under autograd makes raise
+        :class:`ExecutionError`, as plain autograd refuses that; NOTE rule 7).
+        ``inputs`` that require grad get their
         gradient as from ``loss.backward()``: in ``.grad``, or through the graph
         that made them.
 
@@ -452,6 +457,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         stage = self.stages[i]
         first = i not in self._first
         version = x._version   # shared with a_i and every alias of it
+        made_by = x.grad_fn    # an in-place op autograd records replaces it
         if first:
             cpu = torch.get_rng_state() if self.preserve_rng_state else None
             cuda = (torch.cuda.get_rng_state(self._device)
@@ -489,7 +495,14 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             self._stage_buffers[i] = now
             self._stage_consts[i] = consts
             self._refresh_stage_ptrs(i)
-        if i == 0 and self._fixed_batch and x._version != version:
+        # Refused where autograd recorded the change, as plain torch refuses it on
+        # a leaf: one made under the stage's own torch.no_grad() (allowed by
+        # torch: a normalisation in place) leaves grad_fn as it was, and so does
+        # every change in the executor's no_grad forwards (F_ck, F_none), which
+        # cannot be told apart and go on the private copy; a recomputation of
+        # stage 0 then finds its input changed (rule 7)
+        if i == 0 and self._fixed_batch and x._version != version and \
+                x.grad_fn is not made_by:
             raise ExecutionError(
                 f"stage 0 ({type(stage).__name__}) modifies its input in place (x.mul_(2), "
                 f"nn.ReLU(inplace=True), ...), and the batch is a leaf tensor that requires "
