@@ -932,6 +932,48 @@ def test_an_interrupt_in_the_state_update_neither_repeats_the_step_nor_breaks_st
     off.close()
 
 
+def test_an_interrupt_in_a_flush_leaves_the_gradient_in_one_place():
+    # _flush marked the gradient as on the host, then dropped p.grad: a SIGINT in
+    # between left it in both, and the next flush added it again as a later
+    # micro-batch's (the step applied 2 g)
+    import linecache
+    import signal
+    import sys
+    import threading
+    from rtmem.torch import _offload_grads
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("KeyboardInterrupt comes from SIGINT only in the main thread")
+    p = torch.nn.Parameter(torch.zeros(4))
+    off = OffloadedAdam([p], lr=1.0)
+    p.grad = torch.ones(4)
+    code, fired = _offload_grads._Gradients._flush.__code__, []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and not fired and "self._had_grad[k] = True" in \
+                    linecache.getline(code.co_filename, frame.f_lineno):
+                fired.append(frame.f_lineno)
+                signal.raise_signal(signal.SIGINT)
+            return local
+        return local
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            off.step()
+    finally:
+        sys.settrace(None)
+    assert fired
+    off.step()
+    assert off.steps.tolist() == [1]
+    torch.testing.assert_close(torch.as_tensor(off.exp_avg), torch.full((4,), 0.1))
+    off.close()
+
+
 def test_interrupts_are_held_across_the_bookkeeping_and_raised_after_it():
     import signal
     import threading

@@ -51,12 +51,15 @@ class _Gradients:
                     done = d2h.record_event()
         else:
             dst.copy_(g)
-        if not fresh:
-            self._partial[k] = done
-        self._fresh[k] = False
-        self._had_grad[k] = True
-        self._done_when_interrupted = False     # a new gradient: a new step
-        p.grad = None          # the device gradient is freed right away
+        # on the host or in p.grad, never both: cut in between, the next flush
+        # added the same gradient again as a later micro-batch's
+        with _interrupts_held():
+            if not fresh:
+                self._partial[k] = done
+            self._fresh[k] = False
+            self._had_grad[k] = True
+            self._done_when_interrupted = False     # a new gradient: a new step
+            p.grad = None          # the device gradient is freed right away
 
     def _settle(self, k: int) -> None:
         """Add parameter k's staged partial gradient (if any) into its host
