@@ -85,7 +85,8 @@ def _saved_skips(state_dict) -> tuple:
     ``state_dict()`` writes and torch's loads ignore; 0 and False for a dict
     without them (torch.optim.Adam's, an older rtmem's). OptimizerError unless
     the count is an integer >= 0 and the flag a bool."""
-    skipped = _checked_step(state_dict.get("skipped_steps", 0), "skipped_steps")
+    skipped = _checked_step(state_dict.get("skipped_steps", 0), "the state dict",
+                            what="skipped_steps")
     last = state_dict.get("last_step_skipped", False)
     if not isinstance(last, (bool, np.bool_)):
         raise OptimizerError(f"last_step_skipped is {last!r}; expected True or False, "
@@ -147,7 +148,7 @@ def _zeros_state(shape, arena):
     return view
 
 
-def _checked_step(step, where, limit=None) -> int:
+def _checked_step(step, where, limit=None, what="step") -> int:
     """A saved step count as an int; raise OptimizerError naming ``where`` (the
     parameter) unless it is an integer >= 0 (a Python/numpy number or a
     one-element tensor; -3, NaN and 2.5 are refused) and, with ``limit``, at
@@ -158,7 +159,7 @@ def _checked_step(step, where, limit=None) -> int:
     except (TypeError, ValueError, OverflowError, RuntimeError):
         ok = False
     if not ok:
-        raise OptimizerError(f"{where}: step is {step!r}; expected an integer >= 0.",
+        raise OptimizerError(f"{where}: {what} is {step!r}; expected an integer >= 0.",
                              argument="state_dict")
     if limit is not None and count > limit:
         # refused here, before anything changes: stored, it became inf (a float32
