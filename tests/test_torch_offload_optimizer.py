@@ -2,6 +2,7 @@
 dicts (its own and torch.optim.Adam's), loss scaling with the finite check, and
 gradient clipping, each against torch.optim.Adam/AdamW on the same model."""
 
+import contextlib
 import copy
 import io
 import pickle
@@ -881,6 +882,37 @@ def test_weights_written_before_a_load_are_kept_as_torch_keeps_them(dtype):
     torch.testing.assert_close(mine, ref, rtol=2e-2, atol=2e-3)
 
 
+@contextlib.contextmanager
+def _interrupted_at(function, fragment, interrupt):
+    """Trace ``function``; at the first line holding ``fragment`` call
+    ``interrupt()`` (raise KeyboardInterrupt, or send SIGINT). Yields the list of
+    line numbers it fired at (one, once it has)."""
+    import linecache
+    code, fired = function.__code__, []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and not fired and \
+                    fragment in linecache.getline(code.co_filename, frame.f_lineno):
+                fired.append(frame.f_lineno)
+                interrupt()
+            return local
+        return local
+
+    sys.settrace(tracer)
+    try:
+        yield fired
+    finally:
+        sys.settrace(None)
+
+
+def _raise_interrupt():
+    raise KeyboardInterrupt
+
+
 @pytest.mark.parametrize("line", ["st = self.state.get(p)", "st[\"step\"] = torch.zeros",
                                   "st[\"step\"].fill_"])
 def test_an_interrupt_in_the_state_update_neither_repeats_the_step_nor_breaks_state(line):
@@ -888,8 +920,6 @@ def test_an_interrupt_in_the_state_update_neither_repeats_the_step_nor_breaks_st
     # gradients: an interrupt in between left them unconsumed (the next step
     # applied every gradient again, steps counted twice) or left a state[p]
     # without "step" (every later step raised KeyError after updating).
-    import linecache
-    import sys
     from rtmem.torch import offload
     ps = [torch.nn.Parameter(torch.zeros(4)) for _ in range(3)]
     off = OffloadedAdam(ps, lr=1.0)
@@ -900,28 +930,11 @@ def test_an_interrupt_in_the_state_update_neither_repeats_the_step_nor_breaks_st
     before = [p.detach().clone() for p in ps]
     for p in ps:
         p.grad = torch.ones(4)
-    code, fired = offload.OffloadedAdam._sync_state.__code__, []
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and not fired and \
-                    line in linecache.getline(code.co_filename, frame.f_lineno):
-                fired.append(frame.f_lineno)
-                raise KeyboardInterrupt
-            return local
-        return local
-
     if "zeros" in line:
         off.state.clear()                    # reach the lines that build an entry
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            off.step()
-    finally:
-        sys.settrace(None)
+    with _interrupted_at(offload.OffloadedAdam._sync_state, line, _raise_interrupt) as fired, \
+            pytest.raises(KeyboardInterrupt):
+        off.step()
     assert fired
     off.step()                               # nothing left to apply
     assert off.steps.tolist() == [2, 2, 2] and off.step_count == 2
@@ -936,9 +949,7 @@ def test_an_interrupt_in_a_flush_leaves_the_gradient_in_one_place():
     # _flush marked the gradient as on the host, then dropped p.grad: a SIGINT in
     # between left it in both, and the next flush added it again as a later
     # micro-batch's (the step applied 2 g)
-    import linecache
     import signal
-    import sys
     import threading
     from rtmem.torch import _offload_grads
     if threading.current_thread() is not threading.main_thread() or \
@@ -947,26 +958,10 @@ def test_an_interrupt_in_a_flush_leaves_the_gradient_in_one_place():
     p = torch.nn.Parameter(torch.zeros(4))
     off = OffloadedAdam([p], lr=1.0)
     p.grad = torch.ones(4)
-    code, fired = _offload_grads._Gradients._flush.__code__, []
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and not fired and "self._had_grad[k] = True" in \
-                    linecache.getline(code.co_filename, frame.f_lineno):
-                fired.append(frame.f_lineno)
-                signal.raise_signal(signal.SIGINT)
-            return local
-        return local
-
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            off.step()
-    finally:
-        sys.settrace(None)
+    with _interrupted_at(_offload_grads._Gradients._flush, "self._had_grad[k] = True",
+                         lambda: signal.raise_signal(signal.SIGINT)) as fired, \
+            pytest.raises(KeyboardInterrupt):
+        off.step()
     assert fired
     off.step()
     assert off.steps.tolist() == [1]
