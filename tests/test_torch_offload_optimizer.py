@@ -744,6 +744,49 @@ def test_a_refused_step_under_grad_scaler_leaves_no_scale_behind_for_the_retry()
     off.close()
 
 
+@pytest.mark.parametrize("used", [(0,), (0, 2)])
+def test_an_interrupted_step_under_grad_scaler_keeps_zeroed_gradients_it_did_not_reach(
+        monkeypatch, used):
+    # zero_grad(set_to_none=False), then parameters unused in a step: torch steps
+    # them with their zero p.grad. Interrupted before reaching them, the step put
+    # back only what it had taken from p.grad: its note said the step was done
+    # (the zeroed ones then missed their step), or the documented retry was
+    # refused as if clip_grad_norm_ had taken the gradients
+    torch.manual_seed(0)
+    mine = [torch.nn.Parameter(torch.randn(n)) for n in (3, 2, 2)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    off = OffloadedAdam(mine, lr=0.1, flush_in_backward=False, chunk_elements=3)
+    ref_opt = torch.optim.Adam(ref, lr=0.1, foreach=False)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=4.0) for _ in range(2)]
+    for it in range(2):
+        for ps, sc in zip((ref, mine), scalers):
+            sc.scale(sum(ps[k].sum() for k in (range(3) if it == 0 else used))).backward()
+        scalers[0].step(ref_opt)
+        if it == 1:
+            real, calls = OffloadedAdam._upload_on, []
+
+            def upload(self, h2d, a, b):
+                real(self, h2d, a, b)
+                calls.append(1)
+                if len(calls) == 1:
+                    raise KeyboardInterrupt          # after chunk [0, 3): mine[0] only
+            monkeypatch.setattr(OffloadedAdam, "_upload_on", upload)
+            with pytest.raises(KeyboardInterrupt) as info:
+                scalers[1].step(off)
+            monkeypatch.undo()
+            notes = " ".join(getattr(info.value, "__notes__", []))
+            assert sys.version_info < (3, 11) or "call scaler.step(optimizer) again" in notes
+            assert [p.grad is not None for p in mine] == [False, True, True]
+        scalers[1].step(off)
+        for sc, opt in zip(scalers, (ref_opt, off)):
+            sc.update()
+            opt.zero_grad(set_to_none=False)
+    assert off.steps.tolist() == [2, 2, 2]
+    for p, q in zip(mine, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    off.close()
+
+
 def test_a_clip_before_grad_scalers_check_is_refused_and_the_documented_loop_works():
     # clip_grad_norm_ moves the gradients from p.grad to the host; clipped before
     # scaler.step (no unscale_), they escaped GradScaler's inf check, the step ran

@@ -162,17 +162,20 @@ class _ChunkedUpdate:
             raise
 
     def _return_grads(self, checked, exc) -> None:
-        """After a GradScaler-driven step raised: put the gradients it took from
-        ``p.grad`` (``checked``) and did not use back there, and note on ``exc``
-        how to recover (NOTE [ Interrupted step ]).
+        """After a GradScaler-driven step raised: put the gradients it did not use
+        in ``p.grad`` (those it took from there, ``checked``, and zeroed ones, as
+        zeros), and note on ``exc`` how to recover (NOTE [ Interrupted step ]).
 
         GradScaler's retry re-runs its inf check over ``p.grad`` and records
         what it finds for ``update()``; left on the host, the gradients were
         invisible to it, so it recorded nothing and ``update()`` asserted "No
         inf checks were recorded" (torch's optimizers keep ``p.grad`` through a
         step, so their retry is checked as the first try was)."""
-        back = [k for k, took in enumerate(checked)
-                if took and not self._fresh[k] and self.params[k].grad is None]
+        # every gradient the retry will use, a zeroed one (zero_grad(set_to_none=
+        # False)) the update did not reach included: GradScaler checks p.grad
+        # only, and torch holds such a gradient there as zeros
+        back = [k for k in range(len(self.params))
+                if not self._fresh[k] and self.params[k].grad is None]
         if back and self._streams is not None:
             for stream in self._streams:     # the D2H copies into the host buffer
                 stream.synchronize()
