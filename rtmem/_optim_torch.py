@@ -23,8 +23,8 @@ from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_group_hyper, _check_hyper,
                     _check_num_threads, _check_state_dict, _check_step_disjoint,
-                    _checked_step, _coefficients, _host_view, _named, _pre_hooked,
-                    _run_step, _saved_skips)
+                    _checked_step, _coefficients, _host_view, _loaded, _named,
+                    _post_hooked, _pre_hooked, _run_step, _saved_skips)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -426,11 +426,7 @@ class CPUAdam(torch.optim.Optimizer):
             self._optimizer_state_dict_post_hooks = hooks
         state_dict["skipped_steps"] = self.skipped_steps
         state_dict["last_step_skipped"] = self.last_step_skipped
-        for post_hook in hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        return _post_hooked(self, state_dict, hooks)
 
     def load_state_dict(self, state_dict):
         """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
@@ -461,8 +457,7 @@ class CPUAdam(torch.optim.Optimizer):
             self.state, self.param_groups = old_state, old_groups
             raise
         self.skipped_steps, self.last_step_skipped = skips
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        _loaded(self)
 
     def _load_checked(self, state_dict):
         # torch's load without its hooks: the pre-hooks ran (once) before the

@@ -108,6 +108,25 @@ def _pre_hooked(optimizer, state_dict):
     return state_dict
 
 
+def _post_hooked(optimizer, state_dict, hooks=None):
+    """``state_dict`` after ``optimizer``'s state_dict post-hooks (or ``hooks``,
+    a dict of them), run as torch runs them: a hook's non-None result replaces
+    the dict. For the optimizers that add keys of their own to the dict (the
+    skip counters), so that the hooks see them."""
+    for post_hook in (optimizer._optimizer_state_dict_post_hooks
+                      if hooks is None else hooks).values():
+        result = post_hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def _loaded(optimizer) -> None:
+    """Run ``optimizer``'s load_state_dict post-hooks, once a load is accepted."""
+    for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+        post_hook(optimizer)
+
+
 def _check_adam_keys(gi: int, group: dict) -> None:
     """OptimizerError unless group ``gi`` of a loaded state dict has Adam's
     hyperparameters (an SGD dict has no betas: a bare KeyError otherwise)."""

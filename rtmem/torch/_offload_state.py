@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from rtmem.errors import OptimizerError
-from rtmem.optim import (_check_adam_keys, _check_state_dict, _checked_step, _pre_hooked,
-                         _saved_skips)
+from rtmem.optim import (_check_adam_keys, _check_state_dict, _checked_step, _loaded,
+                         _post_hooked, _pre_hooked, _saved_skips)
 
 from ._offload_checks import _check_group
 
@@ -119,11 +119,7 @@ class _StateDict:
         state_dict = {"state": state, "param_groups": groups,
                       "step_count": self.step_count, "skipped_steps": self.skipped_steps,
                       "last_step_skipped": self.last_step_skipped}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        return _post_hooked(self, state_dict)
 
     def load_state_dict(self, state_dict) -> None:
         """Load a state dict of this class or of ``torch.optim.Adam``/``AdamW``
@@ -256,5 +252,4 @@ class _StateDict:
             group.update(merged)
         self.step_count, self.skipped_steps, self.last_step_skipped = counts
         self._sync_state()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        _loaded(self)

@@ -358,7 +358,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # A batch autograd refuses to change in place (a leaf that requires grad,
         # or a view of one) is never handed to stage 0, which gets a detached
         # alias: a private copy keeps it unchanged when stage 0 modifies its
-        # input, which _run_stage then refuses (rule 7)
+        # input; _run_stage refuses a change autograd recorded (rule 7)
         self._fixed_batch = inputs.requires_grad and (
             inputs.is_leaf or (inputs._is_view() and inputs._base.is_leaf))
         if self._own_input or self._fixed_batch or (
