@@ -156,10 +156,10 @@ def _issue(dst, src, stream, engine, wait_for=()):
     keep one event each, and freeing on it is then safe.
 
     ``wait_for`` holds the events of moves not settled yet (the prior move of a
-    chain): they are waited for even when already complete, so that a failure
-    they carry reaches this copy's event (NOTE [ Host stream failures ]); the
-    placements' events may carry failures already reported, so only unfinished
-    ones are waited for.
+    chain): they are waited for while unfinished and also once complete with a
+    failure, so that the failure reaches this copy's event (NOTE [ Host stream
+    failures ]); the placements' events may carry failures already reported, so
+    only unfinished ones are waited for.
     """
     # One step on a host stream: another thread's event recorded between this
     # copy and its event would report the copy's failure in its place (and
