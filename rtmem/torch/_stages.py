@@ -5,8 +5,6 @@ and what it must return, storage bookkeeping, and the construction checks of
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -187,126 +185,6 @@ class _Ledger:
                 nbytes = self._bytes_at.get(ptr)
                 if nbytes is not None:
                     self.total += sign * nbytes
-
-
-def buffer_slots(module: nn.Module) -> tuple:
-    """``(submodule, name)`` of every buffer slot under ``module`` (``None`` ones
-    too). A forward that reassigns a buffer (``self.ema = 0.9 * self.ema + ...``)
-    puts a new tensor in its slot, which a list of ``module.buffers()`` made
-    before the forward does not see."""
-    return tuple((m, name) for m in module.modules() for name in m._buffers)
-
-
-def slot_buffers(slots) -> list:
-    """The tensors in ``slots`` (:func:`buffer_slots`) now, each once, empty slots
-    left out: ``module.buffers()`` without walking the module tree again."""
-    return list(dict.fromkeys(t for m, name in slots
-                              if (t := m._buffers.get(name)) is not None))
-
-
-# What every nn.Module keeps in its __dict__ (the parameter, buffer, submodule
-# and hook dicts, ``training``): never a constant table, and ~15 of the ~19
-# entries of a typical module, so skipped by name (the scan runs after every
-# forward, over every module of the stage).
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
-
-
-def _strided_parts(t: torch.Tensor) -> tuple:
-    """The strided tensors holding the data of ``t``: itself, or a sparse
-    tensor's indices and values (what autograd saves of it; a sparse tensor has
-    no storage of its own: ``untyped_storage()`` raises). None for the layouts
-    the executor does not handle (nested, mkldnn)."""
-    layout = t.layout
-    if layout == torch.strided:
-        return () if t.is_nested else (t,)
-    if layout == torch.sparse_coo:
-        return (t._indices(), t._values())
-    if layout in (torch.sparse_csr, torch.sparse_bsr):
-        return (t.crow_indices(), t.col_indices(), t.values())
-    if layout in (torch.sparse_csc, torch.sparse_bsc):
-        return (t.ccol_indices(), t.row_indices(), t.values())
-    return ()
-
-
-def _attribute_state(v, tensors: dict, generators: dict, depth: int = 2) -> None:
-    """Add to ``tensors`` the non-parameter tensors, and to ``generators`` the
-    ``torch.Generator`` objects, in attribute value ``v``: one itself, or one in
-    a list, tuple or dict (a cache keyed by sequence length holding ``(cos,
-    sin)``), ``depth`` containers deep."""
-    if isinstance(v, torch.Tensor):
-        if not isinstance(v, nn.Parameter):
-            for t in _strided_parts(v):
-                tensors[id(t)] = t
-    elif isinstance(v, torch.Generator):
-        generators[id(v)] = v
-    elif depth and isinstance(v, (list, tuple, dict)):
-        for item in v.values() if isinstance(v, dict) else v:
-            if isinstance(item, (torch.Tensor, torch.Generator, list, tuple, dict)):
-                _attribute_state(item, tensors, generators, depth - 1)
-
-
-def stage_state(modules) -> tuple[list, list]:
-    """``(constants, generators)`` that ``modules`` hold as plain attributes
-    (``self.x = ...``, or in a list, tuple or dict attribute), each once, in one
-    walk over their attributes (it runs after every forward):
-
-    - constants: tensors that are neither parameters nor buffers, constant
-      tables a forward reads (rotary or mask caches, class weights). When
-      autograd saves one, it is model state like a buffer: a move must never
-      free it under the module (NOTE [ Executor ] rule 4), nor count it as an
-      activation. A sparse one is taken as its indices and values tensors.
-    - generators: the ``torch.Generator`` objects a forward may draw from
-      (``torch.rand(..., generator=self.gen)``), whose state a recomputation
-      replays (NOTE [ Executor ] rule 6)."""
-    tensors, generators = {}, {}
-    for m in modules:
-        d = m.__dict__
-        for name in d.keys() - _MODULE_INTERNALS:
-            v = d[name]
-            if isinstance(v, (torch.Tensor, torch.Generator, list, tuple, dict)):
-                _attribute_state(v, tensors, generators)
-    return list(tensors.values()), list(generators.values())
-
-
-@contextlib.contextmanager
-def replayed_generators(first: list):
-    """Run the body with each generator of ``first`` (``(generator, state)``
-    pairs taken before a stage's first forward) set back to that state, so a
-    recomputation draws what the first forward drew, and put each back where
-    it was before the body afterwards (also when the body raises), so the
-    generator ends the step where plain training leaves it: advanced once."""
-    now = [(g, g.get_state()) for g, _ in first]
-    try:
-        for g, state in first:
-            g.set_state(state)
-        yield
-    finally:
-        for g, state in now:
-            g.set_state(state)
-
-
-class KeptBuffers:
-    """Which tensor each of ``slots`` holds now, and its values, to put back with
-    :meth:`restore` after a forward that must leave no trace on the module's
-    buffers (a recomputation, profiling): in-place updates (batch-norm
-    statistics) and reassignments (``self.count = self.count + 1``) alike."""
-
-    __slots__ = ("slots", "held", "values")
-
-    def __init__(self, slots):
-        self.slots = slots
-        self.held = [m._buffers.get(name) for m, name in slots]
-        self.values = [(t, t.detach().clone()) for t in slot_buffers(slots)]
-
-    def restore(self) -> None:
-        for (m, name), t in zip(self.slots, self.held):
-            if m._buffers.get(name) is not t:
-                m._buffers[name] = t
-        with torch.no_grad():
-            for t, value in self.values:
-                # through .data: no version bump, which would fail autograd's check
-                # of the views of t a recomputation saved (unpacked at B i)
-                t.data.copy_(value)
 
 
 def _storage_bytes(tensors, exclude=()) -> int:

@@ -151,13 +151,12 @@ from rtmem.planners._validation import type_label
 
 from ._bookkeeping import _Bookkeeping
 from ._host_side import _HostSide
+from ._module_state import KeptBuffers, buffer_slots, replayed_generators, slot_buffers, stage_state
 from ._moves import _ActivationMoves, _check_graph_moves
-from ._stages import (_WEIGHT_MOVES, ExecutionError, KeptBuffers, _check_output,
-                      _stage_input, _storage_ptrs, as_stages, buffer_slots,
-                      check_inputs, check_loss, check_loss_fn, check_placement, check_shared_hooks,
-                      check_shared_weights, inputs_need_grad, nothing_trains,
-                      replayed_generators, shared_parameters, slot_buffers, stage_state,
-                      trains_beyond)
+from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
+                      as_stages, check_inputs, check_loss, check_loss_fn, check_placement,
+                      check_shared_hooks, check_shared_weights, inputs_need_grad, nothing_trains,
+                      shared_parameters, trains_beyond)
 from ._saved import _SavedHooks, uncached_casts
 from ._stored import _Stored
 

@@ -51,10 +51,10 @@ from torch import nn
 from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
-from ._stages import (ExecutionError, KeptBuffers, _check_output, _graph_leaves, _input_key,
-                      _rederived_input, _stage_input, _storage_bytes, _storage_ptrs, as_stages,
-                      buffer_slots, check_inputs, check_loss, check_loss_fn, differentiable,
-                      inputs_need_grad, slot_buffers, stage_state)
+from ._module_state import KeptBuffers, buffer_slots, slot_buffers, stage_state
+from ._stages import (ExecutionError, _check_output, _graph_leaves, _input_key, _rederived_input,
+                      _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_inputs,
+                      check_loss, check_loss_fn, differentiable, inputs_need_grad)
 from .offload import _pause_flushes, _resume_flushes
 
 __all__ = ["profile_sequential"]
