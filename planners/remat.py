@@ -319,7 +319,8 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
                 algorithm="rotor", info=info)
 
 
-def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=None) -> dict:
+def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=None, *,
+                  raise_infeasible: bool = False) -> dict:
     """Run :func:`plan_remat` and every baseline at the same budget.
 
     ``memory``: the budget in bytes (an int, a string such as ``"12GiB"`` or a
@@ -338,6 +339,12 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     table :func:`~rtmem.planners.plan_revolve` refuses. The other entries are
     still planned. An error of the rotor plan itself (a DP table over
     :data:`MAX_TABLE_BYTES`) is raised, as by :func:`plan_remat`.
+
+    With ``raise_infeasible``, the rotor plan's
+    :class:`~rtmem.errors.InfeasibleError` (budget below
+    :func:`min_feasible_memory`) is raised too, before any baseline is planned:
+    every baseline is a persistent schedule, so none of them would fit either
+    (what ``rtmem plan remat`` reports).
     """
     check_chain(chain, "compare_remat")
     from .revolve import max_revolve_stages, plan_revolve
@@ -371,5 +378,7 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
         try:
             out[name] = run()
         except InfeasibleError as e:
+            if raise_infeasible and name == "rotor":
+                raise
             out[name] = e
     return out

@@ -99,7 +99,7 @@ def comparison_rows(results: dict, reference: float) -> tuple[list, list]:
 
 def _cmd_remat(args) -> int:
     from rtmem._table import format_table
-    from rtmem.planners.plan import Plan, as_budget
+    from rtmem.planners.plan import as_budget
     from rtmem.planners.platform import Platform
     from rtmem.planners.remat import compare_remat
     from rtmem.units import format_bytes, format_seconds
@@ -109,10 +109,12 @@ def _cmd_remat(args) -> int:
     budget = as_budget(args.memory)
     say = ProgressBar(args.quiet)
     say(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}")
-    results = compare_remat(chain, budget, slots=args.slots, progress=say)
+    # an infeasible budget is raised (main() prints it, exit 1) before the baselines
+    # are planned: none of them fits then, and the table is never printed. The
+    # whole comparison was planned first (seconds, Revolve's O(n^3) table), for nothing
+    results = compare_remat(chain, budget, slots=args.slots, progress=say,
+                            raise_infeasible=True)
     rotor = results["rotor"]
-    if not isinstance(rotor, Plan):
-        raise rotor                      # InfeasibleError: main() prints it, exit 1
     reference = chain.compute_time       # makespan without rematerialization
     rows, docs = comparison_rows(results, reference)
     if args.save:

@@ -119,6 +119,21 @@ def test_compare_remat_reports_every_planner():
             assert rotor.makespan <= other.makespan * 1.001, name
 
 
+def test_compare_remat_raises_an_infeasible_rotor_plan_first_when_asked(monkeypatch):
+    # raise_infeasible (rtmem plan remat): rotor's InfeasibleError, with no
+    # baseline planned; by default every entry is still there
+    from rtmem.planners import remat
+    chain = builtin("resnet50")
+    least = remat.min_feasible_memory(chain)
+    out = compare_remat(chain, least - 1)
+    assert all(isinstance(v, InfeasibleError) for v in out.values())
+    monkeypatch.setattr(remat, "plan_store_all", lambda *a: pytest.fail("planned"))
+    with pytest.raises(InfeasibleError) as err:
+        compare_remat(chain, least - 1, raise_infeasible=True)
+    assert err.value.min_feasible == least
+    assert str(err.value) == str(out["rotor"])
+
+
 def _sequential_by_ops(n, segments):
     """The checkpoint_sequential schedule op by op (the definition the numpy
     construction of sequential_schedule must reproduce)."""

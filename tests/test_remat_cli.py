@@ -87,6 +87,30 @@ def test_errors_name_the_command_as_typed(capsys):
     assert capsys.readouterr().err.startswith("rtmem plan remat: error: no persistent")
 
 
+def test_an_infeasible_budget_is_reported_before_any_baseline_is_planned(capsys, monkeypatch):
+    # compare_remat planned store-all, sequential, sqrt and Revolve (its O(n^3)
+    # table) before the command raised rotor's InfeasibleError: none of them fits
+    # below rotor's least budget, and their table was never printed
+    from rtmem.cli import main
+    from rtmem.errors import InfeasibleError
+    from rtmem.planners import remat, revolve
+    from rtmem.planners.remat import plan_remat
+    with pytest.raises(InfeasibleError) as expected:
+        plan_remat(from_spec(SPEC), 1000)
+
+    def planned(*args, **kwargs):
+        raise AssertionError("a baseline was planned")
+    for module, name in ((remat, "plan_store_all"), (remat, "plan_sequential"),
+                         (remat, "plan_sqrt"), (revolve, "plan_revolve")):
+        monkeypatch.setattr(module, name, planned)
+    assert main(["plan", "remat", SPEC, "--memory", "1000"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    # the same message and exit code as before; only rotor's progress line precedes it
+    assert err.splitlines()[-1] == f"rtmem plan remat: error: {expected.value}"
+    assert "planning rotor" in err and "planning store-all" not in err
+
+
 def test_plot_calls_plot_schedule(capsys, tmp_path, monkeypatch):
     import rtmem.plot
     calls = []
