@@ -347,17 +347,17 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     (what ``rtmem plan remat`` reports).
     """
     check_chain(chain, "compare_remat")
-    from .revolve import max_revolve_stages, plan_revolve
+    from .revolve import _plan_revolve, _too_long
 
     def revolve():
-        longest = max_revolve_stages()
-        if chain.n > longest:
+        longest = _too_long(chain)
+        if longest is not None:
             # plan_revolve would refuse the table (RtmemError): that entry alone is
             # left out, the other plans of the comparison stand
             return InfeasibleError(f"not attempted: {chain.n:,} stages, plan_revolve "
                                    f"plans at most {longest:,}", budget=as_budget(memory),
                                    min_feasible=None)
-        return plan_revolve(chain, memory)
+        return _plan_revolve(chain, memory)      # checked just above, once
 
     say = progress or (lambda msg: None)
     out = {}

@@ -258,18 +258,32 @@ def plan_revolve(chain: Chain, memory) -> Plan:
     :class:`~rtmem.errors.RtmemError` for a chain longer than
     :func:`max_revolve_stages` (2,712 stages), whose Opt_0 table is too large."""
     check_chain(chain, "plan_revolve")
-    n = chain.n
-    longest = max_revolve_stages()
-    if n > longest:
+    longest = _too_long(chain)
+    if longest is not None:
         # said here, not by opt0_table: its advice (fewer slots, binomial_makespan)
         # names arguments and results plan_revolve does not have
-        table_bytes, steps = _opt0_cost(n, n + 2)
+        table_bytes, steps = _opt0_cost(chain.n, chain.n + 2)
         raise RtmemError(
-            f"plan_revolve: {chain.name or 'the chain'} has {n:,} stages, more than the "
-            f"{longest:,} it plans: Revolve's Opt_0 table for them takes {table_bytes:,} "
-            f"bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} bytes, "
-            f"{MAX_OPT0_STEPS:,} steps). Plan it with plan_remat or plan_sequential, or "
-            "describe the model with fewer, coarser stages (group layers)")
+            f"plan_revolve: {chain.name or 'the chain'} has {chain.n:,} stages, more than "
+            f"the {longest:,} it plans: Revolve's Opt_0 table for them takes "
+            f"{table_bytes:,} bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} "
+            f"bytes, {MAX_OPT0_STEPS:,} steps). Plan it with plan_remat or plan_sequential, "
+            "or describe the model with fewer, coarser stages (group layers)")
+    return _plan_revolve(chain, memory)
+
+
+def _too_long(chain: Chain) -> int | None:
+    """:func:`max_revolve_stages` when ``chain`` has more stages than that (plan_revolve
+    refuses it), else None. The one length check: plan_revolve raises on it,
+    compare_remat leaves Revolve out of its table, then plans with
+    :func:`_plan_revolve`."""
+    longest = max_revolve_stages()
+    return longest if chain.n > longest else None
+
+
+def _plan_revolve(chain: Chain, memory) -> Plan:
+    """:func:`plan_revolve` on a chain that :func:`_too_long` accepts."""
+    n = chain.n
     arg = opt0_table(n, n + 2)[1]
     # most slots first: ties go to the schedule that recomputes least
     return fastest_fitting(chain, memory,

@@ -203,6 +203,20 @@ def test_compare_remat_leaves_out_only_revolve_on_chains_too_long_for_it(monkeyp
     assert revolve.max_revolve_stages() == 2712          # with the default limits
 
 
+def test_compare_remat_checks_revolve_s_chain_length_once(monkeypatch):
+    # compare_remat compared the chain with max_revolve_stages() and plan_revolve
+    # compared it again: one check (revolve._too_long) now serves both, and each
+    # entry point keeps its answer to a chain too long (the test above)
+    from rtmem.planners import revolve
+    calls = []
+    longest = revolve.max_revolve_stages
+    monkeypatch.setattr(revolve, "max_revolve_stages", lambda: calls.append(1) or longest())
+    out = compare_remat(Chain.homogeneous(10), math.inf)   # rotor plans no baseline here
+    assert isinstance(out["revolve"], Plan) and len(calls) == 1
+    plan_revolve(Chain.homogeneous(10), math.inf)
+    assert len(calls) == 2
+
+
 def test_numpy_segment_count_gives_a_json_plan():
     import json
 
