@@ -71,6 +71,7 @@ def _peak_live(alloc, free, sizes) -> int:
     return int(np.cumsum(delta[np.lexsort((is_free, where))]).max())
 
 
+# Not units.is_whole (a yes/no): this converts, rounds up with ceil, and names the failure.
 def _whole(value, what: str, ceil: bool):
     """One Python-object ``value`` as an int: rounded up with ``ceil``, else
     refused unless whole (as :func:`_ints` treats floats)."""
