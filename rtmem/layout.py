@@ -80,11 +80,14 @@ def _whole(value, what: str, ceil: bool):
     if isinstance(value, numbers.Integral):
         return int(value)
     try:
-        if not math.isfinite(value):
-            raise ValueError(f"{what} must be finite numbers")
-        whole = math.ceil(value) if ceil else int(value)
+        finite = math.isfinite(value)
+        whole = (math.ceil(value) if ceil else int(value)) if finite else None
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{what} must be integers, got {value!r}") from None
+    if not finite:
+        # raised outside the try, as _ints says it for float arrays: inside, the
+        # except turned it into "must be integers, got nan"
+        raise ValueError(f"{what} must be finite numbers")
     if not ceil and whole != value:
         raise ValueError(f"{what} must be whole numbers, got {value!r}")
     return whole

@@ -232,6 +232,11 @@ def test_python_number_objects_round_up_as_sizes_and_must_be_whole_as_op_indices
         plan_layout([Fraction(1, 2)], [1], [4])
     with pytest.raises(ValueError, match="must be integers, got None"):
         plan_layout([None], [1], [4])
+    # as for float arrays (beside an int beyond int64, the array holds objects): it
+    # said "buffer sizes (bytes) must be integers, got nan"
+    for bad in (float("nan"), float("inf"), Decimal("-Infinity")):
+        with pytest.raises(ValueError, match=r"^buffer sizes \(bytes\) must be finite numbers$"):
+            plan_layout([0, 0], [0, 0], [2**70, bad])
     # a bound on the int64 arithmetic, not a claim about the layout
     with pytest.raises(ValueError, match="too large to lay out in int64"):
         plan_layout([0, 1], [0, 1], [2**62, 2**62])
