@@ -32,11 +32,20 @@ _TIME_UNIT = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e
 _INF = {"inf", "infinity", "unlimited", "∞"}
 
 
+def _is_bool(value) -> bool:
+    """A Python or numpy bool (``np.True_``, a 0-d bool array): no numbers.Integral
+    is numpy's, yet ``int()`` takes it."""
+    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b"
+
+
 def is_whole(value) -> bool:
-    """An int, numpy integer or whole float (``4.0``), not a bool; False for what
-    ``int()`` refuses (nan and inf raise its bare ValueError / OverflowError)."""
+    """An int, numpy integer or whole float (``4.0``), not a bool (numpy's
+    included); False for what ``int()`` refuses (nan and inf raise its bare
+    ValueError / OverflowError)."""
+    # numpy's bool passed as 1: plan_layout(alignment=np.True_) laid out with
+    # alignment 1 where alignment=True is refused
     try:
-        return not isinstance(value, bool) and int(value) == value
+        return not _is_bool(value) and int(value) == value
     except (TypeError, ValueError, OverflowError):
         return False
 
@@ -44,7 +53,7 @@ def is_whole(value) -> bool:
 def _number(value, what):
     # numpy's bool (np.True_, a 0-d bool array) is no numbers.Integral and went
     # through float(): alloc(np.True_) allocated 1 byte where alloc(True) is refused.
-    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
+    if _is_bool(value):
         raise UnitError(f"{what} must be a number or a string like '12GiB', got {value!r}")
     try:
         return float(value)
