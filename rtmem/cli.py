@@ -21,7 +21,7 @@ from rtmem.demo import MODEL_OPTIONS
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
-__all__ = ["main", "at_least", "load_chain", "load_schedule", "output_file"]
+__all__ = ["main", "at_least", "load_chain", "load_schedule", "output_file", "platform_value"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
 PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
@@ -125,14 +125,34 @@ def at_least(low, kind=int, high=None):
     return check
 
 
+def platform_value(field: str):
+    """An argparse ``type=`` for ``--memory`` (``field="memory"``) or ``--bandwidth``:
+    the value is read as :class:`~rtmem.planners.Platform` reads it and returned
+    as given, so a bad one is bad usage (exit 2) before any work, as ``rtmem demo
+    --memory`` and ``rtmem bench pcie --max-size`` are; ``rtmem plan remat`` and
+    ``rtmem simulate`` refused it with exit 1, after loading the chain."""
+    def check(value: str) -> str:
+        from rtmem.errors import PlatformError
+        from rtmem.planners import Platform
+        try:
+            Platform(**({"memory": value} if field == "memory" else
+                        {"memory": math.inf, field: value}))
+        except PlatformError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+    return check
+
+
 def _platform(args):
     from rtmem.planners import Platform
     return Platform(args.memory, args.bandwidth, args.channel)
 
 
 def _add_platform_args(p):
-    p.add_argument("--memory", required=True, help="device memory budget, e.g. 12GiB or inf")
-    p.add_argument("--bandwidth", default="inf", help="host link bandwidth, e.g. '12 GB/s'")
+    p.add_argument("--memory", required=True, type=platform_value("memory"),
+                   help="device memory budget, e.g. 12GiB or inf")
+    p.add_argument("--bandwidth", default="inf", type=platform_value("bandwidth"),
+                   help="host link bandwidth, e.g. '12 GB/s'")
     p.add_argument("--channel", default="shared", choices=("shared", "duplex"),
                    help="one link for both directions (shared) or one per direction")
 

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from rtmem.cli import PLOT_SUFFIXES, at_least, output_file
+from rtmem.cli import PLOT_SUFFIXES, at_least, output_file, platform_value
 
 __all__ = ["COMPARISON_HEADERS", "ProgressBar", "comparison_rows", "register"]
 
@@ -151,7 +151,7 @@ def register(subparsers) -> None:
     p.add_argument("chain", metavar="CHAIN",
                    help="built-in name (rtmem chains), generator spec such as "
                    "'gpt2:layers=24' or a chain JSON file")
-    p.add_argument("--memory", required=True,
+    p.add_argument("--memory", required=True, type=platform_value("memory"),
                    help="device memory budget including weights, e.g. 8GiB")
     # at_least: --slots 0 is bad usage (exit 2), as `rtmem demo --slots 0` (it was
     # exit 1, refused by plan_remat after the chain had been loaded)

@@ -65,7 +65,6 @@ def test_load_schedule_reads_every_op_word_as_text(text):
     (["simulate", "resnet50", "sequential:99999999999999999999", "--memory", "1GiB"],
      "segments must be"),
     (["simulate", "resnet50", "bogus", "--memory", "1GiB"], "no schedule file"),
-    (["simulate", "resnet50", "store-all", "--memory", "lots"], "invalid memory"),
 ])
 def test_errors_exit_1_with_message(capsys, argv, fragment):
     code, _, err = run(capsys, *argv)
@@ -147,6 +146,15 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     # checked before profiling, not after; the value named once
     (["demo", "--memory", "abc"], "--memory: invalid memory: cannot read 'abc'"),
     (["demo", "--model", "vgg"], "invalid choice"),
+    # as for demo: plan remat and simulate refused these with exit 1, after loading
+    # the chain
+    (["simulate", "resnet50", "store-all", "--memory", "lots"],
+     "argument --memory: invalid memory: cannot read 'lots'"),
+    (["simulate", "resnet50", "store-all", "--memory", "1GiB", "--bandwidth", "0"],
+     "argument --bandwidth: invalid bandwidth '0'"),
+    (["plan", "remat", "{tmp}/missing.json", "--memory", "0"],
+     "argument --memory: memory must be > 0 bytes"),
+    (["plan", "remat", "gpt2-small", "--memory", "-1GiB"], "usage: rtmem plan remat"),
     (["demo", "--model", "resnet", "--layers", "4"],
      "--layers sizes the gpt2 model; with --model resnet use --blocks --width --image"),
     (["demo", "--width", "4"], "--width sizes the resnet model"),
