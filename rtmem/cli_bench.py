@@ -68,7 +68,8 @@ def register(subparsers) -> None:
     """Add ``bench`` (with ``pcie`` and ``dha``) to an argparse ``subparsers``
     object; each ``func(args)`` returns the exit code."""
     p = subparsers.add_parser("bench", help="GPU microbenchmarks: PCIe/DHA bandwidth, "
-                              "per-layer DHA cost", description=__doc__.splitlines()[0])
+                              "per-layer DHA cost",
+                              description=__doc__.splitlines()[0].replace("``", ""))
     sub = p.add_subparsers(dest="bench", metavar="BENCH")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     q = sub.add_parser("pcie", help="copy (pageable, pinned, both ways) and DHA bandwidth "

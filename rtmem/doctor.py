@@ -137,6 +137,6 @@ def register(subparsers) -> None:
     ``func(args)`` returns the exit code."""
     p = subparsers.add_parser("doctor", help="report GPU, driver, CuPy, numba-cuda and "
                                               "pinned-memory limits",
-                              description=__doc__.splitlines()[0])
+                              description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)

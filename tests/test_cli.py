@@ -377,3 +377,13 @@ def test_a_problem_too_large_for_host_memory_is_one_line(capsys, monkeypatch):
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and "out of host memory (Unable to allocate 7.45 GiB" in err
     assert "make it smaller" in err
+
+
+@pytest.mark.parametrize("command", ["doctor", "bench"])
+def test_help_descriptions_print_no_rest_markup(capsys, command):
+    # the description is the module docstring's first line: --help printed
+    # "``rtmem doctor``: report what the runtime finds on this machine."
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "``" not in out and f"rtmem {command}" in out
