@@ -287,6 +287,36 @@ def test_host_stream_failure_is_reported():
         s.synchronize()
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_free_behind_failed_unrelated_work_frees_with_and_without_debug(debug):
+    # A free behind an offload still copying is gated by an event recorded after
+    # the copy; unrelated work queued next on the D2H stream fails, and that
+    # event is the one that reports it (NOTE [ Host stream failures ]). The
+    # allocator only asks whether the work is over, but the debug PoisonAdaptor
+    # synchronized the event: free() raised the unrelated failure and the buffer
+    # stayed allocated, under debug alone.
+    from rtmem import transfers
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    d2h = transfers.get_engine(be).d2h
+    dev = DeviceArena("64KiB", backend=be, debug=debug)
+    host = HostArena("64KiB", backend=be)
+    gate = threading.Event()
+    d2h.launch_host_func(gate.wait)                 # the copy waits behind this
+    buf = dev.alloc(4096)
+    buf.numpy()[:] = np.arange(4096) % 251 + 1
+    transfers.offload(buf, arena=host)
+
+    def boom():
+        raise RuntimeError("unrelated work failed")
+    d2h.launch_host_func(boom)
+    threading.Timer(0.05, gate.set).start()
+    buf.free()
+    assert buf.is_freed
+    assert dev.stats().allocated_bytes == 0 and host.stats().allocated_bytes == 0
+    dev._check_invariants()
+
+
 def test_close_releases_slabs_when_waiting_raises():
     # close() marked the arena closed and emptied its slab list, then the
     # backend's synchronize raised a stream failure: the slabs leaked.
