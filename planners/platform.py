@@ -17,6 +17,21 @@ __all__ = ["Platform", "CHANNELS"]
 #: link per direction, each at the full bandwidth (weight-offloading.md §1.1).
 CHANNELS = ("shared", "duplex")
 
+# Said to Python and CLI callers alike ("Platform('12GiB')" read oddly after
+# `rtmem plan remat --memory 0`)
+_NOT_POSITIVE = ("memory must be > 0 bytes, got {!r}; give the device memory budget, "
+                 "e.g. '12GiB'")
+
+
+def _negative(value) -> bool:
+    """A number below 0 or a string written with a minus sign ('-1GiB', '-inf')."""
+    if isinstance(value, str):
+        return value.strip().startswith("-")
+    try:
+        return value < 0
+    except TypeError:
+        return False
+
 # Budgets from MAX_BYTES up are unlimited (the jitted simulator and planners
 # hold byte counts in int64).
 
@@ -57,6 +72,9 @@ class Platform:
             try:
                 mem = parse_bytes(mem, round_down=True)   # a budget: never above it
             except UnitError as e:
+                if _negative(mem):
+                    # parse_bytes' ">= 0 bytes" read as if 0 were allowed; it is not here
+                    raise PlatformError(_NOT_POSITIVE.format(self.memory)) from None
                 # e names the value already: "invalid memory: cannot read 'lots' as a size"
                 raise PlatformError(f"invalid memory: {e}") from e
         if not (isinstance(mem, float) and math.isinf(mem)):
@@ -64,10 +82,9 @@ class Platform:
                 # 0 < memory < 1 byte: "must be > 0 bytes, got 0.9" contradicted itself
                 raise PlatformError(f"memory {self.memory!r} rounds down to 0 bytes (a budget "
                                     "counts whole bytes, never more than given); give at "
-                                    "least 1 byte, e.g. Platform('12GiB')")
+                                    "least 1 byte, e.g. '12GiB'")
             if mem <= 0:
-                raise PlatformError(f"memory must be > 0 bytes, got {self.memory!r}; give "
-                                    "the device memory budget, e.g. Platform('12GiB')")
+                raise PlatformError(_NOT_POSITIVE.format(self.memory))
             if mem >= MAX_BYTES:
                 mem = math.inf   # 4 EiB and more: no schedule comes near it
         try:
