@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default=None,
                    help="device budget, e.g. 40MiB (default: half the no-remat peak)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
-    p.add_argument("--out", default="out/demo", help="folder for plots, plan and chain")
+    p.add_argument("--out", default="out/demo",
+                   help="folder for plots, plan and chain (default out/demo)")
     p.set_defaults(func=_cmd_demo)
     for name in _PLUGINS:
         try:
