@@ -1167,6 +1167,80 @@ def test_a_frozen_prefix_gets_no_input_gradients_as_in_plain_autograd(text):
     assert _RecordNeeds.calls == [True, True]   # stage 2's Recorder, in both runs
 
 
+class _Prompt(nn.Module):
+    """A frozen linear layer and a learnable offset that is no nn.Parameter (prompt
+    or bias tuning)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8).requires_grad_(False)
+        self.offset = torch.zeros(8, requires_grad=True)
+
+    def forward(self, x):
+        return self.lin(x) + self.offset
+
+
+@pytest.mark.parametrize("head_frozen", [False, True])
+@pytest.mark.parametrize("text", [
+    None,                                                        # store all
+    "F_ck 0, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0",
+])
+def test_a_tensor_attribute_that_requires_grad_trains_as_in_plain_autograd(text, head_frozen):
+    # The stage before the first trainable parameter counted as a frozen prefix:
+    # stage 1 got its input detached and offset no gradient; with every parameter
+    # frozen the step was refused ("no parameter of the model requires grad")
+    torch.manual_seed(0)
+    model = nn.Sequential(_Prompt(), nn.Tanh(), nn.Linear(8, 1).requires_grad_(not head_frozen))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    sched = store_all_schedule(3) if text is None else _sched(text, 3)
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    mse(ref(x), y).backward()
+    ex = ScheduleExecutor(m, sched, mse)
+    ex.step(x, y)
+    torch.testing.assert_close(m[0].offset.grad, ref[0].offset.grad, rtol=0, atol=0)
+    _assert_same(m, ex, mse(m(x), y).detach(), ref, mse(ref(x), y).detach())
+    # frozen between steps, then unfrozen: decided at every step
+    m[0].offset.grad = None
+    m[0].offset.requires_grad_(False)
+    if head_frozen:
+        with pytest.raises(ExecutionError, match="nothing in this step needs a gradient"):
+            ex.step(x, y)
+    else:
+        ex.step(x, y)
+        assert m[0].offset.grad is None
+    m[0].offset.requires_grad_(True)
+    ex.step(x, y)
+    torch.testing.assert_close(m[0].offset.grad, ref[0].offset.grad, rtol=0, atol=0)
+    chain = profile_sequential(m, x, y, mse, repeats=1)
+    assert (chain.u_b > 0).all()
+
+
+def test_a_tensor_that_requires_grad_out_of_the_executors_sight_is_refused():
+    # read from a closure: the executor cannot know that stage 0 trains, and
+    # handed stage 1 a detached input; now the step is refused, not trained wrong
+    offset = torch.zeros(8, requires_grad=True)
+
+    class Closure(nn.Module):
+        def forward(self, x):
+            return x + offset
+    torch.manual_seed(0)
+    model = nn.Sequential(Closure(), nn.Linear(8, 8), nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    for text in (None, "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0"):
+        sched = store_all_schedule(3) if text is None else _sched(text, 3)
+        with pytest.raises(ExecutionError, match="stage 0 .*cannot see it"):
+            ScheduleExecutor(model, sched, mse).step(x, y)
+        assert offset.grad is None
+    with pytest.raises(ExecutionError, match="stage 0 .*cannot see it"):
+        profile_sequential(model, x, y, mse, repeats=1)
+    mse(model(x), y).backward()
+    expected, offset.grad = offset.grad, None
+    model.zero_grad(set_to_none=True)
+    model[0].offset = offset   # also an attribute: seen, and trained
+    ScheduleExecutor(model, store_all_schedule(3), mse).step(x, y)
+    torch.testing.assert_close(offset.grad, expected, rtol=0, atol=0)
+
+
 def _autocast_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU()),

@@ -299,40 +299,69 @@ def trains_beyond(t, own) -> bool:
     return next(_iter_graph_leaves(t, own), None) is not None
 
 
-def inputs_need_grad(stage_params, batch_needs_grad: bool) -> list:
+def inputs_need_grad(stage_tensors, batch_needs_grad: bool) -> list:
     """Whether each stage's input a_i requires grad in plain autograd: when the
-    batch does, or a stage before i has a parameter that requires grad. Only
-    then does ``F_all i`` record what delta_i needs (a frozen prefix, as in
-    fine-tuning, gets its inputs as they are and B i computes no delta_i)."""
+    batch does, or a stage before i holds a tensor that requires grad.
+    ``stage_tensors`` are each stage's parameters and the tensors its modules
+    hold as plain attributes (:func:`~._module_state.stage_state`'s constants: a
+    learnable ``self.offset = torch.zeros(8, requires_grad=True)`` of prompt or
+    bias tuning trains as a parameter does). Only then does ``F_all i`` record
+    what delta_i needs (a frozen prefix, as in fine-tuning, gets its inputs as
+    they are and B i computes no delta_i). A tensor that requires grad and that
+    a stage reads from where this cannot see it (a global, a closure) makes the
+    stage's output require grad all the same: :func:`check_needs_grad` refuses
+    that step rather than cutting the chain."""
     needs, trainable = [], batch_needs_grad
-    for params in stage_params:
+    for tensors in stage_tensors:
         needs.append(trainable)
-        trainable = trainable or any(p.requires_grad for p in params)
+        trainable = trainable or any(t.requires_grad for t in tensors)
     return needs
 
 
-def nothing_trains(stage_params, batch_needs_grad: bool, stages, *, cut_at: int | None = None,
-                   loss_cut: bool = False) -> ExecutionError:
+def check_needs_grad(i: int, stage, y, needs_grad: list) -> None:
+    """Refuse the output ``y`` of a grad-mode forward of stage ``i`` that requires
+    grad where :func:`inputs_need_grad` (``needs_grad``) decided that a_{i+1}
+    needs no gradient: the next stage gets (or got) it as it is, which would cut
+    the gradient to what stage ``i`` (or one before it) reads that requires grad,
+    silently. A stage whose input needs no gradient outputs a tensor that
+    requires grad only when it reads one that requires grad and that is neither
+    its parameter nor its modules' attribute."""
+    if i + 1 < len(needs_grad) and not needs_grad[i + 1] and y.requires_grad:
+        raise ExecutionError(
+            f"stage {i} ({type(stage).__name__}) returns an output that requires grad, "
+            f"although no parameter, and no tensor attribute of its modules, of it or of "
+            f"a stage before it requires grad (nor does the batch): it reads a tensor that "
+            f"requires grad from where the executor cannot see it (a global, a closure, "
+            f"functools.partial, one made in forward), so the executor handed stage "
+            f"{i + 1} its input without gradient and that tensor would get none. Make the "
+            f"tensor an nn.Parameter or an attribute of a module of stage {i} "
+            f"(self.t = t), or detach it if it should not train")
+
+
+def nothing_trains(stage_tensors, batch_needs_grad: bool, stages, *,
+                   cut_at: int | None = None, loss_cut: bool = False) -> ExecutionError:
     """The error for a step whose loss needs no gradient, where plain
     ``loss.backward()`` raises ("element 0 of tensors does not require grad"):
     the model's output a_n needs none, nor does anything else the loss reads,
     or (``loss_cut``) it does but ``loss_fn`` returned a loss without autograd
-    history. ``stage_params`` are the stages' parameters and ``stages`` their
-    modules; ``cut_at`` is the stage whose output was found without autograd
-    history, every stage after it training nothing (None: the last stage or one
-    before it). The message names the likely cause and what to do."""
+    history. ``stage_tensors`` are the stages' parameters and tensor attributes
+    (as :func:`inputs_need_grad` takes them) and ``stages`` their modules;
+    ``cut_at`` is the stage whose output was found without autograd history,
+    every stage after it training nothing (None: the last stage or one before
+    it). The message names the likely cause and what to do."""
     if loss_cut:
         return ExecutionError(
             "loss_fn(output, target) returned a loss that does not require grad, "
             "although the output does: it drops the autograd history (a .detach(), "
             ".item() or torch.tensor(...) of the value, a torch.no_grad() block), so "
             "nothing would train; return the loss tensor as computed")
-    if batch_needs_grad or any(p.requires_grad for ps in stage_params for p in ps):
+    if batch_needs_grad or any(t.requires_grad for ts in stage_tensors for t in ts):
         last = len(stages) - 1
         k = last if cut_at is None else cut_at
         where = "the last stage" if k == last else f"stage {k}"
         after = ("" if k == last else
-                 ", and no stage after it has a parameter that requires grad")
+                 ", and no stage after it has a parameter (or tensor attribute) that "
+                 "requires grad")
         cause = (f"a stage cut it from the parameters that train: {where} "
                  f"({type(stages[k]).__name__}) or one before it returns a tensor without "
                  f"autograd history (a .detach(), an integer result such as argmax, a "
@@ -340,7 +369,8 @@ def nothing_trains(stage_params, batch_needs_grad: bool, stages, *, cut_at: int 
         remedy = "return the differentiable tensor"
     else:
         cause = ("no parameter of the model requires grad (all frozen: "
-                 "requires_grad=False) and the batch does not either")
+                 "requires_grad=False), nor does a tensor its modules hold as an "
+                 "attribute, and the batch does not either")
         remedy = "unfreeze the parameters (model.requires_grad_(True))"
     return ExecutionError(
         f"nothing in this step needs a gradient: the model's output does not require "
@@ -350,7 +380,7 @@ def nothing_trains(stage_params, batch_needs_grad: bool, stages, *, cut_at: int 
         f"instead of step()")
 
 
-def check_loss(loss, z, stage_params, batch_needs_grad: bool, stages) -> None:
+def check_loss(loss, z, stage_tensors, batch_needs_grad: bool, stages) -> None:
     """Refuse, before its backward, a ``loss_fn(z, target)`` result that
     ``loss.backward()`` cannot run on: one that is not a 0-d tensor, or has no
     autograd history (:func:`nothing_trains`; ``z`` is the output handed to
@@ -362,7 +392,7 @@ def check_loss(loss, z, stage_params, batch_needs_grad: bool, stages) -> None:
         raise ExecutionError(f"loss_fn(output, target) must return a scalar tensor (0-d), "
                              f"got {what}; reduce it (e.g. .mean()) in loss_fn")
     if not loss.requires_grad:   # where loss.backward() raises (rule 3)
-        raise nothing_trains(stage_params, batch_needs_grad, stages,
+        raise nothing_trains(stage_tensors, batch_needs_grad, stages,
                              loss_cut=z.requires_grad)
 
 

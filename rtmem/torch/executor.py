@@ -17,16 +17,23 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    autograd op so that in-place ops at the start of a stage work as in plain
    training. A stage whose input needs no gradient in plain autograd (stage 0
    unless the batch requires grad, and every stage up to the first with a
-   parameter that requires grad: a frozen prefix) gets its input itself, as
+   parameter, or a tensor its modules hold as an attribute (rule 4: a
+   learnable ``self.offset = torch.zeros(8, requires_grad=True)``), that
+   requires grad: a frozen prefix; decided at the start of every step, as
+   ``requires_grad`` may change between steps) gets its input itself, as
    plain autograd neither records what only an input gradient needs nor
-   computes one; when the batch requires grad, ``B 0`` passes delta_0 on to it
-   (``inputs.grad``, or the caller's graph that made it, as ``loss.backward()``
-   would). The
-   recorded graph (its saved tensors) and the output form abar_{i+1}. Saved
-   tensors go through ``saved_tensors_hooks`` so the executor knows their
-   storages (for accounting and offload); views of the stage's parameters,
-   buffers and input are re-derived when the backward reads them (a lazy
-   conjugate view, ``z.conj()`` of a complex one, with its conj bit).
+   computes one. A grad-mode forward of such a stage whose output requires
+   grad all the same (it reads a tensor that requires grad from a global or a
+   closure, which the executor cannot see) raises :class:`ExecutionError`,
+   where handing the next stage its input without gradient would silently
+   give that tensor none. When the batch requires grad, ``B 0`` passes
+   delta_0 on to it (``inputs.grad``, or the caller's graph that made it, as
+   ``loss.backward()`` would). The recorded graph (its saved tensors) and the
+   output form abar_{i+1}. Saved tensors go through ``saved_tensors_hooks``
+   so the executor knows their storages (for accounting and offload); views
+   of the stage's parameters, buffers and input are re-derived when the
+   backward reads them (a lazy conjugate view, ``z.conj()`` of a complex one,
+   with its conj bit).
    A forward whose output (a_{i+1} or abar_{i+1}) is already resident keeps
    the resident one, as the simulator does.
 3. ``L``: the loss on a_n; its gradient is delta_n. ``B i``: backward through the
@@ -155,8 +162,8 @@ from ._module_state import KeptBuffers, buffer_slots, replayed_generators, slot_
 from ._moves import _ActivationMoves, _check_graph_moves
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
                       as_stages, check_inputs, check_loss, check_loss_fn, check_placement,
-                      check_shared_hooks, check_shared_weights, inputs_need_grad, nothing_trains,
-                      shared_parameters, trains_beyond)
+                      check_needs_grad, check_shared_hooks, check_shared_weights, inputs_need_grad,
+                      nothing_trains, shared_parameters, trains_beyond)
 from ._saved import _SavedHooks, uncached_casts
 from ._stored import _Stored
 
@@ -352,8 +359,6 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._device = device
         self._caller_keys = _storage_ptrs((inputs, target))
         self._caller_inputs = inputs if inputs.requires_grad else None
-        # per step: the caller may freeze or unfreeze parameters between steps
-        self._needs_grad = inputs_need_grad(self._stage_params, inputs.requires_grad)
         # A batch autograd refuses to change in place (a leaf that requires grad,
         # or a view of one) is never handed to stage 0, which gets a detached
         # alias: a private copy keeps it unchanged when stage 0 modifies its
@@ -369,6 +374,11 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._new_ledger()
         self._scan_state()   # the caller may have reassigned buffers since the last step
         self._refresh_state_ptrs()
+        # per step (after the scan: tensor attributes count): the caller may freeze
+        # or unfreeze parameters and tensor attributes between steps
+        # (inputs may be the private copy by now, which requires no grad)
+        self._needs_grad = inputs_need_grad(self._stage_tensors(),
+                                            self._caller_inputs is not None)
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
         self._trains = False  # whether the backward writes a gradient (_loss, _backward)
@@ -445,6 +455,12 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._stage_buffers = [buffers for buffers, _, _ in scans]
         self._stage_consts = [consts for _, consts, _ in scans]
         self._stage_gens = [gens for _, _, gens in scans]
+
+    def _stage_tensors(self) -> list:
+        """Each stage's parameters and constant tables (tensor attributes), the
+        tensors that may require grad in it (:func:`inputs_need_grad`)."""
+        return [[*params, *consts]
+                for params, consts in zip(self._stage_params, self._stage_consts)]
 
     def _scan_stage(self, i: int) -> tuple[list, list, list]:
         """Stage ``i``'s buffers, constant tables and generators as its modules
@@ -537,6 +553,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                                                                            hooks.unpack):
             leaf, arg = _stage_input(x, needs_grad=self._needs_grad[i])
             y = self._run_stage(i, arg)
+        # a tensor that requires grad read from outside what the executor sees:
+        # refused, as stage i+1 gets (or got) its input without gradient
+        check_needs_grad(i, self.stages[i], y, self._needs_grad)
         self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=hooks.saved)
 
     def _loss(self, target):
@@ -545,7 +564,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         with torch.enable_grad():
             leaf, z = _stage_input(src)
             loss = self.loss_fn(z, target)
-        check_loss(loss, z, self._stage_params, self._caller_inputs is not None, self.stages)
+        check_loss(loss, z, self._stage_tensors(), self._caller_inputs is not None,
+                   self.stages)
         # z is a leaf that requires grad whatever a_n needs, so this loss requires
         # grad where plain autograd's may not; the Bs decide (_backward). What they
         # need from here: whether the loss trains something without a_n (a loss
@@ -564,7 +584,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             # no gradient in plain autograd, where loss.backward() raises (rule 3)
             out, inp = self._bar[i + 1].out, self._bar[i + 1].inp
             if not out.requires_grad:
-                raise nothing_trains(self._stage_params, self._caller_inputs is not None,
+                raise nothing_trains(self._stage_tensors(), self._caller_inputs is not None,
                                      self.stages, cut_at=i)
             # a backward that writes a gradient of its own (a parameter) trains
             # something: no later B may refuse the step

@@ -17,7 +17,9 @@ output's shape, and:
 - ``u_f``, ``u_b``: median seconds over ``repeats`` runs (CUDA events on a GPU,
   ``perf_counter`` on the CPU); ``u_b`` is 0 for a stage whose output needs no
   gradient (a frozen or parameter-free stage on integer inputs or a batch
-  that does not require grad, and so every stage of a frozen prefix);
+  that does not require grad, and so every stage of a frozen prefix; a tensor
+  attribute of a stage's modules that requires grad trains as a parameter
+  does, NOTE [ Executor ] rule 2);
 - ``o_f``, ``o_b``: temporary bytes, from ``torch.cuda.max_memory_allocated`` on a
   GPU (peak minus what is live before and after); 0 on the CPU, where no allocator
   reports a peak;
@@ -54,7 +56,8 @@ from rtmem.planners._validation import check_int
 from ._module_state import KeptBuffers, buffer_slots, slot_buffers, stage_state
 from ._stages import (ExecutionError, _check_output, _graph_leaves, _input_key, _rederived_input,
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_inputs,
-                      check_loss, check_loss_fn, differentiable, inputs_need_grad)
+                      check_loss, check_loss_fn, check_needs_grad, differentiable,
+                      inputs_need_grad)
 from .offload import _pause_flushes, _resume_flushes
 
 __all__ = ["profile_sequential"]
@@ -151,7 +154,11 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         state = _storage_ptrs((*grads, *slot_buffers(slots)))
         x = inputs.detach().clone()   # a first stage may modify its input in place
         stage_params = [list(stage.parameters()) for stage in model]
-        needs_grad = inputs_need_grad(stage_params, inputs.requires_grad)
+        # parameters and tensor attributes (a learnable offset), as the executor
+        # decides at the start of a step
+        stage_tensors = [[*params, *stage_state(stage.modules())[0]]
+                         for params, stage in zip(stage_params, model)]
+        needs_grad = inputs_need_grad(stage_tensors, inputs.requires_grad)
         seen_weights = set()
         # Iteration, not children(): a module repeated in the Sequential is one
         # stage per position, as the executor runs it.
@@ -177,6 +184,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     x_version = arg._version
                     y, t_f = timer(lambda: stage(arg))
                 _check_output(i, stage, y)
+                check_needs_grad(i, stage, y, needs_grad)   # as the executor's F_all
                 fwd_times.append(t_f)
             # The executor re-derives a saved view of the input from a_i at B i
             # (its _forward_all), unless the stage changed the input before
@@ -234,7 +242,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     loss = loss_fn(z, target)
                     # refused as the executor's L refuses it, before a backward
                     # from it raises torch's error (or trains nothing)
-                    check_loss(loss, z, stage_params, inputs.requires_grad, model)
+                    check_loss(loss, z, stage_tensors, inputs.requires_grad, model)
                     _clear_grads(_graph_leaves(loss, leaf), grads)
 
             def run():
