@@ -1307,6 +1307,67 @@ def test_the_autocast_cache_comes_back_after_a_failed_no_grad_forward(monkeypatc
     assert torch.is_autocast_cache_enabled()
 
 
+def _same_items(d: dict, e: dict) -> bool:
+    return d.keys() == e.keys() and all(d[k] is e[k] for k in d)
+
+
+def _weight_norm_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), nn.Tanh(),
+                         nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("text", [
+    "F_ck 0, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0",
+    "F_all 0, offload abar1, F_all 1, delete abar1, F_all 2, L, B 2, prefetch abar1, B 1, "
+    "B 0",
+    None,
+])
+def test_training_inside_parametrize_cached_gives_the_parametrization_its_gradient(text):
+    # the no_grad forwards (F_ck 0) filled parametrize's cache with a weight
+    # without autograd history, which the later F_all 0 reused: original0 and
+    # original1 got no gradient
+    from torch.nn.utils import parametrize
+    sched = store_all_schedule(3) if text is None else _sched(text, 3)
+    ref, m = _weight_norm_model(), _weight_norm_model()
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    ex = ScheduleExecutor(m, sched, mse)
+    with parametrize.cached():
+        ref_loss = mse(ref(x), y)
+        ref_loss.backward()
+        caller = parametrize._cache
+        before = dict(caller)    # ref's weight, computed once
+        loss = ex.step(x, y)
+        assert parametrize._cache is caller and _same_items(caller, before)
+        chain = profile_sequential(m, x, y, mse, repeats=2)
+        assert parametrize._cache is caller and _same_items(caller, before)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=0)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    # each repeat computes the weight (its norm is saved: 8 floats), as each F_all
+    # does; the second repeat reused the first's weight, and measured no norm
+    assert chain.xbar[0] == chain.x[0] + 8 * 4
+    assert (chain.xbar == profile_sequential(m, x, y, mse, repeats=2).xbar).all()
+
+
+def test_the_callers_parametrize_cache_comes_back_after_a_failed_stage():
+    from torch.nn.utils import parametrize
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            assert parametrize._cache == {}
+            raise ValueError("stage failed")
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), Fails(),
+                          nn.Linear(4, 2))
+    ex = ScheduleExecutor(model, store_all_schedule(3), mse)
+    with parametrize.cached():
+        caller = parametrize._cache
+        with pytest.raises(ValueError, match="stage failed"):
+            ex.step(torch.randn(3, 4), torch.randn(3, 2))
+        assert parametrize._cache is caller and caller == {}
+    assert parametrize._cache_enabled == 0
+
+
 def test_a_step_with_gradients_disabled_is_refused():
     # F_all, L and B enable gradients themselves: under no_grad a "validation"
     # step added its gradients to the next optimizer step's

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.nn.utils import parametrize
 
 from ._stages import ExecutionError, _input_key, _rederived_input, param_label
 
@@ -165,3 +166,29 @@ def uncached_casts():
         yield
     finally:
         torch.set_autocast_cache_enabled(True)
+
+
+@contextlib.contextmanager
+def own_parametrizations():
+    """Run one forward (a stage's, or the loss's) with a parametrization cache of
+    its own where the caller trains inside ``torch.nn.utils.parametrize.cached()``,
+    and put the caller's cache back on exit, also after an error.
+
+    The cache keeps the first value it computes of a parametrized weight until
+    the caller's ``cached()`` ends. Plain training runs one grad-mode forward
+    per step, which fills it; the executor runs several forwards of a stage,
+    and one under ``no_grad`` (F_ck, F_none) cached the weight without autograd
+    history for the later F_all, whose parametrization then got no gradient; a
+    weight cached by one forward and freed by a move of its abar, or
+    backpropagated by two Bs (tied weights), would break the other. Per forward,
+    a weight used several times in it (an RNN's kernel) is still computed once,
+    as ``cached()`` promises, and it is an activation of that forward only."""
+    if not parametrize._cache_enabled:
+        yield
+        return
+    caller = parametrize._cache
+    parametrize._cache = {}
+    try:
+        yield
+    finally:
+        parametrize._cache = caller

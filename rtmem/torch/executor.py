@@ -11,6 +11,11 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    torch cached a weight's cast made under no_grad and handed it, with no
    autograd history, to the later F_all reading the weight, whose gradient was
    then silently lost (pytorch issues 112583 and 158232, fixed in 2.11).
+   Inside ``torch.nn.utils.parametrize.cached()``, every forward of a stage
+   (and the loss) computes the parametrized weights in a cache of its own,
+   the caller's put back afterwards: one filled under no_grad handed the
+   weight, with no autograd history, to the later F_all, and the
+   parametrization got no gradient.
 2. ``F_all i``: stage i under ``enable_grad`` from a detached leaf that requires
    grad (its ``.grad`` becomes delta_i) when a_i is floating-point or complex
    (integer a_i, token ids, carry no gradient), handed to the stage through an identity
@@ -164,7 +169,7 @@ from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input
                       as_stages, check_inputs, check_loss, check_loss_fn, check_placement,
                       check_needs_grad, check_shared_hooks, check_shared_weights, inputs_need_grad,
                       nothing_trains, shared_parameters, trains_beyond)
-from ._saved import _SavedHooks, uncached_casts
+from ._saved import _SavedHooks, own_parametrizations, uncached_casts
 from ._stored import _Stored
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
@@ -482,14 +487,15 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             gens = ([(g, g.get_state()) for g in self._stage_gens[i]]
                     if self.preserve_rng_state else [])
             self._first[i] = (cpu, cuda, gens)
-            y = stage(x)
+            with own_parametrizations():
+                y = stage(x)
         else:
             kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
             cpu, cuda, gens = self._first[i]
             try:
                 with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state), \
-                        replayed_generators(gens):
+                        replayed_generators(gens), own_parametrizations():
                     if self.preserve_rng_state:
                         torch.set_rng_state(cpu)
                         if cuda is not None:
@@ -561,7 +567,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
     def _loss(self, target):
         k = self.n
         src = self._source(k)
-        with torch.enable_grad():
+        with torch.enable_grad(), own_parametrizations():
             leaf, z = _stage_input(src)
             loss = self.loss_fn(z, target)
         check_loss(loss, z, self._stage_tensors(), self._caller_inputs is not None,

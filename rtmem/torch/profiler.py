@@ -54,6 +54,7 @@ from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
 from ._module_state import KeptBuffers, buffer_slots, slot_buffers, stage_state
+from ._saved import own_parametrizations
 from ._stages import (ExecutionError, _check_output, _graph_leaves, _input_key, _rederived_input,
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_inputs,
                       check_loss, check_loss_fn, check_needs_grad, differentiable,
@@ -104,7 +105,10 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     model and of a loss that is an ``nn.Module``; updated in place or reassigned)
     and the RNG state (of the default generators, and of the ``torch.Generator``
     objects the modules hold as attributes) are restored afterwards, also after
-    an error, so profiling does not perturb training. Returns a
+    an error, so profiling does not perturb training. Inside
+    ``torch.nn.utils.parametrize.cached()`` each forward computes the
+    parametrized weights in a cache of its own, as the executor's forwards do
+    (NOTE [ Executor ] rule 1), and the caller's cache is left as it was. Returns a
     :class:`~rtmem.planners.Chain` with times in seconds and sizes in bytes. Raises
     :class:`~rtmem.torch.ExecutionError` for a model, batch or loss it cannot run
     (before running any stage), when a stage does not return a single tensor, and
@@ -182,7 +186,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     # input needs no gradient (the batch, a frozen prefix)
                     xin, arg = _stage_input(x, needs_grad=needs_grad[i])
                     x_version = arg._version
-                    y, t_f = timer(lambda: stage(arg))
+                    with own_parametrizations():   # as the executor's F_all
+                        y, t_f = timer(lambda: stage(arg))
                 _check_output(i, stage, y)
                 check_needs_grad(i, stage, y, needs_grad)   # as the executor's F_all
                 fwd_times.append(t_f)
@@ -236,7 +241,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             x = y.detach()
         loss_times = []
         for r in range(repeats):
-            with torch.enable_grad():
+            with torch.enable_grad(), own_parametrizations():
                 leaf, z = _stage_input(x)   # as the executor's L hands it to loss_fn
                 if r == 0:   # untimed: find the leaves outside the model it uses
                     loss = loss_fn(z, target)
@@ -246,7 +251,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     _clear_grads(_graph_leaves(loss, leaf), grads)
 
             def run():
-                with torch.enable_grad():
+                with torch.enable_grad(), own_parametrizations():
                     loss_fn(z, target).backward()
             loss_times.append(timer(run)[1])
     finally:
