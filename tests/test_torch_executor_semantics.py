@@ -244,6 +244,52 @@ def test_profiling_leaves_existing_gradients_unchanged(fail):
         assert p.grad is g and torch.equal(g, v)
 
 
+@pytest.mark.parametrize("fail", [False, True])
+def test_profiling_runs_no_gradient_hook_of_the_callers(fail):
+    # the optimizer step in backward of PyTorch's tutorial (a post-accumulate-grad
+    # hook per parameter), a tensor hook on a parameter, and one on a tensor
+    # outside the model the loss uses: the profiler's backward passes ran them,
+    # and stepped the weights (by 1.64 in the auditor's repro) and the optimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    scale = nn.Parameter(torch.ones(1))     # outside the model, read by the loss
+    params = [*model.parameters(), scale]
+    opts = {p: torch.optim.Adam([p], lr=0.1) for p in params}
+    calls = []
+
+    def step_in_backward(p):
+        calls.append("post")
+        opts[p].step()
+        opts[p].zero_grad()
+    for p in params:
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    model[0].weight.register_hook(lambda g: calls.append("tensor"))
+    scale.register_hook(lambda g: calls.append("tensor"))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    def loss_fn(out, target):
+        loss = mse(out * scale, target)
+        if fail:   # after the stage backward passes have run
+            raise ValueError("loss failed")
+        return loss
+    mse(model(x) * scale, y).backward()     # one plain step: optimizer state exists
+    weights = [p.detach().clone() for p in params]
+    states = [copy.deepcopy(opts[p].state_dict()) for p in params]
+    calls.clear()
+    if fail:
+        with pytest.raises(ValueError, match="loss failed"):
+            profile_sequential(model, x, y, loss_fn, repeats=3)
+    else:
+        profile_sequential(model, x, y, loss_fn, repeats=3)
+    assert calls == []
+    for p, w, state in zip(params, weights, states):
+        assert torch.equal(p, w)
+        assert repr(opts[p].state_dict()) == repr(state)
+    # and the hooks are back
+    mse(model(x) * scale, y).backward()
+    assert calls.count("post") == len(params) and calls.count("tensor") == 2
+
+
 # ---------------------------------------------------------------- defect 4
 class _ScaleInPlace(nn.Module):
     def forward(self, x):

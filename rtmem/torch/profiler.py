@@ -81,16 +81,43 @@ class _Timer:
         return out, time.perf_counter() - t0
 
 
-def _clear_grads(leaves, grads: dict) -> None:
+def _clear_grads(leaves, grads: dict, held: list) -> None:
     """Record the ``.grad`` of each of ``leaves`` not yet in ``grads`` (the same
-    object, put back at the end) and set it to None for profiling. An open
-    :class:`~rtmem.torch.OffloadedAdam` stops flushing their gradients until
-    the end (they are the profiler's, not the next step's)."""
+    object, put back at the end) and set it to None for profiling, and hold
+    their gradient hooks off until the end (:func:`_hold_hooks`, into ``held``).
+    An open :class:`~rtmem.torch.OffloadedAdam` stops flushing their gradients
+    until the end too (they are the profiler's, not the next step's)."""
     new = [p for p in leaves if p not in grads]
     for p in new:
         grads[p] = p.grad
         p.grad = None
     _pause_flushes(new)
+    _hold_hooks(new, held)
+
+
+def _hold_hooks(leaves, held: list) -> None:
+    """Empty the tensor hooks (``register_hook``) and post-accumulate-grad hooks
+    of ``leaves``, adding ``(hooks, removed)`` to ``held`` for
+    :func:`_put_back_hooks`: the timed backward passes would run them on the
+    profiler's gradients, and a hook that acts (the optimizer step in backward
+    of PyTorch's tutorial, a gradient all-reduce) would change the weights or
+    the optimizer's state. Emptied in place: autograd calls the hooks of the
+    dict the tensor holds, and their handles keep removing them from it."""
+    for p in leaves:
+        for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
+            if hooks:
+                held.append((hooks, dict(hooks)))
+                hooks.clear()
+
+
+def _put_back_hooks(held: list) -> None:
+    """Undo :func:`_hold_hooks`, each dict in its order, before any hook
+    registered meanwhile (by a stage's forward)."""
+    for hooks, removed in held:
+        added = dict(hooks)
+        hooks.clear()
+        hooks.update(removed)
+        hooks.update(added)
 
 
 def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_fn, *,
@@ -105,7 +132,15 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     model and of a loss that is an ``nn.Module``; updated in place or reassigned)
     and the RNG state (of the default generators, and of the ``torch.Generator``
     objects the modules hold as attributes) are restored afterwards, also after
-    an error, so profiling does not perturb training. Inside
+    an error, so profiling does not perturb training. The gradient hooks of
+    those parameters and tensors (``register_hook``,
+    ``register_post_accumulate_grad_hook``: an optimizer step in backward, a
+    gradient all-reduce) do not run on the profiler's gradients: they are held
+    off while it runs and put back afterwards, also after an error. Module
+    hooks (forward, backward) run, as part of the stages, as the executor runs
+    them at every forward and backward of a stage (recomputations included):
+    a module hook with side effects (one that logs statistics) sees the
+    profiling passes too. Inside
     ``torch.nn.utils.parametrize.cached()`` each forward computes the
     parametrized weights in a cache of its own, as the executor's forwards do
     (NOTE [ Executor ] rule 1), and the caller's cache is left as it was. Returns a
@@ -151,9 +186,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     # inside the try: whatever raises after it (a storage the accounting cannot
     # read, an out-of-memory clone of the batch) must give them back and resume
     # an open OffloadedAdam's gradient hooks
-    grads = {}
+    grads, held = {}, []
     try:
-        _clear_grads(model.parameters(), grads)
+        _clear_grads(model.parameters(), grads, held)
         # never counted as activations: the executor's accounting (its _state_count)
         state = _storage_ptrs((*grads, *slot_buffers(slots)))
         x = inputs.detach().clone()   # a first stage may modify its input in place
@@ -213,7 +248,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             # of None for them made backward fail ("implicitly created only for
             # scalar outputs")
             delta = torch.randn_like(y) if differentiable(y) else None
-            _clear_grads(_graph_leaves(y, xin), grads)
+            _clear_grads(_graph_leaves(y, xin), grads, held)
             # nothing to backpropagate through a frozen stage on integer inputs
             bwd_times = [] if y.requires_grad else [0.0]
             for r in range(repeats if y.requires_grad else 0):
@@ -248,7 +283,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     # refused as the executor's L refuses it, before a backward
                     # from it raises torch's error (or trains nothing)
                     check_loss(loss, z, stage_tensors, inputs.requires_grad, model)
-                    _clear_grads(_graph_leaves(loss, leaf), grads)
+                    _clear_grads(_graph_leaves(loss, leaf), grads, held)
 
             def run():
                 with torch.enable_grad(), own_parametrizations():
@@ -260,6 +295,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         finally:
             for p, g in grads.items():
                 p.grad = g
+            _put_back_hooks(held)
             _resume_flushes(grads)
             torch.set_rng_state(rng)
             if cuda_rng is not None:
