@@ -1287,6 +1287,32 @@ def test_a_tensor_that_requires_grad_out_of_the_executors_sight_is_refused():
     torch.testing.assert_close(offset.grad, expected, rtol=0, atol=0)
 
 
+def _channels_last_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1),
+                          nn.Sequential(nn.Conv2d(8, 4, 3, padding=1), nn.BatchNorm2d(4)),
+                          nn.Sequential(nn.Flatten(), nn.Linear(4 * 6 * 6, 1)))
+    return model.to(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("text", [
+    None,                                                        # store all
+    "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0",
+])
+def test_the_previous_stage_gets_its_gradient_in_the_layout_plain_autograd_gives(text):
+    # delta_2 was the leaf's .grad, which AccumulateGrad lays out like the leaf
+    # (channels_last), where plain autograd hands batch norm's backward the
+    # contiguous gradient of Flatten: stages 1 and 0 computed on another layout,
+    # their gradients a few ulp apart (bf16: 1.5e-2)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    y = torch.randn(2, 1)
+    sched = store_all_schedule(3) if text is None else _sched(text, 3)
+    m, ex, loss, ref, ref_loss = _train(_channels_last_model(), x, y, mse, sched)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
 def _autocast_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU()),

@@ -233,15 +233,30 @@ def _check_output(i: int, stage, y) -> None:
 class _Alias(torch.autograd.Function):
     """Identity whose output shares its input's storage and version counter but is
     neither a leaf nor a view, so in-place ops on it are allowed (on the leaf
-    itself, or on a view of it, autograd refuses them)."""
+    itself, or on a view of it, autograd refuses them).
+
+    Its backward puts the gradient in the leaf's ``.grad`` itself, as the
+    stage's backward made it: the tensor plain autograd hands on to the
+    previous stage's backward. Passed on to the leaf's AccumulateGrad, it was
+    laid out like the leaf instead (the contiguous gradient of a Flatten
+    became channels_last, as its channels_last input), so the previous stage's
+    backward ran on another memory layout than in plain autograd: other
+    reduction orders, gradients a few ulp apart."""
 
     @staticmethod
     def forward(ctx, x):
+        ctx.leaf = x      # an input, not an output: no reference cycle
         return x.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        if torch.compiler.is_compiling():
+            # traced by compiled autograd, where ctx.leaf is a proxy of the
+            # graph's: setting its .grad reached no tensor. AccumulateGrad then
+            return grad
+        leaf = ctx.leaf
+        leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        return None
 
 
 def _grad_input(x: torch.Tensor):

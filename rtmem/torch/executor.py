@@ -42,7 +42,12 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    A forward whose output (a_{i+1} or abar_{i+1}) is already resident keeps
    the resident one, as the simulator does.
 3. ``L``: the loss on a_n; its gradient is delta_n. ``B i``: backward through the
-   graph of abar_{i+1} with delta_{i+1}; the input's ``.grad`` is delta_i.
+   graph of abar_{i+1} with delta_{i+1}; the input's ``.grad`` is delta_i, as
+   the stage's backward made it (the identity op puts it there): plain
+   autograd hands that tensor to the previous stage's backward, where the
+   leaf's AccumulateGrad would lay it out like a_i (a Flatten's contiguous
+   gradient of a channels_last a_i), and the previous stage would compute on
+   another layout, with other rounding (under compiled autograd it still does).
    Parameter gradients accumulate in ``.grad`` as with ``loss.backward()``; a
    parameter several stages use (tied weights) gets one part per stage, each
    added by that stage's B. A gradient hook on it would run once per part, where
