@@ -1353,6 +1353,29 @@ def test_autocast_casts_of_weights_are_model_state_not_activations(text, uncache
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
+def test_the_profiler_leaves_autocast_casts_of_weights_out_of_xbar_as_the_executor_does():
+    # the executor keeps autocast's cached bf16 casts of the weights as model
+    # state, not in abar; the profiler counted them in xbar (stage 1's 2048-byte
+    # cast of its 32x32 weight, stage 2's of its 4x32 one)
+    model = _autocast_model()
+    x, y = torch.randn(8, 16), torch.randint(4, (8,))
+    loss_fn = nn.functional.cross_entropy
+    ex = ScheduleExecutor(model, _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0", 3),
+                          loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chain = profile_sequential(model, x, y, loss_fn, repeats=2)
+        ex.step(x, y)
+    r = ex.resident_bytes
+    assert [r[0] - chain.x0, r[1] - r[0], r[2] - r[1]] == list(chain.xbar)
+    # autocast's cache off: the casts are activations of abar, for both
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        uncached = profile_sequential(model, x, y, loss_fn, repeats=2)
+        ex.step(x, y)
+    r = ex.resident_bytes
+    assert [r[0] - chain.x0, r[1] - r[0], r[2] - r[1]] == list(uncached.xbar)
+    assert (uncached.xbar[1:] > chain.xbar[1:]).all()
+
+
 def test_the_autocast_workaround_is_on_wherever_torch_loses_the_gradient():
     w = torch.ones(1, 1, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
