@@ -1287,6 +1287,32 @@ def test_a_tensor_that_requires_grad_out_of_the_executors_sight_is_refused():
     torch.testing.assert_close(offset.grad, expected, rtol=0, atol=0)
 
 
+def test_a_buffer_that_requires_grad_trains_as_in_plain_autograd():
+    # counted with the parameters and tensor attributes: a stage holding one was
+    # a frozen prefix, and its output requiring grad was refused as if read from
+    # a global
+    class Shift(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8).requires_grad_(False)
+            self.register_buffer("shift", torch.randn(8, requires_grad=True))
+
+        def forward(self, x):
+            return self.lin(x) + self.shift
+    torch.manual_seed(0)
+    model = nn.Sequential(Shift(), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    ref = copy.deepcopy(model)
+    mse(ref(x), y).backward()
+    for text in (None, "F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0"):
+        m = copy.deepcopy(model)
+        sched = store_all_schedule(3) if text is None else _sched(text, 3)
+        ScheduleExecutor(m, sched, mse).step(x, y)
+        torch.testing.assert_close(m[0].shift.grad, ref[0].shift.grad, rtol=0, atol=0)
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    assert (chain.u_b > 0).all()
+
+
 def _channels_last_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1),

@@ -317,8 +317,8 @@ def trains_beyond(t, own) -> bool:
 def inputs_need_grad(stage_tensors, batch_needs_grad: bool) -> list:
     """Whether each stage's input a_i requires grad in plain autograd: when the
     batch does, or a stage before i holds a tensor that requires grad.
-    ``stage_tensors`` are each stage's parameters and the tensors its modules
-    hold as plain attributes (:func:`~._module_state.stage_state`'s constants: a
+    ``stage_tensors`` are each stage's parameters, buffers and the tensors its
+    modules hold as plain attributes (:func:`~._module_state.stage_state`'s constants: a
     learnable ``self.offset = torch.zeros(8, requires_grad=True)`` of prompt or
     bias tuning trains as a parameter does). Only then does ``F_all i`` record
     what delta_i needs (a frozen prefix, as in fine-tuning, gets its inputs as
@@ -344,8 +344,8 @@ def check_needs_grad(i: int, stage, y, needs_grad: list) -> None:
     if i + 1 < len(needs_grad) and not needs_grad[i + 1] and y.requires_grad:
         raise ExecutionError(
             f"stage {i} ({type(stage).__name__}) returns an output that requires grad, "
-            f"although no parameter, and no tensor attribute of its modules, of it or of "
-            f"a stage before it requires grad (nor does the batch): it reads a tensor that "
+            f"although no parameter, buffer or tensor attribute of its modules, or of a "
+            f"stage before it, requires grad (nor does the batch): it reads a tensor that "
             f"requires grad from where the executor cannot see it (a global, a closure, "
             f"functools.partial, one made in forward), so the executor handed stage "
             f"{i + 1} its input without gradient and that tensor would get none. Make the "

@@ -22,7 +22,7 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    autograd op so that in-place ops at the start of a stage work as in plain
    training. A stage whose input needs no gradient in plain autograd (stage 0
    unless the batch requires grad, and every stage up to the first with a
-   parameter, or a tensor its modules hold as an attribute (rule 4: a
+   parameter, buffer, or tensor its modules hold as an attribute (rule 4: a
    learnable ``self.offset = torch.zeros(8, requires_grad=True)``), that
    requires grad: a frozen prefix; decided at the start of every step, as
    ``requires_grad`` may change between steps) gets its input itself, as
@@ -469,10 +469,11 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._stage_gens = [gens for _, _, gens in scans]
 
     def _stage_tensors(self) -> list:
-        """Each stage's parameters and constant tables (tensor attributes), the
-        tensors that may require grad in it (:func:`inputs_need_grad`)."""
-        return [[*params, *consts]
-                for params, consts in zip(self._stage_params, self._stage_consts)]
+        """Each stage's parameters, buffers and constant tables (tensor
+        attributes), the tensors that may require grad in it
+        (:func:`inputs_need_grad`; a buffer that does trains in plain autograd)."""
+        return [[*params, *buffers, *consts] for params, buffers, consts
+                in zip(self._stage_params, self._stage_buffers, self._stage_consts)]
 
     def _scan_stage(self, i: int) -> tuple[list, list, list]:
         """Stage ``i``'s buffers, constant tables and generators as its modules

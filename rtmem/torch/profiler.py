@@ -199,9 +199,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         # asked out of any op (inside one, where pack runs, autocast reads as off)
         cached_casts = (torch.is_autocast_enabled(device.type)
                         and torch.is_autocast_cache_enabled())
-        # parameters and tensor attributes (a learnable offset), as the executor
-        # decides at the start of a step
-        stage_tensors = [[*params, *stage_state(stage.modules())[0]]
+        # parameters, buffers and tensor attributes (a learnable offset), as the
+        # executor decides at the start of a step
+        stage_tensors = [[*params, *stage.buffers(), *stage_state(stage.modules())[0]]
                          for params, stage in zip(stage_params, model)]
         needs_grad = inputs_need_grad(stage_tensors, inputs.requires_grad)
         seen_weights = set()
