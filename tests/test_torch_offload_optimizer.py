@@ -815,6 +815,39 @@ def test_a_clip_before_grad_scalers_check_is_refused_and_the_documented_loop_wor
     off.close()
 
 
+def test_a_scaler_step_after_an_interrupted_plain_step_says_what_happened(monkeypatch):
+    # A plain optimizer.step() interrupted after the weight's chunk left the
+    # bias's gradient on the host; the scaler.step that followed was refused
+    # with the clip_grad_norm_ message ("nothing has stepped", though the
+    # weight had). Now the refusal says which step left them and how to go on.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    off = OffloadedAdam(lin.parameters(), lr=1e-2, flush_in_backward=False,
+                        chunk_elements=4)        # the weight's 12 elements, then the bias
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(lin(torch.randn(5, 4)).pow(2).mean()).backward()
+    real = OffloadedAdam._upload_on
+
+    def upload(self, h2d, a, b):
+        if a == 8:
+            raise KeyboardInterrupt                       # at the weight's last chunk
+        real(self, h2d, a, b)
+    monkeypatch.setattr(OffloadedAdam, "_upload_on", upload)
+    with pytest.raises(KeyboardInterrupt):
+        off.step()
+    monkeypatch.undo()
+    assert off.steps.tolist() == [1, 0] and lin.bias.grad is None
+    with pytest.raises(OptimizerError, match=r"an optimizer\.step\(\) called without the "
+                       r"scaler was interrupted.*call scaler\.step\(optimizer\) again") as info:
+        scaler.step(off)
+    assert "nothing has stepped" not in str(info.value)
+    assert lin.bias.grad is not None and off.steps.tolist() == [1, 0]
+    scaler.step(off)                                      # as the message says
+    scaler.update()
+    assert off.steps.tolist() == [1, 1] and scaler.get_scale() == 2.0 ** 10
+    off.close()
+
+
 def test_a_step_updates_runs_of_parameters_chunk_by_chunk_not_one_call_each(monkeypatch):
     # NOTE [ Offloaded Adam ]: consecutive parameters of one group and one step
     # count form one run, chunked by chunk_elements. The run's key was compared

@@ -22,9 +22,9 @@ class _Gradients:
     """Mixin of :class:`~rtmem.torch.OffloadedAdam`, which provides ``params``,
     the host gradient and staging buffers (``_grad_t``, ``_stage_t``), the copy
     ``_streams`` (None on the host backend), the per-parameter flags ``_fresh``
-    and ``_had_grad``, ``_grads_zeroed``, ``_partial`` and
-    ``_done_when_interrupted``, and :meth:`_span`, :meth:`_check_open` and
-    :meth:`_check_params`."""
+    and ``_had_grad``, ``_grads_zeroed``, ``_partial``,
+    ``_done_when_interrupted`` and ``_left_by_interrupt``, and :meth:`_span`,
+    :meth:`_check_open` and :meth:`_check_params`."""
 
     def _flush(self, k: int, p) -> None:
         """Parameter k's gradient hook: move ``p.grad`` to the host."""
@@ -194,7 +194,7 @@ class _Gradients:
             p.grad = None
         self._fresh = [True] * len(self.params)
         self._partial.clear()
-        self._done_when_interrupted = False
+        self._done_when_interrupted = self._left_by_interrupt = False
         if set_to_none:
             self._had_grad = [False] * len(self.params)
         self._grads_zeroed = not set_to_none

@@ -77,6 +77,7 @@ class _ChunkedUpdate:
         """A step's end, applied or skipped: the gradients are used up."""
         self._fresh = [True] * len(self.params)
         self._grads_zeroed = False
+        self._left_by_interrupt = False
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, check_finite=None):
@@ -125,23 +126,17 @@ class _ChunkedUpdate:
         try:
             grad_scale, check_finite = self._grad_scaler_args(grad_scale, check_finite)
             checked = [p.grad is not None for p in self.params]
-            # Scaled gradients already on the host (clip_grad_norm_ took them)
-            # escaped GradScaler's inf check: it recorded none, and its update()
-            # would assert. Back to p.grad with them (by _return_grads), and say
-            # how the loop goes (after unscale_, grad_scale is None: allowed).
+            # Scaled gradients already on the host (clip_grad_norm_ took them, or
+            # a plain step() interrupted before it used them) escaped
+            # GradScaler's inf check: it recorded none, and its update() would
+            # assert. Back to p.grad with them (by _return_grads), and say how
+            # the loop goes (after unscale_, grad_scale is None: allowed).
             escaped = [grad_scale is not None and not took and not fresh
                        for took, fresh in zip(checked, self._fresh)]
             if any(escaped):
                 checked = [a or b for a, b in zip(checked, escaped)]
-                raise OptimizerError(
-                    f"scaler.step(optimizer): GradScaler checks p.grad for inf/NaN, but "
-                    f"{sum(escaped)} gradient(s) had already left p.grad for the host "
-                    f"buffer (optimizer.clip_grad_norm_ moves them there), so its check "
-                    f"missed them and scaler.update() would fail with 'No inf checks "
-                    f"were recorded'. They are back in p.grad and nothing has stepped: "
-                    f"call scaler.unscale_(optimizer) before optimizer.clip_grad_norm_"
-                    f"(...), then scaler.step(optimizer), as with torch's "
-                    f"clip_grad_norm_ under GradScaler", argument="optimizer")
+                raise OptimizerError(self._escaped_message(sum(escaped)),
+                                     argument="optimizer")
             if self._done_when_interrupted and not any(checked) and \
                     all(self._with_gradient()[1]):
                 raise OptimizerError(
@@ -160,6 +155,27 @@ class _ChunkedUpdate:
             if checked is not None:
                 self._return_grads(checked, exc)
             raise
+
+    def _escaped_message(self, n: int) -> str:
+        """The refusal of a GradScaler-driven step that found ``n`` gradients
+        on the host instead of in ``p.grad``, saying how they got there."""
+        head = (f"scaler.step(optimizer): GradScaler checks p.grad for inf/NaN, but {n} "
+                f"gradient(s) had already left p.grad for the host buffer")
+        missed = ("GradScaler's check missed them, and scaler.update() would fail with "
+                  "'No inf checks were recorded'. They are back in p.grad")
+        clip = ("call scaler.unscale_(optimizer) before optimizer.clip_grad_norm_(...), "
+                "then scaler.step(optimizer), as with torch's clip_grad_norm_ under "
+                "GradScaler")
+        if not self._left_by_interrupt:
+            return (f"{head} (optimizer.clip_grad_norm_ moves them there). {missed} and "
+                    f"nothing has stepped: {clip}")
+        return (f"{head}: an optimizer.step() called without the scaler was interrupted "
+                f"after stepping the parameters it had reached, and left these for its "
+                f"retry (or optimizer.clip_grad_norm_ moved them since). {missed}: call "
+                f"scaler.step(optimizer) again, which steps the parameters that step had "
+                f"not reached, then scaler.update(); under GradScaler, step only through "
+                f"scaler.step(optimizer), retries after an interrupt included. If "
+                f"clip_grad_norm_ took them, {clip}")
 
     def _return_grads(self, checked, exc) -> None:
         """After a GradScaler-driven step raised: put the gradients it did not use
@@ -301,6 +317,7 @@ class _ChunkedUpdate:
             for k in updated:
                 if self.offsets[k] >= b:  # not reached: still has its gradient
                     self._fresh[k] = False
+                    self._left_by_interrupt = True
         self._sync_state(reached)
         # the chunk in flight may be written in part (master and staging buffer
         # alike), or written and not uploaded: upload the parameters it covers

@@ -106,7 +106,9 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
     ``p.grad`` for GradScaler's check of the retry (NOTE [ Interrupted step ]).
     ``clip_grad_norm_`` moves the gradients to the host, so under GradScaler it
     comes after ``scaler.unscale_(optimizer)``, as torch's does; a step after a
-    clip of still-scaled gradients is refused, with the gradients put back.
+    clip of still-scaled gradients is refused, with the gradients put back, as
+    is one after a plain ``optimizer.step()`` that was interrupted (its error
+    says which, and what to do).
 
     A ``torch.optim.Optimizer``: param groups (each with its own ``lr``,
     ``betas``, ``eps``, ``weight_decay`` and ``decoupled_weight_decay``, e.g.
@@ -263,6 +265,9 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
         # a GradScaler-driven step raised after using every gradient: GradScaler's
         # retry would find nothing to check (_return_grads)
         self._done_when_interrupted = False
+        # an interrupted step left gradients it had not reached on the host (not
+        # in p.grad, where a GradScaler driving the retry checks them)
+        self._left_by_interrupt = False
         self.steps = np.zeros(len(self.params), dtype=np.int64)
         self._closed = False
         self.offsets = np.cumsum([0] + [p.numel() for p in self.params])
