@@ -136,11 +136,12 @@ _REFUSED_SWITCHES = {
 }
 
 
-def _check_switches(where, group, loaded=False) -> None:
-    """OptimizerError if ``group`` turns on a switch of :data:`_REFUSED_SWITCHES`;
+def _check_switches(where, group, loaded=False, reasons=None) -> None:
+    """OptimizerError if ``group`` turns on a switch of ``reasons`` (name -> why
+    the optimizer cannot honour it; default :data:`_REFUSED_SWITCHES`, CPUAdam's);
     ``where`` ("" for the constructor's keywords) names the group, ``loaded``
     says it comes from a state dict (the remedy differs)."""
-    for name, why in _REFUSED_SWITCHES.items():
+    for name, why in (_REFUSED_SWITCHES if reasons is None else reasons).items():
         if not group.get(name):
             continue
         if not where:

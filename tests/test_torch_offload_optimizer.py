@@ -171,6 +171,85 @@ def test_state_dicts_move_between_torch_adam_and_offloaded_adam():
     assert_same_params(back, ref)
 
 
+def test_a_checkpoint_of_a_capturable_torch_adam_loads_as_capturable_false():
+    # A GPU torch.optim.Adam(capturable=True)'s checkpoint (groups with
+    # capturable=True, step tensors on the parameters' device): the switch was
+    # kept in the groups, ignored, and saved again by state_dict(). Now it is
+    # loaded as False (the same update), the steps kept as this class keeps them.
+    data = batches(5)
+    ref, mine = make_model(), make_model()
+    ref_opt = torch.optim.Adam(groups_of(ref), lr=1e-2)
+    train(ref, ref_opt, data[:3])
+    saved = copy.deepcopy(ref_opt.state_dict())
+    for group in saved["param_groups"]:
+        group["capturable"] = True
+    mine.load_state_dict(ref.state_dict())
+    off = OffloadedAdam(groups_of(mine), lr=1e-2)
+    off.load_state_dict(saved)
+    assert [g["capturable"] for g in off.param_groups] == [False] * 3
+    assert off.steps.tolist() == [3] * 6 and off.step_count == 3
+    for p in mine.parameters():
+        step = off.state[p]["step"]
+        assert step.device.type == "cpu" and step.dtype == torch.float32 and float(step) == 3
+    again = off.state_dict()
+    assert [g["capturable"] for g in again["param_groups"]] == [False] * 3
+    assert [int(st["step"]) for st in again["state"].values()] == [3] * 6
+    train(mine, off, data[3:])
+    train(ref, ref_opt, data[3:])
+    assert_same_params(mine, ref)
+    fresh = OffloadedAdam(groups_of(make_model()), lr=1e-2)   # its round trip
+    fresh.load_state_dict(again)
+    assert fresh.steps.tolist() == [3] * 6
+    fresh.close()
+    off.close()
+
+
+@pytest.mark.parametrize("name", ["capturable", "differentiable"])
+def test_switches_offloaded_adam_cannot_honour_are_refused_in_groups(name):
+    # capturable/differentiable=True were taken in the constructor's groups, in
+    # a loaded state dict and in a group edited by hand, kept there and ignored
+    model = make_model()
+    with pytest.raises(OptimizerError, match=f"param group 2 has {name}=True, which is "
+                       f"not supported.*leave {name} out of the group") as info:
+        OffloadedAdam([{**g, name: True} if i == 2 else g
+                       for i, g in enumerate(groups_of(model))])
+    assert info.value.argument == name
+    off = OffloadedAdam(groups_of(model), lr=1e-2)
+    train(model, off, batches(1))
+    good = copy.deepcopy(off.state_dict())
+    master = off.master.copy()
+
+    def unchanged(groups=True):
+        assert (off.master == master).all() and off.steps.tolist() == [1] * 6
+        assert not groups or off.state_dict()["param_groups"] == good["param_groups"]
+    with pytest.raises(OptimizerError, match="after construction"):
+        off.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], name: True})
+    assert len(off.param_groups) == 3
+    unchanged()
+    saved = copy.deepcopy(good)
+    saved["param_groups"][1][name] = True
+    if name == "differentiable":
+        with pytest.raises(OptimizerError, match="group 1 of the state dict has "
+                           "differentiable=True.*set it to False in the dict") as info:
+            off.load_state_dict(saved)
+        assert info.value.argument == name
+        unchanged()
+    else:                                          # taken as False (the test above)
+        off.load_state_dict(saved)
+        assert off.param_groups[1]["capturable"] is False
+        del off.param_groups[1]["capturable"]
+    x, y = batches(1, seed=2)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    off.param_groups[0][name] = True                 # edited by hand: the step refused
+    with pytest.raises(OptimizerError, match=f"param group 0 has {name}=True"):
+        off.step()
+    unchanged(groups=False)
+    off.param_groups[0][name] = False
+    off.step()
+    assert off.steps.tolist() == [2] * 6
+    off.close()
+
+
 def through_torch_save(sd):
     blob = io.BytesIO()
     torch.save(sd, blob)

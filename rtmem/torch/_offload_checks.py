@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rtmem._optim_torch import _check_switches
 from rtmem.errors import OptimizerError
 from rtmem.optim import _check_group_hyper, _first_overlap
 
@@ -87,10 +88,24 @@ def _check_param(k: int, p) -> None:
 # a group (or a loaded state dict) turns them on, instead of silently ignored.
 _UNSUPPORTED = ("amsgrad", "maximize")
 
+# torch.optim.Adam's switches it cannot honour (rtmem.optim.CPUAdam's check):
+# refused in a group of the constructor or edited in before a step, and
+# differentiable in a loaded state dict too. A loaded capturable=True (a
+# checkpoint of a GPU torch.optim.Adam(capturable=True)) is taken as False by
+# load_state_dict: the update is the same without it.
+_SWITCHES = {
+    "capturable": "OffloadedAdam updates its host copy in a numba kernel, outside CUDA "
+                  "graphs, so no graph can capture its step",
+    "differentiable": "OffloadedAdam's update is not recorded by autograd, so no "
+                      "gradient flows through it",
+}
 
-def _check_group(where: str, group: dict) -> None:
-    """OptimizerError unless ``group`` holds hyperparameters this optimizer runs."""
+
+def _check_group(where: str, group: dict, loaded: bool = False) -> None:
+    """OptimizerError unless ``group`` holds hyperparameters this optimizer runs
+    (``loaded``: it comes from a state dict, whose remedies differ)."""
     _check_group_hyper(where, group)
+    _check_switches(where, group, loaded, _SWITCHES)
     if not isinstance(group["decoupled_weight_decay"], (bool, np.bool_)):
         raise OptimizerError(f"{where}: decoupled_weight_decay="
                              f"{group['decoupled_weight_decay']!r} must be True or False",

@@ -142,7 +142,13 @@ class _StateDict:
         anything changes; a refused load leaves the optimizer as it was.
         ``step_count``, ``skipped_steps`` and ``last_step_skipped`` are
         restored (from a torch dict, without them: the largest saved step, 0
-        and False). Flushed gradients are kept."""
+        and False). Flushed gradients are kept. A group with
+        ``differentiable=True`` is refused (set it to False in the dict); one
+        with ``capturable=True`` (``torch.optim.Adam(capturable=True)``'s, whose
+        ``step`` values are tensors on the parameters' device) is loaded with
+        ``capturable=False``, which :meth:`state_dict` then saves: the update
+        is the same, and each step is kept as this class keeps steps (an int
+        in :attr:`steps`, a CPU float32 ``state[p]["step"]``)."""
         self._check_open("load_state_dict")
         state_dict = _pre_hooked(self, state_dict)
         _check_state_dict(state_dict)
@@ -167,8 +173,12 @@ class _StateDict:
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             merged = {**group, **{key: value for key, value in saved.items()
                                   if key not in ("params", "param_names")}}
+            if merged.get("capturable"):
+                # torch.optim.Adam(capturable=True)'s checkpoint: the same update
+                # without it (its device step tensors are read as ints below)
+                merged["capturable"] = False
             _check_adam_keys(gi, saved)
-            _check_group(f"group {gi} of the state dict", merged)
+            _check_group(f"group {gi} of the state dict", merged, loaded=True)
             groups.append(merged)
         # Before the state's shapes are held to the parameters' (a replaced one
         # would be blamed on the dict) and before anything changes: loading into

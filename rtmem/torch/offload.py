@@ -115,6 +115,14 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
     no weight decay on biases and norms), lr schedulers, ``state_dict`` /
     ``load_state_dict`` (in ``torch.optim.Adam``'s layout, plus each
     parameter's fp32 ``master`` weights and their ``master_step``), ``zero_grad``.
+    torch's switches ``capturable`` and ``differentiable`` cannot be honoured
+    (the update runs on the host, in a numba kernel autograd does not see): a
+    group with either True is refused, naming the group, by the constructor
+    and by a step after the group was edited so. A loaded state dict with
+    ``differentiable=True`` is refused too; one with ``capturable=True`` (a
+    checkpoint of a GPU ``torch.optim.Adam(capturable=True)``) is loaded as
+    ``capturable=False``, the same update, its device ``step`` tensors read as
+    step counts (:meth:`load_state_dict`).
 
     Parameters
     ----------
