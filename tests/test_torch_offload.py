@@ -4,6 +4,7 @@ import copy
 import gc
 import math
 import os
+import signal
 import threading
 
 import pytest
@@ -472,6 +473,55 @@ def test_a_step_interrupted_midway_applies_no_gradient_twice(monkeypatch, where,
     net(x).float().sum().backward()               # and training goes on
     off.step()
     assert off.steps.tolist() == [2, 2, 2, 2]
+    off.close()
+
+
+@pytest.mark.parametrize("how", ["raise", "sigint"])
+def test_a_chunk_whose_kernel_call_raised_counts_no_parameter_it_did_not_write(monkeypatch,
+                                                                                how):
+    # Chunks of 8 over a Linear(4, 3): [8, 15) holds the weight's last 4 elements
+    # and the whole bias. An exception out of that chunk's kernel call counted
+    # the bias as stepped, unwritten, its gradient consumed: the documented
+    # retry never stepped it. A SIGINT while the kernel runs waits for its end:
+    # the chunk is then written, and counted.
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    if how == "sigint" and (threading.current_thread() is not threading.main_thread() or
+                            signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        pytest.skip("KeyboardInterrupt comes from SIGINT only in the main thread")
+    torch.manual_seed(0)
+    mine, ref = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    ref.load_state_dict(mine.state_dict())
+    weight0 = mine.weight.detach().clone()
+    off = OffloadedAdam(mine.parameters(), lr=0.1, chunk_elements=8)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    for m in (mine, ref):
+        m(x).sum().backward()
+    update = off._update
+
+    class Update:                 # PreparedUpdate has slots: wrap it
+        def apply(self, c, a, b):
+            if a == 8 and how == "raise":
+                raise KeyboardInterrupt
+            if a == 8:
+                signal.raise_signal(signal.SIGINT)
+            update.apply(c, a, b)
+
+        def __getattr__(self, name):
+            return getattr(update, name)
+    off._update = Update()
+    with pytest.raises(KeyboardInterrupt):
+        off.step()
+    off._update = update
+    assert off.steps.tolist() == ([1, 0] if how == "raise" else [1, 1])
+    off.step()                    # the documented retry
+    ref_opt.step()
+    assert off.steps.tolist() == [1, 1]
+    torch.testing.assert_close(mine.bias, ref.bias, rtol=1e-5, atol=1e-6)
+    written = 8 if how == "raise" else 12     # the weight's elements updated
+    torch.testing.assert_close(mine.weight.view(-1)[:written], ref.weight.view(-1)[:written],
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(mine.weight.view(-1)[written:], weight0.view(-1)[written:])
     off.close()
 
 

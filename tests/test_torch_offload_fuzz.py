@@ -182,10 +182,10 @@ class _AgainstTorch(RuleBasedStateMachine):
             # count as stepped; the retry updates the others, once
             a, b = fired
             upto = a if interrupt[0] == "apply" else b
-            reached = [k for k in ks if self.offsets[k] < b]
+            reached = [k for k in ks if self.offsets[k] < upto]
             self._ref_step(reached, upto)
             ks = [k for k in ks if k not in reached]
-            self.step_count += 1
+            self.step_count += bool(reached)
             self.off.step(grad_scale=self.scale)
         self._ref_step(ks)
         self.step_count += bool(ks)

@@ -127,15 +127,17 @@ def _interrupts_held():
     block ends, then raise it: bookkeeping that a step's gradients were used
     (step counts, consumed gradients, ``state``) must not be cut in half
     (NOTE [ Interrupted step ]). Only where Python raises KeyboardInterrupt
-    itself: in the main thread, under the default SIGINT handler."""
+    itself: in the main thread, under the default SIGINT handler. Yields
+    whether it holds them (False: another thread, a handler of the caller's,
+    or already held by an enclosing block)."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield        # another thread, a handler of the caller's, or already held
+        yield False  # another thread, a handler of the caller's, or already held
         return
     received = []
     signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
     try:
-        yield
+        yield True
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if received:

@@ -98,11 +98,14 @@ class _ChunkedUpdate:
         NOTE [ Interrupted step ]
         An exception raised once the update has started (a KeyboardInterrupt, a
         failed upload) leaves no parameter half counted: each parameter the
-        chunked update had reached counts as stepped (its step count advanced,
-        its gradient consumed; elements of it past the failing chunk keep their
-        values and moments this step), and the ones it had not reached keep
-        their gradients, so the next ``step()`` updates just those, once. No
-        element is ever updated twice with one gradient.
+        chunked update had reached (written some of) counts as stepped (its
+        step count advanced, its gradient consumed; elements of it the update
+        had not written keep their values and moments this step), and the ones
+        it had not reached keep their gradients, so the next ``step()`` updates
+        just those, once. A chunk whose kernel call raised was not written (a
+        KeyboardInterrupt waits for the call's end), so the parameters starting
+        in it have not been reached. No element is ever updated twice with one
+        gradient.
 
         Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``), the
         gradients this step took from ``p.grad`` and did not use go back to
@@ -267,8 +270,15 @@ class _ChunkedUpdate:
                     c = coeffs[gi, step]
                     for a in range(lo, hi, self.chunk):
                         b = min(hi, a + self.chunk)
-                        reached = a, b
-                        self._update.apply(c, a, b)
+                        reached, written = (a, b), False
+                        # A KeyboardInterrupt waits for the kernel call's end: an
+                        # exception out of the call then comes from its checks,
+                        # before it wrote anything. Unheld (a SIGINT handler of
+                        # the caller's), one may come after it wrote: counted so.
+                        with _interrupts_held() as held:
+                            written = not held
+                            self._update.apply(c, a, b)
+                            written = True
                         self._upload_on(h2d, a, b)   # rule 2: upload k while updating k+1
                 # Counted in the try: an interrupt between the last chunk and the
                 # count is an interrupted step at that chunk (all reached), where
@@ -281,7 +291,10 @@ class _ChunkedUpdate:
                     self._sync_state(stepped)
             except BaseException:
                 if reached is not None and not counted:
-                    self._interrupted(fresh, h2d, *reached)
+                    # the update wrote the elements before b, or before a when the
+                    # chunk's kernel call raised
+                    a, b = reached
+                    self._interrupted(fresh, h2d, a, b if written else a)
                 raise
             finally:
                 if h2d is not None:               # rule 3 (the uploads enqueued)
@@ -305,19 +318,24 @@ class _ChunkedUpdate:
         self.step_count += 1
         self._consume()
 
-    def _interrupted(self, fresh, h2d, a: int, b: int) -> None:
-        """The bookkeeping of a step whose update raised in the chunk ``[a, b)``
-        (NOTE [ Interrupted step ]): the parameters it reached count as stepped,
-        the others keep their gradients for the next step, and the device copy
-        of the parameters the chunk covers is made from their master weights."""
+    def _interrupted(self, fresh, h2d, a: int, end: int) -> None:
+        """The bookkeeping of a step whose update raised in the chunk starting
+        at ``a``, having written the elements before ``end`` (NOTE [ Interrupted
+        step ]): the parameters it reached (starting before ``end``) count as
+        stepped, the others keep their gradients for the next step, and the
+        device copy of the parameters the chunk covers is made from their
+        master weights."""
         updated = [k for k, f in enumerate(fresh) if not f]
-        reached = [k for k in updated if self.offsets[k] < b]
+        reached = [k for k in updated if self.offsets[k] < end]
         with _interrupts_held():          # a second interrupt waits for the count
-            self._count_step(reached)
+            if reached:                   # (none: nothing was written, nor counted)
+                self._count_step(reached)
             for k in updated:
-                if self.offsets[k] >= b:  # not reached: still has its gradient
+                if self.offsets[k] >= end:  # not reached: still has its gradient
                     self._fresh[k] = False
                     self._left_by_interrupt = True
+        if not reached:
+            return
         self._sync_state(reached)
         # the chunk in flight may be written in part (master and staging buffer
         # alike), or written and not uploaded: upload the parameters it covers
