@@ -6,6 +6,7 @@ the same run; absolute times are only meaningful on the machine that made them.
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -197,8 +198,13 @@ class PartialResults:
 
     def save(self, doc: dict, **why) -> str:
         """Write ``doc`` marked ``"partial": true``, with the entries of ``why``
-        added (``error=``: why the run ended early); returns the path."""
-        self.doc = {**doc, "partial": True, **why}
+        added (``error=``: why the run ended early); returns the path.
+
+        The document is kept as a deep copy taken now: a script passes its live
+        containers (pcie's ``curves``, appended to path by path) and goes on
+        filling them, and :meth:`interrupted` must rewrite what was saved, not
+        the half-measured size that the interrupt cut short."""
+        self.doc = copy.deepcopy({**doc, "partial": True, **why})
         return write_results(self.name, self.doc, self.path)
 
     def interrupted(self, during: str) -> int:

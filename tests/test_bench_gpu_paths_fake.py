@@ -301,6 +301,29 @@ def test_pcie_without_dha_kernels_measures_copies_and_saves_each_size(bench, mon
     assert "pcie: interrupted during the measurements" in err and "Traceback" not in err
 
 
+def test_pcie_interrupted_mid_size_keeps_only_the_finished_sizes(bench, monkeypatch):
+    # The partial document once kept the live curves, which the sweep went on
+    # filling: a SIGINT at a later path of a later size wrote that size's
+    # first paths beside the finished sizes (curves longer than sizes_bytes).
+    pcie = bench.load("pcie")
+    bench.stub_kernels()
+    bench.without_nvvm("dha_write")          # copies only: two wall-timed paths per size
+    walls = []
+    real_wall = pcie.Timer.wall
+
+    def stop_in_the_third_size(self, fn, stream):
+        walls.append(1)
+        if len(walls) == 6:                  # d2h_pageable of the third size
+            raise KeyboardInterrupt
+        return real_wall(self, fn, stream)
+    monkeypatch.setattr(pcie.Timer, "wall", stop_in_the_third_size)
+    assert pcie.main(["--quick", "--max-size", "64KiB", "--repeats", "1"]) == 130
+    doc = bench.json("pcie")
+    assert doc["partial"] is True and doc["sizes_bytes"] == [4096, 16384]
+    for points in doc["curves"].values():
+        assert [p["bytes"] for p in points] == [4096, 16384]
+
+
 @pytest.mark.parametrize("nvrtc", [True, False])
 def test_pcie_times_copies_when_numba_cannot_compile_the_delay(bench, nvrtc):
     # Without NVVM numba compiles no kernel, the Timer's delay included: the
