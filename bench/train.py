@@ -62,9 +62,11 @@ time inflates too) while 1 thread stayed within +-10%; ratios are what count.
 
 Writes a table to stdout and JSON to ``bench/results/train.json``. Times are
 seconds, sizes bytes; quote the ratios, absolute times are noisy on shared CPUs.
-The JSON is also written after each GPU depth search and each GPU throughput
-size, marked ``"partial": true`` until the run is complete; a run stopped by
-SIGINT (bench/gpu_session.sh's time limit) keeps those and exits with code 130.
+The JSON is also written after the CPU section (when a GPU section follows), after
+each GPU depth search and after each GPU throughput size, marked ``"partial":
+true`` until the run is complete; a run stopped by SIGINT (bench/gpu_session.sh's
+time limit) keeps those and exits with code 130, and one whose GPU section fails
+keeps them with the error and exits with code 1.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -520,8 +523,9 @@ def _result_name(name: str) -> str:
 
 def main(argv=None):
     """Run the benchmark; returns the exit code: 3 when ``RTMEM_REQUIRE_GPU=1`` and
-    the GPU section measured nothing, 130 when interrupted (what was finished is
-    kept, marked partial: :class:`_common.PartialResults`)."""
+    the GPU section measured nothing, 130 when interrupted, 1 when the GPU section
+    failed after something was measured (in both, what was finished is kept,
+    marked partial: :class:`_common.PartialResults`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # type=at_least(...): a count of 0 (--layers 0 timed a model of no blocks and
     # wrote it; --repeats 0 was a median of nothing after minutes of profiling)
@@ -580,6 +584,13 @@ def main(argv=None):
             doc["cpu"] = {"measured": False, "reason": "skipped (--skip-cpu)"}
         else:
             doc.update(cpu_report(args))
+            if not args.skip_gpu and torch.cuda.is_available():
+                # The GPU section runs for minutes: a stop or a failure in it
+                # must not take the finished CPU section with it. (Without a
+                # GPU nothing is saved here: under RTMEM_REQUIRE_GPU=1 an
+                # earlier GPU result stays, below.)
+                partial.save(_jsonable({**doc, "gpu": {
+                    "measured": False, "reason": "the GPU section did not finish"}}))
         if args.skip_gpu:
             gpu = {"measured": False, "reason": "skipped (--skip-gpu)"}
         else:
@@ -588,6 +599,16 @@ def main(argv=None):
             gpu = gpu_section(args, lambda gpu: partial.save(_jsonable({**doc, "gpu": gpu})))
     except KeyboardInterrupt:
         return partial.interrupted(during)
+    except Exception as e:
+        if partial.doc is None:
+            raise                                  # nothing measured to keep
+        # A GPU session cannot run the step again: keep what was measured,
+        # with the error, and the traceback in the log
+        traceback.print_exc()
+        path = partial.save(partial.doc, error=f"{during}: {type(e).__name__}: {e}")
+        print(f"{args.out}: {during} failed ({type(e).__name__}: {e}); what was "
+              f"measured before is in {path} (marked partial)", file=sys.stderr)
+        return 1
     if not gpu["measured"]:
         print(gpu["reason"])
         if not args.skip_gpu and gpu_required():

@@ -205,3 +205,37 @@ def test_train_keeps_the_finished_search_when_interrupted(train_gpu, monkeypatch
     assert doc["gpu"]["plain_torch"]["largest_layers"] == 2 and "rtmem" not in doc["gpu"]
     err = capsys.readouterr().err
     assert "interrupted during the GPU section" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
+def test_train_keeps_the_cpu_section_when_the_gpu_section_stops(train_gpu, monkeypatch,
+                                                                tmp_path, capsys, stop):
+    # With both sections, a SIGINT or an error in the GPU section before its
+    # first depth search finished took the finished CPU section with it
+    # ("before any section finished; nothing written")
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train", raising=False)
+    import train
+    monkeypatch.setitem(sys.modules, "train", train)   # dropped after the test
+
+    # the CPU section as cpu_report returns it (its minutes of timing are not
+    # what is tested here)
+    monkeypatch.setattr(train, "cpu_report", lambda args: {"cpu": {"ratios": {"k": 1.0}}})
+
+    def stopped(*args, **kwargs):
+        raise stop("CUDA error: an illegal memory access")
+    monkeypatch.setattr(train_gpu, "profile_sequential", stopped)   # the GPU block profile
+    opts = {f"--{k.replace('_', '-')}": str(v) for k, v in vars(_args()).items()}
+    argv = ["--out", "t"] + [x for kv in opts.items() for x in kv]
+    assert train.main(argv) == (130 if stop is KeyboardInterrupt else 1)
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["partial"] is True and doc["gpu"]["measured"] is False
+    assert doc["cpu"] == {"ratios": {"k": 1.0}}
+    err = capsys.readouterr().err
+    if stop is KeyboardInterrupt:
+        assert doc["interrupted"] == "the GPU section" and "error" not in doc
+        assert "interrupted during the GPU section; what was measured" in err
+    else:
+        assert doc["error"] == ("the GPU section: RuntimeError: CUDA error: an illegal "
+                                "memory access")
+        assert "the GPU section failed" in err and "Traceback" in err
