@@ -8,11 +8,16 @@
 #   doctor gpu-tests pcie dha-layers allocator train adam
 # --quick: smaller sizes for pcie and dha-layers.
 #
-# The device tool stops a command after 10 minutes, so a session splits the steps
-# over three calls, each inside the limit thanks to the per-step timeouts below:
-#   bash bench/gpu_session.sh doctor gpu-tests pcie dha-layers     (<= ~9 min)
-#   bash bench/gpu_session.sh train                                (<= ~9 min)
-#   bash bench/gpu_session.sh allocator adam                       (<= ~7 min)
+# The device tool kills a command after 10 minutes (and then returns only what is
+# under $OUT), so a session splits the steps over three calls:
+#   bash bench/gpu_session.sh doctor gpu-tests pcie dha-layers
+#   bash bench/gpu_session.sh train
+#   bash bench/gpu_session.sh allocator adam
+# Each call keeps inside a session budget of $RTMEM_SESSION_BUDGET_S seconds
+# (default 570), counted from the script's start (the install and imports
+# included): a step's time limit is its own (below) or what the budget has left
+# after the 15 s a stopped step gets to exit and the time kept for packing,
+# whichever is less; a step with less than 10 s left is skipped (and fails).
 # The last call carries .whl/ (made here by bench/device_wheels.sh) so that
 # bench/adam.py can time DeepSpeed's CPUAdam, JIT-built there (~1-2 min).
 # (train runs its GPU section only; the CPU section is `python bench/train.py`, and
@@ -22,10 +27,16 @@
 # Each call installs rtmem first (offline, --no-deps). Results land in
 # bench/results/gpu/ and, when $OUT is set (the device tool, which returns at most 8
 # files), they and the logs are packed into $OUT/gpu_results_<steps>.tgz after
-# every step, so a call stopped by the tool still returns what finished. A failing
-# or timed-out step does not stop the others; the exit code says whether any failed.
+# every step (written beside it, then renamed: a kill during the packing leaves
+# the previous archive whole), so a call stopped by the tool still returns what
+# finished. A failing or timed-out step does not stop the others; the exit code
+# says whether any failed.
 set -u
 cd "$(dirname "$0")/.."
+budget=${RTMEM_SESSION_BUDGET_S:-570}   # seconds; $SECONDS counts from the script's start
+kill_after=15                            # seconds a step gets to exit after its SIGINT
+pack_s=10                                # seconds kept after the last step for packing
+min_step=10                              # a step with less time left is skipped
 # GPU-machine results go to their own folder, next to (not over) this machine's.
 # RTMEM_REQUIRE_GPU: `pytest -m gpu` and the GPU benchmarks fail (exit 3) instead
 # of skipping when they find no GPU; the simulator would make them all skip.
@@ -62,9 +73,20 @@ status=0
 step() {   # step NAME SECONDS COMMAND...: run under a timeout, log, remember failures
     local name=$1 limit=$2; shift 2
     [[ " $steps " == *" $name "* ]] || return 0
+    # what is left of the budget once this step, stopped at its limit, has had
+    # its kill_after to exit, and the last pack its pack_s
+    local left=$((budget - SECONDS - kill_after - pack_s))
+    if [ $left -lt $min_step ]; then
+        echo "== $name SKIPPED: ${left}s left of the ${budget}s session budget" \
+            | tee "$logs/$name.log"
+        status=1
+        pack
+        return 0
+    fi
+    if [ $left -lt "$limit" ]; then limit=$left; fi
     echo "== $name (timeout ${limit}s): $*"
     local t0=$SECONDS rc=0
-    timeout --signal=INT --kill-after=15 "$limit" "$@" >"$logs/$name.log" 2>&1 || rc=$?
+    timeout --signal=INT --kill-after=$kill_after "$limit" "$@" >"$logs/$name.log" 2>&1 || rc=$?
     if [ $rc = 0 ]; then echo "   ok in $((SECONDS - t0)) s"
     else echo "   FAILED rc=$rc in $((SECONDS - t0)) s (124 = timed out; see $logs/$name.log)"
          status=1; fi
@@ -73,7 +95,12 @@ step() {   # step NAME SECONDS COMMAND...: run under a timeout, log, remember fa
 }
 pack() {   # results and logs so far into $OUT (replaced after every step)
     [ -n "${OUT:-}" ] || return 0
-    tar czf "$OUT/gpu_results_$(echo $steps | tr ' ' '_').tgz" bench/results/gpu
+    local archive
+    archive="$OUT/gpu_results_$(echo $steps | tr ' ' '_').tgz"
+    # written beside it, then renamed: a kill during tar must not leave the
+    # archive cut short and the previous one lost with it
+    if tar czf "$archive.tmp" bench/results/gpu; then mv -f "$archive.tmp" "$archive"
+    else echo "packing $archive failed; the previous archive stays"; rm -f "$archive.tmp"; fi
 }
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$logs/install.log" 2>&1
 then

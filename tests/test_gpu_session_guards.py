@@ -78,3 +78,100 @@ def test_train_and_allocator_benchmarks_without_a_gpu_exit_3_only_when_required(
     assert "RTMEM_REQUIRE_GPU=1: no usable CUDA GPU" in capsys.readouterr().out
     monkeypatch.delenv("RTMEM_REQUIRE_GPU")
     assert allocator.main(["--quick"]) == 0
+
+
+_FAKE_PYTHON = r"""#!/usr/bin/env bash
+# python3 for bench/gpu_session.sh: installs and imports succeed at once; a step
+# sleeps FAKE_SLEEP_<step> seconds (default 0) and exits FAKE_RC_<step> (default 0)
+case "$*" in
+    *"-m pip"*|"-c"*) echo "fake python3"; exit 0 ;;
+    *doctor*) s=doctor ;; *pytest*) s=gpu_tests ;; *pcie.py*) s=pcie ;;
+    *dha_layers.py*) s=dha_layers ;; *allocator.py*) s=allocator ;; *train.py*) s=train ;;
+    *adam.py*) s=adam ;; *) echo "unexpected: $*" >&2; exit 99 ;;
+esac
+mkdir -p bench/results/gpu && echo "{\"step\": \"$s\"}" > "bench/results/gpu/$s.json"
+sleep_var=FAKE_SLEEP_$s rc_var=FAKE_RC_$s
+sleep "${!sleep_var:-0}"
+exit "${!rc_var:-0}"
+"""
+
+_FAKE_TAR = r"""#!/usr/bin/env bash
+# tar that, at its FAKE_TAR_CUT_AT-th call, leaves its archive cut short, as a
+# kill during the packing does
+n=$(( $(cat "$FAKE_TAR_COUNT" 2>/dev/null || echo 0) + 1 )); echo $n > "$FAKE_TAR_COUNT"
+if [ "$n" = "${FAKE_TAR_CUT_AT:-0}" ]; then echo "cut short" > "$2"; exit 137; fi
+exec "$REAL_TAR" "$@"
+"""
+
+
+def _session(tmp_path, steps, **env):
+    """Run a copy of bench/gpu_session.sh in ``tmp_path`` (its results there,
+    never in this clone's bench/results) with a fake python3 and tar; returns
+    (completed process, $OUT)."""
+    import shutil
+    (tmp_path / "bench").mkdir()
+    shutil.copy(ROOT / "bench" / "gpu_session.sh", tmp_path / "bench")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, text in (("python3", _FAKE_PYTHON), ("tar", _FAKE_TAR)):
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    full = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "OUT": str(out),
+            "REAL_TAR": shutil.which("tar"), "FAKE_TAR_COUNT": str(tmp_path / "tars"),
+            "CUDA_HOME": "/nonexistent", **{k: str(v) for k, v in env.items()}}
+    done = subprocess.run(["bash", str(tmp_path / "bench" / "gpu_session.sh"), *steps],
+                          cwd=tmp_path, env=full, capture_output=True, text=True, timeout=120)
+    return done, out
+
+
+def _limits(stdout):
+    """{step: its timeout in seconds, or "skipped"} from the script's output."""
+    import re
+    found = {}
+    for name, limit in re.findall(r"^== (\S+) \(timeout (\d+)s\)", stdout, re.M):
+        found[name] = int(limit)
+    for name in re.findall(r"^== (\S+) SKIPPED", stdout, re.M):
+        found[name] = "skipped"
+    return found
+
+
+def test_gpu_session_steps_share_one_budget_from_the_scripts_start(tmp_path):
+    # The steps' own limits of the first call (30 + 240 + 120 + 150 s) plus 15 s
+    # to exit each, plus the install, passed the device tool's 600 s, which then
+    # kills everything: each step now gets at most what the budget has left
+    # (here 45 s, less 15 s to exit and 10 s to pack), and one left with less
+    # than 10 s is skipped, as a failure.
+    import tarfile
+    done, out = _session(tmp_path, ["doctor", "gpu-tests", "pcie", "dha-layers"],
+                         RTMEM_SESSION_BUDGET_S=45, FAKE_SLEEP_doctor=6,
+                         FAKE_SLEEP_gpu_tests=6)
+    limits = _limits(done.stdout)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert 18 <= limits["doctor"] <= 20, done.stdout
+    assert 11 <= limits["gpu-tests"] <= 14, done.stdout
+    assert limits["pcie"] == limits["dha-layers"] == "skipped", done.stdout
+    with tarfile.open(out / "gpu_results_doctor_gpu-tests_pcie_dha-layers.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"bench/results/gpu/doctor.json", "bench/results/gpu/gpu_tests.json",
+            "bench/results/gpu/logs/pcie.log"} <= names
+    # with the default budget (570 s) the steps keep their own limits
+    (tmp_path / "default").mkdir()
+    done, _ = _session(tmp_path / "default", ["doctor", "pcie"])
+    assert done.returncode == 0 and _limits(done.stdout) == {"doctor": 30, "pcie": 120}
+
+
+def test_gpu_session_packs_in_place_only_a_whole_archive(tmp_path):
+    # tar wrote the archive in place: a kill during the last packing left it cut
+    # short, and the one packed after the earlier steps was lost with it. A
+    # failing step's results are packed too.
+    import tarfile
+    done, out = _session(tmp_path, ["doctor", "pcie"], FAKE_RC_pcie=124, FAKE_TAR_CUT_AT=3)
+    assert done.returncode == 1 and "FAILED rc=124" in done.stdout
+    with tarfile.open(out / "gpu_results_doctor_pcie.tgz") as tar:   # the second packing
+        names = set(tar.getnames())
+    assert {"bench/results/gpu/doctor.json", "bench/results/gpu/pcie.json",
+            "bench/results/gpu/logs/pcie.log"} <= names
+    assert "failed; the previous archive stays" in done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_results_doctor_pcie.tgz"]
