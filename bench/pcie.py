@@ -291,13 +291,11 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
 
     ``save(body)``, when given, is called with the body of the sizes measured
     so far after each size, so a run stopped by a time limit keeps them. When the DHA kernels cannot
-    run (no NVVM, a launch error) the copy paths are still measured and
-    ``dha_error`` says why the kernel paths are missing."""
+    run (numba-cuda missing or unable to use the driver, no NVVM, a launch
+    error) the copy paths are still measured and ``dha_error`` says why the
+    kernel paths are missing."""
     import cupy as cp
     import numpy as np
-    from numba import cuda
-
-    from rtmem.kernels import dha
 
     rt = cp.cuda.runtime
     h2d, d2h = rt.memcpyHostToDevice, rt.memcpyDeviceToHost
@@ -312,24 +310,32 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
     for p in (pin_a, pin_b):
         np.frombuffer(p, dtype=np.uint8, count=max_size)[:] = 3   # fault the pages in
     pageable = np.full(max_size, 4, dtype=np.uint8)
-    mapped_host = cuda.mapped_array(max_size, dtype=np.uint8)
-    mapped_host[:] = 5
-    mapped = cuda.as_cuda_array(mapped_host)            # device view of the same bytes
-    hbm = cuda.as_cuda_array(dev_b)
-    partials = cuda.device_array(1 << 16, dtype=np.uint64)
     flush_l2, l2 = l2_flusher(cp, s1)
 
     def copy(dst, src, n, kind, stream):
         return lambda: rt.memcpyAsync(dst, src, n, kind, stream.ptr)
 
     timer.check_delay(s1)
-    dha_error = None
-    try:   # first launch compiles: no NVVM (or a kernel bug) shows here
+    dha_error, mapped, hbm, partials = None, None, None, None
+    try:
+        # The DHA paths go through numba-cuda, which talks to the driver on its
+        # own: one that cannot (a driver it does not support) fails here, and
+        # the first launch compiles (no NVVM, or a kernel bug, shows there).
+        # Either way only the kernel paths are lost, not CuPy's copies.
+        from numba import cuda
+
+        from rtmem.kernels import dha
+        mapped_host = cuda.mapped_array(max_size, dtype=np.uint8)
+        mapped_host[:] = 5
+        mapped = cuda.as_cuda_array(mapped_host)        # device view of the same bytes
+        hbm = cuda.as_cuda_array(dev_b)
+        partials = cuda.device_array(1 << 16, dtype=np.uint64)
         dha.dha_write(mapped[:min_size], 5, stream=s1)
         dha.dha_read(mapped[:min_size], stream=s1, out=partials)
         s1.synchronize()
     except Exception as e:  # noqa: BLE001 - recorded in the JSON; copies still measured
         dha_error = f"{type(e).__name__}: {e}"
+        mapped_host = mapped = hbm = partials = None
         print(f"  DHA kernels unavailable, measuring copies only: {dha_error}", flush=True)
     paths = [p for p in PATHS if dha_error is None or p not in KERNEL_PATHS]
 
@@ -341,7 +347,7 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
     for i, n in enumerate(sizes):
         # Views made outside the timed closures: less host work per run (the
         # Timer's delay already keeps the launch path out of the events).
-        m_n, hbm_n = mapped[:n], hbm[:n]
+        m_n, hbm_n = (None, None) if dha_error else (mapped[:n], hbm[:n])
 
         def bidir():
             return _concurrent_medians(cp, timer, copy(dev_a.data.ptr, pin_a.ptr, n, h2d, s1),

@@ -301,6 +301,29 @@ def test_pcie_without_dha_kernels_measures_copies_and_saves_each_size(bench, mon
     assert "pcie: interrupted during the measurements" in err and "Traceback" not in err
 
 
+def test_pcie_measures_copies_when_numba_cannot_use_the_driver(bench, monkeypatch, capsys):
+    # numba-cuda talks to the driver on its own: one it cannot use failed at
+    # the DHA paths' mapped_array, before their try, and the CuPy copies were
+    # lost with them in a traceback
+    from numba.cuda.cudadrv.error import CudaSupportError
+    pcie = bench.load("pcie")
+    bench.stub_kernels()
+
+    def no_driver(*args, **kwargs):
+        raise CudaSupportError("Error at driver init: CUDA driver version is insufficient")
+    monkeypatch.setattr(sys.modules["numba"].cuda, "mapped_array", no_driver)
+    assert pcie.main(["--quick", "--max-size", "16KiB", "--repeats", "1"]) == 0
+    doc = bench.json("pcie")
+    assert doc["dha_error"] == ("CudaSupportError: Error at driver init: CUDA driver "
+                                "version is insufficient")
+    assert set(doc["curves"]) == set(pcie.PATHS) - set(pcie.KERNEL_PATHS)
+    for points in doc["curves"].values():
+        assert [p["bytes"] for p in points] == [4096, 16384]
+        assert all(_rate_ok(p["bytes_per_s"]) for p in points)
+    assert doc["contention"] is None and all(r["dha_read_s"] is None for r in doc["latency"])
+    assert "no DHA kernels (CudaSupportError" in capsys.readouterr().out
+
+
 def test_pcie_interrupted_mid_size_keeps_only_the_finished_sizes(bench, monkeypatch):
     # The partial document once kept the live curves, which the sweep went on
     # filling: a SIGINT at a later path of a later size wrote that size's
