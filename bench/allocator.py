@@ -176,16 +176,20 @@ def max_holes(trace, slab_bytes):
 
 
 def time_replays(make, trace, repeats, loops):
-    """Median alloc+free pairs per second over ``repeats`` (``loops`` replays each)."""
-    rates = []
+    """``(pairs/s, ooms)``: the median alloc+free pairs per second over
+    ``repeats`` (``loops`` replays each), and the allocations refused in all
+    of them. replay() skips a refused allocation and goes on, so a rate with
+    refusals timed less work (and fewer live blocks) than the trace holds."""
+    rates, ooms = [], 0
     for _ in range(repeats):
         pairs, secs = 0, 0.0
         for _ in range(loops):
             res = replay(trace, make())
             pairs += res.pairs
             secs += res.seconds
+            ooms += res.ooms
         rates.append(pairs / secs)
-    return statistics.median(rates)
+    return statistics.median(rates), ooms
 
 
 def time_pair(make_a, make_b, trace, repeats, loops):
@@ -196,7 +200,7 @@ def time_pair(make_a, make_b, trace, repeats, loops):
     for k in range(repeats):
         order = ((make_a, rates_a), (make_b, rates_b))
         for make, rates in (order if k % 2 == 0 else order[::-1]):
-            rates.append(time_replays(make, trace, 1, loops))
+            rates.append(time_replays(make, trace, 1, loops)[0])
     ratios = [x / y for x, y in zip(rates_a, rates_b)]
     return statistics.median(rates_a), statistics.median(rates_b), statistics.median(ratios)
 
@@ -265,7 +269,9 @@ def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
 
     Each contender is one long-lived allocator warmed by an untimed replay, as in
     a training loop: a fresh pool would time CuPy's cudaMalloc calls while rtmem's
-    slab was reserved untimed at construction.
+    slab was reserved untimed at construction. ``warmup_ooms`` and
+    ``timed_ooms`` count, per contender, the allocations its warm-up and its
+    timed replays refused: a nonzero count means its rate timed less work.
     """
     import cupy
 
@@ -303,8 +309,11 @@ def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
         torch_base = torch.cuda.memory_reserved()
     # Warm-up, untimed. replay() skips an allocation that raises rtmem's
     # OutOfMemoryError and goes on, so a too-small slab would time less work
-    # than the pools do: count those refusals and report them.
+    # than the pools do: count those refusals and report them, the warm-up's
+    # and the timed replays' (a long-lived allocator, stream-ordered frees
+    # still pending: the timed replays need not refuse what the warm-up did).
     ooms = {name: replay(trace, obj).ooms for name, obj in contenders.items()}
+    timed_ooms = dict.fromkeys(contenders, 0)
     # What each pool reserved to serve the trace once (rtmem's best fit: the
     # host section's extent, same core)
     reserved = {"cupy_memorypool": contenders["cupy_memorypool"].pool.total_bytes()}
@@ -315,7 +324,9 @@ def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
         names = list(contenders) if k % 2 == 0 else list(contenders)[::-1]
         for name in names:
             obj = contenders[name]
-            rates[name].append(time_replays(lambda: obj, trace, 1, loops))
+            rate, refused = time_replays(lambda: obj, trace, 1, loops)
+            rates[name].append(rate)
+            timed_ooms[name] += refused
     contenders["rtmem_device_arena"].arena.close()
     contenders["cupy_memorypool"].pool.free_all_blocks()
     if "torch_caching" in contenders:
@@ -329,6 +340,7 @@ def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
         out[f"{name}_reserved_bytes"] = nbytes
         out[f"{name}_reserved_over_peak_live"] = nbytes / peak_live
     out["warmup_ooms"] = ooms
+    out["timed_ooms"] = timed_ooms
     if torch_skipped:
         out["torch_caching_skipped"] = torch_skipped
     return out
@@ -542,8 +554,10 @@ def main(argv=None) -> int:
                      if name + "_reserved_over_peak_live" in d]
             if "torch_caching_skipped" in d:
                 rows.append((f"GPU {tname}: torch_caching", d["torch_caching_skipped"]))
-            rows += [(f"GPU {tname}: {name} refused allocations (OOM): timings invalid",
-                      f"{n:,}") for name, n in d["warmup_ooms"].items() if n]
+            for when in ("warmup", "timed"):
+                rows += [(f"GPU {tname}: {name} refused allocations (OOM, {when}): "
+                          f"timings invalid", f"{n:,}")
+                         for name, n in d[f"{when}_ooms"].items() if n]
     print(format_table(["metric", "value"], rows, align="ll"))
     print(f"\nwrote {write_results('allocator', results)}")
     if "skipped" in results["gpu"] and gpu_required():

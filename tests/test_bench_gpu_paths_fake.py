@@ -538,7 +538,7 @@ def test_allocator_gpu_section(bench, capsys):
         d = doc["gpu"][trace]
         assert all(_rate_ok(d[f"{n}_pairs_per_s"]) for n in names)
         assert all(_rate_ok(d[f"{n}_over_cupy"]) for n in al._RTMEM_GPU)
-        assert d["warmup_ooms"] == dict.fromkeys(names, 0)
+        assert d["warmup_ooms"] == d["timed_ooms"] == dict.fromkeys(names, 0)
         assert "torch_caching_pairs_per_s" not in d            # a CPU build of torch
         assert "is_available() is False" in d["torch_caching_skipped"]
         assert f"GPU {trace}: rtmem_device_arena / CuPy pool" in out
@@ -555,6 +555,34 @@ def test_allocator_gpu_section(bench, capsys):
     assert "pinned 20.4 GiB: cupy_pinned_pool_error" in out
     assert not [a for a in bench.fake.live.values() if a.kind == "device"], \
         "the GPU section leaves device memory behind"
+
+
+def test_allocator_gpu_section_reports_allocations_refused_while_timed(bench, monkeypatch,
+                                                                       capsys):
+    # Only the warm-up's refusals were reported: time_replays dropped those of
+    # the timed replays, so a contender faster for serving less of the trace
+    # (its stream-ordered frees still pending, say) passed unnoticed
+    import dataclasses
+    al = bench.load("allocator")
+    real, replays = al.replay, []
+
+    def replay(trace, allocator, **kwargs):
+        result = real(trace, allocator, **kwargs)
+        replays.append(type(allocator).__name__)
+        if type(allocator).__name__ == "OrderedCore" and replays.count("OrderedCore") > 1:
+            return dataclasses.replace(result, ooms=3)        # not in its warm-up
+        return result
+    monkeypatch.setattr(al, "replay", replay)
+    monkeypatch.setattr(al, "time_pair", lambda *a, **k: (1.0, 1.0, 1.0))   # host sections
+    monkeypatch.setattr(al, "sampled_fragmentation", lambda *a, **k: (0.0, 0.0, 1 << 20))
+    assert al.main(["--quick", "--repeats", "2"]) == 0
+    d = bench.json("allocator")["gpu"]["random"]
+    assert d["warmup_ooms"]["rtmem_core_stream_ordered"] == 0
+    assert d["timed_ooms"] == {"rtmem_core": 0, "rtmem_core_stream_ordered": 6,
+                               "rtmem_device_arena": 0, "cupy_memorypool": 0}
+    out = capsys.readouterr().out
+    assert ("GPU random: rtmem_core_stream_ordered refused allocations (OOM, timed): "
+            "timings invalid") in out
 
 
 def test_pinned_pools_measure_what_cupys_pool_takes(bench):
