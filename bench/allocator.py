@@ -455,13 +455,16 @@ def gpt2_section(trace, lt, repeats, loops) -> dict:
         "goal_best_fit": 1.05, "goal_static": 1.01}
 
 
+#: Why the GPU section is skipped on a machine without a usable GPU.
+NO_GPU = "no usable CUDA GPU here: CuPy MemoryPool and torch caching allocator not measured"
+
+
 def gpu_section(rtrace, gtrace, repeats, loops, random_peak, gpt2_peak) -> dict:
     """Both traces against CuPy's and torch's pools (:func:`gpu_baselines`), or
     ``{"skipped": why}`` without a usable GPU. ``*_peak``: each trace's peak of
     live bytes."""
     if not cuda_available():
-        return {"skipped": "no usable CUDA GPU here: CuPy MemoryPool and "
-                           "torch caching allocator not measured"}
+        return {"skipped": NO_GPU}
     return {"random": gpu_baselines(rtrace, repeats, 1, 256 << 20, random_peak),
             "gpt2": gpu_baselines(gtrace, repeats, loops,
                                   align_up(gpt2_peak * 5 // 4, 1 << 20), gpt2_peak)}
@@ -478,8 +481,9 @@ def pinned_section() -> dict:
 
 def main(argv=None) -> int:
     """Run the benchmark; returns the exit code: 3 when ``RTMEM_REQUIRE_GPU=1`` and
-    no GPU was measured, 130 when interrupted (the sections measured before are
-    kept, marked partial: :class:`_common.PartialResults`)."""
+    there is no GPU to measure (then nothing is measured or written: an earlier
+    result, GPU section included, stays), 130 when interrupted (the sections
+    measured before are kept, marked partial: :class:`_common.PartialResults`)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=at_least(1), default=None,
                     help="timing repeats (median; default 7, 3 with --quick)")
@@ -488,6 +492,12 @@ def main(argv=None) -> int:
     # --quick gives the default only: it replaced an explicit --repeats silently
     repeats = args.repeats if args.repeats is not None else 3 if args.quick else 7
     loops = 20 if args.quick else 200
+    if gpu_required() and not cuda_available():
+        # A GPU session must not report ok for the pool ratios it cannot
+        # measure, nor replace an earlier GPU result with "skipped" (the
+        # partial document after each section did): fail before measuring.
+        print(f"RTMEM_REQUIRE_GPU=1: {NO_GPU}; nothing measured, nothing written")
+        return 3
     results = {"repeats": repeats}
     partial, during = PartialResults("allocator"), "making the traces"
     try:
@@ -560,10 +570,6 @@ def main(argv=None) -> int:
                          for name, n in d[f"{when}_ooms"].items() if n]
     print(format_table(["metric", "value"], rows, align="ll"))
     print(f"\nwrote {write_results('allocator', results)}")
-    if "skipped" in results["gpu"] and gpu_required():
-        # a GPU session must not report ok for the pool ratios it never measured
-        print(f"RTMEM_REQUIRE_GPU=1: {results['gpu']['skipped']}")
-        return 3
     return 0
 
 

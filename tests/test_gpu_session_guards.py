@@ -6,6 +6,7 @@ exit 3 instead of 0 when they find no GPU. Without the variable, a machine
 without a GPU still gets the clean skip / "nothing measured" exit 0.
 """
 
+import json
 import os
 import pathlib
 import subprocess
@@ -74,10 +75,16 @@ def test_train_and_allocator_benchmarks_without_a_gpu_exit_3_only_when_required(
     monkeypatch.setattr(allocator, "time_pair", lambda *a, **k: (1.0, 1.0, 1.0))
     monkeypatch.setattr(allocator, "pinned_check", lambda nbytes: {"error": "stubbed"})
     monkeypatch.setenv("RTMEM_REQUIRE_GPU", "1")
+    # an earlier GPU result stays (allocator replaced it with "skipped", in the
+    # partial document after its GPU section and in the final one, then exited 3)
+    earlier = {"gpu": {"random": {"rtmem_core_over_cupy": 1.3}}}
+    (tmp_path / "allocator.json").write_text(json.dumps(earlier))
     assert allocator.main(["--quick"]) == 3
     assert "RTMEM_REQUIRE_GPU=1: no usable CUDA GPU" in capsys.readouterr().out
+    assert json.loads((tmp_path / "allocator.json").read_text()) == earlier
     monkeypatch.delenv("RTMEM_REQUIRE_GPU")
     assert allocator.main(["--quick"]) == 0
+    assert "skipped" in json.loads((tmp_path / "allocator.json").read_text())["gpu"]
 
 
 _FAKE_PYTHON = r"""#!/usr/bin/env bash
