@@ -48,7 +48,9 @@ backward_s.gpu_go (notation of memferry.md §3.2 and §5.2). GPU only: without a
 GPU it says so and writes nothing. The JSON is also written after each layer,
 marked ``"partial": true`` (with ``"error"`` when a layer failed, then exit 1),
 so that a run stopped by SIGINT (bench/gpu_session.sh's time limit) keeps the
-layers it finished; it then exits with code 130.
+layers it finished; it then exits with code 130. A partial document has the
+final one's shape, cut short: the layers (or the sweep's ``layers``) finished
+so far, without the entries that come later.
 
 Crossover sweep (the size where DHA beats copy-then-compute, per layer type).
 Copying costs the same at any batch, DHA's cost grows with the tokens (an
@@ -98,6 +100,16 @@ FORWARD_MODES = ("gpu", "copy", "dha")
 BACKWARD_MODES = ("gpu", "copy", "dha", "gpu_go", "dha_go")
 #: the backward modes the crossover sweep times: T_BP and T^H_BP
 SWEEP_BACKWARD_MODES = ("gpu", "dha")
+
+#: What each mode of BACKWARD_MODES (FORWARD_MODES among them) means: the JSON's
+#: "modes".
+MODE_DESCRIPTIONS = {
+    "gpu": "params and grads in HBM",
+    "copy": "fwd: H2D copy of the params then compute; bwd: compute then D2H copy "
+            "of the grads (serial)",
+    "dha": "params in mapped host memory, grads to HBM",
+    "gpu_go": "params in HBM, grads written to mapped host memory",
+    "dha_go": "params and grads in mapped host memory"}
 
 
 def layer_specs(h: int) -> list[dict]:
@@ -448,11 +460,11 @@ def parse_tokens(text: str) -> list[int]:
 SWEEP_TOKENS, SWEEP_TOKENS_QUICK = "64,256,1024,4096,16384,65536", "64,512,4096"
 
 
-def _measure_all(what: str, specs, measure, doc: dict, key: str,
-                 partial: PartialResults) -> list | None:
-    """``measure(spec)`` for every spec, in order, writing what was measured
-    (``doc[key]`` partial) after each, so that a run stopped by a time limit
-    keeps it; on a failure writes it with the error and returns None."""
+def _measure_all(what: str, specs, measure, document, partial: PartialResults) -> list | None:
+    """``measure(spec)`` for every spec, in order, writing ``document(done)``
+    (the document with the list measured so far in its place) partial after
+    each, so that a run stopped by a time limit keeps it; on a failure writes
+    it with the error and returns None."""
     done = []
     for spec in specs:
         try:
@@ -460,12 +472,12 @@ def _measure_all(what: str, specs, measure, doc: dict, key: str,
         except Exception as e:  # noqa: BLE001 - reported with what was measured
             # The first kernel launch compiles: a missing NVVM shows here.
             error = f"{type(e).__name__}: {e}"
-            path = partial.save({**doc, key: done}, error=f"{spec['name']}: {error}")
+            path = partial.save(document(done), error=f"{spec['name']}: {error}")
             print(f"{what} {spec['name']} failed: {error}\n(`rtmem doctor` says whether "
                   f"numba-cuda finds NVVM; see CUDA_HOME there); wrote {path}",
                   file=sys.stderr)
             return None
-        partial.save({**doc, key: done})
+        partial.save(document(done))
         print(f"  {what} {spec['name']}", flush=True)
     return done
 
@@ -503,14 +515,17 @@ def main(argv=None, prog=None) -> int:
     rng = np.random.default_rng(0)
     print(f"per-layer cost on {device}: {args.model} (h={h}), {tokens} tokens, "
           f"median of {repeats}, times in ms")
+    # Everything known before measuring goes in now, so that a partial document
+    # is the final one cut short (one "format", one shape)
     doc = {"format": "rtmem.dha_layers/1", "device": device, "model": args.model,
-           "hidden": h, "tokens": tokens}
+           "hidden": h, "tokens": tokens, "dtype": "float32", "repeats": repeats,
+           "modes": MODE_DESCRIPTIONS}
     specs = layer_specs(h)
     partial = PartialResults("dha_layers")
     try:
         layers = _measure_all("measured", specs,
-                              lambda spec: measure_layer(spec, tokens, repeats, rng), doc,
-                              "layers", partial)
+                              lambda spec: measure_layer(spec, tokens, repeats, rng),
+                              lambda done: {**doc, "layers": done}, partial)
     except KeyboardInterrupt:
         return partial.interrupted("the per-layer measurements")
     if layers is None:
@@ -526,13 +541,7 @@ def main(argv=None, prog=None) -> int:
                        + [f"fwd {m}" for m in FORWARD_MODES]
                        + [f"bwd {m}" for m in BACKWARD_MODES] + ["dha/copy fwd", "bitwise"],
                        rows, align="ll" + "r" * (len(rows[0]) - 2)))
-    doc.update(dtype="float32", repeats=repeats, layers=layers, modes={
-        "gpu": "params and grads in HBM",
-        "copy": "fwd: H2D copy of the params then compute; bwd: compute then D2H copy "
-                "of the grads (serial)",
-        "dha": "params in mapped host memory, grads to HBM",
-        "gpu_go": "params in HBM, grads written to mapped host memory",
-        "dha_go": "params and grads in mapped host memory"})
+    doc["layers"] = layers
     if sweep:
         print(f"\ncrossover sweep over {','.join(map(str, sweep))} tokens", flush=True)
         doc["sweep"] = {"tokens": sweep, "compares": SWEEP_COMPARES}
@@ -541,7 +550,9 @@ def main(argv=None, prog=None) -> int:
             swept = _measure_all("swept", specs,
                                  lambda spec: sweep_layer(spec, sweep, repeats, rng,
                                                           by_name.get(spec["name"])),
-                                 doc, "sweep_layers", partial)
+                                 lambda done: {**doc, "sweep": {**doc["sweep"],
+                                                                "layers": done}},
+                                 partial)
         except KeyboardInterrupt:
             return partial.interrupted("the crossover sweep")
         if swept is None:

@@ -399,11 +399,19 @@ def test_dha_layers_keeps_the_layers_it_finished_when_interrupted(bench, monkeyp
     assert dl.main(["--model", "tiny", "--tokens", "8", "--repeats", "1",
                     "--sweep", "4,8" if sweep else "none"]) == 130
     doc = bench.json("dha_layers")
-    key = "sweep_layers" if sweep else "layers"
-    assert doc["partial"] is True and [layer["name"] for layer in doc[key]] == ["wte"]
+    # the final document's shape, cut short (it was another one, under the
+    # same "format": no dtype, repeats or modes; the sweep's layers at the top)
+    done = doc["sweep"]["layers"] if sweep else doc["layers"]
+    assert doc["partial"] is True and [layer["name"] for layer in done] == ["wte"]
     assert doc["interrupted"] == ("the crossover sweep" if sweep
                                   else "the per-layer measurements")
     assert len(doc["layers"]) == (6 if sweep else 1) and "error" not in doc
+    assert (doc["format"], doc["dtype"], doc["repeats"]) == ("rtmem.dha_layers/1",
+                                                             "float32", 1)
+    assert set(doc["modes"]) == set(dl.BACKWARD_MODES)
+    assert "sweep_layers" not in doc and ("sweep" in doc) == sweep
+    if sweep:
+        assert set(doc["sweep"]) == {"tokens", "compares", "layers"}    # by_kind at the end
     assert "Traceback" not in capsys.readouterr().err
 
 
@@ -422,7 +430,7 @@ def test_dha_layers_keeps_the_table_when_the_sweep_fails(bench, monkeypatch, cap
     doc = bench.json("dha_layers")
     assert doc["partial"] is True and doc["error"] == "ln: RuntimeError: out of memory"
     assert len(doc["layers"]) == 6                         # the main table survives
-    assert [layer["name"] for layer in doc["sweep_layers"]] == ["wte"]
+    assert [layer["name"] for layer in doc["sweep"]["layers"]] == ["wte"]
     assert "swept ln failed" in capsys.readouterr().err
 
 
