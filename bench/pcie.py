@@ -493,7 +493,8 @@ def main(argv=None, prog=None) -> int:
                     help="timed runs per point")
     # checked now: savefig refused a .txt or a folder after the whole sweep
     ap.add_argument("--plot", type=output_file(*PLOT_SUFFIXES), default=None,
-                    help="plot path, .png, .pdf or .svg (default next to the JSON)")
+                    help="plot path, .png, .pdf or .svg (default next to the JSON: "
+                         "bench/results/pcie.png, or $RTMEM_BENCH_RESULTS/pcie.png when set)")
     args = ap.parse_args(argv)
     max_size = args.max_size or parse_bytes("64MiB" if args.quick else "1GiB")
     repeats = (3 if args.quick else 5) if args.repeats is None else args.repeats

@@ -77,7 +77,10 @@ def register(subparsers) -> None:
     q.add_argument("--quick", action="store_true", help="up to 64 MiB, 3 repeats")
     q.add_argument("--max-size", default=None, help="largest buffer, e.g. 256MiB (default 1GiB)")
     q.add_argument("--repeats", type=int, default=None, help="timed runs per point")
-    q.add_argument("--plot", default=None, help="plot file (default bench/results/pcie.png)")
+    # the script puts the plot next to its JSON, in $RTMEM_BENCH_RESULTS when set
+    q.add_argument("--plot", default=None,
+                   help="plot file, .png, .pdf or .svg (default next to the JSON: "
+                        "bench/results/pcie.png, or $RTMEM_BENCH_RESULTS/pcie.png when set)")
     q.set_defaults(func=_cmd_pcie)
     q = sub.add_parser("dha", help="per-layer forward/backward time on-GPU vs DHA vs "
                        "copy-then-compute (GPT-2 layers); JSON for the DHA planner")

@@ -626,6 +626,17 @@ def test_cli_bench_pcie_and_dha(bench, monkeypatch, capsys):
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"     # hidden from find_gpu only
 
 
+def test_cli_bench_pcie_help_names_where_the_plot_goes(capsys):
+    # it named bench/results/pcie.png, where the plot goes only without
+    # $RTMEM_BENCH_RESULTS (next to the JSON: test_cli_bench_pcie_and_dha)
+    from rtmem import cli
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "pcie", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default next to the JSON: bench/results/pcie.png, or " \
+        "$RTMEM_BENCH_RESULTS/pcie.png when set)" in text
+
+
 def test_pcie_goals_take_the_worst_size_of_at_least_64_mib(monkeypatch):
     # the goal quantities were only printed per size, never recorded
     pcie = bench_module(monkeypatch, "pcie")
