@@ -1287,6 +1287,53 @@ def test_a_tensor_that_requires_grad_out_of_the_executors_sight_is_refused():
     torch.testing.assert_close(offset.grad, expected, rtol=0, atol=0)
 
 
+class _PinnFeatures(nn.Module):
+    # parameter-free, differentiates with respect to its own input
+    def forward(self, x):
+        x = x if x.requires_grad else x.requires_grad_(True)
+        u = torch.sin(3 * x) * x
+        du, = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return torch.cat([u, du], -1)
+
+
+def _input_require_grads_embedding():
+    # Hugging Face's enable_input_require_grads(): a hook on the frozen embedding
+    # makes its output a leaf that requires grad
+    emb = nn.Embedding(16, 8).requires_grad_(False)
+    emb.register_forward_hook(lambda m, inp, out: out.requires_grad_(True))
+    return emb
+
+
+@pytest.mark.parametrize("case", ["input_require_grads", "own_input_graph"])
+def test_a_frozen_prefix_output_that_requires_grad_but_loses_nothing_trains(case):
+    # The check for a tensor that requires grad read from out of the executor's
+    # sight refused every frozen-prefix output that requires grad, also these,
+    # where no leaf other than the stage's input lies behind it (both trained
+    # before the check came)
+    torch.manual_seed(0)
+    if case == "input_require_grads":
+        model = nn.Sequential(_input_require_grads_embedding(),
+                              nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1))
+        x, y = torch.randint(16, (4, 5)), torch.randn(4, 5, 1)
+    else:
+        model = nn.Sequential(_PinnFeatures(), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        x, y = torch.randn(16, 2), torch.randn(16, 1)
+    n = len(model)
+    ref = copy.deepcopy(model)
+    mse(ref(x.clone()), y).backward()
+    # (autograd.grad cannot run in F_ck 0's no_grad forward: store-all alone there)
+    recompute = ("F_ck 0, " + ", ".join(f"F_all {i}" for i in range(1, n)) + ", L, "
+                 + ", ".join(f"B {i}" for i in range(n - 1, 0, -1)) + ", F_all 0, B 0")
+    for text in (None, recompute) if case == "input_require_grads" else (None,):
+        m = copy.deepcopy(model)
+        sched = store_all_schedule(n) if text is None else _sched(text, n)
+        ScheduleExecutor(m, sched, mse).step(x.clone(), y)
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    profile_sequential(model, x.clone(), y, mse, repeats=1)
+
+
 def test_a_buffer_that_requires_grad_trains_as_in_plain_autograd():
     # counted with the parameters and tensor attributes: a stage holding one was
     # a frozen prefix, and its output requiring grad was refused as if read from

@@ -333,15 +333,20 @@ def inputs_need_grad(stage_tensors, batch_needs_grad: bool) -> list:
     return needs
 
 
-def check_needs_grad(i: int, stage, y, needs_grad: list) -> None:
+def check_needs_grad(i: int, stage, y, needs_grad: list, own) -> None:
     """Refuse the output ``y`` of a grad-mode forward of stage ``i`` that requires
     grad where :func:`inputs_need_grad` (``needs_grad``) decided that a_{i+1}
     needs no gradient: the next stage gets (or got) it as it is, which would cut
     the gradient to what stage ``i`` (or one before it) reads that requires grad,
-    silently. A stage whose input needs no gradient outputs a tensor that
-    requires grad only when it reads one that requires grad and that is neither
-    its parameter nor its modules' attribute."""
-    if i + 1 < len(needs_grad) and not needs_grad[i + 1] and y.requires_grad:
+    silently. A stage whose input needs no gradient outputs such a tensor only
+    when it reads one that requires grad and that is neither its parameter nor
+    its modules' attribute. Only a graph reaching a leaf other than ``own`` (the
+    stage's input) loses a gradient: an output made a leaf that requires grad
+    (Hugging Face's ``enable_input_require_grads`` hook on a frozen embedding) or
+    a graph back to the stage's own input (``autograd.grad(u, x,
+    create_graph=True)`` features) trains as in plain autograd."""
+    if i + 1 < len(needs_grad) and not needs_grad[i + 1] and y.requires_grad \
+            and trains_beyond(y, own):
         raise ExecutionError(
             f"stage {i} ({type(stage).__name__}) returns an output that requires grad, "
             f"although no parameter, buffer or tensor attribute of its modules, or of a "

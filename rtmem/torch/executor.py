@@ -569,7 +569,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             y = self._run_stage(i, arg)
         # a tensor that requires grad read from outside what the executor sees:
         # refused, as stage i+1 gets (or got) its input without gradient
-        check_needs_grad(i, self.stages[i], y, self._needs_grad)
+        check_needs_grad(i, self.stages[i], y, self._needs_grad, leaf)
         self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=hooks.saved)
 
     def _loss(self, target):

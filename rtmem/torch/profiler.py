@@ -230,7 +230,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     with own_parametrizations():   # as the executor's F_all
                         y, t_f = timer(lambda: stage(arg))
                 _check_output(i, stage, y)
-                check_needs_grad(i, stage, y, needs_grad)   # as the executor's F_all
+                check_needs_grad(i, stage, y, needs_grad, xin)   # as the executor's F_all
                 fwd_times.append(t_f)
             # The executor re-derives a saved view of the input from a_i at B i
             # (its _forward_all), unless the stage changed the input before
