@@ -1449,6 +1449,51 @@ def test_the_profiler_leaves_autocast_casts_of_weights_out_of_xbar_as_the_execut
     assert (uncached.xbar[1:] > chain.xbar[1:]).all()
 
 
+class _LeafMatmul(nn.Module):
+    """``x @ w`` with ``w`` a learnable tensor attribute or a buffer that requires
+    grad: a leaf autocast casts and caches as it does a parameter."""
+
+    def __init__(self, kind):
+        super().__init__()
+        w = (torch.randn(32, 32) * 0.2).requires_grad_(True)
+        if kind == "buffer":
+            self.register_buffer("w", w)
+        else:
+            self.w = w
+
+    def forward(self, x):
+        return x @ self.w
+
+
+@pytest.mark.parametrize("kind", ["attribute", "buffer"])
+def test_autocast_casts_of_learnable_tensors_are_model_state_as_weights_are(kind):
+    # Only the casts of parameters (and buffers, in the executor) counted as model
+    # state: a tensor attribute's was an activation of abar2, whose delete freed
+    # autocast's cached copy ("data is not allocated yet" at F_ck 1), and the
+    # profiler put a buffer's in xbar where the executor did not
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), _LeafMatmul(kind), nn.Linear(32, 4))
+    loss_fn = nn.functional.cross_entropy
+    x, y = torch.randn(8, 16), torch.randint(4, (8,))
+    ref, m = model(), model()
+    sched = _sched("F_ck 0, F_all 1, offload abar2, delete abar2, F_ck 1, F_all 2, L, B 2, "
+                   "prefetch abar2, B 1, F_all 0, B 0", 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        loss = ScheduleExecutor(m, sched, loss_fn).step(x, y)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(m[1].w.grad, ref[1].w.grad, rtol=0, atol=0)
+    m = model()
+    ex = ScheduleExecutor(m, _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0", 3), loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chain = profile_sequential(m, x, y, loss_fn, repeats=1)
+        ex.step(x, y)
+    r = ex.resident_bytes
+    assert [r[0] - chain.x0, r[1] - r[0], r[2] - r[1]] == list(chain.xbar)
+
+
 def test_the_autocast_workaround_is_on_wherever_torch_loses_the_gradient():
     w = torch.ones(1, 1, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

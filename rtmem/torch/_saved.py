@@ -64,8 +64,9 @@ class _SavedHooks:
             return (base, t.size(), t.stride(), t.storage_offset(), base._version)
         if _rederived_input(t, t._version, self.x_key, self.x_version, self.x_dtype):
             return (self.i, t.size(), t.stride(), t.storage_offset())   # a view of a_i
-        if self.cached_casts and _param_cast(t, self.executor._param_names):
-            # autocast's cached cast of a parameter (linear saves w_bf16.t()): the
+        if self.cached_casts and _cached_cast(t):
+            # autocast's cached cast of a parameter (linear saves w_bf16.t()), or of
+            # any leaf that requires grad (a learnable tensor attribute): the
             # cache holds it for the whole autocast region and hands it to every
             # later forward reading the parameter (a recomputation, a tied weight,
             # the next step in the region), so it is model state, not an activation
@@ -127,16 +128,21 @@ class _SavedHooks:
     unpack = torch.compiler.disable(unpack)
 
 
-def _param_cast(t: torch.Tensor, params) -> bool:
-    """Whether ``t`` is (a view of) a dtype cast of one of ``params`` (what
-    autocast makes and caches for a parameter)."""
+def _cached_cast(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (a view of) a cast of a float32 leaf that requires grad
+    to a lower precision: what autocast caches for the autocast region. Not only
+    parameters: a buffer or a tensor attribute that requires grad (a learnable
+    offset) is such a leaf too, and its cast is cached and reused alike."""
     base = t._base if t._base is not None else t
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
         return False
     src = fn.next_functions[0][0]
     return src is not None and type(src).__name__ == "AccumulateGrad" \
-        and src.variable in params
+        and src.variable.dtype == torch.float32 and base.dtype in _LOWER_PRECISION
+
+
+_LOWER_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _layout(x: torch.Tensor) -> tuple:
