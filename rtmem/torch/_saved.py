@@ -106,6 +106,12 @@ class _SavedHooks:
             return base.detach().as_strided(size, stride, offset)
         k, size, stride, offset = packed
         src = self.executor._source(k)
+        # The saved view is of the storage's values, its bits stripped (pack): a_k
+        # itself may be a lazy conjugate or negative view (a stage returned
+        # x.conj()), whose bit as_strided keeps, and the bit put back at unpack
+        # made it conjugated twice, the weight's gradient wrong
+        src = src.conj() if src.is_conj() else src
+        src = torch._neg_view(src) if src.is_neg() else src
         if _layout(src) != self.x_layout:
             # This copy of a_i lies in its storage unlike the one F_all read (a
             # stage whose output's layout depends on the grad mode: plain a_i
