@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from rtmem.errors import PlatformError, UnitError
@@ -24,13 +25,12 @@ _NOT_POSITIVE = ("memory must be > 0 bytes, got {!r}; give the device memory bud
 
 
 def _negative(value) -> bool:
-    """A number below 0 or a string written with a minus sign ('-1GiB', '-inf')."""
+    """A real number below 0 or a string written with a minus sign ('-1GiB',
+    '-inf'); False for anything else (an array: ``array < 0`` has no one truth
+    value, and its error is parse_bytes' to give)."""
     if isinstance(value, str):
         return value.strip().startswith("-")
-    try:
-        return value < 0
-    except TypeError:
-        return False
+    return isinstance(value, numbers.Real) and value < 0
 
 # Budgets from MAX_BYTES up are unlimited (the jitted simulator and planners
 # hold byte counts in int64).

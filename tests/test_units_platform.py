@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 
 from rtmem.errors import PlatformError, UnitError
@@ -86,6 +87,9 @@ def test_a_negative_budget_is_told_the_same_bound_as_zero():
         with pytest.raises(PlatformError, match=r"memory must be > 0 bytes, got") as err:
             Platform(memory)
         assert ">= 0" not in str(err.value) and "Platform(" not in str(err.value)
+    # an array has no one truth value: a PlatformError, not numpy's ValueError
+    with pytest.raises(PlatformError, match="must be a number"):
+        Platform(np.array([-1, 2]))
 
 
 def test_integer_sizes_are_exact_and_huge_numbers_are_unit_errors():
@@ -124,7 +128,6 @@ def test_formatting_rounds_into_the_next_unit_and_keeps_signs():
 def test_is_whole_refuses_numpy_bools_as_it_refuses_bools():
     # np.True_ passed as 1 (plan_layout(alignment=np.True_) laid out with
     # alignment 1), where True is refused and parse_bytes refuses both
-    import numpy as np
 
     from rtmem.layout import plan_layout
     from rtmem.units import is_whole
