@@ -1386,6 +1386,29 @@ def test_the_previous_stage_gets_its_gradient_in_the_layout_plain_autograd_gives
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
+class _CatParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(8, 100))
+
+    def forward(self, x):
+        return torch.cat([x, self.p], 1)
+
+
+def test_a_gradient_that_views_a_larger_one_is_held_in_its_own_bytes():
+    # delta_1 is a view of cat's (8, 200) gradient: held as it is (the layout
+    # fix above), it kept all of that storage alive, twice the x_1 bytes the
+    # plan counts for it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 100), _CatParameter(), nn.Linear(200, 1))
+    x, y = torch.randn(8, 10), torch.randn(8, 1)
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, store_all_schedule(3))
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    assert ex.schedule.op_text(5) == "B 1"
+    assert ex.resident_bytes[5] == ex.resident_bytes[0] + 8 * 100 * 4   # abar1, delta_1
+
+
 def _autocast_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU()),

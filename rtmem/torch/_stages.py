@@ -255,6 +255,13 @@ class _Alias(torch.autograd.Function):
             # graph's: setting its .grad reached no tensor. AccumulateGrad then
             return grad
         leaf = ctx.leaf
+        if grad.layout == torch.strided and \
+                grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+            # a view of a larger gradient (a cat's or a split's): held as it is,
+            # it would keep the whole of that storage alive as delta_i, beyond the
+            # x_i bytes the plan counts for it. Laid out like the leaf, as
+            # AccumulateGrad did (an expanded, stride-0 gradient is smaller: kept)
+            grad = torch.empty_like(leaf).copy_(grad)
         leaf.grad = grad if leaf.grad is None else leaf.grad + grad
         return None
 
