@@ -33,9 +33,13 @@ _INF = {"inf", "infinity", "unlimited", "∞"}
 
 
 def _is_bool(value) -> bool:
-    """A Python or numpy bool (``np.True_``, a 0-d bool array): no numbers.Integral
-    is numpy's, yet ``int()`` takes it."""
-    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b"
+    """A Python, numpy or torch bool (``np.True_``, a 0-d bool array or tensor):
+    no numbers.Integral is numpy's or torch's, yet ``int()`` takes it."""
+    if isinstance(value, bool):
+        return True
+    dtype = getattr(value, "dtype", None)
+    # torch's dtype has no .kind; named so that this module needs no torch
+    return getattr(dtype, "kind", None) == "b" or str(dtype) == "torch.bool"
 
 
 def is_whole(value) -> bool:
@@ -45,7 +49,8 @@ def is_whole(value) -> bool:
     # numpy's bool passed as 1: plan_layout(alignment=np.True_) laid out with
     # alignment 1 where alignment=True is refused
     try:
-        return not _is_bool(value) and int(value) == value
+        # bool(): a 0-d tensor's == is a tensor
+        return not _is_bool(value) and bool(int(value) == value)
     except (TypeError, ValueError, OverflowError):
         return False
 

@@ -125,15 +125,19 @@ def test_formatting_rounds_into_the_next_unit_and_keeps_signs():
         assert fmt(math.nan) == "nan"
 
 
-def test_is_whole_refuses_numpy_bools_as_it_refuses_bools():
+def test_is_whole_refuses_numpy_and_torch_bools_as_it_refuses_bools():
     # np.True_ passed as 1 (plan_layout(alignment=np.True_) laid out with
-    # alignment 1), where True is refused and parse_bytes refuses both
+    # alignment 1), where True is refused and parse_bytes refuses both; torch's
+    # bool tensor passed too, and a 0-d tensor's answer was a tensor
+    import torch
 
     from rtmem.layout import plan_layout
     from rtmem.units import is_whole
-    for value in (True, np.True_, np.bool_(False), np.array(True)):
-        assert not is_whole(value), value
-    for value in (4, np.int64(4), 4.0, np.float32(4.0), np.array(4)):
-        assert is_whole(value), value
+    for value in (True, np.True_, np.bool_(False), np.array(True), torch.tensor(True)):
+        assert is_whole(value) is False, value
+    for value in (4, np.int64(4), 4.0, np.float32(4.0), np.array(4), torch.tensor(4)):
+        assert is_whole(value) is True, value
+    with pytest.raises(UnitError, match="must be a number"):
+        parse_bytes(torch.tensor(True))
     with pytest.raises(ValueError, match="power of two"):
         plan_layout([0], [1], [8], alignment=np.True_)
