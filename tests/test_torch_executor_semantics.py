@@ -1409,6 +1409,26 @@ def test_a_gradient_that_views_a_larger_one_is_held_in_its_own_bytes():
     assert ex.resident_bytes[5] == ex.resident_bytes[0] + 8 * 100 * 4   # abar1, delta_1
 
 
+class _Transpose(nn.Module):
+    def forward(self, x):
+        return x.t()
+
+
+def test_a_compacted_gradient_keeps_the_dimension_order_plain_autograd_gives():
+    # a_1 is transposed (column-major); cat's gradient of it is a row-major view.
+    # Compacted in the leaf's (column-major) order, stage 0's backward ran on
+    # another layout than in plain autograd: its bias gradient 1.5e-8 apart
+    torch.manual_seed(0)
+    d, b = 96, 77
+    cat = _CatParameter()
+    cat.p = nn.Parameter(torch.randn(b, 33))
+    model = nn.Sequential(nn.Sequential(nn.Linear(d, b), _Transpose()), cat, nn.Linear(d + 33, 1))
+    x, y = torch.randn(d, d), torch.randn(b, 1)
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, store_all_schedule(3))
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
 def _autocast_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU()),

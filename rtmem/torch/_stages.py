@@ -259,9 +259,14 @@ class _Alias(torch.autograd.Function):
                 grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
             # a view of a larger gradient (a cat's or a split's): held as it is,
             # it would keep the whole of that storage alive as delta_i, beyond the
-            # x_i bytes the plan counts for it. Laid out like the leaf, as
-            # AccumulateGrad did (an expanded, stride-0 gradient is smaller: kept)
-            grad = torch.empty_like(leaf).copy_(grad)
+            # x_i bytes the plan counts for it. Copied out dense in the view's own
+            # dimension order, what the previous stage's backward reads in plain
+            # autograd (the leaf's order, as AccumulateGrad lays it out, changed
+            # the rounding of a transposed a_i's backward); an expanded, stride-0
+            # gradient is smaller than that and is kept
+            order = sorted(range(grad.dim()), key=lambda d: (-grad.stride(d), -d))
+            dense = grad.new_empty([grad.size(d) for d in order])
+            grad = dense.permute([order.index(d) for d in range(grad.dim())]).copy_(grad)
         leaf.grad = grad if leaf.grad is None else leaf.grad + grad
         return None
 
