@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 from rtmem.errors import PlatformError, UnitError
@@ -25,12 +24,16 @@ _NOT_POSITIVE = ("memory must be > 0 bytes, got {!r}; give the device memory bud
 
 
 def _negative(value) -> bool:
-    """A real number below 0 or a string written with a minus sign ('-1GiB',
-    '-inf'); False for anything else (an array: ``array < 0`` has no one truth
-    value, and its error is parse_bytes' to give)."""
+    """A number below 0 (a 0-d array or tensor, a Decimal too) or a string written
+    with a minus sign ('-1GiB', '-inf'); False for anything else (an array of
+    several: ``array < 0`` has no one truth value, and its error is
+    parse_bytes' to give)."""
     if isinstance(value, str):
         return value.strip().startswith("-")
-    return isinstance(value, numbers.Real) and value < 0
+    try:
+        return bool(value < 0)
+    except (TypeError, ValueError, RuntimeError):   # numpy's and torch's "ambiguous"
+        return False
 
 # Budgets from MAX_BYTES up are unlimited (the jitted simulator and planners
 # hold byte counts in int64).

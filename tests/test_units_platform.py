@@ -83,7 +83,10 @@ def test_a_budget_below_one_byte_says_it_rounds_down_to_zero():
 def test_a_negative_budget_is_told_the_same_bound_as_zero():
     # "-1" said "a size must be finite and >= 0 bytes" (parse_bytes' words), and
     # the 0 it invited was then refused with "> 0"
-    for memory in (-1, -1.5, "-1", "-1GiB", "-inf", -2**70):
+    import torch
+    from decimal import Decimal
+    for memory in (-1, -1.5, "-1", "-1GiB", "-inf", -2**70, np.array(-2.0), torch.tensor(-2),
+                   Decimal("-2")):
         with pytest.raises(PlatformError, match=r"memory must be > 0 bytes, got") as err:
             Platform(memory)
         assert ">= 0" not in str(err.value) and "Platform(" not in str(err.value)
