@@ -136,19 +136,20 @@ class _SavedHooks:
 
 def _cached_cast(t: torch.Tensor) -> bool:
     """Whether ``t`` is (a view of) a cast of a float32 leaf that requires grad
-    to a lower precision: what autocast caches for the autocast region. Not only
-    parameters: a buffer or a tensor attribute that requires grad (a learnable
-    offset) is such a leaf too, and its cast is cached and reused alike."""
+    to autocast's dtype for its device: what autocast caches for the autocast
+    region. Not only parameters: a buffer or a tensor attribute that requires
+    grad (a learnable offset) is such a leaf too, and its cast is cached and
+    reused alike. (A cast the stage makes itself, ``self.w.to(torch.bfloat16)``
+    to autocast's dtype, looks the same and is taken as cached too: kept as
+    model state, not freed by a move.)"""
     base = t._base if t._base is not None else t
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
         return False
     src = fn.next_functions[0][0]
     return src is not None and type(src).__name__ == "AccumulateGrad" \
-        and src.variable.dtype == torch.float32 and base.dtype in _LOWER_PRECISION
-
-
-_LOWER_PRECISION = (torch.float16, torch.bfloat16)
+        and src.variable.dtype == torch.float32 \
+        and base.dtype == torch.get_autocast_dtype(base.device.type)
 
 
 def _layout(x: torch.Tensor) -> tuple:
