@@ -316,7 +316,7 @@ def measure(max_size: int, min_size: int, step: int, repeats: int, save=None) ->
         return lambda: rt.memcpyAsync(dst, src, n, kind, stream.ptr)
 
     timer.check_delay(s1)
-    dha_error, mapped, hbm, partials = None, None, None, None
+    dha_error = None
     try:
         # The DHA paths go through numba-cuda, which talks to the driver on its
         # own: one that cannot (a driver it does not support) fails here, and

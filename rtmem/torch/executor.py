@@ -388,8 +388,10 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._refresh_state_ptrs()
         # per step (after the scan: tensor attributes count): the caller may freeze
         # or unfreeze parameters and tensor attributes between steps
-        # (inputs may be the private copy by now, which requires no grad)
-        self._needs_grad = inputs_need_grad(self._stage_tensors(),
+        # (inputs may be the private copy by now, which requires no grad). The
+        # same tensors tell L and B why nothing trains, when nothing does
+        self._grad_tensors = self._stage_tensors()
+        self._needs_grad = inputs_need_grad(self._grad_tensors,
                                             self._caller_inputs is not None)
         self._plain[0] = _Stored.of(inputs)
         self._first: dict[int, tuple] = {}
@@ -578,7 +580,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         with torch.enable_grad(), own_parametrizations():
             leaf, z = _stage_input(src)
             loss = self.loss_fn(z, target)
-        check_loss(loss, z, self._stage_tensors(), self._caller_inputs is not None,
+        check_loss(loss, z, self._grad_tensors, self._caller_inputs is not None,
                    self.stages)
         # z is a leaf that requires grad whatever a_n needs, so this loss requires
         # grad where plain autograd's may not; the Bs decide (_backward). What they
@@ -598,7 +600,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             # no gradient in plain autograd, where loss.backward() raises (rule 3)
             out, inp = self._bar[i + 1].out, self._bar[i + 1].inp
             if not out.requires_grad:
-                raise nothing_trains(self._stage_tensors(), self._caller_inputs is not None,
+                raise nothing_trains(self._grad_tensors, self._caller_inputs is not None,
                                      self.stages, cut_at=i)
             # a backward that writes a gradient of its own (a parameter) trains
             # something: no later B may refuse the step
