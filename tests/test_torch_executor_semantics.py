@@ -4,6 +4,7 @@ stages, in-place ops, tied and placed weights, tuple outputs. Every schedule her
 is accepted by the simulator; the executor must train exactly as plain PyTorch,
 never free memory it does not own, or refuse up front with ExecutionError."""
 
+import contextlib
 import copy
 import math
 
@@ -1535,6 +1536,55 @@ def test_autocast_casts_of_learnable_tensors_are_model_state_as_weights_are(kind
         ex.step(x, y)
     r = ex.resident_bytes
     assert [r[0] - chain.x0, r[1] - r[0], r[2] - r[1]] == list(chain.xbar)
+
+
+class _OwnAutocast(nn.Module):
+    """A stage that enters bfloat16 autocast itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return nn.functional.gelu(self.lin(x)).float()
+
+
+@pytest.mark.parametrize("outer", ["disabled", "none"])
+def test_a_stage_s_own_autocast_casts_inside_a_disabled_region_are_model_state(outer):
+    # The caller's torch.autocast(enabled=False) keeps autocast's cache until it
+    # exits, so the stage's own bf16 cast of its weight is cached for the whole
+    # step; the executor asked the caller's (disabled) autocast whether casts are
+    # cached, took it for an activation of abar2, and its delete freed the
+    # cache's copy: the recomputation F_ck 1 failed with "setStorage ... out of
+    # bounds for storage of size 0". Without a caller's region the stage's exit
+    # clears the cache: the cast is an activation, and the profiler agrees
+    def region():
+        return torch.autocast("cpu", enabled=False) if outer == "disabled" else \
+            contextlib.nullcontext()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _OwnAutocast(), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(4, (8,))
+    loss_fn = nn.functional.cross_entropy
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    sched = _sched("F_ck 0, F_all 1, offload abar2, delete abar2, F_ck 1, F_all 2, L, B 2, "
+                   "prefetch abar2, B 1, F_all 0, B 0", 3)
+    with region():
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        loss = ScheduleExecutor(m, sched, loss_fn).step(x, y)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=0)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    ex = ScheduleExecutor(model, _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0", 3),
+                          loss_fn)
+    with region():
+        chain = profile_sequential(model, x, y, loss_fn, repeats=1)
+        ex.step(x, y)
+    r = ex.resident_bytes
+    assert [r[0] - chain.x0, r[1] - r[0], r[2] - r[1]] == list(chain.xbar)
+    # the 2048-byte bf16 cast of the 32x32 weight is in abar2 only without a region
+    assert chain.xbar[1] == (4096 if outer == "none" else 2048)
 
 
 class _HalfMul(nn.Module):

@@ -25,7 +25,7 @@ class _SavedHooks:
     tensors the graph keeps as they are (the stored abar's saved tensors)."""
 
     __slots__ = ("executor", "i", "state", "x_key", "x_version", "x_dtype", "x_layout",
-                 "saved", "cached_casts")
+                 "saved", "casts_kept")
 
     def __init__(self, executor, i: int, x: torch.Tensor):
         self.executor, self.i = executor, i
@@ -35,9 +35,8 @@ class _SavedHooks:
         self.x_key, self.x_version, self.x_dtype = _input_key(x), x._version, x.dtype
         # how x lies in its storage (tuples of ints: the collector stops tracking them)
         self.x_layout = _layout(x)
-        # asked here: inside an op (where pack runs) autocast reads as disabled
-        self.cached_casts = (torch.is_autocast_enabled(x.device.type)
-                             and torch.is_autocast_cache_enabled())
+        # asked here, outside the stage: whether autocast's cache outlives its forward
+        self.casts_kept = casts_outlive_forward(x.device.type)
         self.saved = []
 
     def pack(self, t: torch.Tensor):
@@ -64,7 +63,7 @@ class _SavedHooks:
             return (base, t.size(), t.stride(), t.storage_offset(), base._version)
         if _rederived_input(t, t._version, self.x_key, self.x_version, self.x_dtype):
             return (self.i, t.size(), t.stride(), t.storage_offset())   # a view of a_i
-        if self.cached_casts and _cached_cast(t):
+        if self.casts_kept and _cached_cast(t):
             # autocast's cached cast of a parameter (linear saves w_bf16.t()), or of
             # any leaf that requires grad (a learnable tensor attribute): the
             # cache holds it for the whole autocast region and hands it to every
@@ -134,14 +133,36 @@ class _SavedHooks:
     unpack = torch.compiler.disable(unpack)
 
 
+def casts_outlive_forward(device_type: str) -> bool:
+    """Whether the casts autocast caches during a stage's forward stay in its
+    cache after the forward, asked outside the stage: inside a
+    ``torch.autocast`` region, enabled or not (the cache is cleared only when
+    the outermost region exits, so a stage's own ``torch.autocast`` inside a
+    caller's ``torch.autocast(..., enabled=False)`` caches for the caller's
+    whole region), or with autocast enabled for ``device_type`` without one
+    (``torch.set_autocast_enabled``). Otherwise a stage entering
+    ``torch.autocast`` itself has its casts cleared from the cache at its exit:
+    the graph alone holds them, activations like any other."""
+    # the nesting count of autocast regions; torch has no getter, and the
+    # decrement does not clear the cache (autocast's __exit__ does that)
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return nesting > 0 or torch.is_autocast_enabled(device_type)
+
+
 def _cached_cast(t: torch.Tensor) -> bool:
     """Whether ``t`` is (a view of) a cast of a float32 leaf that requires grad
-    to autocast's dtype for its device: what autocast caches for the autocast
-    region. Not only parameters: a buffer or a tensor attribute that requires
-    grad (a learnable offset) is such a leaf too, and its cast is cached and
-    reused alike. (A cast the stage makes itself, ``self.w.to(torch.bfloat16)``
-    to autocast's dtype, looks the same and is taken as cached too: kept as
-    model state, not freed by a move.)"""
+    to autocast's dtype for its device, made with autocast's cache on: what
+    autocast caches for the autocast region. Asked where autograd saves ``t``
+    (a ``saved_tensors_hooks`` pack, inside the op that saves it), where the
+    cache setting and the dtype are those of the autocast region the stage
+    runs in, its own ``torch.autocast`` included. Not only parameters: a buffer
+    or a tensor attribute that requires grad (a learnable offset) is such a
+    leaf too, and its cast is cached and reused alike. (A cast the stage makes
+    itself, ``self.w.to(torch.bfloat16)`` to autocast's dtype, looks the same
+    and is taken as cached too: kept as model state, not freed by a move.)"""
+    if not torch.is_autocast_cache_enabled():
+        return False
     base = t._base if t._base is not None else t
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:

@@ -85,7 +85,9 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    an activation a module keeps as an attribute, ``self.last = h``, is such
    state too: never freed, and counted neither as activation nor as weight;
    so is autocast's cached cast of a parameter, which its cache holds for the
-   whole ``torch.autocast`` region and hands to every later forward),
+   whole ``torch.autocast`` region and hands to every later forward; also
+   when the stage enters ``torch.autocast`` itself inside a caller's region,
+   enabled or not, whose end alone clears the cache),
    to the caller's inputs or target, or to the output or saved tensors of another
    resident stored tensor (an ``nn.Identity`` or view stage returns its input's
    storage, batch norm saves its running statistics): a delete leaves it on the

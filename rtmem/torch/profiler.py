@@ -56,7 +56,7 @@ from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
 from ._module_state import KeptBuffers, buffer_slots, slot_buffers, stage_state
-from ._saved import _cached_cast, own_parametrizations
+from ._saved import _cached_cast, casts_outlive_forward, own_parametrizations
 from ._stages import (ExecutionError, _check_output, _graph_leaves, _input_key, _rederived_input,
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_inputs,
                       check_loss, check_loss_fn, check_needs_grad, differentiable,
@@ -195,9 +195,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         state = _storage_ptrs((*grads, *slot_buffers(slots)))
         x = inputs.detach().clone()   # a first stage may modify its input in place
         stage_params = [list(stage.parameters()) for stage in model]
-        # asked out of any op (inside one, where pack runs, autocast reads as off)
-        cached_casts = (torch.is_autocast_enabled(device.type)
-                        and torch.is_autocast_cache_enabled())
+        # asked out of any stage, as the executor's _SavedHooks asks it
+        casts_kept = casts_outlive_forward(device.type)
         # parameters, buffers and tensor attributes (a learnable offset), as the
         # executor decides at the start of a step
         stage_tensors = [[*params, *stage.buffers(), *stage_state(stage.modules())[0]]
@@ -210,7 +209,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             saved = []
 
             def pack(t, saved=saved):
-                saved.append((t, t._version))
+                # whether it is autocast's cached cast: asked here, in the
+                # autocast region the op saving it runs in (the stage's own too)
+                saved.append((t, t._version, casts_kept and _cached_cast(t)))
                 return t
 
             fwd_times = []
@@ -244,12 +245,12 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             exclude = state if (x_key is not None and _input_key(y) == x_key) or any(
                 t.untyped_storage().data_ptr() == x_key
                 and not _rederived_input(t, version, x_key, x_version, arg.dtype)
-                for t, version in saved) else state | {x_key}
+                for t, version, _ in saved) else state | {x_key}
             # autocast's cached casts of parameters (and of other leaves that
             # require grad) are model state for the executor (its
             # _SavedHooks.pack), held by the cache, not by abar
-            xbar = _storage_bytes([y, *(t for t, _ in saved if not (
-                cached_casts and _cached_cast(t)))], exclude=exclude)
+            xbar = _storage_bytes([y, *(t for t, _, cached in saved if not cached)],
+                                  exclude=exclude)
             o_f = 0
             if cuda:
                 o_f = max(0, torch.cuda.max_memory_allocated(device) - base - xbar)
