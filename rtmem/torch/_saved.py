@@ -158,9 +158,18 @@ def _cached_cast(t: torch.Tensor) -> bool:
     cache setting and the dtype are those of the autocast region the stage
     runs in, its own ``torch.autocast`` included. Not only parameters: a buffer
     or a tensor attribute that requires grad (a learnable offset) is such a
-    leaf too, and its cast is cached and reused alike. (A cast the stage makes
-    itself, ``self.w.to(torch.bfloat16)`` to autocast's dtype, looks the same
-    and is taken as cached too: kept as model state, not freed by a move.)"""
+    leaf too, and its cast is cached and reused alike.
+
+    Limitation: a cast the stage makes itself, ``self.w.to(torch.bfloat16)``
+    to autocast's dtype, looks the same (a ``ToCopyBackward0`` of the leaf;
+    torch offers no way to ask its cache what it holds) and is taken as cached
+    too, though autocast never caches it: kept as model state, so the results
+    are those of plain autograd, but its bytes, which the graph holds from
+    F_all to B, are counted neither in abar (the executor's measured bytes)
+    nor in the profiler's ``xbar``, and an offload or delete of abar leaves
+    them on the device: a plan undercounts that stage's abar by the cast's
+    size. For exact accounting let autocast make the cast (an op on its
+    lists, ``x @ self.w``), or cast to another dtype."""
     if not torch.is_autocast_cache_enabled():
         return False
     base = t._base if t._base is not None else t

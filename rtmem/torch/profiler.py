@@ -10,7 +10,9 @@ output's shape, and:
   minus the model's parameters and buffers (batch norm saves its running
   statistics), the constant tables its modules hold as plain tensor attributes
   and, under ``torch.autocast``, autocast's cached casts of the parameters
-  (model state for the executor too: NOTE [ Executor ] rule 4) and the stage
+  (model state for the executor too: NOTE [ Executor ] rule 4; a stage's own
+  ``.to()`` of a parameter to autocast's dtype is taken for one, and left out
+  too: ``_saved._cached_cast``) and the stage
   input (they are accounted as weights and as the previous activation; a
   cast, as neither), unless the stage modified its
   input in place before autograd saved it, or returns (a view of) its input:
