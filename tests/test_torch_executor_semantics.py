@@ -291,6 +291,31 @@ def test_profiling_runs_no_gradient_hook_of_the_callers(fail):
     assert calls.count("post") == len(params) and calls.count("tensor") == 2
 
 
+def test_a_gradient_hook_removed_during_profiling_stays_removed():
+    # the profiler held the hooks by emptying their dicts, so a handle removed
+    # meanwhile (here from a stage's forward hook) found nothing to remove, and
+    # the put-back registered both hooks again: they ran at the next backward
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    calls = []
+    w = model[0].weight
+    removed = [w.register_hook(lambda g: calls.append("tensor")),
+               w.register_post_accumulate_grad_hook(lambda p: calls.append("post"))]
+    model[2].weight.register_hook(lambda g: calls.append("kept"))
+
+    def remove_hooks(module, args, out):
+        for handle in removed:
+            handle.remove()
+    handle = model[1].register_forward_hook(remove_hooks)
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    profile_sequential(model, x, y, mse, repeats=2)
+    handle.remove()
+    assert calls == []
+    mse(model(x), y).backward()
+    assert calls == ["kept"]
+    assert not w._backward_hooks and not w._post_accumulate_grad_hooks
+
+
 # ---------------------------------------------------------------- defect 4
 class _ScaleInPlace(nn.Module):
     def forward(self, x):

@@ -99,29 +99,39 @@ def _clear_grads(leaves, grads: dict, held: list) -> None:
     _hold_hooks(new, held)
 
 
+def _held_hook(_):
+    """What :func:`_hold_hooks` puts in place of a gradient hook: nothing."""
+    return None
+
+
 def _hold_hooks(leaves, held: list) -> None:
-    """Empty the tensor hooks (``register_hook``) and post-accumulate-grad hooks
-    of ``leaves``, adding ``(hooks, removed)`` to ``held`` for
+    """Hold off the tensor hooks (``register_hook``) and post-accumulate-grad
+    hooks of ``leaves``, adding ``(hooks, hooks held)`` to ``held`` for
     :func:`_put_back_hooks`: the timed backward passes would run them on the
     profiler's gradients, and a hook that acts (the optimizer step in backward
     of PyTorch's tutorial, a gradient all-reduce) would change the weights or
-    the optimizer's state. Emptied in place: autograd calls the hooks of the
-    dict the tensor holds, and their handles keep removing them from it."""
+    the optimizer's state. Each is replaced in place, under its own key, by
+    :func:`_held_hook`: autograd calls the hooks of the dict the tensor holds,
+    and a handle the caller removes meanwhile (from a module hook of a stage,
+    or another thread) removes its key from that dict, so the hook stays
+    removed. (Emptying the dict left such a handle nothing to remove, and the
+    put-back registered the hook again.)"""
     for p in leaves:
         for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
             if hooks:
                 held.append((hooks, dict(hooks)))
-                hooks.clear()
+                for key in list(hooks):
+                    hooks[key] = _held_hook
 
 
 def _put_back_hooks(held: list) -> None:
-    """Undo :func:`_hold_hooks`, each dict in its order, before any hook
-    registered meanwhile (by a stage's forward)."""
-    for hooks, removed in held:
-        added = dict(hooks)
-        hooks.clear()
-        hooks.update(removed)
-        hooks.update(added)
+    """Undo :func:`_hold_hooks`: each hook whose handle was not removed meanwhile
+    back under its key, in its place, before any hook registered meanwhile (by
+    a stage's forward)."""
+    for hooks, hooks_held in held:
+        for key, hook in hooks_held.items():
+            if key in hooks:
+                hooks[key] = hook
 
 
 def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_fn, *,
