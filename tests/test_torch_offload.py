@@ -786,6 +786,39 @@ def test_profiling_with_an_open_optimizer_leaves_its_gradients_alone(setup):
     off.close()
 
 
+def test_profiling_holds_the_optimizer_s_flush_hooks_and_leaves_its_state_alone(setup):
+    # profile_sequential holds every gradient hook of the caller's while it runs,
+    # OffloadedAdam's flush among them, also of a tensor outside the model the
+    # loss reads: nothing is flushed, staged or stepped, and the gradients the
+    # caller holds (flushed to the host, or still in p.grad) stay as they were
+    model, loss_fn, batches = setup
+    mine = copy.deepcopy(model)
+    scale = torch.nn.Parameter(torch.ones(1))
+
+    def scaled(out, target):
+        return loss_fn(out * scale, target)
+    off = OffloadedAdam([*mine.parameters(), scale], lr=1e-2)
+    (x0, y0), (x1, y1) = batches[:2]
+    scaled(mine(x1), y1).backward()          # a micro-batch flushed to the host
+    p = next(mine.parameters())
+    p.grad = g = torch.randn_like(p)         # and one gradient left on the device
+    state = (list(off._fresh), off._grad_t.clone(), off._stage_t.clone(),
+             dict(off._partial), off.step_count)
+    weights = [q.detach().clone() for q in off.params]
+    profile_sequential(mine, x0, y0, scaled, repeats=2)
+    assert list(off._fresh) == state[0] and off._partial == state[3]
+    assert torch.equal(off._grad_t, state[1]) and torch.equal(off._stage_t, state[2])
+    assert off.step_count == state[4]
+    assert p.grad is g and all(q.grad is None for q in off.params if q is not p)
+    assert all(torch.equal(q, w) for q, w in zip(off.params, weights))
+    # the hooks flush again: the next backward's gradients go to the host
+    p.grad = None
+    scaled(mine(x1), y1).backward()
+    assert all(q.grad is None for q in off.params)
+    assert off._partial.keys() == set(range(len(off.params)))
+    off.close()
+
+
 def test_gradients_placed_in_an_arena_and_offloaded_adam_are_refused_together(setup):
     # OffloadedAdam's hook takes p.grad to its pinned buffer and sets None: a
     # gradient buffer from place_parameters(grads=True) stayed allocated, unused,
@@ -819,7 +852,7 @@ def test_a_profile_that_fails_early_resumes_the_optimizer_hooks(setup, monkeypat
     # (an out-of-memory clone of the batch; a storage its accounting cannot read,
     # as a sparse buffer's) left p.grad None and the hooks paused for good, so
     # every later backward kept its gradients on the device until step()
-    from rtmem.torch import offload, profiler
+    from rtmem.torch import profiler
     model, loss_fn, batches = setup
     mine = copy.deepcopy(model)
     off = OffloadedAdam(mine.parameters(), lr=1e-2)
@@ -832,7 +865,9 @@ def test_a_profile_that_fails_early_resumes_the_optimizer_hooks(setup, monkeypat
     monkeypatch.setattr(profiler, "inputs_need_grad", oom)
     with pytest.raises(RuntimeError, match="out of memory"):
         profile_sequential(mine, x0, y0, loss_fn, repeats=1)
-    assert p.grad is g and len(offload._paused) == 0
+    assert p.grad is g
+    # the flush hooks, held while profiling, are back (each parameter's own)
+    assert all(len(q._post_accumulate_grad_hooks) == 1 for q in mine.parameters())
     p.grad = None
     loss_fn(mine(x1), y1).backward()
     assert all(q.grad is None for q in mine.parameters())    # flushed by the hooks

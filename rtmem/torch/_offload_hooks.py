@@ -1,12 +1,12 @@
 """What an :class:`~rtmem.torch.OffloadedAdam` sets up outside itself: the
 post-accumulate-grad hook that flushes a parameter's gradient (point 1 of
 NOTE [ Offloaded Adam ] in offload.py), which open optimizer owns a parameter's
-gradients, the pauses of the passes that own them for a while (the profiler's),
-the finalizer of an optimizer dropped without close(), and the SIGINT handler
-held over a step's bookkeeping (NOTE [ Interrupted step ] in _offload_update.py).
-Separate from ``offload.py``, which holds the optimizer and re-exports
-:func:`_pause_flushes`, :func:`_resume_flushes`, :func:`_interrupts_held` and
-``_paused``, imported from there.
+gradients, the finalizer of an optimizer dropped without close(), and the SIGINT
+handler held over a step's bookkeeping (NOTE [ Interrupted step ] in
+_offload_update.py). Separate from ``offload.py``, which holds the optimizer and
+re-exports :func:`_interrupts_held`, imported from there. (The profiler, whose
+backward passes own the gradients for a while, holds the flush hook off as it
+holds every gradient hook of the caller's: ``profiler._hold_hooks``.)
 """
 from __future__ import annotations
 
@@ -26,28 +26,6 @@ from ._stages import SUMS_PARTIAL_GRADIENTS
 # identity: tensors compare elementwise.)
 _owners = WeakIdKeyDictionary()
 
-# parameter -> nesting count of the passes that own its gradient for a while
-# (rtmem.torch.profile_sequential's backward passes, which put the caller's
-# p.grad back afterwards): their hooks leave p.grad alone, so an open
-# OffloadedAdam does not take those gradients for the next step's.
-_paused = WeakIdKeyDictionary()
-
-
-def _pause_flushes(params) -> None:
-    """Stop flushing the gradients of ``params`` until :func:`_resume_flushes`."""
-    for p in params:
-        _paused[p] = _paused.get(p, 0) + 1
-
-
-def _resume_flushes(params) -> None:
-    """Undo one :func:`_pause_flushes` of ``params``."""
-    for p in params:
-        count = _paused.get(p, 0) - 1
-        if count > 0:
-            _paused[p] = count
-        else:
-            _paused.pop(p, None)
-
 
 def _hook(ref, k: int):
     """Parameter k's post-accumulate-grad hook, holding the optimizer weakly.
@@ -60,7 +38,7 @@ def _hook(ref, k: int):
     @torch.compiler.disable
     def flush(p):
         opt = ref()
-        if opt is not None and p not in _paused:
+        if opt is not None:
             opt._flush(k, p)
     # It adds every gradient it is given to the host gradient (micro-batches), so
     # a tied parameter's per-stage parts under the ScheduleExecutor, one backward

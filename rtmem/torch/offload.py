@@ -77,9 +77,8 @@ from ._offload_checks import (_check_disjoint, _check_grad, _check_group, _check
                               _param_groups)
 from ._offload_grads import _Gradients
 from ._offload_hooks import _data_parallel, _drop, _held_by_open_optimizer, _hook, _owners
-# imported from here: the pauses by rtmem.torch.profiler, the others by the tests
-from ._offload_hooks import _interrupts_held, _paused  # noqa: F401
-from ._offload_hooks import _pause_flushes, _resume_flushes  # noqa: F401
+# imported from here by the tests
+from ._offload_hooks import _interrupts_held  # noqa: F401
 from ._offload_state import _StateDict
 from ._offload_update import _ChunkedUpdate
 from .bridge import _placement_of, as_tensor, numpy_dtype

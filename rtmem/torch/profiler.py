@@ -63,7 +63,6 @@ from ._stages import (ExecutionError, _check_output, _graph_leaves, _input_key, 
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_inputs,
                       check_loss, check_loss_fn, check_needs_grad, differentiable,
                       inputs_need_grad)
-from .offload import _pause_flushes, _resume_flushes
 
 __all__ = ["profile_sequential"]
 
@@ -88,14 +87,13 @@ class _Timer:
 def _clear_grads(leaves, grads: dict, held: list) -> None:
     """Record the ``.grad`` of each of ``leaves`` not yet in ``grads`` (the same
     object, put back at the end) and set it to None for profiling, and hold
-    their gradient hooks off until the end (:func:`_hold_hooks`, into ``held``).
-    An open :class:`~rtmem.torch.OffloadedAdam` stops flushing their gradients
-    until the end too (they are the profiler's, not the next step's)."""
+    their gradient hooks off until the end (:func:`_hold_hooks`, into ``held``):
+    among them an open :class:`~rtmem.torch.OffloadedAdam`'s flush, which would
+    take the profiler's gradients for the next step's."""
     new = [p for p in leaves if p not in grads]
     for p in new:
         grads[p] = p.grad
         p.grad = None
-    _pause_flushes(new)
     _hold_hooks(new, held)
 
 
@@ -198,8 +196,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     # none, and put the caller's tensors back afterwards (also those of leaves
     # outside the model that a stage or the loss uses, see _clear_grads). Taken
     # inside the try: whatever raises after it (a storage the accounting cannot
-    # read, an out-of-memory clone of the batch) must give them back and resume
-    # an open OffloadedAdam's gradient hooks
+    # read, an out-of-memory clone of the batch) must give them back and put
+    # back the gradient hooks it held (an open OffloadedAdam's among them)
     grads, held = {}, []
     try:
         _clear_grads(model.parameters(), grads, held)
@@ -318,7 +316,6 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             for p, g in grads.items():
                 p.grad = g
             _put_back_hooks(held)
-            _resume_flushes(grads)
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, device)
