@@ -1667,6 +1667,49 @@ def test_the_autocast_cache_comes_back_after_a_failed_no_grad_forward(monkeypatc
     assert torch.is_autocast_cache_enabled()
 
 
+class _GradientPenalty(nn.Module):
+    """``tanh(lin(x))`` plus a penalty on its gradient with respect to its input,
+    computed in the forward with ``torch.autograd.grad``; under its own
+    ``torch.enable_grad()`` when ``own_grad_mode``."""
+
+    def __init__(self, own_grad_mode):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.own_grad_mode = own_grad_mode
+
+    def forward(self, x):
+        with torch.enable_grad() if self.own_grad_mode else contextlib.nullcontext():
+            if not x.requires_grad:
+                x = x.detach().requires_grad_()
+            y = torch.tanh(self.lin(x))
+            g, = torch.autograd.grad(y.sum(), x, create_graph=True)
+            return y + 0.1 * g.pow(2).mean()
+
+
+@pytest.mark.parametrize("text", [
+    "F_ck 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, F_all 0, B 0",
+    "F_ck 0, F_none 1, F_all 2, L, B 2, F_all 0, F_all 1, B 1, B 0"])
+def test_a_stage_differentiating_in_its_forward_without_grad_is_refused_by_name(text):
+    # F_ck / F_none run stages under no_grad, where torch.autograd.grad in a
+    # stage's forward raised torch's "element 0 of tensors does not require grad
+    # and does not have a grad_fn", naming neither the stage nor the cause. A
+    # stage enabling grad itself trains as plain PyTorch does
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    sched = _sched(text, 3)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _GradientPenalty(False), nn.Linear(16, 4))
+    with pytest.raises(ExecutionError, match=r"stage 1 \(_GradientPenalty\) differentiates "
+                       r"inside its forward .* operation 1 of the schedule \(F_(ck|none) 1\)"
+                       r".*torch.enable_grad"):
+        ScheduleExecutor(model, sched, mse).step(x, y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _GradientPenalty(True), nn.Linear(16, 4))
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, sched)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
 def _same_items(d: dict, e: dict) -> bool:
     return d.keys() == e.keys() and all(d[k] is e[k] for k in d)
 

@@ -15,7 +15,11 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    (and the loss) computes the parametrized weights in a cache of its own,
    the caller's put back afterwards: one filled under no_grad handed the
    weight, with no autograd history, to the later F_all, and the
-   parametrization got no gradient.
+   parametrization got no gradient. A stage that differentiates inside its
+   forward (``torch.autograd.grad``: a gradient penalty) fails there unless it
+   enables grad for that itself; torch's error ("does not require grad and
+   does not have a grad_fn") becomes an :class:`ExecutionError` naming the
+   stage and the remedy.
 2. ``F_all i``: stage i under ``enable_grad`` from a detached leaf that requires
    grad (its ``.grad`` becomes delta_i) when a_i is floating-point or complex
    (integer a_i, token ids, carry no gradient), handed to the stage through an identity
@@ -560,10 +564,33 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             if op == Op.F_ALL:
                 self._forward_all(i, x)
                 return
-            with torch.no_grad(), uncached_casts():
-                self._plain[i + 1] = _Stored.of(self._run_stage(i, x))
+            self._plain[i + 1] = _Stored.of(self._run_stage_without_grad(i, x))
         if op == Op.F_NONE:   # after storing a_{i+1}, which may share a_i's storage
             self._drop(self._plain, i)
+
+    def _run_stage_without_grad(self, i: int, x: torch.Tensor):
+        """Stage ``i`` on ``x`` under ``no_grad`` (F_ck, F_none). A stage
+        that differentiates inside its forward (``torch.autograd.grad`` or
+        ``.backward()``: a gradient penalty) gets torch's "does not require grad
+        and does not have a grad_fn" there, which names neither the stage nor
+        the cause: refused with :class:`ExecutionError` saying both."""
+        try:
+            with torch.no_grad(), uncached_casts():
+                return self._run_stage(i, x)
+        except RuntimeError as e:
+            if "does not require grad and does not have a grad_fn" not in str(e):
+                raise
+            stage = self.stages[i]
+            raise ExecutionError(
+                f"stage {i} ({type(stage).__name__}) differentiates inside its forward "
+                f"(torch.autograd.grad or .backward(), e.g. a gradient penalty), which "
+                f"failed in operation {self._op_index} of the schedule "
+                f"({self.schedule.op_text(self._op_index)}): F_ck and F_none run a stage "
+                f"under torch.no_grad(), where nothing it computes has autograd history "
+                f"({e}). Run that part of its forward under `with "
+                f"torch.enable_grad():` (its input then needs x.requires_grad_() where "
+                f"it does not require grad), which trains as plain PyTorch does, or use "
+                f"a schedule without F_ck and F_none of stage {i}") from e
 
     def _forward_all(self, i: int, x: torch.Tensor):
         hooks = _SavedHooks(self, i, x)
