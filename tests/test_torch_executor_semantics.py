@@ -1708,6 +1708,12 @@ def test_a_stage_differentiating_in_its_forward_without_grad_is_refused_by_name(
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    # and the plain a2 it stores is plain: it kept the stage's graph (with every
+    # tensor the graph saved, counted nowhere) until it was consumed
+    histories = []
+    m[2].register_forward_pre_hook(lambda mod, args: histories.append(ex._plain[2].out.grad_fn))
+    ex.step(x, y)
+    assert histories == [None]
 
 
 def _same_items(d: dict, e: dict) -> bool:

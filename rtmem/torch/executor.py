@@ -6,7 +6,8 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
 (thesis-remat.md §5.1, Table 2.1; the simulator's NOTE [ Simulator semantics ]):
 
 1. ``F_none i`` / ``F_ck i``: stage i under ``no_grad``; F_none drops its plain
-   input, F_ck keeps it. The output is a plain tensor a_{i+1}. Under
+   input, F_ck keeps it. The output is a plain tensor a_{i+1} (detached when
+   the stage enabled grad itself and gave it autograd history). Under
    ``torch.autocast`` with torch < 2.11, autocast's cache is off for them: that
    torch cached a weight's cast made under no_grad and handed it, with no
    autograd history, to the later F_all reading the weight, whose gradient was
@@ -573,10 +574,11 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         that differentiates inside its forward (``torch.autograd.grad`` or
         ``.backward()``: a gradient penalty) gets torch's "does not require grad
         and does not have a grad_fn" there, which names neither the stage nor
-        the cause: refused with :class:`ExecutionError` saying both."""
+        the cause: refused with :class:`ExecutionError` saying both. The
+        output comes without autograd history: a plain a_{i+1}."""
         try:
             with torch.no_grad(), uncached_casts():
-                return self._run_stage(i, x)
+                y = self._run_stage(i, x)
         except RuntimeError as e:
             if "does not require grad and does not have a grad_fn" not in str(e):
                 raise
@@ -591,6 +593,10 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                 f"torch.enable_grad():` (its input then needs x.requires_grad_() where "
                 f"it does not require grad), which trains as plain PyTorch does, or use "
                 f"a schedule without F_ck and F_none of stage {i}") from e
+        # A stage that enables grad itself (for its penalty) returns an output
+        # with autograd history even here: kept, its graph, with every tensor
+        # the graph saved, lived as long as the plain a_{i+1}, counted nowhere
+        return y.detach() if y.requires_grad else y
 
     def _forward_all(self, i: int, x: torch.Tensor):
         hooks = _SavedHooks(self, i, x)
