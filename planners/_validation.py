@@ -69,6 +69,12 @@ def is_int(value) -> bool:
 
 def as_scalar(name: str, value, *, integral: bool):
     """Validate one finite non-negative number (bytes rounded up when ``integral``)."""
+    if getattr(value, "ndim", 0):
+        # float() takes torch.tensor([3]) (numpy 2 refuses np.array([3])): refuse
+        # both, as rtmem.units does; one value passed as an array is a mistake
+        raise ChainError(f"{name} must be one number, got an array of shape "
+                         f"{tuple(value.shape)}: {value!r}; pass a scalar (x.item())",
+                         field=name)
     try:
         v = float(value)
     except (TypeError, ValueError) as e:

@@ -26,10 +26,14 @@ _NOT_POSITIVE = ("memory must be > 0 bytes, got {!r}; give the device memory bud
 def _negative(value) -> bool:
     """A number below 0 (a 0-d array or tensor, a Decimal too) or a string written
     with a minus sign ('-1GiB', '-inf'); False for anything else (an array of
-    several: ``array < 0`` has no one truth value, and its error is
-    parse_bytes' to give)."""
+    one or more dimensions, even of one element: its error is parse_bytes' to
+    give)."""
     if isinstance(value, str):
         return value.strip().startswith("-")
+    if getattr(value, "ndim", 0):
+        # torch.tensor([-5]) has a truth value, yet parse_bytes' "got an array of
+        # shape (1,)" is the error to give (it was "must be > 0 bytes")
+        return False
     try:
         return bool(value < 0)
     except (TypeError, ValueError, RuntimeError):   # numpy's and torch's "ambiguous"

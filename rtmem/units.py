@@ -42,12 +42,25 @@ def _is_bool(value) -> bool:
     return getattr(dtype, "kind", None) == "b" or str(dtype) == "torch.bool"
 
 
+def _is_array(value) -> bool:
+    """An array or tensor of one or more dimensions, even of one element: a size
+    given as ``np.array([4096])`` or ``torch.tensor([4096])`` is almost surely a
+    mistake (0-d arrays and tensors are scalars and pass)."""
+    return bool(getattr(value, "ndim", 0))
+
+
 def is_whole(value) -> bool:
-    """An int, numpy integer or whole float (``4.0``), not a bool (numpy's
-    included); False for what ``int()`` refuses (nan and inf raise its bare
-    ValueError / OverflowError)."""
+    """An int, numpy integer or whole float (``4.0``), or a 0-d array or tensor
+    of one, not a bool (numpy's included); False for what ``int()`` refuses (nan
+    and inf raise its bare ValueError / OverflowError) and for arrays of one or
+    more dimensions."""
     # numpy's bool passed as 1: plan_layout(alignment=np.True_) laid out with
     # alignment 1 where alignment=True is refused
+    if _is_array(value):
+        # int() takes torch.tensor([8]) (and numpy before 2.x np.array([8])):
+        # plan_layout(alignment=torch.tensor([8])) laid out with alignment 8,
+        # where np.array([8]) was refused
+        return False
     try:
         # bool(): a 0-d tensor's == is a tensor
         return not _is_bool(value) and bool(int(value) == value)
@@ -55,11 +68,17 @@ def is_whole(value) -> bool:
         return False
 
 
-def _number(value, what):
+def _number(value, what, example):
+    if _is_array(value):
+        # float() takes torch.tensor([4096]) (numpy 2 refuses np.array([4096])):
+        # alloc(torch.tensor([4096])) allocated 4096 bytes where the array was refused
+        raise UnitError(f"{what} must be one number or a string like {example!r}, got an "
+                        f"array of shape {tuple(value.shape)}: {value!r}; pass a scalar "
+                        "(a 0-d array, or x.item())")
     # numpy's bool (np.True_, a 0-d bool array) is no numbers.Integral and went
     # through float(): alloc(np.True_) allocated 1 byte where alloc(True) is refused.
     if _is_bool(value):
-        raise UnitError(f"{what} must be a number or a string like '12GiB', got {value!r}")
+        raise UnitError(f"{what} must be a number or a string like {example!r}, got {value!r}")
     try:
         return float(value)
     except OverflowError:
@@ -67,7 +86,7 @@ def _number(value, what):
         # is a finite number too large for a float, so it reads as infinite.
         return math.inf if value > 0 else -math.inf
     except (TypeError, ValueError):
-        raise UnitError(f"{what} must be a number or a string like '12GiB', got "
+        raise UnitError(f"{what} must be a number or a string like {example!r}, got "
                         f"{value!r}") from None
 
 
@@ -96,7 +115,7 @@ def parse_bytes(value, *, round_down: bool = False) -> int:
         # OverflowError instead of a UnitError)
         nbytes = int(value)
     else:
-        nbytes = _number(value, "a size")
+        nbytes = _number(value, "a size", "12GiB")
     if nbytes < 0 or not (isinstance(nbytes, int) or math.isfinite(nbytes)):
         raise UnitError(f"a size must be finite and >= 0 bytes, got {value!r}")
     if isinstance(nbytes, int):
@@ -120,7 +139,7 @@ def parse_bandwidth(value) -> float:
                 "'16GiB/s' or 'inf'")
         bw = float(m.group(1)) * _PREFIX[m.group(2) or ""]
     else:
-        bw = _number(value, "a bandwidth")
+        bw = _number(value, "a bandwidth", "12 GB/s")
     if math.isnan(bw) or bw <= 0:
         raise UnitError(f"a bandwidth must be > 0 bytes/s, got {value!r}")
     return bw
@@ -134,7 +153,7 @@ def parse_seconds(value) -> float:
             raise UnitError(f"cannot read {value!r} as a duration; write it like '3 ms' or '1.5s'")
         secs = float(m.group(1)) * _TIME_UNIT[m.group(2)]
     else:
-        secs = _number(value, "a duration")
+        secs = _number(value, "a duration", "3 ms")
     if not math.isfinite(secs) or secs < 0:
         raise UnitError(f"a duration must be finite and >= 0 seconds, got {value!r}")
     return secs + 0.0           # "-0" is 0.0, not -0.0 (printed "-0.0 ns")

@@ -91,7 +91,7 @@ def test_a_negative_budget_is_told_the_same_bound_as_zero():
             Platform(memory)
         assert ">= 0" not in str(err.value) and "Platform(" not in str(err.value)
     # an array has no one truth value: a PlatformError, not numpy's ValueError
-    with pytest.raises(PlatformError, match="must be a number"):
+    with pytest.raises(PlatformError, match=r"must be one number .*shape \(2,\)"):
         Platform(np.array([-1, 2]))
 
 
@@ -144,3 +144,40 @@ def test_is_whole_refuses_numpy_and_torch_bools_as_it_refuses_bools():
         parse_bytes(torch.tensor(True))
     with pytest.raises(ValueError, match="power of two"):
         plan_layout([0], [1], [8], alignment=np.True_)
+
+
+def test_arrays_of_one_element_are_refused_as_sizes_as_numpy_and_torch_alike():
+    # torch.tensor([4096]) passed as 4096 (is_whole True, parse_bytes 4096 bytes,
+    # plan_layout aligned to tensor([8]), Chain(x0=tensor([3])) took 3 bytes)
+    # where numpy 2 refuses np.array([4096]); 0-d arrays and tensors still pass
+    torch = pytest.importorskip("torch")
+    from planners.chain import Chain
+    from rtmem.errors import ChainError
+    from rtmem.layout import plan_layout
+    from rtmem.units import is_whole
+    for make in (np.array, torch.tensor):
+        assert is_whole(make(4096)) is True
+        assert parse_bytes(make(4096)) == 4096
+        for value in (make([4096]), make([[4096]])):
+            assert is_whole(value) is False, value
+            for parse in (parse_bytes, parse_bandwidth, parse_seconds):
+                with pytest.raises(UnitError, match=r"one number .*array of shape \(1"):
+                    parse(value)
+        with pytest.raises(ValueError, match="power of two"):
+            plan_layout([0], [1], [8], alignment=make([8]))
+        for memory in (make([2**30]), make([-5])):
+            # not "must be > 0 bytes" for the [-5]: the shape is what is wrong
+            with pytest.raises(PlatformError, match=r"invalid memory: .*shape \(1,\)"):
+                Platform(memory)
+        with pytest.raises(PlatformError, match=r"invalid bandwidth .*shape \(1,\)"):
+            Platform(2**30, make([10**9]))
+        with pytest.raises(ChainError, match=r"x0 must be one number, .*shape \(1,\)"):
+            Chain(u_f=[1], u_b=[1], x=[1], xbar=[1], x0=make([3]))
+    from rtmem.arena import HostArena
+    arena = HostArena("64KiB")
+    try:
+        with pytest.raises(UnitError, match=r"shape \(1,\)"):
+            arena.alloc(torch.tensor([4096]))
+        assert arena.stats().alloc_count == 0
+    finally:
+        arena.close()
