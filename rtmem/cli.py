@@ -21,7 +21,8 @@ from rtmem.demo import MODEL_OPTIONS
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
-__all__ = ["main", "at_least", "load_chain", "load_schedule", "output_file", "platform_value"]
+__all__ = ["main", "at_least", "load_chain", "load_schedule", "output_file", "platform_value",
+           "writable"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
 PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
@@ -88,9 +89,48 @@ def load_schedule(spec: str, chain):
                         "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
 
 
+def writable(path: str) -> str | None:
+    """Why ``path`` cannot be written, or None when it can: its missing folders
+    are made and the file created, then both removed again (a file that exists
+    is only checked with ``os.access``, so it is left as it was). Checked before
+    the work whose result goes there: ``rtmem plan remat --save /proc/x.json``
+    failed with "[Errno 2]" after the whole solve."""
+    made, folder = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        made.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    for folder in reversed(made):
+        if os.path.lexists(folder):
+            # makedirs said "[Errno 17] File exists" (or named a folder below it)
+            return f"{folder!r} is not a folder"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.exists(path):
+            if not os.access(path, os.W_OK):
+                return "permission denied"
+        elif not os.path.lexists(path):      # (a dangling link: its target is made later)
+            with open(path, "x"):
+                pass
+            os.unlink(path)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and e.filename != path else ""
+        return f"{(e.strerror or str(e)).lower()}{where}"
+    finally:
+        for folder in made:                      # deepest first, as they were made
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+    return None
+
+
 def output_file(*suffixes):
-    """An argparse ``type=`` for a file to write: refuses folders and, when
-    ``suffixes`` are given, other file types, before any work is done."""
+    """An argparse ``type=`` for a file to write: refuses folders, paths that
+    cannot be written (:func:`writable`) and, when ``suffixes`` are given, other
+    file types, before any work is done."""
     def check(value: str) -> str:
         if not value.strip():
             # --save '' was accepted and then skipped (`if args.save`): exit 0, no file
@@ -102,6 +142,9 @@ def output_file(*suffixes):
             raise argparse.ArgumentTypeError(
                 f"{value!r}: the file name must end in ."
                 + ", .".join(suffixes[:-1]) + f" or .{suffixes[-1]}")
+        problem = writable(value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"cannot write {value!r}: {problem}")
         return value
     return check
 
@@ -285,6 +328,10 @@ def _demo_problem(args) -> str | None:
     if not args.out.strip() or (os.path.exists(args.out) and not os.path.isdir(args.out)):
         return (f"--out {args.out!r} is not a folder; give a folder for the plots, plan "
                 f"and chain")
+    # before minutes of profiling: --out /proc failed at the first file written
+    problem = writable(os.path.join(args.out, "chain.json"))
+    if problem:
+        return f"--out {args.out!r}: cannot write there: {problem}"
     if args.memory is not None:     # before minutes of profiling, not after
         from rtmem.planners.plan import as_budget
         try:

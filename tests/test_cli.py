@@ -129,6 +129,16 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     # run_demo's makedirs said "[Errno 17] File exists" (exit 1) after importing torch
     (["demo", "--out", "{tmp}/file"], "is not a folder"),
     (["demo", "--out", ""], "is not a folder"),
+    # an output path that cannot be written failed only after the work ("[Errno 17]
+    # File exists" after the whole solve for --save); "file" is a file here
+    (["plan", "remat", "gpt2-small", "--memory", "8GiB", "--save", "{tmp}/file/a/x.json"],
+     "argument --save: cannot write '{tmp}/file/a/x.json': '{tmp}/file' is not a folder"),
+    (["plan", "remat", "gpt2-small", "--memory", "8GiB", "--plot", "{tmp}/file/x.png"],
+     "argument --plot: cannot write"),
+    (["simulate", "gpt2-small", "store-all", "--memory", "8GiB", "--plot",
+      "{tmp}/file/x.png"], "argument --plot: cannot write"),
+    (["bench", "pcie", "--plot", "{tmp}/file/x.png"], "'{tmp}/file' is not a folder"),
+    (["demo", "--out", "{tmp}/file/out"], "cannot write there: '{tmp}/file' is not a folder"),
     # the bench scripts' usage named "rtmem [-h] [--quick] ..."; --max-size garbage was
     # an exit 1 naming no option; --plot x.txt failed only after the sweep (GPU)
     (["bench", "pcie", "--max-size", "lots"], "usage: rtmem bench pcie"),
@@ -170,6 +180,7 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
 def test_bad_arguments_exit_2_before_any_work(capsys, tmp_path, argv, fragment):
     (tmp_path / "file").write_text("")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    fragment = fragment.replace("{tmp}", str(tmp_path))
     with pytest.raises(SystemExit) as e:
         code = main(argv)
         raise SystemExit(code)
@@ -361,6 +372,35 @@ def test_plan_save_makes_a_missing_folder_as_plot_does(capsys, tmp_path):
                        "--quiet", "--save", str(save), "--plot", str(plot))
     assert code == 0, err
     assert save.is_file() and plot.is_file()
+
+
+def test_output_paths_are_checked_before_the_solve_and_leave_nothing(capsys, tmp_path,
+                                                                     monkeypatch):
+    # --save /proc/x.json failed with "[Errno 2]" only after the whole solve; the
+    # check makes the missing folders and the file, then removes them again
+    import os
+
+    import rtmem.planners.remat as remat
+    if os.path.isdir("/proc/self"):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "remat", "gpt2-small", "--memory", "8GiB", "--save",
+                  "/proc/rtmem-test/x.json"])
+        assert e.value.code == 2 and "argument --save: cannot write" in capsys.readouterr().err
+    save, plot = tmp_path / "a" / "b" / "plan.json", tmp_path / "c" / "plan.png"
+
+    def fails(*args, **kwargs):
+        assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+        raise remat.InfeasibleError("stand-in for a failed solve", min_feasible=None)
+    monkeypatch.setattr(remat, "compare_remat", fails)
+    code, _, err = run(capsys, "plan", "remat", "gpt2:layers=2", "--memory", "8GiB",
+                       "--quiet", "--save", str(save), "--plot", str(plot))
+    assert code == 1 and "stand-in" in err
+    assert os.listdir(tmp_path) == []
+    existing = tmp_path / "kept.json"
+    existing.write_text("old")
+    code, _, err = run(capsys, "plan", "remat", "gpt2:layers=2", "--memory", "8GiB",
+                       "--quiet", "--save", str(existing))
+    assert code == 1 and existing.read_text() == "old"
 
 
 def test_a_problem_too_large_for_host_memory_is_one_line(capsys, monkeypatch):
