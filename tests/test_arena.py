@@ -287,11 +287,52 @@ def test_host_stream_failure_is_reported():
         s.synchronize()
 
 
+def test_the_events_a_free_records_leave_a_stream_failure_to_its_user():
+    # A free orders itself behind events it records on the buffer's stream (its
+    # home, or the copy stream while a copy runs), which only the allocator looks
+    # at: the first of them took the failure of the work before it, and the
+    # stream's synchronize() then raised nothing (NOTE [ Host stream failures ]).
+    from rtmem import transfers
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    dev, host = DeviceArena("64KiB", backend=be), HostArena("64KiB", backend=be)
+
+    def boom(what):
+        def fail():
+            raise RuntimeError(f"{what} failed")
+        return fail
+    user = be.new_stream("user")
+    buf = dev.alloc(4096, stream=user)
+    gate = threading.Event()
+    user.launch_host_func(gate.wait)
+    user.launch_host_func(boom("user work"))
+    buf.free()
+    gate.set()
+    with pytest.raises(BackendError, match="user work failed") as err:
+        user.synchronize()
+    assert isinstance(err.value.__cause__, RuntimeError)
+    user.synchronize()                              # reported once
+    # the copy stream: work after an offload fails while its source is freed
+    d2h = transfers.get_engine(be).d2h
+    gate = threading.Event()
+    d2h.launch_host_func(gate.wait)
+    buf = dev.alloc(4096)
+    transfers.offload(buf, arena=host)
+    d2h.launch_host_func(boom("work on d2h"))
+    buf.free()
+    gate.set()
+    with pytest.raises(BackendError, match="work on d2h failed"):
+        transfers.get_engine(be).synchronize()
+    assert dev.stats().allocated_bytes == 0 and host.stats().allocated_bytes == 0
+    dev._check_invariants()
+
+
 @pytest.mark.parametrize("debug", [False, True])
 def test_a_free_behind_failed_unrelated_work_frees_with_and_without_debug(debug):
     # A free behind an offload still copying is gated by an event recorded after
-    # the copy; unrelated work queued next on the D2H stream fails, and that
-    # event is the one that reports it (NOTE [ Host stream failures ]). The
+    # the copy; unrelated work queued next on the D2H stream fails, which that
+    # event covered (it reported the failure until it became a marker, which
+    # reports none: NOTE [ Host stream failures ]). The
     # allocator only asks whether the work is over, but the debug PoisonAdaptor
     # synchronized the event: free() raised the unrelated failure and the buffer
     # stayed allocated, under debug alone.

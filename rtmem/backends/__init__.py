@@ -146,6 +146,14 @@ class Backend(abc.ABC):
     def current_stream(self):
         """The compute stream user work runs on."""
 
+    def marker(self, stream):
+        """An event recorded on ``stream`` for rtmem's own bookkeeping (when freed
+        memory may be reused), which no one asks for errors: on the host backend
+        it reports no failure of the work it covers, leaving that to the
+        stream's next event or ``synchronize()`` (NOTE [ Host stream failures ]
+        in :mod:`rtmem.backends.host`). CUDA events carry no failures."""
+        return self.new_event().record(stream)
+
     @abc.abstractmethod
     def copy_async(self, dst: Slab, dst_offset: int, src: Slab, src_offset: int,
                    nbytes: int, stream) -> None:

@@ -77,6 +77,9 @@ class HostEvent:
     and by every event of a stream that waited on that event; events whose work
     completed before the failure stay clean, and the stream serves later work
     normally. :meth:`query` only says whether the work is over, failed or not.
+    Events recorded with ``report=False`` (rtmem's own bookkeeping:
+    ``backend.marker``, which gates the reuse of freed memory and which no one
+    asks for errors) report nothing and leave the failure to the next event.
     """
 
     __slots__ = ("_done", "_box")
@@ -86,8 +89,11 @@ class HostEvent:
         self._done.set()            # never recorded: complete, as in CUDA
         self._box = [None, None]    # [the failure this recording reports, stream name]
 
-    def record(self, stream=None) -> "HostEvent":
-        """Capture the work enqueued so far on ``stream`` (default: compute stream)."""
+    def record(self, stream=None, *, report: bool = True) -> "HostEvent":
+        """Capture the work enqueued so far on ``stream`` (default: compute stream).
+        ``report=False``: the event completes with that work but takes none of
+        its failures, which stay for the stream's next event or synchronize()
+        (NOTE [ Host stream failures ])."""
         done, box = threading.Event(), [None, getattr(stream, "name", "compute")]
         if stream is None or isinstance(stream, HostNullStream):
             done.set()              # the compute stream is synchronous
@@ -96,7 +102,9 @@ class HostEvent:
             # closed stream) must leave the event as it was, as cudaEventRecord
             # does, not pending forever (synchronize() hung). The worker sets
             # ``done`` itself, so it may run before the switch.
-            stream._put(functools.partial(_complete, done, box, stream._failure))
+            # a _Failure of its own when not reporting: one that never holds an error
+            failure = stream._failure if report else _Failure()
+            stream._put(functools.partial(_complete, done, box, failure))
         self._done, self._box = done, box
         return self
 
@@ -392,6 +400,13 @@ class HostBackend(Backend):
     def new_event(self) -> HostEvent:
         """A new event (complete until recorded)."""
         return HostEvent()
+
+    def marker(self, stream) -> HostEvent:
+        """An event recorded on ``stream`` that reports no failure (``record(stream,
+        report=False)``): an event the allocator kept to gate a free took the
+        failure of a user stream's work, and that stream's synchronize() then
+        raised nothing (NOTE [ Host stream failures ])."""
+        return HostEvent().record(stream, report=False)
 
     def current_stream(self) -> HostNullStream:
         """The synchronous compute stream."""
