@@ -281,13 +281,17 @@ class Buffer:
             else:
                 self._drop(side)
         what = "H2D" if move.side == "device" else "D2H"
-        return BackendError(
+        failed = BackendError(
             f"the {what} copy into the {move.side} side of this {self.kind} buffer "
             f"({self.nbytes:,} bytes) failed: {error!r}; "
             + (f"the bytes of its {' and '.join(kept)} copy are not valid; write them "
                "again (copy into it, or through a view)" if kept else
                f"that copy was dropped and the buffer keeps its {valid[0]} copy; retry "
                "the move"))
+        # raised later, by whichever call settles the move: chained to the copy's
+        # own exception here, as event.synchronize() chains it (it had no cause)
+        failed.__cause__ = error
+        return failed
 
     def _drop(self, side: str) -> None:
         """Release the ``side`` placement (stream-ordered) and detach it. Under

@@ -319,8 +319,11 @@ def test_a_failed_copy_is_undone_and_reported(arenas, monkeypatch):
         raise MemoryError("simulated copy failure")
     monkeypatch.setattr(H, "_copy", failing)
     T.prefetch(b)
-    with pytest.raises(BackendError, match="H2D copy.*dropped"):
+    with pytest.raises(BackendError, match="H2D copy.*dropped") as err:
         T.synchronize(b)
+    # chained to the copy's own exception, as event.synchronize() chains it (the
+    # buffer's error had no cause: its traceback was lost)
+    assert isinstance(err.value.__cause__, MemoryError)
     assert b.residency == "host" and d.stats().allocated_bytes == 0
     with pytest.raises(ResidencyError, match="only copy"):
         T.drop_host(b)
