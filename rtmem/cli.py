@@ -363,8 +363,22 @@ def _cmd_demo(args) -> int:
         print(f"rtmem demo: error: {problem}", file=sys.stderr)
         return 2
     sizes = {name: getattr(args, name) for name in MODEL_OPTIONS[args.model]}
-    run_demo(model=args.model, batch=args.batch, steps=args.steps, memory=args.memory,
-             slots=args.slots, out=args.out, device=args.device, **sizes)
+    try:
+        run_demo(model=args.model, batch=args.batch, steps=args.steps, memory=args.memory,
+                 slots=args.slots, out=args.out, device=args.device, **sizes)
+    except RuntimeError as e:
+        # torch's allocators raise RuntimeErrors, not MemoryError: `rtmem demo
+        # --hidden 99999999999` ended in a traceback ("DefaultCPUAllocator: can't
+        # allocate memory"); CUDA's torch.OutOfMemoryError is a RuntimeError too
+        device = type(e).__name__ == "OutOfMemoryError"
+        if not (device or "can't allocate memory" in str(e)):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"{_prog(args)}: error: out of {'device' if device else 'host'} memory "
+              f"({first}); make the model smaller (--batch and the sizes of --model "
+              f"{args.model}: {' '.join('--' + o for o in MODEL_OPTIONS[args.model])})",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -403,6 +403,28 @@ def test_output_paths_are_checked_before_the_solve_and_leave_nothing(capsys, tmp
     assert code == 1 and existing.read_text() == "old"
 
 
+def test_a_demo_model_too_large_for_memory_is_one_line(capsys, monkeypatch, tmp_path):
+    # torch's CPU allocator raises a RuntimeError, not a MemoryError: `rtmem demo
+    # --hidden 99999999999 --heads 1` ended in its traceback
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")           # _demo_problem asks for it
+    import rtmem.demo
+
+    def too_large(**kwargs):
+        torch.empty(2**62, dtype=torch.uint8)   # the embedding's allocation, in effect
+    monkeypatch.setattr(rtmem.demo, "run_demo", too_large)
+    code, _, err = run(capsys, "demo", "--device", "cpu", "--out", str(tmp_path))
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "rtmem demo: error: out of host memory" in err and "can't allocate" in err
+    assert "make the model smaller (--batch and the sizes of --model gpt2: --layers" in err
+
+    def other(**kwargs):
+        raise RuntimeError("a bug")             # other RuntimeErrors are not hidden
+    monkeypatch.setattr(rtmem.demo, "run_demo", other)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["demo", "--device", "cpu", "--out", str(tmp_path)])
+
+
 def test_a_problem_too_large_for_host_memory_is_one_line(capsys, monkeypatch):
     # `rtmem simulate gpt2:layers=999999999 ...` ended in numpy's MemoryError
     # traceback; it is said in one line with what to do
