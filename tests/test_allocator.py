@@ -807,3 +807,69 @@ def test_a_free_whose_maintenance_raises_leaves_the_block_live_and_counted():
     a.deallocate(b)                                      # the retry frees it once
     assert a.stats().allocated_bytes == 0
     a._check_invariants()
+
+
+# ------------------------------------------- mutation-audit tests (each kills a mutant)
+def test_an_ordered_free_never_absorbs_another_streams_pending_neighbour():
+    # Merged into y's block, x's bytes would be s2's at once: s2 could overwrite
+    # them while s1's queued work still reads x. They wait for an event on s1.
+    rec = Recorder()
+    a = BestFitAllocator(2048, event_source=rec)
+    s1, s2 = object(), object()
+    x, y = a.allocate(1024, s1), a.allocate(1024, s2)
+    a.deallocate(x, stream=s1, ordered=True)
+    a.deallocate(y, stream=s2, ordered=True)
+    assert a.stats().pending_bytes == 2048
+    a._check_invariants()
+    whole = a.allocate(2048, s2)                   # needs x's bytes too
+    assert whole.offset == 0
+    s1_events = [ev for s, ev in rec.events if s is s1]
+    assert s1_events and all(ev.done for ev in s1_events), \
+        "s2 got x's bytes before an event on s1 completed"
+    a._check_invariants()
+
+
+def test_best_fit_weighs_the_streams_pending_blocks_against_ready_ones():
+    # x, pending on s1, fits a 1 KiB request exactly; the 2 KiB ready tail would
+    # be split instead (NOTE [ Allocator structure ]: best fit among both)
+    a = BestFitAllocator(4096, event_source=Recorder())
+    s1 = object()
+    x, _ = a.allocate(1024, s1), a.allocate(1024, s1)   # the second stays live
+    a.deallocate(x, stream=s1, ordered=True)
+    b = a.allocate(1024, s1)
+    assert b.offset == x.offset
+    assert a.stats().largest_free_bytes == 2048     # the ready tail is whole
+    a._check_invariants()
+
+
+def test_peak_follows_every_byte_with_alignment_one():
+    a = BestFitAllocator(64, alignment=1)
+    b = a.allocate(1)
+    assert a.stats().peak_bytes == 1
+    a.deallocate(b)
+    c = a.allocate(2)
+    assert a.stats().peak_bytes == 2
+    a.deallocate(c)
+    a.reset_peak()
+    assert a.stats().peak_bytes == 0
+    a.allocate(3)
+    assert a.stats().peak_bytes == 3
+    a._check_invariants()
+
+
+def test_a_gated_split_tail_merged_by_an_ordered_free_is_not_made_spare():
+    # The tail of a split pending block was never handed out, but the event-gated
+    # FIFO still names it: absorbed, it must die, not be recycled as a spare
+    a = BestFitAllocator(4096, event_source=Recorder())
+    s1, s2 = object(), object()
+    x = a.allocate(4096, s1)
+    ev = FakeEvent()
+    a.deallocate(x, stream=s1, event=ev)
+    part = a.allocate(1024, s1)                    # split: the tail stays behind ev
+    assert a.stats().pending_bytes == 3072
+    a.deallocate(part, stream=s1, ordered=True)    # absorbs the pending tail
+    assert not a._spare
+    a._check_invariants()
+    whole = a.allocate(4096, s2)
+    assert whole.offset == 0
+    a._check_invariants()
