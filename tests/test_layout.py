@@ -240,3 +240,30 @@ def test_python_number_objects_round_up_as_sizes_and_must_be_whole_as_op_indices
     # a bound on the int64 arithmetic, not a claim about the layout
     with pytest.raises(ValueError, match="too large to lay out in int64"):
         plan_layout([0, 1], [0, 1], [2**62, 2**62])
+
+
+def test_a_buffer_takes_the_smallest_gap_that_holds_it_exactly_or_not():
+    # NOTE [ Greedy-by-size packing ]: the smallest large-enough gap among the
+    # conflicting buffers, else on top. Buffers 1 and 3 die at op 1 and leave
+    # gaps of 9 bytes (offsets 10..19) and 7 bytes (27..34) for later buffers.
+    alloc = [0, 0, 0, 0, 0, 5]
+    free = [9, 1, 9, 1, 9, 6]
+    lay = plan_layout(alloc, free, [10, 9, 8, 7, 6, 5], alignment=1)
+    assert list(lay.offsets) == [0, 10, 19, 27, 34, 27]     # the 7-byte gap, not the 9
+    assert lay.reserved_bytes == 40
+    lay.verify()
+    # A gap exactly the buffer's size is taken (8 bytes at 10..18 for the last one)
+    lay = plan_layout([0, 0, 0, 5], [9, 1, 9, 6], [10, 8, 8, 8], alignment=1)
+    assert list(lay.offsets) == [0, 10, 18, 10]
+    assert lay.reserved_bytes == lay.peak_live_bytes == 26
+    lay.verify()
+
+
+def test_verify_layout_counts_both_ends_of_a_lifetime():
+    # Inclusive intervals: a buffer freed at op 3 still shares op 3 with one
+    # allocated there, whichever comes first in the arrays
+    for alloc, free in (([0, 3], [3, 5]), ([3, 0], [5, 3])):
+        with pytest.raises(LayoutError) as info:
+            verify_layout([0, 128], [256, 256], alloc, free)
+        assert info.value.pair == (0, 1)
+    verify_layout([0, 128], [256, 256], [0, 4], [3, 5])    # op 3, then op 4: fine
