@@ -237,6 +237,31 @@ def test_bias_correction_at_step_one_moves_each_param_by_lr():
                                atol=4 * np.spacing(np.float32(4)))
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_eps_is_added_after_the_bias_correction_of_the_second_moment(amsgrad, fresh_seed):
+    # torch's denominator is sqrt(v_hat) + eps = sqrt(v) / sqrt(1 - beta2**t) + eps.
+    # Early steps divide sqrt(v) by ~0.05 and a large eps is comparable to the
+    # result, so eps put before the correction, (sqrt(v) + eps) / sqrt(1 -
+    # beta2**t), moves parameters ~20x less; with the usual 1e-8 the two agree.
+    rng = np.random.default_rng([fresh_seed, 41, amsgrad])
+    p, m, _, vmax = _state(rng, amsgrad=amsgrad)
+    v = rng.uniform(1e-6, 1e-4, N).astype(np.float32)
+    if amsgrad:
+        vmax = (v * rng.uniform(1.0, 1.5, N)).astype(np.float32)
+    rp, rm, rv = (a.astype(np.float64) for a in (p, m, v))
+    rvmax = None if vmax is None else vmax.astype(np.float64)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-2, weight_decay=0.0)
+    for step in (2, 3):
+        g, _, g64 = _grads(rng, "float32", scale=1e-3)
+        assert adam_update(p, g, m, v, step=step, max_exp_avg_sq=vmax, **hyper)
+        rp, rm, rv, rvmax = _ref_step(rp, g64, rm, rv, rvmax, lr=hyper["lr"],
+                                      beta1=hyper["beta1"], beta2=hyper["beta2"],
+                                      eps=hyper["eps"], wd=0.0, decoupled=False, step=step)
+    p0 = _state(np.random.default_rng([fresh_seed, 41, amsgrad]), amsgrad=amsgrad)[0]
+    # the steps themselves, not the parameters (|p| ~ 1 would hide them)
+    assert _rel_err(p.astype(np.float64) - p0, rp - p0) < 1e-4
+
+
 def test_huge_gradients_keep_the_second_moment_finite(fresh_seed):
     # g*g overflows float32 from |g| ~ 1.8e19 while (1-beta2)*g*g (torch's
     # addcmul_ order) stays finite up to ~5.8e20: v = inf froze such parameters
