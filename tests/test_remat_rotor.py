@@ -423,3 +423,22 @@ def test_info_keys_are_those_documented_for_each_path():
     dp = plan_remat(chain, 120)
     assert dp.info["method"] != "store-all" and always | dp_only <= set(dp.info)
     assert dp.info["min_feasible"] == min_feasible_memory(chain)
+
+
+def test_m_none_of_adjacent_stages_leaves_out_the_stored_input():
+    # NOTE [ Persistent DP C_MP ]: m_none(s, t) maxes over s < h < t, so for
+    # t = s + 1 over no h: a_s is stored outside m. Counting it (h = s) made the DP
+    # call budget 25 infeasible on this chain, where exhaustive search finds 33 s.
+    chain = Chain(u_f=[1.0, 4.0, 1.0, 2.0], u_b=[2.0, 4.0, 3.0, 4.0], x=[2, 5, 1, 5],
+                  xbar=[4, 7, 3, 8], w=[0, 0, 2, 1], x0=3, o_f=[7, 1, 3, 1],
+                  o_b=[3, 0, 2, 3])
+    assert min_feasible_memory(chain) == 25
+    for budget in range(24, store_all_peak(chain) + 1):
+        best, _ = brute_force_remat(chain, budget)
+        try:
+            plan = plan_remat(chain, budget, slots=budget)
+        except InfeasibleError:
+            assert best == math.inf, budget
+            continue
+        assert plan.makespan == best, budget
+        assert simulate(chain, plan.schedule, Platform(budget)).makespan == best
