@@ -99,24 +99,45 @@ def _drop(hooks, params, ref, arena, bufs=(), streams=None) -> None:
     run_or_defer(free_all)
 
 
+# The SIGINTs received under the outermost _interrupts_held (the main thread's)
+_received = []
+
+
+def _hold(signum, frame):
+    """The SIGINT handler while :func:`_interrupts_held` holds: keep it for later."""
+    _received.append((signum, frame))
+
+
 @contextlib.contextmanager
 def _interrupts_held():
     """Hold a KeyboardInterrupt (SIGINT, ``_thread.interrupt_main``) until the
     block ends, then raise it: bookkeeping that a step's gradients were used
     (step counts, consumed gradients, ``state``) must not be cut in half
     (NOTE [ Interrupted step ]). Only where Python raises KeyboardInterrupt
-    itself: in the main thread, under the default SIGINT handler. Yields
-    whether it holds them (False: another thread, a handler of the caller's,
-    or already held by an enclosing block)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield False  # another thread, a handler of the caller's, or already held
+    itself: in the main thread, under the default SIGINT handler.
+
+    Yields whether nothing can interrupt the block from outside: True where it
+    holds the interrupts, and also where none can come: in another thread
+    (Python runs signal handlers in the main thread only), inside an enclosing
+    hold, and with SIGINT ignored or left to the OS (``SIG_IGN``, as a shell
+    starts a background job or ``nohup`` a command, or ``SIG_DFL``: Python
+    raises nothing, and ``_thread.interrupt_main`` does nothing). False only
+    under a Python handler of the caller's, which may raise anywhere."""
+    if threading.current_thread() is not threading.main_thread():
+        yield True
         return
-    received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.default_int_handler:
+        # None: a handler not installed from Python, which raises nothing here
+        yield handler in (signal.SIG_IGN, signal.SIG_DFL, None) or handler is _hold
+        return
+    _received.clear()
+    signal.signal(signal.SIGINT, _hold)
     try:
         yield True
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if received:
-            signal.default_int_handler(*received[0])     # raises KeyboardInterrupt
+        if _received:
+            received = _received[0]
+            _received.clear()
+            signal.default_int_handler(*received)      # raises KeyboardInterrupt
