@@ -22,6 +22,15 @@ def pytest_configure(config):
     # Every ScheduleExecutor step in the suite checks its running byte count
     # against a full recount after each operation (rtmem/torch/executor.py).
     os.environ.setdefault("RTMEM_CHECK_ACCOUNTING", "1")
+    # No timing assertions, hypothesis's per-example deadline (200 ms) included:
+    # a test's first example may compile numba functions (673 ms, and the test
+    # failed when run alone, where another test had not compiled them first).
+    # Registered before the test modules build their settings, which take the
+    # loaded profile's values for what they leave out; --hypothesis-profile
+    # still chooses another.
+    from hypothesis import settings
+    settings.register_profile("rtmem", deadline=None)
+    settings.load_profile("rtmem")
     if not _wants_real_gpu(config):
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
         # pytest may have imported numba already (pyproject's filterwarnings names a
