@@ -17,7 +17,7 @@ import os
 import sys
 
 from rtmem._table import format_table
-from rtmem.demo import MODEL_OPTIONS
+from rtmem.demo import MODEL_OPTIONS, missing_folders
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
@@ -95,13 +95,7 @@ def writable(path: str) -> str | None:
     is only checked with ``os.access``, so it is left as it was). Checked before
     the work whose result goes there: ``rtmem plan remat --save /proc/x.json``
     failed with "[Errno 2]" after the whole solve."""
-    made, folder = [], os.path.dirname(os.path.abspath(path))
-    while not os.path.isdir(folder):
-        made.append(folder)
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            break
-        folder = parent
+    made = missing_folders(os.path.dirname(os.path.abspath(path)))
     for folder in reversed(made):
         if os.path.lexists(folder):
             # makedirs said "[Errno 17] File exists" (or named a folder below it)

@@ -38,11 +38,10 @@ MODEL_OPTIONS = {"gpt2": {"layers": 6, "hidden": 128, "heads": 4, "seq": 128, "v
                  "resnet": {"blocks": (2, 2, 2), "width": 16, "image": 32}}
 
 
-@contextlib.contextmanager
-def _output_folder(path: str):
-    """Make ``path`` (and missing parents) for the run; if the run fails, remove
-    again the folders made here that stayed empty (only the last one went, and
-    ``--out a/b/c`` left ``a`` and ``a/b`` behind)."""
+def missing_folders(path: str) -> list:
+    """The folders of ``path`` (absolute; ``path`` itself first) up to the
+    first that exists, deepest first: what ``os.makedirs(path)`` would make,
+    and so what to remove again when the work they were made for fails."""
     made, folder = [], os.path.abspath(path)
     while not os.path.isdir(folder):
         made.append(folder)
@@ -50,6 +49,15 @@ def _output_folder(path: str):
         if parent == folder:
             break
         folder = parent
+    return made
+
+
+@contextlib.contextmanager
+def _output_folder(path: str):
+    """Make ``path`` (and missing parents) for the run; if the run fails, remove
+    again the folders made here that stayed empty (only the last one went, and
+    ``--out a/b/c`` left ``a`` and ``a/b`` behind)."""
+    made = missing_folders(path)
     os.makedirs(path, exist_ok=True)
     try:
         yield
