@@ -117,7 +117,9 @@ def writable(path: str) -> str | None:
             try:
                 os.rmdir(folder)
             except OSError:
-                break
+                # not made (makedirs failed below it: a name too long) or not
+                # empty: its parents may still be ours, and rmdir keeps a full one
+                continue
     return None
 
 

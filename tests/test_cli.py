@@ -374,6 +374,15 @@ def test_plan_save_makes_a_missing_folder_as_plot_does(capsys, tmp_path):
     assert save.is_file() and plot.is_file()
 
 
+def test_writable_leaves_nothing_when_makedirs_fails_part_way(tmp_path):
+    # makedirs made "new", then failed on the name too long below it: the clean-up
+    # stopped at that missing folder and left "new" behind
+    from rtmem.cli import writable
+    problem = writable(str(tmp_path / "new" / ("y" * 300) / "plan.json"))
+    assert problem and "too long" in problem
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_output_paths_are_checked_before_the_solve_and_leave_nothing(capsys, tmp_path,
                                                                      monkeypatch):
     # --save /proc/x.json failed with "[Errno 2]" only after the whole solve; the
