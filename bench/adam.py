@@ -349,7 +349,7 @@ def main(argv=None) -> int:
                     help="do not evict caches before each timed call")
     # checked now: a folder was met by open() after the whole benchmark (a traceback,
     # the results lost)
-    ap.add_argument("--out", type=output_file(), default=None,
+    ap.add_argument("--out", type=output_file(replace=True), default=None,
                     help="JSON output path (default: adam.json in bench/results or "
                          "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)

@@ -108,7 +108,7 @@ def main(argv=None):
     ap.add_argument("--python-budget", type=at_least(0.0, float), default=3e7,
                     help="run the Python DP only below this many estimated steps")
     # checked now: a folder was met by open() after every case had been solved
-    ap.add_argument("--out", type=output_file(), default=None,
+    ap.add_argument("--out", type=output_file(replace=True), default=None,
                     help="results file (default: remat.json under $RTMEM_BENCH_RESULTS "
                          "or bench/results)")
     args = ap.parse_args(argv)

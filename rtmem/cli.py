@@ -89,12 +89,14 @@ def load_schedule(spec: str, chain):
                         "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
 
 
-def writable(path: str) -> str | None:
+def writable(path: str, replace: bool = False) -> str | None:
     """Why ``path`` cannot be written, or None when it can: its missing folders
     are made and the file created, then both removed again (a file that exists
-    is only checked with ``os.access``, so it is left as it was). Checked before
-    the work whose result goes there: ``rtmem plan remat --save /proc/x.json``
-    failed with "[Errno 2]" after the whole solve."""
+    is only checked with ``os.access``, so it is left as it was). With
+    ``replace``, for a file written beside ``path`` and renamed over it, a
+    probe file beside it is created and removed instead. A folder cannot be
+    written. Checked before the work whose result goes there: ``rtmem plan
+    remat --save /proc/x.json`` failed with "[Errno 2]" after the whole solve."""
     made = missing_folders(os.path.dirname(os.path.abspath(path)))
     for folder in reversed(made):
         if os.path.lexists(folder):
@@ -102,7 +104,16 @@ def writable(path: str) -> str | None:
             return f"{folder!r} is not a folder"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if os.path.exists(path):
+        if os.path.isdir(path):
+            return "it is a folder; give a file name"
+        if replace:
+            # written beside it, then renamed over it (bench's write_results): the
+            # folder must take a new file; the file's own mode does not matter
+            probe = f"{path}.{os.getpid()}.probe"
+            with open(probe, "x"):
+                pass
+            os.unlink(probe)
+        elif os.path.exists(path):
             if not os.access(path, os.W_OK):
                 return "permission denied"
         elif not os.path.lexists(path):      # (a dangling link: its target is made later)
@@ -123,10 +134,11 @@ def writable(path: str) -> str | None:
     return None
 
 
-def output_file(*suffixes):
+def output_file(*suffixes, replace: bool = False):
     """An argparse ``type=`` for a file to write: refuses folders, paths that
-    cannot be written (:func:`writable`) and, when ``suffixes`` are given, other
-    file types, before any work is done."""
+    cannot be written (:func:`writable`, with ``replace`` for a file written
+    beside and renamed over) and, when ``suffixes`` are given, other file
+    types, before any work is done."""
     def check(value: str) -> str:
         if not value.strip():
             # --save '' was accepted and then skipped (`if args.save`): exit 0, no file
@@ -138,7 +150,7 @@ def output_file(*suffixes):
             raise argparse.ArgumentTypeError(
                 f"{value!r}: the file name must end in ."
                 + ", .".join(suffixes[:-1]) + f" or .{suffixes[-1]}")
-        problem = writable(value)
+        problem = writable(value, replace)
         if problem:
             raise argparse.ArgumentTypeError(f"cannot write {value!r}: {problem}")
         return value

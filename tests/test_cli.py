@@ -383,6 +383,24 @@ def test_writable_leaves_nothing_when_makedirs_fails_part_way(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_writable_refuses_a_folder_and_checks_a_replaced_file_s_folder(tmp_path, monkeypatch):
+    # A folder read as writable (a demo's <out>/chain.json that is a folder failed
+    # only when written). A file the bench scripts replace (written beside it,
+    # then renamed over) was checked by its own mode: a read-only result, which
+    # the rename replaces fine, was refused, and a read-only folder passed.
+    import os
+
+    from rtmem.cli import writable
+    assert "folder" in writable(str(tmp_path))
+    result = tmp_path / "adam.json"
+    result.write_text("{}")
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)   # a read-only file (root
+    assert writable(str(result)) == "permission denied"        # passes every access check)
+    assert writable(str(result), replace=True) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adam.json"]
+    assert result.read_text() == "{}"
+
+
 def test_output_paths_are_checked_before_the_solve_and_leave_nothing(capsys, tmp_path,
                                                                      monkeypatch):
     # --save /proc/x.json failed with "[Errno 2]" only after the whole solve; the
