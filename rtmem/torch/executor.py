@@ -584,15 +584,16 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                 raise
             stage = self.stages[i]
             raise ExecutionError(
-                f"stage {i} ({type(stage).__name__}) differentiates inside its forward "
-                f"(torch.autograd.grad or .backward(), e.g. a gradient penalty), which "
-                f"failed in operation {self._op_index} of the schedule "
-                f"({self.schedule.op_text(self._op_index)}): F_ck and F_none run a stage "
-                f"under torch.no_grad(), where nothing it computes has autograd history "
-                f"({e}). Run that part of its forward under `with "
-                f"torch.enable_grad():` (its input then needs x.requires_grad_() where "
-                f"it does not require grad), which trains as plain PyTorch does, or use "
-                f"a schedule without F_ck and F_none of stage {i}") from e
+                f"stage {i} ({type(stage).__name__}) failed in operation {self._op_index} "
+                f"of the schedule ({self.schedule.op_text(self._op_index)}) on a tensor "
+                f"without autograd history ({e}). F_ck and F_none run a stage under "
+                f"torch.no_grad(): if it differentiates inside its forward "
+                f"(torch.autograd.grad or .backward(), e.g. a gradient penalty), run that "
+                f"part under `with torch.enable_grad():` (its input then needs "
+                f"x.requires_grad_() where it does not require grad), which trains as plain "
+                f"PyTorch does, or use a schedule without F_ck and F_none of stage {i}; if "
+                f"it does so already, the tensor it differentiates does not require grad, "
+                f"and plain PyTorch fails alike") from e
         # A stage that enables grad itself (for its penalty) returns an output
         # with autograd history even here: kept, its graph, with every tensor
         # the graph saved, lived as long as the plain a_{i+1}, counted nowhere
