@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from rtmem.errors import ChainError, RtmemError, ScheduleError
+from rtmem.units import _is_array
 
 #: Byte counts the planners take stay below this (int64-safe sums; the
 #: Platform's stand-in for unlimited memory).
@@ -69,7 +70,7 @@ def is_int(value) -> bool:
 
 def as_scalar(name: str, value, *, integral: bool):
     """Validate one finite non-negative number (bytes rounded up when ``integral``)."""
-    if getattr(value, "ndim", 0):
+    if _is_array(value):
         # float() takes torch.tensor([3]) (numpy 2 refuses np.array([3])): refuse
         # both, as rtmem.units does; one value passed as an array is a mistake
         raise ChainError(f"{name} must be one number, got an array of shape "

@@ -17,7 +17,7 @@ import os
 import sys
 
 from rtmem._table import format_table
-from rtmem.demo import MODEL_OPTIONS, missing_folders
+from rtmem.demo import MODEL_OPTIONS, missing_folders, remove_empty_folders
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
@@ -97,13 +97,14 @@ def writable(path: str, replace: bool = False) -> str | None:
     probe file beside it is created and removed instead. A folder cannot be
     written. Checked before the work whose result goes there: ``rtmem plan
     remat --save /proc/x.json`` failed with "[Errno 2]" after the whole solve."""
-    made = missing_folders(os.path.dirname(os.path.abspath(path)))
+    parent = os.path.dirname(os.path.abspath(path))
+    made = missing_folders(parent)
     for folder in reversed(made):
         if os.path.lexists(folder):
             # makedirs said "[Errno 17] File exists" (or named a folder below it)
             return f"{folder!r} is not a folder"
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        os.makedirs(parent, exist_ok=True)
         if os.path.isdir(path):
             return "it is a folder; give a file name"
         if replace:
@@ -124,13 +125,8 @@ def writable(path: str, replace: bool = False) -> str | None:
         where = f" ({e.filename})" if e.filename and e.filename != path else ""
         return f"{(e.strerror or str(e)).lower()}{where}"
     finally:
-        for folder in made:                      # deepest first, as they were made
-            try:
-                os.rmdir(folder)
-            except OSError:
-                # not made (makedirs failed below it: a name too long) or not
-                # empty: its parents may still be ours, and rmdir keeps a full one
-                continue
+        # also those above a folder makedirs failed to make (a name too long)
+        remove_empty_folders(made)
     return None
 
 

@@ -52,6 +52,17 @@ def missing_folders(path: str) -> list:
     return made
 
 
+def remove_empty_folders(made: list) -> None:
+    """Remove again the folders :func:`missing_folders` listed that are empty,
+    deepest first; one that was never made or holds something is kept (a full
+    folder's parents are not empty either, and rmdir refuses them)."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            continue
+
+
 @contextlib.contextmanager
 def _output_folder(path: str):
     """Make ``path`` (and missing parents) for the run; if the run fails, remove
@@ -62,11 +73,7 @@ def _output_folder(path: str):
     try:
         yield
     except BaseException:
-        for folder in made:                      # deepest first
-            try:
-                os.rmdir(folder)
-            except OSError:                      # not empty: it keeps what was written
-                break
+        remove_empty_folders(made)               # one that is not empty keeps what was written
         raise
 
 

@@ -54,15 +54,15 @@ def is_whole(value) -> bool:
     of one, not a bool (numpy's included); False for what ``int()`` refuses (nan
     and inf raise its bare ValueError / OverflowError) and for arrays of one or
     more dimensions."""
-    # numpy's bool passed as 1: plan_layout(alignment=np.True_) laid out with
-    # alignment 1 where alignment=True is refused
     if _is_array(value):
         # int() takes torch.tensor([8]) (and numpy before 2.x np.array([8])):
         # plan_layout(alignment=torch.tensor([8])) laid out with alignment 8,
         # where np.array([8]) was refused
         return False
     try:
-        # bool(): a 0-d tensor's == is a tensor
+        # numpy's bool passed as 1: plan_layout(alignment=np.True_) laid out with
+        # alignment 1 where alignment=True is refused. bool(): a 0-d tensor's ==
+        # is a tensor
         return not _is_bool(value) and bool(int(value) == value)
     except (TypeError, ValueError, OverflowError):
         return False
