@@ -17,13 +17,12 @@ step, where the update is about lr * sign(gradient) and a rounding near 0 could 
 
 import copy
 import io
-import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from _machines import machine_settings
 
 torch = pytest.importorskip("torch")
 
@@ -312,7 +311,5 @@ class Machine(RuleBasedStateMachine):
                     close(v, ref[k], f"param {i} {k}")
 
 
-Machine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), stateful_step_count=25,
-    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+Machine.TestCase.settings = machine_settings(25, 25)
 TestCPUAdamStates = Machine.TestCase

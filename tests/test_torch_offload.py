@@ -3,14 +3,13 @@
 import copy
 import gc
 import math
-import os
 import signal
 import threading
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from _machines import machine_settings
 
 torch = pytest.importorskip("torch")
 
@@ -654,9 +653,7 @@ class _OffloadedAdamMachine(RuleBasedStateMachine):
         self.off.close()
 
 
-_OffloadedAdamMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("RTMEM_EXAMPLES", 40)), stateful_step_count=25,
-    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_OffloadedAdamMachine.TestCase.settings = machine_settings(40, 25)
 
 
 @pytest.mark.usefixtures("host_backend")

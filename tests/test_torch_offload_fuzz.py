@@ -17,13 +17,12 @@ what differs, and hypothesis prints the operations that led there.
 
 import contextlib
 import copy
-import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from _machines import machine_settings
 
 torch = pytest.importorskip("torch")
 
@@ -264,9 +263,7 @@ class _AgainstTorch(RuleBasedStateMachine):
         self.off.close()
 
 
-_AgainstTorch.TestCase.settings = settings(
-    max_examples=int(os.environ.get("RTMEM_EXAMPLES", 120)), stateful_step_count=40,
-    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_AgainstTorch.TestCase.settings = machine_settings(120, 40)
 
 
 @pytest.mark.usefixtures("host_backend")

@@ -19,13 +19,12 @@ fits where), either outcome is accepted.
 """
 
 import gc
-import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from _machines import machine_settings
 
 torch = pytest.importorskip("torch")
 
@@ -381,9 +380,7 @@ class _TransfersMachine(RuleBasedStateMachine):
             for a in self.arenas.values():
                 a.close()
 
-_TransfersMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), stateful_step_count=30,
-    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_TransfersMachine.TestCase.settings = machine_settings(25, 30)
 
 
 @pytest.mark.usefixtures("host_backend")
