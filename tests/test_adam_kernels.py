@@ -391,6 +391,33 @@ def test_chunk_leaves_elements_outside_it_alone():
         assert not np.array_equal(a[100:200], b[100:200])
 
 
+def test_finite_check_reads_exactly_the_range_it_is_given(fresh_seed):
+    # A range of several parallel blocks whose last block is ragged, with a
+    # non-finite gradient on each side just outside it: the finite pass must see
+    # neither (a last block that ran a whole BLOCK_ELEMENTS past ``stop``, or a
+    # check over the whole array instead of [start, stop), skipped a chunk's step
+    # for another chunk's overflow), and the update must still match the oracle.
+    rng = np.random.default_rng(fresh_seed)
+    p, m, v, _ = _state(rng)
+    g = rng.standard_normal(N).astype(np.float32)
+    start, stop = 1 + int(rng.integers(100)), 2 * BLOCK_ELEMENTS + 77
+    g[start - 1], g[stop] = np.nan, np.inf
+    assert grads_finite(g, start=start, stop=stop)
+    assert grads_finite(g, grad_scale=8.0, start=start, stop=stop, num_threads=1)
+    assert not grads_finite(g, start=start - 1, stop=stop)
+    assert not grads_finite(g, start=start, stop=stop + 1)
+    before = _snapshot(p, m, v)
+    assert adam_update(p, g, m, v, lr=1e-3, step=3, grad_scale=8.0, start=start, stop=stop)
+    ref = _ref_step(*(a[start:stop].astype(np.float64) for a in before[:1]),
+                    g[start:stop].astype(np.float64) / 8.0,
+                    *(a[start:stop].astype(np.float64) for a in before[1:]), None, lr=1e-3,
+                    beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0, decoupled=False, step=3)
+    for got, want, old in zip((p, m, v), ref[:3], before):
+        assert _rel_err(got[start:stop], want) < 1e-6
+        assert np.array_equal(got[:start], old[:start])
+        assert np.array_equal(got[stop:], old[stop:])
+
+
 def _record_threads(monkeypatch):
     """Replace the two parallel kernels by wrappers that note numba's thread count
     at each call (what the kernel's parallel loop runs on)."""
@@ -526,6 +553,76 @@ def test_read_only_and_aliased_arrays_are_rejected():
         adam_update(kw["param"], kw["grad"], kw["param"], kw["exp_avg_sq"], lr=1e-3, step=1)
 
 
+def test_neighbouring_arrays_that_overlap_are_refused():
+    # Neighbours in the argument list too: a check that compared only arrays two
+    # or more places apart let exp_avg alias exp_avg_sq (a silently wrong update).
+    names = ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "out")
+    rng = np.random.default_rng(16)
+    for first, second in zip(names[:-1], names[1:]):
+        arrays = {name: rng.uniform(0.5, 1.5, 64).astype(np.float32) for name in names}
+        arrays[second] = arrays[first][:]           # a view of the same memory
+        before = {k: a.copy() for k, a in arrays.items()}
+        with pytest.raises(OptimizerError, match="overlap") as info:
+            adam_update(arrays["param"], arrays["grad"], arrays["exp_avg"],
+                        arrays["exp_avg_sq"], max_exp_avg_sq=arrays["max_exp_avg_sq"],
+                        out=arrays["out"], lr=1e-3, step=1)
+        assert info.value.argument == second
+        for k, a in arrays.items():
+            assert a.tobytes() == before[k].tobytes(), (first, second, k)
+
+
+def test_an_empty_range_is_a_step_that_changes_nothing(fresh_seed):
+    # start == stop is a valid range (a chunked caller's empty last chunk, a
+    # zero-size parameter): applied, nothing written, nothing to check.
+    rng = np.random.default_rng(fresh_seed)
+    p, m, v, vmax = _state(rng, n=1000, amsgrad=True)
+    g = rng.standard_normal(1000).astype(np.float32)
+    g[500] = np.nan
+    before = _snapshot(p, m, v, vmax)
+    for k in (0, 500, 1000):
+        assert grads_finite(g, start=k, stop=k)
+        assert adam_update(p, g, m, v, max_exp_avg_sq=vmax, lr=1e-3, step=2, grad_scale=2.0,
+                           start=k, stop=k)
+    _assert_bit_identical(before, [p, m, v, vmax])
+    empty = np.empty(0, np.float32)
+    assert adam_update(empty, empty.copy(), empty.copy(), empty.copy(), lr=1e-3, step=1)
+
+
+def test_a_float16_array_with_a_bfloat16_format_is_refused():
+    # The array's dtype says fp16; a contradicting format is refused rather than
+    # one of the two silently ignored, as a bfloat16 array with grad_format=
+    # 'float16' is (test_ml_dtypes_bfloat16_arrays_are_the_bits_they_hold).
+    rng = np.random.default_rng(17)
+    kw = _ok_arrays()
+    p0 = kw["param"].copy()
+    h = rng.standard_normal(64).astype(np.float16)
+    with pytest.raises(OptimizerError, match="float16 array but grad_format") as info:
+        adam_update(kw["param"], h, kw["exp_avg"], kw["exp_avg_sq"], lr=1e-3, step=1,
+                    grad_format="bfloat16")
+    assert info.value.argument == "grad_format"
+    out = np.empty(64, np.float16)
+    with pytest.raises(OptimizerError, match="float16 array but out_format") as info:
+        adam_update(kw["param"], kw["grad"], kw["exp_avg"], kw["exp_avg_sq"], lr=1e-3,
+                    step=1, out=out, out_format="bf16")
+    assert info.value.argument == "out_format"
+    assert kw["param"].tobytes() == p0.tobytes()
+    with pytest.raises(OptimizerError, match="float16 array but grad_format"):
+        grads_finite(h, grad_format="bfloat16")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint16])
+def test_a_read_only_copy_buffer_is_refused(dtype):
+    kw = _ok_arrays()
+    p0 = kw["param"].copy()
+    out = np.zeros(64, dtype)
+    out.setflags(write=False)
+    with pytest.raises(OptimizerError, match="read-only") as info:
+        adam_update(kw["param"], kw["grad"], kw["exp_avg"], kw["exp_avg_sq"], lr=1e-3,
+                    step=1, out=out, out_format="bfloat16" if dtype == np.uint16 else None)
+    assert info.value.argument == "out"
+    assert kw["param"].tobytes() == p0.tobytes() and not out.any()
+
+
 def test_kernels_all_lists_exactly_the_public_names():
     public = {n for n in dir(K) if not n.startswith("_")
               and not isinstance(getattr(K, n), type(K))}
@@ -614,6 +711,23 @@ def test_grads_finite_refuses_a_scale_whose_reciprocal_leaves_float32():
     # Scales near the float32 limits that are representable still work.
     assert grads_finite(z, grad_scale=1e-37) and grads_finite(z, grad_scale=1e38)
     assert not grads_finite(np.full(8, 10.0, np.float32), grad_scale=1e-37 / 8)  # 8e38
+
+
+def test_the_smallest_refused_reciprocal_is_the_one_float32_rounds_to_zero():
+    # 1/grad_scale = 2**-150 is half float32's smallest subnormal: the cast's
+    # tie goes to even, 0, which zeroes every gradient; one float64 ulp more
+    # rounds up to 2**-149 and is usable. The check's bound is exclusive there.
+    assert np.float32(2.0 ** -150) == 0 and np.float32(2.0 ** -150 * (1 + 2 ** -52)) > 0
+    rng = np.random.default_rng(18)
+    g = rng.uniform(1.0, 2.0, 8).astype(np.float32)
+    with pytest.raises(OptimizerError, match="float32") as info:
+        grads_finite(g, grad_scale=2.0 ** 150)
+    assert info.value.argument == "grad_scale"
+    with pytest.raises(OptimizerError, match="float32"):
+        K.adam_coefficients(lr=1e-3, step=1, grad_scale=2.0 ** 150)
+    c = K.adam_coefficients(lr=1e-3, step=1, grad_scale=2.0 ** 150 * (1 - 2 ** -53))
+    assert c[K.adam._GMUL] == np.float32(2.0 ** -149)
+    assert grads_finite(g, grad_scale=2.0 ** 150 * (1 - 2 ** -53))
 
 
 def test_fp16_copy_overflows_to_inf_as_documented():
@@ -741,3 +855,38 @@ def test_kernels_take_turns_only_where_the_layer_needs_it():
     adam_update(p, rng.standard_normal(N).astype(np.float32), m, v, lr=1e-3, step=1)
     assert _parallel._concurrent == (numba.threading_layer() != "workqueue")
     assert K.adam._adam_kernel.dispatcher.signatures      # the compiled kernel is reachable
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
+def test_a_child_forked_while_a_thread_holds_the_kernel_lock_gets_a_free_one():
+    # NOTE [ One parallel region at a time under workqueue ]: the thread that
+    # holds the lock at a fork() does not exist in the child, so an inherited,
+    # locked copy would make the child's first kernel call wait forever there.
+    import multiprocessing
+    import os
+    import threading
+    import warnings
+    from rtmem.kernels import _parallel
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with _parallel._lock:
+            held.set()
+            release.wait(30)
+
+    def child():
+        os._exit(0 if _parallel._lock.acquire(timeout=5) else 1)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(30)
+        with warnings.catch_warnings():     # "multi-threaded, use of fork()": the point
+            warnings.simplefilter("ignore", DeprecationWarning)
+            proc = multiprocessing.get_context("fork").Process(target=child)
+            proc.start()
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        release.set()
+        t.join()
