@@ -73,6 +73,12 @@ def be(request):
     return (_Sim if kind == "sim" else _Cpu)(where)
 
 
+#: One simulated backend and the CPU twin, for the slower simulator tests that
+#: the memory kind (mapped or device) does not change.
+sim_and_cpu = pytest.mark.parametrize("be", [("sim", "mapped"), ("cpu", "host")],
+                                      indirect=True, ids=lambda p: "-".join(p))
+
+
 def _rand(rng, *shape, scale=1.0):
     # standard normal shifted away from zero: no all-zero input can hide a bug
     return (rng.standard_normal(shape) * scale + 0.25).astype(np.float32)
@@ -104,6 +110,23 @@ def test_write_and_rmw_probes(be, fresh_seed):
     be.k.dha_write(out, value, width=4)
     got = be.host(out)
     assert np.all(got.view(np.uint32) == value)
+
+
+@pytest.mark.parametrize("width", [4, 8])
+def test_cpu_read_probe_checksums_whole_chunks_and_the_tail(width, fresh_seed):
+    # More than two 64 Ki-word chunks plus a ragged tail: one partial per chunk,
+    # the tail's included (every other probe test reads less than one chunk).
+    from rtmem.kernels import dha_cpu
+    rng = np.random.default_rng([fresh_seed, width])
+    chunk = dha_cpu._CHUNK
+    n = 2 * chunk + 1 + int(rng.integers(chunk - 1))
+    wdt = np.uint32 if width == 4 else np.uint64
+    words = rng.integers(1, np.iinfo(wdt).max, n, dtype=wdt, endpoint=True)
+    partials = dha_cpu.dha_read(words.view(np.uint8), width=width)
+    assert len(partials) == 3
+    for k, part in enumerate(partials):
+        assert int(part) == int(np.bitwise_xor.reduce(words[k * chunk:(k + 1) * chunk]))
+    assert dha_cpu.xor_checksum(partials) == int(np.bitwise_xor.reduce(words))
 
 
 def test_probe_argument_errors(be):
@@ -195,6 +218,50 @@ def test_embedding_rejects_bad_ids_and_shapes(be):
         np.testing.assert_array_equal(gw, g0)
 
 
+@sim_and_cpu
+def test_unchecked_bad_ids_zero_their_rows_and_add_nothing(be, fresh_seed):
+    # check=False (GPU): no wait for an id count; a token with an id outside
+    # [0, V) gets a zero row in the forward and adds to no row in the backward.
+    # The CPU twins raise either way.
+    rng = np.random.default_rng(fresh_seed)
+    V, H, T = 9, 20, 12
+    w, dy = _rand(rng, V, H), _rand(rng, T, H)
+    ids = rng.integers(0, V, T).astype(np.int64)
+    bad = np.array([1, 4, 7, 11])
+    ids[bad] = [-1, V, -(2 ** 40), V + 3]
+    ids[0] = 0                                      # row 0 is used by a good token too
+    good = np.setdiff1d(np.arange(T), bad)
+    out, gw = be.empty((T, H)), be.param(_rand(rng, V, H))
+    if be.name == "cpu":
+        with pytest.raises(KernelArgumentError, match="outside"):
+            be.k.embedding_forward(be.param(w), be.act(ids), out, check=False)
+        return
+    be.k.embedding_forward(be.param(w), be.act(ids), out, check=False)
+    ref = np.zeros((T, H), np.float32)
+    ref[good] = w[ids[good]]
+    np.testing.assert_array_equal(be.host(out), ref)
+    be.k.embedding_backward(be.act(dy), be.act(ids), gw, check=False)
+    ref = np.zeros((V, H))
+    np.add.at(ref, ids[good], dy[good].astype(np.float64))
+    np.testing.assert_allclose(be.host(gw), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_scatter_add_over_several_column_blocks(fresh_seed):
+    # H = 133: three 64-column work items of the CPU twin's scatter-add, the
+    # last one ragged (every other embedding test has H < 64: one work item).
+    from rtmem.kernels import dha_cpu
+    rng = np.random.default_rng(fresh_seed)
+    V, H, T = 11, 133, 30
+    ids = rng.integers(0, V, T).astype(np.int64)
+    dy, g0 = _rand(rng, T, H), _rand(rng, V, H)
+    for accumulate in (False, True):
+        gw = g0.copy()
+        dha_cpu.embedding_backward(dy, ids, gw, accumulate=accumulate)
+        ref = np.zeros((V, H)) + (g0 if accumulate else 0.0)
+        np.add.at(ref, ids, dy.astype(np.float64))
+        np.testing.assert_allclose(gw, ref, rtol=1e-5, atol=1e-5)
+
+
 # -------------------------------------------------------------- LayerNorm
 
 def _ln_reference(x, gamma, beta, dy, eps):
@@ -280,6 +347,47 @@ def test_layernorm_forward_of_rows_with_a_large_mean(be, fresh_seed):
     x = (1e4 + rng.standard_normal((T, H)) * 1e-2).astype(np.float32)
     _ln_forward_checked(be, rng, x, eps, out_tol=(1e-4, 1e-4), mean_tol=(1e-7, 0),
                         rstd_rtol=1e-4)
+
+
+@sim_and_cpu
+def test_column_sums_over_several_row_chunks_and_column_blocks(be, fresh_seed):
+    # T = 70 rows: two 64-row chunks of partial sums on the GPU, the second one
+    # ragged; H = 133 columns: three 64-column work items of the CPU twin, the
+    # last one ragged. Every other test has T, H < 64 (one chunk, one work
+    # item), where a chunk or block that dropped its last row or column, or a
+    # finish that summed only the first chunk, gave the right answer.
+    rng = np.random.default_rng(fresh_seed)
+    T, H = 70, 133
+    x, dy = _rand(rng, T, H, scale=2.0), _rand(rng, T, H)
+    mean, rstd = _rand(rng, T), rng.uniform(0.5, 2.0, T).astype(np.float32)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    xhat = (x64 - mean[:, None]) * rstd[:, None]
+    g0, b0 = _rand(rng, H), _rand(rng, H)
+    gg, gb = be.param(g0), be.param(b0)
+    be.k.layernorm_backward(be.act(dy), be.act(x), be.act(mean), be.act(rstd),
+                            be.param(_rand(rng, H)), None, gg, gb, accumulate=True)
+    np.testing.assert_allclose(be.host(gg), (dy64 * xhat).sum(0) + g0, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(be.host(gb), dy64.sum(0) + b0, rtol=1e-4, atol=1e-4)
+
+
+def test_layernorm_with_gamma_and_beta_too_large_to_stage(monkeypatch, fresh_seed):
+    # gamma/beta beyond the shared-memory budget are read from their own arrays
+    # in every row; no other test has an H that large (the budget is 47 KiB), so
+    # the budget is lowered to 0 here to take that path with a small H.
+    from rtmem.kernels import dha
+    monkeypatch.setattr(dha, "_MAX_SHARED_PARAMS", 0)
+    assert dha._staging(1) == (False, 0)
+    be = _Sim("mapped")
+    rng = np.random.default_rng(fresh_seed)
+    T, H, eps = 2, 20, 1e-5
+    x = _rand(rng, T, H, scale=3.0) + 2.0
+    (_, _, _, dx, dgamma, dbeta), dy, x_d, gamma_d, mean, rs = _ln_forward_checked(
+        be, rng, x, eps, out_tol=(1e-4, 1e-5), mean_tol=(1e-5, 1e-6), rstd_rtol=1e-4)
+    gg, gb, gx = be.param(_rand(rng, H)), be.param(_rand(rng, H)), be.empty((T, H))
+    be.k.layernorm_backward(be.act(dy), x_d, mean, rs, gamma_d, gx, gg, gb)
+    np.testing.assert_allclose(be.host(gx), dx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(be.host(gg), dgamma, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(be.host(gb), dbeta, rtol=1e-4, atol=1e-5)
 
 
 def test_layernorm_argument_errors(be):
