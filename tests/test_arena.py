@@ -775,3 +775,122 @@ def test_slab_size_errors_name_the_arenas_own_argument(cls):
     with pytest.raises(ValueError, match=r"below nbytes \(4096 B\); raise max_bytes or "
                                          r"lower nbytes$"):
         cls(4096, max_bytes=1024)
+
+
+@pytest.mark.parametrize("cls", [DeviceArena, HostArena])
+def test_allocator_calls_and_their_per_kind_counts_are_one_step_under_the_stats_lock(cls):
+    # NOTE [ Arena accounting ]: an allocation or free and the per-kind counts it
+    # changes are one step under _acct_lock, which stats() takes. Without the
+    # lock a snapshot taken by another thread meanwhile saw allocated_bytes
+    # moved and bytes_by_kind not yet (per-kind totals disagreeing with it).
+    # Probed at the allocator, whichever free path is taken (the compute
+    # stream's, one gated on a side stream's event).
+    from rtmem.adaptors import AllocatorAdaptor
+    seen = []
+
+    class Probe(AllocatorAdaptor):
+        def allocate(self, nbytes, stream=None):
+            block = self.upstream.allocate(nbytes, stream)
+            seen.append(("allocate", arena._acct_lock.locked()))
+            return block
+
+        def deallocate(self, block, **kw):
+            self.upstream.deallocate(block, **kw)
+            seen.append(("deallocate", arena._acct_lock.locked()))
+    arena = cls(1 << 16, backend="host", adaptors=[Probe])
+    arena.alloc(1000, kind="weight").free()
+    side = arena.backend.new_stream("side")
+    arena.alloc(1000, kind="gradient", stream=side).free()
+    assert seen == [("allocate", True), ("deallocate", True)] * 2
+    side.synchronize()
+    arena._check_invariants()
+    arena.close()
+
+
+def test_a_trim_racing_close_raises_nothing(monkeypatch):
+    # trim() checks for a closed arena before taking its lock: a close() on
+    # another thread in between (here while trim runs the deferred frees)
+    # emptied the slab list, and the allocator giving the empty growth slab back
+    # then raised list.remove's bare ValueError out of trim().
+    from rtmem import _deferred
+    arena = DeviceArena(4096, max_bytes=16384, growth_bytes=4096, backend="host")
+    keep = arena.alloc(4096)
+    arena.alloc(4096).free()                    # an empty growth slab to give back
+    entered, go = threading.Event(), threading.Event()
+
+    def paused_free():
+        entered.set()
+        go.wait(5)
+    monkeypatch.setattr(_deferred, "queue", collections.deque([paused_free]))
+    outcome = []
+
+    def trim():
+        try:
+            outcome.append(arena.trim())
+        except Exception as e:      # asserted below: trim() must not raise
+            outcome.append(e)
+    t = threading.Thread(target=trim)
+    t.start()
+    assert entered.wait(5)
+    arena.close()
+    go.set()
+    t.join(5)
+    assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
+    assert arena.slabs == ()
+    keep.free()                                 # freeing stays legal after close
+    assert arena.stats().allocated_bytes == 0
+
+
+@pytest.mark.parametrize("cls", [DeviceArena, HostArena])
+def test_a_free_waiting_for_views_holds_in_either_arena_and_refuses_a_second_free(cls):
+    # A pinned view of a host placement holds a free as one of a device
+    # placement does (Buffer._pins counts both). And buf.free() refuses a second
+    # free while the first waits for the views: arena.free(buf) must too, not
+    # take it silently as a new postponed free.
+    arena = cls(4096, backend="host")
+    buf = arena.alloc(1024)
+    view = buf.numpy(pin=True)
+    arena.free(buf)                             # postponed: the view lives
+    assert not buf.is_freed and arena.stats().allocated_bytes == 1024
+    with pytest.raises(DoubleFreeError, match="already freed"):
+        arena.free(buf)
+    assert not buf.is_freed and arena.stats().allocated_bytes == 1024
+    del view                                    # the postponed free happens now
+    assert buf.is_freed and arena.stats().allocated_bytes == 0
+    arena._check_invariants()
+    arena.close()
+
+
+def test_a_free_on_the_host_backends_compute_stream_is_everyones_at_once(dev):
+    # The host backend's compute stream is synchronous: when free() returns,
+    # the work that used the block is done, so the block is ready for every
+    # stream and the CPU at once. Freed in stream order on it instead, it was
+    # pending there and another stream got other bytes until a stamp.
+    from rtmem.arena import UNORDERED
+    side = dev.backend.new_stream("side")
+    for stream in (UNORDERED, side):
+        b = dev.alloc(4096)
+        offset = b.offset
+        b.free()
+        assert dev.stats().pending_bytes == 0
+        other = dev.alloc(4096, stream=stream)
+        assert other.offset == offset
+        other.free()            # (on side: pending behind an event on side)
+    side.synchronize()
+
+
+def test_frees_from_finalizers_are_skipped_at_interpreter_exit(monkeypatch):
+    # NOTE [ Frees from finalizers ]: at interpreter exit the last view of a
+    # buffer may die after the CUDA context is gone; its free is not run (the
+    # process releases everything anyway), nor queued.
+    import types
+
+    from rtmem import _deferred
+    monkeypatch.setattr(_deferred, "queue", collections.deque())
+    ran = []
+    monkeypatch.setattr(_deferred, "sys", types.SimpleNamespace(is_finalizing=lambda: True))
+    _deferred.run_or_defer(lambda: ran.append(1))
+    assert ran == [] and not _deferred.queue
+    monkeypatch.setattr(_deferred, "sys", types.SimpleNamespace(is_finalizing=lambda: False))
+    _deferred.run_or_defer(lambda: ran.append(1))
+    assert ran == [1]
