@@ -1074,3 +1074,246 @@ def test_a_failed_copy_reports_on_its_own_event_when_another_thread_records_mean
         T.synchronize(b)
     assert b.residency == "device" and np.all(b.numpy() == 7)
     b.free()
+
+
+def test_a_free_during_a_copy_also_waits_for_the_buffers_own_stream():
+    # A buffer allocated for a side stream and freed while its offload still
+    # copies is freed on the copy stream, behind the copy and behind the side
+    # stream's work queued so far (it may still use the block). Without the
+    # second wait the block was reusable by everyone once the copy ended, while
+    # the side stream's work still ran on it. Work enqueued on the copy stream
+    # after the free runs only once the freed block may be reused.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
+    eng = T.get_engine(be)
+    user = be.new_stream("user")
+    b = d.alloc(4096, stream=user)
+    copy_gate = gate_stream(eng.d2h)
+    T.offload(b, arena=h)
+    user_gate = gate_stream(user)
+    order = []
+    user.launch_host_func(lambda: order.append("user work"))
+    b.free()
+    assert d.stats().pending_bytes == 4096
+    eng.d2h.launch_host_func(lambda: order.append("after the free"))
+    copy_gate.set()                             # the copy ends; the user work waits
+    threading.Timer(0.2, user_gate.set).start()
+    eng.synchronize()
+    user.synchronize()
+    assert order == ["user work", "after the free"]
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+    d._check_invariants()
+
+
+def test_a_buffer_whose_copy_ran_on_a_stream_closed_since_can_be_freed():
+    # A copy stream closes when its engine is dropped (HostStream.__del__) with
+    # the work queued before still to run. A buffer freed while such a copy ran
+    # recorded its free's event on the closed stream, which refused it: free()
+    # raised and the bytes leaked. The free waits the stream out instead and
+    # frees for everyone.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
+    eng = T.get_engine(be)
+    b = d.alloc(4096)
+    b.numpy()[:] = 1
+    gate = gate_stream(eng.d2h)
+    ev = T.offload(b, arena=h)
+    eng.d2h.close()                             # the queued copy still runs
+    threading.Timer(0.1, gate.set).start()
+    b.free()
+    assert ev.query() and b.is_freed
+    for arena in (d, h):
+        st = arena.stats()
+        assert st.allocated_bytes == 0 and st.pending_bytes == 0
+        arena._check_invariants()
+
+
+def test_a_prefetch_failing_after_the_offload_it_waited_for_succeeded_keeps_the_host_copy(
+        arenas, monkeypatch):
+    # offload, evict, prefetch (chained on the offload still running), then
+    # only the prefetch's copy fails: the host copy the offload wrote is good and
+    # must be kept. Counting the prior move's side as garbage too (whether it
+    # failed or not) dropped it and kept the garbage device copy instead.
+    from rtmem.backends import host as H
+    d, h = arenas
+    b = d.alloc(shape=(64,), dtype=np.float32)
+    data = np.random.default_rng(11).standard_normal(64).astype(np.float32)
+    b.numpy()[:] = data
+    real, copies = H._copy, []
+
+    def second_fails(dst, src):
+        copies.append(1)
+        if len(copies) == 2:                    # the prefetch's copy (after the offload's)
+            monkeypatch.setattr(H, "_copy", real)
+            raise MemoryError("simulated copy failure")
+        real(dst, src)
+    monkeypatch.setattr(H, "_copy", second_fails)
+    gate = gate_stream(T.get_engine("host").d2h)
+    T.offload(b, arena=h)
+    T.evict(b)
+    ev = T.prefetch(b)                          # waits for the offload
+    gate.set()
+    settled(ev)
+    with pytest.raises(BackendError, match="H2D copy.*keeps its host copy"):
+        T.synchronize(b)
+    assert len(copies) == 2 and b.residency == "host"
+    np.testing.assert_array_equal(b.numpy(), data)
+    assert d.stats().allocated_bytes == 0
+    b.free()
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_a_copy_into_a_larger_buffer_writes_only_the_sources_bytes(arenas, direction):
+    # copy(dst, src) with dst.nbytes > src.nbytes copies src.nbytes: the rest
+    # of dst keeps its bytes (copying dst's size read past src's end, into its
+    # alignment padding or a neighbour's block, and wrote that over dst's tail).
+    d, h = arenas
+    rng = np.random.default_rng(5)
+    src_arena, dst_arena = (h, d) if direction == "h2d" else (d, h)
+    src = src_arena.alloc(shape=(100,), dtype=np.float32)
+    neighbour = src_arena.alloc(shape=(64,), dtype=np.float32)   # right after src
+    dst = dst_arena.alloc(shape=(300,), dtype=np.float32)
+    src_data, old = (rng.standard_normal(n).astype(np.float32) for n in (100, 300))
+    src.numpy()[:] = src_data
+    neighbour.numpy()[:] = rng.standard_normal(64).astype(np.float32)
+    dst.numpy()[:] = old
+    T.synchronize(T.copy(dst, src))
+    np.testing.assert_array_equal(dst.numpy()[:100], src_data)
+    np.testing.assert_array_equal(dst.numpy()[100:], old[100:])
+    for b in (src, neighbour, dst):
+        b.free()
+
+
+def test_a_copys_event_implies_the_earlier_copy_of_its_source_on_the_other_stream(arenas):
+    # Two copies read one source, on the H2D then the D2H stream; the second
+    # waits for the first, so that the source's one event (the last copy's)
+    # covers both: freeing on it is safe. Without that wait the second copy's
+    # event completed while the first still read the block.
+    d, h = arenas
+    eng = T.get_engine("host")
+    src = h.alloc(shape=(512,), dtype=np.int32)
+    data = np.random.default_rng(7).integers(1, 1 << 30, 512, dtype=np.int32)
+    src.numpy()[:] = data
+    to_dev = d.alloc(shape=(512,), dtype=np.int32)
+    to_host = h.alloc(shape=(512,), dtype=np.int32)
+    gate = gate_stream(eng.h2d)
+    first = T.copy(to_dev, src)                 # H2D, held by the gate
+    second = T.copy(to_host, src)               # D2H
+    assert src.placement("host").event is second
+    threading.Timer(0.2, gate.set).start()
+    second.synchronize()
+    assert first.query(), "the last copy's event completed before the first copy"
+    T.synchronize()
+    assert (to_dev.numpy() == data).all() and (to_host.numpy() == data).all()
+    for b in (src, to_dev, to_host):
+        b.free()
+
+
+def test_a_copy_from_a_source_whose_move_fails_just_before_it_fails_too(arenas, monkeypatch):
+    # copy(dst, src) while src's prefetch is in flight reads the device copy the
+    # prefetch writes. The prefetch failed (and completed) between copy()'s
+    # settle and the enqueue of its copy: the copy must wait for that move's
+    # event anyway (it carries the failure), or it copied the garbage and
+    # reported success.
+    d, h = arenas
+    eng = T.get_engine("host")
+    src = h.alloc(shape=(64,), dtype=np.float32)
+    src.numpy()[:] = 3
+    dst = h.alloc(shape=(64,), dtype=np.float32)
+    fail_next_copy(monkeypatch)
+    gate = gate_stream(eng.h2d)
+    pre = T.prefetch(src, arena=d)              # will fail
+    real = eng._after_compute
+
+    def after_compute(stream):                  # the first step of the copy's _issue
+        monkeypatch.setattr(eng, "_after_compute", real)
+        gate.set()                              # a thread switch: the prefetch fails
+        settled(pre)
+        real(stream)
+    monkeypatch.setattr(eng, "_after_compute", after_compute)
+    settled(T.copy(dst, src))
+    assert pre.error is not None
+    with pytest.raises(BackendError, match="host copy are not valid"):
+        T.synchronize(dst)
+    with pytest.raises(BackendError, match="H2D copy"):
+        T.synchronize(src)
+    assert src.residency == "host" and np.all(src.numpy() == 3)
+    for b in (src, dst):
+        b.free()
+
+
+@pytest.mark.parametrize("last", ["h2d", "d2h"])
+def test_wait_for_everything_covers_both_transfer_streams(arenas, last):
+    # wait() with no argument orders the compute stream after the work of the
+    # H2D and the D2H stream (on the host backend: blocks until both are done),
+    # whichever finishes last.
+    eng = T.get_engine("host")
+    events = []
+    for name in ("h2d", "d2h"):
+        stream = getattr(eng, name)
+        gate = gate_stream(stream)
+        events.append(eng.backend.new_event().record(stream))
+        threading.Timer(0.25 if name == last else 0.02, gate.set).start()
+    T.wait()
+    assert all(ev.query() for ev in events)
+
+
+def test_synchronizing_a_copys_event_drops_every_completed_keepalive():
+    # NOTE [ Keeping memory alive during copies ]: synchronize(event) drops the
+    # engine's hold on the slabs of every completed copy, as synchronize(buf)
+    # does, not one per poll; else arenas dropped next kept their memory until
+    # some later copies.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
+    eng = T.get_engine(be)
+    bufs = [d.alloc(4096) for _ in range(3)]
+    gate = gate_stream(eng.d2h)
+    events = [T.offload(b, arena=h) for b in bufs]
+    assert len(eng._inflight) == 3
+    gate.set()
+    T.synchronize(events[-1])
+    assert len(eng._inflight) == 0              # read without the poll in_flight does
+    for b in bufs:
+        b.free()
+
+
+def test_the_engines_synchronize_waits_for_both_streams_before_raising():
+    # TransferEngine.synchronize (transfers.synchronize()) raises a failure of
+    # the H2D stream only after the D2H stream is idle too, and still drops the
+    # completed copies' keepalives: raised at once, the caller went on (freeing,
+    # closing arenas) while copies queued on D2H still ran.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    eng = T.get_engine(be)
+
+    def boom():
+        raise RuntimeError("copy failed")
+    eng.h2d.launch_host_func(boom)
+    done = []
+    gate = gate_stream(eng.d2h)
+    eng.d2h.launch_host_func(lambda: done.append(1))
+    threading.Timer(0.1, gate.set).start()
+    with pytest.raises(BackendError, match="copy failed"):
+        eng.synchronize()
+    assert done == [1]
+    eng.synchronize()                           # reported once
+
+
+def test_freeing_a_buffer_whose_copy_completed_lets_its_arenas_memory_go():
+    # free() settles a completed move first, which drops the engine's keepalive
+    # of its copy's slabs (NOTE [ Keeping memory alive during copies ]): freed
+    # without that, arenas dropped next kept their memory until a later copy.
+    import weakref
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    d, h = DeviceArena(1 << 20, backend=be), HostArena(1 << 20, backend=be)
+    b = d.alloc(4096)
+    T.offload(b, arena=h).synchronize()         # the raw event: nothing polled
+    slabs = [weakref.ref(sl.owner) for a in (d, h) for sl in a.slabs]
+    b.free()
+    del b, d, h
+    gc.collect()
+    assert [r() for r in slabs] == [None, None]
