@@ -873,3 +873,57 @@ def test_a_gated_split_tail_merged_by_an_ordered_free_is_not_made_spare():
     whole = a.allocate(4096, s2)
     assert whole.offset == 0
     a._check_invariants()
+
+
+def test_a_stamped_block_merged_by_a_later_free_waits_for_the_later_event():
+    # x is freed in stream order and stamped with e1; y, its neighbour, is freed
+    # on the same stream and merges into x's block, whose next stamp e2 covers
+    # both. The FIFO still holds (e1, x): polling must skip it (the block's
+    # event is e2 now), else e1 completing handed y's bytes to another stream
+    # while the work before y's free still used them.
+    rec = Recorder()
+    a = BestFitAllocator(4096, event_source=rec)
+    a._maintain_every = 1                          # stamp and poll at every allocation
+    s1, s2 = object(), object()
+    x, y = a.allocate(1024, s1), a.allocate(1024, s1)
+    a.deallocate(x, stream=s1, ordered=True)
+    small = [a.allocate(256, s2)]                  # maintenance: x stamped with e1
+    a.deallocate(y, stream=s1, ordered=True)       # merged into x's pending block
+    small.append(a.allocate(256, s2))              # maintenance: stamped again, e2
+    assert [s for s, _ in rec.events] == [s1, s1]
+    assert a.stats().pending_bytes == 2048
+    (_, e1), (_, e2) = rec.events
+    e1.done = True                                 # x's last use is over, y's is not
+    whole = a.allocate(2048, s2)                   # needs y's bytes too:
+    assert e2.syncs == 1 and whole.offset == 0     # it waited for e2
+    for b in small + [whole]:
+        a.deallocate(b)
+    a._check_invariants()
+
+
+def test_a_block_freed_on_another_stream_is_stamped_on_that_stream():
+    # T is a pending tail listed unstamped on s1, handed out again on s1, then
+    # freed in stream order on s2: the stale s1 entry must not stamp it. Stamped
+    # with an event on s1 (the first stream listed), T's bytes went to other
+    # streams once s1's work was done, while s2's work before the free still ran.
+    rec = Recorder()
+    a = BestFitAllocator(4608, event_source=rec)
+    s1, s2, s3 = object(), object(), object()
+    p, k = a.allocate(4096, s1), a.allocate(256, s2)
+    a.deallocate(k, stream=s2, ordered=True)       # s2 has pending frees
+    a.deallocate(p, stream=s1, ordered=True)
+    head = a.allocate(1024, s1)                    # split: the tail stays pending on s1
+    t = a.allocate(3072, s1)                       # the tail itself, handed out
+    assert t.offset == 1024
+    a.deallocate(t, stream=s2, ordered=True)       # now s2's (merged with k's bytes)
+    a._maintain_every = 1
+    small = a.allocate(256, s3)                    # maintenance: stamps every stream
+    assert all(s is s2 for s, _ in rec.events), "a free on s2 was stamped on s1"
+    for s, ev in rec.events:
+        if s is s1:
+            ev.done = True                         # s1's work is over, s2's is not
+    got = a.allocate(3072, s3)                     # only t's bytes fit:
+    assert got.offset == 1024 and rec.events[-1][1].syncs == 1   # it waited for s2
+    for b in (head, small, got):
+        a.deallocate(b)
+    a._check_invariants()
