@@ -965,3 +965,31 @@ def test_a_trace_numbers_two_wrappers_of_one_stream_as_one(fake, backend):
         tr.deallocate(b)
     streams = [json.loads(ln)["stream"] for ln in sink.getvalue().splitlines()[:3]]
     assert streams == [0, 0, 1]
+
+
+def test_a_prefetch_takes_bytes_freed_on_the_compute_stream_without_waiting(fake, backend):
+    # A copy's destination is allocated for the compute stream
+    # (TransferEngine.alloc_key): the copy is fenced behind the compute work
+    # enqueued so far, so bytes freed in that order are safe for it at once.
+    # Allocated for no stream, a prefetch into a full arena blocked the host
+    # until the compute work before the free had run.
+    d = DeviceArena(1 << 16, backend=backend)
+    h = HostArena(1 << 16, backend=backend)
+    src = h.alloc(1 << 16)
+    src.numpy()[:] = 5
+    old = d.alloc(1 << 16)                      # the whole device arena
+    gate = threading.Event()
+    backend.current_stream().launch_host_func(gate.wait)   # earlier work still runs
+    old.free()
+    hang_breaker = threading.Timer(5, gate.set)
+    hang_breaker.start()
+    try:
+        T.prefetch(src, arena=d)
+        assert not gate.is_set(), "the prefetch waited for the compute stream's work"
+    finally:
+        hang_breaker.cancel()
+        gate.set()
+    T.synchronize(src)
+    assert src.residency == "both" and (_device_view(fake, src) == 5).all()
+    src.free()
+    d._check_invariants()
