@@ -101,6 +101,11 @@ INVALID = [
     ("w_prefetch 0", 0, "weight-state", "already on the device"),
     ("w_delete 0, w_offload 0", 1, "weight-state", "not on the device"),
     ("g_offload 0", 0, "missing-gradient", "B 0 makes it"),
+    # B 2 consumed abar3: it is gone from the device, not just its bytes
+    ("F_all 0, F_all 1, F_all 2, L, B 2, delete abar3", 5, "not-resident",
+     "abar3 is not on the device"),
+    ("F_all 0, F_ck 1, F_all 2, L, B 2, B 1", 5, "missing-input",
+     "needs abar2 (made by F_all 1)"),
 ]
 
 
@@ -384,3 +389,130 @@ def test_timeline_bytes_and_transfer_counts_are_exact_above_2_53():
     moved = simulate(chain, s, Platform(math.inf, bandwidth=1e30))
     assert moved.d2h_bytes == big and moved.h2d_bytes == big
     assert type(moved.d2h_bytes) is int and int(moved.timeline["mem"].max()) == moved.peak
+
+
+def _starts_agree_with_reference(chain, sched, platform, res):
+    ref = reference_simulate(chain, sched, platform)
+    assert ref["starts"] == res.timeline["start"].tolist()
+    assert ref["peak"] == res.peak and ref["makespan"] == res.makespan
+
+
+def test_a_memory_wait_ends_at_the_earliest_free_that_makes_room():
+    # Two frees are in flight: abar1 (deleted, back when its offload lands at
+    # t=3) and w0 (w_offload 0 lands at 4). F_all 2 (1 byte + 20 overhead) fits
+    # once abar1 is back, so it starts at 3, not at the later of the two frees.
+    # Hand-computed (10 B/s: 1 s per 10-byte copy).
+    chain = Chain(u_f=[1, 1, 1], u_b=[1, 1, 1], x=[10, 10, 1], xbar=[10, 10, 1], x0=0,
+                  w=[10, 0, 0], o_f=[0, 0, 20], u_loss=1)
+    sched = Schedule.from_text(
+        "F_all 0, F_all 1, offload abar1, w_offload 0, delete abar1, F_all 2, L, B 2, "
+        "prefetch abar1, B 1, w_prefetch 0, B 0")
+    platform = Platform(45, bandwidth=10)
+    r = simulate(chain, sched, platform)
+    assert r.timeline["start"].tolist() == [0, 1, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert r.timeline["mem"][5] == 41        # w0 still held, abar2, abar3 + overhead
+    assert r.makespan == 10.0 and r.peak == 41
+    _starts_agree_with_reference(chain, sched, platform, r)
+
+
+def test_an_op_reading_either_copy_starts_when_the_first_one_is_ready():
+    # a1 is resident from t=1; abar1 is deleted and prefetched again (ready at 6).
+    # F_all 1 and B 1 read a1 or abar1, so they need not wait for the prefetch;
+    # B 0 needs abar1 itself. Hand-computed (10 B/s, abar1 is 20 bytes: 2 s).
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 10], xbar=[20, 10], x0=0, u_loss=1)
+    sched = Schedule.from_text("F_ck 0, F_all 0, offload abar1, delete abar1, prefetch abar1, "
+                               "F_all 1, L, B 1, B 0")
+    platform = Platform(10**6, bandwidth=10)
+    r = simulate(chain, sched, platform)
+    assert r.timeline["start"].tolist() == [0, 1, 2, 2, 4, 2, 3, 4, 6]
+    assert r.makespan == 7.0
+    _starts_agree_with_reference(chain, sched, platform, r)
+
+
+def test_a_delete_or_w_delete_with_nothing_in_flight_frees_at_once():
+    # The mem column of a free is the usage right after it was issued: with no
+    # transfer touching the data the bytes are back at once (a0 5, w1 7, a1 10).
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 10], xbar=[10, 10], x0=5, w=[0, 7])
+    sched = Schedule.from_text("F_ck 0, delete a1, w_delete 1, F_ck 0, w_prefetch 1, "
+                               "F_all 1, L, B 1, F_all 0, B 0")
+    r = simulate(chain, sched, Platform(10**6, bandwidth=7))
+    row = r.timeline
+    assert row["mem"][:3].tolist() == [22, 12, 5]
+    assert row["mem_after"][:3].tolist() == [22, 12, 5]
+    assert row["end"][1] == row["end"][2] == 1.0     # issued when F_ck 0 ended
+
+
+def test_a_delete_during_a_prefetch_frees_when_the_copy_lands():
+    # The second delete of abar1 comes while its prefetch (t=12..22 at 1 B/s)
+    # still writes it: the bytes are back at 22, so F_all 0, which needs them
+    # (limit 20), starts at 22. Hand-computed.
+    chain = Chain(u_f=[1], u_b=[1], x=[10], xbar=[10], x0=0, u_loss=1)
+    sched = Schedule.from_text("F_all 0, L, offload abar1, delete abar1, prefetch abar1, "
+                               "delete abar1, F_all 0, B 0")
+    platform = Platform(20, bandwidth=1)
+    r = simulate(chain, sched, platform)
+    assert r.timeline["start"].tolist() == [0, 1, 2, 2, 12, 12, 22, 23]
+    assert r.timeline["end"][5] == 22.0
+    # the row's mem is right after the issue (still held), mem_after once it is over
+    assert (r.timeline["mem"][5], r.timeline["mem_after"][5]) == (20, 10)
+    assert r.makespan == 24.0 and r.peak == 20
+    _starts_agree_with_reference(chain, sched, platform, r)
+
+
+def test_a_weight_free_waits_for_the_weight_prefetch_in_flight():
+    # w_delete 1 while w_prefetch 1 (t=0..10 at 1 B/s) still writes the weights:
+    # the 10 bytes are back at 10, and F_all 0 (1 byte + 20 overhead, limit 25)
+    # waits for them. Hand-computed.
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[1, 1], xbar=[1, 1], x0=0, w=[0, 10],
+                  o_f=[20, 0], u_loss=1)
+    sched = Schedule.from_text("w_delete 1, w_prefetch 1, w_delete 1, F_all 0, w_prefetch 1, "
+                               "F_all 1, L, B 1, B 0")
+    platform = Platform(25, bandwidth=1)
+    r = simulate(chain, sched, platform)
+    assert r.timeline["end"][2] == 10.0
+    assert r.timeline["start"].tolist() == [0, 0, 0, 10, 11, 21, 22, 23, 24]
+    assert r.makespan == 25.0
+    _starts_agree_with_reference(chain, sched, platform, r)
+
+
+def test_a_weight_offload_copies_after_the_weight_prefetch_lands():
+    # duplex: w_offload 1 (device -> host) cannot start before w_prefetch 1
+    # (host -> device, t=0..10) has brought the weights, although its channel is
+    # free; the next w_prefetch 1 waits for that host copy (t=20). Byte counts
+    # include weights and weight gradients. Hand-computed at 1 B/s.
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[1, 1], xbar=[1, 1], x0=0, w=[0, 10], u_loss=1)
+    sched = Schedule.from_text("w_delete 1, w_prefetch 1, w_offload 1, F_all 0, w_prefetch 1, "
+                               "F_all 1, L, B 1, g_offload 1, B 0")
+    platform = Platform(10**6, bandwidth=1, channel="duplex")
+    r = simulate(chain, sched, platform)
+    assert r.timeline["start"].tolist() == [0, 0, 10, 0, 20, 30, 31, 32, 33, 33]
+    assert r.timeline["end"][8] == 43.0 and r.makespan == 43.0
+    assert (r.h2d_bytes, r.d2h_bytes) == (20, 20)
+    _starts_agree_with_reference(chain, sched, platform, r)
+
+
+def test_initial_memory_equal_to_the_limit_is_not_over_it():
+    # a0 (5) + w0 (5) = 10 = the limit: the chain starts fine, and the error
+    # names the first op that needs more (F_all 0, 1 byte over), not "before
+    # the first op" by 0 bytes
+    chain = Chain(u_f=[1], u_b=[1], x=[1], xbar=[1], x0=5, w=[5])
+    with pytest.raises(ScheduleError) as e:
+        simulate(chain, store_all_schedule(1), Platform(10))
+    assert e.value.op_index == 0 and e.value.over_bytes == 1
+    assert "before the first op" not in str(e.value)
+
+
+def test_memory_and_input_messages_name_the_right_data():
+    # a prefetch that cannot fit: abar2 and delta2 (1 byte each) are resident, so
+    # abar1's 10 bytes are 1 over the 11-byte limit
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 1], xbar=[10, 1], x0=0)
+    sched = Schedule.from_text(
+        "F_all 0, F_all 1, offload abar1, delete abar1, L, prefetch abar1, B 1, B 0")
+    with pytest.raises(ScheduleError) as e:
+        simulate(chain, sched, Platform(11, bandwidth=10))
+    assert e.value.op_index == 5 and e.value.over_bytes == 1
+    assert "needs 10 bytes more" in str(e.value) and "by 1 bytes" in str(e.value)
+    # F_none 0 without a0: there is no abar0 to point at
+    with pytest.raises(ScheduleError) as e:
+        simulate(chain, Schedule.from_text("F_none 0, F_none 0"), BIG)
+    assert e.value.op_index == 1 and str(e.value).endswith("but it is not there")
