@@ -267,3 +267,23 @@ def test_verify_layout_counts_both_ends_of_a_lifetime():
             verify_layout([0, 128], [256, 256], alloc, free)
         assert info.value.pair == (0, 1)
     verify_layout([0, 128], [256, 256], [0, 4], [3, 5])    # op 3, then op 4: fine
+
+
+def test_a_plain_copy_beside_its_abar_stays_live_and_weights_stay_weights():
+    # L and B i release a plain a_i only when abar_i is not resident (Table 2.1;
+    # the simulator keeps it): here a1 and a2 sit beside abar1 and abar2 and stay
+    # live to the end (free == n_ops). No transfers: live bytes per op equal the
+    # simulator's mem column.
+    chain = P.Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 20], xbar=[30, 40], w=[5, 6], x0=7)
+    sched = P.Schedule.from_text("F_ck 0, F_all 0, F_ck 1, F_all 1, L, B 1, B 0")
+    lt = lifetimes(chain, sched)
+    by = {name: (int(lt.alloc[i]), int(lt.free[i])) for i, name in enumerate(lt.names)}
+    assert by["a1"] == (0, 7) and by["a2"] == (2, 7)
+    res = P.simulate(chain, sched, BIG)
+    assert lt.live_bytes()[1:-1].tolist() == res.timeline["mem"].tolist()
+    # weights brought back by w_prefetch are weights, like the initial ones
+    moved = P.Schedule.from_text("F_all 0, F_all 1, L, w_offload 1, w_prefetch 1, B 1, B 0")
+    P.simulate(chain, moved, BIG)
+    lt = lifetimes(chain, moved)
+    assert [lt.kind_name(i) for i, name in enumerate(lt.names) if name == "w1"] == \
+        ["weight", "weight"]
