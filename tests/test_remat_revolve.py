@@ -313,3 +313,40 @@ def test_huge_but_bounded_step_times_give_finite_makespans():
     assert math.isfinite(makespan) and makespan == multichain_opt((30,), 5, u_f=1e305)
     assert math.isfinite(binomial_makespan(30, 5, u_f=1e305))
     assert math.isfinite(opt0_table(30, 5, u_f=1e305)[0][30, 5])
+
+
+@pytest.mark.parametrize("L, b, m_min", [
+    # Lemma 2 by hand: K~ = K + #{L_i != 0}, plus one unless some L_i = 1 or some
+    # empty branch has b_i = 0 (its delta_0 can be dropped at once)
+    ((0, 2), (0, 0), 3), ((0, 2), (0, 1), 3), ((0, 2), (1, 0), 4), ((0, 2), (1, 1), 4),
+    ((2, 0, 2), (0, 0, 0), 5), ((2, 0, 2), (1, 1, 1), 6), ((0, 1), (1, 1), 3)])
+def test_empty_branches_set_the_least_slots(L, b, m_min):
+    # random instances rarely hit m = m_min exactly with an empty branch: an
+    # inverted b test in min_slots or in the DP's fill survived them
+    assert min_slots(L, b) == m_min
+    for m in (m_min - 1, m_min, m_min + 1):
+        dp = multichain_opt(L, m, b)
+        assert dp == brute_force_multichain(L, m, b), (L, b, m)
+        assert math.isfinite(dp) == (m >= m_min), (L, b, m)
+
+
+def test_validator_rejects_what_the_end_check_alone_would_miss_or_misname():
+    S, F, D, B = (lambda i: MultiOp("S", 0, i)), (lambda i: MultiOp("F", 0, i)), \
+        (lambda i: MultiOp("D", 0, i)), (lambda i: MultiOp("B", 0, i))
+    loss, dbar = MultiOp("L", -1, 0), MultiOp("Dbar", 0, 0)
+    # a branch with b = 1 keeps delta_0: its Dbar is the wrong op, named there
+    with pytest.raises(ScheduleError, match="must keep delta_0") as e:
+        simulate_multichain([S(0), F(1), loss, B(1), dbar], (1,), 2, b=(1,))
+    assert e.value.op_index == 4
+    # a second copy of a_0 left over at the end
+    with pytest.raises(ScheduleError, match="ends with") as e:
+        simulate_multichain([S(0), S(0), F(1), loss, B(1)], (1,), 3, b=(1,))
+    assert e.value.reason == "incomplete"
+    # the loss runs once, even when a second copy of a_L could feed it
+    with pytest.raises(ScheduleError, match="the loss runs once") as e:
+        simulate_multichain([S(0), F(1), S(1), loss, loss, B(1)], (1,), 3, b=(1,))
+    assert e.value.op_index == 4
+    # a forward step past the branch's last value (its output dropped again)
+    with pytest.raises(ScheduleError, match="step 2 outside 1..1") as e:
+        simulate_multichain([S(0), F(1), S(1), F(2), D(2), loss, B(1)], (1,), 3, b=(1,))
+    assert e.value.op_index == 3
