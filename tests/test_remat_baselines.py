@@ -280,3 +280,36 @@ def test_integer_budgets_and_sizes_above_2_53_stay_exact():
     assert (exact.x[0], exact.xbar[0], exact.x0, exact.w[0]) == \
         (2**54 + 2, 2**54 + 3, 2**54 + 1, 2**53 + 1)
     assert Chain.from_json(exact.to_json()) == exact
+
+
+def test_a_budget_equal_to_the_peak_fits():
+    # store-all on this chain peaks at 130 bytes (hand-computed in
+    # test_simulator.test_store_all_exact_values): 130 fits, 129 does not
+    chain = Chain(u_f=[1, 2, 3], u_b=[2, 3, 4], x=[10, 20, 30], xbar=[15, 25, 35], x0=5,
+                  u_loss=1)
+    assert plan_store_all(chain, 130).peak == 130
+    with pytest.raises(InfeasibleError) as err:
+        plan_store_all(chain, 129)
+    assert err.value.min_feasible == 130
+
+
+def test_sequential_ties_go_to_fewer_segments():
+    # 7 unit stages: 2 segments recompute stages 0..2, 4 segments stages 0..2 too
+    # (3 segments of one stage), so both take 7 + 7 + 3 = 17 s; 3 segments
+    # recompute 4 stages. With store-all (1 segment) out of budget, the tie goes
+    # to 2 segments, as documented.
+    chain = Chain.homogeneous(7, x=1, xbar=2)
+    peaks = {k: simulate(chain, sequential_schedule(7, k), Platform(math.inf)).peak
+             for k in (1, 2, 4)}
+    budget = max(peaks[2], peaks[4])
+    assert peaks[1] > budget
+    plan = plan_sequential(chain, budget)
+    assert plan.makespan == 17.0 and plan.info["segments"] == 2
+
+
+@pytest.mark.parametrize("n, segments", [(3, 2), (7, 3)])
+def test_sqrt_rounds_sqrt_n_to_the_nearest(n, segments):
+    # round(sqrt(3)) = round(1.73) = 2 and round(sqrt(7)) = round(2.65) = 3
+    # (truncation would give 1 and 2)
+    plan = plan_sqrt(Chain.homogeneous(n), math.inf)
+    assert plan.info["segments"] == segments
