@@ -65,6 +65,9 @@ def test_files_starting_with_a_byte_order_mark_load(tmp_path):
     ("B ²", "non-negative integer"),                           # str.isdigit says yes
     ("B ٣", "non-negative integer"),
     ("offload abar٣", "not an activation"),
+    # 19 digits overflow int64: refused by length, not an OverflowError
+    ("F_all 9999999999999999999", r"below 10\*\*18"),
+    ("offload a9999999999999999999", "not an activation"),
 ])
 def test_parse_errors(text, fragment):
     with pytest.raises(ScheduleError, match=fragment):
@@ -234,3 +237,26 @@ def test_parse_messages_quote_a_long_token_cut_short(text):
     with pytest.raises(ScheduleError, match=r"\.\.\.'") as info:
         Schedule.parse(text)
     assert len(str(info.value)) < 300
+
+
+def test_slices_sums_and_separators_keep_every_field():
+    # aux (a or abar) survives slicing and concatenation, in order
+    s = Schedule.from_text("F_all 0, offload abar1, delete abar1, prefetch abar1")
+    assert str(s[1:3]) == "offload abar1, delete abar1"
+    t = Schedule.from_text("delete a0")
+    assert str(s + t) == str(s) + ", delete a0"
+    assert str(t + s) == "delete a0, " + str(s)
+    # ';' separates operations like ',' and a new line
+    assert Schedule.from_text("F_all 0; L;B 0") == Schedule.from_text("F_all 0, L, B 0")
+    # a JSON document is told from text after leading white space
+    assert Schedule.parse("\n  " + s.to_json()) == s
+
+
+def test_stage_indices_stop_below_2_31_and_2_62():
+    # stages are stored as int32: 2**31 would wrap to a negative index
+    assert Schedule([0], [2**31 - 1]).stage[0] == 2**31 - 1
+    with pytest.raises(ScheduleError, match="beyond any chain"):
+        Schedule([0], [2**31])
+    # a float beyond int64 (a cast gives garbage) is refused by value
+    with pytest.raises(ScheduleError, match=r"stage\[0\] = 1e\+19 is not an integer"):
+        Schedule([0], [1e19])
