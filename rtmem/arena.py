@@ -456,6 +456,11 @@ class _Arena:
         if _deferred.queue:     # outside the locks, as in _allocate
             _deferred.flush()
         with self._acct_lock:
+            # Again under the lock, as in _allocate: a close() on another thread
+            # while the deferred frees ran has released every slab already, and
+            # giving back a growth slab now would shrink the closed arena's stats.
+            if self._closed:
+                return 0
             return self.allocator.trim()
 
     def stats(self) -> ArenaStats:
