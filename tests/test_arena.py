@@ -582,14 +582,11 @@ def test_trim_after_close_releases_nothing_and_keeps_working():
     assert keep.residency == "freed" and arena.stats().allocated_bytes == 0
 
 
-def test_an_allocation_racing_close_is_refused_and_grows_nothing(monkeypatch):
-    # _allocate checked for a closed arena before taking its lock: an allocation
-    # paused between that check and the lock (here in the deferred frees it runs
-    # first) while another thread closed the arena then took a block of a
-    # released slab, or grew a slab nobody would release.
+def _close_while_paused_in_deferred_frees(monkeypatch, arena, call):
+    """Run ``call()`` on another thread, paused in the deferred frees it runs first
+    (before taking the arena's lock), close the arena meanwhile, then let it go on;
+    returns ``[what call() returned or raised]``."""
     from rtmem import _deferred
-    arena = DeviceArena(4096, max_bytes=16384, growth_bytes=4096, backend="host")
-    arena.alloc(4096)                                  # the next one must grow
     entered, go = threading.Event(), threading.Event()
 
     def paused_free():
@@ -598,17 +595,29 @@ def test_an_allocation_racing_close_is_refused_and_grows_nothing(monkeypatch):
     monkeypatch.setattr(_deferred, "queue", collections.deque([paused_free]))
     outcome = []
 
-    def allocate():
+    def run():
         try:
-            outcome.append(arena.alloc(1024))
-        except InvalidPointerError as e:
+            outcome.append(call())
+        except Exception as e:      # the caller asserts what it should be
             outcome.append(e)
-    t = threading.Thread(target=allocate)
+    t = threading.Thread(target=run)
     t.start()
     assert entered.wait(5)
     arena.close()
     go.set()
     t.join(5)
+    return outcome
+
+
+def test_an_allocation_racing_close_is_refused_and_grows_nothing(monkeypatch):
+    # _allocate checked for a closed arena before taking its lock: an allocation
+    # paused between that check and the lock (here in the deferred frees it runs
+    # first) while another thread closed the arena then took a block of a
+    # released slab, or grew a slab nobody would release.
+    arena = DeviceArena(4096, max_bytes=16384, growth_bytes=4096, backend="host")
+    arena.alloc(4096)                                  # the next one must grow
+    outcome = _close_while_paused_in_deferred_frees(monkeypatch, arena,
+                                                    lambda: arena.alloc(1024))
     assert len(outcome) == 1 and isinstance(outcome[0], InvalidPointerError), outcome
     assert "is closed" in str(outcome[0]) and arena.slabs == ()
 
@@ -814,30 +823,11 @@ def test_a_trim_racing_close_raises_nothing_and_releases_nothing(monkeypatch):
     # then raised list.remove's bare ValueError out of trim(). Without that
     # raise it returned 4096 and shrank the closed arena's stats: a closed
     # arena's trim() is 0, and its stats keep its slabs.
-    from rtmem import _deferred
     arena = DeviceArena(4096, max_bytes=16384, growth_bytes=4096, backend="host")
     keep = arena.alloc(4096)
     arena.alloc(4096).free()                    # an empty growth slab to give back
     reserved = arena.stats().reserved_bytes
-    entered, go = threading.Event(), threading.Event()
-
-    def paused_free():
-        entered.set()
-        go.wait(5)
-    monkeypatch.setattr(_deferred, "queue", collections.deque([paused_free]))
-    outcome = []
-
-    def trim():
-        try:
-            outcome.append(arena.trim())
-        except Exception as e:      # asserted below: trim() must not raise
-            outcome.append(e)
-    t = threading.Thread(target=trim)
-    t.start()
-    assert entered.wait(5)
-    arena.close()
-    go.set()
-    t.join(5)
+    outcome = _close_while_paused_in_deferred_frees(monkeypatch, arena, arena.trim)
     assert outcome == [0] and arena.stats().reserved_bytes == reserved == 8192, outcome
     assert arena.slabs == ()
     keep.free()                                 # freeing stays legal after close
