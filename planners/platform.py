@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from rtmem.errors import PlatformError, UnitError
-from rtmem.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
+from rtmem.units import _is_array, format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
 from ._validation import MAX_BYTES, is_int
 
@@ -30,7 +30,7 @@ def _negative(value) -> bool:
     give)."""
     if isinstance(value, str):
         return value.strip().startswith("-")
-    if getattr(value, "ndim", 0):
+    if _is_array(value):
         # torch.tensor([-5]) has a truth value, yet parse_bytes' "got an array of
         # shape (1,)" is the error to give (it was "must be > 0 bytes")
         return False
