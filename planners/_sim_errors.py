@@ -48,6 +48,11 @@ def _act(k: int, kind: int) -> str:
     return f"{'abar' if kind else 'a'}{k}"
 
 
+def _bytes(n: int) -> str:
+    """A byte count as words: "1 byte", "1,024 bytes"."""
+    return "1 byte" if n == 1 else f"{n:,} bytes"
+
+
 def raise_error(err, schedule: Schedule, chain: Chain, platform: Platform) -> None:
     code, j, a, b = (int(v) for v in err)
     where = f"op {j} ({schedule.op_text(j)})" if j >= 0 else "after the last op"
@@ -72,13 +77,13 @@ def raise_error(err, schedule: Schedule, chain: Chain, platform: Platform) -> No
         what = (f"needs abar{a} (made by F_all {a - 1}) on the device, but it is not "
                 f"there; run F_all {a - 1} (or prefetch abar{a}) before it")
     elif code == _E_MEMORY:
-        what = (f"needs {b:,} bytes more but memory would exceed the limit of "
+        what = (f"needs {_bytes(b)} more but memory would exceed the limit of "
                 f"{platform.memory_limit:,} bytes ({format_bytes(platform.memory_limit)}) "
-                f"by {a:,} bytes even after every pending free; give more memory or "
+                f"by {_bytes(a)} even after every pending free; give more memory or "
                 "keep less data")
     elif code == _E_INITIAL_MEMORY:
         what = (f"the chain input and weights alone exceed the memory limit of "
-                f"{platform.memory_limit:,} bytes by {a:,} bytes")
+                f"{platform.memory_limit:,} bytes by {_bytes(a)}")
         where = "before the first op"
     elif code == _E_INCOMPLETE:
         missing = "the loss (L)" if a == -1 else f"B {a}"

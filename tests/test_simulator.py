@@ -39,7 +39,7 @@ def test_memory_limit_names_op_and_overshoot(chain3):
         simulate(chain3, store_all_schedule(3), Platform(129))
     assert e.value.op_index == 4 and e.value.reason == "memory-limit"
     assert e.value.over_bytes == 1
-    assert "B 2" in str(e.value) and "by 1 bytes" in str(e.value)
+    assert "B 2" in str(e.value) and "by 1 byte even" in str(e.value)
     assert simulate(chain3, store_all_schedule(3), Platform(130)).peak == 130
 
 
@@ -513,6 +513,9 @@ def test_initial_memory_equal_to_the_limit_is_not_over_it():
         simulate(chain, store_all_schedule(1), Platform(10))
     assert e.value.op_index == 0 and e.value.over_bytes == 1
     assert "before the first op" not in str(e.value)
+    with pytest.raises(ScheduleError) as e:     # 1 byte short: before the first op
+        simulate(chain, store_all_schedule(1), Platform(9))
+    assert "exceed the memory limit of 9 bytes by 1 byte" in str(e.value), str(e.value)
 
 
 def test_memory_and_input_messages_name_the_right_data():
@@ -524,7 +527,7 @@ def test_memory_and_input_messages_name_the_right_data():
     with pytest.raises(ScheduleError) as e:
         simulate(chain, sched, Platform(11, bandwidth=10))
     assert e.value.op_index == 5 and e.value.over_bytes == 1
-    assert "needs 10 bytes more" in str(e.value) and "by 1 bytes" in str(e.value)
+    assert "needs 10 bytes more" in str(e.value) and "by 1 byte even" in str(e.value)
     # F_none 0 without a0: there is no abar0 to point at
     with pytest.raises(ScheduleError) as e:
         simulate(chain, Schedule.from_text("F_none 0, F_none 0"), BIG)
