@@ -181,3 +181,25 @@ def test_arrays_of_one_element_are_refused_as_sizes_as_numpy_and_torch_alike():
         assert arena.stats().alloc_count == 0
     finally:
         arena.close()
+
+
+def test_integer_strings_of_up_to_40_digits_are_exact():
+    # digit strings of up to 40 digits are read as ints (exact); through a float
+    # "1" * 40 bytes became 1111111111111111161655750653203590414336
+    assert parse_bytes("1" * 40) == int("1" * 40)
+    assert parse_bytes("1" * 40 + " KiB") == int("1" * 40) * 1024
+
+
+def test_a_negative_number_beyond_floats_range_is_a_negative_bandwidth():
+    # float(-(10**400)) overflows: it is read as -inf, so refused, not as +inf
+    for value in (-(10**400), "-1e400"):
+        with pytest.raises(UnitError, match="> 0"):
+            parse_bandwidth(value)
+
+
+@pytest.mark.parametrize("text, secs", [
+    ("20us", 20e-6), ("20 µs", 20e-6), ("7 ns", 7e-9), ("1.5 min", 90.0), ("2h", 7200.0),
+    ("250 ms", 0.25), ("3 s", 3.0), ("4", 4.0),
+])
+def test_parse_seconds_units(text, secs):
+    assert parse_seconds(text) == pytest.approx(secs, rel=1e-12)
