@@ -466,3 +466,36 @@ def test_float16_gradients_overflow_skip_and_the_scale_settles():
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
     opt.close()
+
+
+def test_update_with_a_new_scale_keeps_the_growth_count_as_gradscaler():
+    # GradScaler.update(new_scale) sets the scale and leaves _growth_tracker alone:
+    # a count of good steps is not lost by setting the scale by hand
+    ref, mine = torch_scaler(), LossScaler(**HYPER)
+    ref.scale(torch.ones(()))
+    p = torch.zeros(1, requires_grad=True)
+    sgd = torch.optim.SGD([p], lr=0.0)
+    adam = NumpyAdam([np.zeros(1, np.float32)], lr=0.0)
+    for new_scale in (None, 8.0, None, None):    # growth_interval 3
+        p.grad = torch.ones(1)
+        ref.step(sgd)
+        ref.update(new_scale)
+        mine.step(adam, [np.ones(1, np.float32)])
+        mine.update(new_scale)
+        assert state_of(mine) == state_of(ref)
+    # the schedule's updates count (1, kept at the one given 8.0, 2, 3): the third
+    # grows 8 to 24 and restarts the count
+    assert state_of(mine) == (24.0, 0)
+
+
+def test_the_float32_range_ends_are_valid_scales():
+    # the least normal float32 and float32's max are accepted as scales, and a
+    # backoff landing exactly on the least one is no error
+    from rtmem.loss_scale import _MAX_SCALE
+    for value in (_MIN_SCALE, _MAX_SCALE):
+        assert LossScaler(init_scale=value).get_scale() == value
+    s = LossScaler(init_scale=2 * _MIN_SCALE, backoff_factor=0.5)
+    adam = NumpyAdam([np.zeros(1, np.float32)])
+    s.step(adam, [np.full(1, np.inf, np.float32)])
+    s.update()
+    assert s.get_scale() == _MIN_SCALE
