@@ -10,6 +10,7 @@ from rtmem.cli_plan import register
 from rtmem.planners import Platform, from_spec, simulate, store_all_schedule
 from rtmem.planners.plan import Plan
 from rtmem.planners.remat import min_feasible_memory
+from rtmem.units import format_bytes
 
 SPEC = "gpt2:layers=4,hidden=64,heads=4,seq=16,batch=2,vocab=50"
 
@@ -36,7 +37,13 @@ def test_table_lists_rotor_and_every_baseline(capsys):
     assert code == 0
     for name in ("rotor", "store-all", "sequential", "sqrt", "revolve"):
         assert name in out
-    assert "infeasible" in out                       # store-all cannot fit at 30 %
+    # store-all cannot fit at 30 %: its row says the least budget it needs, its peak
+    chain = from_spec(SPEC)
+    peak = simulate(chain, store_all_schedule(chain.n), Platform(math.inf)).peak
+    store_all = next(line for line in out.splitlines() if line.startswith("store-all"))
+    assert store_all.endswith(f"infeasible: needs {format_bytes(peak)}")
+    rotor = next(line for line in out.splitlines() if line.startswith("rotor"))
+    assert "method=" in rotor and "slots=" in rotor  # the notes say which candidate won
     assert "planning rotor" in err                   # progress on stderr
 
 
@@ -160,3 +167,37 @@ def test_store_all_is_not_shown_faster_than_no_remat(capsys):
     assert code == 0 and "-0.0%" not in out
     assert [line.split()[5] for line in out.splitlines() if line.startswith("store-all")] \
         == ["+0.0%"]                 # store-all, 27.492, ms, 4.53, GiB, overhead
+
+
+def test_progress_bar_clamps_the_fraction_and_ends_its_line_before_a_message():
+    import io
+
+    from rtmem.cli_plan import ProgressBar
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = ProgressBar(stream=tty, width=8)
+    bar.update(1.5)                  # the bar stays 8 wide outside 0..1
+    assert "[########] 150%" in tty.getvalue()
+    bar.update(-0.5)
+    assert "[........] -50%" in tty.getvalue()
+    bar("done")
+    # the message starts its own line after the bar's \r-redrawn one
+    last_bar, message = tty.getvalue().split("\r")[-1].split("\n")[:2]
+    assert last_bar.endswith("-50%") and message.endswith("] done")
+
+
+def test_slots_default_to_500(capsys):
+    # the DP's slot is floor(activation budget / 500) bytes unless --slots says otherwise
+    from rtmem.planners.remat import DEFAULT_SLOTS
+    chain = from_spec(SPEC)
+    memory = int(budget(0.3))
+    code, out, _ = run(capsys, "plan", "remat", SPEC, "--memory", str(memory), "--quiet",
+                       "--json")
+    info = next(p for p in json.loads(out)["plans"] if p["planner"] == "rotor")["info"]
+    activations = memory - int(chain.x0) - int(chain.w.sum())
+    assert DEFAULT_SLOTS == 500 and not info["refined"]
+    assert info["slot_bytes"] == activations // 500
