@@ -126,3 +126,28 @@ def test_falls_back_to_the_persistent_plan_when_exact_bytes_are_too_many(monkeyp
     assert plan.info["method"] == "persistent" and plan.algorithm == "floating"
     assert plan.makespan == plan_remat(chain, 2717, slots=200).makespan == 38.0
     assert Plan.from_json(plan.to_json()) == plan
+    # the persistent plan is planned with the slots asked: at 2,720 bytes, 200 slots
+    # (13 bytes, refined to 3) and the default 500 (5 bytes, refined to 1) differ
+    keys = ("slot_bytes", "slots", "refined", "method")
+    plan = plan_floating(chain, 2720, slots=200)
+    persistent = plan_remat(chain, 2720, slots=200)
+    assert plan.info["method"] == "persistent" and plan.schedule == persistent.schedule
+    assert [plan.info["persistent"][k] for k in keys] == [persistent.info[k] for k in keys]
+    assert plan.info["persistent"]["slot_bytes"] != plan_remat(chain, 2720).info["slot_bytes"]
+
+
+def test_a_budget_that_leaves_nothing_after_the_stored_activation_is_enough():
+    # one stage, a 2-byte stored activation, a 2-byte budget: F_all 0 leaves 0 bytes
+    # free and still fits, so nothing is recomputed (8 + 1 s); refusing a remainder
+    # of 0 recomputed the forward (17 s)
+    chain = Chain(u_f=[8], u_b=[1], x=[0], xbar=[2], x0=0)
+    plan = plan_floating(chain, 2)
+    assert plan.makespan == 9.0 and plan.peak == 2
+
+
+def test_a_budget_of_just_the_chain_input_says_no_schedule_fits():
+    # 3 bytes of input leave 0 for activations: not "the chain input and weights
+    # alone need 3 bytes, more than the budget 3"
+    chain = Chain(u_f=[1, 2], u_b=[1, 1], x=[0, 0], xbar=[0, 0], x0=3)
+    with pytest.raises(InfeasibleError, match="no schedule of the chain fits in 3 bytes"):
+        plan_floating(chain, 3)
