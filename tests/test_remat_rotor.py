@@ -376,6 +376,19 @@ def test_finer_slots_stay_bounded():
     assert simulate(chain, plan.schedule, Platform(budget)).peak <= budget
 
 
+def test_finer_slots_stop_at_refine_max_factor_times_the_slots_asked():
+    # 2,604 activation bytes at the least budget. 21 slots may be refined up to
+    # 64 x 21 = 1,344 slots: 2-byte slots (1,302 of them) are allowed, and the DP
+    # finds a schedule there. 20 slots stop at 1,280, i.e. at 3-byte slots (868;
+    # 130 -> 32 -> 8 -> 3 bytes), where it finds none: the least-memory schedule
+    chain = least_budget_chain()
+    plan = plan_remat(chain, 2717, slots=21)
+    assert (plan.info["method"], plan.info["slot_bytes"], plan.info["slots"]) == ("dp", 2, 1302)
+    plan = plan_remat(chain, 2717, slots=20)
+    assert plan.info["method"] == "min-memory" and plan.info["dp_makespan"] is None
+    assert (plan.info["slot_bytes"], plan.info["slots"], plan.info["refined"]) == (130, 20, False)
+
+
 def test_slots_within_the_table_limit_are_never_refused(monkeypatch):
     # slot = floor(50 / 20) = 2 bytes gave 25 slots, beyond the 20 the table allows:
     # the DP was refused with "use at most 20 slots" although 20 were asked
@@ -418,8 +431,12 @@ def test_info_keys_are_those_documented_for_each_path():
     dp_sentence = doc[doc.index("Only when the DP ran"):]
     dp_sentence = dp_sentence[:dp_sentence.index("(bytes)")]
     assert all(f"``{key}``" in dp_sentence for key in dp_only)
-    store_all = plan_remat(chain, 10**6)
-    assert store_all.info["method"] == "store-all" and set(store_all.info) == always
+    # from exactly the no-recomputation peak on, the DP is skipped
+    peak = store_all_peak(chain)
+    for budget in (peak, 10**6):
+        store_all = plan_remat(chain, budget)
+        assert store_all.info["method"] == "store-all" and set(store_all.info) == always
+    assert plan_remat(chain, peak - 1).info["method"] != "store-all"
     dp = plan_remat(chain, 120)
     assert dp.info["method"] != "store-all" and always | dp_only <= set(dp.info)
     assert dp.info["min_feasible"] == min_feasible_memory(chain)
@@ -442,3 +459,38 @@ def test_m_none_of_adjacent_stages_leaves_out_the_stored_input():
             continue
         assert plan.makespan == best, budget
         assert simulate(chain, plan.schedule, Platform(budget)).makespan == best
+
+
+def test_a_fixed_slot_table_over_the_limit_is_refused_with_slot_bytes_advice(monkeypatch):
+    # 3 stages: (3+1)(3+2)/2 = 10 cells of M+1 float64 each; a limit of 26 columns
+    # takes M = 25 slots (50 bytes in 2-byte slots) and refuses M = 26 (52 bytes)
+    import rtmem.planners.remat as remat
+    from rtmem.errors import RtmemError
+    monkeypatch.setattr(remat, "MAX_TABLE_BYTES", 10 * 8 * 26)
+    chain = Chain(u_f=[0, 0, 0], u_b=[1, 2, 3], x=[10, 10, 10], xbar=[20, 20, 20])
+    assert plan_remat(chain, 50, slot_bytes=2).info["slots"] == 25
+    with pytest.raises(RtmemError, match=r"2,160 bytes .*for 3 stages and 26 slots.*"
+                                         r"use a slot_bytes giving at most 25 slots"):
+        plan_remat(chain, 52, slot_bytes=2)
+
+
+def test_candidates_tie_to_the_dp_and_revolve_is_skipped_when_it_cannot_win():
+    # no forward time: every schedule takes sum(u_b) = 6 s, so the DP and the
+    # least-memory schedule tie (the DP is taken) and Revolve, whose bound
+    # 2 sum(u_f) + sum(u_b) = 6 s is no faster, is not planned
+    chain = Chain(u_f=[0, 0, 0], u_b=[1, 2, 3], x=[10, 10, 10], xbar=[20, 20, 20])
+    for budget in (50, 70):
+        plan = plan_remat(chain, budget)
+        assert plan.info["method"] == "dp" and "revolve" not in plan.info["candidates"]
+        assert plan.info["candidates"]["min-memory"] == plan.makespan == 6.0
+    assert plan_revolve(chain, 70).makespan == 6.0          # it would have fitted
+
+
+def test_revolve_is_tried_on_chains_of_up_to_revolve_max_stages(monkeypatch):
+    import rtmem.planners.remat as remat
+    chain = Chain.homogeneous(8)
+    monkeypatch.setattr(remat, "REVOLVE_MAX_STAGES", 8)
+    # at 6 bytes Revolve fits and its bound 24 s is below the DP's 26 s
+    assert plan_remat(chain, 6).info["candidates"]["revolve"] == plan_revolve(chain, 6).makespan
+    monkeypatch.setattr(remat, "REVOLVE_MAX_STAGES", 7)
+    assert "revolve" not in plan_remat(chain, 6).info["candidates"]
