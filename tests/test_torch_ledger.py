@@ -74,3 +74,23 @@ def test_uncounting_uses_the_storages_counted_even_after_a_data_swap():
     p.data = torch.empty(0)                 # what w_delete does to a parameter
     ledger.remove(keys)
     assert ledger.total == 0 and not ledger._refs and not ledger._at_ptr
+
+
+def test_two_storages_over_the_same_memory_count_once_until_both_go():
+    # two StorageImpls at one data pointer (two from_numpy of one array) count
+    # once (as _storages keys them), and their bytes stay until the last goes
+    np = pytest.importorskip("numpy")
+    arr = np.arange(8, dtype=np.float32)
+    a, b = torch.from_numpy(arr), torch.from_numpy(arr)
+    ptr = a.untyped_storage().data_ptr()
+    assert a.untyped_storage()._cdata != b.untyped_storage()._cdata
+    assert b.untyped_storage().data_ptr() == ptr
+    ledger = _Ledger()
+    keys_a = ledger.add([a])
+    keys_b = ledger.add([b])
+    assert ledger.total == 32
+    ledger.remove(keys_a)
+    assert ledger.total == 32 and ledger.holds(ptr)
+    ledger.remove(keys_b)
+    assert ledger.total == 0 and not ledger.holds(ptr)
+    assert not (ledger._at_ptr or ledger._bytes_at)
