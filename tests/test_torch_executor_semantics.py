@@ -171,6 +171,23 @@ def test_the_callers_batch_and_target_are_never_freed():
     assert torch.equal(x, x0)
 
 
+def test_offloading_the_callers_batch_copies_nothing(arena):
+    # the caller's batch is never freed (rule 4), so a0 on it needs no host copy:
+    # one put in the host arena, and copied back over the batch by a prefetch,
+    # was work and host memory for nothing
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    in_arena = []
+
+    def loss_fn(out, target):
+        in_arena.append(arena.stats().allocated_bytes)
+        return mse(out, target)
+    sched = _sched("F_all 0, offload a0, F_all 1, F_all 2, L, B 2, B 1, B 0", 3)
+    ScheduleExecutor(model, sched, loss_fn, host_arena=arena).step(x, y)
+    assert in_arena == [0]
+
+
 class _HalfSquaredNorm(torch.autograd.Function):
     """0.5 * ||z||^2, whose gradient z * g is handed back as a *view* of z when
     g is 1: autograd's AccumulateGrad then keeps that view as the leaf's
@@ -631,9 +648,34 @@ def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
     "offload a0, F_none 0, F_all 1, F_all 2, L, B 2, B 1, prefetch a0, F_all 0, B 0",
     # abar3 recomputed after B 2 and never consumed holds abar2's output as its
     # leaf input; B 1 consumes abar2, so the simulator frees it whole
-    "F_all 0, F_all 1, F_all 2, L, B 2, F_all 2, B 1, B 0"])
+    "F_all 0, F_all 1, F_all 2, L, B 2, F_all 2, B 1, B 0",
+    # F_none 1 keeps the a2 of F_ck 1 and still consumes a1
+    "F_ck 0, F_ck 1, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0"])
 def test_redundant_operations_hold_what_the_simulator_counts(text):
     # shapes no planner emits, found by wandering_schedules
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.Tanh()),
+                          nn.Sequential(nn.Linear(64, 64), nn.Tanh()), nn.Linear(64, 1))
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    x0 = x.clone()
+    _, sim, ex = _profiled_run(model, x, y, text)
+    _assert_counted_as_simulated(ex, sim)
+    assert torch.equal(x, x0) and _intact(x)
+
+
+@pytest.mark.parametrize("text", [
+    # B 1 consumes the plain a1 while abar1 is deleted (not resident): the
+    # simulator frees a1 there (Table 2.1 keeps a_k only for a resident abar_k)
+    "F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, F_all 2, L, B 2, B 1, "
+    "prefetch abar1, B 0",
+    # delete a0 frees a0: the step runs on a private copy of the caller's batch
+    "F_ck 0, offload a0, delete a0, F_all 1, F_all 2, L, B 2, B 1, prefetch a0, F_all 0, "
+    "B 0",
+    # abar2 recomputed while its offloaded copy is deleted: the new one replaces
+    # the old in the ledgers, which must stop counting the old one's storages
+    "F_ck 0, F_all 1, offload abar2, delete abar2, F_all 1, F_all 2, L, B 2, B 1, F_all 0, "
+    "B 0"])
+def test_deleted_copies_hold_what_the_simulator_counts(text):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.Tanh()),
                           nn.Sequential(nn.Linear(64, 64), nn.Tanh()), nn.Linear(64, 1))
@@ -739,6 +781,25 @@ def test_placed_parameters_without_moves_train_in_their_arena(arena):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.grad.untyped_storage().data_ptr() == placement.grads[p].numpy().ctypes.data
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    placement.release()
+
+
+def test_g_offload_of_parameters_placed_without_their_gradients_trains(arena):
+    # place_parameters(grads=False) leaves .grad ordinary torch memory, which
+    # g_offload may move: only a gradient in the arena is refused
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    ref = copy.deepcopy(model)
+    placement = place_parameters(model, arena, grads=False)
+    sched = _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0, g_offload 0", 3)
+    ex = ScheduleExecutor(model, sched, mse)
+    ex.step(x, y)
+    mse(ref(x), y).backward()
+    w = model[0].weight
+    assert w.grad is None
+    torch.testing.assert_close(ex.host_grads()[w], ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+    assert w.untyped_storage().data_ptr() == placement.weights[w].numpy().ctypes.data
     placement.release()
 
 
@@ -901,6 +962,18 @@ def test_a_move_of_a_graph_backward_consumed_is_refused_up_front():
         pytest.skip("the simulator refuses this schedule itself")
     with pytest.raises(ExecutionError, match=r"operation 7 .*prefetch abar2.*B 1"):
         ScheduleExecutor(model, sched, mse)
+
+
+@pytest.mark.parametrize("text", [
+    # B 2 consumed abar3's graph, but F_all 2 made it again: it may move
+    "F_all 0, F_all 1, F_all 2, L, B 2, F_all 2, offload abar3, delete abar3, B 1, B 0",
+    # a plain a2 has no graph: its host copy outlives B 1
+    "F_ck 0, F_ck 1, offload a2, F_all 2, L, B 2, F_all 1, B 1, prefetch a2, F_all 0, B 0"])
+def test_moves_of_a_remade_graph_or_of_a_plain_tensor_after_its_b_train(text):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    _assert_same(*_train(model, x, y, mse, _sched(text, 3)))
 
 
 def test_offloaded_gradients_are_added_up_as_their_copies_end():
@@ -2076,6 +2149,24 @@ def test_recomputing_a_stage_replays_the_draws_of_its_own_generator(segments):
     assert torch.equal(m[0].gen.get_state(), before)
 
 
+def test_a_generator_assigned_after_the_executor_was_built_is_replayed():
+    # generators are found at the start of each step (rule 6): the one the
+    # module held at construction is not the one its recomputation draws from
+    torch.manual_seed(0)
+    model = nn.Sequential(_OwnNoise(torch.Generator().manual_seed(1)), nn.Tanh(),
+                          nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    ex = ScheduleExecutor(m, _sched("F_ck 0, F_all 1, F_all 2, L, B 2, B 1, F_all 0, B 0", 3),
+                          mse)
+    for module in (ref, m):
+        module[0].gen = torch.Generator().manual_seed(2)
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    _assert_same(m, ex, ex.step(x, y), ref, ref_loss.detach())
+    assert torch.equal(m[0].gen.get_state(), ref[0].gen.get_state())
+
+
 def _clamping_hook(calls):
     """Per-parameter gradient clipping (an RL / GAN recipe): not linear, so the
     clamp of each stage's part differs from the clamp of their sum."""
@@ -2219,6 +2310,22 @@ def test_a_step_where_nothing_needs_a_gradient_is_refused(case, message, arena):
     ref_loss = _float_mse(ref(x), y)
     ref_loss.backward()
     _assert_same(m, ex, ex.step(x, y), ref, ref_loss.detach())
+
+
+def test_a_cut_chain_of_frozen_stages_on_a_batch_that_requires_grad_names_the_cut():
+    # the batch requires grad, so the cause is the cut, not "all frozen"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), _Cut())
+    model.requires_grad_(False)
+    model[2].cut = "detach"
+    x, y = torch.randn(4, 8, requires_grad=True), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        _float_mse(model(x), y).backward()     # as plain torch does
+    ex = ScheduleExecutor(model, _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0", 3),
+                          _float_mse)
+    with pytest.raises(ExecutionError, match=r"cut it.*last stage \(_Cut\)"):
+        ex.step(x, y)
+    assert x.grad is None
 
 
 @pytest.mark.parametrize("text", [
@@ -2376,3 +2483,49 @@ def test_a_stage_input_that_is_a_conjugate_view_gives_the_right_gradient(text):
     model = nn.Sequential(_ComplexLinear(), _Conj(), _ComplexLinear(), _Abs())
     x, y = torch.randn(4, 8, dtype=torch.cfloat), torch.randn(4, 8)
     _assert_same(*_train(model, x, y, mse, _sched(text, 4)))
+
+
+class _ComplexViews(nn.Module):
+    """Multiplies complex views (``view_as_complex``) of its float input and of
+    its float weight: ``mul`` saves both, views of those storages with another
+    dtype than the input's and the weight's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, x):
+        z = torch.view_as_complex(x.view(-1, 4, 2)) * torch.view_as_complex(self.w)
+        return torch.view_as_real(z).reshape(-1, 8)
+
+
+def test_saved_views_of_the_input_or_a_weight_with_another_dtype_give_the_right_gradient():
+    # re-derived as views of a_1 or of the weight (as_strided keeps their float
+    # dtype), the complex views came back as floats: 1.w and 0.weight got other
+    # gradients. They are kept with abar2 instead
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), _ComplexViews(), nn.Linear(8, 1))
+    x, y = torch.randn(5, 6), torch.randn(5, 1)
+    _assert_same(*_train(model, x, y, mse,
+                         _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0", 3)))
+
+
+class _NegImag(nn.Module):
+    """Saves ``z.conj().imag``, a lazy negative view of its complex input."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, z):
+        return z.conj().imag * self.w
+
+
+def test_saved_negative_views_keep_their_sign():
+    # packed without the neg bit, which unpack puts back: without it 1.w's
+    # gradient changed sign
+    torch.manual_seed(0)
+    model = nn.Sequential(_ToSpectrum(), _NegImag(), nn.Linear(8, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    _assert_same(*_train(model, x, y, mse,
+                         _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0", 3)))
