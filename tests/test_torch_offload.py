@@ -774,6 +774,78 @@ def test_parameters_sharing_memory_are_refused(monkeypatch):
     off.close()
 
 
+def test_layouts_whose_elements_have_their_own_memory_are_accepted(monkeypatch):
+    # a size-1 dimension's stride says nothing about overlap (one row of an
+    # expanded tensor: stride 0 there, yet every element is distinct), and empty
+    # parameters span no memory, whatever their strides
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    row = torch.nn.Parameter(torch.randn(3)[None].expand(2, 3)[:1])
+    assert row.stride() == (0, 1)
+    empties = [torch.nn.Parameter(torch.empty(2, 0)), torch.nn.Parameter(torch.empty(3, 0))]
+    ref = torch.nn.Parameter(row.detach().clone())
+    off = OffloadedAdam([row, *empties], lr=0.1)
+    ref_opt = torch.optim.Adam([ref], lr=0.1)
+    for p in (row, ref):
+        (p * torch.arange(1.0, 4.0)).sum().backward()
+    off.step()
+    ref_opt.step()
+    torch.testing.assert_close(row, ref, rtol=1e-6, atol=1e-7)
+    assert off.steps.tolist() == [1, 0, 0]
+    off.close()
+
+
+def test_views_overlapping_by_one_element_are_refused():
+    # the address ranges end one element past the last one: two views sharing
+    # only that element share memory too
+    flat = torch.randn(9)
+    with pytest.raises(OptimizerError, match="parameters 0 and 1 share memory"):
+        OffloadedAdam([torch.nn.Parameter(flat[:5]), torch.nn.Parameter(flat[4:])])
+
+
+def test_a_parameter_expanded_after_construction_is_refused_by_the_step(monkeypatch):
+    # p.data replaced by an expanded tensor of the same dtype and size: its
+    # elements share memory, so the upload cannot write them one by one
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    p = torch.nn.Parameter(torch.randn(2, 3))
+    off = OffloadedAdam([p], lr=0.1)
+    p.sum().backward()
+    p.data = torch.randn(3).expand(2, 3)
+    with pytest.raises(OptimizerError, match="parameter 0 .*sharing memory"):
+        off.step()
+    assert off.steps.tolist() == [0] and off.step_count == 0
+    off.close()
+
+
+def test_a_parameter_listed_twice_in_a_group_is_updated_once(monkeypatch):
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))
+    ref = torch.nn.Parameter(a.detach().clone())
+    off = OffloadedAdam([a, b, a], lr=0.1)
+    assert len(off.params) == 2 and off.param_groups[0]["params"] == [a, b]
+    ref_opt = torch.optim.Adam([ref], lr=0.1)
+    for t in (a, ref):
+        (t * t).sum().backward()
+    off.step()
+    ref_opt.step()
+    torch.testing.assert_close(a, ref, rtol=1e-6, atol=1e-6)
+    assert off.steps.tolist() == [1, 0]
+    off.close()
+
+
+def test_closing_an_optimizer_again_leaves_the_next_one_s_parameters_owned(monkeypatch):
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    first = OffloadedAdam([a, b])
+    first.close()
+    second = OffloadedAdam([a, b])
+    first.close()                  # idempotent: nothing of the second's changes
+    with pytest.raises(OptimizerError, match="another open OffloadedAdam"):
+        OffloadedAdam([b])
+    second.close()
+
+
 def test_profiling_with_an_open_optimizer_leaves_its_gradients_alone(setup):
     # profile_sequential's backward passes (random output gradients, `repeats`
     # times per stage) fired the optimizer's gradient hooks: those gradients were
