@@ -1163,3 +1163,118 @@ def test_a_master_cast_to_the_parameters_dtype_by_torch_adam_is_not_taken_silent
         off.load_state_dict(saved)                   # the fp32 master: no warning
     assert torch.equal(torch.from_numpy(off.master), saved["state"][0]["master"])
     off.close()
+
+
+def _pair(wd=0.0):
+    """A parameter with an OffloadedAdam (lr 0.1, weight decay ``wd``), and its
+    copy with torch.optim.Adam."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(2, 3))
+    q = torch.nn.Parameter(p.detach().clone())
+    return p, q, OffloadedAdam([p], lr=0.1, weight_decay=wd), \
+        torch.optim.Adam([q], lr=0.1, weight_decay=wd)
+
+
+def _two():
+    torch.manual_seed(0)
+    return torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))
+
+
+def test_clip_to_zero_and_clip_of_zero_gradients_as_torch():
+    p, q, off, ref = _pair()
+    w = torch.tensor([[1.0, -2.0, 2.0], [0.0, 4.0, 0.0]])     # gradient norm 5
+    for t in (p, q):
+        (t * w).sum().backward()
+    # max_norm=0 is torch's too: the gradients become zeros
+    assert float(off.clip_grad_norm_(0.0)) == 5.0
+    assert float(torch.nn.utils.clip_grad_norm_([q], 0.0)) == 5.0
+    assert not off._grad_t.any() and not q.grad.any()
+    off.step()
+    ref.step()
+    assert torch.equal(p, q) and off.steps.tolist() == [1]
+    # zero gradients (zero_grad(set_to_none=False)) have norm 0: nothing to
+    # scale, and no division by it
+    off.zero_grad(set_to_none=False)
+    ref.zero_grad(set_to_none=False)
+    assert float(off.clip_grad_norm_(1.0)) == 0.0
+    assert float(torch.nn.utils.clip_grad_norm_([q], 1.0)) == 0.0
+    off.step()
+    ref.step()
+    assert torch.equal(p, q) and off.steps.tolist() == [2]
+    off.close()
+
+
+def test_a_norm_equal_to_max_norm_is_scaled_by_torch_s_epsilon():
+    p, q, off, ref = _pair()
+    w = torch.tensor([[3.0, 0.0, 0.0], [0.0, 4.0, 0.0]])     # gradient norm 5
+    for t in (p, q):
+        (t * w).sum().backward()
+    assert float(off.clip_grad_norm_(5.0)) == 5.0
+    torch.nn.utils.clip_grad_norm_([q], 5.0)
+    # scaled by 5 / (5 + 1e-6), as torch's: a little, but every element moves
+    g = off._grad_t.view(2, 3)
+    torch.testing.assert_close(g, w * (5 / (5 + 1e-6)), rtol=2e-7, atol=0)
+    assert (g.abs() < w.abs())[w != 0].all() and (q.grad.abs() < w.abs())[w != 0].all()
+    off.close()
+
+
+def test_zero_grad_keeping_tensors_zeroes_a_gradient_set_by_hand():
+    # p.grad assigned (not flushed by a hook): zero_grad(set_to_none=False)
+    # leaves torch a zero gradient, which Adam steps (weight decay moves p)
+    p, q, off, ref = _pair(wd=0.1)
+    for t, opt in ((p, off), (q, ref)):
+        t.grad = torch.ones(2, 3)
+        opt.zero_grad(set_to_none=False)
+        opt.step()
+    assert off.steps.tolist() == [1] and int(ref.state[q]["step"]) == 1
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    off.close()
+
+
+def test_zero_grad_drops_a_staged_micro_batch_gradient():
+    # two backward passes (the second lands in the staging buffer), zero_grad,
+    # one more: the step sees only the last one, as torch's
+    p, q, off, ref = _pair()
+    ws = [torch.full((2, 3), 1.0), torch.full((2, 3), 10.0), torch.arange(6.0).view(2, 3)]
+    for t, opt in ((p, off), (q, ref)):
+        for i, w in enumerate(ws):
+            if i == 2:
+                opt.zero_grad()
+            (t * w).sum().backward()
+    off.step()
+    ref.step()
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    off.close()
+
+
+def test_loading_an_older_state_dict_without_a_parameter_s_state_starts_it_over():
+    a, b = _two()
+    off = OffloadedAdam([a, b], lr=0.1)
+    (a.sum() + (b * b).sum()).backward()
+    off.step()
+    saved = off.state_dict()
+    moments = [m[:3].copy() for m in (off.exp_avg, off.exp_avg_sq)]
+    (a.sum() + (b * b).sum()).backward()
+    off.step()
+    assert off.steps.tolist() == [2, 2]
+    del saved["state"][1]          # parameter 1 had no state then
+    off.load_state_dict(saved)
+    # the saved step (1, not the later 2) and moments for a; b starts over
+    assert off.steps.tolist() == [1, 0]
+    assert (off.exp_avg[:3] == moments[0]).all() and (off.exp_avg_sq[:3] == moments[1]).all()
+    assert not off.exp_avg[3:].any() and not off.exp_avg_sq[3:].any()
+    assert b not in off.state and int(off.state[a]["step"]) == 1
+    off.close()
+
+
+def test_a_torch_dict_with_parameters_at_different_steps_counts_the_largest():
+    a, b = _two()
+    ref = torch.optim.Adam([a, b], lr=0.1)
+    for use_b in (True, False, False):
+        (a.sum() + (b.sum() if use_b else 0)).backward()
+        ref.step()
+        ref.zero_grad()
+    off = OffloadedAdam([a, b], lr=0.1)
+    off.load_state_dict(ref.state_dict())
+    assert off.steps.tolist() == [3, 1] and off.step_count == 3
+    off.close()
