@@ -1,0 +1,29 @@
+"""profile_sequential's byte counts in cases the executor tests do not reach."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from rtmem.torch import profile_sequential  # noqa: E402
+
+
+class _WeightView(nn.Module):
+    """A stage whose output is a view of its weight (model state, not an
+    activation): what autograd saves of it is all weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return self.w.expand(x.shape[0], 4, 3)
+
+
+def test_an_output_viewing_a_weight_still_counts_in_xbar():
+    # xbar holds the output (a chain needs xbar >= x), though its storage is
+    # the weight's, which the accounting leaves out of activations
+    model = nn.Sequential(_WeightView(), nn.Flatten(), nn.Linear(12, 1))
+    x, y = torch.randn(2, 5), torch.randn(2, 1)
+    chain = profile_sequential(model, x, y, nn.functional.mse_loss, repeats=1)
+    assert chain.x[0] == chain.xbar[0] == 4 * 3 * 4     # the weight's 12 floats
