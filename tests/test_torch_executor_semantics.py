@@ -650,20 +650,7 @@ def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
     # leaf input; B 1 consumes abar2, so the simulator frees it whole
     "F_all 0, F_all 1, F_all 2, L, B 2, F_all 2, B 1, B 0",
     # F_none 1 keeps the a2 of F_ck 1 and still consumes a1
-    "F_ck 0, F_ck 1, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0"])
-def test_redundant_operations_hold_what_the_simulator_counts(text):
-    # shapes no planner emits, found by wandering_schedules
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.Tanh()),
-                          nn.Sequential(nn.Linear(64, 64), nn.Tanh()), nn.Linear(64, 1))
-    x, y = torch.randn(8, 16), torch.randn(8, 1)
-    x0 = x.clone()
-    _, sim, ex = _profiled_run(model, x, y, text)
-    _assert_counted_as_simulated(ex, sim)
-    assert torch.equal(x, x0) and _intact(x)
-
-
-@pytest.mark.parametrize("text", [
+    "F_ck 0, F_ck 1, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0",
     # B 1 consumes the plain a1 while abar1 is deleted (not resident): the
     # simulator frees a1 there (Table 2.1 keeps a_k only for a resident abar_k)
     "F_ck 0, F_all 0, offload abar1, delete abar1, F_all 1, F_all 2, L, B 2, B 1, "
@@ -675,7 +662,8 @@ def test_redundant_operations_hold_what_the_simulator_counts(text):
     # the old in the ledgers, which must stop counting the old one's storages
     "F_ck 0, F_all 1, offload abar2, delete abar2, F_all 1, F_all 2, L, B 2, B 1, F_all 0, "
     "B 0"])
-def test_deleted_copies_hold_what_the_simulator_counts(text):
+def test_redundant_and_deleted_copies_hold_what_the_simulator_counts(text):
+    # shapes no planner emits (the first four found by wandering_schedules)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.Tanh()),
                           nn.Sequential(nn.Linear(64, 64), nn.Tanh()), nn.Linear(64, 1))
