@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 
 import numba
@@ -838,7 +839,6 @@ def test_threads_may_call_the_kernels_at_once_under_workqueue():
     # NOTE [ One parallel region at a time under workqueue ]: numba's workqueue
     # layer aborts the process when two threads enter parallel regions at once;
     # rtmem's kernels take turns there instead.
-    import os
     import subprocess
     import sys
     env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
@@ -857,13 +857,12 @@ def test_kernels_take_turns_only_where_the_layer_needs_it():
     assert K.adam._adam_kernel.dispatcher.signatures      # the compiled kernel is reachable
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork")
 def test_a_child_forked_while_a_thread_holds_the_kernel_lock_gets_a_free_one():
     # NOTE [ One parallel region at a time under workqueue ]: the thread that
     # holds the lock at a fork() does not exist in the child, so an inherited,
     # locked copy would make the child's first kernel call wait forever there.
     import multiprocessing
-    import os
     import threading
     import warnings
     from rtmem.kernels import _parallel

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 import rtmem  # noqa: E402
 from rtmem import LossScaler  # noqa: E402
 from rtmem.errors import LossScaleError, OptimizerError  # noqa: E402
-from rtmem.loss_scale import _MIN_SCALE  # noqa: E402
+from rtmem.loss_scale import _MAX_SCALE, _MIN_SCALE  # noqa: E402
 from rtmem.optim import CPUAdam, NumpyAdam  # noqa: E402
 from rtmem.planners import min_feasible_memory, plan_remat  # noqa: E402
 from rtmem.torch import (OffloadedAdam, ScheduleExecutor, gpt2_model,  # noqa: E402
@@ -491,7 +491,6 @@ def test_update_with_a_new_scale_keeps_the_growth_count_as_gradscaler():
 def test_the_float32_range_ends_are_valid_scales():
     # the least normal float32 and float32's max are accepted as scales, and a
     # backoff landing exactly on the least one is no error
-    from rtmem.loss_scale import _MAX_SCALE
     for value in (_MIN_SCALE, _MAX_SCALE):
         assert LossScaler(init_scale=value).get_scale() == value
     s = LossScaler(init_scale=2 * _MIN_SCALE, backoff_factor=0.5)

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 
 from rtmem.errors import RtmemError, ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate, store_all_schedule
@@ -245,8 +245,6 @@ def _shrinking(max_examples):
     phase only annotates a failure report, never changes the shrunk example, and
     was ~80% of these tests' time (110 s of 140 s in one profile).
     """
-    from hypothesis import Phase
-
     return settings(max_examples=max_examples, database=None, derandomize=True,
                     phases=[p for p in Phase if p is not Phase.explain])
 

@@ -826,6 +826,17 @@ def test_wrong_argument_types_are_named(arenas):
     b.free()
 
 
+def _own_backend():
+    """A HostBackend of the test's own, a 64 KiB device and host arena on it, and
+    its transfer engine: (backend, device arena, host arena, engine). Its streams
+    and copy threads are shared with no other test, so the test may gate or
+    close them."""
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    return be, DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be), \
+        T.get_engine(be)
+
+
 def fail_next_copy(monkeypatch):
     """Make the next copy on a host transfer thread raise (once)."""
     from rtmem.backends import host as H
@@ -1083,10 +1094,7 @@ def test_a_free_during_a_copy_also_waits_for_the_buffers_own_stream():
     # second wait the block was reusable by everyone once the copy ended, while
     # the side stream's work still ran on it. Work enqueued on the copy stream
     # after the free runs only once the freed block may be reused.
-    from rtmem.backends.host import HostBackend
-    be = HostBackend()
-    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
-    eng = T.get_engine(be)
+    be, d, h, eng = _own_backend()
     user = be.new_stream("user")
     b = d.alloc(4096, stream=user)
     copy_gate = gate_stream(eng.d2h)
@@ -1112,10 +1120,7 @@ def test_a_buffer_whose_copy_ran_on_a_stream_closed_since_can_be_freed():
     # recorded its free's event on the closed stream, which refused it: free()
     # raised and the bytes leaked. The free waits the stream out instead and
     # frees for everyone.
-    from rtmem.backends.host import HostBackend
-    be = HostBackend()
-    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
-    eng = T.get_engine(be)
+    _, d, h, eng = _own_backend()
     b = d.alloc(4096)
     b.numpy()[:] = 1
     gate = gate_stream(eng.d2h)
@@ -1265,10 +1270,7 @@ def test_synchronizing_a_copys_event_drops_every_completed_keepalive():
     # engine's hold on the slabs of every completed copy, as synchronize(buf)
     # does, not one per poll; else arenas dropped next kept their memory until
     # some later copies.
-    from rtmem.backends.host import HostBackend
-    be = HostBackend()
-    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
-    eng = T.get_engine(be)
+    _, d, h, eng = _own_backend()
     bufs = [d.alloc(4096) for _ in range(3)]
     gate = gate_stream(eng.d2h)
     events = [T.offload(b, arena=h) for b in bufs]
