@@ -897,7 +897,10 @@ def test_profiling_holds_the_optimizer_s_flush_hooks_and_leaves_its_state_alone(
     weights = [q.detach().clone() for q in off.params]
     profile_sequential(mine, x0, y0, scaled, repeats=2)
     assert list(off._fresh) == state[0] and off._partial == state[3]
-    assert torch.equal(off._grad_t, state[1]) and torch.equal(off._stage_t, state[2])
+    # bit for bit: the staging buffer is uninitialized arena memory, whose NaN
+    # patterns equal nothing (torch.equal failed on an untouched buffer in CI)
+    for now, then in ((off._grad_t, state[1]), (off._stage_t, state[2])):
+        assert torch.equal(now.view(torch.uint8), then.view(torch.uint8))
     assert off.step_count == state[4]
     assert p.grad is g and all(q.grad is None for q in off.params if q is not p)
     assert all(torch.equal(q, w) for q, w in zip(off.params, weights))
