@@ -187,3 +187,78 @@ def test_chain_document_stage_count_must_be_an_integer(n, stages):
     d = dict(Chain.homogeneous(stages).to_dict(), n=n)
     with pytest.raises(ChainError, match=f"n = {n!r} but"):
         Chain.from_dict(d)
+
+
+def test_the_size_bound_is_reached_by_a_schedule_and_refuses_exactly_2_62():
+    # One stage with x = xbar = a and x0 = c >= a: "F_ck 0, F_all 0, L, B 0" keeps
+    # a_0, a_1 and abar_1 to B 0, which adds delta_1 (a) and its output delta_0
+    # (c): a peak of 2c + 3a, the bound's x0 + sum(x) + sum(xbar) + max(x) +
+    # max(xbar, x0). With 2c + 3a = 2**62 (a = 2**59, c = 5 * 2**58) that peak is
+    # memory the planners cannot count: refused; one byte less of x0 plans.
+    from rtmem.planners import Platform, Schedule, simulate
+    a, c = 2**59, 5 * 2**58
+    assert 2 * c + 3 * a == 2**62
+    with pytest.raises(ChainError, match="add up to 4,611,686,018,427,387,904 bytes"):
+        Chain(u_f=[1], u_b=[1], x=[a], xbar=[a], x0=c)
+    chain = Chain(u_f=[1], u_b=[1], x=[a], xbar=[a], x0=c - 1)
+    sched = Schedule.from_text("F_ck 0, F_all 0, L, B 0")
+    assert simulate(chain, sched, Platform(math.inf)).peak == 2 * (c - 1) + 3 * a
+    # weights and their gradients are both resident at B 0 of store-all:
+    # 4 unit activations + 2 w bytes = 2**62 at w = 2**61 - 2
+    with pytest.raises(ChainError, match="add up to"):
+        Chain(u_f=[1], u_b=[1], x=[1], xbar=[1], x0=1, w=[2**61 - 2])
+    chain = Chain(u_f=[1], u_b=[1], x=[1], xbar=[1], x0=1, w=[2**61 - 3])
+    assert simulate(chain, Schedule.from_text("F_all 0, L, B 0"),
+                    Platform(math.inf)).peak == 4 + 2 * (2**61 - 3)
+
+
+@pytest.mark.parametrize("change", [
+    dict(u_f=[1, 9]), dict(u_b=[9, 1]), dict(x=[1, 2]), dict(xbar=[3, 2]), dict(w=[0, 1]),
+    dict(o_f=[1, 0]), dict(o_b=[0, 1]), dict(x0=2), dict(u_loss=0.5), dict(o_loss=1),
+    dict(name="other")])
+def test_chains_that_differ_in_any_field_are_not_equal(change):
+    base = dict(u_f=[1, 1], u_b=[1, 1], x=[1, 1], xbar=[2, 2], w=[0, 0], o_f=[0, 0],
+                o_b=[0, 0], x0=1, u_loss=0.0, o_loss=0, name="c")
+    assert Chain(**base) == Chain(**base)
+    assert Chain(**base) != Chain(**{**base, **change})
+
+
+@pytest.mark.parametrize("spec", ["gpt2:layers=0", "gpt2:batch=0", "resnet:batch=0",
+                                  "resnet:image=31", "resnet:act_bytes=0"])
+def test_specs_with_sizes_below_the_least_are_refused(spec):
+    # a zero-layer GPT-2 or a zero-batch ResNet made a chain of zero sizes that
+    # planned as if it were a model; a ResNet needs 32 pixels for its 5 halvings
+    with pytest.raises(ChainError, match="must be"):
+        from_spec(spec)
+
+
+def test_resnet_sizes_by_hand():
+    # resnet18 at 36 px, batch 2, 4-byte activations: the stem halves twice
+    # (36 -> 9); each later group halves with ceiling (9 -> 5 -> 3 -> 2, not
+    # 9 -> 4 -> 2 -> 1) and its first block has a projection shortcut
+    b, p = 2, 4
+    c = resnet(depth=18, image=36, batch=b, classes=10)
+    assert c.n == 10 and c.x0 == 3 * 36 * 36 * b * p
+    assert c.x[0] == 64 * 9 * 9 * b * p                         # stem: 64 x 9 x 9
+    assert c.xbar[0] == (2 * 64 * 18 * 18 + 64 * 9 * 9) * b * p  # conv+BN at 18x18, pool
+    # group 0, block 0: stride 1, 64 -> 64 channels: no projection;
+    # 4 conv/BN outputs of 64 x 9 x 9 and the block output
+    assert c.x[1] == 64 * 81 * b * p and c.xbar[1] == 5 * 64 * 81 * b * p
+    # group 1, block 0: stride 2 (9 -> 5), 64 -> 128, projection conv + BN
+    assert c.x[3] == 128 * 25 * b * p and c.xbar[3] == (4 + 1 + 2) * 128 * 25 * b * p
+    assert c.x[5] == 256 * 9 * b * p and c.x[7] == 512 * 4 * b * p
+    assert c.u_b.tolist() == (2 * c.u_f).tolist()
+    # resnet50 group 0, block 0: stride 1 but 64 -> 256 channels, so a projection
+    r = resnet(depth=50, image=64, batch=1, act_bytes=1)
+    hw = 16 * 16
+    assert r.x[1] == 256 * hw
+    assert r.xbar[1] == (2 * 64 * hw + 2 * 64 * hw + 2 * 256 * hw + 256 * hw + 2 * 256 * hw)
+
+
+def test_shipped_chains_are_what_their_generators_build():
+    # the JSON files are package data written from SHIPPED: a generator changed
+    # without rewriting them (or the reverse) made builtin("resnet50") and
+    # from_spec("resnet:depth=50,image=224,batch=64") different chains
+    from rtmem.planners import profiles
+    for name, (family, kwargs) in profiles.SHIPPED.items():
+        assert builtin(name) == getattr(profiles, family)(**kwargs, name=name), name
