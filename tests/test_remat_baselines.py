@@ -313,3 +313,41 @@ def test_sqrt_rounds_sqrt_n_to_the_nearest(n, segments):
     # (truncation would give 1 and 2)
     plan = plan_sqrt(Chain.homogeneous(n), math.inf)
     assert plan.info["segments"] == segments
+
+
+def test_plan_overhead_is_the_relative_slowdown():
+    s = Schedule.from_text("F_all 0, L, B 0")
+    plan = Plan(s, 3.0, 10, 100, "test")
+    assert plan.overhead(2.0) == 0.5 and plan.overhead(3.0) == 0.0
+    # a zero reference: no slowdown for a zero makespan, an unbounded one otherwise
+    assert plan.overhead(0.0) == math.inf
+    assert Plan(s, 0.0, 10, 100, "test").overhead(0.0) == 0.0
+
+
+def test_plans_that_differ_in_any_field_are_not_equal():
+    s = Schedule.from_text("F_all 0, L, B 0")
+    base = dict(schedule=s, makespan=3.0, peak=10, budget=100, algorithm="test",
+                info={"slots": 3})
+    assert Plan(**base) == Plan(**base)
+    for key, value in (("schedule", Schedule.from_text("F_ck 0, F_all 0, L, B 0")),
+                       ("makespan", 4.0), ("peak", 11), ("budget", math.inf),
+                       ("algorithm", "other"), ("info", {"slots": 4})):
+        assert Plan(**base) != Plan(**{**base, key: value}), key
+
+
+def test_fastest_fitting_scans_past_a_first_candidate_that_does_not_fit():
+    # first_is_fastest lets the scan stop at the first candidate only when that
+    # one fits; here store-all (first) does not, and the fastest fitting
+    # candidate is the last one given: 2 segments recompute stage 0 only
+    # (3 forwards, 3 backwards, no loss time, 1 recomputation: 7 s), 3 segments
+    # stages 0 and 1 (8 s)
+    from rtmem.planners.baselines import fastest_fitting
+    chain = Chain.homogeneous(3, x=1, xbar=2)
+    candidates = [(k, sequential_schedule(3, k)) for k in (1, 3, 2)]
+    runs = {k: simulate(chain, s, Platform(math.inf)) for k, s in candidates}
+    assert (runs[3].makespan, runs[2].makespan) == (8.0, 7.0)
+    budget = max(runs[2].peak, runs[3].peak)
+    assert runs[1].peak > budget
+    plan = fastest_fitting(chain, budget, candidates, "sequential", "segments", "count",
+                           first_is_fastest=True)
+    assert plan.info["segments"] == 2 and plan.makespan == 7.0
