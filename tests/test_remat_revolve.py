@@ -323,7 +323,9 @@ def test_huge_but_bounded_step_times_give_finite_makespans():
     # Lemma 2 by hand: K~ = K + #{L_i != 0}, plus one unless some L_i = 1 or some
     # empty branch has b_i = 0 (its delta_0 can be dropped at once)
     ((0, 2), (0, 0), 3), ((0, 2), (0, 1), 3), ((0, 2), (1, 0), 4), ((0, 2), (1, 1), 4),
-    ((2, 0, 2), (0, 0, 0), 5), ((2, 0, 2), (1, 1, 1), 6), ((0, 1), (1, 1), 3)])
+    ((2, 0, 2), (0, 0, 0), 5), ((2, 0, 2), (1, 1, 1), 6), ((0, 1), (1, 1), 3),
+    # no forward step at all: K~ = K, and the loss alone fits in K slots
+    ((0,), (1,), 1), ((0, 0), (1, 1), 2), ((0, 0), (0, 1), 2)])
 def test_empty_branches_set_the_least_slots(L, b, m_min):
     # random instances rarely hit m = m_min exactly with an empty branch: an
     # inverted b test in min_slots or in the DP's fill survived them
@@ -332,6 +334,10 @@ def test_empty_branches_set_the_least_slots(L, b, m_min):
         dp = multichain_opt(L, m, b)
         assert dp == brute_force_multichain(L, m, b), (L, b, m)
         assert math.isfinite(dp) == (m >= m_min), (L, b, m)
+    # the schedule drops an empty branch's delta_0 at the loss when b = 0 (one
+    # slot freed at once); the validator requires it gone at the end
+    value, ops = multichain_schedule(L, m_min, b)
+    assert simulate_multichain(ops, L, m_min, b) == (value, m_min)
 
 
 def test_validator_rejects_what_the_end_check_alone_would_miss_or_misname():
@@ -354,3 +360,48 @@ def test_validator_rejects_what_the_end_check_alone_would_miss_or_misname():
     with pytest.raises(ScheduleError, match="step 2 outside 1..1") as e:
         simulate_multichain([S(0), F(1), S(1), F(2), D(2), loss, B(1)], (1,), 3, b=(1,))
     assert e.value.op_index == 3
+
+
+def test_validator_refuses_a_dbar_before_the_loss_and_a_loss_without_its_input():
+    S, F, B = (lambda i: MultiOp("S", 0, i)), (lambda i: MultiOp("F", 0, i)), \
+        (lambda i: MultiOp("B", 0, i))
+    loss, dbar = MultiOp("L", -1, 0), MultiOp("Dbar", 0, 0)
+    assert simulate_multichain([S(0), F(1), loss, B(1), dbar], (1,), 2) == (3.0, 2)
+    # dropping delta_0 before the branch has one freed a slot for nothing
+    with pytest.raises(ScheduleError, match="not finished") as e:
+        simulate_multichain([S(0), F(1), dbar, loss, B(1), dbar], (1,), 2)
+    assert e.value.op_index == 2
+    # the loss reads a_L of every branch: a_2 was never computed here
+    with pytest.raises(ScheduleError, match="needs a_2 of branch 0") as e:
+        simulate_multichain([S(0), F(1), loss, B(1)], (2,), 3, b=(1,))
+    assert e.value.op_index == 2
+
+
+def test_table_refuses_lengths_beyond_the_instance_it_was_built_for():
+    from rtmem.errors import RtmemError
+    T = multichain_table((2, 3), 8)
+    assert T.opt((2, 3), 8) == 2 * 5 + 1          # m >= sum(L_i + 1): no recomputation
+    # (3, 2) indexes the cell of (0, 3) and (3, 3) one past the table
+    for L in ((3, 2), (3, 3), (2, 4)):
+        with pytest.raises(RtmemError, match="outside the table"):
+            T.opt(L, 8)
+
+
+def test_revolve_ops_with_a_smaller_argmin_table_builds_its_own():
+    from rtmem.planners.revolve import revolve_ops
+    small = opt0_table(3, 3)[1]
+    for steps, m in ((5, 3), (3, 5), (6, 4)):
+        assert revolve_ops(steps, m, arg=small) == revolve_ops(steps, m), (steps, m)
+
+
+def test_single_stage_chain_with_its_loss_needs_two_slots():
+    # SINGLE(1, m) is ADJCHAIN(0, m), which needs a_0 and delta_1: m_min((1,)) = 2
+    # (Lemma 2: K~ = 2, and L_1 = 1)
+    from rtmem.planners.revolve import revolve_ops
+    assert min_slots((1,)) == 2
+    assert revolve_ops(0, 2) == [MultiOp("B", 0, 1)]
+    ops = single_chain_ops(1, 2)
+    assert [str(op) for op in ops] == ["S^0_0", "F^0_1", "Loss", "B^0_1"]
+    assert simulate_multichain(ops, (1,), 2, b=(1,)) == (3.0, 2)
+    with pytest.raises(InfeasibleError):
+        revolve_ops(0, 1)
