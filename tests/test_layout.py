@@ -287,3 +287,23 @@ def test_a_plain_copy_beside_its_abar_stays_live_and_weights_stay_weights():
     lt = lifetimes(chain, moved)
     assert [lt.kind_name(i) for i, name in enumerate(lt.names) if name == "w1"] == \
         ["weight", "weight"]
+
+
+def test_w_delete_frees_the_weights_and_a_recomputed_output_is_workspace():
+    chain = P.Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 20], xbar=[30, 40], w=[5, 6], x0=7)
+    # w_delete 0 at op 3 frees w0 there (the host holds the master copy);
+    # w_prefetch 0 at op 5 brings a new buffer back for B 0
+    sched = P.Schedule.from_text("F_all 0, F_all 1, L, w_delete 0, B 1, w_prefetch 0, B 0")
+    res = P.simulate(chain, sched, BIG)
+    lt = lifetimes(chain, sched)
+    w0 = [(int(lt.alloc[i]), int(lt.free[i])) for i, n in enumerate(lt.names) if n == "w0"]
+    assert w0 == [(-1, 3), (5, 7)]
+    assert lt.peak_live() == res.peak
+    # a re-run over a resident output: the fresh copy lives during its op only,
+    # as a workspace (the resident abar1 stays the activation)
+    rerun = P.Schedule.from_text("F_all 0, F_all 0, F_all 1, L, B 1, B 0")
+    lt = lifetimes(chain, rerun)
+    kinds = {name: (lt.kind_name(i), int(lt.alloc[i]), int(lt.free[i]))
+             for i, name in enumerate(lt.names)}
+    assert kinds["abar1 (recomputed)"] == ("workspace", 1, 1)
+    assert kinds["abar1"] == ("activation", 0, 5)
