@@ -184,6 +184,13 @@ def test_numpy_adam_rejects_bad_input():
     opt = optim.NumpyAdam([p])
     with pytest.raises(OptimizerError, match="2 gradients for 1"):
         opt.step([p, p])
+    # hyper edited after construction is checked at each step: an OptimizerError,
+    # not a bare TypeError from unpacking betas, and nothing changes
+    opt.hyper["betas"] = 0.9
+    with pytest.raises(OptimizerError, match="pair") as info:
+        opt.step([np.ones(10, np.float32)])
+    assert info.value.argument == "betas"
+    assert (p == 1).all() and opt.state[0]["step"] == 0
 
 
 def test_numpy_adam_refused_state_dict_changes_nothing():
@@ -207,6 +214,66 @@ def test_numpy_adam_refused_state_dict_changes_nothing():
         for st, ref in zip(opt.state, before["state"]):
             assert st["step"] == ref["step"]
             assert st["exp_avg"].tobytes() == ref["exp_avg"].tobytes()
+
+
+def test_numpy_load_state_dict_refuses_too_few_states_and_reshaped_moments():
+    # Checked before any copy: a dict for fewer params loaded its first states
+    # (zip stops early), a moment of the right size but another shape failed in
+    # np.copyto after the params before it were loaded.
+    rng = np.random.default_rng(3)
+    ps = [rng.standard_normal(s).astype(np.float32) for s in ((3,), (2, 2))]
+    opt = optim.NumpyAdam(ps, lr=1e-2)
+    opt.step([rng.standard_normal(p.shape).astype(np.float32) for p in ps])
+    before = opt.state_dict()
+    short = opt.state_dict()
+    short["state"] = short["state"][:1]
+    short["state"][0]["step"] = 9
+    reshaped = opt.state_dict()
+    reshaped["state"][0]["step"] = 9
+    reshaped["state"][1]["exp_avg"] = reshaped["state"][1]["exp_avg"].reshape(4)
+    for bad, fragment in ((short, "state for 1 params, this optimizer has 2"),
+                          (reshaped, r"param 1: exp_avg has shape \(4,\), expected \(2, 2\)")):
+        with pytest.raises(OptimizerError, match=fragment) as info:
+            opt.load_state_dict(bad)
+        assert info.value.argument == "state_dict"
+        for st, ref in zip(opt.state, before["state"]):
+            assert st["step"] == ref["step"] == 1
+            assert st["exp_avg"].tobytes() == ref["exp_avg"].tobytes()
+
+
+def test_numpy_load_state_dict_copies_into_the_optimizers_own_arrays():
+    # The docstring's promise: the state arrays stay the optimizer's (a
+    # state_arena's memory), the loaded dict is never written, and a float64
+    # dict (e.g. from np.savez of a cast) loads as float32.
+    rng = np.random.default_rng(4)
+    p = rng.standard_normal(6).astype(np.float32)
+    opt = optim.NumpyAdam([p], lr=1e-2)
+    opt.step([rng.standard_normal(6).astype(np.float32)])
+    saved = opt.state_dict()
+    kept = {k: saved["state"][0][k].copy() for k in ("exp_avg", "exp_avg_sq")}
+    own = {k: opt.state[0][k] for k in kept}
+    opt.load_state_dict(saved)
+    assert all(opt.state[0][k] is own[k] for k in kept)
+    opt.step([rng.standard_normal(6).astype(np.float32)])
+    for k, v in kept.items():
+        assert saved["state"][0][k].tobytes() == v.tobytes(), k
+    wide = opt.state_dict()
+    wide["state"][0] = {k: (v.astype(np.float64) if k != "step" else v)
+                        for k, v in wide["state"][0].items()}
+    opt.load_state_dict(wide)
+    assert all(opt.state[0][k].dtype == np.float32 for k in kept)
+    assert opt.step([rng.standard_normal(6).astype(np.float32)])
+
+
+def test_adamw_default_weight_decay_is_torchs_1e_2():
+    # First step, by hand in float64: the bias-corrected moments are g and g**2,
+    # so p <- p * (1 - lr * wd) - lr * g / (|g| + eps), with wd = 1e-2 by default.
+    g = np.array([0.5, -2.0, 1.0, -0.25], np.float32)
+    p0 = np.array([1.0, -3.0, 2.0, 0.5], np.float32)
+    want = p0 * (1 - 0.1 * 1e-2) - 0.1 * g / (np.abs(g.astype(np.float64)) + 1e-8)
+    p = p0.copy()
+    optim.NumpyAdamW([p], lr=0.1).step([g])
+    np.testing.assert_allclose(p, want, rtol=1e-6)
 
 
 def test_numpy_adam_refuses_params_that_share_memory():
@@ -826,6 +893,29 @@ def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     assert float(opt.state[a[0]]["step"]) == 2.0
 
 
+def test_a_loaded_state_dict_is_copied_not_aliased():
+    # torch's load keeps a saved moment of the parameter's dtype as it is: without
+    # CPUAdam's own copy, every later step wrote into the caller's dict
+    a, opt, good = _stepped_once(31)
+    saved = copy.deepcopy(good)
+    opt.load_state_dict(saved)
+    for p in a:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for k, st in good["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["state"][k][key], st[key]), (k, key)
+
+
+def test_a_state_dict_post_hook_may_return_the_dict_to_use():
+    # torch documents that a post-hook's non-None result replaces the dict
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = optim.CPUAdam([p], lr=0.1)
+    opt.register_state_dict_post_hook(lambda o, sd: {"wrapped": sd})
+    out = opt.state_dict()
+    assert list(out) == ["wrapped"] and out["wrapped"]["skipped_steps"] == 0
+
+
 def test_load_hooks_run_around_the_checks_as_torch_documents():
     # A pre-hook adapting the dict (unwrapping a checkpoint) was bypassed by the
     # up-front check ("must be a dict with 'state'"), and post-hooks ran for a
@@ -1051,6 +1141,14 @@ def test_copies_and_pickles_keep_threads_and_skip_counters():
     assert (old.num_threads, old.skipped_steps, old.last_step_skipped) == (None, 0, False)
     old.step(grads=[g])
     assert float(old.state[old.param_groups[0]["params"][0]]["step"]) == 2.0
+    # One without decoupled_weight_decay (an older torch's layout) stays AdamW, in
+    # its defaults too: a group added later takes them.
+    for group in (state["defaults"], *state["param_groups"]):
+        del group["decoupled_weight_decay"]
+    older = optim.CPUAdamW.__new__(optim.CPUAdamW)
+    older.__setstate__(state)
+    older.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    assert [g["decoupled_weight_decay"] for g in older.param_groups] == [True, True]
 
 
 @pytest.mark.parametrize("bad", [-3.0, float("nan"), 2.5, float("inf")])
@@ -1082,6 +1180,13 @@ def test_load_state_dict_refuses_a_step_beyond_the_float32_counter():
         opt.load_state_dict(sd)
     assert info.value.argument == "state_dict"
     assert float(opt.state[a[1]]["step"]) == 1.0
+    limit = int((2 - 2 ** -23) * 2 ** 127)      # float32's largest finite value
+    sd["state"][1]["step"] = limit + 1
+    with pytest.raises(OptimizerError, match="step counter holds"):
+        opt.load_state_dict(sd)
+    sd["state"][1]["step"] = limit               # the largest count it holds loads
+    opt.load_state_dict(sd)
+    assert float(opt.state[a[1]]["step"]) == float(limit)
     sd["state"][1]["step"] = 2 ** 100            # huge but a finite float32
     opt.load_state_dict(sd)
     opt.step()
@@ -1101,6 +1206,20 @@ def test_add_param_group_takes_rtmem_buffers(arena):
     for b, lr in zip(bufs, (1e-2, 1e-1, 1e-2)):         # updated in the arena's memory
         np.testing.assert_allclose(b.numpy(), 1.0 - lr, rtol=1e-6)
     del opt
+
+
+def test_a_buffer_key_names_only_the_parameter_over_exactly_its_memory(arena):
+    # a Buffer key is matched to a parameter by address and size: a tensor over
+    # the Buffer's first half is another parameter, and the key names none
+    buf = arena.alloc(shape=(8,), dtype=np.float32, kind="weight")
+    buf.numpy()[...] = 1.0
+    head = torch.from_numpy(buf.numpy()[:4])
+    opt = optim.CPUAdam([head], lr=0.1)
+    with pytest.raises(OptimizerError, match="not a parameter") as info:
+        opt.step(grads={buf: torch.ones(8)})
+    assert info.value.argument == "grads"
+    assert (buf.numpy() == 1.0).all() and not opt.state
+    del opt, head
 
 
 def _step_mixed(ours, theirs, opt, their_opt, gen, steps):
@@ -1185,6 +1304,9 @@ def test_cpu_adamw_refuses_coupled_weight_decay():
     assert len(opt.param_groups) == 1
     with pytest.raises(OptimizerError, match="True or False"):
         optim.CPUAdam([p], decoupled_weight_decay="yes")
+    # a numpy bool (read from a config array) is a bool
+    assert optim.CPUAdam([p], decoupled_weight_decay=np.True_).param_groups[0][
+        "decoupled_weight_decay"] is True
     # Like torch.optim.AdamW, a torch.optim.Adam state dict loaded into CPUAdamW
     # stays AdamW.
     sd = torch.optim.Adam([torch.zeros(3, requires_grad=True)]).state_dict()
@@ -1218,6 +1340,16 @@ def test_grad_and_copy_errors_name_the_param():
     assert "grad_format" not in str(info.value) and info.value.argument == "grads"
     assert str(info.value).startswith("group 0 param 0: ")
     assert not opt.state
+
+
+def test_a_sparse_gradient_is_refused_by_name():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = optim.CPUAdam([p], lr=0.1)
+    with pytest.raises(OptimizerError, match="group 0 param 0: grad is a cpu "
+                       "torch.sparse_coo tensor") as info:
+        opt.step(grads=[torch.tensor([1.0, 0.0, 2.0]).to_sparse()])
+    assert info.value.argument == "grads" and "to_dense" in str(info.value)
+    assert torch.equal(p.detach(), torch.ones(3)) and not opt.state
 
 
 def test_fp16_copy_overflow_is_documented_and_leaves_the_master_finite():
