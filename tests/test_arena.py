@@ -36,10 +36,24 @@ def host():
 def test_backend_selection(monkeypatch):
     monkeypatch.setenv("RTMEM_BACKEND", "host")
     assert backend_name() == "host" and get_backend().name == "host"
+    monkeypatch.setenv("RTMEM_BACKEND", " Host ")     # case and spaces do not matter
+    assert backend_name() == "host"
     monkeypatch.setenv("RTMEM_BACKEND", "tpu")
     with pytest.raises(BackendError, match="RTMEM_BACKEND"):
         backend_name()
     assert "host" in BACKENDS
+
+
+def test_fill_takes_every_byte_value():
+    be = get_backend("host")
+    slab = be.host_slab(64)
+    be.fill(slab, 0, 64, 255)
+    be.fill(slab, 8, 48, 0)
+    got = be.read(slab, 0, 64)
+    assert (got[8:56] == 0).all() and (got[:8] == 255).all() and (got[56:] == 255).all()
+    for bad in (-1, 256):
+        with pytest.raises(ValueError, match="byte"):
+            be.fill(slab, 0, 64, bad)
 
 
 def test_alloc_by_shape_and_bytes(dev):
