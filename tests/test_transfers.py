@@ -359,6 +359,22 @@ def test_stream_failures_reach_dependents_only():
     c.synchronize()
 
 
+def test_an_event_reports_the_first_failure_before_it_not_a_later_one():
+    # NOTE [ Host stream failures ]: the stream keeps its first unreported
+    # failure; a second failure before the next event does not replace it.
+    be = get_backend("host")
+    s = be.new_stream("twice")
+
+    def boom(what):
+        raise RuntimeError(what)
+    s.launch_host_func(lambda: boom("first failure"))
+    s.launch_host_func(lambda: boom("second failure"))
+    with pytest.raises(BackendError, match="first failure"):
+        be.new_event().record(s).synchronize()
+    s.synchronize()                                 # both reported by that event
+    s.close()
+
+
 def test_backend_synchronize_waits_for_every_stream_before_raising():
     # It raised at the first failed stream it visited, while the others still
     # ran: arena.close() then released memory that queued copies still used.
