@@ -178,6 +178,16 @@ def test_empty_or_negative_slabs_are_refused_as_on_the_host_backend(fake, backen
     assert not fake.calls_named("malloc") and not fake.calls_named("hostAlloc")
 
 
+def test_mapped_host_slabs_are_pinned_on_both_backends(fake, backend):
+    # cudaHostAlloc(Mapped) memory is page-locked whatever pinned= says; the
+    # host backend's twin must say so too
+    from rtmem.backends import get_backend
+    for be in (get_backend("host"), backend):
+        slab = be.host_slab(4096, pinned=False, mapped=True)
+        assert slab.pinned and slab.mapped and slab.device_ptr is not None
+        be.release(slab)
+
+
 def test_spans_outside_a_slab_are_refused_by_both_backends(fake, backend):
     # The host backend sliced a bad span short (a negative size copied nearly the
     # whole slab; a span past the end copied less, or failed later on the copy
