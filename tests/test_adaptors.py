@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import random
@@ -567,3 +568,85 @@ def test_tracing_records_a_refused_resize_as_oom():
     tr.deallocate(a)
     ops = [json.loads(ln) for ln in buf.getvalue().splitlines()]
     assert [r["op"] for r in ops] == ["alloc", "oom", "free"] and ops[1]["nbytes"] == 1 << 20
+
+
+def test_a_limit_counts_a_zero_byte_request_as_the_block_it_gets():
+    # the core hands out one aligned block (256 bytes) for 0 bytes: a full
+    # budget has no room for it
+    lim = LimitAdaptor(BestFitAllocator(4096, alignment=256), 256)
+    b = lim.allocate(256)
+    with pytest.raises(OutOfMemoryError, match="budget"):
+        lim.allocate(0)
+    lim.deallocate(b)
+    z = lim.allocate(0)
+    assert lim.used_bytes == 256 == z.size
+    lim.deallocate(z)
+
+
+def test_poison_adaptor_catches_a_write_to_the_first_byte_and_repoisons_the_block():
+    mem, fill, check = _poisoned_memory(4096)
+    core = BestFitAllocator(4096, alignment=256)
+    p = PoisonAdaptor(core, fill=fill, check=check)
+    b = p.allocate(512)
+    p.deallocate(b)
+    mem[b.offset] = 0                      # byte 0 of the freed block
+    with pytest.raises(UseAfterFreeError):
+        p.allocate(512)
+    assert mem[b.offset] == PoisonAdaptor.POISON    # given back poisoned again:
+    c = p.allocate(512)                             # no second alarm for one write
+    assert c.offset == b.offset
+    p.deallocate(c)
+    assert core.stats().allocated_bytes == 0
+
+
+def test_poison_adaptor_resize_to_the_same_size_stays_in_place():
+    mem, fill, check = _poisoned_memory(4096)
+    core = BestFitAllocator(4096, alignment=256)
+    p = PoisonAdaptor(core, fill=fill, check=check)
+    b = p.allocate(512)
+    assert p.fits_in_place(b, 512)
+    assert p.resize(b, 512) is b and b.size == 512
+    assert core.stats().peak_bytes == 512          # no second block, even for a moment
+    p.deallocate(b)
+
+
+def test_replay_live_bytes_and_extent_follow_frees_and_resizes():
+    # hand-computed on a 4 KiB core with 256-byte alignment (best fit: the
+    # lowest free offset first)
+    trace = [("alloc", 0, 1000, None),     # [0, 1024)          live 1000
+             ("resize", 0, 3000, None),    # grows in place to [0, 3072): 3000
+             ("alloc", 1, 500, None),      # [3072, 3584)       3500 = peak
+             ("free", 1, 0, None),         #                    3000
+             ("resize", 0, 200, None),     # shrinks to [0, 256): 200
+             ("alloc", 2, 100, None),      # [256, 512), below the old end
+             ("free", 0, 0, None), ("free", 2, 0, None)]
+    res = replay(trace, BestFitAllocator(4096, alignment=256), measure_extent=True)
+    assert res.peak_live_bytes == 3500
+    assert res.extent_bytes == 3584        # the highest end ever, not the last one
+    assert res.pairs == 3 and res.ooms == 0
+
+
+def test_replay_extent_sums_the_slabs():
+    a = DeviceArena(4096, max_bytes=8192, growth_bytes=4096)
+    trace = [("alloc", 0, 3072, None), ("alloc", 1, 2048, None),   # slab 1 grows
+             ("free", 0, 0, None), ("free", 1, 0, None)]
+    res = replay(trace, a.allocator, measure_extent=True)
+    assert res.extent_bytes == 3072 + 2048
+    assert a.stats().allocated_bytes == 0
+
+
+def test_load_trace_skips_blank_lines():
+    text = '{"op":"alloc","id":0,"nbytes":8}\n\n   \n{"op":"free","id":0}\n'
+    assert load_trace(io.StringIO(text)) == [("alloc", 0, 8, None), ("free", 0, 0, None)]
+
+
+def test_an_adaptor_without_its_upstream_has_no_attributes():
+    # __getattr__ forwards to self.upstream: before __init__ set it (copy.copy
+    # and pickle make the object first) that lookup must fail plainly, not
+    # recurse until RecursionError
+    bare = StatisticsAdaptor.__new__(StatisticsAdaptor)
+    with pytest.raises(AttributeError):
+        bare.alignment
+    s = StatisticsAdaptor(BestFitAllocator(4096))
+    twin = copy.copy(s)
+    assert twin.upstream is s.upstream and twin.alignment == 256
