@@ -313,3 +313,83 @@ def test_placement_keeps_a_sparse_gradient_as_a_dense_one(arena):
     assert emb.weight.grad.data_ptr() == placement.grads[emb.weight].numpy().ctypes.data
     torch.testing.assert_close(emb.weight.grad, ref.weight.grad.to_dense())
     placement.release()
+
+
+def test_on_torch_stream_adopts_torch_s_stream_on_the_asked_device(monkeypatch):
+    # CuPy's current stream becomes torch's current stream of that device: by
+    # Stream.from_external (CuPy >= 14) or ExternalStream(ptr, device index)
+    # (CuPy 13); nothing to switch when the two are already one stream
+    import contextlib
+    import types
+
+    import rtmem.backends.cuda as cuda_backend
+    from rtmem.torch import on_torch_stream
+
+    class Stream:                               # CuPy 13: no from_external
+        pass
+    cupy_ptr, asked = [0], []
+    cuda = types.SimpleNamespace(
+        Stream=Stream, ExternalStream=lambda ptr, index: ("ExternalStream", ptr, index),
+        get_current_stream=lambda: types.SimpleNamespace(ptr=cupy_ptr[0]))
+    monkeypatch.setattr(cuda_backend, "import_cupy", lambda: types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: asked.append(device) or
+                        types.SimpleNamespace(cuda_stream=77))
+    assert on_torch_stream(torch.device("cuda", 1)) == ("ExternalStream", 77, 1)
+    assert on_torch_stream(2) == ("ExternalStream", 77, 2)
+    assert on_torch_stream() == ("ExternalStream", 77, 3)          # torch's current one
+    assert on_torch_stream(torch.device("cuda")) == ("ExternalStream", 77, 3)
+    assert asked == [torch.device("cuda", 1), torch.device("cuda", 2), None,
+                     torch.device("cuda")]
+    Stream.from_external = staticmethod(lambda handle: ("from_external",
+                                                        handle.__cuda_stream__()))
+    cuda.ExternalStream = None                  # CuPy >= 14 deprecates it
+    assert on_torch_stream(1) == ("from_external", (0, 77))
+    cupy_ptr[0] = 77
+    assert isinstance(on_torch_stream(1), contextlib.nullcontext)
+
+
+def test_as_tensor_refuses_a_wider_dtype_too(arena):
+    buf = arena.alloc(shape=(8,), dtype=np.float16)
+    with pytest.raises(TypeError, match="item sizes differ"):
+        as_tensor(buf, dtype=torch.float32)        # 8 halves are not 4 floats
+    assert as_tensor(buf, dtype=torch.bfloat16).shape == (8,)
+    buf.free()
+
+
+def test_from_tensor_frees_its_buffer_when_the_copy_fails(arena, monkeypatch):
+    import rtmem.torch.bridge as bridge
+
+    def failing(buf, **kwargs):                   # as a CPU tensor into CUDA memory
+        raise RuntimeError("the copy failed")
+    monkeypatch.setattr(bridge, "as_tensor", failing)
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        from_tensor(torch.ones(16), arena)
+    assert arena.stats().allocated_bytes == 0
+
+
+def test_a_frozen_parameter_gets_no_gradient_buffer(arena):
+    m = torch.nn.Linear(4, 3)
+    m.bias.requires_grad_(False)
+    placement = place_parameters(m, arena)
+    assert m.bias.grad is None and list(placement.grads) == [m.weight]
+    assert arena.stats().requested_by_kind["gradient"] == 3 * 4 * 4
+    placement.release()
+
+
+def test_new_gradient_buffers_start_from_zero_in_reused_memory(arena):
+    # the gradient buffers land in bytes a freed buffer left NaN
+    dirty = arena.alloc(shape=(1 << 14,), dtype=np.float32)      # 64 KiB from offset 0
+    dirty.numpy()[:] = np.nan
+    dirty.free()
+    torch.manual_seed(0)
+    lin, emb = torch.nn.Linear(8, 8), torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2, 1])).sum().backward()              # a sparse gradient
+    sparse = emb.weight.grad.to_dense()
+    placement = place_parameters(torch.nn.ModuleList([lin, emb]), arena)
+    for p in lin.parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p))         # none before: zeros
+    assert torch.equal(emb.weight.grad, sparse)
+    placement.release()
