@@ -791,6 +791,32 @@ def test_as_tensor_waits_for_a_prefetch_on_torchs_current_stream(fake, backend,
     b.free()
 
 
+def test_the_gpu_views_host_memory_only_where_it_is_mapped(fake, backend, monkeypatch):
+    # a pinned, unmapped buffer has no device pointer: device_alias is refused,
+    # and parameters in device memory take no gradients there
+    torch = pytest.importorskip("torch")
+    from rtmem.torch import as_tensor, place_parameters
+    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: (obj, device))
+    pinned = HostArena(1 << 20, backend=backend)
+    mapped = HostArena(1 << 20, mapped=True, backend=backend)
+    b, mb = (a.alloc(shape=(16,), dtype=np.float32) for a in (pinned, mapped))
+    with pytest.raises(ResidencyError, match="mapped host buffer on the cuda backend"):
+        as_tensor(b, device_alias=True)
+    export, device = as_tensor(mb, device_alias=True)
+    assert device == f"cuda:{backend.device_id}"
+    assert export.__cuda_array_interface__["data"][0] == \
+        mb.placement("host").slab.device_ptr + mb.placement("host").offset
+    del export
+    d = DeviceArena(1 << 20, backend=backend)
+    model = torch.nn.Linear(4, 4)
+    weight = model.weight.data_ptr()
+    with pytest.raises(ValueError, match=r"DeviceArena or a HostArena\(mapped=True\)"):
+        place_parameters(model, d, grad_arena=pinned)
+    assert model.weight.data_ptr() == weight and model.weight.grad is None
+    assert d.stats().allocated_bytes == 0
+    for buf in (b, mb):
+        buf.free()
+
 def test_wait_takes_torch_and_cupy_events(fake, backend):
     # transfers.wait(event) passed a torch.cuda.Event's query/synchronize check
     # and then failed on .raw; both foreign kinds now order the compute stream.
