@@ -377,6 +377,8 @@ def test_tied_gpt2_model_has_the_weights_of_its_analytic_chain():
     torch.manual_seed(0)
     model, loss_fn, make = gpt2_model(**sizes, tie_weights=True)
     assert model[-1].out.weight is model[0].tok.weight
+    # drawn as GPT-2's (std 0.02), not nn.Embedding's std 1: 640 draws
+    assert 0.018 < model[0].tok.weight.std().item() < 0.022
     analytic = gpt2(**sizes, batch=3, weight_bytes=4)        # float32 parameters
     assert sum(p.numel() for p in model.parameters()) * 4 == analytic.w.sum()
     x, y = make(3, torch.Generator().manual_seed(1))
@@ -406,6 +408,7 @@ def test_model_blocks_name_a_bad_size():
     for make, fragment in [
             (lambda: GPTBlock(8, 0), "heads must be an integer >= 1, got 0"),
             (lambda: GPTBlock(8, -2), "heads must be an integer >= 1, got -2"),
+            (lambda: GPTBlock(6, 4), "hidden = 6 must be a multiple of heads = 4"),
             (lambda: GPTBlock(8.0, 2), "hidden must be an integer >= 1, got 8.0"),
             (lambda: GPTBlock(8, 2, dropout="0.1"), "dropout must be a number"),
             (lambda: GPTEmbedding(-1, 8, 4), "vocab must be an integer >= 1, got -1"),
@@ -421,6 +424,103 @@ def test_model_blocks_name_a_bad_size():
         model(torch.randint(16, (2, 6)))
     with pytest.raises(ValueError, match=r"shape \(batch, seq\), got a tensor of shape \(6,\)"):
         model(torch.randint(16, (6,)))
+    with pytest.raises(ValueError, match=r"\(batch, seq\), got a tensor of shape \(2, 2, 4\)"):
+        model(torch.randint(16, (2, 2, 4)))
+
+
+def _gpt_block_reference(block, x):
+    """GPTBlock's forward in float64 by hand, one query position at a time:
+    pre-LayerNorm causal self-attention scaled by 1/sqrt(head size), then a
+    GELU MLP, both added to their input."""
+    def ln(m, t):
+        mean = t.mean(-1, keepdim=True)
+        var = ((t - mean) ** 2).mean(-1, keepdim=True)
+        return (t - mean) / torch.sqrt(var + m.eps) * m.weight + m.bias
+
+    def lin(m, t):
+        return t @ m.weight.T + m.bias
+    b, s, h = x.shape
+    n = h // block.heads
+    q, k, v = lin(block.qkv, ln(block.ln1, x)).split(h, dim=2)
+    y = torch.zeros_like(x)
+    for i in range(b):
+        for j in range(block.heads):
+            cols = slice(j * n, (j + 1) * n)
+            for t in range(s):          # query t sees keys 0..t only
+                scores = torch.stack([q[i, t, cols] @ k[i, u, cols] for u in range(t + 1)])
+                w = torch.exp(scores / math.sqrt(n) - (scores / math.sqrt(n)).max())
+                w = w / w.sum()
+                y[i, t, cols] = sum(w[u] * v[i, u, cols] for u in range(t + 1))
+    x = x + lin(block.proj, y)
+    u = lin(block.fc1, ln(block.ln2, x))
+    return x + lin(block.fc2, 0.5 * u * (1 + torch.erf(u / math.sqrt(2))))
+
+
+def test_gpt_stages_compute_gpt2_s_functions():
+    # the executor tests compare a model with itself: these fix what it computes
+    from rtmem.torch.models import GPTBlock, GPTEmbedding, GPTHead
+    torch.manual_seed(0)
+    block = GPTBlock(8, 2, dropout=0.3).double().eval()    # eval: no dropout
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    torch.testing.assert_close(block(x), _gpt_block_reference(block, x))
+    emb = GPTEmbedding(16, 8, 6, dropout=0.3).double().eval()
+    idx = torch.tensor([[3, 0, 15, 3], [1, 2, 1, 9]])
+    torch.testing.assert_close(emb(idx), emb.tok.weight[idx] + emb.pos.weight[:4])
+    head = GPTHead(8, 16).double()
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    normed = (x - mean) / torch.sqrt(var + head.ln.eps) * head.ln.weight + head.ln.bias
+    torch.testing.assert_close(head(x), normed @ head.out.weight.T)
+
+
+def test_gpt_stages_drop_out_in_training_only():
+    from rtmem.torch.models import GPTBlock, GPTEmbedding
+    torch.manual_seed(0)
+    emb = GPTEmbedding(16, 8, 6, dropout=0.5).train()
+    idx = torch.randint(16, (2, 6))
+    full = (emb.tok.weight[idx] + emb.pos.weight[:6]).detach()
+    out = emb(idx).detach()
+    dropped = out == 0
+    assert dropped.any() and (~dropped).any()
+    torch.testing.assert_close(out[~dropped], 2 * full[~dropped])   # 1 / (1 - p)
+    # the attention weights drop out too (the residual branches' dropout off)
+    block = GPTBlock(8, 2, dropout=0.5)
+    block.drop = torch.nn.Identity()
+    x = torch.randn(2, 5, 8)
+    want = block.eval()(x)
+    assert not torch.allclose(block.train()(x), want)
+    assert torch.equal(block.eval()(x), want)
+
+
+def test_gpt2_model_batches_are_next_token_targets_over_the_whole_vocabulary():
+    _, _, make = gpt2_model(layers=0, hidden=8, heads=2, seq=5, vocab=16)
+    x, y = make(64, torch.Generator().manual_seed(3))
+    assert x.shape == y.shape == (64, 5) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])         # y is x shifted by one token
+    assert set(torch.cat([x, y]).unique().tolist()) == set(range(16))
+
+
+def test_residual_blocks_downsample_and_end_in_a_relu():
+    from rtmem.torch.models import BasicBlock, Bottleneck
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, 8)
+    for block, shape in ((BasicBlock(4, 4, stride=2), (2, 4, 4, 4)),
+                         (BasicBlock(4, 8), (2, 8, 8, 8)),
+                         (Bottleneck(4, 2, stride=2), (2, 8, 4, 4)),
+                         (Bottleneck(8, 2), (2, 8, 8, 8))):
+        out = block(x if block.body[0].in_channels == 4 else torch.randn(2, 8, 8, 8))
+        assert out.shape == shape
+        assert (out >= 0).all() and (out == 0).any()       # the final ReLU
+
+
+def test_resnet_model_widths_double_and_later_groups_downsample():
+    model, _, make = resnet_model(blocks=(1, 2, 1), width=4, image=16, classes=3)
+    x, y = make(2, torch.Generator().manual_seed(0))
+    shapes = []
+    for stage in model:
+        x = stage(x)
+        shapes.append(tuple(x.shape[1:]))
+    assert shapes == [(4, 16, 16), (4, 16, 16), (8, 8, 8), (8, 8, 8), (16, 4, 4), (3,)]
+    assert y.shape == (2,)
 
 
 def test_gradients_equal_plain_autograd_under_compiled_autograd():
