@@ -95,6 +95,7 @@ _MAX_SHARED_PARAMS = 48 * 1024 - THREADS * 4
 
 # =================================================================== kernels
 
+
 @cuda.jit(device=True)
 def _element(src, row, col):
     # src[row, col], or 0 outside src (the ragged edge of a GEMM tile)

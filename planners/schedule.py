@@ -114,11 +114,11 @@ def _int_array(name: str, values) -> np.ndarray:
                         reason="malformed")
 
 
-
 def _quoted(token: str, limit: int = 60) -> str:
     """``repr(token)``, cut short: an unreadable 200 kB line (a JSON file given
     as schedule text) went whole into the error message."""
     return repr(token) if len(token) <= limit else repr(token[:limit - 3] + "...")
+
 
 class Schedule:
     """An immutable sequence of operations.

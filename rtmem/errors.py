@@ -218,8 +218,6 @@ class KernelArgumentError(RtmemError, ValueError):
         self.argument = argument
 
 
-
-
 class TraceError(RtmemError, ValueError):
     """An allocation trace (:func:`rtmem.adaptors.load_trace`) is malformed: a
     line that is not JSON, a record without ``op``/``id``, an unknown op.

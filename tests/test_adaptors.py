@@ -409,7 +409,6 @@ def test_poison_adaptor_survives_a_trim_after_a_moving_resize():
     a._check_invariants()
 
 
-
 def test_a_limit_over_a_poison_adaptor_counts_a_growing_resize_as_a_move():
     # PoisonAdaptor grows by moving, never into a free neighbour: the limit above
     # it must budget the old and the new block together, not only the difference

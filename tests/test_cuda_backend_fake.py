@@ -817,6 +817,7 @@ def test_the_gpu_views_host_memory_only_where_it_is_mapped(fake, backend, monkey
     for buf in (b, mb):
         buf.free()
 
+
 def test_wait_takes_torch_and_cupy_events(fake, backend):
     # transfers.wait(event) passed a torch.cuda.Event's query/synchronize check
     # and then failed on .raw; both foreign kinds now order the compute stream.

@@ -391,6 +391,7 @@ class _TransfersMachine(RuleBasedStateMachine):
             for a in self.arenas.values():
                 a.close()
 
+
 _TransfersMachine.TestCase.settings = machine_settings(25, 30)
 
 

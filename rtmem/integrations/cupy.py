@@ -25,6 +25,7 @@ from . import alloc_exported, check_arena
 
 __all__ = ["allocator_for", "flush", "install", "uninstall", "using"]
 
+
 class _BufferOwner:
     """Owner object of an ``UnownedMemory``: frees the rtmem buffer when CuPy
     garbage-collects the memory."""
