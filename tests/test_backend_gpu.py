@@ -77,6 +77,51 @@ def test_doctor_names_the_cuda_simulator(monkeypatch):
     assert "CUDA simulator" in line and "usable" not in line
 
 
+def _report(**changes):
+    report = {"RTMEM_BACKEND": None, "backend": "host", "backends": ["host", "cuda"],
+              "gpu_usable": False, "numba": "0.61.0", "numba_cuda": None,
+              "numba_cuda_simulator": False, "numba_cuda_available": False,
+              "numba_cuda_nvvm": True, "CUDA_HOME": None,
+              "cuda": {"cupy": None, "memlock_limit_bytes": None,
+                       "host_available_bytes": 64 * 2**30}}
+    report.update(changes)
+    return report
+
+
+def test_doctor_lines_show_devices_limits_and_errors():
+    from rtmem import doctor
+    text = "\n".join(doctor._lines(_report()))
+    assert "backend          host  (automatic: cuda if a GPU is usable" in text
+    assert "memlock rlimit unlimited (mlock" in text and "host available 64.00 GiB" in text
+    assert "gpu              none found" in text and "  ! " not in text
+    # a CuPy error is shown only when CuPy is there (without it: "not installed")
+    assert "  ! no device" not in "\n".join(doctor._lines(_report(
+        cuda={"cupy": None, "error": "no device", "memlock_limit_bytes": 65536})))
+    cuda = {"cupy": "13.0.0", "error": "no device", "memlock_limit_bytes": 65536,
+            "driver_version": 12080, "runtime_version": 12060,
+            "devices": [{"id": 0, "name": "H200", "total_bytes": 141 * 2**30,
+                         "compute_capability": "9.0", "can_map_host_memory": False}]}
+    lines = doctor._lines(_report(RTMEM_BACKEND="cuda", backend="cuda", cuda=cuda))
+    text = "\n".join(lines)
+    assert lines[0] == "backend          cuda  (RTMEM_BACKEND=cuda)"
+    assert "  ! no device" in lines
+    assert "H200, 141.00 GiB, sm 9.0, map host memory: no" in text
+    assert "memlock rlimit 64.00 KiB (mlock" in text and "host available unknown" in text
+
+
+def test_doctor_exit_1_and_the_reason_for_an_invalid_backend(capsys, monkeypatch):
+    from rtmem import doctor
+    ap = argparse.ArgumentParser()
+    doctor.register(ap.add_subparsers())
+    monkeypatch.setenv("RTMEM_BACKEND", "bogus")
+    args = ap.parse_args(["doctor"])
+    assert args.func(args) == 1
+    out = capsys.readouterr().out
+    first, second = out.splitlines()[:2]
+    assert first == "backend          invalid  (RTMEM_BACKEND=bogus)"
+    assert second.startswith("  ! ") and "bogus" in second
+
+
 @pytest.mark.skipif(HAS_CUPY, reason="CuPy is installed")
 def test_missing_cupy_names_the_extra():
     from rtmem.backends import get_backend
