@@ -1,4 +1,5 @@
 import json
+from argparse import ArgumentTypeError
 
 import pytest
 
@@ -476,3 +477,215 @@ def test_help_descriptions_print_no_rest_markup(capsys, command):
         main([command, "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "``" not in out and f"rtmem {command}" in out
+
+
+def _two_stage_chain():
+    from rtmem.planners import Chain
+    # w1 = 30 bytes prefetched, abar1 = 10 bytes offloaded: h2d 30, d2h 10
+    return Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 10], xbar=[10, 10], w=[10, 30], x0=0)
+
+
+_SCHEDULE = "w_delete 1, F_all 0, offload abar1, w_prefetch 1, F_all 1, L, B 1, B 0"
+
+
+def test_at_least_bounds_are_inclusive_and_finite():
+    from rtmem.cli import at_least
+    assert at_least(1)("1") == 1
+    unit = at_least(0.0, float, 1.0)
+    assert unit("0") == 0.0 and unit("1") == 1.0
+    for bad in ("1.5", "-0.1", "nan", "inf"):
+        with pytest.raises(ArgumentTypeError):
+            unit(bad)
+    with pytest.raises(ArgumentTypeError, match="finite"):
+        at_least(0.0, float)("inf")
+
+
+def test_output_file_takes_upper_case_suffixes(tmp_path):
+    from rtmem.cli import PLOT_SUFFIXES, output_file
+    path = str(tmp_path / "g.PNG")
+    assert output_file(*PLOT_SUFFIXES)(path) == path
+
+
+def test_load_chain_and_schedule_read_specs(tmp_path):
+    from rtmem.cli import load_chain, load_schedule
+    from rtmem.errors import ChainError
+    from rtmem.planners import Chain, sequential_schedule
+    chain = Chain.homogeneous(6, x=10)
+    assert load_schedule("sequential:3", chain) == sequential_schedule(6, 3)
+    with pytest.raises(ChainError, match="no chain file"):
+        load_chain(str(tmp_path / "missing.JSON"))
+
+
+def test_simulate_reports_each_quantity_in_its_row_and_field(capsys, tmp_path):
+    # the chain of test_channel_models with w1 = 30: w_prefetch 1 (30 B at 10 B/s)
+    # waits for the offload of abar1 [1, 2] on a shared link ([2, 5]) and not on a
+    # duplex one ([1, 4]); then F_all 1, B 1, B 0 (1 s each, L takes none)
+    path = tmp_path / "c.json"
+    _two_stage_chain().save(path)
+    for channel, makespan in (("shared", 8.0), ("duplex", 7.0)):
+        code, out, _ = run(capsys, "simulate", str(path), _SCHEDULE, "--memory", "1000000",
+                           "--bandwidth", "10", "--channel", channel, "--json")
+        doc = json.loads(out)
+        assert code == 0 and doc["channel"] == channel and doc["makespan_s"] == makespan
+        assert doc["h2d_bytes"] == 30 and doc["d2h_bytes"] == 10
+        assert doc["compute_s"] == 4.0 and doc["idle_s"] == makespan - 4.0
+        assert doc["memory_bytes"] == 10**6 and type(doc["memory_bytes"]) is int
+        assert doc["bandwidth_Bps"] == 10
+    code, out, _ = run(capsys, "simulate", str(path), _SCHEDULE, "--memory", "1000000",
+                       "--bandwidth", "10", "--channel", "duplex")
+    rows = {line[:14].strip(): line[14:].strip() for line in out.splitlines()[2:]}
+    assert rows["makespan"] == "7.000 s" and rows["compute time"] == "4.000 s"
+    assert rows["idle time"] == "3.000 s" and rows["memory limit"] == "976.56 KiB"
+    assert rows["host->device"] == "30 B" and rows["device->host"] == "10 B"
+
+
+def test_chains_columns_are_each_chains_figures(capsys):
+    from rtmem.planners import builtin
+    from rtmem.units import format_bytes
+    code, out, _ = run(capsys, "chains", "--json")
+    for doc in json.loads(out):
+        c = builtin(doc["name"])
+        assert doc["weight_bytes"] == int(c.w.sum()) != doc["sum_xbar_bytes"]
+        assert doc["sum_xbar_bytes"] == int(c.xbar.sum()) and doc["stages"] == c.n
+    code, out, _ = run(capsys, "chains")
+    header = out.splitlines()[0].split()
+    row = next(line.split("  ") for line in out.splitlines() if line.startswith("resnet50 "))
+    row = [cell.strip() for cell in row if cell.strip()]
+    c = builtin("resnet50")
+    assert header[:6] == ["chain", "stages", "compute", "sum(xbar)", "weights", "no-remat"]
+    assert row[3] == format_bytes(c.xbar.sum()) and row[4] == format_bytes(c.w.sum())
+
+
+def test_demo_passes_every_option_to_run_demo(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    import rtmem.demo
+    seen = []
+    monkeypatch.setattr(rtmem.demo, "run_demo", lambda **kw: seen.append(kw))
+    code, _, err = run(capsys, "demo", "--layers", "3", "--batch", "2", "--steps", "7",
+                       "--slots", "9", "--memory", "40MiB", "--device", "cpu",
+                       "--out", str(tmp_path))
+    assert code == 0, err
+    assert seen == [{"model": "gpt2", "batch": 2, "steps": 7, "memory": "40MiB", "slots": 9,
+                     "out": str(tmp_path), "device": "cpu", "layers": 3, "hidden": 128,
+                     "heads": 4, "seq": 128, "vocab": 512}]
+
+
+def test_demo_resnet_image_halves_rounding_up(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    from rtmem.cli import _demo_problem, build_parser
+    # 5x5 -> 3x3 -> 2x2 (stride 2, rounded up): 4 values per channel, trainable
+    args = build_parser().parse_args(["demo", "--model", "resnet", "--batch", "1",
+                                      "--image", "5", "--out", str(tmp_path)])
+    assert _demo_problem(args) is None
+
+
+# tables, bench front end and plots
+def test_format_table_pads_aligns_and_rules_every_column():
+    from rtmem._table import format_table
+    # widths 5 and 2 (the longest cell of each column); 2 spaces between columns;
+    # default: the first column left, the others right; trailing blanks stripped
+    assert format_table(["name", "n"], [["a", 1], ["bbbbb", 22]]).splitlines() == [
+        "name    n",
+        "-----  --",
+        "a       1",
+        "bbbbb  22"]
+    assert format_table(["name", "n"], [["a", 1]], align="rl").splitlines() == [
+        "name  n", "----  -", "   a  1"]
+    with pytest.raises(ValueError, match="one cell per header"):
+        format_table(["a", "b"], [["x"]])
+
+
+class _FakeScript:
+    def __init__(self, code=3, error=None):
+        self.calls, self.code, self.error = [], code, error
+
+    def main(self, argv, prog):
+        self.calls.append((argv, prog))
+        if self.error:
+            raise self.error
+        return self.code
+
+
+@pytest.mark.parametrize("argv, script, expected", [
+    (["bench", "pcie"], "pcie.py", []),
+    (["bench", "pcie", "--quick", "--max-size", "16MiB", "--repeats", "2",
+      "--plot=-run1.png"], "pcie.py", ["--quick", "--max-size=16MiB", "--repeats=2",
+                                "--plot=-run1.png"]),
+    (["bench", "dha", "--model", "gpt2-xl", "--tokens", "64", "--repeats", "1", "--sweep",
+      "none"], "dha_layers.py", ["--model=gpt2-xl", "--tokens=64", "--repeats=1",
+                                 "--sweep=none"]),
+    (["bench", "dha", "--quick"], "dha_layers.py", ["--quick"]),
+])
+def test_bench_passes_its_options_to_the_script_and_returns_its_code(capsys, monkeypatch,
+                                                                     argv, script, expected):
+    import rtmem.cli_bench as cb
+    fake, loaded = _FakeScript(code=3), []
+    monkeypatch.setattr(cb, "_load", lambda name: loaded.append(name) or fake)
+    assert main(argv) == 3
+    assert loaded == [script]
+    assert fake.calls == [(expected, f"rtmem bench {argv[1]}")]
+
+
+def test_bench_errors_name_the_command_and_a_missing_script_is_exit_1(capsys, monkeypatch,
+                                                                      tmp_path):
+    import rtmem.cli_bench as cb
+    monkeypatch.setattr(cb, "_load", lambda name: _FakeScript(error=OSError("disk full")))
+    code, _, err = run(capsys, "bench", "dha")
+    assert code == 1 and err == "rtmem bench dha: error: disk full\n"
+    monkeypatch.undo()
+    monkeypatch.setattr(cb, "bench_dir", lambda: str(tmp_path))
+    code, out, err = run(capsys, "bench", "pcie")
+    assert code == 1 and f"{tmp_path}/pcie.py not found" in err
+    code, out, _ = run(capsys, "bench")            # no benchmark named: help, bad usage
+    assert code == 2 and "pcie" in out and "dha" in out
+
+
+def test_memory_curve_steps_through_each_compute_ops_usage():
+    # from t = 0 at the first compute op's usage; then, for each compute op, its
+    # usage from its start and its usage once over from its end
+    from rtmem.planners import Platform, Schedule, simulate
+    from rtmem.planners.schedule import COMPUTE_OPS
+    from rtmem.plot import memory_curve
+    chain, sched = _two_stage_chain(), Schedule.from_text(_SCHEDULE)
+    r = simulate(chain, sched, Platform(10**6, bandwidth=10))
+    t, m = memory_curve(r, sched)
+    k = [i for i in range(len(sched)) if sched.op[i] in [int(o) for o in COMPUTE_OPS]]
+    assert len(k) == 5                                   # F_all 0, F_all 1, L, B 1, B 0
+    tl = r.timeline
+    assert t.tolist() == [0.0] + [x for i in k for x in (tl["start"][i], tl["end"][i])]
+    assert m.tolist() == [tl["mem"][k[0]]] + [x for i in k
+                                                for x in (tl["mem"][i], tl["mem_after"][i])]
+    assert m[0] > 0 and m.max() == r.peak
+    assert any(tl["mem"][i] != tl["mem_after"][i] for i in k)
+
+
+def test_plot_schedule_lanes_units_and_limit(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from rtmem.planners import Chain, Platform, Schedule
+    from rtmem.plot import plot_schedule
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)     # keep the figure to inspect it
+    # sizes in MiB: the memory axis is in MiB, the limit line at 16 (MiB)
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[2**20, 2**20], xbar=[2**20, 2**20],
+                  w=[2**20, 3 * 2**20], x0=0)
+    sched = Schedule.from_text(_SCHEDULE)
+    plot_schedule(chain, sched, Platform(16 * 2**20, bandwidth=2**20, channel="duplex"),
+                  str(tmp_path / "p.png"))
+    fig = figs[0]
+    ax_g, ax_m = fig.axes[:2]
+    assert ax_m.get_ylabel() == "memory (MiB)"
+    limit = [ln for ln in ax_m.get_lines() if ln.get_label().startswith("limit")]
+    assert [ln.get_ydata()[0] for ln in limit] == [16.0]
+    assert [t.get_text() for t in ax_g.get_yticklabels()] == ["compute", "H2D", "D2H"]
+    lanes = {c.get_label(): c.get_paths()[0].vertices[:, 1].min()
+             for c in ax_g.collections}
+    # bars span lane +- 0.4
+    assert lanes["w_prefetch"] == pytest.approx(0.6)       # H2D, lane 1
+    assert lanes["offload"] == pytest.approx(1.6)          # D2H, lane 2
+    assert lanes["F_all"] == pytest.approx(-0.4)
+    monkeypatch.undo()
+    plt.close(fig)
