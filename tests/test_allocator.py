@@ -927,3 +927,107 @@ def test_a_block_freed_on_another_stream_is_stamped_on_that_stream():
     for b in (head, small, got):
         a.deallocate(b)
     a._check_invariants()
+
+
+# ------------------------ mutation audit 2: limits, trim, stats, messages
+def test_max_and_growth_bytes_round_up_to_the_alignment():
+    # max_bytes 6000 -> 6144 (24 * 256): after the 4 KiB first slab a 2 KiB last
+    # slab still fits; growth 1000 -> 1024, so every slab stays aligned
+    a = BestFitAllocator(4096, max_bytes=6000, growth_bytes=1000)
+    assert (a.max_bytes, a.growth_bytes) == (6144, 1024)
+    a.allocate(4096)
+    b = a.allocate(256)                     # a 1 KiB growth slab
+    assert a.stats().reserved_bytes == 5120 and b.slab == 1
+    a.allocate(768)                         # fills slab 1
+    c = a.allocate(1024)                    # the last 1 KiB max_bytes leaves
+    assert c.slab == 2 and a.stats().reserved_bytes == 6144
+    a._check_invariants()
+
+
+def test_zero_alignment_and_a_1_tib_first_slab_are_refused():
+    with pytest.raises(ValueError, match="power of two"):
+        BestFitAllocator(4096, alignment=0)
+    with pytest.raises(ValueError, match="smaller than 1 TiB"):
+        BestFitAllocator(1 << 40, growth_bytes=1 << 20)
+
+
+def test_trim_keeps_a_slab_with_a_live_block_behind_a_free_head():
+    a = BestFitAllocator(4096, max_bytes=8192)
+    a.allocate(4096)
+    y, z = a.allocate(1024), a.allocate(1024)      # slab 1, offsets 0 and 1024
+    assert (y.slab, z.slab, z.offset) == (1, 1, 1024)
+    a.deallocate(y)                                # slab 1's head is free, z is not
+    assert a.trim() == 0
+    s = a.stats()
+    assert s.slabs == 2 and s.reserved_bytes == 8192 and z.is_live
+    a.deallocate(z)
+    assert a.trim() == 4096
+    a._check_invariants()
+
+
+def test_a_backend_oom_while_growing_names_the_request_and_changes_nothing():
+    class Source:
+        fail = False
+
+        def add_slab(self, nbytes):
+            if self.fail:
+                raise OutOfMemoryError("backend full")
+            return object()
+
+        def release_slab(self, handle):
+            pass
+
+    src = Source()
+    a = BestFitAllocator(4096, max_bytes=1 << 20, growth_bytes=4096, slab_source=src)
+    a.allocate(4096)
+    src.fail = True
+    before = a.stats()
+    with pytest.raises(OutOfMemoryError,
+                       match=r"cannot allocate 1,000 bytes: growing by a 4,096-byte slab "
+                             r"failed \(backend full\)") as info:
+        a.allocate(1000)
+    assert info.value.requested == 1000 and info.value.stats == before
+    assert a.stats() == before
+    a._check_invariants()
+
+
+def test_largest_free_block_counts_pending_blocks():
+    # 3 KiB freed in stream order (pending, unstamped) and nothing ready: the
+    # largest free block is that 3 KiB one, so fragmentation is 0, not 1
+    a = BestFitAllocator(4096, event_source=Recorder())
+    x, _ = a.allocate(3072, "s1"), a.allocate(1024)
+    a.deallocate(x, stream="s1", ordered=True)
+    s = a.stats()
+    assert (s.free_bytes, s.pending_bytes, s.largest_free_bytes) == (3072, 3072, 3072)
+    assert s.fragmentation == 0.0
+
+
+def test_reset_peak_keeps_what_is_still_allocated():
+    a = BestFitAllocator(8192)
+    a.allocate(1024)
+    b = a.allocate(2048)
+    a.deallocate(b)
+    assert a.stats().peak_bytes == 3072
+    a.reset_peak()
+    assert a.stats().peak_bytes == 1024            # the 1 KiB block is still live
+    a._check_invariants()
+
+
+def test_describe_names_each_figure():
+    s = AllocatorStats(allocated_bytes=3072, requested_bytes=3000, reserved_bytes=8192,
+                       peak_bytes=4096, free_bytes=5120, pending_bytes=1024,
+                       largest_free_bytes=2048, fragmentation=0.6, alloc_count=5,
+                       free_count=3, live_blocks=2, slabs=2)
+    assert s.describe() == (
+        "3.00 KiB allocated (2.93 KiB requested) of 8.00 KiB reserved in 2 slab(s); "
+        "5.00 KiB free, largest free block 2.00 KiB (fragmentation 0.60), "
+        "1.00 KiB waiting on events")
+
+
+def test_a_negative_resize_says_resize_and_leaves_the_block():
+    a = BestFitAllocator(4096)
+    b = a.allocate(100)
+    for call in (a.resize, a.fits_in_place):
+        with pytest.raises(ValueError, match=r"cannot resize to a negative size \(-5 bytes\)"):
+            call(b, -5)
+    assert b.is_live and b.requested == 100 and a.stats().requested_bytes == 100
