@@ -88,6 +88,9 @@ def test_array_validation():
 @pytest.mark.parametrize("text, fragment", [
     ("nope", "malformed schedule JSON"),
     ('{"format": "rtmem.schedule"}', "not a schedule document"),
+    # only hand-written chain files may leave out the header; schedules may not
+    ('{"version": 1, "ops": "L"}', "format is None, expected 'rtmem.schedule'"),
+    ('{"format": "rtmem.schedule", "ops": "L"}', "version None is not supported"),
     ('{"format": "rtmem.schedule", "version": 2, "ops": ""}', "version 2"),
     ('{"format": "rtmem.schedule", "version": 1, "ops": "L", "n_ops": 2}', "n_ops = 2"),
 ])
@@ -260,3 +263,33 @@ def test_stage_indices_stop_below_2_31_and_2_62():
     # a float beyond int64 (a cast gives garbage) is refused by value
     with pytest.raises(ScheduleError, match=r"stage\[0\] = 1e\+19 is not an integer"):
         Schedule([0], [1e19])
+
+
+def test_equality_tells_a_from_abar_and_repr_cuts_only_past_120_characters():
+    # a and abar of one index are different tensors: schedules differing only there differ
+    assert Schedule.from_text("delete a1") != Schedule.from_text("delete abar1")
+    assert Schedule.from_text("offload a2, L") != Schedule.from_text("offload abar2, L")
+    # "F_ck 0" (6 characters) and 38 times ", L" (3 each): exactly 120 characters, whole
+    s = Schedule.from_text("F_ck 0" + ", L" * 38)
+    assert repr(s) == "Schedule(39 ops: F_ck 0" + ", L" * 38 + ")"
+    # one more ", L" (123 characters): the first 117 and "..."
+    t = Schedule.from_text("F_ck 0" + ", L" * 39)
+    assert repr(t) == "Schedule(40 ops: F_ck 0" + ", L" * 37 + "...)"
+
+
+def test_a_token_of_60_characters_is_quoted_whole_and_one_of_61_cut_short():
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_text("X" * 60 + " 1")
+    assert "'" + "X" * 60 + "'" in str(info.value)
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_text("X" * 61 + " 1")
+    assert "'" + "X" * 57 + "...'" in str(info.value)
+    assert "X" * 58 not in str(info.value)
+
+
+def test_operation_and_activation_names_are_read_in_any_case_and_aux_may_be_bool():
+    assert Schedule.from_text("OFFLOAD ABAR3, Delete A2, f_CK 0") == Schedule.from_ops(
+        [(Op.OFFLOAD, 3, 1), (Op.DELETE, 2, 0), (Op.F_CK, 0, 0)])
+    # aux is a flag (a: False, abar: True): a bool array is read as 0 and 1
+    s = Schedule([int(Op.OFFLOAD), int(Op.DELETE)], [1, 1], np.array([True, False]))
+    assert str(s) == "offload abar1, delete a1"
