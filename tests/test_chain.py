@@ -139,6 +139,8 @@ def test_specs_with_non_finite_or_zero_values_are_chain_errors(spec):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(u_f=[1e308, 1e308]), "u_f"),        # each finite, the sum is not
     (dict(u_f=[1e308, 1e300]), "u_f"),        # sum finite, 3 x sum (recomputation) not
+    # one stage may run forward twice ("F_ck 0, F_all 0, L, B 0"): 2 x 1e308 overflows
+    (dict(u_f=[1e308], u_b=[1], x=[4], xbar=[8]), "u_f"),
     (dict(u_b=[1e308, 1e308]), "u_b"),
     (dict(u_loss=1.7e308, u_b=[1e308, 0]), "u_b"),
 ])
@@ -210,6 +212,16 @@ def test_the_size_bound_is_reached_by_a_schedule_and_refuses_exactly_2_62():
     chain = Chain(u_f=[1], u_b=[1], x=[1], xbar=[1], x0=1, w=[2**61 - 3])
     assert simulate(chain, Schedule.from_text("F_all 0, L, B 0"),
                     Platform(math.inf)).peak == 4 + 2 * (2**61 - 3)
+
+
+@pytest.mark.parametrize("name", ["x0", "o_loss"])
+@pytest.mark.parametrize("value", [2**62, float(2**62)])
+def test_a_scalar_size_of_2_62_bytes_is_refused_by_its_own_name(name, value):
+    # 2**62 is the planners' stand-in for unlimited memory: the scalar sizes stop
+    # below it as the per-stage ones do (not only later, by the sum of all sizes)
+    with pytest.raises(ChainError, match=rf"{name} = .* bytes is too large") as err:
+        Chain(u_f=[1], u_b=[1], x=[1], xbar=[1], **{name: value})
+    assert err.value.field == name
 
 
 @pytest.mark.parametrize("change", [
