@@ -59,6 +59,11 @@ def test_platform():
     assert str(Platform("inf")) == ("unlimited device memory, "
                                     "instant transfers (infinite bandwidth)")
     assert Platform("inf").memory_limit == 2**62
+    # 2**62 bytes and more stand for unlimited memory; one byte less is a budget
+    for memory in (2**62, float(2**62), 2**63):
+        assert Platform(memory).memory == math.inf
+        assert str(Platform(memory)).startswith("unlimited device memory")
+    assert Platform(2**62 - 1).memory == 2**62 - 1 == Platform(2**62 - 1).memory_limit
     for kwargs, fragment in [(dict(memory=0), "> 0 bytes"), (dict(memory=-5), "> 0 bytes"),
                              (dict(memory="lots"), "invalid memory"),
                              (dict(memory=10, bandwidth=0), "invalid bandwidth"),
@@ -85,8 +90,8 @@ def test_a_negative_budget_is_told_the_same_bound_as_zero():
     # the 0 it invited was then refused with "> 0"
     import torch
     from decimal import Decimal
-    for memory in (-1, -1.5, "-1", "-1GiB", "-inf", -2**70, np.array(-2.0), torch.tensor(-2),
-                   Decimal("-2")):
+    for memory in (-1, -1.5, "-1", "-1GiB", " -1GiB", "-inf", -2**70, np.array(-2.0),
+                   torch.tensor(-2), Decimal("-2")):
         with pytest.raises(PlatformError, match=r"memory must be > 0 bytes, got") as err:
             Platform(memory)
         assert ">= 0" not in str(err.value) and "Platform(" not in str(err.value)
