@@ -132,6 +132,19 @@ def test_equals_brute_force_on_homogeneous_chains(chain, data):
     assert got == best
 
 
+def test_exhaustive_search_drops_a_n_at_the_loss_when_abar_n_is_not_there():
+    # One stage, x0 = a1 = 1, abar1 = 10, o_loss = 5. Store-all holds a0 + abar1 +
+    # delta1 + o_loss = 17 at the loss: over 13. "F_ck 0, L, F_all 0, B 0" holds 8
+    # at the loss, which drops a1 (abar1 is not there); F_all 0 then needs
+    # a0 + delta1 + abar1 = 12 and B 0 adds delta0: 13. Makespan 1 + 1 + 1 + 1.
+    # Had a1 stayed, B 0 would need 14 and no schedule would fit.
+    chain = Chain(u_f=[1], u_b=[1], x=[1], xbar=[10], x0=1, o_loss=5, u_loss=1)
+    best, sched = brute_force_remat(chain, 13)
+    assert best == 4.0 and str(sched) == "F_ck 0, L, F_all 0, B 0"
+    assert simulate(chain, sched, Platform(13)).peak == 13
+    assert brute_force_remat(chain, 12) == (math.inf, None)
+
+
 def test_erratum_16_instance():
     # thesis-remat.md erratum 16: optimum 39 by a non-persistent schedule, C_MP = 42
     chain = erratum_16_chain()
