@@ -92,6 +92,11 @@ INVALID = [
     ("F_all 0, F_all 1, F_all 2", None, "incomplete", "the loss"),
     ("F_all 5", 0, "stage-range", "valid: 0..2"),
     ("delete a9", 0, "stage-range", "valid: 0..3"),
+    # the first index past each range: stage n for a compute op, n + 1 for an activation
+    ("F_all 3", 0, "stage-range", "stage 3 (valid: 0..2)"),
+    ("F_all 0, F_all 1, F_all 2, L, B 3", 4, "stage-range", "stage 3 (valid: 0..2)"),
+    ("w_prefetch 3", 0, "stage-range", "stage 3 (valid: 0..2)"),
+    ("offload abar4", 0, "stage-range", "activation index 4 (valid: 0..3)"),
     ("delete a2", 0, "not-resident", "a2 is not on the device"),
     ("F_all 0, delete abar1, prefetch abar1", 2, "no-host-copy", "offload it"),
     ("F_all 0, offload abar1, prefetch abar1", 2, "already-resident", "already on"),
@@ -363,6 +368,10 @@ def test_strategies_take_numpy_integers_as_every_planner_count_does():
     s = find(wandering_schedules(np.int64(3), max_steps=np.int64(0)), lambda s: True,
              settings=once)
     assert s.count(Op.B) == 3
+    # numpy bools are flags as bools are (a comparison of numpy values gives one)
+    c = find(chains(2, 2, homogeneous=np.True_, weights=np.False_), lambda c: True,
+             settings=once)
+    assert c.n == 2 and len(set(c.x.tolist())) == 1 and not c.w.any()
 
 
 def test_exhaustive_oracle_wants_a_chain():
@@ -530,3 +539,60 @@ def test_memory_and_input_messages_name_the_right_data():
     with pytest.raises(ScheduleError) as e:
         simulate(chain, Schedule.from_text("F_none 0, F_none 0"), BIG)
     assert e.value.op_index == 1 and str(e.value).endswith("but it is not there")
+
+
+def test_a_backward_step_frees_its_abar_input_only_when_its_offload_lands():
+    # offload abar2 (10 bytes at 1 B/s) runs t=3..13; B 1 (t=3..4) consumes
+    # abar2, whose bytes come back only at 13. B 0 needs 5 bytes of overhead on
+    # top of the 13 held (abar1, delta1 and abar2): with a limit of 15 it waits
+    # for them and starts at 13, not at 4. Hand-computed.
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[1, 1], xbar=[1, 10], x0=0, o_b=[5, 0], u_loss=1)
+    sched = Schedule.from_text("F_all 0, F_all 1, L, offload abar2, B 1, B 0")
+    platform = Platform(15, bandwidth=1)
+    r = simulate(chain, sched, platform)
+    assert r.timeline["start"].tolist() == [0, 1, 2, 3, 3, 13]
+    assert r.makespan == 14.0 and r.peak == 13
+    _starts_agree_with_reference(chain, sched, platform, r)
+
+
+def test_the_loss_starts_when_the_first_copy_of_a_n_is_ready():
+    # a1 is ready at 1; abar1 is offloaded (t=2..4), deleted and prefetched
+    # again (t=4..6, 20 bytes at 10 B/s). The loss reads a1 or abar1: it starts
+    # at 2, when F_all 0 ends, not at 6; B 0 needs abar1 itself. Hand-computed.
+    chain = Chain(u_f=[1], u_b=[1], x=[10], xbar=[20], x0=0, u_loss=1)
+    sched = Schedule.from_text("F_ck 0, F_all 0, offload abar1, delete abar1, prefetch abar1, "
+                               "L, B 0")
+    platform = Platform(10**6, bandwidth=10)
+    r = simulate(chain, sched, platform)
+    assert r.timeline["start"].tolist() == [0, 1, 2, 2, 4, 2, 6]
+    assert r.makespan == 7.0
+    _starts_agree_with_reference(chain, sched, platform, r)
+
+
+def test_a_prefetch_issued_while_its_old_copy_is_being_freed_sets_the_peak():
+    # abar1 (10 bytes) is offloaded (t=1..2 at 10 B/s) and deleted: its bytes are
+    # back at 2. The prefetch is issued at 1, so both copies are held then: a
+    # peak of 20, which no compute op reaches (the loss holds abar1 + delta1 +
+    # a1 = 11 at 3). Hand-computed.
+    chain = Chain(u_f=[1], u_b=[1], x=[1], xbar=[10], x0=0, u_loss=1)
+    sched = Schedule.from_text("F_all 0, offload abar1, delete abar1, prefetch abar1, L, B 0")
+    platform = Platform(10**6, bandwidth=10)
+    r = simulate(chain, sched, platform)
+    assert r.peak == 20 and r.timeline["mem"].tolist() == [10, 10, 10, 20, 11, 11]
+    assert r.timeline["start"].tolist() == [0, 1, 1, 2, 3, 4] and r.makespan == 5.0
+    _starts_agree_with_reference(chain, sched, platform, r)
+
+
+def test_a_forward_dropping_its_input_frees_it_only_when_its_offload_lands():
+    # offload a0 (10 bytes at 1 B/s) runs t=0..10; F_none 0 (t=0..1) drops a0,
+    # whose bytes come back only at 10. F_all 1 needs abar2 + 11 bytes of
+    # overhead on top of the 11 held (a0, a1): over 22 until 10, so it starts
+    # at 10, not at 1. B 0 (a0 prefetched again, abar1, delta1, delta0) peaks
+    # at 22. Hand-computed.
+    chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[1, 1], xbar=[1, 1], x0=10, o_f=[0, 11], u_loss=1)
+    sched = Schedule.from_text("offload a0, F_none 0, F_all 1, L, B 1, prefetch a0, F_all 0, B 0")
+    platform = Platform(22, bandwidth=1)
+    r = simulate(chain, sched, platform)
+    assert r.timeline["start"].tolist() == [0, 0, 10, 11, 12, 13, 23, 24]
+    assert r.makespan == 25.0 and r.peak == 22
+    _starts_agree_with_reference(chain, sched, platform, r)
