@@ -25,16 +25,22 @@ HAS_CUPY = importlib.util.find_spec("cupy") is not None
 
 
 # ------------------------------------------------------------- CPU checks
-def test_doctor_reports_and_exit_code(capsys, monkeypatch):
+def _doctor_args(*argv):
+    """``rtmem doctor ARGV`` parsed: ``args.func(args)`` runs it and returns its
+    exit code."""
     from rtmem import doctor
     ap = argparse.ArgumentParser()
     doctor.register(ap.add_subparsers())
+    return ap.parse_args(["doctor", *argv])
+
+
+def test_doctor_reports_and_exit_code(capsys, monkeypatch):
     monkeypatch.setenv("RTMEM_BACKEND", "host")
-    args = ap.parse_args(["doctor"])
+    args = _doctor_args()
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "backend          host" in out and "pinned limit" in out and "numba" in out
-    args = ap.parse_args(["doctor", "--json"])
+    args = _doctor_args("--json")
     assert args.func(args) == 0
     assert '"backend": "host"' in capsys.readouterr().out
     if not cuda_available():
@@ -110,11 +116,8 @@ def test_doctor_lines_show_devices_limits_and_errors():
 
 
 def test_doctor_exit_1_and_the_reason_for_an_invalid_backend(capsys, monkeypatch):
-    from rtmem import doctor
-    ap = argparse.ArgumentParser()
-    doctor.register(ap.add_subparsers())
     monkeypatch.setenv("RTMEM_BACKEND", "bogus")
-    args = ap.parse_args(["doctor"])
+    args = _doctor_args()
     assert args.func(args) == 1
     out = capsys.readouterr().out
     first, second = out.splitlines()[:2]
