@@ -428,14 +428,18 @@ def test_model_blocks_name_a_bad_size():
         model(torch.randint(16, (2, 2, 4)))
 
 
+def _layer_norm(m, t):
+    """nn.LayerNorm ``m`` applied to ``t`` by hand (biased variance)."""
+    mean = t.mean(-1, keepdim=True)
+    var = ((t - mean) ** 2).mean(-1, keepdim=True)
+    return (t - mean) / torch.sqrt(var + m.eps) * m.weight + m.bias
+
+
 def _gpt_block_reference(block, x):
     """GPTBlock's forward in float64 by hand, one query position at a time:
     pre-LayerNorm causal self-attention scaled by 1/sqrt(head size), then a
     GELU MLP, both added to their input."""
-    def ln(m, t):
-        mean = t.mean(-1, keepdim=True)
-        var = ((t - mean) ** 2).mean(-1, keepdim=True)
-        return (t - mean) / torch.sqrt(var + m.eps) * m.weight + m.bias
+    ln = _layer_norm
 
     def lin(m, t):
         return t @ m.weight.T + m.bias
@@ -467,9 +471,7 @@ def test_gpt_stages_compute_gpt2_s_functions():
     idx = torch.tensor([[3, 0, 15, 3], [1, 2, 1, 9]])
     torch.testing.assert_close(emb(idx), emb.tok.weight[idx] + emb.pos.weight[:4])
     head = GPTHead(8, 16).double()
-    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
-    normed = (x - mean) / torch.sqrt(var + head.ln.eps) * head.ln.weight + head.ln.bias
-    torch.testing.assert_close(head(x), normed @ head.out.weight.T)
+    torch.testing.assert_close(head(x), _layer_norm(head.ln, x) @ head.out.weight.T)
 
 
 def test_gpt_stages_drop_out_in_training_only():
