@@ -210,6 +210,12 @@ def _check_against_reference(case):
     assert r.peak == ref["peak"] <= platform.memory_limit
     assert math.isclose(r.makespan, ref["makespan"], rel_tol=1e-9, abs_tol=1e-12)
     assert np.allclose(r.timeline["start"], ref["starts"], rtol=1e-9, atol=1e-12)
+    assert np.allclose(r.timeline["end"], ref["ends"], rtol=1e-9, atol=1e-12)
+    # the byte columns are exact ints in both
+    assert r.timeline["mem"].tolist() == ref["mems"]
+    assert r.timeline["mem_after"].tolist() == ref["mems_after"]
+    assert (r.h2d_bytes, r.d2h_bytes) == (ref["h2d_bytes"], ref["d2h_bytes"])
+    assert math.isclose(r.compute_time, ref["compute_time"], rel_tol=1e-9, abs_tol=1e-12)
     assert r.makespan >= r.compute_time * (1 - 1e-12)
 
 

@@ -22,8 +22,12 @@ __all__ = ["reference_simulate"]
 
 
 def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> dict:
-    """Return ``{"makespan": s, "peak": bytes, "starts": [...], "ends": [...]}``.
-    Takes what :func:`~rtmem.planners.simulate` takes (a schedule or its text)."""
+    """Return a dict of what :class:`~rtmem.planners.SimResult` holds, in plain
+    Python: ``makespan`` and ``compute_time`` (float s), ``peak``, ``h2d_bytes``
+    and ``d2h_bytes`` (int bytes), and per op the lists ``starts``, ``ends``
+    (float s), ``mems`` and ``mems_after`` (int bytes, the timeline's ``mem``
+    and ``mem_after`` columns). Takes what :func:`~rtmem.planners.simulate`
+    takes (a schedule or its text)."""
     # input validation is shared; semantics are not
     schedule = simulation_args(chain, schedule, platform)
     n = chain.n
@@ -52,7 +56,9 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
                             over_bytes=used - limit)
     delta = n + 1
     clock = 0.0
-    starts, ends = [], []
+    starts, ends, mems, mems_after = [], [], [], []
+    compute_time = 0.0
+    moved = {"h2d": 0, "d2h": 0}
 
     def fail(k, reason, msg, over=None):
         raise ScheduleError(f"op {k}: {msg}", op_index=k, reason=reason, over_bytes=over)
@@ -81,6 +87,14 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
 
     def dsize(k):
         return 0 if k == n + 1 else size[("a", k)]
+
+    def transfer(direction, nbytes, ready):
+        """Queue ``nbytes`` on ``direction``'s channel once ``ready``; (start, end)."""
+        c = chan_of[direction]
+        start = max(clock, ready, chan_free[c])
+        chan_free[c] = start + nbytes / bw
+        moved[direction] += nbytes
+        return start, chan_free[c]
 
     for k, (op, s, aux) in enumerate(schedule):
         start = end = clock
@@ -119,6 +133,8 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
             start = make_room(k, t0, need)
             end = start + dur
             peak = max(peak, used + need)
+            mem = used + need
+            compute_time += dur
             if op in (Op.B, Op.LOSS):
                 k_in = n if op == Op.LOSS else s
                 if op == Op.B:
@@ -153,10 +169,7 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
                 clock = make_room(k, clock, size[t])
                 used += size[t]
                 peak = max(peak, used)
-                c = chan_of["h2d"]
-                start = max(clock, on_host[t], chan_free[c])
-                end = start + size[t] / bw
-                chan_free[c] = end
+                start, end = transfer("h2d", size[t], on_host[t])
                 on_device[t] = end
                 transfer_end[t] = end
             elif t not in on_device:
@@ -164,10 +177,7 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
             elif op == Op.OFFLOAD:
                 if t in on_host:
                     fail(k, "host-copy-exists", "offloaded twice")
-                c = chan_of["d2h"]
-                start = max(clock, on_device[t], chan_free[c])
-                end = start + size[t] / bw
-                chan_free[c] = end
+                start, end = transfer("d2h", size[t], on_device[t])
                 on_host[t] = end
                 transfer_end[t] = max(transfer_end.get(t, 0.0), end)
             else:
@@ -180,10 +190,7 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
             clock = make_room(k, clock, w[s])
             used += w[s]
             peak = max(peak, used)
-            c = chan_of["h2d"]
-            start = max(clock, w_host[s], chan_free[c])
-            end = start + w[s] / bw
-            chan_free[c] = end
+            start, end = transfer("h2d", w[s], w_host[s])
             weights[s] = end
             w_transfer[s] = end
         elif op in (Op.W_OFFLOAD, Op.W_DELETE):
@@ -191,10 +198,7 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
                 fail(k, "weight-state", "weights not on device")
             ready = weights.pop(s)
             if op == Op.W_OFFLOAD:
-                c = chan_of["d2h"]
-                start = max(clock, ready, chan_free[c])
-                end = start + w[s] / bw
-                chan_free[c] = end
+                start, end = transfer("d2h", w[s], ready)
                 w_host[s] = end
             else:
                 end = max(clock, w_transfer[s])
@@ -202,15 +206,19 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
         else:  # G_OFFLOAD
             if s not in grads:
                 fail(k, "missing-gradient", "no gradient")
-            ready = grads.pop(s)
-            c = chan_of["d2h"]
-            start = max(clock, ready, chan_free[c])
-            end = start + w[s] / bw
-            chan_free[c] = end
+            start, end = transfer("d2h", w[s], grads.pop(s))
             release(w[s], end, clock)
+        if op not in (Op.F_NONE, Op.F_CK, Op.F_ALL, Op.B, Op.LOSS):
+            mem = used             # a move's row: usage right after it was issued
         starts.append(start)
         ends.append(end)
+        mems.append(mem)
+        # frees still pending but due by the op's end count as done
+        mems_after.append(used - sum(b for t_free, b in pending if t_free <= end))
     if delta != 0:
         raise ScheduleError("backward incomplete", reason="incomplete")
-    return {"makespan": max(ends, default=0.0), "peak": peak, "starts": starts, "ends": ends}
+    return {"makespan": max(ends, default=0.0), "peak": peak, "starts": starts,
+            "ends": ends, "mems": mems, "mems_after": mems_after,
+            "compute_time": compute_time, "h2d_bytes": moved["h2d"],
+            "d2h_bytes": moved["d2h"]}
 
