@@ -889,3 +889,19 @@ def test_a_child_forked_while_a_thread_holds_the_kernel_lock_gets_a_free_one():
     finally:
         release.set()
         t.join()
+
+
+def test_f16c_is_used_only_when_numbas_cpu_settings_include_it(monkeypatch):
+    # NUMBA_CPU_FEATURES is a comma-separated list of +feature/-feature: "-f16c"
+    # turns F16C off (a portable cache for CPUs without it), and a named CPU other
+    # than "host" (NUMBA_CPU_NAME=generic) may lack it whatever this host has;
+    # compiling the F16C instructions there fails to link.
+    from rtmem.kernels import _half
+    monkeypatch.setattr(numba.config, "CPU_NAME", None)
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+avx,-f16c,+sse4.2")
+    assert _half._target_has_f16c() is False
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+avx,+f16c")
+    assert _half._target_has_f16c() is True
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "")
+    monkeypatch.setattr(numba.config, "CPU_NAME", "generic")
+    assert _half._target_has_f16c() is False
