@@ -134,6 +134,11 @@ def test_probe_argument_errors(be):
         be.k.dha_read(be.param(np.ones(8, np.float32)), width=16)
     with pytest.raises(KernelArgumentError, match="multiple"):
         be.k.dha_read(be.param(np.ones(3, np.float32)), width=8)
+    empty = be.param(np.zeros(0, np.uint64))       # no word to stream
+    for probe in (lambda: be.k.dha_read(empty), lambda: be.k.dha_write(empty, 1),
+                  lambda: be.k.dha_rmw(empty, 1)):
+        with pytest.raises(KernelArgumentError, match="holds 0 bytes"):
+            probe()
 
 
 def test_read_probe_refuses_partials_that_overlap_src():
@@ -147,8 +152,10 @@ def test_read_probe_refuses_partials_that_overlap_src():
         dha.dha_read(src, blocks=2, out=src[256:258])
     assert e.value.argument == "out"
     np.testing.assert_array_equal(src.copy_to_host(), data)
-    spare = cuda.device_array(8, np.uint64)
+    # the partials are out's first `blocks` entries; the stale rest is not one of them
+    spare = cuda.to_device(np.full(8, 0xDEADBEEF, np.uint64))
     partials = dha.dha_read(src, blocks=2, out=spare)
+    assert partials.shape == (2,)
     assert dha.xor_checksum(partials) == int(np.bitwise_xor.reduce(data))
 
 
@@ -502,6 +509,9 @@ def test_gemm_row_tiles_is_the_tallest_tile_that_fills_the_gpu(monkeypatch):
     assert dha.gemm_row_tiles(4096, 768) == 8        # 24 x 16 = 384 blocks
     assert dha.gemm_row_tiles(1024, 768) == 4        # 24 x 8 = 192; 8 rows: 96 < 132
     assert dha.gemm_row_tiles(64, 768) == 1          # 48 blocks at most: keep them all
+    monkeypatch.setattr(dha, "sm_count", lambda: 8)
+    assert dha.gemm_row_tiles(2048, 32) == 8         # 8 tiles of 256 rows: one per SM
+    monkeypatch.setattr(dha, "sm_count", lambda: 132)
     assert dha.linear_weight_reads(4096, 768, 3072) == {"forward": 16, "backward": 16}
     assert dha.linear_weight_reads(1024, 768, 3072) == {"forward": 4, "backward": 8}
     assert dha.linear_weight_reads(1, 768, 768) == {"forward": 1, "backward": 1}
@@ -663,6 +673,7 @@ def test_stream_blocks_is_capped_under_the_simulator():
     assert _launch.stream_blocks(1) == 1
     assert _launch.stream_blocks(10**9) == _launch.SIM_MAX_BLOCKS
     assert _launch.stream_blocks(3 * _launch.THREADS, blocks_per_sm=1) == 3
+    assert _launch.stream_blocks(2 * _launch.THREADS + 1) == 3     # one item over 2 blocks
 
 
 def test_kernel_argument_error_pickles():
@@ -734,6 +745,8 @@ def test_gpu_delay_refuses_non_finite_seconds():
     for bad in (float("nan"), float("inf"), -1.0, "1"):
         with pytest.raises(KernelArgumentError, match="seconds"):
             dha.gpu_delay(bad)
+    for zero in (0, 0.0):            # no delay is a valid delay (a no-op here)
+        assert dha.gpu_delay(zero) is None
 
 
 def test_layernorm_backward_with_x_the_same_array_as_grad_out(be):
@@ -817,6 +830,12 @@ def test_arrays_not_aligned_to_their_items_are_refused():
         np.empty(4, np.float32)
     with pytest.raises(KernelArgumentError, match="not a multiple of its 4-byte items"):
         dha_cpu.layernorm_forward(x, gamma, beta, out, mean, rstd)
+    # int64 ids 4 bytes past an 8-byte boundary: aligned for 4-byte items, not for theirs
+    raw = np.zeros(8 * 5, dtype=np.uint8)
+    offset = (4 - raw.ctypes.data) % 8
+    ids = np.frombuffer(raw.data, dtype=np.int64, count=3, offset=offset)
+    with pytest.raises(KernelArgumentError, match="not a multiple of its 8-byte items"):
+        dha_cpu.embedding_forward(np.ones((2, 4), np.float32), ids, np.empty((3, 4), np.float32))
 
     class DeviceView:                 # a device array as numba would see it
         dtype, shape, flags = np.dtype(np.float32), (4,), {"C_CONTIGUOUS": True}
@@ -843,3 +862,64 @@ def test_two_overlapping_outputs_are_named_as_both_written():
                        {"x": np.ones(4, np.float32)})
     with pytest.raises(KernelArgumentError, match="the kernel reads x while it writes out"):
         check_disjoint({"out": buf[:4]}, {"x": buf[2:6]})
+
+
+def test_stream_blocks_on_a_gpu_is_the_work_capped_at_blocks_per_sm_on_every_sm(monkeypatch):
+    # Off the simulator: ceil(n_items / threads) blocks, at most blocks_per_sm on
+    # each SM (132 SMs, as on an H100/H200), and never fewer than one.
+    from rtmem.kernels import _launch
+    monkeypatch.setattr(_launch, "simulator_active", lambda: False)
+    monkeypatch.setattr(_launch, "sm_count", lambda: 132)
+    assert _launch.stream_blocks(10**9) == 1056                     # 132 * 8
+    assert _launch.stream_blocks(10**9, blocks_per_sm=16) == 2112   # 132 * 16
+    assert _launch.stream_blocks(257) == 2                          # 256 + 1 items
+    assert _launch.stream_blocks(1000, threads=1, blocks_per_sm=16) == 1000
+    assert _launch.stream_blocks(0) == 1
+
+
+def test_row_threads_is_the_smallest_power_of_two_from_32_covering_the_row():
+    # capped at THREADS (256): the row kernels' reduction arrays hold THREADS floats
+    from rtmem.kernels._launch import row_threads
+    for h, want in ((1, 32), (32, 32), (33, 64), (64, 64), (65, 128), (200, 256),
+                    (256, 256), (257, 256), (10**6, 256)):
+        assert row_threads(h) == want, h
+
+
+def test_adjacent_and_empty_arrays_do_not_overlap():
+    # Spans are half-open [start, end): arrays that only touch share no byte, and
+    # an empty output writes nothing wherever it points.
+    from rtmem.kernels._launch import check_disjoint
+    buf = np.zeros(8, np.float32)
+    check_disjoint({"out": buf[:4]}, {"x": buf[4:]})
+    check_disjoint({"out": buf[4:]}, {"x": buf[:4]})
+    check_disjoint({"out": buf[2:].reshape(2, 3)[:0]}, {"x": buf})   # [0, 3] at byte 8
+    with pytest.raises(KernelArgumentError, match="reads x while it writes out"):
+        check_disjoint({"out": buf[:4]}, {"x": buf[3:5]})     # one float in common
+
+
+@sim_and_cpu
+def test_numpy_bools_are_flags(be):
+    # np.True_ (e.g. from a numpy comparison) is a flag like True
+    rng = np.random.default_rng(50)
+    V, H = 4, 3
+    ids = be.act(np.array([1, 3, 1], np.int64))
+    dy, g0 = _rand(rng, 3, H), _rand(rng, V, H)
+    gw = be.param(g0)
+    be.k.embedding_backward(be.act(dy), ids, gw, accumulate=np.True_, check=np.True_)
+    ref = g0.astype(np.float64)
+    ref[1] += dy[0].astype(np.float64) + dy[2]
+    ref[3] += dy[1]
+    np.testing.assert_allclose(be.host(gw), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_layernorm_forward_stages_gamma_and_beta_when_they_just_fit(monkeypatch, fresh_seed):
+    # Staged when 2*H*4 bytes <= the shared-memory budget, the boundary included,
+    # where the shared array holds exactly gamma and beta.
+    from rtmem.kernels import dha
+    T, H = 2, 20
+    monkeypatch.setattr(dha, "_MAX_SHARED_PARAMS", 2 * H * 4)
+    assert dha._staging(2 * H) == (True, 160)
+    assert dha._staging(2 * H + 1) == (False, 0)
+    rng = np.random.default_rng(fresh_seed)
+    _ln_forward_checked(_Sim("device"), rng, _rand(rng, T, H, scale=2.0), 1e-5,
+                        out_tol=(1e-4, 1e-5), mean_tol=(1e-5, 1e-6), rstd_rtol=1e-4)
