@@ -240,9 +240,13 @@ def test_pcie_gpu_path(bench, capsys):
     assert doc["benchmark"] == "pcie" and doc["device"] == "Fake H200"
     assert doc["sizes_bytes"] == [4096, 16384] and doc["repeats"] == 1
     assert set(doc["curves"]) == set(pcie.PATHS)
-    for points in doc["curves"].values():
+    for path, points in doc["curves"].items():
         assert [p["bytes"] for p in points] == [4096, 16384]
         assert all(_rate_ok(p["bytes_per_s"]) and p["seconds"] > 0 for p in points)
+        # bidirectional: both copies' bytes over the time until both are done
+        moved = 2 if path == "bidir_pinned" else 1
+        assert all(p["bytes_per_s"] == pytest.approx(moved * p["bytes"] / p["seconds"])
+                   for p in points)
     con = doc["contention"]
     assert con["bytes"] == 16384
     assert set(con["alone_bytes_per_s"]) == {"dha_read", "h2d_pinned", "d2h_pinned"}
