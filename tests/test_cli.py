@@ -308,6 +308,66 @@ def test_a_failed_demo_removes_the_folder_it_made_and_keeps_one_given(capsys, tm
     assert code == 1 and (tmp_path / "mine").is_dir()
 
 
+def test_demo_folders_made_are_absolute_deepest_first(tmp_path, monkeypatch):
+    from rtmem.demo import missing_folders
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    assert missing_folders("a/b/c") == [str(tmp_path / "a" / "b" / "c"),
+                                        str(tmp_path / "a" / "b")]
+    assert missing_folders("a") == []
+
+
+def test_an_interrupted_demo_removes_the_empty_folders_it_made(tmp_path):
+    # a Ctrl-C is a KeyboardInterrupt, not an Exception; a folder written into stays
+    from rtmem.demo import _output_folder
+    with pytest.raises(KeyboardInterrupt):
+        with _output_folder(str(tmp_path / "new" / "demo")):
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError):
+        with _output_folder(str(tmp_path / "new" / "demo")):
+            (tmp_path / "new" / "kept").write_text("x")
+            raise RuntimeError
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["kept"]
+
+
+def test_demo_trains_as_plain_adam_and_falls_back_to_halfway(tmp_path, monkeypatch):
+    # when half the peak is below the least feasible memory the budget is halfway
+    # between the two; both runs train as a plain torch loop with Adam would
+    torch = pytest.importorskip("torch")
+    import math
+
+    import rtmem.planners
+    from rtmem.demo import run_demo
+    from rtmem.planners import plan_store_all
+    from rtmem.torch import gpt2_model
+    least, real = [], rtmem.planners.min_feasible_memory
+
+    def min_feasible_memory(chain):      # above half the peak: the fallback
+        least.append(max(real(chain), plan_store_all(chain, math.inf).peak // 2 + 1))
+        return least[-1]
+    monkeypatch.setattr(rtmem.planners, "min_feasible_memory", min_feasible_memory)
+    said = []
+    r = run_demo(layers=1, hidden=16, heads=2, seq=8, vocab=16, batch=2, steps=3,
+                 out=str(tmp_path), device="cpu", say=said.append)
+    peak = plan_store_all(r["chain"], math.inf).peak
+    assert r["budget"] == (least[0] + peak) // 2
+    assert "half the peak is below the least feasible" in said[0]
+    torch.manual_seed(0)
+    net, loss_fn, make_batch = gpt2_model(layers=1, hidden=16, heads=2, seq=8, vocab=16)
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    expected = []
+    for x, y in [make_batch(2, gen) for _ in range(3)]:
+        loss = loss_fn(net(x), y)
+        expected.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert r["plain_losses"] == pytest.approx(expected, rel=1e-5)
+    assert r["plan_losses"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_no_command_prints_help(capsys):
     code, out, _ = run(capsys)
     assert code == 2 and "simulate" in out
