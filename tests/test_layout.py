@@ -307,3 +307,56 @@ def test_w_delete_frees_the_weights_and_a_recomputed_output_is_workspace():
              for i, name in enumerate(lt.names)}
     assert kinds["abar1 (recomputed)"] == ("workspace", 1, 1)
     assert kinds["abar1"] == ("activation", 0, 5)
+
+
+def test_equal_sizes_are_placed_in_allocation_order_and_equal_gaps_lowest_first():
+    # NOTE [ Greedy-by-size packing ]: ties in size go by earlier allocation, so
+    # the buffer allocated at op 0 is placed first, at offset 0, whatever the
+    # order of the arrays
+    lay = plan_layout([3, 0], [9, 5], [8, 8], alignment=1)
+    assert list(lay.offsets) == [8, 0]
+    # Of two smallest gaps of one size, the lower: A (10 bytes) at 0, then the
+    # 7-byte B, C, D in index order at 10, 17, 24, E at 31. B and D die at op 1,
+    # leaving two 7-byte gaps (10..17 and 24..31) for F, live at ops 5..6.
+    lay = plan_layout([0, 0, 0, 0, 0, 5], [9, 1, 9, 1, 9, 6], [10, 7, 7, 7, 6, 5],
+                      alignment=1)
+    assert list(lay.offsets) == [0, 10, 17, 24, 31, 10]
+    assert lay.reserved_bytes == 37
+    lay.verify()
+
+
+def test_zero_byte_buffers_take_one_alignment_as_in_the_allocator():
+    # BestFitAllocator.allocate(0) takes one alignment; the layout must reserve
+    # the same, and two such buffers live together must not share an offset
+    lay = plan_layout([0, 0], [1, 1], [0, 0], alignment=256)
+    assert lay.sizes.tolist() == [256, 256]
+    assert sorted(lay.offsets.tolist()) == [0, 256]
+    assert lay.reserved_bytes == lay.peak_live_bytes == 512
+
+
+def test_peak_live_counts_aligned_sizes():
+    # two 1-byte buffers live together take 256 aligned bytes each
+    lay = plan_layout([0, 0], [0, 0], [1, 1], alignment=256)
+    assert lay.peak_live_bytes == lay.reserved_bytes == 512
+
+
+def test_layout_input_edge_cases():
+    from fractions import Fraction
+    # -2**63 is an int64: a float op index of exactly -2**63 is taken
+    lay = plan_layout(np.array([-2.0 ** 63, 0.0]), [0, 0], [8, 8], alignment=1)
+    assert lay.alloc.tolist() == [-2 ** 63, 0] and lay.peak_live_bytes == 16
+    # a bool among Python number objects is refused, as in a bool array
+    with pytest.raises(ValueError, match="must be integers, got True"):
+        plan_layout([0, 0], [0, 0], np.array([Fraction(3, 2), True], dtype=object))
+    # 2-D arrays of one shape are refused, not laid out
+    with pytest.raises(ValueError, match="1-D"):
+        plan_layout([[0, 0]], [[1, 1]], [[8, 8]])
+
+
+def test_verify_layout_refuses_an_offset_of_minus_one_and_an_end_at_2_63():
+    # -1 is plan_layout's "not placed yet"
+    with pytest.raises(LayoutError, match="buffer 0 has no offset"):
+        verify_layout([-1], [8], [0], [0])
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        verify_layout([2 ** 62], [2 ** 62], [0], [0])     # ends exactly at 2**63
+    verify_layout([2 ** 62], [2 ** 62 - 1], [0], [0])     # one byte less: fine
