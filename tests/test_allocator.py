@@ -1031,3 +1031,72 @@ def test_a_negative_resize_says_resize_and_leaves_the_block():
         with pytest.raises(ValueError, match=r"cannot resize to a negative size \(-5 bytes\)"):
             call(b, -5)
     assert b.is_live and b.requested == 100 and a.stats().requested_bytes == 100
+
+
+def test_an_event_gated_free_of_a_block_listed_unstamped_waits_for_its_own_event():
+    # A split tail of an ordered free is listed unstamped on s1; taken again on
+    # s1 (the same Block object: it was never handed out) and freed behind an
+    # event E, its stale unstamped entry must not give it a stamp: the block is
+    # everyone's once E completes, with no event recorded and nothing waited for.
+    rec = Recorder()
+    a = BestFitAllocator(4096, event_source=rec)
+    s1, s2 = object(), object()
+    a.deallocate(a.allocate(4096, s1), stream=s1, ordered=True)   # unstamped
+    head = a.allocate(1024, s1)                     # the 3072-byte tail stays unstamped
+    tail = a.allocate(3072, s1)
+    ev = FakeEvent()
+    a.deallocate(tail, stream=s1, event=ev)
+    ev.done = True
+    got = a.allocate(3072, s2)                      # a miss: stamps, polls
+    assert got.offset == 1024
+    assert rec.events == [] and ev.syncs == 0
+    a.deallocate(head)
+    a.deallocate(got)
+    a._check_invariants()
+
+
+def test_maintenance_comes_once_per_round_of_deferred_frees():
+    # NOTE [ Stream-ordered frees ]: a stamp-and-poll round every
+    # _maintain_every deferred frees (here 4), not at every allocation once the
+    # first round is due. s1 churns one block: the allocations after the 4th and
+    # the 8th free stamp it (one event each); 11 frees make no third round.
+    rec = Recorder()
+    a = BestFitAllocator(8192, event_source=rec)
+    a._maintain_every = 4
+    s1 = object()
+    for _ in range(11):
+        a.deallocate(a.allocate(1024, s1), stream=s1, ordered=True)
+    assert len(rec.events) == 2 and a._deferrals == 3
+    a._check_invariants()
+    # By default a round is 256 frees: 300 frees on s1, with no miss, see one stamp
+    rec = Recorder()
+    a = BestFitAllocator(8192, event_source=rec)
+    for _ in range(300):
+        a.deallocate(a.allocate(1024, s1), stream=s1, ordered=True)
+    assert len(rec.events) == 1 and a._deferrals == 300 - 256
+    a._check_invariants()
+
+
+def test_a_stream_with_nothing_pending_is_not_kept_by_a_stale_unstamped_entry():
+    # s frees a block in stream order and takes it back at once: its unstamped
+    # entry is stale. Once a poll finds nothing pending on s (another stream's
+    # free still is), s is forgotten, that entry included, before any stamp.
+    import gc
+    import weakref
+
+    class Stream:
+        pass
+
+    a = BestFitAllocator(1 << 16, event_source=lambda stream: FakeEvent())
+    busy = Stream()
+    a.deallocate(a.allocate(4096, busy), stream=busy, event=FakeEvent())   # in flight
+    s = Stream()
+    a.deallocate(a.allocate(1024, s), stream=s, ordered=True)      # unstamped on s
+    a.deallocate(a.allocate(1024, s))                              # reused on s, freed
+    ref = weakref.ref(s)
+    del s
+    a.stats()                                                      # polls
+    gc.collect()
+    assert ref() is None
+    assert a.stats().pending_bytes == 4096
+    a._check_invariants()
