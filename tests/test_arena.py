@@ -68,7 +68,10 @@ def test_alloc_by_shape_and_bytes(dev):
     with pytest.raises(ValueError, match="multiple"):
         dev.alloc(10, dtype=np.float64)
     with pytest.raises(ValueError, match="smaller"):
-        dev.alloc(8, shape=(4,), dtype=np.float32)
+        dev.alloc(15, shape=(4,), dtype=np.float32)
+    exact = dev.alloc(16, shape=(4,), dtype=np.float32)     # nbytes == what it needs
+    assert exact.nbytes == 16 and exact.shape == (4,)
+    exact.free()
     before = dev.stats()
     # sizes are exact integers: a shape whose size overflows int64 is refused as
     # too large, never wrapped around to a small buffer
@@ -101,6 +104,10 @@ def test_per_kind_accounting(dev):
     dev._check_invariants()
     bufs["weight"].free()
     assert dev.stats().bytes_by_kind["weight"] == 0
+    # nor does the arena change an earlier snapshot: every dict is a copy
+    w = KINDS.index("weight")
+    assert st.requested_by_kind["weight"] == 1000 * (w + 1)
+    assert st.count_by_kind["weight"] == 1
     for k, b in bufs.items():
         if k != "weight":
             b.free()
@@ -592,6 +599,10 @@ def test_trim_after_close_releases_nothing_and_keeps_working():
     grown.free()
     arena.close()
     assert arena.trim() == 0 and arena.trim() == 0
+    # the slab-source hook takes a trim of the allocator itself after close:
+    # close() gave every slab back already, so it releases nothing again
+    arena.allocator.trim()
+    assert arena.slabs == ()
     keep.free()                                 # freeing stays legal after close
     assert keep.residency == "freed" and arena.stats().allocated_bytes == 0
 
@@ -901,3 +912,57 @@ def test_frees_from_finalizers_are_skipped_at_interpreter_exit(monkeypatch):
     monkeypatch.setattr(_deferred, "sys", types.SimpleNamespace(is_finalizing=lambda: False))
     _deferred.run_or_defer(lambda: ran.append(1))
     assert ran == [1]
+
+
+def test_mapped_implies_pinned_and_pinned_alone_maps_nothing():
+    # HostArena: mapped memory is page-locked (cudaHostAllocMapped), so
+    # mapped=True pins whatever pinned= says; a pinned arena has no device alias
+    for kwargs, pinned, mapped in ((dict(), True, False), (dict(pinned=False), False, False),
+                                   (dict(pinned=False, mapped=True), True, True)):
+        with HostArena(4096, backend="host", **kwargs) as h:
+            assert (h.pinned, h.mapped) == (pinned, mapped), kwargs
+            slab = h.slabs[0]
+            assert (slab.pinned, slab.mapped, slab.device_ptr is not None) == \
+                (pinned, mapped, mapped), kwargs
+
+
+def test_a_misaligned_slab_is_given_back_and_a_misaligned_device_alias_is_refused():
+    # add_slab releases a slab the backend aligned less than the arena's
+    # alignment before taking a wider one, and refuses a mapped slab whose
+    # device alias is aligned unlike its host side (its buffers' device
+    # addresses would be misaligned), giving that slab back too.
+    from rtmem.backends import Slab
+    from rtmem.backends.host import HostBackend
+
+    class Skewed(HostBackend):
+        def __init__(self):
+            super().__init__()
+            self.made, self.released = [], []
+
+        def device_slab(self, nbytes):          # 2 KiB past a page boundary
+            s = super().device_slab(nbytes + 2048)
+            self.made.append(nbytes)
+            return Slab(self, nbytes, s.ptr + 2048, location="device",
+                        device_ptr=s.ptr + 2048, host_array=s.host_array[2048:],
+                        owner=s.owner)
+
+        def host_slab(self, nbytes, *, pinned=True, mapped=False):
+            s = super().host_slab(nbytes, pinned=pinned, mapped=mapped)
+            self.made.append(nbytes)            # page-aligned, its alias 128 B past
+            return Slab(self, nbytes, s.ptr, location="host", device_ptr=s.ptr + 128,
+                        host_array=s.host_array, pinned=True, mapped=True, owner=s.owner)
+
+        def release(self, slab):
+            self.released.append(slab.nbytes)
+            super().release(slab)
+
+    backend = Skewed()
+    arena = DeviceArena(4096, backend=backend, alignment=4096)
+    assert backend.made == [4096, 8192] and backend.released == [4096]
+    assert arena.slabs[0].ptr % 4096 == 0
+    arena.close()
+    assert backend.released == [4096, 4096]     # and the aligned part at close
+    backend = Skewed()
+    with pytest.raises(ValueError, match="device alias .* is aligned differently"):
+        HostArena(4096, backend=backend, mapped=True)
+    assert backend.made == [4096, 4352] and backend.released == [4096, 4352]
