@@ -464,6 +464,29 @@ def test_compute_stream_frees_record_no_event_and_fence_other_streams(
     d._check_invariants()
 
 
+def test_a_buffer_for_another_wrapper_of_the_compute_stream_frees_as_compute_ones_do(
+        fake, backend, monkeypatch):
+    # _release compares streams by equality: a second CudaStream of the compute
+    # stream's handle is the compute stream, so the free is the compute
+    # stream's (no event, reused there at once), not a side stream's behind
+    # two events (one on it, one fencing the compute work)
+    from rtmem.backends.cuda import CudaStream
+    d = DeviceArena(1 << 16, backend=backend)
+    made = []
+    real_new_event = backend.new_event
+    monkeypatch.setattr(backend, "new_event", lambda: made.append(1) or real_new_event())
+    compute = backend.current_stream()
+    twin = CudaStream(compute.raw, "twin")
+    assert twin == compute and twin is not compute
+    b = d.alloc(1 << 15, stream=twin)
+    offset = b.offset
+    b.free()
+    again = d.alloc(1 << 15)
+    assert again.offset == offset and made == []
+    again.free()
+    d._check_invariants()
+
+
 def test_host_arena_gives_the_cpu_bytes_only_after_the_gpu_is_done(fake, backend):
     h = HostArena(1 << 16, backend=backend)
     gate = threading.Event()
