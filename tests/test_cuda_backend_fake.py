@@ -435,12 +435,18 @@ def test_alloc_takes_rtmem_cuda_streams_not_raw_cupy_ones(fake, backend):
     b.free()
 
 
-def test_compute_stream_frees_record_no_event_and_fence_other_streams(
-        fake, backend, monkeypatch):
-    d = DeviceArena(1 << 16, backend=backend)
+def _count_new_events(backend, monkeypatch) -> list:
+    """A list that gets an entry for every event ``backend`` makes from now on."""
     made = []
     real_new_event = backend.new_event
     monkeypatch.setattr(backend, "new_event", lambda: made.append(1) or real_new_event())
+    return made
+
+
+def test_compute_stream_frees_record_no_event_and_fence_other_streams(
+        fake, backend, monkeypatch):
+    d = DeviceArena(1 << 16, backend=backend)
+    made = _count_new_events(backend, monkeypatch)
     gate = threading.Event()
     backend.current_stream().launch_host_func(gate.wait)   # earlier work still runs
     b = d.alloc(1 << 15)
@@ -472,9 +478,7 @@ def test_a_buffer_for_another_wrapper_of_the_compute_stream_frees_as_compute_one
     # two events (one on it, one fencing the compute work)
     from rtmem.backends.cuda import CudaStream
     d = DeviceArena(1 << 16, backend=backend)
-    made = []
-    real_new_event = backend.new_event
-    monkeypatch.setattr(backend, "new_event", lambda: made.append(1) or real_new_event())
+    made = _count_new_events(backend, monkeypatch)
     compute = backend.current_stream()
     twin = CudaStream(compute.raw, "twin")
     assert twin == compute and twin is not compute
@@ -695,9 +699,7 @@ def test_per_thread_default_streams_are_one_stream_per_thread(fake, backend, mon
     assert backend.current_stream() == mine
 
     d = DeviceArena(1 << 16, backend=backend)
-    made = []
-    real_new_event = backend.new_event
-    monkeypatch.setattr(backend, "new_event", lambda: made.append(1) or real_new_event())
+    made = _count_new_events(backend, monkeypatch)
     gate = threading.Event()
     ptds.launch_host_func(lambda _arg: gate.wait(), None)   # its work still runs
     b = d.alloc(1 << 14)
