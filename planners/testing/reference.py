@@ -20,6 +20,8 @@ from .._validation import simulation_args
 
 __all__ = ["reference_simulate"]
 
+_COMPUTE_OPS = (Op.F_NONE, Op.F_CK, Op.F_ALL, Op.B, Op.LOSS)
+
 
 def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> dict:
     """Return a dict of what :class:`~rtmem.planners.SimResult` holds, in plain
@@ -98,7 +100,7 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
 
     for k, (op, s, aux) in enumerate(schedule):
         start = end = clock
-        if op in (Op.F_NONE, Op.F_CK, Op.F_ALL, Op.B, Op.LOSS):
+        if op in _COMPUTE_OPS:
             if op == Op.LOSS:
                 if delta != n + 1:
                     fail(k, "backward-order", "loss twice")
@@ -132,8 +134,8 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
                 t0 = max(t0, min(on_device[t] for t in src))
             start = make_room(k, t0, need)
             end = start + dur
-            peak = max(peak, used + need)
             mem = used + need
+            peak = max(peak, mem)
             compute_time += dur
             if op in (Op.B, Op.LOSS):
                 k_in = n if op == Op.LOSS else s
@@ -208,11 +210,10 @@ def reference_simulate(chain: Chain, schedule: Schedule, platform: Platform) -> 
                 fail(k, "missing-gradient", "no gradient")
             start, end = transfer("d2h", w[s], grads.pop(s))
             release(w[s], end, clock)
-        if op not in (Op.F_NONE, Op.F_CK, Op.F_ALL, Op.B, Op.LOSS):
-            mem = used             # a move's row: usage right after it was issued
         starts.append(start)
         ends.append(end)
-        mems.append(mem)
+        # a move's row: the usage right after it was issued
+        mems.append(mem if op in _COMPUTE_OPS else used)
         # frees still pending but due by the op's end count as done
         mems_after.append(used - sum(b for t_free, b in pending if t_free <= end))
     if delta != 0:
