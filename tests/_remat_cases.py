@@ -18,3 +18,14 @@ def persistence_counterexample(n: int) -> Chain:
     length = n + 2
     x = [1] + [3] * (length - 2) + [4]
     return Chain(u_f=[n - 2, 2] + [0] * (length - 2), u_b=[0] * length, x=x, xbar=x, x0=0)
+
+
+# Offloads abar1 while w1 is prefetched: the two transfers want the link at once
+# (test_simulator's channel models, test_cli's simulate --json and memory curve).
+OVERLAPPING_TRANSFERS = ("w_delete 1, F_all 0, offload abar1, w_prefetch 1, F_all 1, L, "
+                         "B 1, B 0")
+
+
+def two_stage_chain(w=(0, 0), x=(10, 10)) -> Chain:
+    """Two stages of 1 s forward and 1 s backward, no input, xbar = x (bytes)."""
+    return Chain(u_f=[1, 1], u_b=[1, 1], x=list(x), xbar=list(x), w=list(w), x0=0)

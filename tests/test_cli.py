@@ -3,6 +3,7 @@ from argparse import ArgumentTypeError
 
 import pytest
 
+from _remat_cases import OVERLAPPING_TRANSFERS, two_stage_chain
 from rtmem.cli import main
 
 
@@ -540,12 +541,8 @@ def test_help_descriptions_print_no_rest_markup(capsys, command):
 
 
 def _two_stage_chain():
-    from rtmem.planners import Chain
     # w1 = 30 bytes prefetched, abar1 = 10 bytes offloaded: h2d 30, d2h 10
-    return Chain(u_f=[1, 1], u_b=[1, 1], x=[10, 10], xbar=[10, 10], w=[10, 30], x0=0)
-
-
-_SCHEDULE = "w_delete 1, F_all 0, offload abar1, w_prefetch 1, F_all 1, L, B 1, B 0"
+    return two_stage_chain(w=(10, 30))
 
 
 def test_at_least_bounds_are_inclusive_and_finite():
@@ -583,7 +580,7 @@ def test_simulate_reports_each_quantity_in_its_row_and_field(capsys, tmp_path):
     path = tmp_path / "c.json"
     _two_stage_chain().save(path)
     for channel, makespan in (("shared", 8.0), ("duplex", 7.0)):
-        code, out, _ = run(capsys, "simulate", str(path), _SCHEDULE, "--memory", "1000000",
+        code, out, _ = run(capsys, "simulate", str(path), OVERLAPPING_TRANSFERS, "--memory", "1000000",
                            "--bandwidth", "10", "--channel", channel, "--json")
         doc = json.loads(out)
         assert code == 0 and doc["channel"] == channel and doc["makespan_s"] == makespan
@@ -591,7 +588,7 @@ def test_simulate_reports_each_quantity_in_its_row_and_field(capsys, tmp_path):
         assert doc["compute_s"] == 4.0 and doc["idle_s"] == makespan - 4.0
         assert doc["memory_bytes"] == 10**6 and type(doc["memory_bytes"]) is int
         assert doc["bandwidth_Bps"] == 10
-    code, out, _ = run(capsys, "simulate", str(path), _SCHEDULE, "--memory", "1000000",
+    code, out, _ = run(capsys, "simulate", str(path), OVERLAPPING_TRANSFERS, "--memory", "1000000",
                        "--bandwidth", "10", "--channel", "duplex")
     rows = {line[:14].strip(): line[14:].strip() for line in out.splitlines()[2:]}
     assert rows["makespan"] == "7.000 s" and rows["compute time"] == "4.000 s"
@@ -708,7 +705,7 @@ def test_memory_curve_steps_through_each_compute_ops_usage():
     from rtmem.planners import Platform, Schedule, simulate
     from rtmem.planners.schedule import COMPUTE_OPS
     from rtmem.plot import memory_curve
-    chain, sched = _two_stage_chain(), Schedule.from_text(_SCHEDULE)
+    chain, sched = _two_stage_chain(), Schedule.from_text(OVERLAPPING_TRANSFERS)
     r = simulate(chain, sched, Platform(10**6, bandwidth=10))
     t, m = memory_curve(r, sched)
     k = [i for i in range(len(sched)) if sched.op[i] in [int(o) for o in COMPUTE_OPS]]
@@ -732,7 +729,7 @@ def test_plot_schedule_lanes_units_and_limit(tmp_path, monkeypatch):
     # sizes in MiB: the memory axis is in MiB, the limit line at 16 (MiB)
     chain = Chain(u_f=[1, 1], u_b=[1, 1], x=[2**20, 2**20], xbar=[2**20, 2**20],
                   w=[2**20, 3 * 2**20], x0=0)
-    sched = Schedule.from_text(_SCHEDULE)
+    sched = Schedule.from_text(OVERLAPPING_TRANSFERS)
     plot_schedule(chain, sched, Platform(16 * 2**20, bandwidth=2**20, channel="duplex"),
                   str(tmp_path / "p.png"))
     fig = figs[0]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import Phase, given, settings
 
+from _remat_cases import OVERLAPPING_TRANSFERS, two_stage_chain
 from rtmem.errors import RtmemError, ScheduleError
 from rtmem.planners import Chain, Op, Platform, Schedule, simulate, store_all_schedule
 from rtmem.planners.testing import (chains, platforms, reference_simulate,
@@ -126,17 +127,12 @@ def test_each_invariant_violated_once(chain3, text, index, reason, fragment):
     assert ref.value.reason == reason
 
 
-def _two_stage(w=(0, 0), x=(10, 10)):
-    return Chain(u_f=[1, 1], u_b=[1, 1], x=list(x), xbar=list(x), w=list(w), x0=0)
-
-
 @pytest.mark.parametrize("channel, makespan", [("shared", 6.0), ("duplex", 5.0)])
 def test_channel_models(channel, makespan):
     # offload of abar1 [1, 2] and prefetch of w1 want the link at the same time:
     # a shared link serializes them (prefetch [2, 3]), a duplex one overlaps them.
-    chain = _two_stage(w=(10, 10))
-    sched = Schedule.from_text(
-        "w_delete 1, F_all 0, offload abar1, w_prefetch 1, F_all 1, L, B 1, B 0")
+    chain = two_stage_chain(w=(10, 10))
+    sched = Schedule.from_text(OVERLAPPING_TRANSFERS)
     r = simulate(chain, sched, Platform(10**6, bandwidth=10, channel=channel))
     assert r.makespan == makespan
     assert r.h2d_bytes == 10 and r.d2h_bytes == 10
@@ -161,7 +157,7 @@ def test_compute_waits_for_offload_to_free_memory():
 
 
 def test_delete_frees_only_after_its_offload():
-    chain = _two_stage(x=(10, 1))
+    chain = two_stage_chain(x=(10, 1))
     sched = Schedule.from_text(
         "F_all 0, offload abar1, F_all 1, delete abar1, L, prefetch abar1, B 1, B 0")
     r = simulate(chain, sched, Platform(10**6, bandwidth=5))
