@@ -580,8 +580,8 @@ def test_simulate_reports_each_quantity_in_its_row_and_field(capsys, tmp_path):
     path = tmp_path / "c.json"
     _two_stage_chain().save(path)
     for channel, makespan in (("shared", 8.0), ("duplex", 7.0)):
-        code, out, _ = run(capsys, "simulate", str(path), OVERLAPPING_TRANSFERS, "--memory", "1000000",
-                           "--bandwidth", "10", "--channel", channel, "--json")
+        code, out, _ = run(capsys, "simulate", str(path), OVERLAPPING_TRANSFERS, "--memory",
+                           "1000000", "--bandwidth", "10", "--channel", channel, "--json")
         doc = json.loads(out)
         assert code == 0 and doc["channel"] == channel and doc["makespan_s"] == makespan
         assert doc["h2d_bytes"] == 30 and doc["d2h_bytes"] == 10
