@@ -1,4 +1,4 @@
-"""The ``rtmem`` command line: chains, simulate, demo (and plan, doctor, bench).
+"""The ``rtmem`` command line: chains, simulate, demo (and plan, profile, doctor, bench).
 
 Subcommands owned by other modules register themselves through a
 ``register(subparsers)`` function (see ``_PLUGINS``), so this file stays small.
@@ -21,14 +21,15 @@ from rtmem.demo import MODEL_OPTIONS, missing_folders, remove_empty_folders
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
-__all__ = ["main", "at_least", "load_chain", "load_schedule", "output_file", "platform_value",
+__all__ = ["main", "add_model_size_args", "at_least", "load_chain", "load_schedule",
+           "model_sizes_problem", "output_file", "platform_value", "torch_device_problem",
            "writable"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
 PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
 
 # modules that add subcommands with register(subparsers)
-_PLUGINS = ("rtmem.cli_plan", "rtmem.doctor", "rtmem.cli_bench")
+_PLUGINS = ("rtmem.cli_plan", "rtmem.cli_profile", "rtmem.doctor", "rtmem.cli_bench")
 
 
 def load_chain(spec: str):
@@ -143,9 +144,9 @@ def output_file(*suffixes, replace: bool = False):
             raise argparse.ArgumentTypeError(f"{value!r} is a folder; give a file name")
         ext = os.path.splitext(value)[1].lower().lstrip(".")
         if suffixes and ext not in suffixes:
-            raise argparse.ArgumentTypeError(
-                f"{value!r}: the file name must end in ."
-                + ", .".join(suffixes[:-1]) + f" or .{suffixes[-1]}")
+            ends = [f".{s}" for s in suffixes]
+            ends = ends[0] if len(ends) == 1 else f"{', '.join(ends[:-1])} or {ends[-1]}"
+            raise argparse.ArgumentTypeError(f"{value!r}: the file name must end in {ends}")
         problem = writable(value, replace)
         if problem:
             raise argparse.ArgumentTypeError(f"cannot write {value!r}: {problem}")
@@ -304,15 +305,21 @@ def _blocks(value: str) -> tuple:
     return blocks
 
 
-def _demo_problem(args) -> str | None:
-    """What is wrong with the demo's arguments, checked before any work, or None.
-    Fills in the chosen model's defaults."""
+def model_sizes_problem(args) -> str | None:
+    """What is wrong with ``--model`` and the options that size it (``rtmem demo``,
+    ``rtmem profile``), checked before any work, or None. Fills in the chosen
+    built-in model's defaults; a model that is not built in (``rtmem profile``'s
+    ``MODULE:FUNCTION``) takes none of them."""
+    builtin = args.model in MODEL_OPTIONS
     for model, options in MODEL_OPTIONS.items():
         for name, default in options.items():
             if model != args.model and getattr(args, name) is not None:
-                return (f"--{name} sizes the {model} model; with --model {args.model} "
-                        f"use {' '.join('--' + o for o in MODEL_OPTIONS[args.model])}")
-            if getattr(args, name) is None:
+                fix = (f"with --model {args.model} use "
+                       f"{' '.join('--' + o for o in MODEL_OPTIONS[args.model])}"
+                       if builtin else
+                       f"--model {args.model} builds its own model: size it there")
+                return f"--{name} sizes the {model} model; {fix}"
+            if model == args.model and getattr(args, name) is None:
                 setattr(args, name, default)
     if args.model == "gpt2" and args.hidden % args.heads:
         return f"--hidden {args.hidden} must be a multiple of --heads {args.heads}"
@@ -328,6 +335,33 @@ def _demo_problem(args) -> str | None:
                     f"group sees {side}x{side} images, and batch norm needs more than one "
                     f"value per channel to train; use --batch 2 or more, or a larger "
                     f"--image")
+    return None
+
+
+def torch_device_problem(args, who: str) -> str | None:
+    """What is wrong with running ``who`` ("the demo") on torch and ``--device``,
+    or None: torch must be installed, the device a usable cpu or cuda one."""
+    if importlib.util.find_spec("torch") is None:
+        return f"{who} needs torch: pip install 'rtmem[torch]'"
+    if args.device is not None:
+        import torch
+        try:
+            dev = torch.device(args.device)
+        except RuntimeError:
+            return f"--device {args.device!r} is not a torch device; use cpu or cuda"
+        if dev.type not in ("cpu", "cuda"):
+            return f"--device {args.device!r}: {who} runs on cpu or cuda"
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            return "--device cuda: torch sees no CUDA device here; use --device cpu"
+    return None
+
+
+def _demo_problem(args) -> str | None:
+    """What is wrong with the demo's arguments, checked before any work, or None.
+    Fills in the chosen model's defaults."""
+    problem = model_sizes_problem(args)
+    if problem:
+        return problem
     # run_demo's makedirs said only "[Errno 17] File exists" or "No such file: ''"
     if not args.out.strip() or (os.path.exists(args.out) and not os.path.isdir(args.out)):
         return (f"--out {args.out!r} is not a folder; give a folder for the plots, plan "
@@ -342,20 +376,9 @@ def _demo_problem(args) -> str | None:
             as_budget(args.memory)
         except RtmemError as e:     # it names the value: said once, as `rtmem plan` does
             return f"--memory: {e}"
-    for extra, module in (("torch", "torch"), ("plot", "matplotlib")):
-        if importlib.util.find_spec(module) is None:
-            return f"the demo needs {module}: pip install 'rtmem[{extra}]'"
-    if args.device is not None:
-        import torch
-        try:
-            dev = torch.device(args.device)
-        except RuntimeError:
-            return f"--device {args.device!r} is not a torch device; use cpu or cuda"
-        if dev.type not in ("cpu", "cuda"):
-            return f"--device {args.device!r}: the demo runs on cpu or cuda"
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            return "--device cuda: torch sees no CUDA device here; use --device cpu"
-    return None
+    if importlib.util.find_spec("matplotlib") is None:
+        return "the demo needs matplotlib: pip install 'rtmem[plot]'"
+    return torch_device_problem(args, "the demo")
 
 
 def _cmd_demo(args) -> int:
@@ -371,19 +394,44 @@ def _cmd_demo(args) -> int:
         run_demo(model=args.model, batch=args.batch, steps=args.steps, memory=args.memory,
                  slots=args.slots, out=args.out, device=args.device, **sizes)
     except RuntimeError as e:
-        # torch's allocators raise RuntimeErrors, not MemoryError: `rtmem demo
-        # --hidden 99999999999` ended in a traceback ("DefaultCPUAllocator: can't
-        # allocate memory"); CUDA's torch.OutOfMemoryError is a RuntimeError too
-        device = type(e).__name__ == "OutOfMemoryError"
-        if not (device or "can't allocate memory" in str(e)):
+        message = torch_oom(e)
+        if message is None:
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"{_prog(args)}: error: out of {'device' if device else 'host'} memory "
-              f"({first}); make the model smaller (--batch and the sizes of --model "
-              f"{args.model}: {' '.join('--' + o for o in MODEL_OPTIONS[args.model])})",
-              file=sys.stderr)
+        print(f"{_prog(args)}: error: {message}; make the model smaller (--batch and the "
+              f"sizes of --model {args.model}: "
+              f"{' '.join('--' + o for o in MODEL_OPTIONS[args.model])})", file=sys.stderr)
         return 1
     return 0
+
+
+def torch_oom(error: RuntimeError) -> str | None:
+    """"out of host/device memory (torch's first line)" when ``error`` is torch
+    running out of memory, else None. torch's allocators raise RuntimeErrors,
+    not MemoryError: `rtmem demo --hidden 99999999999` ended in a traceback
+    ("DefaultCPUAllocator: can't allocate memory"); CUDA's
+    torch.OutOfMemoryError is a RuntimeError too."""
+    device = type(error).__name__ == "OutOfMemoryError"
+    if not (device or "can't allocate memory" in str(error)):
+        return None
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"out of {'device' if device else 'host'} memory ({first})"
+
+
+def add_model_size_args(p) -> None:
+    """The options that size the built-in models (``MODEL_OPTIONS``; None when not
+    given: :func:`model_sizes_problem` fills in the chosen model's defaults),
+    ``--batch`` and ``--device``: shared by ``rtmem demo`` and ``rtmem profile``."""
+    for name, default in MODEL_OPTIONS["gpt2"].items():
+        p.add_argument(f"--{name}", type=at_least(2 if name == "vocab" else 1),
+                       default=None, help=f"gpt2: default {default}")
+    p.add_argument("--blocks", type=_blocks, default=None,
+                   help="resnet: residual blocks per group, default 2,2,2")
+    for name in ("width", "image"):
+        default = MODEL_OPTIONS["resnet"][name]
+        p.add_argument(f"--{name}", type=at_least(1), default=None,
+                       help=f"resnet: default {default}")
+    p.add_argument("--batch", type=at_least(1), default=4, help="batch size, default 4")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,21 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(MODEL_OPTIONS), default="gpt2",
                    help="gpt2 (sized by --layers --hidden --heads --seq --vocab) or resnet "
                    "(--blocks --width --image); default gpt2")
-    for name, default in MODEL_OPTIONS["gpt2"].items():
-        p.add_argument(f"--{name}", type=at_least(2 if name == "vocab" else 1),
-                       default=None, help=f"gpt2: default {default}")
-    p.add_argument("--blocks", type=_blocks, default=None,
-                   help="resnet: residual blocks per group, default 2,2,2")
-    for name in ("width", "image"):
-        default = MODEL_OPTIONS["resnet"][name]
-        p.add_argument(f"--{name}", type=at_least(1), default=None,
-                       help=f"resnet: default {default}")
-    for name, default in (("batch", 4), ("steps", 5), ("slots", 500)):
+    add_model_size_args(p)
+    for name, default in (("steps", 5), ("slots", 500)):
         p.add_argument(f"--{name}", type=at_least(1), default=default,
                        help=f"default {default}")
     p.add_argument("--memory", default=None,
                    help="device budget, e.g. 40MiB (default: half the no-remat peak)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
     p.add_argument("--out", default="out/demo",
                    help="folder for plots, plan and chain (default out/demo)")
     p.set_defaults(func=_cmd_demo)

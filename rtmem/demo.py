@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 
-__all__ = ["MODEL_OPTIONS", "run_demo"]
+__all__ = ["MODEL_OPTIONS", "build_model", "default_budget", "run_demo"]
 
 
 def _import_torch():
@@ -77,6 +77,46 @@ def _output_folder(path: str):
         raise
 
 
+def build_model(model: str = "gpt2", *, batch: int = 4, **sizes):
+    """The model ``rtmem demo`` (and ``rtmem profile``) builds: ``(net, loss_fn,
+    make_batch, name)``, as :func:`rtmem.torch.gpt2_model` /
+    :func:`rtmem.torch.resnet_model` return them, plus the chain name the run
+    gives it (the sizes and ``batch`` in it). ``sizes``: the options of
+    ``MODEL_OPTIONS[model]``; those left out take its defaults."""
+    if model not in MODEL_OPTIONS:
+        raise ValueError(f"model must be one of {', '.join(MODEL_OPTIONS)}, got {model!r}")
+    unknown = sorted(set(sizes) - set(MODEL_OPTIONS[model]))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} do not size the {model} model; its options "
+                         f"are {', '.join(MODEL_OPTIONS[model])}")
+    _import_torch()
+    from rtmem.torch import gpt2_model, resnet_model
+    o = {**MODEL_OPTIONS[model], **sizes}
+    if model == "gpt2":
+        net, loss_fn, make_batch = gpt2_model(**o)
+        name = f"gpt2-L{o['layers']}-h{o['hidden']}-s{o['seq']}-b{batch}"
+    else:
+        blocks = tuple(o["blocks"])
+        net, loss_fn, make_batch = resnet_model(blocks=blocks, width=o["width"],
+                                                image=o["image"])
+        name = f"resnet-{'.'.join(map(str, blocks))}-w{o['width']}-i{o['image']}-b{batch}"
+    return net, loss_fn, make_batch, name
+
+
+def default_budget(chain, peak: int) -> tuple[int, str]:
+    """The demo's budget for ``chain`` whose no-remat peak is ``peak`` bytes:
+    half the peak, unless weights leave no schedule that small; then halfway
+    between the least feasible memory and the peak. Returns (bytes, why)."""
+    from rtmem.planners import min_feasible_memory
+    from rtmem.units import format_bytes
+    least = min_feasible_memory(chain)
+    if peak // 2 >= least:
+        return peak // 2, "half the peak"
+    if least >= peak:
+        return peak, "no schedule needs less than the peak"
+    return (least + peak) // 2, f"half the peak is below the least feasible {format_bytes(least)}"
+
+
 def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: int = 4,
              seq: int = 128, vocab: int = 512, blocks=(2, 2, 2), width: int = 16,
              image: int = 32, batch: int = 4, steps: int = 5, memory=None,
@@ -96,11 +136,10 @@ def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: 
     from rtmem._table import format_table
     from rtmem.cli_plan import COMPARISON_HEADERS, comparison_rows
     from rtmem.optim import CPUAdam
-    from rtmem.planners import (Platform, compare_remat, min_feasible_memory, plan_store_all,
-                                store_all_schedule)
+    from rtmem.planners import Platform, compare_remat, plan_store_all, store_all_schedule
     from rtmem.planners.plan import Plan, as_budget
     from rtmem.plot import plot_schedule
-    from rtmem.torch import ScheduleExecutor, gpt2_model, profile_sequential, resnet_model
+    from rtmem.torch import ScheduleExecutor, profile_sequential
     from rtmem.units import format_bytes, format_seconds
 
     if model not in MODEL_OPTIONS:    # before anything is made
@@ -110,14 +149,10 @@ def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: 
     # the run fails before writing into it (an infeasible --memory left it empty)
     with _output_folder(out):
         torch.manual_seed(0)
-        if model == "gpt2":
-            net, loss_fn, make_batch = gpt2_model(layers=layers, hidden=hidden, heads=heads,
-                                                  seq=seq, vocab=vocab)
-            name = f"gpt2-L{layers}-h{hidden}-s{seq}-b{batch}"
-        else:
-            blocks = tuple(blocks)
-            net, loss_fn, make_batch = resnet_model(blocks=blocks, width=width, image=image)
-            name = f"resnet-{'.'.join(map(str, blocks))}-w{width}-i{image}-b{batch}"
+        sizes = ({"layers": layers, "hidden": hidden, "heads": heads, "seq": seq,
+                  "vocab": vocab} if model == "gpt2" else
+                 {"blocks": blocks, "width": width, "image": image})
+        net, loss_fn, make_batch, name = build_model(model, batch=batch, **sizes)
         model = net.to(device)
         gen = torch.Generator().manual_seed(1)
         batches = [tuple(t.to(device) for t in make_batch(batch, gen)) for _ in range(steps)]
@@ -126,13 +161,9 @@ def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: 
         why = ""
         if memory is not None:
             budget = as_budget(memory)
-        else:   # half the no-remat peak, unless weights leave no schedule that small
-            least = min_feasible_memory(chain)
-            if full.peak // 2 >= least:
-                budget, why = full.peak // 2, " (half the peak)"
-            else:
-                budget = (least + full.peak) // 2
-                why = f" (half the peak is below the least feasible {format_bytes(least)})"
+        else:
+            budget, why = default_budget(chain, full.peak)
+            why = f" ({why})"
         say(f"{chain.name}: {chain.n} stages, {format_bytes(int(chain.w.sum()))} of weights, "
             f"no-remat peak {format_bytes(full.peak)} (simulated), budget "
             f"{format_bytes(budget)}{why}\n")

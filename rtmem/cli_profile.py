@@ -1,0 +1,203 @@
+"""``rtmem profile``: measure a model on this machine into a chain the planners read.
+
+The command-line face of :func:`rtmem.torch.profile_sequential`: it builds a
+model, profiles one batch, prints the per-stage table and writes the
+:class:`~rtmem.planners.Chain` as JSON, which ``rtmem plan remat FILE`` and
+``rtmem simulate FILE ...`` take. So a user plans from their own model's
+measured times and sizes, not from a built-in analytic profile.
+
+The model is one of the demo's (``--model gpt2`` or ``resnet``, sized by the
+same options as ``rtmem demo``) or the user's own, named ``MODULE:FUNCTION``
+(an importable module, the current folder included, as ``python -m`` finds
+it) or ``PATH.py:FUNCTION``. ``FUNCTION()`` returns ``(model, loss_fn,
+make_batch)`` as :func:`rtmem.torch.gpt2_model` does: an ``nn.Sequential`` (or a
+list of modules), ``loss_fn(output, target)`` and ``make_batch(batch,
+generator)`` returning ``(inputs, target)`` CPU tensors; the command moves both
+and the model to ``--device``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import sys
+
+__all__ = ["load_factory", "register"]
+
+
+class FactoryError(ValueError):
+    """A ``MODULE:FUNCTION`` that names no usable model factory (bad usage)."""
+
+
+def load_factory(spec: str):
+    """The function ``spec`` names: ``package.module:function`` (the current
+    folder is searched first, as ``python -m`` does) or ``path/to/file.py:function``
+    (its folder is searched for the file's own imports, as ``python file.py``
+    does). Raises :class:`FactoryError` naming what is missing; an error raised
+    while the module itself runs propagates as it is (a bug in the user's file)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr.isidentifier():
+        raise FactoryError(f"--model {spec!r}: give gpt2, resnet, MODULE:FUNCTION or "
+                           f"PATH.py:FUNCTION (a function returning (model, loss_fn, "
+                           f"make_batch))")
+    if module_name.endswith(".py"):
+        path = os.path.abspath(module_name)
+        if not os.path.isfile(path):
+            raise FactoryError(f"--model {spec!r}: no file {module_name!r}")
+        folder = os.path.dirname(path)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        name = f"_rtmem_profile_{os.path.splitext(os.path.basename(path))[0]}"
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module      # dataclasses and pickling look modules up there
+        try:
+            loader_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            # only the module named: a dependency it lacks is the user's error,
+            # raised as it is
+            if e.name is None or not (module_name == e.name
+                                      or module_name.startswith(e.name + ".")):
+                raise
+            raise FactoryError(f"--model {spec!r}: no module named {e.name!r} (run from the "
+                               f"folder that holds it, or give the file: "
+                               f"path/to/file.py:{attr})") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise FactoryError(f"--model {spec!r}: {module_name} has no {attr!r}")
+    if not callable(fn):
+        raise FactoryError(f"--model {spec!r}: {module_name}.{attr} is a "
+                           f"{type(fn).__name__}, not a function")
+    return fn
+
+
+def _built(spec: str, made):
+    """``made`` (what the factory returned) checked: (model, loss_fn, make_batch)."""
+    if not (isinstance(made, (tuple, list)) and len(made) == 3):
+        raise FactoryError(f"{spec}() returned {type(made).__name__}, not (model, loss_fn, "
+                           f"make_batch) as rtmem.torch.gpt2_model returns")
+    model, loss_fn, make_batch = made
+    for what, value in (("loss_fn", loss_fn), ("make_batch", make_batch)):
+        if not callable(value):
+            raise FactoryError(f"{spec}() returned a {type(value).__name__} as {what}; it "
+                               f"must be callable")
+    return model, loss_fn, make_batch
+
+
+def _batch(spec: str, make_batch, batch: int, generator):
+    """``make_batch(batch, generator)`` checked: (inputs, target)."""
+    made = make_batch(batch, generator)
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        raise FactoryError(f"the make_batch of {spec} returned {type(made).__name__}, not "
+                           f"(inputs, target)")
+    return made
+
+
+def _table(chain) -> str:
+    from rtmem._table import format_table
+    from rtmem.units import format_bytes, format_seconds
+    rows = [[str(i), format_seconds(chain.u_f[i]), format_seconds(chain.u_b[i]),
+             format_bytes(chain.x[i]), format_bytes(chain.xbar[i]), format_bytes(chain.w[i])]
+            for i in range(chain.n)]
+    rows.append(["loss", format_seconds(chain.u_loss), "", "", "", ""])
+    return format_table(["stage", "forward", "backward", "x (output)", "xbar (saved)",
+                         "weights"], rows)
+
+
+def _cmd_profile(args) -> int:
+    from rtmem.cli import _prog, model_sizes_problem, torch_device_problem, torch_oom
+    from rtmem.demo import MODEL_OPTIONS
+    prog = _prog(args)
+    problem = model_sizes_problem(args) or torch_device_problem(args, "profiling")
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
+    import torch
+
+    from rtmem.demo import build_model, default_budget
+    from rtmem.planners import min_feasible_memory, plan_store_all
+    from rtmem.torch import profile_sequential
+    from rtmem.units import format_bytes, format_seconds
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        torch.manual_seed(0)
+        if args.model in MODEL_OPTIONS:
+            sizes = {name: getattr(args, name) for name in MODEL_OPTIONS[args.model]}
+            model, loss_fn, make_batch, name = build_model(args.model, batch=args.batch,
+                                                           **sizes)
+        else:
+            factory = load_factory(args.model)
+            model, loss_fn, make_batch = _built(args.model, factory())
+            name = f"{factory.__name__}-b{args.batch}"
+        inputs, target = _batch(args.model, make_batch, args.batch,
+                                torch.Generator().manual_seed(1))
+        if isinstance(model, torch.nn.Module):
+            model = model.to(device)
+        else:   # a list of blocks
+            model = [m.to(device) for m in model]
+        chain = profile_sequential(model, inputs.to(device), target.to(device), loss_fn,
+                                   repeats=args.repeats, name=args.name or name)
+    except FactoryError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        message = torch_oom(e)
+        if message is None:
+            raise
+        print(f"{prog}: error: {message}; make the model or --batch smaller",
+              file=sys.stderr)
+        return 1
+    if args.save:
+        chain.save(args.save)
+    if args.json:
+        print(chain.to_json(indent=1))
+        if args.save:
+            print(f"wrote {args.save}", file=sys.stderr)
+        return 0
+    full = plan_store_all(chain, math.inf)
+    print(_table(chain))
+    print(f"\n{chain.name} on {device.type}: {chain.n} stages, input "
+          f"{format_bytes(chain.x0)}, weights {format_bytes(int(chain.w.sum()))}, compute "
+          f"{format_seconds(chain.compute_time)} per step; no-remat peak "
+          f"{format_bytes(full.peak)}, least feasible "
+          f"{format_bytes(min_feasible_memory(chain))} (simulated)")
+    if args.save:
+        budget, why = default_budget(chain, full.peak)
+        print(f"wrote {args.save}; plan it with: rtmem plan remat {args.save} --memory "
+              f"{budget}   ({format_bytes(budget)}: {why})")
+    else:
+        print("add --save FILE.json to plan it: rtmem plan remat FILE.json --memory ...")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``profile`` to an argparse ``subparsers`` object; ``func(args)``
+    returns the exit code."""
+    from rtmem.cli import add_model_size_args, at_least, output_file
+    p = subparsers.add_parser(
+        "profile", help="measure a model (the demo's or yours) into a chain JSON for "
+        "rtmem plan / simulate", description=__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument("--model", default="gpt2",
+                   help="gpt2 (sized by --layers --hidden --heads --seq --vocab), resnet "
+                   "(--blocks --width --image), or your own: MODULE:FUNCTION or "
+                   "PATH.py:FUNCTION, a function returning (model, loss_fn, make_batch) "
+                   "as rtmem.torch.gpt2_model does; default gpt2")
+    add_model_size_args(p)
+    p.add_argument("--repeats", type=at_least(1), default=3,
+                   help="timed runs per stage, median kept (default 3)")
+    p.add_argument("--name", default=None, help="the chain's name (default: from the model)")
+    p.add_argument("--save", type=output_file(),
+                   help="write the chain as JSON here (rtmem plan remat / simulate read it)")
+    p.add_argument("--json", action="store_true",
+                   help="print the chain's JSON instead of the table")
+    p.set_defaults(func=_cmd_profile)

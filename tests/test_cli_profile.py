@@ -1,0 +1,261 @@
+"""``rtmem profile``: a model (the demo's or the user's) measured into a chain file
+that ``rtmem plan remat`` plans from."""
+
+import json
+import re
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rtmem.cli import main  # noqa: E402
+from rtmem.planners import Chain  # noqa: E402
+from rtmem.torch import gpt2_model, profile_sequential, resnet_model  # noqa: E402
+
+GPT2 = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "64"]
+SIZE_ARRAYS = ("x", "xbar", "w", "o_f", "o_b")
+
+
+def run(capsys, *argv):
+    code = main(["profile", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def isolated_imports(monkeypatch):
+    """load_factory puts folders on sys.path; give each test its own copy."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def _sizes_equal(a: Chain, b: Chain):
+    assert a.n == b.n and a.x0 == b.x0
+    for name in SIZE_ARRAYS:
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+
+
+def _profiled(model, loss_fn, make_batch, batch):
+    x, y = make_batch(batch, torch.Generator().manual_seed(1))
+    return profile_sequential(model, x, y, loss_fn, repeats=1)
+
+
+@pytest.mark.parametrize("model, argv, build", [
+    ("gpt2", GPT2, lambda: gpt2_model(layers=2, hidden=32, heads=4, seq=16, vocab=64)),
+    ("resnet", ["--blocks", "1,1", "--width", "4", "--image", "8"],
+     lambda: resnet_model(blocks=(1, 1), width=4, image=8)),
+])
+def test_a_built_in_model_is_saved_as_profile_sequential_measures_it(
+        capsys, tmp_path, model, argv, build):
+    path = tmp_path / "chain.json"
+    code, out, _ = run(capsys, "--model", model, *argv, "--batch", "2", "--repeats", "1",
+                       "--device", "cpu", "--save", str(path))
+    assert code == 0
+    saved = Chain.load(str(path))
+    torch.manual_seed(0)
+    _sizes_equal(saved, _profiled(*build(), 2))
+    assert saved.name.startswith(model) and saved.name.endswith("-b2")
+    assert (saved.u_f > 0).all() and (saved.u_b > 0).all() and saved.u_loss > 0
+    # the table: a row per stage and the loss, then the summary
+    rows = [line.split()[0] for line in out.splitlines()[2:saved.n + 3]]
+    assert rows == [str(i) for i in range(saved.n)] + ["loss"]
+    assert f"{saved.n} stages" in out and f"wrote {path}" in out
+
+
+def test_the_suggested_budget_plans(capsys, tmp_path):
+    path = tmp_path / "chain.json"
+    code, out, _ = run(capsys, *GPT2, "--repeats", "1", "--save", str(path))
+    assert code == 0
+    command = re.search(r"plan it with: rtmem plan remat (\S+) --memory (\d+)", out)
+    assert command and command.group(1) == str(path)
+    budget = int(command.group(2))
+    code = main(["plan", "remat", str(path), "--memory", str(budget), "--json", "--quiet"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rotor = next(p for p in doc["plans"] if p["planner"] == "rotor")
+    assert rotor["peak_bytes"] <= budget
+
+
+def test_json_prints_the_chain_it_saves(capsys, tmp_path):
+    path = tmp_path / "c.json"
+    code, out, err = run(capsys, *GPT2, "--repeats", "1", "--json", "--save", str(path),
+                         "--name", "mine")
+    assert code == 0 and f"wrote {path}" in err
+    printed = Chain.from_json(out)
+    assert printed.name == "mine" and printed == Chain.load(str(path))
+
+
+def _write_factory(folder, body: str) -> str:
+    """A module of a fresh name in ``folder``; returns its name."""
+    name = f"factory_{uuid.uuid4().hex[:10]}"
+    (folder / f"{name}.py").write_text(textwrap.dedent(body))
+    return name
+
+
+_MLP = """
+    import torch
+    from torch import nn
+
+    def build():
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        def make_batch(batch, generator=None):
+            return (torch.randn(batch, 16, generator=generator),
+                    torch.randn(batch, 4, generator=generator))
+        return model, nn.functional.mse_loss, make_batch
+
+    def blocks():
+        model, loss_fn, make_batch = build()
+        return list(model), loss_fn, make_batch
+"""
+
+
+@pytest.mark.parametrize("how", ["module", "file", "blocks"])
+def test_a_users_factory_is_profiled(capsys, tmp_path, monkeypatch, isolated_imports, how):
+    src = tmp_path / "src"
+    src.mkdir()
+    name = _write_factory(src, _MLP)
+    if how == "module":
+        monkeypatch.chdir(src)                 # found in the current folder, as python -m
+        spec = f"{name}:build"
+    else:
+        monkeypatch.chdir(tmp_path)
+        spec = f"src/{name}.py:{'build' if how == 'file' else 'blocks'}"
+    path = tmp_path / "mlp.json"
+    code, out, _ = run(capsys, "--model", spec, "--batch", "8", "--repeats", "1",
+                       "--save", str(path))
+    assert code == 0, out
+    chain = Chain.load(str(path))
+    f32 = 4
+    # weights: Linear(16, 32) and Linear(32, 4) with biases; the ReLU has none
+    assert chain.w.tolist() == [(16 * 32 + 32) * f32, 0, (32 * 4 + 4) * f32]
+    assert chain.x.tolist() == [8 * 32 * f32, 8 * 32 * f32, 8 * 4 * f32]
+    assert chain.x0 == 8 * 16 * f32
+    assert chain.name == f"{'build' if how != 'blocks' else 'blocks'}-b8"
+
+
+def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypatch,
+                                                    isolated_imports):
+    # as `python src/file.py` finds src/helper.py
+    src = tmp_path / "src"
+    src.mkdir()
+    helper = _write_factory(src, _MLP)
+    name = _write_factory(src, f"from {helper} import build\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "--model", f"src/{name}.py:build", "--repeats", "1", "--json")
+    assert code == 0 and Chain.from_json(out).n == 3
+
+
+@pytest.mark.parametrize("spec, body, fragment", [
+    ("nomodule_{u}:build", None, "no module named 'nomodule_"),
+    ("{m}:nope", _MLP, "has no 'nope'"),
+    ("{m}:torch", _MLP, "is a module, not a function"),
+    ("{m}", _MLP, "give gpt2, resnet, MODULE:FUNCTION or PATH.py:FUNCTION"),
+    ("{m}:", _MLP, "give gpt2, resnet"),
+    ("missing_{u}.py:build", None, "no file 'missing_"),
+    ("{m}:build", "def build():\n    return 1, 2\n", "returned tuple, not (model, loss_fn"),
+    ("{m}:build", "def build():\n    return None, None, print\n",
+     "returned a NoneType as loss_fn; it must be callable"),
+    ("{m}:build", "def build():\n    return None, print, lambda b, g: 7\n",
+     "make_batch of {m}:build returned int, not (inputs, target)"),
+])
+def test_a_factory_that_cannot_be_used_is_named(capsys, tmp_path, monkeypatch,
+                                                isolated_imports, spec, body, fragment):
+    monkeypatch.chdir(tmp_path)
+    u = uuid.uuid4().hex[:8]
+    m = _write_factory(tmp_path, body) if body else "unused"
+    spec, fragment = spec.format(u=u, m=m), fragment.format(u=u, m=m)
+    code, out, err = run(capsys, "--model", spec, "--repeats", "1")
+    assert code == 2 and out == ""
+    assert fragment in err and err.startswith("rtmem profile: error: --model" if
+                                              "returned" not in fragment else "rtmem profile")
+
+
+def test_a_factory_failing_is_not_taken_for_a_missing_module(capsys, tmp_path, monkeypatch,
+                                                             isolated_imports):
+    # a module the factory's module imports is missing: the user's error, as it is
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, "import not_installed_anywhere_xyz\n")
+    code, _, err = run(capsys, "--model", f"{m}:build")
+    assert code == 1 and "No module named 'not_installed_anywhere_xyz'" in err
+    assert "run from the folder" not in err
+
+
+def test_a_factory_running_out_of_memory_is_one_line(capsys, tmp_path, monkeypatch,
+                                                     isolated_imports):
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, """
+        def build():
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 10 bytes")
+    """)
+    code, _, err = run(capsys, "--model", f"{m}:build")
+    assert code == 1
+    assert err.strip() == ("rtmem profile: error: out of host memory (DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 10 bytes); make the "
+                           "model or --batch smaller")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--model", "x:build", "--layers", "3"],
+     "--layers sizes the gpt2 model; --model x:build builds its own model: size it there"),
+    (["--blocks", "2,2"], "--blocks sizes the resnet model; with --model gpt2 use --layers"),
+    (["--hidden", "30", "--heads", "4"], "--hidden 30 must be a multiple of --heads 4"),
+    (["--model", "resnet", "--batch", "1", "--image", "1"], "batch norm needs more than one"),
+    (["--device", "tpu"], "--device 'tpu' is not a torch device"),
+    (["--device", "meta"], "--device 'meta': profiling runs on cpu or cuda"),
+    (["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    (["--save", "."], "argument --save: '.' is a folder; give a file name"),
+])
+def test_bad_usage_is_refused_before_any_work(capsys, argv, fragment):
+    if "--repeats" in argv or "--save" in argv:     # argparse's own refusals
+        with pytest.raises(SystemExit) as e:
+            main(["profile", *argv])
+        code, err = e.value.code, capsys.readouterr().err
+    else:
+        code, _, err = run(capsys, *argv)
+    assert code == 2 and fragment in err
+
+
+def test_profile_is_listed_by_rtmem_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert re.search(r"^\s+profile\s+measure a model", capsys.readouterr().out, flags=re.M)
+
+
+def test_build_model_fills_in_the_defaults_and_refuses_other_options():
+    from rtmem.demo import MODEL_OPTIONS, build_model
+    net, _, make_batch, name = build_model("gpt2", batch=3, layers=1)
+    o = {**MODEL_OPTIONS["gpt2"], "layers": 1}
+    assert name == f"gpt2-L1-h{o['hidden']}-s{o['seq']}-b3"
+    assert len(net) == 1 + 2                    # embedding, one block, head
+    x, _ = make_batch(3)
+    assert tuple(x.shape) == (3, o["seq"])
+    _, _, _, name = build_model("resnet", batch=2, blocks=[1, 2])
+    o = MODEL_OPTIONS["resnet"]
+    assert name == f"resnet-1.2-w{o['width']}-i{o['image']}-b2"
+    with pytest.raises(ValueError, match="blocks do not size the gpt2 model; its options "
+                                         "are layers, hidden, heads, seq, vocab"):
+        build_model("gpt2", blocks=(1,))
+    with pytest.raises(ValueError, match="model must be one of gpt2, resnet, got 'vgg'"):
+        build_model("vgg")
+
+
+@pytest.mark.parametrize("chain, budget, why", [
+    # least 50, peak 230 (both from the planners): half the peak
+    (dict(n=20, x=10), 115, "half the peak"),
+    # least 105, peak 125: halfway between them
+    (dict(n=6, x=10, w=5), 115, "half the peak is below the least feasible 105 B"),
+    # least = peak = 840: nothing is saved by a schedule
+    (dict(n=4, x=10, w=100), 840, "no schedule needs less than the peak"),
+])
+def test_the_default_budget_is_half_the_peak_when_feasible(chain, budget, why):
+    import math
+
+    from rtmem.demo import default_budget
+    from rtmem.planners import min_feasible_memory, plan_store_all
+    c = Chain.homogeneous(chain.pop("n"), **chain)
+    peak = plan_store_all(c, math.inf).peak
+    assert default_budget(c, peak) == (budget, why)
+    assert min_feasible_memory(c) <= budget <= peak
