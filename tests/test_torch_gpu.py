@@ -437,3 +437,18 @@ def test_demo_on_cuda_saves_memory_and_trains_the_same(cuda, tmp_path):
     for a, b in zip(r["plain_losses"], r["plan_losses"]):
         assert math.isclose(a, b, rel_tol=1e-4)
     assert (tmp_path / "rotor_plan.png").exists()
+
+
+def test_profile_command_on_cuda_measures_temporaries(cuda, tmp_path):
+    # on a GPU the chain has the temporaries (o_f, o_b) the CPU cannot measure,
+    # and a plan from it runs within its budget
+    from rtmem.cli import main
+    from rtmem.planners import Chain, plan_store_all
+    path = tmp_path / "chain.json"
+    assert main(["profile", "--layers", "2", "--hidden", "256", "--seq", "256", "--batch",
+                 "8", "--device", DEV, "--repeats", "2", "--save", str(path)]) == 0
+    chain = Chain.load(str(path))
+    assert chain.n == 4 and (chain.o_f > 0).any() and (chain.o_b > 0).any()
+    assert (chain.u_f > 0).all() and (chain.u_b > 0).all()
+    peak = plan_store_all(chain, math.inf).peak
+    assert main(["plan", "remat", str(path), "--memory", str(peak), "--json", "--quiet"]) == 0
