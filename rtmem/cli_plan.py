@@ -26,12 +26,15 @@ class ProgressBar:
     """Status lines and a progress bar on stderr for long solves.
 
     Called with a message, it prints ``[  1.23 s] message``; ``update(fraction)``
-    (0..1, from the DP) redraws ``[####......]  40%`` in place when stderr is a
-    terminal (in logs it stays quiet rather than print 50 lines).
+    (0..1: of the DP table, of the stages profiled) redraws ``label
+    [####......]  40%`` in place when stderr is a terminal (in logs it stays
+    quiet rather than print 50 lines).
     """
 
-    def __init__(self, quiet: bool = False, stream=None, width: int = 30):
+    def __init__(self, quiet: bool = False, stream=None, width: int = 30,
+                 label: str = "DP table"):
         self.quiet = quiet
+        self.label = label
         self.stream = stream or sys.stderr
         self.width = width
         self.start = time.perf_counter()
@@ -51,7 +54,7 @@ class ProgressBar:
             return
         filled = int(round(self.width * min(max(fraction, 0.0), 1.0)))
         bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r{self._elapsed()} DP table [{bar}] {fraction:4.0%}")
+        self.stream.write(f"\r{self._elapsed()} {self.label} [{bar}] {fraction:4.0%}")
         self.stream.flush()
         self._drawn = True
 

@@ -116,6 +116,7 @@ def _table(chain) -> str:
 
 def _cmd_profile(args) -> int:
     from rtmem.cli import _prog, model_sizes_problem, torch_device_problem, torch_oom
+    from rtmem.cli_plan import ProgressBar
     from rtmem.demo import MODEL_OPTIONS
     prog = _prog(args)
     problem = model_sizes_problem(args) or torch_device_problem(args, "profiling")
@@ -145,8 +146,13 @@ def _cmd_profile(args) -> int:
             model = model.to(device)
         else:   # a list of blocks
             model = [m.to(device) for m in model]
+        bar = ProgressBar(quiet=args.quiet, label="stages")
+        bar(f"profiling {args.name or name} on {device.type}, {args.repeats} timed runs "
+            f"per pass ...")
         chain = profile_sequential(model, inputs.to(device), target.to(device), loss_fn,
-                                   repeats=args.repeats, name=args.name or name)
+                                   repeats=args.repeats, name=args.name or name,
+                                   progress=lambda done, total: bar.update(done / total))
+        bar(f"measured {chain.n} stages and the loss")
     except FactoryError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -200,4 +206,5 @@ def register(subparsers) -> None:
                    help="write the chain as JSON here (rtmem plan remat / simulate read it)")
     p.add_argument("--json", action="store_true",
                    help="print the chain's JSON instead of the table")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd_profile)

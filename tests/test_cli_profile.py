@@ -83,8 +83,16 @@ def test_json_prints_the_chain_it_saves(capsys, tmp_path):
     code, out, err = run(capsys, *GPT2, "--repeats", "1", "--json", "--save", str(path),
                          "--name", "mine")
     assert code == 0 and f"wrote {path}" in err
+    # progress on stderr (no bar: not a terminal), the JSON alone on stdout
+    assert "profiling mine on cpu, 1 timed runs per pass" in err
+    assert "measured 4 stages and the loss" in err
     printed = Chain.from_json(out)
     assert printed.name == "mine" and printed == Chain.load(str(path))
+
+
+def test_quiet_prints_no_progress(capsys):
+    code, out, err = run(capsys, *GPT2, "--repeats", "1", "--quiet")
+    assert code == 0 and err == "" and "4 stages" in out
 
 
 def _write_factory(folder, body: str) -> str:

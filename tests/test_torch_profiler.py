@@ -27,3 +27,16 @@ def test_an_output_viewing_a_weight_still_counts_in_xbar():
     x, y = torch.randn(2, 5), torch.randn(2, 1)
     chain = profile_sequential(model, x, y, nn.functional.mse_loss, repeats=1)
     assert chain.x[0] == chain.xbar[0] == 4 * 3 * 4     # the weight's 12 floats
+
+
+def test_progress_is_reported_after_each_stage_and_the_loss():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(2, 3), torch.randn(2, 1)
+    calls = []
+    chain = profile_sequential(model, x, y, nn.functional.mse_loss, repeats=2,
+                               progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)] and chain.n == 3
+    from rtmem.torch import ExecutionError
+    with pytest.raises(ExecutionError, match="progress must be a function progress"
+                                             r"\(done, total\) or None, got int"):
+        profile_sequential(model, x, y, nn.functional.mse_loss, progress=1)

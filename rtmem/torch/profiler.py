@@ -133,12 +133,15 @@ def _put_back_hooks(held: list) -> None:
 
 
 def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_fn, *,
-                       repeats: int = 3, name: str = "") -> Chain:
+                       repeats: int = 3, name: str = "", progress=None) -> Chain:
     """Profile ``model`` (an ``nn.Sequential`` of stages, or a list of modules) on
     one batch.
 
     ``inputs``/``target`` are a representative batch and ``loss_fn(output, target)``
-    the loss. ``repeats`` (>= 1) timed runs per operation, median kept. Parameter
+    the loss. ``repeats`` (>= 1) timed runs per operation, median kept.
+    ``progress``, if given, is called as ``progress(done, total)`` after each
+    stage and after the loss (``total`` = stages + 1), for a progress bar on
+    long profiles (``rtmem profile`` draws one). Parameter
     gradients (the same ``.grad`` objects, with their values, also of tensors
     outside the model that a stage or the loss uses), module buffers (of the
     model and of a loss that is an ``nn.Module``; updated in place or reassigned)
@@ -175,6 +178,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             "inference_mode")
     check_loss_fn(loss_fn)
     repeats = check_int("repeats", repeats, low=1, error=ExecutionError)
+    if progress is not None and not callable(progress):
+        raise ExecutionError(f"progress must be a function progress(done, total) or None, "
+                             f"got {type(progress).__name__}")
     device = inputs.device
     timer = _Timer(device)
     # a loss module's buffers and gradients are the caller's too
@@ -294,6 +300,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             cols["o_f"].append(o_f)
             cols["o_b"].append(o_b)
             x = y.detach()
+            if progress is not None:
+                progress(i + 1, len(model) + 1)
         loss_times = []
         for r in range(repeats):
             with torch.enable_grad(), own_parametrizations():
@@ -309,6 +317,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 with torch.enable_grad(), own_parametrizations():
                     loss_fn(z, target).backward()
             loss_times.append(timer(run)[1])
+        if progress is not None:
+            progress(len(model) + 1, len(model) + 1)
     finally:
         try:
             buffers.restore()
