@@ -157,6 +157,10 @@ def test_progress_bar_draws_on_a_terminal_only():
     quiet = io.StringIO()
     ProgressBar(quiet=True, stream=quiet)("hidden")
     assert quiet.getvalue() == ""
+    assert "] DP table [#####.....]" in tty.getvalue()      # the default label
+    tty = Tty()
+    ProgressBar(stream=tty, width=4, label="stages").update(0.5)
+    assert tty.getvalue().endswith("] stages [##..]  50%")
 
 
 def test_store_all_is_not_shown_faster_than_no_remat(capsys):
