@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import math
 import os
+import shlex
 import sys
 
 __all__ = ["load_factory", "register"]
@@ -140,16 +141,17 @@ def _cmd_profile(args) -> int:
             factory = load_factory(args.model)
             model, loss_fn, make_batch = _built(args.model, factory())
             name = f"{factory.__name__}-b{args.batch}"
-        inputs, target = _batch(args.model, make_batch, args.batch,
-                                torch.Generator().manual_seed(1))
+        inputs, target = (t.to(device) if isinstance(t, torch.Tensor) else t for t in _batch(
+            args.model, make_batch, args.batch, torch.Generator().manual_seed(1)))
+        # anything else than modules is profile_sequential's to refuse, by name
         if isinstance(model, torch.nn.Module):
             model = model.to(device)
-        else:   # a list of blocks
-            model = [m.to(device) for m in model]
+        elif isinstance(model, (list, tuple)):      # a list of blocks
+            model = [m.to(device) if isinstance(m, torch.nn.Module) else m for m in model]
         bar = ProgressBar(quiet=args.quiet, label="stages")
         bar(f"profiling {args.name or name} on {device.type}, {args.repeats} timed runs "
             f"per pass ...")
-        chain = profile_sequential(model, inputs.to(device), target.to(device), loss_fn,
+        chain = profile_sequential(model, inputs, target, loss_fn,
                                    repeats=args.repeats, name=args.name or name,
                                    progress=lambda done, total: bar.update(done / total))
         bar(f"measured {chain.n} stages and the loss")
@@ -179,7 +181,8 @@ def _cmd_profile(args) -> int:
           f"{format_bytes(min_feasible_memory(chain))} (simulated)")
     if args.save:
         budget, why = default_budget(chain, full.peak)
-        print(f"wrote {args.save}; plan it with: rtmem plan remat {args.save} --memory "
+        print(f"wrote {args.save}; plan it with: rtmem plan remat {shlex.quote(args.save)} "
+              f"--memory "
               f"{budget}   ({format_bytes(budget)}: {why})")
     else:
         print("add --save FILE.json to plan it: rtmem plan remat FILE.json --memory ...")

@@ -180,6 +180,30 @@ def test_a_factory_that_cannot_be_used_is_named(capsys, tmp_path, monkeypatch,
                                               "returned" not in fragment else "rtmem profile")
 
 
+@pytest.mark.parametrize("body, fragment", [
+    ("import torch\ndef build():\n"
+     "    return torch.nn.Sequential(torch.nn.ReLU()), print, lambda b, g: (1, 2)\n",
+     "inputs must be a torch.Tensor (the first stage's input), got int"),
+    ("import torch\ndef build():\n    return 5, print, lambda b, g: (torch.ones(1), 2)\n",
+     "profile_sequential needs an nn.Sequential of stages or a list of modules, got int"),
+    ("import torch\ndef build():\n"
+     "    return [torch.nn.ReLU(), 3], print, lambda b, g: (torch.ones(1), 2)\n",
+     "or a list of modules, got list"),
+])
+def test_what_profile_sequential_refuses_is_named(capsys, tmp_path, monkeypatch,
+                                                 isolated_imports, body, fragment):
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, body)
+    code, _, err = run(capsys, "--model", f"{m}:build", "--quiet")
+    assert code == 1 and err.startswith("rtmem profile: error: ") and fragment in err
+
+
+def test_the_plan_command_is_quoted_for_the_shell(capsys, tmp_path):
+    path = tmp_path / "my chain.json"
+    code, out, _ = run(capsys, *GPT2, "--repeats", "1", "--quiet", "--save", str(path))
+    assert code == 0 and f"rtmem plan remat '{path}' --memory " in out
+
+
 def test_a_factory_failing_is_not_taken_for_a_missing_module(capsys, tmp_path, monkeypatch,
                                                              isolated_imports):
     # a module the factory's module imports is missing: the user's error, as it is
