@@ -23,7 +23,7 @@ from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
 __all__ = ["main", "add_model_size_args", "at_least", "load_chain", "load_schedule",
            "model_sizes_problem", "output_file", "platform_value", "torch_device_problem",
-           "writable"]
+           "torch_oom", "writable"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
 PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
