@@ -116,10 +116,10 @@ def _table(chain) -> str:
 
 
 def _cmd_profile(args) -> int:
-    from rtmem.cli import _prog, model_sizes_problem, torch_device_problem, torch_oom
+    from rtmem.cli import model_sizes_problem, torch_device_problem, torch_oom
     from rtmem.cli_plan import ProgressBar
     from rtmem.demo import MODEL_OPTIONS
-    prog = _prog(args)
+    prog = "rtmem profile"
     problem = model_sizes_problem(args) or torch_device_problem(args, "profiling")
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
