@@ -60,6 +60,12 @@ def load_factory(spec: str):
             del sys.modules[name]
             raise
     else:
+        if module_name.startswith("."):
+            # importlib's TypeError ("the 'package' argument is required to perform
+            # a relative import") was a traceback for --model ./model:build
+            raise FactoryError(f"--model {spec!r}: {module_name!r} is a relative module "
+                               f"name; give the module as python -m takes it "
+                               f"(package.module) or the file: path/to/file.py:{attr}")
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:

@@ -162,6 +162,8 @@ def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypa
     ("{m}", _MLP, "give gpt2, resnet, MODULE:FUNCTION or PATH.py:FUNCTION"),
     ("{m}:", _MLP, "give gpt2, resnet"),
     ("missing_{u}.py:build", None, "no file 'missing_"),
+    ("./{m}:build", _MLP, "'./{m}' is a relative module name; give the module as python -m"),
+    (".{m}:build", _MLP, "'.{m}' is a relative module name"),
     ("{m}:build", "def build():\n    return 1, 2\n", "returned tuple, not (model, loss_fn"),
     ("{m}:build", "def build():\n    return None, None, print\n",
      "returned a NoneType as loss_fn; it must be callable"),
