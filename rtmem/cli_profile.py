@@ -146,7 +146,9 @@ def _cmd_profile(args) -> int:
         else:
             factory = load_factory(args.model)
             model, loss_fn, make_batch = _built(args.model, factory())
-            name = f"{factory.__name__}-b{args.batch}"
+            # a functools.partial or an object with __call__ has no __name__ (an
+            # AttributeError from here): the FUNCTION the spec names then
+            name = f"{getattr(factory, '__name__', args.model.rpartition(':')[2])}-b{args.batch}"
         inputs, target = (t.to(device) if isinstance(t, torch.Tensor) else t for t in _batch(
             args.model, make_batch, args.batch, torch.Generator().manual_seed(1)))
         # anything else than modules is profile_sequential's to refuse, by name

@@ -143,6 +143,27 @@ def test_a_users_factory_is_profiled(capsys, tmp_path, monkeypatch, isolated_imp
     assert chain.name == f"{'build' if how != 'blocks' else 'blocks'}-b8"
 
 
+def test_a_factory_without_a_name_names_the_chain_after_the_spec(capsys, tmp_path, monkeypatch,
+                                                                 isolated_imports):
+    # a functools.partial and an object with __call__ have no __name__
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, _MLP + """
+    import functools
+
+    small = functools.partial(build)
+
+    class Factory:
+        def __call__(self):
+            return build()
+
+    made = Factory()
+    """)
+    for attr in ("small", "made"):
+        code, out, _ = run(capsys, "--model", f"{m}:{attr}", "--batch", "2", "--repeats", "1",
+                           "--json", "--quiet")
+        assert code == 0 and Chain.from_json(out).name == f"{attr}-b2"
+
+
 def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypatch,
                                                     isolated_imports):
     # as `python src/file.py` finds src/helper.py
