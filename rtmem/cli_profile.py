@@ -88,6 +88,22 @@ def load_factory(spec: str):
     return fn
 
 
+def _check_call(fn, args: tuple, what: str) -> None:
+    """Raise :class:`FactoryError` when ``fn`` cannot take ``args``: the TypeError
+    of calling it was a traceback through this module (``--model json:dumps``,
+    a ``make_batch(batch)`` without the generator), not the user's bug. ``what``
+    names the call, as the user wrote it."""
+    import inspect
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):     # none to read (some builtins): called as it is
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        raise FactoryError(f"{what}: {e}") from None
+
+
 def _built(spec: str, made):
     """``made`` (what the factory returned) checked: (model, loss_fn, make_batch)."""
     if not (isinstance(made, (tuple, list)) and len(made) == 3):
@@ -103,6 +119,8 @@ def _built(spec: str, made):
 
 def _batch(spec: str, make_batch, batch: int, generator):
     """``make_batch(batch, generator)`` checked: (inputs, target)."""
+    _check_call(make_batch, (batch, generator), f"the make_batch of {spec} is called as "
+                f"make_batch(batch, generator)")
     made = make_batch(batch, generator)
     if not (isinstance(made, (tuple, list)) and len(made) == 2):
         raise FactoryError(f"the make_batch of {spec} returned {type(made).__name__}, not "
@@ -145,10 +163,13 @@ def _cmd_profile(args) -> int:
                                                            **sizes)
         else:
             factory = load_factory(args.model)
+            attr = args.model.rpartition(":")[2]
+            _check_call(factory, (), f"--model {args.model!r}: {attr}() is called with no "
+                        f"arguments")
             model, loss_fn, make_batch = _built(args.model, factory())
             # a functools.partial or an object with __call__ has no __name__ (an
             # AttributeError from here): the FUNCTION the spec names then
-            name = f"{getattr(factory, '__name__', args.model.rpartition(':')[2])}-b{args.batch}"
+            name = f"{getattr(factory, '__name__', attr)}-b{args.batch}"
         inputs, target = (t.to(device) if isinstance(t, torch.Tensor) else t for t in _batch(
             args.model, make_batch, args.batch, torch.Generator().manual_seed(1)))
         # anything else than modules is profile_sequential's to refuse, by name

@@ -186,6 +186,10 @@ def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypa
     ("./{m}:build", _MLP, "'./{m}' is a relative module name; give the module as python -m"),
     (".{m}:build", _MLP, "'.{m}' is a relative module name"),
     ("{m}:build", "def build():\n    return 1, 2\n", "returned tuple, not (model, loss_fn"),
+    ("json:dumps", None, "dumps() is called with no arguments: missing a required argument: "
+     "'obj'"),
+    ("{m}:build", "def build(size):\n    return 1, 2\n",
+     "build() is called with no arguments: missing a required argument: 'size'"),
     ("{m}:build", "def build():\n    return None, None, print\n",
      "returned a NoneType as loss_fn; it must be callable"),
     ("{m}:build", "def build():\n    return None, print, lambda b, g: 7\n",
@@ -201,6 +205,18 @@ def test_a_factory_that_cannot_be_used_is_named(capsys, tmp_path, monkeypatch,
     assert code == 2 and out == ""
     assert fragment in err and err.startswith("rtmem profile: error: --model" if
                                               "returned" not in fragment else "rtmem profile")
+
+
+def test_a_make_batch_without_the_generator_argument_is_named(capsys, tmp_path, monkeypatch,
+                                                              isolated_imports):
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, "import torch\ndef build():\n"
+                                 "    return torch.nn.Sequential(torch.nn.ReLU()), print, "
+                                 "lambda b: (torch.ones(b), 1)\n")
+    code, out, err = run(capsys, "--model", f"{m}:build", "--quiet")
+    assert code == 2 and out == ""
+    assert err == (f"rtmem profile: error: the make_batch of {m}:build is called as "
+                   f"make_batch(batch, generator): too many positional arguments\n")
 
 
 @pytest.mark.parametrize("body, fragment", [
