@@ -195,6 +195,10 @@ def _cmd_profile(args) -> int:
               file=sys.stderr)
         return 1
     if args.save:
+        # a missing folder is made, as rtmem plan remat --save makes one (--save
+        # took it, then failed with "[Errno 2] No such file or directory" after
+        # the profiling)
+        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
         chain.save(args.save)
     if args.json:
         print(chain.to_json(indent=1))

@@ -78,6 +78,15 @@ def test_the_suggested_budget_plans(capsys, tmp_path):
     assert rotor["peak_bytes"] <= budget
 
 
+@pytest.mark.parametrize("json_", [False, True])
+def test_save_makes_a_missing_folder(capsys, tmp_path, json_):
+    path = tmp_path / "new" / "sub" / "c.json"
+    code, out, err = run(capsys, *GPT2, "--repeats", "1", "--quiet", "--save", str(path),
+                         *(["--json"] if json_ else []))
+    assert code == 0 and err == ("" if not json_ else f"wrote {path}\n")
+    assert Chain.load(str(path)).n == 4
+
+
 def test_json_prints_the_chain_it_saves(capsys, tmp_path):
     path = tmp_path / "c.json"
     code, out, err = run(capsys, *GPT2, "--repeats", "1", "--json", "--save", str(path),
