@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import math
 import os
+import re
 import shlex
 import sys
 
@@ -50,7 +51,10 @@ def load_factory(spec: str):
         folder = os.path.dirname(path)
         if folder not in sys.path:
             sys.path.insert(0, folder)
-        name = f"_rtmem_profile_{os.path.splitext(os.path.basename(path))[0]}"
+        # one identifier: a dot ("model.v2.py") made a submodule name of a package
+        # that does not exist, which pickle could not import its classes from
+        stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+        name = f"_rtmem_profile_{stem}"
         loader_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[name] = module      # dataclasses and pickling look modules up there

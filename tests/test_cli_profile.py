@@ -173,6 +173,28 @@ def test_a_factory_without_a_name_names_the_chain_after_the_spec(capsys, tmp_pat
         assert code == 0 and Chain.from_json(out).name == f"{attr}-b2"
 
 
+@pytest.mark.parametrize("file", ["model.v2.py", "my model-1.py"])
+def test_a_factory_files_classes_can_be_pickled(capsys, tmp_path, monkeypatch,
+                                               isolated_imports, file):
+    # pickle imports a class's module by name: "model.v2" named a package "model"
+    (tmp_path / file).write_text(textwrap.dedent(_MLP + """
+    import dataclasses
+    import pickle
+
+    @dataclasses.dataclass
+    class Config:
+        width: int = 16
+
+    def pickled():
+        assert pickle.loads(pickle.dumps(Config())) == Config()
+        return build()
+    """))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "--model", f"{file}:pickled", "--repeats", "1", "--json",
+                         "--quiet")
+    assert code == 0 and Chain.from_json(out).n == 3, err
+
+
 def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypatch,
                                                     isolated_imports):
     # as `python src/file.py` finds src/helper.py
