@@ -85,7 +85,15 @@ def load_factory(spec: str):
                                f"path/to/file.py:{attr})") from None
     fn = getattr(module, attr, None)
     if fn is None:
-        raise FactoryError(f"--model {spec!r}: {module_name} has no {attr!r}")
+        # the module of that name imported first is the one found: a ./profile.py
+        # got the standard library's profile, reported only as "profile has no
+        # 'build'"; say which file it is when it is not under the current folder
+        where = getattr(module, "__file__", None)
+        found = (f" (found {where}; for a file of yours of that name give its path: "
+                 f"path/to/file.py:{attr})"
+                 if where and not module_name.endswith(".py") and not os.path.abspath(
+                     where).startswith(os.path.join(os.getcwd(), "")) else "")
+        raise FactoryError(f"--model {spec!r}: {module_name} has no {attr!r}{found}")
     if not callable(fn):
         raise FactoryError(f"--model {spec!r}: {module_name}.{attr} is a "
                            f"{type(fn).__name__}, not a function")

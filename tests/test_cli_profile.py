@@ -195,6 +195,22 @@ def test_a_factory_files_classes_can_be_pickled(capsys, tmp_path, monkeypatch,
     assert code == 0 and Chain.from_json(out).n == 3, err
 
 
+def test_a_module_already_imported_under_the_name_is_named(capsys, tmp_path, monkeypatch,
+                                                          isolated_imports):
+    # torch imported the standard library's profile before ./profile.py is looked for
+    import profile
+    (tmp_path / "profile.py").write_text(textwrap.dedent(_MLP))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "--model", "profile:build", "--quiet")
+    assert code == 2
+    assert err == (f"rtmem profile: error: --model 'profile:build': profile has no 'build' "
+                   f"(found {profile.__file__}; for a file of yours of that name give its "
+                   f"path: path/to/file.py:build)\n")
+    code, out, _ = run(capsys, "--model", "profile.py:build", "--repeats", "1", "--json",
+                       "--quiet")
+    assert code == 0 and Chain.from_json(out).n == 3
+
+
 def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypatch,
                                                     isolated_imports):
     # as `python src/file.py` finds src/helper.py
@@ -209,7 +225,7 @@ def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypa
 
 @pytest.mark.parametrize("spec, body, fragment", [
     ("nomodule_{u}:build", None, "no module named 'nomodule_"),
-    ("{m}:nope", _MLP, "has no 'nope'"),
+    ("{m}:nope", _MLP, "{m} has no 'nope'\n"),       # the file found is the user's
     ("{m}:torch", _MLP, "is a module, not a function"),
     ("{m}", _MLP, "give gpt2, resnet, MODULE:FUNCTION or PATH.py:FUNCTION"),
     ("{m}:", _MLP, "give gpt2, resnet"),
