@@ -22,8 +22,8 @@ from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
 __all__ = ["main", "add_model_size_args", "at_least", "load_chain", "load_schedule",
-           "model_sizes_problem", "output_file", "platform_value", "torch_device_problem",
-           "torch_oom", "writable"]
+           "model_sizes_problem", "output_file", "platform_value", "save_document",
+           "torch_device_problem", "torch_oom", "writable"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
 PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
@@ -129,6 +129,14 @@ def writable(path: str, replace: bool = False) -> str | None:
         # also those above a folder makedirs failed to make (a name too long)
         remove_empty_folders(made)
     return None
+
+
+def save_document(doc, path: str) -> None:
+    """``doc.save(path)`` (a Chain or Plan) after making ``path``'s missing
+    folders, which :func:`output_file` accepted: the save failed with "[Errno 2]
+    No such file or directory" after the whole solve or profile."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    doc.save(path)
 
 
 def output_file(*suffixes, replace: bool = False):

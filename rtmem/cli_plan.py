@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 
-from rtmem.cli import PLOT_SUFFIXES, at_least, output_file, platform_value
+from rtmem.cli import PLOT_SUFFIXES, at_least, output_file, platform_value, save_document
 
 __all__ = ["COMPARISON_HEADERS", "ProgressBar", "comparison_rows", "register"]
 
@@ -121,10 +120,7 @@ def _cmd_remat(args) -> int:
     reference = chain.compute_time       # makespan without rematerialization
     rows, docs = comparison_rows(results, reference)
     if args.save:
-        # a missing folder is made, as --plot makes one (it failed with "[Errno 2] No
-        # such file or directory" after the whole solve)
-        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        rotor.save(args.save)
+        save_document(rotor, args.save)
         say(f"wrote the rotor plan to {args.save}")
     if args.plot:
         from rtmem.plot import plot_schedule

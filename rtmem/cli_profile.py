@@ -97,6 +97,7 @@ def load_factory(spec: str):
     if not callable(fn):
         raise FactoryError(f"--model {spec!r}: {module_name}.{attr} is a "
                            f"{type(fn).__name__}, not a function")
+    _check_call(fn, (), f"--model {spec!r}: {attr}() is called with no arguments")
     return fn
 
 
@@ -116,12 +117,18 @@ def _check_call(fn, args: tuple, what: str) -> None:
         raise FactoryError(f"{what}: {e}") from None
 
 
+def _returned(made, count: int, who: str, expected: str):
+    """``made``, what ``who`` returned, if it is a tuple or list of ``count``
+    items; else :class:`FactoryError` saying it should be ``expected``."""
+    if not (isinstance(made, (tuple, list)) and len(made) == count):
+        raise FactoryError(f"{who} returned {type(made).__name__}, not {expected}")
+    return made
+
+
 def _built(spec: str, made):
     """``made`` (what the factory returned) checked: (model, loss_fn, make_batch)."""
-    if not (isinstance(made, (tuple, list)) and len(made) == 3):
-        raise FactoryError(f"{spec}() returned {type(made).__name__}, not (model, loss_fn, "
-                           f"make_batch) as rtmem.torch.gpt2_model returns")
-    model, loss_fn, make_batch = made
+    model, loss_fn, make_batch = _returned(made, 3, f"{spec}()", "(model, loss_fn, "
+                                           "make_batch) as rtmem.torch.gpt2_model returns")
     for what, value in (("loss_fn", loss_fn), ("make_batch", make_batch)):
         if not callable(value):
             raise FactoryError(f"{spec}() returned a {type(value).__name__} as {what}; it "
@@ -131,13 +138,10 @@ def _built(spec: str, made):
 
 def _batch(spec: str, make_batch, batch: int, generator):
     """``make_batch(batch, generator)`` checked: (inputs, target)."""
-    _check_call(make_batch, (batch, generator), f"the make_batch of {spec} is called as "
-                f"make_batch(batch, generator)")
-    made = make_batch(batch, generator)
-    if not (isinstance(made, (tuple, list)) and len(made) == 2):
-        raise FactoryError(f"the make_batch of {spec} returned {type(made).__name__}, not "
-                           f"(inputs, target)")
-    return made
+    who = f"the make_batch of {spec}"
+    _check_call(make_batch, (batch, generator),
+                f"{who} is called as make_batch(batch, generator)")
+    return _returned(make_batch(batch, generator), 2, who, "(inputs, target)")
 
 
 def _table(chain) -> str:
@@ -152,7 +156,7 @@ def _table(chain) -> str:
 
 
 def _cmd_profile(args) -> int:
-    from rtmem.cli import model_sizes_problem, torch_device_problem, torch_oom
+    from rtmem.cli import model_sizes_problem, save_document, torch_device_problem, torch_oom
     from rtmem.cli_plan import ProgressBar
     from rtmem.demo import MODEL_OPTIONS
     prog = "rtmem profile"
@@ -175,13 +179,11 @@ def _cmd_profile(args) -> int:
                                                            **sizes)
         else:
             factory = load_factory(args.model)
-            attr = args.model.rpartition(":")[2]
-            _check_call(factory, (), f"--model {args.model!r}: {attr}() is called with no "
-                        f"arguments")
             model, loss_fn, make_batch = _built(args.model, factory())
             # a functools.partial or an object with __call__ has no __name__ (an
             # AttributeError from here): the FUNCTION the spec names then
-            name = f"{getattr(factory, '__name__', attr)}-b{args.batch}"
+            name = getattr(factory, "__name__", args.model.rpartition(":")[2])
+            name = f"{name}-b{args.batch}"
         inputs, target = (t.to(device) if isinstance(t, torch.Tensor) else t for t in _batch(
             args.model, make_batch, args.batch, torch.Generator().manual_seed(1)))
         # anything else than modules is profile_sequential's to refuse, by name
@@ -189,11 +191,11 @@ def _cmd_profile(args) -> int:
             model = model.to(device)
         elif isinstance(model, (list, tuple)):      # a list of blocks
             model = [m.to(device) if isinstance(m, torch.nn.Module) else m for m in model]
+        name = args.name or name
         bar = ProgressBar(quiet=args.quiet, label="stages")
-        bar(f"profiling {args.name or name} on {device.type}, {args.repeats} timed runs "
-            f"per pass ...")
-        chain = profile_sequential(model, inputs, target, loss_fn,
-                                   repeats=args.repeats, name=args.name or name,
+        bar(f"profiling {name} on {device.type}, {args.repeats} timed runs per pass ...")
+        chain = profile_sequential(model, inputs, target, loss_fn, repeats=args.repeats,
+                                   name=name,
                                    progress=lambda done, total: bar.update(done / total))
         bar(f"measured {chain.n} stages and the loss")
     except FactoryError as e:
@@ -207,28 +209,22 @@ def _cmd_profile(args) -> int:
               file=sys.stderr)
         return 1
     if args.save:
-        # a missing folder is made, as rtmem plan remat --save makes one (--save
-        # took it, then failed with "[Errno 2] No such file or directory" after
-        # the profiling)
-        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        chain.save(args.save)
+        save_document(chain, args.save)
     if args.json:
         print(chain.to_json(indent=1))
         if args.save:
             print(f"wrote {args.save}", file=sys.stderr)
         return 0
-    full = plan_store_all(chain, math.inf)
+    peak, least = plan_store_all(chain, math.inf).peak, min_feasible_memory(chain)
     print(_table(chain))
     print(f"\n{chain.name} on {device.type}: {chain.n} stages, input "
           f"{format_bytes(chain.x0)}, weights {format_bytes(int(chain.w.sum()))}, compute "
           f"{format_seconds(chain.compute_time)} per step; no-remat peak "
-          f"{format_bytes(full.peak)}, least feasible "
-          f"{format_bytes(min_feasible_memory(chain))} (simulated)")
+          f"{format_bytes(peak)}, least feasible {format_bytes(least)} (simulated)")
     if args.save:
-        budget, why = default_budget(chain, full.peak)
+        budget, why = default_budget(least, peak)
         print(f"wrote {args.save}; plan it with: rtmem plan remat {shlex.quote(args.save)} "
-              f"--memory "
-              f"{budget}   ({format_bytes(budget)}: {why})")
+              f"--memory {budget}   ({format_bytes(budget)}: {why})")
     else:
         print("add --save FILE.json to plan it: rtmem plan remat FILE.json --memory ...")
     return 0

@@ -103,13 +103,12 @@ def build_model(model: str = "gpt2", *, batch: int = 4, **sizes):
     return net, loss_fn, make_batch, name
 
 
-def default_budget(chain, peak: int) -> tuple[int, str]:
-    """The demo's budget for ``chain`` whose no-remat peak is ``peak`` bytes:
-    half the peak, unless weights leave no schedule that small; then halfway
-    between the least feasible memory and the peak. Returns (bytes, why)."""
-    from rtmem.planners import min_feasible_memory
+def default_budget(least: int, peak: int) -> tuple[int, str]:
+    """The demo's budget for a chain whose least feasible memory
+    (:func:`~rtmem.planners.min_feasible_memory`) is ``least`` bytes and whose
+    no-remat peak is ``peak`` bytes: half the peak, unless weights leave no
+    schedule that small; then halfway between the two. Returns (bytes, why)."""
     from rtmem.units import format_bytes
-    least = min_feasible_memory(chain)
     if peak // 2 >= least:
         return peak // 2, "half the peak"
     if least >= peak:
@@ -136,7 +135,8 @@ def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: 
     from rtmem._table import format_table
     from rtmem.cli_plan import COMPARISON_HEADERS, comparison_rows
     from rtmem.optim import CPUAdam
-    from rtmem.planners import Platform, compare_remat, plan_store_all, store_all_schedule
+    from rtmem.planners import (Platform, compare_remat, min_feasible_memory, plan_store_all,
+                                store_all_schedule)
     from rtmem.planners.plan import Plan, as_budget
     from rtmem.plot import plot_schedule
     from rtmem.torch import ScheduleExecutor, profile_sequential
@@ -162,7 +162,7 @@ def run_demo(*, model: str = "gpt2", layers: int = 6, hidden: int = 128, heads: 
         if memory is not None:
             budget = as_budget(memory)
         else:
-            budget, why = default_budget(chain, full.peak)
+            budget, why = default_budget(min_feasible_memory(chain), full.peak)
             why = f" ({why})"
         say(f"{chain.name}: {chain.n} stages, {format_bytes(int(chain.w.sum()))} of weights, "
             f"no-remat peak {format_bytes(full.peak)} (simulated), budget "

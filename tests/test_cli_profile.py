@@ -375,5 +375,5 @@ def test_the_default_budget_is_half_the_peak_when_feasible(chain, budget, why):
     from rtmem.planners import min_feasible_memory, plan_store_all
     c = Chain.homogeneous(chain.pop("n"), **chain)
     peak = plan_store_all(c, math.inf).peak
-    assert default_budget(c, peak) == (budget, why)
+    assert default_budget(min_feasible_memory(c), peak) == (budget, why)
     assert min_feasible_memory(c) <= budget <= peak
