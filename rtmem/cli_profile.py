@@ -12,12 +12,15 @@ same options as ``rtmem demo``) or the user's own, named ``MODULE:FUNCTION``
 it) or ``PATH.py:FUNCTION``. ``FUNCTION()`` returns ``(model, loss_fn,
 make_batch)`` as :func:`rtmem.torch.gpt2_model` does: an ``nn.Sequential`` (or a
 list of modules), ``loss_fn(output, target)`` and ``make_batch(batch,
-generator)`` returning ``(inputs, target)`` CPU tensors; the command moves both
-and the model to ``--device``.
+generator)`` returning ``(inputs, target)`` on the CPU (an input tensor; the
+target's tensors may nest in tuples, lists and dicts); the command moves them
+and the model to ``--device``. With ``--json`` the chain is alone on stdout:
+what the user's code prints goes to stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -144,6 +147,52 @@ def _batch(spec: str, make_batch, batch: int, generator):
     return _returned(make_batch(batch, generator), 2, who, "(inputs, target)")
 
 
+def _tensors(obj):
+    """The tensors in ``obj``: itself, or those nested in its tuples, lists and
+    dict values."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _to_device(obj, device):
+    """``obj`` with its tensors on ``device``, nested in tuples (named ones
+    included), lists and dicts as ``make_batch`` returned them: a target of
+    ``(labels, mask)`` stayed on the CPU while the model ran on --device."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):     # a namedtuple
+        return type(obj)(*(_to_device(item, device) for item in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(item, device) for item in obj)
+    if isinstance(obj, dict):
+        return type(obj)((key, _to_device(item, device)) for key, item in obj.items())
+    return obj
+
+
+def _refuse_meta(spec: str, blocks, inputs, target) -> None:
+    """Raise :class:`FactoryError` when the model or batch is on the meta device
+    (shapes, no data; e.g. built under ``torch.device("meta")``): moving it
+    ended in torch's "Cannot copy out of meta tensor" traceback."""
+    import torch
+    for block in blocks:
+        if isinstance(block, torch.nn.Module) and any(
+                t.is_meta for t in (*block.parameters(), *block.buffers())):
+            raise FactoryError(f"{spec}() returned a model on the meta device (shapes, no "
+                               f"data), which cannot run; build it on a real device, or "
+                               f"model.to_empty(device='cpu') and initialize its weights")
+    if any(t.is_meta for t in (*_tensors(inputs), *_tensors(target))):
+        raise FactoryError(f"the make_batch of {spec} returned tensors on the meta device "
+                           f"(shapes, no data); return real tensors")
+
+
 def _table(chain) -> str:
     from rtmem._table import format_table
     from rtmem.units import format_bytes, format_seconds
@@ -155,10 +204,48 @@ def _table(chain) -> str:
                          "weights"], rows)
 
 
+def _measure(args, device):
+    """Build the model ``args`` names, profile one batch of it on ``device``;
+    the :class:`~rtmem.planners.Chain`."""
+    import torch
+
+    from rtmem.cli_plan import ProgressBar
+    from rtmem.demo import MODEL_OPTIONS, build_model
+    from rtmem.torch import profile_sequential
+    torch.manual_seed(0)
+    if args.model in MODEL_OPTIONS:
+        sizes = {name: getattr(args, name) for name in MODEL_OPTIONS[args.model]}
+        model, loss_fn, make_batch, name = build_model(args.model, batch=args.batch,
+                                                       **sizes)
+    else:
+        factory = load_factory(args.model)
+        model, loss_fn, make_batch = _built(args.model, factory())
+        # a functools.partial or an object with __call__ has no __name__ (an
+        # AttributeError from here): the FUNCTION the spec names then
+        name = getattr(factory, "__name__", args.model.rpartition(":")[2])
+        name = f"{name}-b{args.batch}"
+    inputs, target = _batch(args.model, make_batch, args.batch,
+                            torch.Generator().manual_seed(1))
+    blocks = model if isinstance(model, (list, tuple)) else [model]
+    _refuse_meta(args.model, blocks, inputs, target)
+    inputs, target = _to_device(inputs, device), _to_device(target, device)
+    # anything else than modules is profile_sequential's to refuse, by name
+    if isinstance(model, torch.nn.Module):
+        model = model.to(device)
+    elif isinstance(model, (list, tuple)):      # a list of blocks
+        model = [m.to(device) if isinstance(m, torch.nn.Module) else m for m in model]
+    name = args.name or name
+    bar = ProgressBar(quiet=args.quiet, label="stages")
+    bar(f"profiling {name} on {device.type}, {args.repeats} timed runs per pass ...")
+    chain = profile_sequential(model, inputs, target, loss_fn, repeats=args.repeats,
+                               name=name,
+                               progress=lambda done, total: bar.update(done / total))
+    bar(f"measured {chain.n} stages and the loss")
+    return chain
+
+
 def _cmd_profile(args) -> int:
     from rtmem.cli import model_sizes_problem, save_document, torch_device_problem, torch_oom
-    from rtmem.cli_plan import ProgressBar
-    from rtmem.demo import MODEL_OPTIONS
     prog = "rtmem profile"
     problem = model_sizes_problem(args) or torch_device_problem(args, "profiling")
     if problem:
@@ -166,38 +253,17 @@ def _cmd_profile(args) -> int:
         return 2
     import torch
 
-    from rtmem.demo import build_model, default_budget
+    from rtmem.demo import default_budget
     from rtmem.planners import min_feasible_memory, plan_store_all
-    from rtmem.torch import profile_sequential
     from rtmem.units import format_bytes, format_seconds
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        torch.manual_seed(0)
-        if args.model in MODEL_OPTIONS:
-            sizes = {name: getattr(args, name) for name in MODEL_OPTIONS[args.model]}
-            model, loss_fn, make_batch, name = build_model(args.model, batch=args.batch,
-                                                           **sizes)
-        else:
-            factory = load_factory(args.model)
-            model, loss_fn, make_batch = _built(args.model, factory())
-            # a functools.partial or an object with __call__ has no __name__ (an
-            # AttributeError from here): the FUNCTION the spec names then
-            name = getattr(factory, "__name__", args.model.rpartition(":")[2])
-            name = f"{name}-b{args.batch}"
-        inputs, target = (t.to(device) if isinstance(t, torch.Tensor) else t for t in _batch(
-            args.model, make_batch, args.batch, torch.Generator().manual_seed(1)))
-        # anything else than modules is profile_sequential's to refuse, by name
-        if isinstance(model, torch.nn.Module):
-            model = model.to(device)
-        elif isinstance(model, (list, tuple)):      # a list of blocks
-            model = [m.to(device) if isinstance(m, torch.nn.Module) else m for m in model]
-        name = args.name or name
-        bar = ProgressBar(quiet=args.quiet, label="stages")
-        bar(f"profiling {name} on {device.type}, {args.repeats} timed runs per pass ...")
-        chain = profile_sequential(model, inputs, target, loss_fn, repeats=args.repeats,
-                                   name=name,
-                                   progress=lambda done, total: bar.update(done / total))
-        bar(f"measured {chain.n} stages and the loss")
+        # with --json stdout is the chain's alone: what the user's module, model
+        # or loss prints goes to stderr (it came before the JSON, which then
+        # did not parse)
+        with (contextlib.redirect_stdout(sys.stderr) if args.json
+              else contextlib.nullcontext()):
+            chain = _measure(args, device)
     except FactoryError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

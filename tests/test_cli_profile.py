@@ -284,6 +284,107 @@ def test_what_profile_sequential_refuses_is_named(capsys, tmp_path, monkeypatch,
     assert code == 1 and err.startswith("rtmem profile: error: ") and fragment in err
 
 
+def test_tensors_nested_in_the_batch_are_moved_to_the_device(capsys, tmp_path, monkeypatch,
+                                                            isolated_imports):
+    # the loss records the containers and devices it is given (this machine has
+    # only the cpu; test_to_device_keeps_the_containers... checks each tensor moves)
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, """
+        import collections
+        import torch
+        from torch import nn
+
+        Pair = collections.namedtuple("Pair", "labels weights")
+        seen = []
+
+        def loss(out, target):
+            pair, extra = target["pair"], target["extra"]
+            seen.append((type(target).__name__, type(pair).__name__, [
+                t.device.type for t in (pair.labels, pair.weights, extra[0])]))
+            return ((out - pair.labels) ** 2 * pair.weights).mean() + 0 * extra[0].sum()
+
+        def build():
+            def make_batch(batch, generator):
+                x = torch.randn(batch, 4, generator=generator)
+                return x, {"pair": Pair(torch.randn(batch, 2), torch.rand(batch, 2)),
+                           "extra": [torch.ones(1)]}
+            return nn.Sequential(nn.Linear(4, 2)), loss, make_batch
+    """)
+    code, out, err = run(capsys, "--model", f"{m}:build", "--repeats", "1", "--json",
+                         "--quiet", "--device", "cpu")
+    assert code == 0, err
+    seen = sys.modules[m].seen
+    assert seen and all(s == ("dict", "Pair", ["cpu", "cpu", "cpu"]) for s in seen)
+
+
+def test_to_device_keeps_the_containers_and_moves_every_tensor():
+    from collections import namedtuple
+
+    from rtmem.cli_profile import _to_device
+    pair = namedtuple("pair", "a b")
+    moved = []
+
+    class Spy(torch.Tensor):
+        def to(self, *args, **kwargs):
+            moved.append(args)
+            return torch.zeros(1)
+
+    def spy():
+        return torch.ones(1).as_subclass(Spy)
+
+    obj = {"p": pair(spy(), [spy(), (spy(), 3)]), "s": "text"}
+    out = _to_device(obj, "somewhere")
+    assert len(moved) == 3 and all(a == ("somewhere",) for a in moved)
+    assert type(out) is dict and type(out["p"]) is pair and type(out["p"].b) is list
+    assert type(out["p"].b[1]) is tuple and out["p"].b[1][1] == 3 and out["s"] == "text"
+    assert all(type(t) is torch.Tensor for t in (out["p"].a, out["p"].b[0], out["p"].b[1][0]))
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("def build():\n"
+     "    with torch.device('meta'):\n"
+     "        model = torch.nn.Sequential(torch.nn.Linear(4, 2))\n"
+     "    return model, print, lambda b, g: (torch.ones(b, 4), torch.ones(b, 2))\n",
+     "build() returned a model on the meta device (shapes, no data), which cannot run; "
+     "build it on a real device, or model.to_empty(device='cpu') and initialize its "
+     "weights"),
+    ("def build():\n"
+     "    return [torch.nn.Linear(4, 2)], print, "
+     "lambda b, g: (torch.ones(b, 4), {'y': [torch.ones(b, 2, device='meta')]})\n",
+     "the make_batch of {m}:build returned tensors on the meta device (shapes, no data); "
+     "return real tensors"),
+])
+def test_a_meta_device_model_or_batch_is_refused(capsys, tmp_path, monkeypatch,
+                                                 isolated_imports, body, fragment):
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, "import torch\n" + body)
+    code, out, err = run(capsys, "--model", f"{m}:build", "--quiet")
+    assert code == 2 and out == ""
+    assert err.startswith("rtmem profile: error: ") and fragment.format(m=m) in err
+
+
+def test_with_json_what_the_users_code_prints_goes_to_stderr(capsys, tmp_path, monkeypatch,
+                                                            isolated_imports):
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, _MLP.replace("    import torch\n", "    import torch\n"
+                                              "    print('importing the model')\n", 1) + """
+    def chatty():
+        print("building")
+        model, loss_fn, make_batch = build()
+        def loud_loss(out, target):
+            print("loss", float(loss_fn(out, target).detach()))
+            return loss_fn(out, target)
+        return model, loud_loss, make_batch
+    """)
+    code, out, err = run(capsys, "--model", f"{m}:chatty", "--repeats", "1", "--json",
+                         "--quiet")
+    assert code == 0 and Chain.from_json(out).n == 3
+    assert "importing the model\nbuilding\nloss " in err
+    # without --json it stays on stdout, with the table
+    code, out, err = run(capsys, "--model", f"{m}:chatty", "--repeats", "1", "--quiet")
+    assert code == 0 and err == "" and out.startswith("building\nloss ")
+
+
 def test_the_plan_command_is_quoted_for_the_shell(capsys, tmp_path):
     path = tmp_path / "my chain.json"
     code, out, _ = run(capsys, *GPT2, "--repeats", "1", "--quiet", "--save", str(path))
