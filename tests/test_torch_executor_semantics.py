@@ -1556,6 +1556,78 @@ def test_autocast_casts_of_weights_are_model_state_not_activations(text, uncache
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
+class _Attention(nn.Module):
+    """Self-attention through scaled_dot_product_attention, whose backward
+    autocast casts (on the cpu) when it runs inside the region."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("text", [
+    "F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0",
+    "F_ck 0, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0"])
+def test_under_autocast_the_backward_runs_outside_it_as_torch_recommends(text):
+    # torch's recipe: the forward and loss in the autocast region, loss.backward()
+    # after it. step() is called in the region and ran its backward there, whose
+    # gradients are those of a backward inside the region (up to 1.2e-4 apart here)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Attention(16), nn.Sequential(nn.Linear(16, 16), nn.GELU()),
+                          nn.Linear(16, 4))
+    x, y = torch.randn(2, 8, 16), torch.randn(2, 8, 4)
+
+    def loss_fn(out, target):
+        return nn.functional.mse_loss(out.float(), target)
+
+    outside, inside, m = (copy.deepcopy(model) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = loss_fn(outside(x), y)
+    ref_loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fn(inside(x), y).backward()
+    # the model tells the two apart
+    assert any(not torch.equal(p.grad, q.grad)
+               for p, q in zip(outside.parameters(), inside.parameters()))
+    ex = ScheduleExecutor(m, _sched(text, 3), loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ex.step(x, y)
+        # and the region goes on as it was
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=0)
+    for (name, p), q in zip(m.named_parameters(), outside.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_autocast_is_back_on_after_a_backward_that_fails():
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            assert not torch.is_autocast_enabled("cpu")     # outside the region
+            raise RuntimeError("backward failed")
+
+    class Stage(nn.Module):
+        def forward(self, x):
+            return Fails.apply(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Stage(), nn.Linear(4, 1))
+    ex = ScheduleExecutor(model, store_all_schedule(3), mse)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="backward failed"):
+            ex.step(torch.randn(2, 4), torch.randn(2, 1))
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_the_profiler_leaves_autocast_casts_of_weights_out_of_xbar_as_the_executor_does():
     # the executor keeps autocast's cached bf16 casts of the weights as model
     # state, not in abar; the profiler counted them in xbar (stage 1's 2048-byte

@@ -40,3 +40,38 @@ def test_progress_is_reported_after_each_stage_and_the_loss():
     with pytest.raises(ExecutionError, match="progress must be a function progress"
                                              r"\(done, total\) or None, got int"):
         profile_sequential(model, x, y, nn.functional.mse_loss, progress=1)
+
+
+class _RecordsAutocast(torch.autograd.Function):
+    """The identity, whose backward records whether autocast is on for the cpu."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _RecordsAutocast.seen.append(torch.is_autocast_enabled("cpu"))
+        return g
+
+
+class _Recording(nn.Module):
+    def forward(self, x):
+        return _RecordsAutocast.apply(x)
+
+
+def test_backward_is_timed_outside_autocast_as_the_executor_runs_it(monkeypatch):
+    monkeypatch.setattr(_RecordsAutocast, "seen", [])
+    model = nn.Sequential(nn.Linear(3, 4), _Recording(), nn.Linear(4, 1))
+    x, y = torch.randn(2, 3), torch.randn(2, 1)
+
+    def loss_fn(out, target):
+        return nn.functional.mse_loss(_RecordsAutocast.apply(out).float(), target)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profile_sequential(model, x, y, loss_fn, repeats=2)
+        assert torch.is_autocast_enabled("cpu")
+    # stage 1's two timed backwards and the loss's two
+    assert _RecordsAutocast.seen == [False] * 4

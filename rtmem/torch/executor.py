@@ -53,6 +53,9 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    leaf's AccumulateGrad would lay it out like a_i (a Flatten's contiguous
    gradient of a channels_last a_i), and the previous stage would compute on
    another layout, with other rounding (under compiled autograd it still does).
+   Under ``torch.autocast``, L's backward and every B run with autocast off
+   (``_saved.autocast_off``), as torch's recipe calls ``loss.backward()``
+   after the region; the forwards (recomputations included) and the loss run in it.
    Parameter gradients accumulate in ``.grad`` as with ``loss.backward()``; a
    parameter several stages use (tied weights) gets one part per stage, each
    added by that stage's B. A gradient hook on it would run once per part, where
@@ -183,7 +186,7 @@ from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input
                       as_stages, check_inputs, check_loss, check_loss_fn, check_placement,
                       check_needs_grad, check_shared_hooks, check_shared_weights, inputs_need_grad,
                       nothing_trains, shared_parameters, trains_beyond)
-from ._saved import _SavedHooks, own_parametrizations, uncached_casts
+from ._saved import _SavedHooks, autocast_off, own_parametrizations, uncached_casts
 from ._stored import _Stored
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
@@ -376,6 +379,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
     def _step(self, inputs, target) -> torch.Tensor:
         device = inputs.device
         self._device = device
+        # where the backward turns autocast off (autocast_off); a stage on the cpu
+        # under a cuda batch is in the caller's cpu region
+        self._autocast_devices = ("cpu", device.type)
         self._caller_keys = _storage_ptrs((inputs, target))
         self._caller_inputs = inputs if inputs.requires_grad else None
         # A batch autograd refuses to change in place (a leaf that requires grad,
@@ -623,7 +629,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # need from here: whether the loss trains something without a_n (a loss
         # module's parameter, a target that requires grad)
         self._trains = trains_beyond(loss, leaf)
-        loss.backward()
+        with autocast_off(self._autocast_devices):
+            loss.backward()
         self._delta = leaf.grad
         self._consume_plain(k)
         return loss.detach()
@@ -649,13 +656,15 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # for the whole call raised the in-backward peak by ~10% on GPT-2 blocks).
         bar.saved.clear()
         bar.storages = []
-        if self._delta is not None and bar.out.requires_grad:
-            torch.autograd.backward(bar.out, self._delta)
-        # else nothing flows back (NOTE rule 3): a frozen or parameter-free stage on
-        # integer inputs, or an output the rest of the model did not use
-        self._delta = bar.inp.grad if bar.inp is not None and bar.inp.requires_grad else None
-        if i == 0 and self._delta is not None and self._caller_inputs is not None:
-            torch.autograd.backward(self._caller_inputs, self._delta)
+        with autocast_off(self._autocast_devices):
+            if self._delta is not None and bar.out.requires_grad:
+                torch.autograd.backward(bar.out, self._delta)
+            # else nothing flows back (NOTE rule 3): a frozen or parameter-free stage
+            # on integer inputs, or an output the rest of the model did not use
+            self._delta = (bar.inp.grad if bar.inp is not None and bar.inp.requires_grad
+                           else None)
+            if i == 0 and self._delta is not None and self._caller_inputs is not None:
+                torch.autograd.backward(self._caller_inputs, self._delta)
         # An abar_{i+2} recomputed from this one and never consumed holds its
         # output as its leaf input; the simulator frees abar_{i+1} whole here
         self._free_unneeded([bar.out.untyped_storage()])

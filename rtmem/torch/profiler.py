@@ -58,7 +58,7 @@ from rtmem.planners import Chain
 from rtmem.planners._validation import check_int
 
 from ._module_state import KeptBuffers, buffer_slots, slot_buffers, stage_state
-from ._saved import _cached_cast, casts_outlive_forward, own_parametrizations
+from ._saved import _cached_cast, autocast_off, casts_outlive_forward, own_parametrizations
 from ._stages import (ExecutionError, _check_output, _graph_leaves, _input_key, _rederived_input,
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_inputs,
                       check_loss, check_loss_fn, check_needs_grad, differentiable,
@@ -282,8 +282,10 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
-                _, t_b = timer(lambda: torch.autograd.backward(
-                    y, delta, retain_graph=r < repeats - 1))
+                # outside the caller's autocast, as the executor runs its Bs
+                with autocast_off(("cpu", device.type)):
+                    _, t_b = timer(lambda: torch.autograd.backward(
+                        y, delta, retain_graph=r < repeats - 1))
                 bwd_times.append(t_b)
                 xin.grad = None
             o_b = 0
@@ -315,7 +317,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
 
             def run():
                 with torch.enable_grad(), own_parametrizations():
-                    loss_fn(z, target).backward()
+                    loss = loss_fn(z, target)
+                with autocast_off(("cpu", device.type)):
+                    loss.backward()
             loss_times.append(timer(run)[1])
         if progress is not None:
             progress(len(model) + 1, len(model) + 1)
