@@ -555,3 +555,23 @@ def test_gradients_equal_plain_autograd_under_compiled_autograd():
                     torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-6)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("change", ["append", "pop", "replace"])
+def test_a_stage_changed_after_construction_is_refused(change):
+    # the executor listed the stages when built: it skipped an appended stage
+    # (loss 0.72 where model(x) gave 0.47) and ran a replaced stage's old module
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    ex = ScheduleExecutor(model, store_all_schedule(3), nn.functional.mse_loss)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    if change == "append":
+        model.append(nn.Linear(1, 1))
+    elif change == "pop":
+        del model[-1]
+    else:
+        model[1] = nn.ReLU()
+    with pytest.raises(ExecutionError, match="stages changed after this executor was built"):
+        ex.step(x, y)
+    assert all(p.grad is None for p in model.parameters())

@@ -207,7 +207,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         stages, each taking
         and returning a single tensor. Their parameters and buffers are listed
         once, here: build a new executor after adding or replacing any (``.data``
-        swaps and in-place updates are fine). A parameter several stages share
+        swaps and in-place updates are fine); a stage appended to, removed from or
+        replaced in an ``nn.Sequential`` after this is refused by :meth:`step`
+        (:class:`ExecutionError`). A parameter several stages share
         (tied weights) must have no gradient hooks, here and at every step
         (:class:`ExecutionError`; NOTE [ Executor ] rule 3).
     schedule:
@@ -364,6 +366,19 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                 "step() trains (it accumulates parameter gradients), so it cannot run "
                 "with gradients disabled (torch.no_grad(), set_grad_enabled(False)); for "
                 "a validation loss call loss_fn(model(inputs), target) under no_grad")
+        # The stages were listed once, in __init__: a stage appended, removed or
+        # replaced since then would be skipped (or its old module run) while
+        # model(x) runs the new model, and the step would train another network
+        current = list(self.model)
+        if len(current) != self.n or any(a is not b for a, b in zip(current, self.stages)):
+            changed = next((k for k, (a, b) in enumerate(zip(current, self.stages))
+                            if a is not b), min(len(current), self.n))
+            raise ExecutionError(
+                f"the model's stages changed after this executor was built (now "
+                f"{len(current)} stages, {self.n} when built; the first difference is at "
+                f"stage {changed}): the step would run the stages it listed, not the "
+                f"model's. Build a new ScheduleExecutor, with a schedule planned for the "
+                f"changed model (profile_sequential, then a planner)")
         # a placement, or a gradient hook, may have been made after __init__
         check_placement(self._stage_params, self._moves, self._param_names)
         check_shared_hooks(self._shared, self._param_names)
