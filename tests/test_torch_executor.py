@@ -557,13 +557,16 @@ def test_gradients_equal_plain_autograd_under_compiled_autograd():
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("given", ["sequential", "list"])
 @pytest.mark.parametrize("change", ["append", "pop", "replace"])
-def test_a_stage_changed_after_construction_is_refused(change):
+def test_a_stage_changed_after_construction_is_refused(change, given):
     # the executor listed the stages when built: it skipped an appended stage
     # (loss 0.72 where model(x) gave 0.47) and ran a replaced stage's old module
     nn = torch.nn
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)]
+    if given == "sequential":
+        model = nn.Sequential(*model)
     ex = ScheduleExecutor(model, store_all_schedule(3), nn.functional.mse_loss)
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     if change == "append":
@@ -574,4 +577,4 @@ def test_a_stage_changed_after_construction_is_refused(change):
         model[1] = nn.ReLU()
     with pytest.raises(ExecutionError, match="stages changed after this executor was built"):
         ex.step(x, y)
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for m in model for p in m.parameters())

@@ -208,7 +208,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         and returning a single tensor. Their parameters and buffers are listed
         once, here: build a new executor after adding or replacing any (``.data``
         swaps and in-place updates are fine); a stage appended to, removed from or
-        replaced in an ``nn.Sequential`` after this is refused by :meth:`step`
+        replaced in the ``nn.Sequential`` or list after this is refused by :meth:`step`
         (:class:`ExecutionError`). A parameter several stages share
         (tied weights) must have no gradient hooks, here and at every step
         (:class:`ExecutionError`; NOTE [ Executor ] rule 3).
@@ -252,6 +252,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
     def __init__(self, model: nn.Sequential, schedule, loss_fn, *,
                  preserve_rng_state: bool = True, host_arena=None,
                  track_memory: bool = True):
+        # what step() checks the stages against: the user's list when given one
+        # (as_stages wraps it in a Sequential of our own, which no one changes)
+        self._given = model
         model = as_stages(model, "ScheduleExecutor")
         schedule = getattr(schedule, "schedule", schedule)
         if not isinstance(schedule, Schedule):
@@ -369,7 +372,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # The stages were listed once, in __init__: a stage appended, removed or
         # replaced since then would be skipped (or its old module run) while
         # model(x) runs the new model, and the step would train another network
-        current = list(self.model)
+        current = list(self._given)
         if len(current) != self.n or any(a is not b for a, b in zip(current, self.stages)):
             changed = next((k for k, (a, b) in enumerate(zip(current, self.stages))
                             if a is not b), min(len(current), self.n))
