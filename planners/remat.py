@@ -71,8 +71,10 @@ def min_feasible_memory(chain: Chain) -> int:
 
 
 def _least_budget(arrays, fixed: int) -> int:
-    """:func:`min_feasible_memory` from a chain's stage arrays and fixed bytes."""
-    return fixed + min_memory(arrays)[0]
+    """:func:`min_feasible_memory` from a chain's stage arrays and fixed bytes;
+    at least 1: a :class:`Platform` has a positive memory, so a chain of zero
+    sizes (whose schedules need 0 bytes) is planned with 1, not 0."""
+    return max(1, fixed + min_memory(arrays)[0])
 
 
 def _check_table(n: int, slots: int, fixed_slot_bytes: bool = False) -> int:

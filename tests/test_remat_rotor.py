@@ -334,6 +334,18 @@ def test_least_budget_matches_brute_force():
     assert fixed.info["method"] == "min-memory" and not fixed.info["refined"]
 
 
+def test_a_chain_of_zero_sizes_plans_at_its_least_budget():
+    # its schedules need 0 bytes, but a Platform needs a positive memory: the
+    # least budget said 0, and planning with it raised PlatformError
+    from rtmem.planners import plan_floating
+    chain = Chain(u_f=[1, 2], u_b=[2, 1], x=[0, 0], xbar=[0, 0], x0=0)
+    least = min_feasible_memory(chain)
+    assert least == 1
+    for plan in (plan_remat(chain, least), plan_floating(chain, least)):
+        assert plan.makespan == 6.0
+        assert simulate(chain, plan.schedule, Platform(least)).peak == 0
+
+
 def test_least_memory_schedule_breaks_ties_by_time():
     from rtmem.planners.rotor import min_memory, min_memory_schedule
     # several choices reach the least memory here; the first found in loop order
