@@ -131,6 +131,22 @@ def test_placement_keeps_existing_gradients_and_is_all_or_nothing(arena):
     placement.release()
 
 
+def test_a_failed_placement_gives_its_bytes_back_while_the_error_is_handled():
+    # The first layer fits, the second does not. The error's traceback keeps
+    # place_parameters' frame alive through the caller's except clause: no view
+    # left in it may pin a buffer there (the last gradient's stayed allocated).
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 100))
+    small = rtmem.HostArena(90_000)
+    try:
+        place_parameters(model, small)
+    except rtmem.errors.OutOfMemoryError:
+        gc.collect()
+        assert small.stats().allocated_bytes == 0
+        assert small.stats().bytes_by_kind["gradient"] == 0
+    else:
+        pytest.fail("the second layer should not fit")
+
+
 def test_gradients_go_where_the_parameters_compute(arena):
     # Host backend: every tensor is a CPU tensor, so a DeviceArena's weights take
     # gradients in a pinned HostArena as well.

@@ -367,6 +367,7 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
                              f"grads=False")
     placement = ModulePlacement()
     before = {}     # parameter -> (its data, its grad) before placement
+    g = None        # the last gradient view (dropped on failure)
     try:
         for p in dict.fromkeys(module.parameters()):   # shared parameters once
             before[p] = (p.data, p.grad)
@@ -394,6 +395,10 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
         for p, (data, grad) in before.items():   # the module is exactly as it was
             p.data = data
             p.grad = grad
+        # The last gradient view would pin its buffer for as long as the raised
+        # exception's traceback keeps this frame (the whole except clause of the
+        # caller): its bytes stayed allocated while the caller handled the error.
+        del g
         for buf in (*placement.weights.values(), *placement.grads.values()):
             buf.free()
         raise
