@@ -147,6 +147,27 @@ def test_a_failed_placement_gives_its_bytes_back_while_the_error_is_handled():
         pytest.fail("the second layer should not fit")
 
 
+@pytest.mark.parametrize("grads", [True, False])
+def test_a_lazy_module_is_placed_only_once_initialized(arena, grads):
+    # An uninitialized parameter's data is an empty placeholder: grads=False
+    # placed it (the first forward then made the weight outside the arena) and
+    # grads=True failed half-way with torch's error about load_state_dict.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LazyLinear(3))
+    first = [p.data_ptr() for p in model[0].parameters()]
+    with pytest.raises(ValueError, match="parameter 2 is not initialized.*forward pass"):
+        place_parameters(model, arena, grads=grads)
+    assert [p.data_ptr() for p in model[0].parameters()] == first      # nothing moved
+    assert all(p.grad is None for p in model[0].parameters())
+    assert torch.nn.parameter.is_lazy(model[1].weight)
+    assert arena.stats().allocated_bytes == 0
+    model(torch.ones(2, 4))                  # initializes it
+    placement = place_parameters(model, arena, grads=grads)
+    weight = model[1].weight
+    assert weight.data_ptr() == placement.weights[weight].numpy().ctypes.data
+    assert placement.weights[weight].shape == (3, 4)
+    placement.release()
+
+
 def test_gradients_go_where_the_parameters_compute(arena):
     # Host backend: every tensor is a CPU tensor, so a DeviceArena's weights take
     # gradients in a pinned HostArena as well.

@@ -357,6 +357,13 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
                          f"{grads_in!r} as the gradient arena")
     from .offload import _held_by_open_optimizer   # offload imports this module
     for i, p in enumerate(dict.fromkeys(module.parameters())):
+        if torch.nn.parameter.is_lazy(p):
+            # its data is an empty placeholder: grads=False placed that (forward
+            # then materialized the weight outside the arena), grads=True failed
+            # half-way on torch's "Can't access the shape" about load_state_dict
+            raise ValueError(f"parameter {i} is not initialized yet (a lazy module such "
+                             f"as nn.LazyLinear): run one forward pass with a sample "
+                             f"batch first, then place the module")
         if _placement_of(p) is not None:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is already in an "
                              f"arena; call release() on its ModulePlacement first")
