@@ -236,7 +236,14 @@ def test_a_placed_module_cannot_be_placed_again_until_released(arena):
     assert arena.stats().allocated_bytes == used
     placement.release()
     again = place_parameters(m, arena)          # fine once released
+    # converted after placing: out of the arena, still registered; the message
+    # says so (it read "already in an arena" only)
+    m.double()
+    with pytest.raises(ValueError, match=r"or was and has been converted out of it since "
+                                         r"\(module.half\(\), .to\(\)\); call release\(\)"):
+        place_parameters(m, arena)
     again.release()
+    place_parameters(m, arena).release()        # converted, released, placed
 
 
 def test_a_dropped_placement_frees_its_buffers_once_the_parameters_let_go(arena):

@@ -333,6 +333,11 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     mapped HostArena (GO-MemFerry, "gpu_go"). Returns a :class:`ModulePlacement`.
     All or nothing: if a buffer cannot be made, every parameter keeps its own
     tensors.
+
+    Convert the module first (``module.half()``, ``.to(dtype)``, ``.to(device)``):
+    a conversion after placing gives each parameter new data outside the arena,
+    whose bytes stay reserved until :meth:`ModulePlacement.release`; to convert a
+    placed module, release it, convert, and place it again.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"place_parameters moves a torch.nn.Module's parameters, got "
@@ -365,8 +370,12 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
                              f"as nn.LazyLinear): run one forward pass with a sample "
                              f"batch first, then place the module")
         if _placement_of(p) is not None:
+            # placed, or placed and then converted (module.half(), .to(dtype)
+            # give the same Parameter new data, out of the arena): both release
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is already in an "
-                             f"arena; call release() on its ModulePlacement first")
+                             f"arena, or was and has been converted out of it since "
+                             f"(module.half(), .to()); call release() on its "
+                             f"ModulePlacement first")
         if grads and p.requires_grad and _held_by_open_optimizer(p):
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has its gradients "
                              f"taken to the host by an open rtmem.torch.OffloadedAdam, "
