@@ -16,6 +16,13 @@ from ._half import BFLOAT16, FLOAT16, half_format_code
 
 
 def _check_real(name, value, *, low=None, high=None, low_inclusive=True):
+    if isinstance(value, (str, bytes)):
+        # float() parses text, but CPUAdam/OffloadedAdam keep a group's value as
+        # given: lr="1e-3" (PyYAML reads `lr: 1e-3` as a string) passed, and an lr
+        # scheduler's group["lr"] * gamma raised a TypeError far from the cause
+        raise OptimizerError(f"{name}={value!r} is not a real number but a string (a "
+                             f"value read from a config file?); pass a number, e.g. "
+                             f"float({value!r}).", argument=name)
     try:
         x = float(value)
     except (TypeError, ValueError):

@@ -1388,6 +1388,28 @@ def test_a_non_numeric_lr_gets_an_optimizer_error():
     assert not torch.equal(t.detach(), torch.ones(4))
 
 
+def test_a_hyperparameter_given_as_a_string_is_refused():
+    # float() parsed "1e-3" (PyYAML reads `lr: 1e-3` as that string): CPUAdam kept
+    # the string in its group and an lr scheduler raised a TypeError in torch later;
+    # torch.optim.Adam refuses it in its constructor.
+    t = torch.ones(4, requires_grad=True)
+    for key in ("lr", "eps", "weight_decay"):
+        with pytest.raises(OptimizerError, match=f"{key}='1e-3' is not a real number "
+                                                 f"but a string") as info:
+            optim.CPUAdam([t], **{key: "1e-3"})
+        assert info.value.argument == key
+    opt = optim.CPUAdam([t], lr=1e-2)
+    with pytest.raises(OptimizerError, match="string"):
+        opt.add_param_group({"params": [torch.ones(2, requires_grad=True)], "lr": "1e-3"})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(OptimizerError, match="string"):
+        optim.NumpyAdam([np.ones(4, np.float32)], betas=("0.9", 0.999))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    opt.step(grads=[torch.ones(4)])
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == 5e-3
+
+
 def test_arrays_shared_between_params_of_one_step_are_refused(fresh_seed):
     # prepare_update checks the arrays of one update; across the updates of a
     # step a copy written for param 0 into param 1's memory (or its gradient)

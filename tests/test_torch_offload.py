@@ -220,6 +220,8 @@ def test_refusals_change_nothing(setup):
         OffloadedAdam(model.parameters(), lr=-1.0)       # at construction, not in step
     with pytest.raises(OptimizerError, match="beta2"):
         OffloadedAdam(model.parameters(), betas=(0.9, 1.5))
+    with pytest.raises(OptimizerError, match="lr='1e-3' is not a real number but a string"):
+        OffloadedAdam(model.parameters(), lr="1e-3")      # kept as text, a scheduler failed
     small = rtmem.HostArena(1 << 12)                      # too small for the state
     with pytest.raises(rtmem.errors.OutOfMemoryError):
         OffloadedAdam(model.parameters(), host_arena=small)
