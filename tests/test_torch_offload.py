@@ -3,6 +3,7 @@
 import copy
 import gc
 import math
+import re
 import signal
 import threading
 
@@ -211,6 +212,34 @@ def test_a_failed_construction_gives_its_host_buffers_back(setup, monkeypatch):
     opt = OffloadedAdam(params, host_arena=arena)      # the parameters are free to take
     opt.close()
     arena.close()
+
+
+@pytest.mark.parametrize("keyword, why", [
+    ("amsgrad", "amsgrad=True is not supported by OffloadedAdam; use rtmem.optim.CPUAdam"),
+    ("maximize", "maximize=True is not supported by OffloadedAdam"),
+    ("capturable", "capturable=True is not supported: OffloadedAdam updates its host copy in "
+                   "a numba kernel, outside CUDA graphs"),
+    ("differentiable", "differentiable=True is not supported: OffloadedAdam's update is not "
+                       "recorded by autograd")])
+def test_torch_adams_keywords_are_taken_or_refused_by_name(setup, keyword, why):
+    # a call written for torch.optim.Adam raised Python's "unexpected keyword
+    # argument"; foreach and fused choose torch's implementation, ignored here
+    model, loss_fn, batches = setup
+    with pytest.raises(OptimizerError, match=re.escape(why)):
+        OffloadedAdam(model.parameters(), **{keyword: True})
+    twin = copy.deepcopy(model)
+    x, y = batches[0]
+    runs = []
+    for m, kwargs in ((model, dict(foreach=True, fused=False, **{keyword: False})),
+                      (twin, {})):
+        off = OffloadedAdam(m.parameters(), lr=1e-2, **kwargs)   # the refused one holds nothing
+        loss_fn(m(x), y).backward()
+        off.step()
+        runs.append(off)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    for off in runs:
+        off.close()
 
 
 def test_refusals_change_nothing(setup):

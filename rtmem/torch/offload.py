@@ -73,8 +73,8 @@ from rtmem.kernels.adam import prepare_update
 from rtmem.optim import _check_num_threads
 from rtmem.units import is_whole
 
-from ._offload_checks import (_check_disjoint, _check_grad, _check_group, _check_own_memory,
-                              _param_groups)
+from ._offload_checks import (_SWITCHES, _check_disjoint, _check_grad, _check_group,
+                              _check_own_memory, _check_switches, _param_groups)
 from ._offload_grads import _Gradients
 from ._offload_hooks import _data_parallel, _drop, _held_by_open_optimizer, _hook, _owners
 # imported from here by the tests
@@ -156,6 +156,11 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
         gradient. None (the default): False when ``torch.distributed`` has a
         process group of more than one rank at construction, else True; the
         choice is in :attr:`flush_in_backward`.
+    amsgrad, maximize, foreach, fused, capturable, differentiable:
+        ``torch.optim.Adam``'s keywords, taken so a call written for it runs
+        unchanged: ``foreach`` and ``fused`` are ignored (the update is always
+        the fused kernel, chunk by chunk); the others must stay False (True
+        raises :class:`~rtmem.errors.OptimizerError` saying why).
 
     Call :meth:`step` after backward; gradients are already on the host by then
     (taken by a post-accumulate-grad hook on each parameter: a hook of that kind
@@ -198,13 +203,21 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  *, adamw=False, host_arena=None, chunk_elements=1 << 22,
-                 num_threads=None, flush_in_backward=None):
+                 num_threads=None, flush_in_backward=None, amsgrad=False, maximize=False,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
         from rtmem.arena import HostArena, is_arena
+        # torch.optim.Adam's keywords, so a call written for it runs or is refused
+        # by name (it was Python's "unexpected keyword argument"): foreach and
+        # fused are implementation choices (the update is one fused kernel, chunk
+        # by chunk); amsgrad, maximize, capturable, differentiable are refused
+        # when True, as in a param group
+        switches = dict(capturable=capturable, differentiable=differentiable)
         if host_arena is not None and not is_arena(host_arena, "host"):
             raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}", argument="host_arena")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        amsgrad=False, maximize=False, decoupled_weight_decay=adamw)
+                        amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=adamw)
+        _check_switches("", switches, reasons=_SWITCHES)
         _check_group("OffloadedAdam", defaults)
         defaults["betas"] = tuple(betas)
         groups = _param_groups(params, defaults)
