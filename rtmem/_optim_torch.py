@@ -23,8 +23,8 @@ from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_group_hyper, _check_hyper,
                     _check_num_threads, _check_state_dict, _check_step_disjoint,
-                    _checked_step, _coefficients, _host_view, _loaded, _named,
-                    _post_hooked, _pre_hooked, _run_step, _saved_skips)
+                    _checked_step, _coefficients, _first_overlap, _host_view, _loaded,
+                    _named, _post_hooked, _pre_hooked, _run_step, _saved_skips, _span)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -300,9 +300,27 @@ class CPUAdam(torch.optim.Optimizer):
                         f"an fp32 copy on the CPU and upload fp16/bf16 copies "
                         f"(step(copies=...)).", argument="params")
                 as_numpy(p, f"param {i}")
+            self._check_disjoint_params()
         except Exception:
             self.param_groups.pop()
             raise
+
+    def _check_disjoint_params(self) -> None:
+        """Refuse two parameters (of any groups) whose memory overlaps: views of
+        one tensor, each updated once per step as if it were alone. They were
+        taken here, and every step was then refused with advice about gradient
+        and copy buffers, which did not apply."""
+        spans = [_span(as_numpy(p, "param")[0], gi, i)
+                 for gi, group in enumerate(self.param_groups)
+                 for i, p in enumerate(group["params"]) if p.numel()]
+        pair = _first_overlap(spans)
+        if pair is not None:
+            (gi, i), (gj, j) = sorted((pair[0][2:], pair[1][2:]))
+            raise OptimizerError(
+                f"param {i} of group {gi} and param {j} of group {gj} overlap in memory "
+                f"(views of one tensor); each would be updated as if alone, every step. "
+                f"Give each parameter its own memory (e.g. a .clone() of one view)",
+                argument="params")
 
     def _state_for(self, p, group, added):
         """``p``'s state, with the entries this step needs added (zeros); each

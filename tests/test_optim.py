@@ -1477,6 +1477,29 @@ def test_a_parameter_twice_in_a_group_is_refused_by_name():
     assert len(opt.param_groups) == 1       # the refused group is not kept
 
 
+def test_parameters_overlapping_in_memory_are_refused_by_name():
+    # two Parameters over overlapping views of one tensor: CPUAdam took them and
+    # refused every step with advice about gradient and copy buffers
+    torch = pytest.importorskip("torch")
+    base = torch.ones(6)
+    p, q = torch.nn.Parameter(base[:3]), torch.nn.Parameter(base[2:])
+    with pytest.raises(OptimizerError, match=r"param 0 of group 0 and param 1 of group 0 "
+                                             r"overlap in memory \(views of one tensor\)") \
+            as info:
+        optim.CPUAdam([p, q])
+    assert info.value.argument == "params"
+    opt = optim.CPUAdam([p])
+    with pytest.raises(OptimizerError, match="param 0 of group 0 and param 0 of group 1 "
+                                             "overlap in memory"):
+        opt.add_param_group({"params": [q]})
+    assert len(opt.param_groups) == 1       # the refused group is not kept
+    # disjoint views of one tensor are fine
+    r = torch.nn.Parameter(base[3:])
+    opt.add_param_group({"params": [r]})
+    p.grad, r.grad = torch.ones(3), torch.ones(3)
+    assert opt.step() is None and not torch.equal(base, torch.ones(6))
+
+
 def test_numpy_load_state_dict_of_the_wrong_structure_gets_an_optimizer_error():
     # A dict for 'state', a non-dict entry or a ragged array raised a bare
     # TypeError/ValueError; each is refused by name and loads nothing.
