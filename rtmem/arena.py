@@ -509,6 +509,15 @@ class _Arena:
     def __exit__(self, *exc):
         self.close()
 
+    def __reduce__(self):
+        # copy.copy made a second handle on the same allocator and memory (closing
+        # one freed the other's buffers' bytes), pickle failed on a WeakSet's
+        # closure, deepcopy on a lock: memory this process owns cannot be carried
+        raise TypeError(
+            f"an arena cannot be copied or pickled (a {type(self).__name__} owns its "
+            f"memory in this process); make a new {type(self).__name__} where it is "
+            f"needed, and copy buffers' data with buf.to_numpy()")
+
     def __repr__(self) -> str:
         st = self.core.stats()
         return (f"<{type(self).__name__} {self.backend.name} "

@@ -532,6 +532,20 @@ def test_buffers_cannot_be_copied_or_pickled(dev):
     buf.free()          # a copy would have been a second handle on the block
 
 
+def test_arenas_cannot_be_copied_or_pickled(dev, host):
+    # copy.copy made a second handle on the allocator, pickle failed on a
+    # WeakSet's closure (AttributeError), deepcopy on a lock
+    import copy
+    for arena in (dev, host):
+        buf = arena.alloc(64)
+        for op in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match=f"an arena cannot be copied or pickled "
+                                                f"\\(a {type(arena).__name__} owns its"):
+                op(arena)
+        buf.free()
+        assert arena.stats().allocated_bytes == 0
+
+
 def test_repr_of_buffers_of_closed_arenas():
     arena = DeviceArena(1 << 16, backend="host")
     other = DeviceArena(1 << 16, backend="host")
