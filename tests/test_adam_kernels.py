@@ -529,6 +529,13 @@ def _ok_arrays(n=64):
     (dict(out=np.ones(64, np.uint16)), "out_format", "bfloat16"),
     (dict(out=np.ones(64, np.float32), out_format="bfloat16"), "out_format", "float32"),
     (dict(grad_format="int8", grad=np.ones(64, np.uint16)), "grad_format", "16-bit"),
+    # switches are bools: truthiness took maximize="no" as True (and ascended)
+    (dict(maximize="no"), "maximize", "True or False"),
+    (dict(decoupled_weight_decay="False", weight_decay=0.1), "decoupled_weight_decay",
+     "True or False"),
+    (dict(bias_correction="no", step=2), "bias_correction", "True or False"),
+    (dict(check_finite="no"), "check_finite", "True or False"),
+    (dict(maximize=1), "maximize", "True or False"),
 ])
 def test_bad_input_raises_a_clear_optimizer_error(change, argument, fragment):
     kw = dict(_ok_arrays(), lr=1e-3, step=1)
