@@ -4,6 +4,8 @@ executor's measured activation memory equals the simulator's prediction."""
 import copy
 import math
 import os
+import signal
+import threading
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+import rtmem  # noqa: E402
 from rtmem.planners import (Chain, Platform, Schedule, min_feasible_memory,  # noqa: E402
                             plan_floating, plan_remat, plan_revolve, plan_sequential,
                             sequential_schedule, simulate, store_all_schedule)
@@ -184,6 +187,40 @@ def test_an_error_mid_step_leaves_the_model_whole(setup):
     assert torch.equal(ex.step(x, y), setup[5])
     for p, q in zip(m.parameters(), setup[4].parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_an_interrupt_in_the_step_clean_up_is_held_until_the_weights_are_back(setup):
+    # Ctrl-C landing while the step's clean-up puts back the weights the schedule
+    # left on the host: they stayed 0-element placeholders (a checkpoint saved in
+    # the caller's `except KeyboardInterrupt` lost them) and the host buffers of
+    # the offloads were never freed
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("KeyboardInterrupt comes from SIGINT only in the main thread")
+    model, loss_fn, x, y = setup[:4]
+    n = len(model)
+    text = ["F_all 0", "offload abar1", "w_delete 0"] + [f"F_all {i}" for i in range(1, n)]
+    text += ["L"] + [f"B {i}" for i in reversed(range(1, n))]
+    text += ["w_prefetch 0", "B 0", "w_delete 0"]          # stage 0's weights end on the host
+    m = copy.deepcopy(model)
+    before = [p.detach().clone() for p in m.parameters()]
+    host = rtmem.HostArena("1MiB")
+    ex = ScheduleExecutor(m, Schedule.from_text(", ".join(text)), loss_fn, host_arena=host)
+    restore = ex._restore_weights
+
+    def interrupted():
+        signal.raise_signal(signal.SIGINT)
+        restore()
+    ex._restore_weights = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        ex.step(x, y)
+    for p, b in zip(m.parameters(), before):
+        assert torch.equal(p, b)
+    assert host.stats().allocator.live_blocks == 0
+    del ex._restore_weights
+    m.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    assert torch.equal(ex.step(x, y), setup[5])
 
 
 def test_track_memory_off_trains_the_same_and_counts_nothing(setup):

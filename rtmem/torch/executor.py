@@ -182,6 +182,7 @@ from ._bookkeeping import _Bookkeeping
 from ._host_side import _HostSide
 from ._module_state import KeptBuffers, buffer_slots, replayed_generators, slot_buffers, stage_state
 from ._moves import _ActivationMoves, _check_graph_moves
+from ._offload_hooks import _interrupts_held
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
                       as_stages, check_inputs, check_loss, check_loss_fn, check_placement,
                       check_needs_grad, check_shared_hooks, check_shared_weights, inputs_need_grad,
@@ -449,19 +450,25 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                 if track:
                     self._account()
         finally:   # also after an error: the model keeps all its weights
-            self._plain.clear()
-            self._bar.clear()
-            self._delta = None
-            self._caller_keys = set()
-            self._caller_inputs = None
-            if self._streams is not None:
-                # the optimizer and the next step run on the compute stream: every
-                # weight prefetched and gradient offloaded must be in place by then
-                compute = torch.cuda.current_stream(device)
-                for stream in self._streams:
-                    compute.wait_stream(stream)
-            self._restore_weights()
-            self._release_host()
+            # A KeyboardInterrupt (Ctrl-C) landing in here cut the clean-up short:
+            # weights the schedule left on the host stayed 0-element placeholders
+            # (a checkpoint saved in the caller's `except KeyboardInterrupt` lost
+            # them; the next step failed inside a stage) and the host buffers were
+            # never freed. Held until the clean-up is done, then raised.
+            with _interrupts_held():
+                self._plain.clear()
+                self._bar.clear()
+                self._delta = None
+                self._caller_keys = set()
+                self._caller_inputs = None
+                if self._streams is not None:
+                    # the optimizer and the next step run on the compute stream: every
+                    # weight prefetched and gradient offloaded must be in place by then
+                    compute = torch.cuda.current_stream(device)
+                    for stream in self._streams:
+                        compute.wait_stream(stream)
+                self._restore_weights()
+                self._release_host()
         return loss
 
     # ------------------------------------------------------------- internals
