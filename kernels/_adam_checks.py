@@ -41,19 +41,6 @@ def _check_real(name, value, *, low=None, high=None, low_inclusive=True):
     return x
 
 
-def _check_flag(name, value, *, none_ok=False):
-    """A switch (``maximize``, ``check_finite``, ...) as a bool: any other value is
-    refused, as the DHA kernels refuse theirs. Truthiness took ``maximize="no"``
-    (or ``"False"`` read from a command line) as True and ascended."""
-    if value is None and none_ok:
-        return None
-    if not isinstance(value, (bool, np.bool_)):
-        raise OptimizerError(f"{name}={value!r} must be True or False"
-                             f"{' (or None for the default)' if none_ok else ''}; a "
-                             f"string such as 'no' would count as True.", argument=name)
-    return bool(value)
-
-
 def _shape_error(name, arr, shape):
     return OptimizerError(
         f"{name} has shape {arr.shape} but param has shape {shape}; every array of "

@@ -270,12 +270,12 @@ def check_eps(eps: float) -> float:
     return value
 
 
-def check_flag(value, name: str) -> bool:
-    """A boolean switch (``accumulate``, ``check``): a string such as "no" would
-    otherwise count as True."""
+def check_flag(value, name: str, error=KernelArgumentError) -> bool:
+    """A boolean switch (``accumulate``, ``check``; the Adam kernel's, with
+    ``error=OptimizerError``): a string such as "no" would otherwise count as
+    True."""
     if not isinstance(value, (bool, np.bool_)):
-        raise KernelArgumentError(f"{name} must be True or False, got {value!r}",
-                                  argument=name)
+        raise error(f"{name} must be True or False, got {value!r}", argument=name)
     return bool(value)
 
 

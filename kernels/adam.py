@@ -49,10 +49,11 @@ from numba.extending import overload
 
 from rtmem.errors import OptimizerError
 
-from ._adam_checks import (_check_flag, _check_no_overlap, _check_range, _check_real,
-                           _check_state, _flat_operand)
+from ._adam_checks import (_check_no_overlap, _check_range, _check_real, _check_state,
+                           _flat_operand)
 from ._half import (bf16_bits_to_f32, bits_from_f32, f32_to_bf16_bits, f32_to_fp16_bits,
                     fp16_bits_to_f32)
+from ._launch import check_flag
 from ._parallel import parallel_kernel
 
 __all__ = ["adam_update", "grads_finite", "adam_coefficients", "prepare_update",
@@ -239,10 +240,13 @@ def adam_coefficients(*, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
         raise OptimizerError(
             f"step={step!r} must be an int >= 1 (the 1-based index of the step being "
             f"taken); bias correction divides by 1 - beta**step.", argument="step")
-    maximize = _check_flag("maximize", maximize)
-    decoupled_weight_decay = _check_flag("decoupled_weight_decay", decoupled_weight_decay)
+    # switches are bools: truthiness took maximize="no" as True (and ascended)
+    maximize, decoupled_weight_decay, bias_correction = (
+        check_flag(value, name, OptimizerError) for name, value in (
+            ("maximize", maximize), ("decoupled_weight_decay", decoupled_weight_decay),
+            ("bias_correction", bias_correction)))
     gmul = _unscale_factor(grad_scale, maximize)
-    if _check_flag("bias_correction", bias_correction):
+    if bias_correction:
         bc1 = 1.0 - _power(beta1, int(step))
         bc2 = 1.0 - _power(beta2, int(step))
     else:
@@ -370,7 +374,8 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=
     gradient was not finite (then no array was written). Invalid arrays or
     hyperparameters raise :class:`~rtmem.errors.OptimizerError`.
     """
-    check_finite = _check_flag("check_finite", check_finite, none_ok=True)
+    if check_finite is not None:        # None: the default
+        check_finite = check_flag(check_finite, "check_finite", OptimizerError)
     c = adam_coefficients(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps,
                           weight_decay=weight_decay,
                           decoupled_weight_decay=decoupled_weight_decay,

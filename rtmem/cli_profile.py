@@ -147,50 +147,44 @@ def _batch(spec: str, make_batch, batch: int, generator):
     return _returned(make_batch(batch, generator), 2, who, "(inputs, target)")
 
 
-def _tensors(obj):
-    """The tensors in ``obj``: itself, or those nested in its tuples, lists and
-    dict values."""
-    import torch
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-
-
-def _to_device(obj, device):
+def _to_device(obj, device, spec: str = "the factory"):
     """``obj`` with its tensors on ``device``, nested in tuples (named ones
     included), lists and dicts as ``make_batch`` returned them: a target of
-    ``(labels, mask)`` stayed on the CPU while the model ran on --device."""
+    ``(labels, mask)`` stayed on the CPU while the model ran on --device.
+    :class:`FactoryError` for a tensor on the meta device (shapes, no data),
+    which ended in torch's "Cannot copy out of meta tensor" traceback (``spec``
+    names the factory in it)."""
     import torch
     if isinstance(obj, torch.Tensor):
+        if obj.is_meta:
+            raise FactoryError(f"the make_batch of {spec} returned tensors on the meta "
+                               f"device (shapes, no data); return real tensors")
         return obj.to(device)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):     # a namedtuple
-        return type(obj)(*(_to_device(item, device) for item in obj))
+        return type(obj)(*(_to_device(item, device, spec) for item in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(item, device) for item in obj)
+        return type(obj)(_to_device(item, device, spec) for item in obj)
     if isinstance(obj, dict):
-        return type(obj)((key, _to_device(item, device)) for key, item in obj.items())
+        return type(obj)((key, _to_device(item, device, spec)) for key, item in obj.items())
     return obj
 
 
-def _refuse_meta(spec: str, blocks, inputs, target) -> None:
-    """Raise :class:`FactoryError` when the model or batch is on the meta device
-    (shapes, no data; e.g. built under ``torch.device("meta")``): moving it
-    ended in torch's "Cannot copy out of meta tensor" traceback."""
+def _model_to_device(model, device, spec: str):
+    """``model`` (a module, or a list of blocks) on ``device``; anything else is
+    profile_sequential's to refuse, by name. :class:`FactoryError` for a module
+    on the meta device (as :func:`_to_device` says)."""
     import torch
-    for block in blocks:
-        if isinstance(block, torch.nn.Module) and any(
-                t.is_meta for t in (*block.parameters(), *block.buffers())):
+
+    def moved(block):
+        if not isinstance(block, torch.nn.Module):
+            return block
+        if any(t.is_meta for t in (*block.parameters(), *block.buffers())):
             raise FactoryError(f"{spec}() returned a model on the meta device (shapes, no "
                                f"data), which cannot run; build it on a real device, or "
                                f"model.to_empty(device='cpu') and initialize its weights")
-    if any(t.is_meta for t in (*_tensors(inputs), *_tensors(target))):
-        raise FactoryError(f"the make_batch of {spec} returned tensors on the meta device "
-                           f"(shapes, no data); return real tensors")
+        return block.to(device)
+
+    return [moved(m) for m in model] if isinstance(model, (list, tuple)) else moved(model)
 
 
 def _table(chain) -> str:
@@ -226,14 +220,8 @@ def _measure(args, device):
         name = f"{name}-b{args.batch}"
     inputs, target = _batch(args.model, make_batch, args.batch,
                             torch.Generator().manual_seed(1))
-    blocks = model if isinstance(model, (list, tuple)) else [model]
-    _refuse_meta(args.model, blocks, inputs, target)
-    inputs, target = _to_device(inputs, device), _to_device(target, device)
-    # anything else than modules is profile_sequential's to refuse, by name
-    if isinstance(model, torch.nn.Module):
-        model = model.to(device)
-    elif isinstance(model, (list, tuple)):      # a list of blocks
-        model = [m.to(device) if isinstance(m, torch.nn.Module) else m for m in model]
+    model = _model_to_device(model, device, args.model)
+    inputs, target = _to_device((inputs, target), device, args.model)
     name = args.name or name
     bar = ProgressBar(quiet=args.quiet, label="stages")
     bar(f"profiling {name} on {device.type}, {args.repeats} timed runs per pass ...")

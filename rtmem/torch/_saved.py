@@ -212,9 +212,10 @@ def uncached_casts():
 
 
 @contextlib.contextmanager
-def autocast_off(device_types):
-    """Run the body (a backward: L's, a B's) with autocast off for each of
-    ``device_types`` where it is on, and turn it back on on exit, also after an
+def autocast_off(device: torch.device):
+    """Run the body (a backward: L's, a B's) with autocast off for the cpu and
+    for ``device``'s type where it is on (a stage on the cpu under a cuda batch
+    is in the caller's cpu region), and turn it back on on exit, also after an
     error. ``step()`` is called inside the caller's ``torch.autocast`` region
     and runs the backward there, where torch's recipe runs ``loss.backward()``
     outside it ("backward passes under autocast are not recommended"): the
@@ -223,7 +224,7 @@ def autocast_off(device_types):
     in bf16 (while matching a backward inside the region bit for bit).
     Autocast's cache and nesting count are left alone: the caller's region
     goes on after the backward, with its cached casts."""
-    on = [d for d in dict.fromkeys(device_types) if torch.is_autocast_enabled(d)]
+    on = [d for d in dict.fromkeys(("cpu", device.type)) if torch.is_autocast_enabled(d)]
     for d in on:
         torch.set_autocast_enabled(d, False)
     try:

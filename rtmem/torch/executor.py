@@ -374,9 +374,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # replaced since then would be skipped (or its old module run) while
         # model(x) runs the new model, and the step would train another network
         current = list(self._given)
-        if len(current) != self.n or any(a is not b for a, b in zip(current, self.stages)):
-            changed = next((k for k, (a, b) in enumerate(zip(current, self.stages))
-                            if a is not b), min(len(current), self.n))
+        changed = next((k for k, (a, b) in enumerate(zip(current, self.stages)) if a is not b),
+                       None if len(current) == self.n else min(len(current), self.n))
+        if changed is not None:
             raise ExecutionError(
                 f"the model's stages changed after this executor was built (now "
                 f"{len(current)} stages, {self.n} when built; the first difference is at "
@@ -398,9 +398,6 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
     def _step(self, inputs, target) -> torch.Tensor:
         device = inputs.device
         self._device = device
-        # where the backward turns autocast off (autocast_off); a stage on the cpu
-        # under a cuda batch is in the caller's cpu region
-        self._autocast_devices = ("cpu", device.type)
         self._caller_keys = _storage_ptrs((inputs, target))
         self._caller_inputs = inputs if inputs.requires_grad else None
         # A batch autograd refuses to change in place (a leaf that requires grad,
@@ -654,7 +651,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # need from here: whether the loss trains something without a_n (a loss
         # module's parameter, a target that requires grad)
         self._trains = trains_beyond(loss, leaf)
-        with autocast_off(self._autocast_devices):
+        with autocast_off(self._device):
             loss.backward()
         self._delta = leaf.grad
         self._consume_plain(k)
@@ -681,7 +678,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # for the whole call raised the in-backward peak by ~10% on GPT-2 blocks).
         bar.saved.clear()
         bar.storages = []
-        with autocast_off(self._autocast_devices):
+        with autocast_off(self._device):
             if self._delta is not None and bar.out.requires_grad:
                 torch.autograd.backward(bar.out, self._delta)
             # else nothing flows back (NOTE rule 3): a frozen or parameter-free stage

@@ -283,7 +283,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
                 # outside the caller's autocast, as the executor runs its Bs
-                with autocast_off(("cpu", device.type)):
+                with autocast_off(device):
                     _, t_b = timer(lambda: torch.autograd.backward(
                         y, delta, retain_graph=r < repeats - 1))
                 bwd_times.append(t_b)
@@ -318,7 +318,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             def run():
                 with torch.enable_grad(), own_parametrizations():
                     loss = loss_fn(z, target)
-                with autocast_off(("cpu", device.type)):
+                with autocast_off(device):
                     loss.backward()
             loss_times.append(timer(run)[1])
         if progress is not None:
