@@ -61,6 +61,26 @@ info = grow_mgr.get_memory_info()
 assert info.total == 4 << 20 and info.free == (4 << 20) - growable.stats().allocated_bytes
 del held, grow_mgr
 gc.collect()
+
+# ... and no more than a LimitAdaptor's budget lets it hand out (a 64 KiB budget
+# on a 1 MiB arena said 1 MiB free and total)
+from rtmem.adaptors import LimitAdaptor, StatisticsAdaptor  # noqa: E402
+
+budgeted = DeviceArena(1 << 20, backend="cuda",
+                       adaptors=[lambda up: LimitAdaptor(up, 64 << 10), StatisticsAdaptor])
+numba_emm.install(budgeted)
+budget_mgr = numba_emm.manager_class()(context=Context())
+budget_mgr.initialize()
+assert budget_mgr.deallocations.memory_capacity == 64 << 10
+info = budget_mgr.get_memory_info()
+assert (info.free, info.total) == (64 << 10, 64 << 10), info
+held = budget_mgr.memalloc(5000)                    # 5120 bytes of the budget
+info = budget_mgr.get_memory_info()
+assert (info.free, info.total) == ((64 << 10) - 5120, 64 << 10), info
+held_too = budget_mgr.memalloc(info.free)           # all that is said to be free fits
+assert budget_mgr.get_memory_info().free == 0
+del held, held_too, budget_mgr
+gc.collect()
 numba_emm.install(arena)
 
 

@@ -671,7 +671,8 @@ def test_unordered_buffers_reuse_only_completed_frees(fake, backend):
 def test_numba_plugin_defers_frees_and_refuses_bad_installs():
     # In a child process: numba.cuda without the simulator, on the fake CuPy.
     # Frees ignored numba's defer_cleanup(); a refused install had already
-    # replaced the plugged-in arena; a failed memalloc kept its buffer.
+    # replaced the plugged-in arena; a failed memalloc kept its buffer;
+    # get_memory_info ignored a LimitAdaptor's budget.
     import os
     import subprocess
     pytest.importorskip("numba.cuda")

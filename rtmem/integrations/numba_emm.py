@@ -74,6 +74,25 @@ def _default_arena():
     return DeviceArena(max(int(free) // 2, 1 << 20), backend="cuda")
 
 
+def _capacity(arena) -> tuple[int, int]:
+    """(free, total) bytes of ``arena``: what it can still hand out (free bytes
+    in its slabs plus the growth left) and the most it can hold (its capacity),
+    each capped by the budget of every :class:`~rtmem.adaptors.LimitAdaptor` in
+    its allocator stack (a 64 KiB budget on a 1 MiB arena was reported as 1 MiB
+    free, more than any allocation could get)."""
+    from ..adaptors import LimitAdaptor
+    st = arena.stats()
+    total = max(arena.core.max_bytes, st.reserved_bytes)
+    free = st.free_bytes + total - st.reserved_bytes
+    layer = arena.allocator
+    while layer is not None and layer is not arena.core:
+        if isinstance(layer, LimitAdaptor):
+            total = min(total, layer.budget_bytes)
+            free = min(free, max(layer.budget_bytes - layer.used_bytes, 0))
+        layer = getattr(layer, "upstream", None)
+    return free, total
+
+
 def manager_class():
     """The EMM plugin class (built on first use so numba is imported lazily)."""
     global _class
@@ -99,7 +118,7 @@ def manager_class():
             if not self.deallocations.memory_capacity:    # numba's 0: not set yet
                 # numba frees its pending deallocations in a batch once they
                 # exceed this share (CUDA_DEALLOCS_RATIO) of the memory.
-                self.deallocations.memory_capacity = self.arena.core.max_bytes
+                self.deallocations.memory_capacity = _capacity(self.arena)[1]
 
         def memalloc(self, size):
             """Allocate ``size`` bytes of device memory from the arena.
@@ -136,13 +155,12 @@ def manager_class():
 
         def get_memory_info(self):
             """(free, total) bytes of the arena: ``total`` its capacity (the most it
-            may grow to), ``free`` what it can still hand out (free bytes in its
-            slabs plus the growth left). The reserved size alone told a growable
+            may grow to, or a ``LimitAdaptor``'s budget when smaller), ``free`` what
+            it can still hand out (free bytes in its slabs plus the growth left, at
+            most what the budget leaves). The reserved size alone told a growable
             arena's users a fraction of what fits."""
-            st = self.arena.stats()
-            total = max(self.arena.core.max_bytes, st.reserved_bytes)
-            return driver.MemoryInfo(free=st.free_bytes + total - st.reserved_bytes,
-                                     total=total)
+            free, total = _capacity(self.arena)
+            return driver.MemoryInfo(free=free, total=total)
 
         # reset() and defer_cleanup() are HostOnlyCUDAMemoryManager's: they act
         # on self.deallocations, which holds the pending device frees too.
