@@ -106,6 +106,12 @@ class BestFitAllocator(_StreamOrderedFrees):
                              f"pass the slab size in bytes (e.g. 1 << 30)")
         self.alignment = alignment
         initial = align_up(initial_bytes, alignment)
+        if initial >= _MAX_SLAB_BYTES:
+            # Checked before growth_bytes, which defaults to it: the message named
+            # growth_bytes to users who never passed it.
+            raise ValueError(f"{_size_name}={initial_bytes:,} B: a slab must be smaller "
+                             f"than 1 TiB; give a smaller {_size_name} and let it grow "
+                             f"by slabs (max_bytes=, growth_bytes=)")
         for name, value in (("max_bytes", max_bytes), ("growth_bytes", growth_bytes)):
             # align_up(-1) is 0: a negative size was taken as 0 (growth_bytes=-1
             # silently meant exactly-sized slabs), or named as below initial_bytes.

@@ -949,6 +949,13 @@ def test_zero_alignment_and_a_1_tib_first_slab_are_refused():
         BestFitAllocator(4096, alignment=0)
     with pytest.raises(ValueError, match="smaller than 1 TiB"):
         BestFitAllocator(1 << 40, growth_bytes=1 << 20)
+    # with no growth_bytes the message named it all the same (growth_bytes=2 TiB:
+    # "grow by smaller slabs"), to users who had passed only the first slab's size
+    with pytest.raises(ValueError, match=r"^initial_bytes=2,199,023,255,552 B: a slab"):
+        BestFitAllocator(1 << 41)
+    from rtmem import DeviceArena
+    with pytest.raises(ValueError, match=r"^nbytes=2,199,023,255,552 B: .*smaller nbytes"):
+        DeviceArena("2TiB", backend="host")
 
 
 def test_trim_keeps_a_slab_with_a_live_block_behind_a_free_head():
