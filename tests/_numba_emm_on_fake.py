@@ -127,6 +127,29 @@ except RuntimeError:
 else:
     raise AssertionError("memalloc did not raise")
 assert live() == 0
+
+# A bad RTMEM_NUMBA_ARENA_BYTES is named in the error: numba makes the default
+# arena while it creates its context, and the message alone said "pass the slab
+# size in bytes (e.g. 1 << 30)" or "use a smaller arena (nbytes=)".
+import os  # noqa: E402
+
+from rtmem.errors import OutOfMemoryError, UnitError  # noqa: E402
+
+numba_emm._arena = None
+for value, error in (("0", ValueError), ("12 parsecs", UnitError),
+                     ("1GiB", OutOfMemoryError)):
+    os.environ["RTMEM_NUMBA_ARENA_BYTES"] = value
+    try:
+        numba_emm.manager_class()(context=Context()).initialize()
+    except error as exc:
+        assert str(exc).startswith(f"RTMEM_NUMBA_ARENA_BYTES={value!r}: "), exc
+        assert "unset it" in str(exc), exc
+        if error is OutOfMemoryError:
+            assert type(exc) is OutOfMemoryError and exc.requested == 1 << 30, exc
+    else:
+        raise AssertionError(f"RTMEM_NUMBA_ARENA_BYTES={value!r} was accepted")
+    assert numba_emm._arena is None
+del os.environ["RTMEM_NUMBA_ARENA_BYTES"]
 arena.close()
 fc.shutdown()
 print("ok")

@@ -672,7 +672,8 @@ def test_numba_plugin_defers_frees_and_refuses_bad_installs():
     # In a child process: numba.cuda without the simulator, on the fake CuPy.
     # Frees ignored numba's defer_cleanup(); a refused install had already
     # replaced the plugged-in arena; a failed memalloc kept its buffer;
-    # get_memory_info ignored a LimitAdaptor's budget.
+    # get_memory_info ignored a LimitAdaptor's budget; a bad
+    # RTMEM_NUMBA_ARENA_BYTES went unnamed in the error.
     import os
     import subprocess
     pytest.importorskip("numba.cuda")

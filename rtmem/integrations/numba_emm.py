@@ -68,7 +68,18 @@ def _default_arena():
     from ..units import parse_bytes
     nbytes = os.environ.get("RTMEM_NUMBA_ARENA_BYTES")
     if nbytes:
-        return DeviceArena(parse_bytes(nbytes), backend="cuda")
+        try:
+            return DeviceArena(parse_bytes(nbytes), backend="cuda")
+        except (ValueError, OutOfMemoryError) as exc:
+            # numba makes this arena while it creates its context, far from where
+            # the variable was set, and the message alone told users to pass
+            # nbytes= or "1 << 30", which they never called: name the variable.
+            # Same type and attributes (rtmem errors take the message positionally).
+            err = type(exc)(f"RTMEM_NUMBA_ARENA_BYTES={nbytes!r}: {exc}. Set it to a "
+                            f"size the device can hold (e.g. '4GiB'), or unset it for "
+                            f"half the free device memory")
+            err.__dict__.update(exc.__dict__)
+            raise err from None
     from ..backends import get_backend
     free, _total = get_backend("cuda").runtime.memGetInfo()
     return DeviceArena(max(int(free) // 2, 1 << 20), backend="cuda")
