@@ -502,14 +502,25 @@ class Buffer:
         return self._typed(raw)
 
     def cupy(self, where: str | None = None):
-        """A zero-copy CuPy array over the device placement (or a mapped host one)."""
-        return self._cupy_of(self._view_placement(where))
+        """A zero-copy CuPy array over the device placement (or a mapped host one).
 
-    def _cupy_of(self, p: Placement):
+        Raises :class:`~rtmem.errors.ResidencyError` for a placement the GPU
+        cannot address (pinned host memory that is not mapped, any buffer of the
+        host backend), as :meth:`numpy` does for device memory."""
+        return self._cupy_of(self._view_placement(where), error=ResidencyError)
+
+    def _cupy_of(self, p: Placement, error=AttributeError):
+        # The interface first: importing CuPy first made a host-backend buffer
+        # without CuPy installed raise "the cuda backend needs CuPy".
+        cai = self._cuda_dict(p, error)
         from .backends.cuda import import_cupy
-        return import_cupy().asarray(_CudaView(self._cuda_dict(p), self))
+        return import_cupy().asarray(_CudaView(cai, self))
 
-    def _cuda_dict(self, p: Placement) -> dict:
+    def _cuda_dict(self, p: Placement, error=AttributeError) -> dict:
+        """The CUDA array interface of placement ``p``. ``error``: what to raise
+        when the GPU cannot address it: AttributeError for the attribute (so that
+        hasattr and consumers falling back to other protocols work), and
+        ResidencyError for :meth:`cupy` (it raised a bare AttributeError)."""
         slab = p.slab
         if slab.device_ptr is None or p.arena.backend.name != "cuda":
             # the host backend has no device to alias: no mapped arena helps there
@@ -517,10 +528,12 @@ class Buffer:
                    if p.arena.backend.name == "cuda" else
                    "the host backend has no GPU to give it to; use numpy() or "
                    "__array_interface__, or the cuda backend on a GPU machine")
-            raise AttributeError(
-                "__cuda_array_interface__ needs a device placement or a mapped host "
-                "placement on the cuda backend (this buffer is "
-                f"{self.residency!r} on the {p.arena.backend.name} backend); " + fix)
+            message = ("__cuda_array_interface__ needs a device placement or a mapped "
+                       "host placement on the cuda backend (this buffer is "
+                       f"{self.residency!r} on the {p.arena.backend.name} backend); " + fix)
+            if error is ResidencyError:
+                raise ResidencyError(message, state=self.residency, action="cupy view")
+            raise error(message)
         self._wait_if_in_flight(p, host=False)
         # The interface asks for a 0 pointer when the array has no elements (a
         # zero-byte block's address may be a neighbour's first byte).

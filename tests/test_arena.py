@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import pickle
 import random
+import sys
 import threading
 
 import numpy as np
@@ -114,7 +115,7 @@ def test_per_kind_accounting(dev):
     assert dev.stats().allocated_bytes == 0
 
 
-def test_array_interface_and_dlpack(dev, host):
+def test_array_interface_and_dlpack(dev, host, monkeypatch):
     torch = pytest.importorskip("torch")
     b = host.alloc(shape=(4, 5), dtype=np.float32)
     view = np.asarray(b)
@@ -136,6 +137,12 @@ def test_array_interface_and_dlpack(dev, host):
     for buf in (d, m):
         with pytest.raises(AttributeError, match="host backend has no GPU.*numpy"):
             buf.__cuda_array_interface__
+        # cupy() says the same as a ResidencyError (a bare AttributeError; without
+        # CuPy installed, "the cuda backend needs CuPy" for a host-backend buffer)
+        with monkeypatch.context() as mp:
+            mp.setitem(sys.modules, "cupy", None)
+            with pytest.raises(ResidencyError, match="host backend has no GPU"):
+                buf.cupy()
     m.free()
     mapped.close()
     del view, t

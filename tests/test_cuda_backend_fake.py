@@ -293,8 +293,11 @@ def test_array_interfaces_point_at_the_right_bytes(fake, backend):
     np.testing.assert_array_equal(_device_view(fake, mb), np.arange(7) * 11)
     _device_view(fake, mb)[2] = -5                   # a kernel writes host memory
     assert mb.numpy()[2] == -5
-    # pinned, not mapped: host only
+    # pinned, not mapped: host only; cupy() refuses it as numpy() refuses device
+    # memory (a bare AttributeError from the attribute came out of the method)
     assert not hasattr(pb, "__cuda_array_interface__")
+    with pytest.raises(ResidencyError, match="mapped=True"):
+        pb.cupy()
     assert np.asarray(pb).ctypes.data == p.slabs[0].ptr + pb.offset
     # a kernel writes the device buffer; to_numpy copies it back
     _device_view(fake, db)[:] = np.arange(15, dtype=np.float32).reshape(3, 5)
