@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _deferred
-from .adaptors import PoisonAdaptor
+from .adaptors import PoisonAdaptor, TracingAdaptor
 from .allocator import DEFAULT_ALIGNMENT, AllocatorStats, BestFitAllocator
 from .backends import Backend, get_backend
 from .buffer import KINDS, Buffer, Placement, bad_kind
@@ -488,7 +488,10 @@ class _Arena:
 
     def close(self) -> None:
         """Release every slab. Buffers still live become invalid; call only once
-        all work using the arena is done (``rtmem.transfers.synchronize()``)."""
+        all work using the arena is done (``rtmem.transfers.synchronize()``).
+        Ends the recording of every :class:`~rtmem.adaptors.TracingAdaptor` in
+        the arena's ``adaptors`` (its trace is complete on disk; frees after
+        close are not recorded)."""
         # _acct_lock first, as in _allocate (which takes _lock inside it to grow)
         with self._acct_lock, self._lock:
             if self._closed:
@@ -502,6 +505,25 @@ class _Arena:
             # the arena is closed either way, and its memory must not leak.
             for slab in slabs:
                 self.backend.release(slab)
+            # A trace was left in the file's write buffer: empty on disk after
+            # close() (or a with-block) until the arena was collected, which a
+            # live Buffer (it refers to its arena) could put off to the exit.
+            self._end_recordings()
+
+    def _end_recordings(self) -> None:
+        """close() every TracingAdaptor of the stack (all of them, then the first
+        failure to flush a sink is raised)."""
+        failure = None
+        allocator = self.allocator
+        while allocator is not None and allocator is not self.core:
+            if isinstance(allocator, TracingAdaptor):
+                try:
+                    allocator.close()
+                except Exception as exc:    # noqa: BLE001 - raised after the others
+                    failure = failure or exc
+            allocator = getattr(allocator, "upstream", None)
+        if failure is not None:
+            raise failure
 
     def __enter__(self):
         return self

@@ -13,7 +13,7 @@ import pytest
 from rtmem.adaptors import (LimitAdaptor, PoisonAdaptor, Statistics, StatisticsAdaptor,
                             TracingAdaptor, load_trace, replay)
 from rtmem.allocator import BestFitAllocator
-from rtmem.arena import DeviceArena
+from rtmem.arena import DeviceArena, HostArena
 from _threads import run_on_threads
 from rtmem.errors import OutOfMemoryError, TraceError, UseAfterFreeError
 
@@ -512,6 +512,24 @@ def test_tracing_ends_at_close_and_the_allocator_goes_on(tmp_path):
     assert [op for op, *_ in load_trace(path)] == ["alloc"]
     with pytest.raises(TypeError, match="load_trace reads a path"):
         load_trace(None)
+
+
+def test_closing_the_arena_completes_its_trace(tmp_path):
+    # The records sat in the file's write buffer: after arena.close() (or its
+    # with-block) the trace on disk was empty, until the arena was collected (a
+    # live Buffer keeps it, so possibly not before the exit).
+    path = tmp_path / "t.jsonl"
+    sink = io.StringIO()
+    with HostArena(1 << 16, backend="host",
+                   adaptors=[lambda up: TracingAdaptor(up, path),
+                             lambda up: TracingAdaptor(up, sink)]) as arena:
+        kept = arena.alloc(100)
+        arena.alloc(300).free()
+    ops = [("alloc", 0, 100, None), ("alloc", 1, 300, None), ("free", 1, 0, None)]
+    assert load_trace(path) == ops
+    assert load_trace(io.StringIO(sink.getvalue())) == ops and not sink.closed
+    kept.free()                             # legal after close, not recorded
+    assert load_trace(path) == ops
 
 
 def test_a_fractional_budget_rounds_down():
