@@ -21,9 +21,9 @@ except ImportError as e:
 from .buffer import Buffer
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
-from .optim import (_STATE_KEYS, _check_adam_keys, _check_group_hyper, _check_hyper,
-                    _check_num_threads, _check_state_dict, _check_step_disjoint,
-                    _checked_step, _coefficients, _first_overlap, _host_view, _loaded,
+from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch,
+                    _check_group_hyper, _check_hyper, _check_num_threads,
+                    _check_state_dict, _check_step_disjoint, _checked_step, _coefficients, _first_overlap, _host_view, _loaded,
                     _named, _post_hooked, _pre_hooked, _run_step, _saved_skips, _span)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
@@ -357,8 +357,8 @@ class CPUAdam(torch.optim.Optimizer):
         float16 or bfloat16 tensors (e.g. half gradients flushed from the
         GPU); None entries (or values) skip that parameter. ``grad_scale`` is
         the loss scale the gradients carry (divided out in the kernel, also
-        from a ``p.grad`` a dict leaves out); ``check_finite`` defaults to
-        ``grad_scale is not None``. ``copies`` (same forms) receives each
+        from a ``p.grad`` a dict leaves out); ``check_finite`` (True, False, or
+        None: ``grad_scale is not None``) checks them first. ``copies`` (same forms) receives each
         updated parameter as float32/float16/bfloat16 in the same pass; a
         float16 copy of a master value of magnitude >= 65520 (beyond fp16's
         largest finite 65504) is +-inf, while the float32 master stays
@@ -368,6 +368,8 @@ class CPUAdam(torch.optim.Optimizer):
         bumps the autograd version counter of each updated parameter and
         copy tensor.
         """
+        # an argument of the call: refused before the closure runs
+        check_finite = _check_finite_switch(check_finite)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -35,6 +35,7 @@ import numpy as np
 from .buffer import Buffer
 from .errors import OptimizerError, ResidencyError
 from .kernels._adam_checks import _check_state
+from .kernels._launch import check_flag
 from .kernels.adam import adam_coefficients, prepare_update, threads
 
 __all__ = ["CPUAdam", "CPUAdamW", "NumpyAdam", "NumpyAdamW"]
@@ -274,6 +275,17 @@ def _check_num_threads(num_threads):
     return num_threads
 
 
+def _check_finite_switch(check_finite):
+    """A step's ``check_finite``: None (the default, ``grad_scale is not None``)
+    or a bool (np.bool_ too), as :func:`rtmem.kernels.adam_update` takes it. Taken
+    by truthiness, "no" (or "False" read from a command line) checked, and 0.0
+    under a loss scale turned the check off, so an inf/NaN gradient was applied
+    and the parameters became NaN. OptimizerError otherwise."""
+    if check_finite is None:
+        return None
+    return check_flag(check_finite, "check_finite", OptimizerError)
+
+
 def _run_step(opt, items, *, grad_scale, check_finite) -> bool:
     """Apply one Adam step to every item, or to none (NOTE [ Skipped steps ]).
 
@@ -400,12 +412,14 @@ class NumpyAdam:
         ``grads`` is a sequence aligned with ``params`` (float32, float16, or
         uint16 bits with ``grad_format``); a None entry leaves that parameter
         alone. ``grad_scale`` is the loss scale the gradients carry (divided out
-        in the kernel); ``check_finite`` defaults to ``grad_scale is not None``.
+        in the kernel); ``check_finite`` (True, False, or None: ``grad_scale is
+        not None``) checks them first.
         ``copies`` optionally gives, per parameter, an array (float32, float16,
         or uint16 with ``copy_format``) that receives the updated parameter in
         the same pass (a float16 copy is +-inf where the parameter exceeds fp16's
         range, see :func:`rtmem.kernels.adam_update`). See NOTE [ Skipped steps ].
         """
+        check_finite = _check_finite_switch(check_finite)
         grads = list(grads)
         if len(grads) != len(self.params):
             raise OptimizerError(f"got {len(grads)} gradients for {len(self.params)} "

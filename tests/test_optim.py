@@ -1410,6 +1410,38 @@ def test_a_hyperparameter_given_as_a_string_is_refused():
     assert opt.param_groups[0]["lr"] == 5e-3
 
 
+@pytest.mark.parametrize("bad", ["no", "False", 0.0, 1, None])
+def test_a_check_finite_that_is_not_a_bool_is_refused_before_anything_changes(bad):
+    # step(check_finite=...) took the switch by truthiness where adam_update
+    # refuses it: 0.0 with a loss scale turned the check off, and the NaN
+    # gradient made the parameter NaN; "no" ("False" from a command line) checked
+    nan_grad = np.array([np.nan, 1.0, 2.0, 3.0], np.float32)
+    p = np.ones(4, np.float32)
+    opt = optim.NumpyAdam([p], lr=1e-2)
+    t = torch.ones(4, requires_grad=True)
+    t.grad = torch.from_numpy(nan_grad.copy())
+    topt = optim.CPUAdam([t], lr=1e-2)
+    closure_calls = []
+    steps = [(opt, lambda cf: opt.step([nan_grad], grad_scale=2.0, check_finite=cf)),
+             (topt, lambda cf: topt.step(lambda: closure_calls.append(1), grad_scale=2.0,
+                                         check_finite=cf))]
+    for o, step in steps:
+        if bad is None:                           # the default: checked, as grad_scale
+            step(bad)                             # is given
+            assert o.last_step_skipped and o.skipped_steps == 1
+            continue
+        with pytest.raises(OptimizerError, match=f"check_finite must be True or "
+                                                 f"False, got {bad!r}") as info:
+            step(bad)
+        assert info.value.argument == "check_finite"
+        assert o.skipped_steps == 0 and not o.last_step_skipped
+        step(np.bool_(True))                      # numpy's bool is a bool
+        assert o.last_step_skipped and o.skipped_steps == 1
+    assert np.array_equal(p, np.ones(4, np.float32)) and opt.state[0]["step"] == 0
+    assert torch.equal(t.detach(), torch.ones(4)) and not topt.state
+    assert len(closure_calls) == 1                # a refused step ran no closure
+
+
 def test_arrays_shared_between_params_of_one_step_are_refused(fresh_seed):
     # prepare_update checks the arrays of one update; across the updates of a
     # step a copy written for param 0 into param 1's memory (or its gradient)

@@ -430,6 +430,32 @@ def test_loss_scale_unscaled_in_the_step_and_overflow_skips_it():
     off.close()
 
 
+@pytest.mark.parametrize("bad", ["no", "False", 0.0, 1])
+def test_a_check_finite_that_is_not_a_bool_is_refused_and_changes_nothing(bad):
+    # taken by truthiness, as adam_update no longer takes it: 0.0 with a loss
+    # scale turned the check off and a NaN gradient made the parameters NaN,
+    # "no" (or "False" from a command line) checked
+    mine = make_model()
+    off = OffloadedAdam(mine.parameters(), lr=1e-2, chunk_elements=16)
+    x, y = batches(1)[0]
+    (torch.nn.functional.mse_loss(mine(x), y) * float("nan")).backward()
+    before = [a.copy() for a in (off.master, off.exp_avg, off.exp_avg_sq, off.steps)]
+    params = [p.detach().clone() for p in mine.parameters()]
+    with pytest.raises(OptimizerError, match=f"check_finite must be True or False, "
+                                             f"got {bad!r}") as info:
+        off.step(grad_scale=2.0, check_finite=bad)
+    assert info.value.argument == "check_finite"
+    assert all(np.array_equal(a, b) for a, b in zip(before, (
+        off.master, off.exp_avg, off.exp_avg_sq, off.steps)))
+    assert all(torch.equal(p, q) for p, q in zip(params, mine.parameters()))
+    assert off.skipped_steps == 0 and not off.last_step_skipped
+    rtmem.LossScaler(2.0).step(off)              # the gradients waited: skipped now
+    assert off.last_step_skipped and off.skipped_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(params, mine.parameters()))
+    off.step(check_finite=np.bool_(True))        # numpy's bool is a bool
+    off.close()
+
+
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 def test_clip_grad_norm_matches_torch(norm_type):
     data = batches(4)

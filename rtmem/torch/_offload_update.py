@@ -15,7 +15,7 @@ import torch
 
 from rtmem.errors import OptimizerError
 from rtmem.kernels.adam import _unscale_factor, threads
-from rtmem.optim import _coefficients
+from rtmem.optim import _check_finite_switch, _coefficients
 
 from ._offload_checks import _check_group
 from ._offload_hooks import _interrupts_held
@@ -88,12 +88,13 @@ class _ChunkedUpdate:
 
         ``grad_scale`` is the loss scale the gradients carry (unscaled in the
         kernel, NOTE [ Skipped steps ] in :mod:`rtmem.optim`); ``check_finite``
-        (default: ``grad_scale is not None``) first checks every unscaled
-        gradient and skips the whole step if one is inf or NaN: no parameter,
-        moment or step count changes, ``last_step_skipped`` is True and
-        ``skipped_steps`` grows by one. Either way the step consumes the
-        gradients. Everything that can be refused (hyperparameters, replaced
-        parameters) is checked before any host state or parameter changes.
+        (True or False; None, the default: ``grad_scale is not None``) first
+        checks every unscaled gradient and skips the whole step if one is inf
+        or NaN: no parameter, moment or step count changes,
+        ``last_step_skipped`` is True and ``skipped_steps`` grows by one.
+        Either way the step consumes the gradients. Everything that can be
+        refused (hyperparameters, ``check_finite``, replaced parameters) is
+        checked before any host state or parameter changes.
 
         NOTE [ Interrupted step ]
         An exception raised once the update has started (a KeyboardInterrupt, a
@@ -234,6 +235,7 @@ class _ChunkedUpdate:
         for gi, group in enumerate(self.param_groups):
             _check_group(f"param group {gi}", group)
         _unscale_factor(grad_scale)       # refused even when there is nothing to do
+        check_finite = _check_finite_switch(check_finite)
         pending, fresh, zeroed = self._with_gradient()
         self.last_step_skipped = False
         if all(fresh):
