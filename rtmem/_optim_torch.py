@@ -23,7 +23,8 @@ from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch,
                     _check_group_hyper, _check_hyper, _check_num_threads,
-                    _check_state_dict, _check_step_disjoint, _checked_step, _coefficients, _first_overlap, _host_view, _loaded,
+                    _check_state_dict, _check_step_disjoint, _check_switch_flags,
+                    _checked_step, _coefficients, _first_overlap, _host_view, _loaded,
                     _named, _post_hooked, _pre_hooked, _run_step, _saved_skips, _span)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
@@ -223,6 +224,8 @@ class CPUAdam(torch.optim.Optimizer):
         # it runs unchanged: the update is always one fused numba pass
         _check_switches("", dict(capturable=capturable, differentiable=differentiable))
         _check_hyper(lr, betas, eps, weight_decay)
+        _check_switch_flags("", dict(amsgrad=amsgrad, maximize=maximize,
+                                     bias_correction=bias_correction))
         self._check_decoupled(decoupled_weight_decay, "decoupled_weight_decay")
         self.num_threads = _check_num_threads(num_threads)
         self.last_step_skipped = False
@@ -279,6 +282,7 @@ class CPUAdam(torch.optim.Optimizer):
             _check_hyper(group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
             _check_switches(f"group {len(self.param_groups) - 1}", group)
+            _check_switch_flags(f"group {len(self.param_groups) - 1}", group)
             self._check_decoupled(group["decoupled_weight_decay"],
                                   f"group {len(self.param_groups) - 1}: "
                                   f"decoupled_weight_decay")
@@ -381,6 +385,7 @@ class CPUAdam(torch.optim.Optimizer):
             _check_hyper(group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
             _check_switches(f"group {gi}", group)
+            _check_switch_flags(f"group {gi}", group)     # edited since, maybe
         # before any state is added: _run_step raises for a num_threads this
         # machine has not (one kept by a pickle from a bigger machine), outside
         # the take-back below
@@ -504,6 +509,7 @@ class CPUAdam(torch.optim.Optimizer):
             _check_adam_keys(gi, group)
             _check_group_hyper(f"group {gi} of the state dict", group)
             _check_switches(f"group {gi} of the state dict", group, loaded=True)
+            _check_switch_flags(f"group {gi} of the state dict", group)
             self._check_decoupled(group["decoupled_weight_decay"],
                                   f"group {gi}: decoupled_weight_decay")
             for pi, p in enumerate(group["params"]):

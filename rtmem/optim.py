@@ -62,6 +62,26 @@ def _check_hyper(lr, betas, eps, weight_decay):
                       weight_decay=weight_decay)
 
 
+# Adam's switches kept as bools in NumpyAdam.hyper and CPUAdam's groups.
+_SWITCH_KEYS = ("amsgrad", "maximize", "bias_correction")
+
+
+def _check_switch_flags(where: str, values: dict) -> None:
+    """OptimizerError unless each of :data:`_SWITCH_KEYS` that ``values`` (keyword
+    arguments, a group, a saved ``hyper``) holds is a bool (np.bool_ too), as
+    :func:`rtmem.kernels.adam_update` takes them; ``where`` ("" for the
+    constructor's keywords) names the group. They were taken by truthiness:
+    ``maximize="no"`` (or "False" from a config file) ascended, ``amsgrad="no"``
+    ran AMSGrad, silently."""
+    for name in _SWITCH_KEYS:
+        if name in values:
+            try:
+                check_flag(values[name], name, OptimizerError)
+            except OptimizerError as exc:
+                raise OptimizerError(f"{where}: {exc}" if where else str(exc),
+                                     argument=name) from None
+
+
 def _check_group_hyper(where: str, group: dict) -> None:
     """:func:`_check_hyper` of a param group's values, its error prefixed by
     ``where`` (the group)."""
@@ -355,9 +375,10 @@ class NumpyAdam:
     weight_decay:
         >= 0; an L2 term added to the gradient (``NumpyAdamW``: decoupled decay).
     amsgrad:
-        Keep ``max_exp_avg_sq`` and normalise by it (AMSGrad).
+        True: keep ``max_exp_avg_sq`` and normalise by it (AMSGrad).
     maximize, bias_correction:
-        As in :func:`rtmem.kernels.adam_update`.
+        As in :func:`rtmem.kernels.adam_update` (bools, as every switch here:
+        another value raises OptimizerError).
     num_threads:
         Kernel threads per step (1..numba.config.NUMBA_NUM_THREADS), or None for
         ``numba.get_num_threads()``.
@@ -377,6 +398,8 @@ class NumpyAdam:
                  amsgrad=False, *, maximize=False, bias_correction=True, num_threads=None,
                  state_arena=None):
         _check_hyper(lr, betas, eps, weight_decay)
+        _check_switch_flags("", dict(amsgrad=amsgrad, maximize=maximize,
+                                     bias_correction=bias_correction))
         if isinstance(params, (np.ndarray, Buffer)):
             raise OptimizerError("params must be a list of arrays, got a single "
                                  f"{type(params).__name__}; pass [params]",
@@ -490,6 +513,7 @@ class NumpyAdam:
                                  f"expected all of {sorted(self.hyper)}, as returned by "
                                  f"state_dict().", argument="state_dict")
         _check_hyper(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"])
+        _check_switch_flags("state_dict['hyper']", hyper)
         if bool(hyper["amsgrad"]) != self.hyper["amsgrad"]:
             # The state arrays were allocated for this optimizer's setting (and the
             # checks below hold the saved state to them): a flag that contradicts

@@ -1442,6 +1442,44 @@ def test_a_check_finite_that_is_not_a_bool_is_refused_before_anything_changes(ba
     assert len(closure_calls) == 1                # a refused step ran no closure
 
 
+@pytest.mark.parametrize("name", ["maximize", "amsgrad", "bias_correction"])
+def test_a_switch_that_is_not_a_bool_is_refused_as_adam_update_refuses_it(name):
+    # bool() of the keyword: maximize="no" (or "False" from a config file)
+    # ascended, amsgrad="no" ran AMSGrad, silently; adam_update refuses them
+    p = np.ones(4, np.float32)
+    t = torch.ones(4, requires_grad=True)
+    for make in (lambda: optim.NumpyAdam([p], **{name: "no"}),
+                 lambda: optim.CPUAdam([t], **{name: "no"}),
+                 lambda: optim.CPUAdamW([t], **{name: 0})):
+        with pytest.raises(OptimizerError, match=f"^{name} must be True or False, "
+                                                 f"got ('no'|0)$") as info:
+            make()
+        assert info.value.argument == name
+    opt = optim.NumpyAdam([p], lr=1e-2)
+    bad = opt.state_dict()
+    bad["hyper"][name] = "False"
+    with pytest.raises(OptimizerError, match=f"state_dict\\['hyper'\\]: {name} must be "
+                                             f"True or False") as info:
+        opt.load_state_dict(bad)
+    assert info.value.argument == name and opt.hyper[name] is (name == "bias_correction")
+    topt = optim.CPUAdam([t], lr=1e-2)
+    with pytest.raises(OptimizerError, match=f"group 1: {name} must be True or False"):
+        topt.add_param_group({"params": [torch.ones(2, requires_grad=True)], name: "no"})
+    assert len(topt.param_groups) == 1
+    saved = topt.state_dict()
+    saved["param_groups"][0][name] = "no"
+    with pytest.raises(OptimizerError, match=f"group 0 of the state dict: {name} must be"):
+        topt.load_state_dict(saved)
+    assert topt.param_groups[0][name] is (name == "bias_correction")
+    topt.param_groups[0][name] = "no"                # edited by hand: the step refused
+    with pytest.raises(OptimizerError, match=f"group 0: {name} must be True or False"):
+        topt.step(grads=[torch.ones(4)])
+    assert torch.equal(t.detach(), torch.ones(4)) and not topt.state
+    topt.param_groups[0][name] = np.bool_(name == "bias_correction")   # numpy's is a bool
+    topt.step(grads=[torch.ones(4)])
+    torch.testing.assert_close(t.detach(), torch.full((4,), 1 - 1e-2))
+
+
 def test_arrays_shared_between_params_of_one_step_are_refused(fresh_seed):
     # prepare_update checks the arrays of one update; across the updates of a
     # step a copy written for param 0 into param 1's memory (or its gradient)

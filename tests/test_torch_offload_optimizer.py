@@ -250,6 +250,19 @@ def test_switches_offloaded_adam_cannot_honour_are_refused_in_groups(name):
     off.close()
 
 
+@pytest.mark.parametrize("name", ["amsgrad", "maximize"])
+def test_an_unsupported_switch_that_is_not_a_bool_is_named_as_given(name):
+    # "no" is truthy: refused, but as "amsgrad=True is not supported" to a
+    # caller who passed "no" (a value read from a config file)
+    with pytest.raises(OptimizerError, match=f"{name}='no' is not a bool: pass "
+                                             f"False") as info:
+        OffloadedAdam(make_model().parameters(), **{name: "no"})
+    assert info.value.argument == name
+    with pytest.raises(OptimizerError, match=f"{name}=True is not supported"):
+        OffloadedAdam(make_model().parameters(), **{name: True})
+    OffloadedAdam(make_model().parameters(), **{name: np.bool_(False)}).close()
+
+
 def through_torch_save(sd):
     blob = io.BytesIO()
     torch.save(sd, blob)

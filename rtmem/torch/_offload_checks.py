@@ -111,7 +111,13 @@ def _check_group(where: str, group: dict, loaded: bool = False) -> None:
                              f"{group['decoupled_weight_decay']!r} must be True or False",
                              argument="decoupled_weight_decay")
     for key in _UNSUPPORTED:
-        if group.get(key):
+        value = group.get(key)
+        if value is not None and not isinstance(value, (bool, np.bool_)):
+            # truthy, it was reported as "amsgrad=True" to a caller who passed "no"
+            raise OptimizerError(f"{where}: {key}={value!r} is not a bool: pass False "
+                                 f"(OffloadedAdam does not implement {key}=True)",
+                                 argument=key)
+        if value:
             raise OptimizerError(f"{where}: {key}=True is not supported by OffloadedAdam; "
                                  f"use rtmem.optim.CPUAdam (CPU parameters) or "
                                  f"torch.optim.Adam for it", argument=key)
