@@ -105,9 +105,18 @@ def _scaled(outputs, s: float):
     if isinstance(outputs, (list, tuple)):
         return type(outputs)(_scaled(o, s) for o in outputs)
     if outputs is None or isinstance(outputs, (str, bytes, bool)):
-        raise OptimizerError(f"outputs must be a tensor, an array, a number, or a list/tuple "
-                             f"of them; got {type(outputs).__name__}", argument="outputs")
-    return outputs * s
+        raise _not_scalable(outputs)
+    try:
+        return outputs * s
+    except TypeError:
+        # a dict of losses, a generator, a set: the bare "unsupported operand
+        # type(s) for *" said nothing of what scale() takes
+        raise _not_scalable(outputs) from None
+
+
+def _not_scalable(outputs) -> OptimizerError:
+    return OptimizerError(f"outputs must be a tensor, an array, a number, or a list/tuple "
+                          f"of them; got {type(outputs).__name__}", argument="outputs")
 
 
 class LossScaler:

@@ -271,6 +271,12 @@ def test_scale_keeps_dtypes_and_containers_and_records_autograd():
     for bad in (None, "loss", True):
         with pytest.raises(OptimizerError, match="outputs"):
             s.scale(bad)
+    # no multiplication by a float: a bare TypeError ("unsupported operand
+    # type(s) for *") that did not say what scale() takes
+    for bad in ({"lm": torch.ones(())}, (x for x in [torch.ones(())]), {1.0}, object()):
+        with pytest.raises(OptimizerError, match="outputs must be a tensor, an array, a "
+                           f"number, or a list/tuple of them; got {type(bad).__name__}"):
+            s.scale(bad)
 
 
 def test_state_dicts_move_between_gradscaler_and_loss_scaler():
