@@ -173,11 +173,29 @@ def binomial_makespan(l: int, m: int, u_f: float = 1.0, u_b: float = 1.0) -> flo
     s, steps = m - 2, l + 1
     t = 0
     if steps > 1:
-        r = 0
-        while comb(s + r, s) < steps:
-            r += 1
+        r = _least_repetitions(s, steps)
         t = r * steps - comb(s + r, s + 1)
     return t * u_f + steps * u_b
+
+
+def _least_repetitions(s: int, steps: int) -> int:
+    """Least r with C(s + r, s) >= ``steps`` (s >= 1 snapshots, steps >= 2).
+
+    C(s + r, s) grows with r, so r is doubled until it is reached, then bisected:
+    O(log steps) binomials. Counting r up one at a time took r + 1 of them, and r
+    is steps - 1 for s = 1: binomial_makespan(10**7, 3) took 21 s and
+    binomial_makespan(10**12, 4) did not return, on the long chains opt0_table
+    sends here."""
+    lo, hi = 0, 1                        # C(s + 0, s) = 1 < steps
+    while comb(s + hi, s) < steps:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:                   # C(s + lo, s) < steps <= C(s + hi, s)
+        mid = (lo + hi) // 2
+        if comb(s + mid, s) >= steps:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def revolve_ops(l: int, m: int, *, branch: int = 0, offset: int = 0, arg=None) -> list:

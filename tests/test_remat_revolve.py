@@ -31,6 +31,36 @@ def test_opt0_equals_binomial_closed_form():
             assert T[l, m] == binomial_makespan(l, m, 3.0, 5.0), (l, m)
 
 
+def test_binomial_makespan_long_chains_take_few_binomials(monkeypatch):
+    # opt0_table sends long chains here; the least r with C(s + r, s) >= l + 1
+    # was found by counting r up (r = l for m = 3): 10**6 binomials for l = 10**6,
+    # 10**12 never returned. Now O(log l) binomials, same values.
+    from math import comb
+
+    import rtmem.planners.revolve as rev
+    calls = []
+
+    def counting_comb(n, k):
+        calls.append(1)
+        return comb(n, k)
+
+    monkeypatch.setattr(rev, "comb", counting_comb)
+    for length in (10**6, 10**8):
+        calls.clear()
+        assert binomial_makespan(length, 3, 1.0, 0.0) == length * (length + 1) // 2  # Opt_0
+        assert len(calls) < 200, (length, len(calls))
+    calls.clear()
+    assert binomial_makespan(10**12, 4, 0.0, 1.0) == 10**12 + 1
+    assert math.isfinite(binomial_makespan(10**12, 4)) and len(calls) < 200
+    # the least r agrees with counting it up, on every l, m of a grid
+    for length in range(1, 400):
+        for m in range(3, 9):
+            s, steps, r = m - 2, length + 1, 0
+            while comb(s + r, s) < steps:
+                r += 1
+            assert binomial_makespan(length, m, 1.0, 0.0) == r * steps - comb(s + r, s + 1)
+
+
 def test_opt0_special_cases():
     T, _ = opt0_table(30, 40, u_f=2.0, u_b=7.0)
     for l in range(1, 31):
