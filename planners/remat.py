@@ -223,7 +223,9 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         miss schedules these find. ``info`` always holds ``method`` (the winner:
         ``"store-all"`` when the budget allows no recomputation, ``"dp"``,
         ``"min-memory"``, ``"sequential"`` or ``"revolve"``), ``candidates``
-        (``{method: makespan in s}`` of every candidate that fit),
+        (``{method: makespan in s}`` of every candidate that was run and fit;
+        Revolve is not run when its lower bound, every forward twice, is no
+        faster than the best so far, so it cannot win),
         ``dp_makespan`` (s, the DP's prediction; ``None`` when the DP found no
         schedule at any slot size tried; the no-recomputation makespan for
         ``"store-all"``) and ``solve_seconds``. Only when the DP ran (``method``
