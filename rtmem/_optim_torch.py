@@ -23,9 +23,10 @@ from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch,
                     _check_group_hyper, _check_hyper, _check_num_threads,
-                    _check_state_dict, _check_step_disjoint, _check_switch_flags,
-                    _checked_step, _coefficients, _first_overlap, _host_view, _loaded,
-                    _named, _post_hooked, _pre_hooked, _run_step, _saved_skips, _span)
+                    _check_state_dict, _check_state_listed, _check_step_disjoint,
+                    _check_switch_flags, _check_torch_layout, _checked_step,
+                    _coefficients, _first_overlap, _host_view, _loaded, _named,
+                    _post_hooked, _pre_hooked, _run_step, _saved_skips, _span)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -459,12 +460,14 @@ class CPUAdam(torch.optim.Optimizer):
         The state is copied into fresh contiguous float32 tensors, so the
         loaded dict is never aliased; each saved step must be an integer >= 0,
         and each parameter's state must have both ``exp_avg`` and
-        ``exp_avg_sq`` (an Adamax state, with ``exp_inf``, is refused).
-        Groups keep the saved ``decoupled_weight_decay`` (the class default
-        where the dict has none; :class:`CPUAdamW`, like
-        ``torch.optim.AdamW``, always decouples); a group without ``amsgrad``
-        or ``maximize`` (an older torch's dict) takes False for it, as in
-        ``torch.optim.Adam``. A group with ``capturable`` or ``differentiable``
+        ``exp_avg_sq`` (an Adamax state, with ``exp_inf``, is refused), and
+        each state's index must be listed by a group (torch's load drops the
+        state of an index it does not know, e.g. one a JSON round trip turned
+        into a string: refused here). Groups keep the saved
+        ``decoupled_weight_decay`` (the class default where the dict has none;
+        :class:`CPUAdamW`, like ``torch.optim.AdamW``, always decouples); a
+        group without ``amsgrad`` or ``maximize`` (an older torch's dict) takes
+        False for it, as in ``torch.optim.Adam``. A group with ``capturable`` or ``differentiable``
         True is refused (as by the constructor): set them to False in the
         dict to load it. ``skipped_steps`` and ``last_step_skipped`` are
         restored (0 and False from a dict without them: torch's, an older
@@ -473,6 +476,7 @@ class CPUAdam(torch.optim.Optimizer):
         once the load is accepted."""
         state_dict = _pre_hooked(self, state_dict)
         _check_state_dict(state_dict)
+        _check_torch_layout(state_dict)
         skips = _saved_skips(state_dict)
         # torch installs new state and group dicts; the checks below run after
         # it, so keep the old ones to put back.
@@ -505,6 +509,7 @@ class CPUAdam(torch.optim.Optimizer):
         finally:
             (self._optimizer_load_state_dict_pre_hooks,
              self._optimizer_load_state_dict_post_hooks) = hooks
+        _check_state_listed(state_dict)     # torch's load set such state aside
         for gi, group in enumerate(self.param_groups):
             _check_adam_keys(gi, group)
             _check_group_hyper(f"group {gi} of the state dict", group)

@@ -100,6 +100,43 @@ def _check_state_dict(state_dict) -> None:
                              argument="state_dict")
 
 
+def _check_torch_layout(state_dict) -> None:
+    """OptimizerError unless ``state_dict`` (a dict with ``state`` and
+    ``param_groups``) has a torch optimizer's inner layout: ``param_groups`` a
+    list of dicts, each with its list of ``params`` (indices), and ``state`` a
+    dict of dicts (a malformed one raised a bare AttributeError or KeyError from
+    inside torch's load)."""
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(groups, (list, tuple)) or \
+            not all(isinstance(g, dict) and isinstance(g.get("params"), (list, tuple))
+                    for g in groups) or \
+            not isinstance(state, dict) or \
+            not all(isinstance(st, dict) for st in state.values()):
+        raise OptimizerError("state_dict['param_groups'] must be a list of dicts, each "
+                             "with its list of 'params', and state_dict['state'] a dict "
+                             "of dicts, as returned by state_dict()",
+                             argument="state_dict")
+
+
+def _check_state_listed(state_dict) -> None:
+    """OptimizerError unless every key of ``state_dict['state']`` (of
+    :func:`_check_torch_layout`'s layout) is an index its groups list. torch's
+    own load keeps the state of another key aside and loads nothing for the
+    parameter: a checkpoint whose indices a JSON or YAML round trip had turned
+    into strings ("0") restarted every moment and step count, silently. Called
+    after the groups' sizes are checked, whose error says more."""
+    listed = {i for g in state_dict["param_groups"] for i in g["params"]
+              if isinstance(i, (int, np.integer))}
+    for i in state_dict["state"]:
+        if not isinstance(i, (int, np.integer)) or i not in listed:
+            hint = (" (an index turned into a string, by a JSON or YAML round trip?)"
+                    if isinstance(i, str) else "")
+            raise OptimizerError(
+                f"the state dict has state for parameter {i!r}, which none of its "
+                f"groups lists{hint}; load the dict state_dict() returned (torch.save "
+                f"and torch.load keep it)", argument="state_dict")
+
+
 def _saved_skips(state_dict) -> tuple:
     """``(skipped_steps, last_step_skipped)`` of a state dict (NOTE [ Skipped
     steps ]): its top-level keys of those names, which every rtmem optimizer's

@@ -893,6 +893,41 @@ def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     assert float(opt.state[a[0]]["step"]) == 2.0
 
 
+def test_state_no_group_lists_is_refused_not_dropped():
+    # torch's load keeps state under a key no group lists and loads nothing for
+    # the parameter: a checkpoint whose indices a JSON round trip made strings
+    # resumed with every moment and step count at zero, silently. A malformed
+    # dict raised a bare AttributeError / KeyError from inside torch.
+    a, opt, good = _stepped_once(28)
+    as_json = copy.deepcopy(good)
+    as_json["state"] = {str(k): v for k, v in as_json["state"].items()}
+    stray = copy.deepcopy(good)
+    stray["state"][99] = stray["state"].pop(0)
+    no_params = copy.deepcopy(good)
+    del no_params["param_groups"][0]["params"]
+    listed = copy.deepcopy(good)
+    listed["state"] = list(listed["state"].values())
+    cases = [(as_json, re.escape("state for parameter '0', which none of its groups "
+                                 "lists (an index turned into a string")),
+             (stray, "state for parameter 99, which none of its groups lists"),
+             (no_params, "each with its list of 'params'"),
+             (listed, re.escape("state_dict['state'] a dict of dicts"))]
+    for bad, match in cases:
+        old_groups, old_state = opt.param_groups, opt.state
+        with pytest.raises(OptimizerError, match=match):
+            opt.load_state_dict(bad)
+        assert opt.param_groups is old_groups and opt.state is old_state
+    now = opt.state_dict()
+    for k, st in good["state"].items():
+        for key, v in st.items():
+            assert torch.equal(now["state"][k][key], v), (k, key)
+    opt.load_state_dict(copy.deepcopy(good))             # the dict as saved loads
+    for p in a:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert float(opt.state[a[0]]["step"]) == 2.0
+
+
 def test_a_loaded_state_dict_is_copied_not_aliased():
     # torch's load keeps a saved moment of the parameter's dtype as it is: without
     # CPUAdam's own copy, every later step wrote into the caller's dict

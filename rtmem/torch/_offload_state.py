@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from rtmem.errors import OptimizerError
-from rtmem.optim import (_check_adam_keys, _check_state_dict, _checked_step, _loaded,
-                         _post_hooked, _pre_hooked, _saved_skips)
+from rtmem.optim import (_check_adam_keys, _check_state_dict, _check_state_listed,
+                         _check_torch_layout, _checked_step, _loaded, _post_hooked,
+                         _pre_hooked, _saved_skips)
 
 from ._offload_checks import _check_group
 
@@ -152,15 +153,10 @@ class _StateDict:
         self._check_open("load_state_dict")
         state_dict = _pre_hooked(self, state_dict)
         _check_state_dict(state_dict)
+        _check_torch_layout(state_dict)
         # deep-copied as torch does: a tensor lr (which schedulers fill_ in place)
         # must not stay shared with the dict or the optimizer it came from
         saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
-        if not all(isinstance(s, dict) for s in saved_groups) or \
-                not isinstance(state_dict["state"], dict) or \
-                not all(isinstance(st, dict) for st in state_dict["state"].values()):
-            raise OptimizerError("state_dict['param_groups'] must be a list of dicts and "
-                                 "state_dict['state'] a dict of dicts, as returned by "
-                                 "state_dict()", argument="state_dict")
         if len(saved_groups) != len(self.param_groups) or any(
                 len(s.get("params", ())) != len(g["params"])
                 for s, g in zip(saved_groups, self.param_groups)):
@@ -169,6 +165,7 @@ class _StateDict:
                 f"{[len(s.get('params', ())) for s in saved_groups]} parameters, this "
                 f"optimizer {[len(g['params']) for g in self.param_groups]}: it belongs "
                 f"to another model or grouping", argument="state_dict")
+        _check_state_listed(state_dict)
         groups = []
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             merged = {**group, **{key: value for key, value in saved.items()
@@ -191,11 +188,7 @@ class _StateDict:
             i for saved in saved_groups for i in saved.get("params", ()))}
         arrays, cast = {}, []
         for i, st in state_dict["state"].items():
-            if i not in index:
-                raise OptimizerError(f"the state dict has state for parameter {i!r}, "
-                                     f"which none of its groups lists",
-                                     argument="state_dict")
-            k = index[i]
+            k = index[i]                # _check_state_listed: every i is listed
             where = f"parameter {k}"
             if st.get("max_exp_avg_sq") is not None:
                 raise OptimizerError(f"{where}: the state has max_exp_avg_sq (amsgrad), "
