@@ -138,6 +138,41 @@ def test_weight_moves_over_many_steps_with_an_optimizer(setup):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
+def test_a_state_dict_taken_mid_step_holds_the_moved_weights(setup):
+    # A checkpoint saved while the schedule has weights off the device (from the
+    # loss_fn here; a SIGTERM handler alike) held the 0-element placeholders:
+    # torch.save wrote it, and only the load failed ("size mismatch")
+    model, loss_fn, x, y = setup[:4]
+    n = len(model)
+    text = ["F_all 0", "w_delete 0", "F_all 1", "w_offload 1"]
+    text += [f"F_all {i}" for i in range(2, n)] + ["L"]
+    text += [f"B {i}" for i in reversed(range(2, n))]
+    text += ["w_prefetch 1", "B 1", "w_prefetch 0", "B 0"]
+    m = copy.deepcopy(model)
+    wrapper = torch.nn.ModuleDict({"net": m})     # a prefix before the stage's names
+    saved = []
+
+    def saving_loss(out, target):
+        saved.append({k: v.clone() for k, v in wrapper.state_dict().items()})
+        return loss_fn(out, target)
+
+    ex = ScheduleExecutor(m, Schedule.from_text(", ".join(text)), saving_loss)
+    expected = {k: v.clone() for k, v in wrapper.state_dict().items()}
+    moved = {f"net.{i}.{k}" for i in (0, 1) for k, _ in m[i].named_parameters()}
+    assert moved and moved <= set(expected)
+    torch.manual_seed(7)
+    ex.step(x, y)
+    assert set(saved[0]) == set(expected)
+    for key, _ in wrapper.named_parameters():   # buffers: batch norm's moved on
+        assert torch.equal(saved[0][key], expected[key]), key
+    restored = copy.deepcopy(model)
+    restored.load_state_dict({k[len("net."):]: v for k, v in saved[0].items()})
+    # the hooks are gone with the step: a state_dict after it is the model's own
+    after = wrapper.state_dict(keep_vars=True)
+    for key in moved:
+        assert after[key] is dict(wrapper.named_parameters())[key]
+
+
 def test_cpu_adam_on_host_grads_also_steps_the_stages_not_offloaded(setup):
     # _moves_schedule g_offloads stages 0 and 1 only: the others keep p.grad.
     # CPUAdam.step(grads=ex.host_grads()) skipped them (a dict named only the

@@ -30,6 +30,14 @@ def _used_on(storages, stream):
         torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).record_stream(stream)
 
 
+def _state_dict_post_hook(module, hook):
+    """``module.register_state_dict_post_hook(hook)``, or on a torch without that
+    public name the private registration behind it (the same hook signature)."""
+    register = getattr(module, "register_state_dict_post_hook", None) or \
+        module._register_state_dict_hook
+    return register(hook)
+
+
 class _HostSide:
     """Mixin of :class:`~rtmem.torch.ScheduleExecutor`, which provides ``n``,
     ``_stage_params``, ``_stage_buffers``, ``host_arena``, the copy ``_streams``
@@ -45,6 +53,8 @@ class _HostSide:
         self._w_host: dict = {}
         self._w_saved: dict = {}
         self._w_ready: dict = {}
+        # stage -> handle of its state_dict hook while its weights are placeholders
+        self._w_hooks: dict = {}
         # parameter -> host gradient accumulator, and the g_offload copies not
         # yet added to it: (parameter, pinned copy, D2H event or None)
         self._g_host: dict = {}
@@ -228,7 +238,24 @@ class _HostSide:
                 self._w_saved[i] = event
             for p in params:   # freed behind the D2H copy (_to_host marked them used)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if i not in self._w_hooks:
+                self._w_hooks[i] = _state_dict_post_hook(
+                    self.stages[i], lambda *args, i=i: self._host_weights_in(i, *args))
         self._refresh_stage_ptrs(i)
+
+    def _host_weights_in(self, i: int, module, state_dict, prefix, _metadata):
+        """state_dict post-hook of stage ``i`` while the step has moved its weights
+        off the device: their entries are the host copies, not the 0-element
+        placeholders. A state_dict() taken mid-step (by a loss_fn, a hook, a
+        SIGTERM handler saving a checkpoint) held the placeholders, and torch.save
+        wrote a checkpoint that only failed at load ("size mismatch")."""
+        event = self._w_saved.get(i)
+        for name, p in module.named_parameters(remove_duplicate=False):
+            host = self._w_host.get(p)
+            if host is not None and p.data.numel() == 0 and prefix + name in state_dict:
+                if event is not None:
+                    event.synchronize()         # the D2H copy that wrote it ended
+                state_dict[prefix + name] = host
 
     def _restore_weights(self):
         """Put back weights the schedule left on the host (every step starts with
@@ -241,6 +268,9 @@ class _HostSide:
         self._w_host.clear()
         self._w_saved.clear()
         self._w_ready.clear()
+        for handle in self._w_hooks.values():
+            handle.remove()
+        self._w_hooks.clear()
 
     def _grads_to_host(self, i: int):
         # copies that ended are added now: with gradient accumulation and no

@@ -106,7 +106,9 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    a private copy of the caller's batch, and so does a batch that autograd
    refuses to change in place (rule 7).
 5. ``w_offload``/``w_delete``/``w_prefetch`` swap the parameters' ``.data`` with an
-   empty placeholder and back (a host copy of this step's weights is kept);
+   empty placeholder and back (a host copy of this step's weights is kept; a
+   ``state_dict()`` taken mid-step, by the ``loss_fn`` or a signal handler
+   saving a checkpoint, holds that host copy in the placeholder's place);
    ``g_offload i`` moves the stage's parameter gradients into host accumulators
    (:meth:`host_grads`). Schedules that move the weights of a parameter shared
    by several stages (tied weights), ``g_offload`` of some but not all of the
@@ -225,7 +227,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         ``loss_fn(output, target) -> scalar tensor``. It runs at the schedule's
         ``L``, where a weight the schedule has moved off the device
         (``w_offload``, ``w_delete``) is an empty placeholder: a loss term on a stage's
-        weights (an L2 penalty) needs a schedule that keeps them there.
+        weights (an L2 penalty) needs a schedule that keeps them there
+        (``model.state_dict()`` gives their host copies).
     preserve_rng_state:
         Replay recomputations with the RNG state of the first execution (needed
         for dropout; costs a state copy per stage, and per generator its modules
