@@ -116,6 +116,18 @@ def _check_torch_layout(state_dict) -> None:
                              "with its list of 'params', and state_dict['state'] a dict "
                              "of dicts, as returned by state_dict()",
                              argument="state_dict")
+    for i, st in state.items():
+        for key in ("step", *_STATE_KEYS):
+            value = st.get(key)
+            # torch's load turned a string into the text of a generator (named so
+            # in the step's error), and a None or string moment raised a bare
+            # TypeError / RuntimeError from torch.as_tensor
+            if isinstance(value, (str, bytes)) or (value is None and key in st
+                                                   and key != "step"):
+                raise OptimizerError(
+                    f"the state of parameter {i!r} has {key}={value!r}; expected a "
+                    f"tensor{' or an integer' if key == 'step' else ''}, as "
+                    f"state_dict() returns", argument="state_dict")
 
 
 def _check_state_listed(state_dict) -> None:

@@ -912,6 +912,12 @@ def test_state_no_group_lists_is_refused_not_dropped():
              (stray, "state for parameter 99, which none of its groups lists"),
              (no_params, "each with its list of 'params'"),
              (listed, re.escape("state_dict['state'] a dict of dicts"))]
+    # a string step was named as the text of torch's generator; a None or string
+    # moment raised a bare TypeError / RuntimeError from torch.as_tensor
+    for key, value in (("step", "2"), ("exp_avg", None), ("exp_avg_sq", "abc")):
+        junk = copy.deepcopy(good)
+        junk["state"][0][key] = value
+        cases.append((junk, re.escape(f"parameter 0 has {key}={value!r}; expected a tensor")))
     for bad, match in cases:
         old_groups, old_state = opt.param_groups, opt.state
         with pytest.raises(OptimizerError, match=match):

@@ -362,6 +362,9 @@ def test_bad_state_dicts_are_refused_and_change_nothing():
             (edited(set_state("master_step", -1)), "master_step: step is -1"),
             (edited(set_state("master_step", "2")), "master_step: step is '2'"),
             (edited(set_state("max_exp_avg_sq", torch.zeros(8))), "amsgrad"),
+            # a bare TypeError / RuntimeError from torch.as_tensor
+            (edited(set_state("exp_avg", None)), "exp_avg=None; expected a tensor"),
+            (edited(set_state("exp_avg_sq", "abc")), "exp_avg_sq='abc'; expected a tensor"),
             (edited(lambda sd: sd["state"][1].pop("exp_avg_sq")), "no exp_avg_sq"),
             (edited(lambda sd: sd["state"].__setitem__(42, sd["state"][1])), "parameter 42"),
             (edited(lambda sd: sd["state"].__setitem__(1, [1, 2])), "dict of dicts"),
