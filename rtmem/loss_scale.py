@@ -62,13 +62,24 @@ def _is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _real(value, name: str) -> float:
+    """float(value), refusing what float() takes but is no number here: text
+    (init_scale="65536" from a config file passed, growth_interval="2000" did
+    not) and a bool (init_scale=True was a scale of 1.0)."""
+    if not isinstance(value, (str, bytes, bool, np.bool_)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise OptimizerError(f"{name}={value!r} is not a real number; pass a number"
+                         + (f", e.g. float({value!r})" if isinstance(value, str) else ""),
+                         argument=name)
+
+
 def _check_scale(value, name: str) -> float:
     """A loss scale the fused kernels accept: a normal float32 (so its float32
     reciprocal is finite). Returned rounded to float32."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise OptimizerError(f"{name}={value!r} is not a real number", argument=name) from None
+    x = _real(value, name)
     if not (math.isfinite(x) and _MIN_SCALE <= x <= _MAX_SCALE):
         raise OptimizerError(
             f"{name}={value!r} is out of range: a loss scale must be a normal float32, "
@@ -80,12 +91,7 @@ def _check_scale(value, name: str) -> float:
 def _check_hyper(growth_factor, backoff_factor, growth_interval) -> tuple:
     """The schedule's constants, checked as torch's GradScaler checks them (and
     more: finite, a positive integer interval)."""
-    try:
-        g, b = float(growth_factor), float(backoff_factor)
-    except (TypeError, ValueError):
-        raise OptimizerError(f"growth_factor={growth_factor!r} and backoff_factor="
-                             f"{backoff_factor!r} must be real numbers",
-                             argument="growth_factor") from None
+    g, b = _real(growth_factor, "growth_factor"), _real(backoff_factor, "backoff_factor")
     if not (math.isfinite(g) and g > 1.0):
         raise OptimizerError(f"growth_factor={growth_factor!r} must be finite and > 1 "
                              f"(the scale grows after a run of good steps)",

@@ -305,6 +305,7 @@ def test_state_dicts_move_between_gradscaler_and_loss_scaler():
     ({**LossScaler().state_dict(), "growth_factor": 1.0}, "growth_factor"),
     ({**LossScaler().state_dict(), "_growth_tracker": 2000}, "_growth_tracker"),
     ({**LossScaler().state_dict(), "growth_interval": 2.5}, "growth_interval"),
+    ({**LossScaler().state_dict(), "scale": "1e3"}, "scale"),
 ])
 def test_bad_state_dicts_are_refused_and_change_nothing(bad, argument):
     s = LossScaler(**HYPER)
@@ -320,6 +321,12 @@ def test_bad_state_dicts_are_refused_and_change_nothing(bad, argument):
     (dict(init_scale=float("inf")), "init_scale"),
     (dict(init_scale=1e39), "init_scale"),
     (dict(init_scale="big"), "init_scale"),
+    # text float() parses (from a config file) and bools were taken as numbers,
+    # while growth_interval="2000" was refused
+    (dict(init_scale="65536"), "init_scale"),
+    (dict(init_scale=True), "init_scale"),
+    (dict(growth_factor="2"), "growth_factor"),
+    (dict(backoff_factor="0.5"), "backoff_factor"),
     (dict(growth_factor=1.0), "growth_factor"),
     (dict(growth_factor=float("inf")), "growth_factor"),
     (dict(backoff_factor=1.0), "backoff_factor"),
@@ -345,7 +352,7 @@ def test_update_sets_a_new_scale_from_a_number_tensor_or_array():
     assert s.get_scale() == 2.0
     for bad, match in ((torch.ones(1, requires_grad=True), "grad"),
                        (torch.ones(2), "one-element"), (np.ones(3), "one-element"),
-                       (-1.0, "out of range")):
+                       (-1.0, "out of range"), ("5", "not a real number")):
         with pytest.raises(OptimizerError, match=match):
             s.update(new_scale=bad)
     assert s.get_scale() == 2.0
