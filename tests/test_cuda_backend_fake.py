@@ -625,6 +625,9 @@ def test_cupy_allocator_hook(fake, backend):
         assert d.stats().count_by_kind["workspace"] >= 1
         with pytest.raises(RuntimeError, match="outside that block"):
             rtcupy.install(d)                     # CuPy refuses inside using_allocator
+        # was CuPy's bare ValueError, where install() said what to do
+        with pytest.raises(RuntimeError, match="cannot uninstall .* outside that block"):
+            rtcupy.uninstall(previous)
     del held
     gc.collect()
     assert d.stats().count_by_kind["workspace"] == 0

@@ -106,31 +106,42 @@ def allocator_for(arena, *, kind: str = "workspace"):
 
 def install(arena, *, kind: str = "workspace"):
     """Make ``arena`` CuPy's allocator; return the previous one (for
-    :func:`uninstall`)."""
+    :func:`uninstall`). Out of memory raises :func:`allocator_for`'s error, both
+    rtmem's and CuPy's ``OutOfMemoryError``. Close the arena only once CuPy
+    holds none of its memory (:meth:`~rtmem.DeviceArena.close` leaves live
+    arrays pointing at released memory)."""
     cp = _cupy()
     allocator = allocator_for(arena, kind=kind)
     previous = cp.cuda.get_allocator()
-    try:
-        cp.cuda.set_allocator(allocator)
-    except ValueError as exc:   # CuPy refuses inside cupy.cuda.using_allocator
-        raise RuntimeError(
-            f"cannot install an arena as CuPy's global allocator inside "
-            f"cupy.cuda.using_allocator / rtmem.integrations.cupy.using ({exc}); "
-            f"install it outside that block, or use using() alone") from exc
+    _set_global(cp, allocator, "install an arena as")
     return previous
 
 
 def uninstall(previous=None) -> None:
     """Restore ``previous`` (from :func:`install`; None: CuPy's default pool)."""
     cp = _cupy()
-    cp.cuda.set_allocator(previous if previous is not None
-                          else cp.get_default_memory_pool().malloc)
+    _set_global(cp, previous if previous is not None
+                else cp.get_default_memory_pool().malloc, "uninstall")
+
+
+def _set_global(cp, allocator, what: str) -> None:
+    """``cupy.cuda.set_allocator(allocator)``, whose refusal inside a
+    ``using_allocator`` block (CuPy's bare ValueError) says what to do."""
+    try:
+        cp.cuda.set_allocator(allocator)
+    except ValueError as exc:   # CuPy refuses inside cupy.cuda.using_allocator
+        raise RuntimeError(
+            f"cannot {what} CuPy's global allocator inside cupy.cuda.using_allocator / "
+            f"rtmem.integrations.cupy.using ({exc}); call it outside that block, or use "
+            f"using() alone") from exc
 
 
 @contextlib.contextmanager
 def using(arena, *, kind: str = "workspace"):
     """Context manager: CuPy allocates from ``arena`` inside the block (this
-    thread only, as ``cupy.cuda.using_allocator``)."""
+    thread only, as ``cupy.cuda.using_allocator``); the previous allocator is
+    back after it, also after an exception. Out of memory raises
+    :func:`allocator_for`'s error, both rtmem's and CuPy's ``OutOfMemoryError``."""
     cp = _cupy()
     with cp.cuda.using_allocator(allocator_for(arena, kind=kind)):
         yield arena

@@ -142,6 +142,11 @@ def manager_class():
             (the legacy default stream unless CuPy's current stream was changed),
             and with it numba's blocking streams, has passed the free: what
             numba's synchronizing cuMemFree guaranteed.
+
+            When the arena cannot serve it (after numba has flushed its pending
+            frees and retried once), :class:`~rtmem.errors.OutOfMemoryError`
+            is raised, not the ``CudaAPIError`` numba's own manager raises:
+            code catching that misses it.
             """
             deallocations = self.deallocations
 
