@@ -328,7 +328,14 @@ def simulate_multichain(ops, lengths, m, b=None, u_f=1.0, u_b=1.0, u_loss=1.0):
         raise ScheduleError(f"op {j} ({ops[j]}): {msg}", op_index=j, reason="multichain")
 
     for j, op in enumerate(ops):
-        kind, k, i = op
+        try:
+            kind, k, i = op
+        except (TypeError, ValueError):
+            # a string op ("F") unpacked into "too many values" from inside
+            fail(j, "an op is a (kind, branch, index) triple, e.g. MultiOp('F', 0, 1)")
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                   for v in (k, i)):
+            fail(j, f"branch {k!r} and index {i!r} must be integers")
         if kind != "L" and not 0 <= k < K:
             fail(j, f"branch {k} does not exist (K = {K})")
         c = counts[k] if kind != "L" else None

@@ -211,6 +211,10 @@ def revolve_ops(l: int, m: int, *, branch: int = 0, offset: int = 0, arg=None) -
     if m < (3 if l > 0 else 2):
         raise InfeasibleError(f"ADJCHAIN({l}, {m}) needs at least {3 if l else 2} slots",
                               budget=m, min_feasible=3 if l else 2)
+    if arg is not None and getattr(arg, "ndim", None) != 2:
+        # a bare AttributeError ("'str' object has no attribute 'shape'") from below
+        raise TypeError(f"arg must be an argmin table (a 2-d array, opt0_table(l, m)[1]) "
+                        f"or None, got {type(arg).__name__}")
     if arg is None or arg.shape[0] <= l or arg.shape[1] <= m:
         arg = opt0_table(l, m)[1]
     ops = []

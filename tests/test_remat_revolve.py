@@ -211,6 +211,13 @@ def test_validator_rejects_bad_schedules():
                             (1,), 3, b=(1,))
     with pytest.raises(ScheduleError, match="expected nothing"):
         simulate_multichain(good, (1,), 2, b=(0,))
+    # an op that is no triple, or whose branch or index is no integer, was a bare
+    # ValueError / TypeError from inside the loop
+    for bad, match in (("F", r"op 0 \(F\): an op is a \(kind, branch, index\) triple"),
+                       (("F", 0, "1"), "branch 0 and index '1' must be integers"),
+                       (("Q", 0, 1), "unknown operation kind 'Q'")):
+        with pytest.raises(ScheduleError, match=match):
+            simulate_multichain([bad, *good], (1,), 3, b=(1,))
     assert list(itertools.islice(map(str, good), 2)) == ["S^0_0", "F^0_1"]
 
 
@@ -220,6 +227,8 @@ def test_revolve_refuses_impossible_sizes():
         binomial_makespan(-1, -1)
     with pytest.raises(ValueError, match="at least one stage"):
         revolve_schedule(0, 1)
+    with pytest.raises(TypeError, match="arg must be an argmin table"):   # AttributeError
+        revolve_schedule(5, 4, arg="x")
 
 
 @pytest.mark.parametrize("call, fragment", [
