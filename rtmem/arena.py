@@ -561,10 +561,15 @@ class DeviceArena(_Arena):
         takes one alignment more than ``reserved_bytes`` counts.
     max_bytes, growth_bytes:
         Growth by extra slabs of ``growth_bytes`` up to ``max_bytes`` total, bytes
-        (ints or strings such as ``"8GiB"``; default: no growth).
+        (ints or strings such as ``"8GiB"``). ``max_bytes`` defaults to
+        ``nbytes``: no growth, whatever ``growth_bytes`` says. ``growth_bytes``
+        defaults to ``nbytes``; 0 grows by exactly what a request needs, and a
+        request larger than it gets a slab of its own size.
     adaptors:
         Callables ``upstream -> allocator`` applied in order (e.g.
-        ``lambda up: LimitAdaptor(up, budget_bytes)``).
+        ``lambda up: LimitAdaptor(up, budget_bytes)``); the last one's result
+        is ``arena.allocator`` (its ``upstream`` walks down to the others, e.g.
+        for a :class:`~rtmem.adaptors.StatisticsAdaptor`'s figures).
     debug:
         Poison freed memory and detect writes after free (slow; for tests).
     """
@@ -593,8 +598,11 @@ class DeviceArena(_Arena):
 class HostArena(_Arena):
     """Host memory: pinned by default, ``mapped=True`` for memory the GPU can
     address directly (its buffers expose ``__cuda_array_interface__`` with the
-    device alias). Reserves exactly ``nbytes`` rounded up to ``alignment``: no
-    power-of-two pools. Other parameters as :class:`DeviceArena`.
+    device alias). Mapped memory is always pinned (the GPU addresses only
+    page-locked memory): ``mapped=True`` with ``pinned=False`` gives pinned,
+    mapped memory (``arena.pinned`` is True). Reserves exactly ``nbytes``
+    rounded up to ``alignment``: no power-of-two pools. Other parameters as
+    :class:`DeviceArena`.
 
     A new buffer is safe for the CPU to write at once: by default its bytes were
     freed behind GPU work that has completed (``alloc(stream=...)`` relaxes this
