@@ -160,6 +160,13 @@ class LossScaler:
             ``get_scale`` is 1.0, ``state_dict`` is empty), so one loop serves
             fp32 and fp16 runs.
 
+    Unlike GradScaler it keeps no record of :meth:`scale` calls: a ``step``
+    after a backward of an unscaled loss divides those gradients by S (always
+    scale the loss), and a step with no gradient at all counts as a good step
+    (GradScaler raises "No inf checks were recorded"). ``step`` always calls
+    ``optimizer.step``, which skips itself on an inf/NaN, so the optimizer's
+    step hooks run on skipped steps too, and a closure is passed through.
+
     Errors: bad arguments raise :class:`~rtmem.errors.OptimizerError`; calls out
     of order (a second ``step`` of one optimizer before ``update``, ``update``
     with no ``step``) and a scale driven below the float32 range raise
