@@ -442,7 +442,11 @@ class CPUAdam(torch.optim.Optimizer):
         in ``torch.optim.Adam``'s layout) plus the top-level ``skipped_steps``
         and ``last_step_skipped`` (NOTE [ Skipped steps ]), which
         ``torch.optim.Adam``'s load ignores, as OffloadedAdam's dict has them.
-        The post-hooks see the whole dict."""
+        The post-hooks see the whole dict. As torch's, its state entries are
+        the optimizer's live tensors (not copies): later steps change them,
+        and another optimizer loading the dict in memory (``torch.optim.Adam``
+        keeps what it is given) then shares them; ``copy.deepcopy`` it (or
+        ``torch.save`` it) to keep a snapshot."""
         # torch's state_dict without its post-hooks, which run on the dict with
         # the counters (the same dict goes back: the hooks' handles refer to it)
         hooks = self._optimizer_state_dict_post_hooks
