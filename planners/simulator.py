@@ -31,11 +31,14 @@ Rules (numbered so code can point at them):
 5. ``offload`` copies to the host and leaves the device copy in place, so compute
    ops may keep reading it (the thesis' offload of abar_l runs while F_{l+1} reads
    it). ``delete`` drops the device copy; the bytes return when every transfer
-   reading it has finished (O.7: an offload frees on completion). A delete of data
-   with no host copy discards it (explicit deletes are outside the thesis' model,
-   erratum 11; the planners never emit them for remat alone).
+   using it has finished: an offload reading it (O.7: an offload frees on
+   completion) or a prefetch still writing it. So do those of data a compute op
+   consumes (F_none's input, B's abar and plain input). A delete of data with no
+   host copy discards it (explicit deletes are outside the thesis' model, erratum
+   11; the planners never emit them for remat alone).
 6. ``w_offload i`` copies the weights of stage i to the host and frees them on
-   completion; ``w_delete i`` frees them at once (the host holds the master copy);
+   completion; ``w_delete i`` frees them at once (the host holds the master copy),
+   or, while a ``w_prefetch i`` still writes them, when it lands;
    ``w_prefetch i`` brings them back (Rule 4). F i and B i need the weights of
    stage i. ``g_offload i`` moves the weight gradient made by B i to the host and
    frees it on completion. All weights start on the device.
