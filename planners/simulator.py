@@ -94,7 +94,9 @@ class SimResult:
         runs: for compute ops resident data plus output plus overhead; for
         transfers and frees the usage right after the op was issued) and
         ``mem_after`` (int64 bytes when the op is over). The byte columns are
-        exact: the largest ``mem`` is ``peak``.
+        exact: the largest ``mem`` is ``peak``, unless the usage before op 0
+        (the chain input and every stage's weights) was higher, which a
+        schedule that moves weights off the device before it computes can do.
     compute_time:
         Total busy time of the compute stream, seconds.
     h2d_bytes, d2h_bytes:

@@ -396,6 +396,22 @@ def test_a_backward_step_after_the_backward_pass_is_named_as_such():
         assert e.value.reason == "backward-order" and e.value.op_index == 5
 
 
+def test_the_peak_counts_the_start_which_no_timeline_row_holds():
+    # SimResult.peak is the usage at any time, the start included: a0 (0) and
+    # the weights (1 + 100 + 100) before op 0. Here every weight but one moves
+    # off before each op, so the largest op row (B 1, B 2: 100 + the gradient
+    # 100) is 200, one byte below the peak of 201 (hand-computed).
+    chain = Chain(u_f=[1, 1, 1], u_b=[1, 1, 1], x=[0, 0, 0], xbar=[0, 0, 0], x0=0,
+                  w=[1, 100, 100])
+    sched = Schedule.from_text(
+        "w_offload 1, w_offload 2, F_all 0, w_offload 0, w_prefetch 1, F_all 1, "
+        "w_offload 1, w_prefetch 2, F_all 2, L, B 2, g_offload 2, w_delete 2, "
+        "w_prefetch 1, B 1, g_offload 1, w_delete 1, w_prefetch 0, B 0")
+    r = simulate(chain, sched, Platform(math.inf))
+    assert (r.peak, int(r.timeline["mem"].max())) == (201, 200)
+    assert reference_simulate(chain, sched, Platform(math.inf))["peak"] == 201
+
+
 def test_timeline_bytes_and_transfer_counts_are_exact_above_2_53():
     # the jitted core kept the byte columns and the h2d/d2h counters in a float64
     # array: above 2**53 bytes they were rounded, so max(timeline mem) != peak
