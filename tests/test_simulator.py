@@ -353,6 +353,9 @@ def test_wandering_schedules_arguments_are_named(kwargs, match):
     (lambda: wandering_schedules(3, weights="no"),
      "wandering_schedules: weights must be True or False"),
     (lambda: simulation_cases(wander="yes"), "simulation_cases: wander must be True or"),
+    # named "chains: need integers", a function the caller never called
+    (lambda: simulation_cases(max_stages=0), "simulation_cases: need integers .* got 1, 0"),
+    (lambda: simulation_cases(3, 2, wander=True), "simulation_cases: need integers"),
 ])
 def test_strategy_arguments_are_named(make, match):
     from hypothesis import find

@@ -255,6 +255,8 @@ def simulation_cases(draw, min_stages: int = 1, max_stages: int = 8, *,
     ``max_stages`` below ~120 (below ~200 with ``transfers=False``; a few dozen
     with ``wander``).
     """
+    # checked here too: through chains() a bad range was reported as "chains: ..."
+    min_stages, max_stages = _check_range("simulation_cases", min_stages, max_stages)
     check_flags("simulation_cases", transfers=transfers, small=small, wander=wander)
     chain = draw(chains(min_stages, max_stages, small=small))
     schedule = draw(wandering_schedules(chain, transfers=transfers, weights=transfers)
