@@ -105,19 +105,24 @@ def test_host_gradients_accumulate_over_steps_until_zeroed(setup):
         assert ex.host_grads() == {}
 
 
+def _weight_moves_schedule(n, *tail):
+    """Store-all with stage 0's weights deleted and stage 1's offloaded after
+    their forwards, each prefetched before its backward; ``tail``: ops after B 0."""
+    text = ["F_all 0", "w_delete 0", "F_all 1", "w_offload 1"]
+    text += [f"F_all {i}" for i in range(2, n)] + ["L"]
+    text += [f"B {i}" for i in reversed(range(2, n))]
+    text += ["w_prefetch 1", "B 1", "w_prefetch 0", "B 0", *tail]
+    return Schedule.from_text(", ".join(text))
+
+
 def test_weight_moves_over_many_steps_with_an_optimizer(setup):
     # Weights dropped by w_delete / w_offload come back by w_prefetch as new
     # tensors (as on a GPU); the host copy of one step must not outlive the
     # optimizer update after it, and weights a schedule leaves on the host are
     # put back at the end of the step.
     model, loss_fn, x, y = setup[:4]
-    n = len(model)
-    text = ["F_all 0", "w_delete 0", "F_all 1", "w_offload 1"]
-    text += [f"F_all {i}" for i in range(2, n)] + ["L"]
-    text += [f"B {i}" for i in reversed(range(2, n))]
-    text += ["w_prefetch 1", "B 1", "w_prefetch 0", "B 0", "w_delete 1"]
     mine, ref = copy.deepcopy(model), copy.deepcopy(model)
-    ex = ScheduleExecutor(mine, Schedule.from_text(", ".join(text)), loss_fn)
+    ex = ScheduleExecutor(mine, _weight_moves_schedule(len(model), "w_delete 1"), loss_fn)
     opt_mine = torch.optim.SGD(mine.parameters(), lr=0.5)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     for _ in range(3):
@@ -143,11 +148,6 @@ def test_a_state_dict_taken_mid_step_holds_the_moved_weights(setup):
     # loss_fn here; a SIGTERM handler alike) held the 0-element placeholders:
     # torch.save wrote it, and only the load failed ("size mismatch")
     model, loss_fn, x, y = setup[:4]
-    n = len(model)
-    text = ["F_all 0", "w_delete 0", "F_all 1", "w_offload 1"]
-    text += [f"F_all {i}" for i in range(2, n)] + ["L"]
-    text += [f"B {i}" for i in reversed(range(2, n))]
-    text += ["w_prefetch 1", "B 1", "w_prefetch 0", "B 0"]
     m = copy.deepcopy(model)
     wrapper = torch.nn.ModuleDict({"net": m})     # a prefix before the stage's names
     saved = []
@@ -156,7 +156,7 @@ def test_a_state_dict_taken_mid_step_holds_the_moved_weights(setup):
         saved.append({k: v.clone() for k, v in wrapper.state_dict().items()})
         return loss_fn(out, target)
 
-    ex = ScheduleExecutor(m, Schedule.from_text(", ".join(text)), saving_loss)
+    ex = ScheduleExecutor(m, _weight_moves_schedule(len(m)), saving_loss)
     expected = {k: v.clone() for k, v in wrapper.state_dict().items()}
     moved = {f"net.{i}.{k}" for i in (0, 1) for k, _ in m[i].named_parameters()}
     assert moved and moved <= set(expected)
