@@ -155,20 +155,22 @@ def test_wandering_schedules_reach_what_the_module_docstring_lists():
     _reach(wandering_schedules(2), lambda s: "delete a0" in str(s))
     _reach(wandering_schedules(3), lambda s: s.count(Op.G_OFFLOAD) > 0)
     _reach(wandering_schedules(2), lambda s: s.count(Op.W_DELETE) > 0)
+    # moves after B 0: none was ever drawn (the walk stopped there)
+    _reach(wandering_schedules(2), lambda s: list(s)[-1][0] != Op.B)
 
 
 def test_a_wandering_failure_needing_a_gradient_move_shrinks_to_the_shortest_chain():
     # The docstring promises failures shrink toward the shortest schedule. The
-    # least schedule with a g_offload has 2 stages (after B 0 the walk stops):
-    # F_ck 0, F_ck 1, L, F_all 1, B 1, g_offload 1, F_all 0, B 0. With g_offload
-    # listed after the 2 n weight moves its choice index depended on n, and this
-    # shrank to 5 stages and 17 ops.
+    # least schedule with a g_offload is F_ck 0, L, F_all 0, B 0, g_offload 0 (one
+    # stage; before moves were drawn after B 0 it was 8 ops on 2 stages). With
+    # g_offload listed after the 2 n weight moves its choice index depended on n,
+    # and this shrank to 5 stages and 17 ops.
     strategy = st.integers(1, 6).flatmap(lambda n: st.tuples(st.just(n),
                                                              wandering_schedules(n)))
     n, schedule = find(strategy, lambda case: case[1].count(Op.G_OFFLOAD) > 0,
                        settings=settings(max_examples=1000, database=None,
                                          derandomize=True))
-    assert (n, len(schedule)) == (2, 8), str(schedule)
+    assert (n, len(schedule)) == (1, 5), str(schedule)
 
 
 def test_wandering_schedules_honour_their_flags():

@@ -175,7 +175,9 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     Up to ``max_steps`` (default ``6 n + 8``) operations are drawn, each as a
     kind (the greedy step, a compute operation, an activation move, a weight or
     gradient move) and then one operation of that kind allowed in the current
-    state; a greedy finish then completes the backward pass. The greedy step is
+    state; a greedy finish then completes the backward pass, after which (with
+    ``weights``) up to two weight or gradient moves may follow ``B 0``
+    (``g_offload 0``, a last weight move). The greedy step is
     choice 0, so failures shrink toward the shortest schedule. ``transfers``
     allows activation offload / delete / prefetch, ``weights`` weight and
     gradient moves. Each step takes a draw from Hypothesis's input buffer: keep
@@ -209,4 +211,14 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     while (op := walk.progress()) is not None:
         walk.apply(op)
         ops.append(op)
+    if weights:
+        # after B 0 only weight and gradient moves remain (g_offload 0, a last
+        # weight move): without these draws no schedule had them
+        for _ in range(draw(st.integers(0, 2))):
+            weight_moves = walk.legal()[2]
+            if not weight_moves:
+                break
+            op = weight_moves[draw(st.integers(0, len(weight_moves) - 1))]
+            walk.apply(op)
+            ops.append(op)
     return Schedule.from_ops(ops)
