@@ -177,7 +177,8 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     gradient move) and then one operation of that kind allowed in the current
     state; a greedy finish then completes the backward pass, after which (with
     ``weights``) up to two weight or gradient moves may follow ``B 0``
-    (``g_offload 0``, a last weight move). The greedy step is
+    (``g_offload 0``, a last weight move; at most ``max_steps``). The greedy
+    step is
     choice 0, so failures shrink toward the shortest schedule. ``transfers``
     allows activation offload / delete / prefetch, ``weights`` weight and
     gradient moves. Each step takes a draw from Hypothesis's input buffer: keep
@@ -211,10 +212,12 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     while (op := walk.progress()) is not None:
         walk.apply(op)
         ops.append(op)
-    if weights:
+    if weights and steps:
         # after B 0 only weight and gradient moves remain (g_offload 0, a last
-        # weight move): without these draws no schedule had them
-        for _ in range(draw(st.integers(0, 2))):
+        # weight move): without these draws no schedule had them. None with
+        # max_steps=0, which draws nothing (a 600-stage find() then shrank for
+        # minutes, each try replaying the greedy walk)
+        for _ in range(draw(st.integers(0, min(2, steps)))):
             weight_moves = walk.legal()[2]
             if not weight_moves:
                 break
