@@ -310,6 +310,17 @@ def _unscale_factor(grad_scale, maximize=False) -> np.float32:
     return np.float32(-gmul if maximize else gmul)
 
 
+def _check_finite_switch(check_finite):
+    """A step's ``check_finite``: None (the default, ``grad_scale is not None``)
+    or a bool (np.bool_ too), in :func:`adam_update` and the optimizers'
+    ``step``. Taken by truthiness, "no" (or "False" from a command line) checked,
+    and 0.0 under a loss scale turned the check off, so an inf/NaN gradient was
+    applied and the parameters became NaN. OptimizerError otherwise."""
+    if check_finite is None:
+        return None
+    return check_flag(check_finite, "check_finite", OptimizerError)
+
+
 def _power(beta: float, step: int) -> float:
     """beta ** step for beta in [0, 1): 0.0 when step is too large for a float
     (the power underflowed long before)."""
@@ -374,8 +385,7 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=
     gradient was not finite (then no array was written). Invalid arrays or
     hyperparameters raise :class:`~rtmem.errors.OptimizerError`.
     """
-    if check_finite is not None:        # None: the default
-        check_finite = check_flag(check_finite, "check_finite", OptimizerError)
+    check_finite = _check_finite_switch(check_finite)
     c = adam_coefficients(lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps,
                           weight_decay=weight_decay,
                           decoupled_weight_decay=decoupled_weight_decay,

@@ -510,18 +510,24 @@ class _Arena:
             # live Buffer (it refers to its arena) could put off to the exit.
             self._end_recordings()
 
+    def _adaptors(self, kind):
+        """The adaptors of class ``kind`` in the arena's allocator stack, top
+        first (``adaptors=`` built them above the core)."""
+        layer = self.allocator
+        while layer is not None and layer is not self.core:
+            if isinstance(layer, kind):
+                yield layer
+            layer = getattr(layer, "upstream", None)
+
     def _end_recordings(self) -> None:
         """close() every TracingAdaptor of the stack (all of them, then the first
         failure to flush a sink is raised)."""
         failure = None
-        allocator = self.allocator
-        while allocator is not None and allocator is not self.core:
-            if isinstance(allocator, TracingAdaptor):
-                try:
-                    allocator.close()
-                except Exception as exc:    # noqa: BLE001 - raised after the others
-                    failure = failure or exc
-            allocator = getattr(allocator, "upstream", None)
+        for tracer in self._adaptors(TracingAdaptor):
+            try:
+                tracer.close()
+            except Exception as exc:    # noqa: BLE001 - raised after the others
+                failure = failure or exc
         if failure is not None:
             raise failure
 

@@ -36,7 +36,7 @@ from .buffer import Buffer
 from .errors import OptimizerError, ResidencyError
 from .kernels._adam_checks import _check_state
 from .kernels._launch import check_flag
-from .kernels.adam import adam_coefficients, prepare_update, threads
+from .kernels.adam import _check_finite_switch, adam_coefficients, prepare_update, threads
 
 __all__ = ["CPUAdam", "CPUAdamW", "NumpyAdam", "NumpyAdamW"]
 
@@ -118,12 +118,12 @@ def _check_torch_layout(state_dict) -> None:
                              argument="state_dict")
     for i, st in state.items():
         for key in ("step", *_STATE_KEYS):
-            value = st.get(key)
+            value = st.get(key, 0)      # absent: another check's to name
             # torch's load turned a string into the text of a generator (named so
             # in the step's error), and a None or string moment raised a bare
-            # TypeError / RuntimeError from torch.as_tensor
-            if isinstance(value, (str, bytes)) or (value is None and key in st
-                                                   and key != "step"):
+            # TypeError / RuntimeError from torch.as_tensor; a None step is
+            # _checked_step's to name
+            if isinstance(value, (str, bytes)) or (value is None and key != "step"):
                 raise OptimizerError(
                     f"the state of parameter {i!r} has {key}={value!r}; expected a "
                     f"tensor{' or an integer' if key == 'step' else ''}, as "
@@ -342,17 +342,6 @@ def _check_num_threads(num_threads):
     with threads(num_threads):  # validates (and restores the count at once)
         pass
     return num_threads
-
-
-def _check_finite_switch(check_finite):
-    """A step's ``check_finite``: None (the default, ``grad_scale is not None``)
-    or a bool (np.bool_ too), as :func:`rtmem.kernels.adam_update` takes it. Taken
-    by truthiness, "no" (or "False" read from a command line) checked, and 0.0
-    under a loss scale turned the check off, so an inf/NaN gradient was applied
-    and the parameters became NaN. OptimizerError otherwise."""
-    if check_finite is None:
-        return None
-    return check_flag(check_finite, "check_finite", OptimizerError)
 
 
 def _run_step(opt, items, *, grad_scale, check_finite) -> bool:

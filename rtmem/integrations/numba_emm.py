@@ -95,12 +95,9 @@ def _capacity(arena) -> tuple[int, int]:
     st = arena.stats()
     total = max(arena.core.max_bytes, st.reserved_bytes)
     free = st.free_bytes + total - st.reserved_bytes
-    layer = arena.allocator
-    while layer is not None and layer is not arena.core:
-        if isinstance(layer, LimitAdaptor):
-            total = min(total, layer.budget_bytes)
-            free = min(free, max(layer.budget_bytes - layer.used_bytes, 0))
-        layer = getattr(layer, "upstream", None)
+    for limit in arena._adaptors(LimitAdaptor):
+        total = min(total, limit.budget_bytes)
+        free = min(free, max(limit.budget_bytes - limit.used_bytes, 0))
     return free, total
 
 

@@ -30,14 +30,6 @@ def _used_on(storages, stream):
         torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).record_stream(stream)
 
 
-def _state_dict_post_hook(module, hook):
-    """``module.register_state_dict_post_hook(hook)``, or on a torch without that
-    public name the private registration behind it (the same hook signature)."""
-    register = getattr(module, "register_state_dict_post_hook", None) or \
-        module._register_state_dict_hook
-    return register(hook)
-
-
 class _HostSide:
     """Mixin of :class:`~rtmem.torch.ScheduleExecutor`, which provides ``n``,
     ``_stage_params``, ``_stage_buffers``, ``host_arena``, the copy ``_streams``
@@ -239,8 +231,8 @@ class _HostSide:
             for p in params:   # freed behind the D2H copy (_to_host marked them used)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             if i not in self._w_hooks:
-                self._w_hooks[i] = _state_dict_post_hook(
-                    self.stages[i], lambda *args, i=i: self._host_weights_in(i, *args))
+                self._w_hooks[i] = self.stages[i].register_state_dict_post_hook(
+                    lambda *args, i=i: self._host_weights_in(i, *args))
         self._refresh_stage_ptrs(i)
 
     def _host_weights_in(self, i: int, module, state_dict, prefix, _metadata):
