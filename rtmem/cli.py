@@ -3,7 +3,9 @@
 Subcommands owned by other modules register themselves through a
 ``register(subparsers)`` function (see ``_PLUGINS``), so this file stays small.
 Every subcommand returns an exit code: 0 success, 1 an rtmem error (message on
-stderr), 2 bad usage (argparse).
+stderr), 2 bad usage (argparse). A subcommand run with ``--json`` that fails
+after its arguments parsed also prints one JSON object on stdout (see
+:func:`error_document`), so a script reading stdout always has JSON to parse.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from rtmem.demo import MODEL_OPTIONS, missing_folders, remove_empty_folders
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
-__all__ = ["main", "add_model_size_args", "at_least", "load_chain", "load_schedule",
-           "model_sizes_problem", "output_file", "platform_value", "save_document",
+__all__ = ["main", "add_model_size_args", "at_least", "error_document", "load_chain",
+           "load_schedule", "model_sizes_problem", "output_file", "platform_value", "save_document",
            "torch_device_problem", "torch_oom", "writable"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
@@ -494,6 +496,37 @@ def _prog(args) -> str:
     return "rtmem " + " ".join(words)
 
 
+def error_document(message: str, error: BaseException | None = None) -> dict:
+    """The JSON object a ``--json`` subcommand prints on stdout when it fails:
+    ``{"error": message}``; for an :class:`~rtmem.errors.InfeasibleError` also
+    ``"infeasible": true``, ``"budget_bytes"`` and ``"min_feasible_bytes"`` (bytes;
+    null when unknown or unlimited), the keys of an infeasible plan in ``rtmem
+    plan remat --json``'s ``"plans"``; for a :class:`~rtmem.errors.ScheduleError`
+    ``"op_index"``, ``"reason"`` and ``"over_bytes"``, as the exception has them."""
+    from rtmem.errors import InfeasibleError, ScheduleError
+
+    def finite(value):
+        # JSON has no Infinity: an unlimited budget is null, as in `plan --json`
+        return None if value is None or not math.isfinite(value) else value
+    doc = {"error": message}
+    if isinstance(error, InfeasibleError):
+        doc.update(infeasible=True, budget_bytes=finite(error.budget),
+                   min_feasible_bytes=finite(error.min_feasible))
+    elif isinstance(error, ScheduleError):
+        doc.update(op_index=error.op_index, reason=error.reason, over_bytes=error.over_bytes)
+    return doc
+
+
+def report_error(args, message: str, error: BaseException | None = None) -> None:
+    """Print ``PROG: error: MESSAGE`` on stderr and, when ``args`` asked for
+    ``--json``, :func:`error_document` on stdout: with only the stderr line a
+    script piping the JSON (``rtmem plan remat ... --json | jq``) got nothing to
+    parse. The caller returns the exit code."""
+    print(f"{_prog(args)}: error: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps(error_document(message, error), indent=1, allow_nan=False))
+
+
 def main(argv=None) -> int:
     """Entry point of the ``rtmem`` console script; returns the exit code."""
     parser = build_parser()
@@ -516,14 +549,13 @@ def main(argv=None) -> int:
     # OSError: a file that cannot be read or written; ModuleNotFoundError: an
     # optional extra (torch, matplotlib) is not installed
     except (RtmemError, OSError, ModuleNotFoundError) as e:
-        print(f"{_prog(args)}: error: {e}", file=sys.stderr)
+        report_error(args, str(e), e)
         return 1
     except MemoryError as e:
         # numpy's "Unable to allocate 7.45 GiB for an array ..." for a problem
         # too large for this machine (gpt2:layers=999999999) was a traceback
-        print(f"{_prog(args)}: error: out of host memory ({str(e) or 'MemoryError'}); "
-              f"the problem is too large for this machine: make it smaller",
-              file=sys.stderr)
+        report_error(args, f"out of host memory ({str(e) or 'MemoryError'}); the problem "
+                     f"is too large for this machine: make it smaller", e)
         return 1
 
 

@@ -233,11 +233,11 @@ def _measure(args, device):
 
 
 def _cmd_profile(args) -> int:
-    from rtmem.cli import model_sizes_problem, save_document, torch_device_problem, torch_oom
-    prog = "rtmem profile"
+    from rtmem.cli import (model_sizes_problem, report_error, save_document,
+                           torch_device_problem, torch_oom)
     problem = model_sizes_problem(args) or torch_device_problem(args, "profiling")
     if problem:
-        print(f"{prog}: error: {problem}", file=sys.stderr)
+        report_error(args, problem)
         return 2
     import torch
 
@@ -253,14 +253,13 @@ def _cmd_profile(args) -> int:
               else contextlib.nullcontext()):
             chain = _measure(args, device)
     except FactoryError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        report_error(args, str(e), e)
         return 2
     except RuntimeError as e:
         message = torch_oom(e)
         if message is None:
             raise
-        print(f"{prog}: error: {message}; make the model or --batch smaller",
-              file=sys.stderr)
+        report_error(args, f"{message}; make the model or --batch smaller", e)
         return 1
     if args.save:
         save_document(chain, args.save)

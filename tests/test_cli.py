@@ -237,6 +237,23 @@ def test_simulate_json_is_strict_json(capsys):
     assert doc["memory_bytes"] == 16 * 2**30 and doc["bandwidth_Bps"] == 12e9
 
 
+def test_a_failed_json_command_prints_json_on_stdout_too(capsys, tmp_path):
+    # stdout was empty on an error: a script piping `--json` had nothing to parse
+    code, out, err = run(capsys, "simulate", "gpt2-small", "store-all", "--memory", "1MiB",
+                         "--json")
+    doc = json.loads(out)
+    assert code == 1 and err == f"rtmem simulate: error: {doc['error']}\n"
+    assert doc["reason"] == "memory-limit" and doc["op_index"] is None
+    assert doc["over_bytes"] > 0 and str(f"{doc['over_bytes']:,}") in doc["error"]
+    missing = str(tmp_path / "missing.json")
+    code, out, err = run(capsys, "simulate", missing, "store-all", "--memory", "1GiB",
+                         "--json")
+    assert code == 1 and json.loads(out) == {"error": err.split("error: ", 1)[1].strip()}
+    # without --json stdout stays empty
+    code, out, err = run(capsys, "simulate", missing, "store-all", "--memory", "1GiB")
+    assert code == 1 and out == "" and missing in err
+
+
 def test_a_missing_extra_is_one_line(capsys, monkeypatch):
     import rtmem.plot
 

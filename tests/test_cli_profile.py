@@ -211,6 +211,15 @@ def test_a_module_already_imported_under_the_name_is_named(capsys, tmp_path, mon
     assert code == 0 and Chain.from_json(out).n == 3
 
 
+def test_a_failed_profile_with_json_prints_json_on_stdout(capsys, tmp_path, monkeypatch,
+                                                        isolated_imports):
+    # its own error returns (exit 2 for a bad --model) printed only the stderr line
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "--model", "no_such_module:build", "--quiet", "--json")
+    assert code == 2 and err.startswith("rtmem profile: error: ")
+    assert json.loads(out) == {"error": err.split("error: ", 1)[1].rstrip("\n")}
+
+
 def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypatch,
                                                     isolated_imports):
     # as `python src/file.py` finds src/helper.py

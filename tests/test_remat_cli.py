@@ -94,6 +94,21 @@ def test_errors_name_the_command_as_typed(capsys):
     assert capsys.readouterr().err.startswith("rtmem plan remat: error: no persistent")
 
 
+def test_an_infeasible_budget_with_json_prints_a_json_verdict(capsys):
+    # only the stderr line was printed: a script piping `--json` had nothing to parse
+    from rtmem.cli import main
+    from rtmem.errors import InfeasibleError
+    from rtmem.planners.remat import plan_remat
+    with pytest.raises(InfeasibleError) as expected:
+        plan_remat(from_spec(SPEC), 1000)
+    assert main(["plan", "remat", SPEC, "--memory", "1000", "--quiet", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": str(expected.value), "infeasible": True,
+                               "budget_bytes": 1000,
+                               "min_feasible_bytes": min_feasible_memory(from_spec(SPEC))}
+    assert err == f"rtmem plan remat: error: {expected.value}\n"
+
+
 def test_an_infeasible_budget_is_reported_before_any_baseline_is_planned(capsys, monkeypatch):
     # compare_remat planned store-all, sequential, sqrt and Revolve (its O(n^3)
     # table) before the command raised rotor's InfeasibleError: none of them fits
