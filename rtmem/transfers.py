@@ -380,7 +380,7 @@ def wait(obj=None) -> None:
     event, or (None) everything enqueued on the current backend's transfer
     streams. On the host backend this blocks (its compute stream is synchronous);
     on cuda it does not block the host. A Buffer's failed copy is raised here
-    (BackendError)."""
+    (BackendError); a freed Buffer raises UseAfterFreeError, as its other uses."""
     if isinstance(obj, Buffer):
         _settle_after(obj, lambda event: obj.primary.arena.backend.current_stream()
                       .wait_event(event))
@@ -398,7 +398,8 @@ def wait(obj=None) -> None:
 def synchronize(obj=None) -> None:
     """Block the host until ``obj`` (a Buffer's pending copy, an event) or, with
     None, every transfer of the current backend has completed. A Buffer's failed
-    copy is raised here (BackendError)."""
+    copy is raised here (BackendError); a freed Buffer raises UseAfterFreeError,
+    as its other uses."""
     if isinstance(obj, Buffer):
         _settle_after(obj, lambda event: event.synchronize())
         return
@@ -422,7 +423,11 @@ def _drop_completed() -> None:
 
 def _settle_after(buf: Buffer, wait_on) -> None:
     """``wait_on(event)`` for ``buf``'s pending move, then settle it: a failure
-    is raised by ``_settle``, which undoes the move and says what is left."""
+    is raised by ``_settle``, which undoes the move and says what is left.
+    A freed buffer (or one whose arena was closed) raises UseAfterFreeError:
+    waiting on it returned silently, as if its data were ready, where every
+    other use of it raises."""
+    buf._check_alive()
     move = buf._pending
     if move is not None:
         try:

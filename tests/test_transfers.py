@@ -785,12 +785,42 @@ def test_failed_copy_frees_its_destination(arenas, monkeypatch):
     x.free()
 
 
+def test_waiting_on_a_freed_buffer_raises_as_its_other_uses(arenas):
+    # wait(buf) and synchronize(buf) returned silently on a freed buffer, as if
+    # its data were ready, where numpy(), the moves and copy raise
+    d, h = arenas
+    engine = T.get_engine("host")
+    settled = d.alloc(shape=(16,))
+    settled.free()
+    moving = d.alloc(shape=(1024,))
+    moving.numpy()[:] = np.random.default_rng().standard_normal(1024)
+    gate = gate_stream(engine.d2h)
+    T.offload(moving, arena=h)
+    moving.free()                               # stream-ordered: the copy still waits
+    pinned = h.alloc(64)
+    view = pinned.numpy(pin=True)
+    pinned.free()                               # its release waits for the view
+    try:
+        for b, match in ((settled, "was freed; allocate"), (moving, "was freed; allocate"),
+                         (pinned, "freed .its release waits for views")):
+            for use in (T.wait, T.synchronize, lambda b: b.numpy()):
+                with pytest.raises(UseAfterFreeError, match=match):
+                    use(b)
+    finally:
+        gate.set()
+    del view
+    gc.collect()
+    T.synchronize()
+    assert d.stats().allocated_bytes == 0 and h.stats().allocated_bytes == 0
+
+
 def test_buffers_of_a_closed_arena_say_so(arenas):
     _, h = arenas
     d = DeviceArena("1MiB", backend="host")
     z = d.alloc(shape=(32,), dtype=np.float32)
     d.close()
-    for use in (z.numpy, z.to_numpy, lambda: T.offload(z, arena=h)):
+    for use in (z.numpy, z.to_numpy, lambda: T.offload(z, arena=h), lambda: T.wait(z),
+                lambda: T.synchronize(z)):
         with pytest.raises(UseAfterFreeError, match="arena .*was closed"):
             use()
     z.free()                                    # cleaning up stays legal
