@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 
 from ._blocks import _request   # the core's check, before size arithmetic here
-from .allocator import align_up
+from .allocator import BestFitAllocator, align_up
 from .errors import BackendError, OutOfMemoryError, TraceError, UseAfterFreeError
 from .units import format_bytes, parse_bytes
 
@@ -288,7 +288,14 @@ class PoisonAdaptor(AllocatorAdaptor):
             bad = self._check(block, self.POISON)
             if bad >= 0:
                 self._fill(block, self.POISON)
-                self.upstream.deallocate(block)
+                # A refused allocation leaves the statistics as they were (the
+                # arena's debug=True stack puts this adaptor on the core): freed
+                # plainly, it counted one allocation, one free and its bytes in the
+                # peak. Another upstream (an adaptor) can only be freed plainly.
+                if isinstance(self.upstream, BestFitAllocator):
+                    self.upstream._withdraw(block)
+                else:
+                    self.upstream.deallocate(block)
                 raise UseAfterFreeError(
                     f"freed memory was written after its free: byte {bad} of the "
                     f"{block.size}-byte block at slab {block.slab} offset {block.offset} "

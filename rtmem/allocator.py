@@ -143,6 +143,9 @@ class BestFitAllocator(_StreamOrderedFrees):
         self._spare = []            # dead blocks never handed out, for reuse
         self._reserved = self._allocated = self._requested = self._pending_bytes = 0
         self._peak = self._alloc_count = self._free_count = 0
+        # (block, peak before it) for the allocation that last raised _peak, so
+        # that _withdraw can take a refused block back out of peak_bytes too
+        self._peak_raiser = None
         self._add_slab(initial)
 
     # ------------------------------------------------------------------ slabs
@@ -369,6 +372,7 @@ class BestFitAllocator(_StreamOrderedFrees):
             allocated = self._allocated + size
             self._allocated = allocated
             if allocated > self._peak:
+                self._peak_raiser = (block, self._peak)
                 self._peak = allocated
             return block
         finally:
@@ -517,6 +521,7 @@ class BestFitAllocator(_StreamOrderedFrees):
                 self._requested += nbytes - block.requested
                 block.requested = nbytes
                 if self._allocated > self._peak:
+                    self._peak_raiser = None    # a resize is never withdrawn
                     self._peak = self._allocated
                 return block
         new = self.allocate(nbytes, stream)
@@ -581,6 +586,31 @@ class BestFitAllocator(_StreamOrderedFrees):
         """Set ``peak_bytes`` to the current ``allocated_bytes``."""
         with self._lock:
             self._peak = self._allocated
+            self._peak_raiser = None
+
+    def _withdraw(self, block: Block) -> None:
+        """Take back ``block``, which :meth:`allocate` has just handed out and
+        nobody used, as if the allocation had never happened: the block is
+        freed, and ``alloc_count``, ``free_count`` and ``peak_bytes`` are as
+        before it. For an adaptor that refuses a block after the fact
+        (:class:`~rtmem.adaptors.PoisonAdaptor` on a lost poison): a plain
+        :meth:`deallocate` counted the refused request as one allocation and
+        one free, and its bytes in the peak.
+
+        The peak is restored when this block's allocation was the last to raise
+        it (else a later allocation set it, and it stands); exact when no other
+        allocation ran in between, as under the adaptor's lock."""
+        with self._lock:
+            self._check_owned_live(block)
+            raiser = self._peak_raiser
+        self.deallocate(block)
+        with self._lock:
+            self._alloc_count -= 1
+            self._free_count -= 1
+            if raiser is not None and raiser[0] is block and self._peak_raiser is raiser:
+                # Block objects are handed out once (Rule 6): identity is the allocation
+                self._peak = max(raiser[1], self._allocated)
+                self._peak_raiser = None
 
     def _walk(self):
         for _, _, block in self._slabs.values():

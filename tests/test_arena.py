@@ -248,6 +248,29 @@ def test_debug_mode_detects_write_after_free():
     a._check_invariants()
 
 
+def test_a_refused_debug_allocation_leaves_the_statistics_unchanged():
+    # The lost poison refuses the allocation after the core handed out its
+    # block; freeing that block plainly counted one allocation, one free and
+    # its bytes in peak_bytes, though the caller got nothing.
+    a = DeviceArena(64 * 1024, backend="host", debug=True)
+    keep = a.alloc(512)
+    b = a.alloc(1024)
+    stale = b.numpy()                              # a view kept past the free
+    b.free()
+    stale[3] = 1
+    before = a.stats()
+    with pytest.raises(UseAfterFreeError):
+        a.alloc(8192)                              # above the peak: it would raise it
+    assert a.stats() == before
+    assert (before.alloc_count, before.free_count, before.peak_bytes) == (2, 1, 1536)
+    c = a.alloc(8192)                              # poison restored: counted as usual
+    after = a.stats()
+    assert (after.alloc_count, after.free_count, after.peak_bytes) == (3, 1, 512 + 8192)
+    c.free()
+    keep.free()
+    a._check_invariants()
+
+
 def test_views_refuse_missing_placement(dev):
     b = dev.alloc(64)
     with pytest.raises(ResidencyError, match="no host copy"):
