@@ -343,6 +343,41 @@ def _heads_against_torch(adamw, **kwargs):
         torch.Generator().manual_seed(1)
 
 
+def test_decoupled_weight_decay_is_taken_as_torch_adam_and_cpu_adam_spell_it(monkeypatch):
+    # only adamw= was taken: a call written for torch.optim.Adam or CPUAdam
+    # (decoupled_weight_decay=True) was Python's "unexpected keyword argument"
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    mine = _Heads()
+    ref = copy.deepcopy(mine)
+    off = OffloadedAdam(mine.parameters(), lr=0.05, weight_decay=0.1,
+                        decoupled_weight_decay=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05, weight_decay=0.1,
+                               decoupled_weight_decay=True)
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    for step in range(2):
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
+        for m, opt in ((mine, off), (ref, ref_opt)):
+            torch.nn.functional.mse_loss(m(x, True), y).backward()
+            opt.step()
+            opt.zero_grad()
+        _assert_same_parameters(mine, ref, step)
+    off.close()
+    p = torch.nn.Parameter(torch.randn(4))
+    for kwargs, want in (({}, False), (dict(adamw=True), True),
+                         (dict(decoupled_weight_decay=False), False),
+                         (dict(adamw=True, decoupled_weight_decay=True), True)):
+        opt = OffloadedAdam([p], **kwargs)
+        assert opt.param_groups[0]["decoupled_weight_decay"] is want, kwargs
+        opt.close()
+    for adamw, decoupled in ((True, False), (False, True)):
+        with pytest.raises(OptimizerError, match="contradict") as info:
+            OffloadedAdam([p], adamw=adamw, decoupled_weight_decay=decoupled)
+        assert info.value.argument == "decoupled_weight_decay"
+    with pytest.raises(OptimizerError, match="decoupled_weight_decay='yes' must be True"):
+        OffloadedAdam([p], decoupled_weight_decay="yes")
+
+
 def _assert_same_parameters(mine, ref, step):
     for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: (

@@ -88,6 +88,23 @@ __all__ = ["OffloadedAdam"]
 _FORMATS = {torch.float32: None, torch.float16: None, torch.bfloat16: "bfloat16"}
 
 
+def _decoupled(adamw, decoupled_weight_decay):
+    """The groups' default ``decoupled_weight_decay`` from OffloadedAdam's two
+    spellings of it (None: not given; False when neither is). Only torch's
+    ``adamw=`` was taken, so a call written for ``torch.optim.Adam`` or
+    :class:`~rtmem.optim.CPUAdam` (``decoupled_weight_decay=True``) failed with
+    Python's "unexpected keyword argument". A value that is not a bool is left
+    for the group check to refuse by name."""
+    if decoupled_weight_decay is None:
+        return False if adamw is None else adamw
+    if adamw is not None and adamw != decoupled_weight_decay:
+        raise OptimizerError(f"adamw={adamw!r} and decoupled_weight_decay="
+                             f"{decoupled_weight_decay!r} contradict each other; pass "
+                             f"only decoupled_weight_decay (torch.optim.Adam's name)",
+                             argument="decoupled_weight_decay")
+    return decoupled_weight_decay
+
+
 class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimizer):
     """Adam/AdamW whose state and update live on the host, for device parameters.
 
@@ -131,10 +148,14 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
     lr, betas, eps, weight_decay:
         Default hyperparameters of the groups (``lr`` in parameter units per
         step, ``lr >= 0``, ``betas`` in [0, 1), ``eps > 0``, ``weight_decay >= 0``).
-    adamw:
+    decoupled_weight_decay, adamw:
         Default ``decoupled_weight_decay`` of the groups (True: AdamW's
-        ``p *= 1 - lr * weight_decay``; False: an L2 term added to the gradient).
-        The default ``weight_decay`` stays 0.0 with ``adamw=True`` (torch's
+        ``p *= 1 - lr * weight_decay``; False, the default: an L2 term added to
+        the gradient). ``decoupled_weight_decay`` is the keyword of
+        ``torch.optim.Adam`` and :class:`~rtmem.optim.CPUAdam`; ``adamw`` the
+        older name of this class, still taken. Giving both with different
+        values raises :class:`~rtmem.errors.OptimizerError`. The default
+        ``weight_decay`` stays 0.0 with decoupled weight decay (torch's
         ``AdamW`` defaults to 1e-2): pass it.
     host_arena:
         A :class:`~rtmem.HostArena` for the master weights, moments, gradients and
@@ -202,9 +223,10 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
     _step_supports_amp_scaling = True       # NOTE [ GradScaler ]
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 *, adamw=False, host_arena=None, chunk_elements=1 << 22,
+                 *, adamw=None, host_arena=None, chunk_elements=1 << 22,
                  num_threads=None, flush_in_backward=None, amsgrad=False, maximize=False,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
+                 foreach=None, fused=None, capturable=False, differentiable=False,
+                 decoupled_weight_decay=None):
         from rtmem.arena import HostArena, is_arena
         # torch.optim.Adam's keywords, so a call written for it runs or is refused
         # by name (it was Python's "unexpected keyword argument"): foreach and
@@ -216,7 +238,8 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
             raise OptimizerError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}", argument="host_arena")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=adamw)
+                        amsgrad=amsgrad, maximize=maximize,
+                        decoupled_weight_decay=_decoupled(adamw, decoupled_weight_decay))
         _check_switches("", switches, reasons=_SWITCHES)
         _check_group("OffloadedAdam", defaults)
         defaults["betas"] = tuple(betas)
