@@ -142,11 +142,28 @@ class LossScaler:
     ``check_finite=`` and records ``last_step_skipped``: :class:`rtmem.optim.NumpyAdam`,
     :class:`rtmem.optim.CPUAdam` and :class:`rtmem.torch.OffloadedAdam` (whose
     gradients leave ``p.grad`` during backward, so GradScaler cannot check them).
-    For ``torch.optim`` optimizers use ``torch.amp.GradScaler``. There is no
-    ``unscale_``: clip an OffloadedAdam's gradients with
-    ``optimizer.clip_grad_norm_(max_norm, grad_scale=scaler.get_scale())`` (the
-    norm of the unscaled gradients, no extra pass); CPUAdam keeps ``p.grad``, so
-    GradScaler's ``unscale_`` + ``torch.nn.utils.clip_grad_norm_`` work for it.
+    For ``torch.optim`` optimizers use ``torch.amp.GradScaler``.
+
+    There is no ``unscale_`` (an extra pass over every gradient, which the fused
+    kernels exist to avoid; NumpyAdam's gradients are not even in ``p.grad``):
+    clip the scaled gradients at the scaled norm instead. Multiplying every
+    gradient by S multiplies their norm by S, so clipping them to
+    ``max_norm * S`` clips exactly what GradScaler's ``unscale_`` followed by a
+    clip to ``max_norm`` clips, and the step divides S out as usual:
+
+    - OffloadedAdam: ``optimizer.clip_grad_norm_(max_norm,
+      grad_scale=scaler.get_scale())`` (returns the unscaled norm; no extra pass).
+    - CPUAdam (float32 ``p.grad``): ``torch.nn.utils.clip_grad_norm_(params,
+      max_norm * scaler.get_scale())``; the norm it returns is S times the
+      unscaled one (divide it by S to log it), and its 1e-6 guard against a
+      zero norm is S times smaller, a difference far below float32 rounding.
+      Do not mix in GradScaler's ``unscale_``: ``scaler.step`` divides by S
+      again. (GradScaler alone, with its ``unscale_``, drives CPUAdam too.)
+    - NumpyAdam: scale the arrays given to ``step(grads)`` by
+      ``min(1, max_norm * S / norm)`` in the same way.
+
+    An overflowed step stays skipped: its inf norm makes the clip multiply the
+    gradients by 0, inf * 0 is NaN, and the step's check finds it.
 
     Parameters (dimensionless; as GradScaler's):
         init_scale: the first scale S (default 2**16), rounded to float32.

@@ -153,10 +153,11 @@ def against_torch(make_opt, scaler, clip=None):
     return mine, opt, want
 
 
-@pytest.mark.parametrize("kind", ["cpu_adam", "offloaded_adam", "offloaded_adam_clipped"])
+@pytest.mark.parametrize("kind", ["cpu_adam", "offloaded_adam", "offloaded_adam_clipped",
+                                  "cpu_adam_clipped"])
 def test_training_matches_gradscaler_with_torch_adam(kind):
     scaler, clip = LossScaler(**HYPER), None
-    if kind == "cpu_adam":
+    if kind.startswith("cpu_adam"):
         def make_opt(params):
             return CPUAdam(params, lr=1e-2)
     else:
@@ -165,10 +166,21 @@ def test_training_matches_gradscaler_with_torch_adam(kind):
     if kind == "offloaded_adam_clipped":
         def clip(model, opt):
             opt.clip_grad_norm_(0.05, grad_scale=scaler.get_scale())
+    unscaled_norms = []
+    if kind == "cpu_adam_clipped":
+        # LossScaler's documented recipe for CPUAdam (it has no unscale_): clip
+        # the scaled gradients at max_norm * S, as GradScaler's unscale_ + clip
+        # at max_norm (a clip at plain 0.05 here fails the comparison)
+        def clip(model, opt):
+            s = scaler.get_scale()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05 * s)
+            unscaled_norms.append(float(norm) / s)
     _, opt, want = against_torch(make_opt, scaler, clip)
     assert opt.skipped_steps == len(BAD)
     assert len({s for s, _ in want}) > 4      # it grew and backed off, more than once
-    if kind != "cpu_adam":
+    if kind == "cpu_adam_clipped":             # the clip did cut the good steps' norms
+        assert sum(0.05 < n < math.inf for n in unscaled_norms) > 10
+    if not kind.startswith("cpu_adam"):
         opt.close()
 
 
