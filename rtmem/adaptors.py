@@ -287,6 +287,10 @@ class PoisonAdaptor(AllocatorAdaptor):
             block = self.upstream.allocate(nbytes, stream)
             bad = self._check(block, self.POISON)
             if bad >= 0:
+                # read before the free below: a freed block merges with its free
+                # neighbours, and the message named the merged size ("the
+                # 1048576-byte block" for a 4 KiB request)
+                size, slab, offset = block.size, block.slab, block.offset
                 self._fill(block, self.POISON)
                 # A refused allocation leaves the statistics as they were (the
                 # arena's debug=True stack puts this adaptor on the core): freed
@@ -298,9 +302,9 @@ class PoisonAdaptor(AllocatorAdaptor):
                     self.upstream.deallocate(block)
                 raise UseAfterFreeError(
                     f"freed memory was written after its free: byte {bad} of the "
-                    f"{block.size}-byte block at slab {block.slab} offset {block.offset} "
+                    f"{size}-byte block at slab {slab} offset {offset} "
                     f"lost its poison; a view of a freed buffer is still in use",
-                    offset=block.offset + bad)
+                    offset=offset + bad)
             return block
 
     def deallocate(self, block, *, stream=None, event=None, ordered=False) -> None:

@@ -242,6 +242,8 @@ def test_debug_mode_detects_write_after_free():
     with pytest.raises(UseAfterFreeError) as info:
         a.alloc(1024)
     assert info.value.offset == 10
+    # the refused block's own size, not the free region it merged into (64 KiB)
+    assert "byte 10 of the 1024-byte block at slab 0 offset 0" in str(info.value)
     assert a.stats().allocated_bytes == 0          # the failed alloc left nothing
     c = a.alloc(1024)                              # poison restored: works again
     c.free()
