@@ -38,6 +38,18 @@ def _check_free(upstream, block, stream=None, event=None, ordered=False) -> None
         check(block, stream=stream, event=event, ordered=ordered)
 
 
+def _withdraw(upstream, block) -> None:
+    """Give back ``block``, just handed out by ``upstream`` and refused by an
+    adaptor before anyone used it, leaving the statistics as they were: freed
+    plainly, the refused request counted one allocation, one free and its bytes
+    in the peak. Only the core can undo its counters; over another adaptor the
+    block is freed plainly."""
+    if isinstance(upstream, BestFitAllocator):
+        upstream._withdraw(block)
+    else:
+        upstream.deallocate(block)
+
+
 class AllocatorAdaptor:
     """Base of all adaptors: forwards everything to ``upstream``."""
 
@@ -292,14 +304,7 @@ class PoisonAdaptor(AllocatorAdaptor):
                 # 1048576-byte block" for a 4 KiB request)
                 size, slab, offset = block.size, block.slab, block.offset
                 self._fill(block, self.POISON)
-                # A refused allocation leaves the statistics as they were (the
-                # arena's debug=True stack puts this adaptor on the core): freed
-                # plainly, it counted one allocation, one free and its bytes in the
-                # peak. Another upstream (an adaptor) can only be freed plainly.
-                if isinstance(self.upstream, BestFitAllocator):
-                    self.upstream._withdraw(block)
-                else:
-                    self.upstream.deallocate(block)
+                _withdraw(self.upstream, block)
                 raise UseAfterFreeError(
                     f"freed memory was written after its free: byte {bad} of the "
                     f"{size}-byte block at slab {slab} offset {offset} "
@@ -420,7 +425,7 @@ class TracingAdaptor(AllocatorAdaptor):
                 self._ids[block] = self._next_id
                 self._next_id += 1
         except BaseException:
-            self.upstream.deallocate(block)   # the sink failed: as if never asked
+            _withdraw(self.upstream, block)   # the sink failed: as if never asked
             raise
         return block
 
