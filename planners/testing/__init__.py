@@ -2,10 +2,11 @@
 
 Users import this to property-test their own schedules and planners::
 
-    from hypothesis import given
+    from hypothesis import given, settings
     from rtmem.planners import simulate
     from rtmem.planners.testing import simulation_cases
 
+    @settings(deadline=None)    # the first call loads the JIT cache (seconds)
     @given(simulation_cases())
     def test_my_invariant(case):
         chain, schedule, platform = case
