@@ -11,6 +11,7 @@ after its arguments parsed also prints one JSON object on stdout (see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -527,6 +528,33 @@ def report_error(args, message: str, error: BaseException | None = None) -> None
         print(json.dumps(error_document(message, error), indent=1, allow_nan=False))
 
 
+@contextlib.contextmanager
+def _escaping_stdout():
+    """Within the block, what stdout's encoding cannot write is printed as
+    ``\\uXXXX`` escapes, as Python prints it on stderr: a chain or file name
+    outside that encoding (``PYTHONIOENCODING=ascii``, a Windows code page on
+    a redirected stdout) ended the table in a UnicodeEncodeError traceback,
+    where the progress lines on stderr had printed it. The previous error
+    handler is back afterwards (``main`` may run inside a caller's process)."""
+    stream = sys.stdout
+    changed = False
+    # only a strict text stream of its own (not a StringIO, not one already lenient)
+    if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+            changed = True
+        except (OSError, ValueError):   # closed, or a reader that went away
+            pass
+    try:
+        yield
+    finally:
+        if changed:
+            try:
+                stream.reconfigure(errors="strict")
+            except (OSError, ValueError):
+                pass
+
+
 def main(argv=None) -> int:
     """Entry point of the ``rtmem`` console script; returns the exit code."""
     parser = build_parser()
@@ -535,7 +563,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with _escaping_stdout():
+            return int(args.func(args) or 0)
     except BrokenPipeError:
         # The reader went away (rtmem chains --json | head -1): nothing to report
         # (it printed "error: [Errno 32] Broken pipe"). stdout goes to devnull so

@@ -763,3 +763,26 @@ def test_plot_schedule_lanes_units_and_limit(tmp_path, monkeypatch):
     assert lanes["F_all"] == pytest.approx(-0.4)
     monkeypatch.undo()
     plt.close(fig)
+
+
+@pytest.mark.parametrize("argv", [["simulate", "{chain}", "store-all", "--memory", "inf"],
+                                  ["plan", "remat", "{chain}", "--memory", "1GiB", "--quiet"]])
+def test_names_outside_stdouts_encoding_are_escaped_not_a_traceback(monkeypatch, tmp_path,
+                                                                      argv):
+    # PYTHONIOENCODING=ascii, or a Windows code page on a redirected stdout: the
+    # table of a chain named "模型" ended in a UnicodeEncodeError traceback (the
+    # progress lines on stderr printed it escaped); now stdout escapes it too,
+    # and its error handler is back afterwards
+    import io
+    import sys
+    import dataclasses
+    path = tmp_path / "chain.json"
+    dataclasses.replace(two_stage_chain(), name="模型-µ").save(path)
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii", errors="strict")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main([str(path) if a == "{chain}" else a for a in argv]) == 0
+    stdout.flush()
+    text = stdout.buffer.getvalue().decode("ascii")
+    # the whole table: 2 stages of 1 s forward and 1 s backward, no remat
+    assert "\\u6a21\\u578b-\\xb5" in text and "4.000 s" in text
+    assert stdout.errors == "strict"
