@@ -16,6 +16,7 @@ import sys
 import time
 
 from rtmem.cli import at_least  # noqa: F401  (the scripts' argparse types, one implementation)
+from rtmem._files import write_text  # replaced whole: written beside, renamed over
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -159,16 +160,7 @@ def write_results(name: str, doc: dict, path=None) -> str:
     path = os.fspath(path) if path is not None else \
         os.path.join(results_dir(), f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    text = json.dumps(doc, indent=1) + "\n"
-    temporary = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(temporary, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+    write_text(path, json.dumps(doc, indent=1) + "\n")
     return path
 
 

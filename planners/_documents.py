@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+from rtmem._files import write_text
+
 
 def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),
                    lenient: bool = False, **error_kw) -> dict:
@@ -75,11 +77,11 @@ class JsonFile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the document as JSON to ``path``."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json(indent=1))
+        write_text(path, self.to_json(indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike):
         """Read a document written by :meth:`save`."""
         kind, error = cls._DOCUMENT
         return cls.from_json(read_text(path, kind=kind, error=error))
+

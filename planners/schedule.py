@@ -39,7 +39,7 @@ import numpy as np
 
 from rtmem.errors import ScheduleError
 
-from ._documents import parse_document, read_text
+from ._documents import parse_document, read_text, write_text
 
 __all__ = ["Op", "Schedule"]
 
@@ -313,9 +313,8 @@ class Schedule:
     def save(self, path: str | os.PathLike) -> None:
         """Write the schedule to ``path``: JSON if it ends in ``.json``, else text."""
         path = os.fspath(path)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json() if path.endswith(".json") else
-                    "\n".join(self.op_text(k) for k in range(len(self))) + "\n")
+        write_text(path, self.to_json() if path.endswith(".json") else
+                   "\n".join(self.op_text(k) for k in range(len(self))) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Schedule":

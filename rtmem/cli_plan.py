@@ -159,7 +159,7 @@ def register(subparsers) -> None:
     p.add_argument("--plot", type=output_file(*PLOT_SUFFIXES),
                    help="write a Gantt chart + memory plot of the rotor plan here (.png, "
                         ".pdf, .svg)")
-    p.add_argument("--save", type=output_file(),
+    p.add_argument("--save", type=output_file(replace=True),
                    help="write the rotor plan as JSON here (rtmem simulate reads it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -299,7 +299,7 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=at_least(1), default=3,
                    help="timed runs per stage, median kept (default 3)")
     p.add_argument("--name", default=None, help="the chain's name (default: from the model)")
-    p.add_argument("--save", type=output_file(),
+    p.add_argument("--save", type=output_file(replace=True),
                    help="write the chain as JSON here (rtmem plan remat / simulate read it)")
     p.add_argument("--json", action="store_true",
                    help="print the chain's JSON instead of the table")

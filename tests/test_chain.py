@@ -1,6 +1,9 @@
+import builtins
 import math
+import os
 
 import numpy as np
+
 import pytest
 from hypothesis import given, settings
 
@@ -58,6 +61,44 @@ def test_save_load(tmp_path):
     c = builtin("gpt2-small")
     c.save(tmp_path / "c.json")
     assert Chain.load(tmp_path / "c.json") == c
+
+
+def test_a_save_that_fails_part_way_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    # written in place, a write that failed (a full disk, Ctrl-C) left a cut-off
+    # document where the old one was: the chain being planned was lost
+    old, new = builtin("gpt2-small"), builtin("resnet50")
+    path = tmp_path / "c.json"
+    old.save(path)
+    real_open = open
+
+    class FullDisk:                 # a file whose write stops part-way
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[:10])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def opened(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return FullDisk(f) if "w" in mode else f
+    monkeypatch.setattr(builtins, "open", opened)
+    with pytest.raises(OSError, match="No space"):
+        new.save(path)
+    monkeypatch.undo()
+    assert Chain.load(path) == old
+    assert os.listdir(tmp_path) == ["c.json"]       # no temporary file left behind
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    new.save(link)                                  # a link's target is replaced
+    assert link.is_symlink() and Chain.load(path) == new
 
 
 @pytest.mark.parametrize("text, fragment", [
