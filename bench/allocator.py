@@ -496,7 +496,8 @@ def main(argv=None) -> int:
         # A GPU session must not report ok for the pool ratios it cannot
         # measure, nor replace an earlier GPU result with "skipped" (the
         # partial document after each section did): fail before measuring.
-        print(f"RTMEM_REQUIRE_GPU=1: {NO_GPU}; nothing measured, nothing written")
+        print(f"RTMEM_REQUIRE_GPU=1: {NO_GPU}; nothing measured, nothing written",
+              file=sys.stderr)
         return 3
     results = {"repeats": repeats}
     partial, during = PartialResults("allocator"), "making the traces"

@@ -77,7 +77,9 @@ def no_gpu_exit(what: str, why: str) -> int:
     """The exit of a GPU benchmark on a machine without one: code 0 (a clean
     "nothing to do"), or 3 when ``RTMEM_REQUIRE_GPU=1`` (a GPU session, which
     must not report success for a run that measured nothing)."""
-    print(f"{what}: no CUDA GPU found ({why}); nothing measured, nothing written.")
+    # a diagnostic, not a result: stdout stays for what was measured
+    print(f"{what}: no CUDA GPU found ({why}); nothing measured, nothing written.",
+          file=sys.stderr)
     return 3 if gpu_required() else 0
 
 

@@ -614,7 +614,8 @@ def main(argv=None):
         if not args.skip_gpu and gpu_required():
             # a GPU session's train step: exit 3, and keep the results of an
             # earlier GPU run rather than replace them with "not measured"
-            print("RTMEM_REQUIRE_GPU=1: the GPU section measured nothing; nothing written")
+            print("RTMEM_REQUIRE_GPU=1: the GPU section measured nothing; nothing written",
+                  file=sys.stderr)
             return 3
     doc["gpu"] = gpu
     doc["load_average_at_end"] = list(os.getloadavg())

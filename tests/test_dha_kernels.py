@@ -705,7 +705,7 @@ def test_cli_bench_runs_pcie_and_dha(capsys, tmp_path, monkeypatch):
         args = parser.parse_args(["bench", name, "--quick", "--repeats", "2"])
         assert args.quick and args.repeats == 2
         assert args.func(args) == 0            # the suite has no real GPU
-        assert f"bench {name}: no CUDA GPU found" in capsys.readouterr().out
+        assert f"bench {name}: no CUDA GPU found" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     args = parser.parse_args(["bench"])
     assert args.func(args) == 2                # no benchmark named: usage
@@ -722,7 +722,7 @@ def test_cli_bench_hands_values_starting_with_a_dash_to_the_script(capsys, tmp_p
     cli_bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "pcie", "--plot=-run1.png"])
     assert args.func(args) == 0                # accepted; no GPU here
-    assert "bench pcie: no CUDA GPU found" in capsys.readouterr().out
+    assert "bench pcie: no CUDA GPU found" in capsys.readouterr().err
     args = parser.parse_args(["bench", "dha", "--sweep=-64,256"])
     with pytest.raises(SystemExit) as exc:
         args.func(args)

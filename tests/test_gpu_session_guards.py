@@ -49,7 +49,8 @@ def test_gpu_benchmarks_without_a_gpu_exit_3_only_when_required(script, monkeypa
     assert module.main(["--quick"]) == 0
     monkeypatch.setenv("RTMEM_REQUIRE_GPU", "1")
     assert module.main(["--quick"]) == 3
-    assert capsys.readouterr().out.count("nothing measured, nothing written") == 2
+    out, err = capsys.readouterr()        # a diagnostic: on stderr, not with results
+    assert err.count("nothing measured, nothing written") == 2 and "nothing" not in out
 
 
 def test_train_and_allocator_benchmarks_without_a_gpu_exit_3_only_when_required(
@@ -64,7 +65,7 @@ def test_train_and_allocator_benchmarks_without_a_gpu_exit_3_only_when_required(
     monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("RTMEM_REQUIRE_GPU", "1")
     assert train.main(["--skip-cpu", "--out", "train"]) == 3
-    assert "nothing written" in capsys.readouterr().out and not list(tmp_path.iterdir())
+    assert "nothing written" in capsys.readouterr().err and not list(tmp_path.iterdir())
     monkeypatch.delenv("RTMEM_REQUIRE_GPU")
     assert train.main(["--skip-cpu", "--out", "train"]) == 0
     assert (tmp_path / "train.json").exists()
@@ -80,7 +81,7 @@ def test_train_and_allocator_benchmarks_without_a_gpu_exit_3_only_when_required(
     earlier = {"gpu": {"random": {"rtmem_core_over_cupy": 1.3}}}
     (tmp_path / "allocator.json").write_text(json.dumps(earlier))
     assert allocator.main(["--quick"]) == 3
-    assert "RTMEM_REQUIRE_GPU=1: no usable CUDA GPU" in capsys.readouterr().out
+    assert "RTMEM_REQUIRE_GPU=1: no usable CUDA GPU" in capsys.readouterr().err
     assert json.loads((tmp_path / "allocator.json").read_text()) == earlier
     monkeypatch.delenv("RTMEM_REQUIRE_GPU")
     assert allocator.main(["--quick"]) == 0
