@@ -16,6 +16,8 @@ import sys
 import time
 
 from rtmem.cli import at_least  # noqa: F401  (the scripts' argparse types, one implementation)
+# a benchmark stopped by SIGINT exits as the CLI does (130)
+from rtmem.cli import INTERRUPTED_EXIT
 from rtmem._files import write_text  # replaced whole: written beside, renamed over
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -162,11 +164,6 @@ def write_results(name: str, doc: dict, path=None) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_text(path, json.dumps(doc, indent=1) + "\n")
     return path
-
-
-#: Exit code of a benchmark stopped by SIGINT (KeyboardInterrupt): what a shell
-#: reports for a command that Ctrl-C ended (128 + 2).
-INTERRUPTED_EXIT = 130
 
 
 class PartialResults:

@@ -3,7 +3,8 @@
 Subcommands owned by other modules register themselves through a
 ``register(subparsers)`` function (see ``_PLUGINS``), so this file stays small.
 Every subcommand returns an exit code: 0 success, 1 an rtmem error (message on
-stderr), 2 bad usage (argparse). A subcommand run with ``--json`` that fails
+stderr), 2 bad usage (argparse), 130 stopped by Ctrl-C (files it was writing are
+left as they were: see :mod:`rtmem._files`). A subcommand run with ``--json`` that fails
 after its arguments parsed also prints one JSON object on stdout (see
 :func:`error_document`), so a script reading stdout always has JSON to parse.
 """
@@ -555,6 +556,18 @@ def _escaping_stdout():
                 pass
 
 
+#: The exit code of a command stopped by Ctrl-C (SIGINT): what a shell reports
+#: for a command that SIGINT ended (128 + 2), as bench's scripts exit.
+INTERRUPTED_EXIT = 130
+
+
+def _interrupted() -> int:
+    # files are written whole or not at all (rtmem._files): an interrupted save
+    # left the previous file as it was
+    print("rtmem: interrupted", file=sys.stderr)
+    return INTERRUPTED_EXIT
+
+
 def main(argv=None) -> int:
     """Entry point of the ``rtmem`` console script; returns the exit code."""
     parser = build_parser()
@@ -580,6 +593,15 @@ def main(argv=None) -> int:
     except (RtmemError, OSError, ModuleNotFoundError) as e:
         report_error(args, str(e), e)
         return 1
+    except KeyboardInterrupt:
+        return _interrupted()
+    except SystemError as e:
+        # Ctrl-C landing inside a jitted planner: numba's dispatcher returns with
+        # the KeyboardInterrupt pending, and Python reports "CPUDispatcher(...)
+        # returned a result with an exception set", an internal-looking crash
+        if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt):
+            return _interrupted()
+        raise
     except MemoryError as e:
         # numpy's "Unable to allocate 7.45 GiB for an array ..." for a problem
         # too large for this machine (gpt2:layers=999999999) was a traceback

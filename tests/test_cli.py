@@ -786,3 +786,33 @@ def test_names_outside_stdouts_encoding_are_escaped_not_a_traceback(monkeypatch,
     # the whole table: 2 stages of 1 s forward and 1 s backward, no remat
     assert "\\u6a21\\u578b-\\xb5" in text and "4.000 s" in text
     assert stdout.errors == "strict"
+
+
+@pytest.mark.parametrize("how", ["plain", "inside a jitted call"])
+def test_ctrl_c_exits_130_with_one_line_not_a_traceback(capsys, monkeypatch, how):
+    # Ctrl-C in a long solve ended in a KeyboardInterrupt traceback, or, landing
+    # inside a numba call, in "SystemError: CPUDispatcher(...) returned a result
+    # with an exception set" and exit 1: an internal-looking crash
+    import rtmem.planners
+
+    def interrupted(*args, **kwargs):
+        if how == "plain":
+            raise KeyboardInterrupt
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise SystemError("CPUDispatcher(<function f>) returned a result with an "
+                              "exception set") from e
+    monkeypatch.setattr(rtmem.planners, "simulate", interrupted)
+    code, out, err = run(capsys, "simulate", "resnet50", "store-all", "--memory", "inf")
+    assert code == 130 and out == "" and err == "rtmem: interrupted\n"
+
+
+def test_a_system_error_of_another_cause_is_not_taken_for_ctrl_c(capsys, monkeypatch):
+    import rtmem.planners
+
+    def broken(*args, **kwargs):
+        raise SystemError("an internal error")
+    monkeypatch.setattr(rtmem.planners, "simulate", broken)
+    with pytest.raises(SystemError, match="internal"):
+        main(["simulate", "resnet50", "store-all", "--memory", "inf"])
