@@ -20,6 +20,7 @@ what the user's code prints goes to stderr.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import importlib.util
@@ -283,6 +284,15 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _chain_name(value: str) -> str:
+    """argparse ``type=`` of ``--name``: a blank name was taken for no name, and
+    the chain got the model's (``--name ""`` from an unset shell variable)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("the chain name is empty; give a name or "
+                                         "leave out --name for the model's")
+    return value
+
+
 def register(subparsers) -> None:
     """Add ``profile`` to an argparse ``subparsers`` object; ``func(args)``
     returns the exit code."""
@@ -298,7 +308,8 @@ def register(subparsers) -> None:
     add_model_size_args(p)
     p.add_argument("--repeats", type=at_least(1), default=3,
                    help="timed runs per stage, median kept (default 3)")
-    p.add_argument("--name", default=None, help="the chain's name (default: from the model)")
+    p.add_argument("--name", default=None, type=_chain_name,
+                   help="the chain's name (default: from the model)")
     p.add_argument("--save", type=output_file(replace=True),
                    help="write the chain as JSON here (rtmem plan remat / simulate read it)")
     p.add_argument("--json", action="store_true",

@@ -487,3 +487,12 @@ def test_the_default_budget_is_half_the_peak_when_feasible(chain, budget, why):
     peak = plan_store_all(c, math.inf).peak
     assert default_budget(min_feasible_memory(c), peak) == (budget, why)
     assert min_feasible_memory(c) <= budget <= peak
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_a_blank_chain_name_is_refused_before_profiling(capsys, name):
+    # `--name "$NAME"` with NAME unset was taken for no name: the chain got the
+    # model's name, silently
+    with pytest.raises(SystemExit) as info:
+        main(["profile", "--model", "gpt2:layers=1", "--name", name])
+    assert info.value.code == 2 and "chain name is empty" in capsys.readouterr().err
