@@ -49,9 +49,12 @@ __all__ = ["opt0_table", "binomial_makespan", "revolve_ops", "single_chain_ops",
 
 
 @numba.njit(cache=True)
-def _opt0(l_max, m_max, u_f, u_b):
-    T = np.full((l_max + 1, m_max + 1), np.inf)
-    arg = np.zeros((l_max + 1, m_max + 1), np.int64)
+def _opt0(u_f, u_b, T, arg):
+    """Fill ``T`` ((l_max+1, m_max+1) float64, inf) and ``arg`` (same shape, int64,
+    zeros) for :func:`opt0_table`. They come from the caller, not returned: a tuple
+    of arrays returned by numba turned a Ctrl-C into a SystemError or a segfault
+    (NOTE [ Jitted results and Ctrl-C ] in rotor.py)."""
+    l_max, m_max = T.shape[0] - 1, T.shape[1] - 1
     for m in range(2, m_max + 1):
         T[0, m] = u_b
     for m in range(3, m_max + 1):
@@ -65,7 +68,6 @@ def _opt0(l_max, m_max, u_f, u_b):
                     bi = i
             T[l, m] = best
             arg[l, m] = bi
-    return T, arg
 
 
 #: Largest Opt_0 tables (T and arg, bytes) opt0_table allocates.
@@ -155,7 +157,10 @@ def opt0_table(l_max: int, m_max: int, u_f: float = 1.0, u_b: float = 1.0):
             f"{MAX_OPT0_TABLE_BYTES:,} bytes, {MAX_OPT0_STEPS:.0e} steps); use "
             "binomial_makespan for the makespan, fewer slots (beyond l + 2 they never "
             "help) or plan_remat")
-    return _opt0(l_max, m_max, float(u_f), float(u_b))
+    T = np.full((l_max + 1, m_max + 1), np.inf)
+    arg = np.zeros((l_max + 1, m_max + 1), np.int64)
+    _opt0(float(u_f), float(u_b), T, arg)
+    return T, arg
 
 
 def binomial_makespan(l: int, m: int, u_f: float = 1.0, u_b: float = 1.0) -> float:

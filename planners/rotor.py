@@ -128,12 +128,27 @@ def pair_index(N: int) -> np.ndarray:
     return idx
 
 
-@numba.njit(cache=True)
 def _requirements(xin, xo, xb, of, ob, G, Gb):
-    """m_all(s, t) and m_none(s, t) of NOTE [ Persistent DP C_MP ] (same units as sizes)."""
+    """m_all(s, t) and m_none(s, t) of NOTE [ Persistent DP C_MP ] (same units as sizes),
+    as two (N, N) int64 arrays."""
     N = xo.shape[0]
     mall = np.zeros((N, N), np.int64)
     mnone = np.zeros((N, N), np.int64)
+    _fill_requirements(xin, xo, xb, of, ob, G, Gb, mall, mnone)
+    return mall, mnone
+
+
+# NOTE [ Jitted results and Ctrl-C ]
+# The jitted functions here fill arrays their Python caller allocated and return
+# nothing or a number, never a tuple of arrays. numba boxes a returned array by
+# calling back into Python (numba.core.serialize._numba_unpickle), where a pending
+# Ctrl-C is raised; for a tuple of arrays numba then hands back a result with the
+# exception set: a SystemError instead of the KeyboardInterrupt, or a segfault
+# (`rtmem plan remat` on 1,000 stages, Ctrl-C in the O(n^3) least-memory pass).
+@numba.njit(cache=True)
+def _fill_requirements(xin, xo, xb, of, ob, G, Gb, mall, mnone):
+    """Fill ``mall`` and ``mnone`` ((N, N) int64, zeros) for :func:`_requirements`."""
+    N = xo.shape[0]
     for s in range(N):
         back = xb[s] + xo[s] + xin[s] + ob[s] + Gb[s]
         inner = xo[s] + of[s]                 # running max over h in s..t-1
@@ -145,7 +160,6 @@ def _requirements(xin, xo, xb, of, ob, G, Gb):
                     h = t - 1
                     inner = max(inner, xin[h] + xo[h] + of[h])
                 mnone[s, t] = dt + G[t] + inner
-    return mall, mnone
 
 
 @numba.njit(cache=True)
@@ -195,15 +209,14 @@ def _fill_rows(C, mf, full, uf, ub, xo, xb, mall, mnone, idx, M, s_hi, s_lo):
 
 
 @numba.njit(cache=True)
-def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, s0, t0, m0, n_loss):
-    """Walk the table from (s0, t0, m0); return (op, stage) arrays of the schedule."""
+def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, s0, t0, m0, n_loss, ops, stages):
+    """Walk the table from (s0, t0, m0); write the schedule's operations and stages
+    to ``ops`` and ``stages`` (int64, at least :func:`_reconstruct_capacity` long)
+    and return their number."""
     N = uf.shape[0]
     P = np.zeros(N + 1)
     for k in range(N):
         P[k + 1] = P[k] + uf[k]
-    cap = N * (N + 1) // 2 + 2 * N + 2
-    ops = np.empty(cap, np.int64)
-    stages = np.empty(cap, np.int64)
     n_ops = 0
     # task stack: kind 0 = solve(s, t, m); kind 1 = emit B s
     kind = np.empty(4 * N + 4, np.int64)
@@ -261,7 +274,12 @@ def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, s0, t0, m0, n_loss):
             top += 1
             kind[top], ts[top], tt[top], tm[top] = 0, sp + 1, t, m - xo[sp]
             top += 1
-    return ops[:n_ops], stages[:n_ops]
+    return n_ops
+
+
+def _reconstruct_capacity(N: int) -> int:
+    """Most operations :func:`_reconstruct` writes for N DP stages."""
+    return N * (N + 1) // 2 + 2 * N + 2
 
 
 def persistent_table(arrays: StageArrays, M: int, progress=None):
@@ -303,16 +321,19 @@ def persistent_schedule(arrays: StageArrays, table, idx, mall, mnone, m: int) ->
     (Alg. 4, OptRecP). ``table[idx[0, n], m]`` must be finite."""
     a = arrays
     N = a.N
-    op, stage = _reconstruct(table, idx, a.uf, a.ub, a.xo, a.xb, mall, mnone, 0, N - 1,
-                             int(m), N - 1)
-    return Schedule(op, stage)
+    cap = _reconstruct_capacity(N)
+    op, stage = np.empty(cap, np.int64), np.empty(cap, np.int64)
+    n_ops = _reconstruct(table, idx, a.uf, a.ub, a.xo, a.xb, mall, mnone, 0, N - 1,
+                         int(m), N - 1, op, stage)
+    return Schedule(op[:n_ops], stage[:n_ops])
 
 
 # --------------------------------------------------------------- minimum memory
 @numba.njit(cache=True)
-def _min_memory_table(uf, ub, xo, xb, mall, mnone):
-    """mm[s, t]: least memory (same units) at which C(s, t, .) is finite, and the
-    choice reaching it (-1: F^all, s' >= s: F^ck keeping a_{s'+1}).
+def _min_memory_table(uf, ub, xo, xb, mall, mnone, mm, ch):
+    """Fill ``mm[s, t]`` ((N, N) int64): the least memory (same units) at which
+    C(s, t, .) is finite, and ``ch[s, t]`` ((N, N) int64, -1) the choice reaching it
+    (-1: F^all, s' >= s: F^ck keeping a_{s'+1}).
 
     Among the choices reaching the least memory the fastest is kept: ``tm[s, t]``
     (seconds) is the time of the schedule the choices describe, so ties are not
@@ -326,9 +347,7 @@ def _min_memory_table(uf, ub, xo, xb, mall, mnone):
     P = np.zeros(N + 1)
     for k in range(N):
         P[k + 1] = P[k] + uf[k]
-    mm = np.zeros((N, N), np.int64)
     tm = np.zeros((N, N))
-    ch = np.full((N, N), -1, np.int64)
     for s in range(N - 1, -1, -1):
         mm[s, s] = mall[s, s]
         tm[s, s] = uf[s] + ub[s]
@@ -346,7 +365,6 @@ def _min_memory_table(uf, ub, xo, xb, mall, mnone):
             mm[s, t] = best
             tm[s, t] = best_t
             ch[s, t] = arg
-    return mm, ch
 
 
 def min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
@@ -357,7 +375,10 @@ def min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
     is the fastest of the least-memory choices (see ``_min_memory_table``)."""
     a = arrays
     mall, mnone = _requirements(a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb)
-    mm, ch = _min_memory_table(a.uf, a.ub, a.xo, a.xb, mall, mnone)
+    N = a.N
+    mm = np.zeros((N, N), np.int64)
+    ch = np.full((N, N), -1, np.int64)
+    _min_memory_table(a.uf, a.ub, a.xo, a.xb, mall, mnone, mm, ch)
     return int(mm[0, a.N - 1]), ch
 
 
