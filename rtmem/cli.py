@@ -74,6 +74,14 @@ def load_schedule(spec: str, chain):
                 doc = None                           # Schedule.parse reports it
             if isinstance(doc, dict) and doc.get("format") == "rtmem.plan":
                 return Plan.from_dict(doc).schedule  # a plan saved by `rtmem plan`
+            if isinstance(doc, dict) and doc.get("format") != "rtmem.schedule":
+                # "expected 'rtmem.schedule'" sent a user holding `plan remat --json`'s
+                # report (no schedule in it) looking for a schedule converter
+                raise ScheduleError(
+                    f"{spec!r} is neither a schedule nor a plan document (its format is "
+                    f"{doc.get('format')!r}); give a file written by `rtmem plan remat "
+                    f"--save` or Schedule.save (the --json report holds no schedule)",
+                    reason="parse")
         return Schedule.parse(text)
     if not spec.strip():
         raise ScheduleError("the schedule is empty; give a path, 'store-all', "

@@ -220,3 +220,16 @@ def test_slots_default_to_500(capsys):
     activations = memory - int(chain.x0) - int(chain.w.sum())
     assert DEFAULT_SLOTS == 500 and not info["refined"]
     assert info["slot_bytes"] == activations // 500
+
+
+def test_simulate_given_the_json_report_says_which_files_it_reads(capsys, tmp_path):
+    # the report of `plan remat --json` holds no schedule; simulate said only
+    # "expected 'rtmem.schedule'", though it reads `plan remat --save`'s plans too
+    from rtmem.cli import main
+    assert main(["plan", "remat", "gpt2-small", "--memory", "8GiB", "--json",
+                 "--quiet"]) == 0
+    report = tmp_path / "report.json"
+    report.write_text(capsys.readouterr().out)
+    assert main(["simulate", "gpt2-small", str(report), "--memory", "inf"]) == 1
+    err = capsys.readouterr().err
+    assert "neither a schedule nor a plan" in err and "--save" in err
