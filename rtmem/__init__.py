@@ -10,6 +10,8 @@ Errors live in :mod:`rtmem.errors`; the torch bridge in :mod:`rtmem.torch`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 
 from . import adaptors, errors, layout, transfers
 from ._version import __version__
@@ -33,6 +35,17 @@ _LAZY = {
     "CPUAdam": "rtmem.optim", "CPUAdamW": "rtmem.optim", "NumpyAdam": "rtmem.optim",
     "NumpyAdamW": "rtmem.optim",
 }
+# Names that need torch (the torch extra) when first accessed.
+_TORCH_NAMES = ("CPUAdam", "CPUAdamW")
+
+
+def _torch_installed() -> bool:
+    """Whether ``import torch`` can find torch, without importing it (``import rtmem``
+    stays free of torch)."""
+    if "torch" in sys.modules:      # imported already, or blocked (None)
+        return sys.modules["torch"] is not None
+    return importlib.util.find_spec("torch") is not None
+
 
 __all__ = [
     "__version__",
@@ -48,8 +61,11 @@ __all__ = [
     "OptimizerError",
     "OutOfMemoryError", "PlatformError", "ResidencyError", "RtmemError", "ScheduleError",
     "TraceError", "UnitError", "UseAfterFreeError",
-    # loaded on first use
-    *_LAZY,
+    # loaded on first use; without torch, CPUAdam/CPUAdamW stay out of __all__ (and
+    # dir()): `from rtmem import *` and help(rtmem) resolve every name listed, and
+    # failed on a core install with CPUAdam's ImportError. rtmem.CPUAdam still
+    # raises it, naming the extra to install.
+    *(name for name in _LAZY if name not in _TORCH_NAMES or _torch_installed()),
 ]
 
 

@@ -32,15 +32,19 @@ import re
 
 import numpy as np
 
+from . import _torch_installed
 from .buffer import Buffer
 from .errors import OptimizerError, ResidencyError
 from .kernels._adam_checks import _check_state
 from .kernels._launch import check_flag
 from .kernels.adam import _check_finite_switch, adam_coefficients, prepare_update, threads
 
-__all__ = ["CPUAdam", "CPUAdamW", "NumpyAdam", "NumpyAdamW"]
-
 _TORCH_CLASSES = ("CPUAdam", "CPUAdamW")
+# Without torch the torch classes stay out of __all__ (and dir()), so that
+# `from rtmem.optim import *` and help(rtmem.optim) work on a core install (they
+# resolved every listed name and raised CPUAdam's ImportError); rtmem.optim.CPUAdam
+# still raises it, naming the extra.
+__all__ = [*(_TORCH_CLASSES if _torch_installed() else ()), "NumpyAdam", "NumpyAdamW"]
 # The kernel's argument names -> NumpyAdam.step's keywords, for error reports.
 _NUMPY_ARGUMENTS = {"grad": "grads", "out": "copies", "out_format": "copy_format"}
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")

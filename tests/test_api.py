@@ -3,6 +3,7 @@ planners pulls in no torch or cupy."""
 
 import subprocess
 import sys
+import textwrap
 
 import rtmem
 import rtmem.kernels
@@ -38,6 +39,33 @@ def test_planners_import_without_torch_or_cupy():
             "bad = [m for m in ('torch', 'cupy', 'numba.cuda') if m in sys.modules]; "
             "sys.exit(bad and 1 or 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_star_import_and_help_work_without_torch():
+    # A core install (no torch extra): every name in __all__ must resolve, as
+    # `from rtmem import *` and help() resolve them all; CPUAdam's ImportError broke both.
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None
+        import pydoc
+        import rtmem
+        import rtmem.optim
+        for module in (rtmem, rtmem.optim):
+            exec(f"from {module.__name__} import *", {})
+            assert "NumpyAdam" in pydoc.render_doc(module)
+            assert "CPUAdam" not in module.__all__ and "CPUAdam" not in dir(module)
+        try:
+            rtmem.CPUAdam
+        except ImportError as e:
+            assert "rtmem[torch]" in str(e), e
+        else:
+            raise AssertionError("CPUAdam resolved without torch")
+        print("ok")
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
 
 
 def test_lazy_reexports():
