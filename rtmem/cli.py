@@ -26,8 +26,9 @@ from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
 __all__ = ["main", "add_model_size_args", "at_least", "error_document", "load_chain",
-           "load_schedule", "model_sizes_problem", "output_file", "platform_value", "save_document",
-           "torch_device_problem", "torch_oom", "writable"]
+           "load_schedule", "model_sizes_problem", "output_file", "platform_value",
+           "require_plotting", "save_document", "torch_device_problem", "torch_oom",
+           "writable"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
 PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
@@ -266,9 +267,21 @@ def _for_another_chain(error, schedule, chain):
                          over_bytes=error.over_bytes)
 
 
+def require_plotting(args) -> None:
+    """Raise plotting's ModuleNotFoundError (it names the ``plot`` extra) when
+    ``args.plot`` asks for a plot and matplotlib is missing: called before the work
+    whose result is plotted. Checked at the plot, `rtmem plan remat --plot`
+    planned (seconds to minutes) and wrote --save, then failed and printed no
+    table; `rtmem simulate --plot` printed its table, then exited 1."""
+    if args.plot:
+        from rtmem.plot import _matplotlib
+        _matplotlib()
+
+
 def _cmd_simulate(args) -> int:
     from rtmem.errors import ScheduleError
     from rtmem.planners import simulate
+    require_plotting(args)
     chain = load_chain(args.chain)
     schedule = load_schedule(args.schedule, chain)
     platform = _platform(args)

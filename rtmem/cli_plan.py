@@ -106,7 +106,8 @@ def _cmd_remat(args) -> int:
     from rtmem.planners.remat import compare_remat
     from rtmem.units import format_bytes, format_seconds
 
-    from rtmem.cli import load_chain
+    from rtmem.cli import load_chain, require_plotting
+    require_plotting(args)      # before the planning, not after it
     chain = load_chain(args.chain)
     budget = as_budget(args.memory)
     say = ProgressBar(args.quiet)

@@ -1,4 +1,5 @@
 import json
+import os
 from argparse import ArgumentTypeError
 
 import pytest
@@ -264,6 +265,32 @@ def test_a_missing_extra_is_one_line(capsys, monkeypatch):
                  "x.png"])
     err = capsys.readouterr().err
     assert code == 1 and "rtmem[plot]" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "remat", "gpt2-small", "--memory", "8GiB", "--quiet"],
+    ["simulate", "gpt2-small", "store-all", "--memory", "inf"],
+])
+def test_a_missing_plot_extra_is_reported_before_the_work(capsys, monkeypatch, tmp_path,
+                                                           argv):
+    # `plan remat --plot` without matplotlib planned (minutes on a long chain) and
+    # wrote --save, then failed with no table; `simulate --plot` printed its table
+    # before exiting 1
+    import rtmem.plot
+    import rtmem.planners.remat
+
+    def missing():
+        raise ModuleNotFoundError("plotting needs matplotlib: pip install 'rtmem[plot]'")
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned before finding matplotlib missing")
+    monkeypatch.setattr(rtmem.plot, "_matplotlib", missing)
+    monkeypatch.setattr(rtmem.planners.remat, "compare_remat", no_planning)
+    extra = ["--save", str(tmp_path / "plan.json")] if argv[0] == "plan" else []
+    code = main(argv + extra + ["--plot", str(tmp_path / "x.png")])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and "rtmem[plot]" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
 
 
 def test_demo(capsys, tmp_path):
