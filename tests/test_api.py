@@ -68,6 +68,30 @@ def test_star_import_and_help_work_without_torch():
     assert res.stdout.strip() == "ok"
 
 
+def test_optional_subpackages_name_what_to_install():
+    # Without torch / hypothesis, importing rtmem.torch (or any of its modules) and
+    # rtmem.planners.testing raised a bare "No module named 'torch'" from deep inside.
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = sys.modules["hypothesis"] = None
+        for module, missing, hint in [
+                ("rtmem.torch", "torch", "pip install 'rtmem[torch]'"),
+                ("rtmem.torch.offload", "torch", "pip install 'rtmem[torch]'"),
+                ("rtmem.planners.testing", "hypothesis", "pip install hypothesis")]:
+            try:
+                __import__(module)
+            except ModuleNotFoundError as e:
+                assert hint in str(e) and e.name == missing, (module, e, e.name)
+            else:
+                raise AssertionError(f"{module} imported without {missing}")
+        print("ok")
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
+
+
 def test_lazy_reexports():
     assert rtmem.Chain is rtmem.planners.Chain
     assert rtmem.simulate is rtmem.planners.simulate
