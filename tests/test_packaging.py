@@ -1,6 +1,10 @@
 """The distribution ships every package folder, under the one rtmem namespace."""
 
 import os
+import shutil
+import subprocess
+import sys
+import tarfile
 
 import pytest
 
@@ -31,3 +35,38 @@ def test_every_package_folder_is_listed():
     assert all(name.startswith("rtmem") for name in setup["packages"])
     assert setup["package-dir"]["rtmem.kernels"] == "kernels"
     assert setup["package-dir"]["rtmem.planners"] == "planners"
+
+
+# The source tree's top-level files an sdist carries (those that exist here).
+SDIST_FILES = ("README.md", "pyproject.toml", "MANIFEST.in", "Makefile", "constraints.txt",
+               "constraints-oldest.txt")
+
+
+def test_the_sdist_ships_the_test_suite_and_the_benchmarks(tmp_path):
+    # setuptools on its own put only tests/test*.py in the sdist: no conftest.py, no
+    # _threads.py / _fake_cupy.py ..., no bench/; the suite of an unpacked sdist
+    # failed to collect ("No module named '_threads'")
+    pytest.importorskip("setuptools.build_meta", reason="builds the sdist with setuptools")
+    src = tmp_path / "src"         # a copy: building writes rtmem.egg-info into the tree
+    skip = shutil.ignore_patterns(".hypothesis")
+    for folder in ("rtmem", "kernels", "planners", "tests", "bench"):
+        shutil.copytree(os.path.join(ROOT, folder), src / folder, symlinks=True, ignore=skip)
+    # bytecode a test run leaves (grafting tests/ took it along)
+    (src / "tests" / "__pycache__").mkdir(exist_ok=True)
+    (src / "tests" / "__pycache__" / "probe.cpython-311.pyc").write_bytes(b"")
+    for name in SDIST_FILES:
+        if os.path.exists(os.path.join(ROOT, name)):
+            shutil.copy2(os.path.join(ROOT, name), src / name)
+    code = ("import sys; out = sys.argv[1]; from setuptools import build_meta; "
+            "print(build_meta.build_sdist(out))")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=src,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    with tarfile.open(tmp_path / res.stdout.split()[-1]) as sdist:
+        shipped = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    wanted = {f"{folder}/{name}" for folder in ("tests", "bench")
+              for name in os.listdir(os.path.join(ROOT, folder)) if name.endswith((".py", ".sh"))}
+    wanted |= {name for name in SDIST_FILES if os.path.exists(os.path.join(ROOT, name))}
+    assert "tests/conftest.py" in wanted and "bench/_common.py" in wanted
+    assert wanted - shipped == set()
+    assert not any("__pycache__" in name or name.endswith(".pyc") for name in shipped)
