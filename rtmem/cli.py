@@ -410,6 +410,10 @@ def _demo_problem(args) -> str | None:
         except RtmemError as e:     # it names the value: said once, as `rtmem plan` does
             return f"--memory: {e}"
     if importlib.util.find_spec("matplotlib") is None:
+        # both extras at once: without either, this named matplotlib alone, and
+        # torch only after `pip install 'rtmem[plot]'`
+        if importlib.util.find_spec("torch") is None:
+            return "the demo needs torch and matplotlib: pip install 'rtmem[torch,plot]'"
         return "the demo needs matplotlib: pip install 'rtmem[plot]'"
     return torch_device_problem(args, "the demo")
 

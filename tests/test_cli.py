@@ -293,6 +293,24 @@ def test_a_missing_plot_extra_is_reported_before_the_work(capsys, monkeypatch, t
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("missing, install", [
+    ({"torch", "matplotlib"}, "pip install 'rtmem[torch,plot]'"),
+    ({"matplotlib"}, "pip install 'rtmem[plot]'"),
+    ({"torch"}, "pip install 'rtmem[torch]'"),
+])
+def test_the_demo_names_every_missing_extra(capsys, monkeypatch, tmp_path, missing, install):
+    # without torch and matplotlib it named matplotlib alone: installing the plot
+    # extra then ran into torch
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in missing else find_spec(name, *a))
+    code = main(["demo", "--out", str(tmp_path / "demo")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().endswith(install), err
+    assert not os.path.exists(tmp_path / "demo")
+
+
 def test_demo(capsys, tmp_path):
     code, out, _ = run(capsys, "demo", "--layers", "2", "--hidden", "32", "--heads", "4",
                        "--seq", "32", "--batch", "2", "--vocab", "64", "--steps", "2",
