@@ -102,3 +102,16 @@ def test_testing_api_docstring_example_survives_a_slow_first_call(monkeypatch):
     finally:
         settings.load_profile(suite_profile)
     assert calls
+
+
+def test_readme_names_every_extra():
+    # the README named no extra: a pip user learnt `rtmem[plot]` from an error
+    try:
+        import tomllib
+    except ModuleNotFoundError:     # Python 3.10
+        tomllib = pytest.importorskip("tomli", reason="Python 3.10 reads TOML with tomli")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("## Installing with pip", 1)[-1].split("\n## ", 1)[0]
+    assert [name for name in extras if f"`{name}`" not in section] == []
