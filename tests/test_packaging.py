@@ -38,8 +38,8 @@ def test_every_package_folder_is_listed():
 
 
 # The source tree's top-level files an sdist carries (those that exist here).
-SDIST_FILES = ("README.md", "pyproject.toml", "MANIFEST.in", "Makefile", "constraints.txt",
-               "constraints-oldest.txt")
+SDIST_FILES = ("README.md", "LICENSE", "pyproject.toml", "MANIFEST.in", "Makefile",
+               "constraints.txt", "constraints-oldest.txt")
 
 
 def test_the_sdist_ships_the_test_suite_and_the_benchmarks(tmp_path):
@@ -68,5 +68,7 @@ def test_the_sdist_ships_the_test_suite_and_the_benchmarks(tmp_path):
               for name in os.listdir(os.path.join(ROOT, folder)) if name.endswith((".py", ".sh"))}
     wanted |= {name for name in SDIST_FILES if os.path.exists(os.path.join(ROOT, name))}
     assert "tests/conftest.py" in wanted and "bench/_common.py" in wanted
+    # pyproject declares Apache-2.0, whose terms ask for the licence text with copies
+    assert "LICENSE" in wanted
     assert wanted - shipped == set()
     assert not any("__pycache__" in name or name.endswith(".pyc") for name in shipped)
