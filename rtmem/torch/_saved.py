@@ -72,6 +72,14 @@ class _SavedHooks:
             # of abar_{i+1}: an offload + delete must not free it (resize_(0) left
             # the cache a 0-byte tensor: "setStorage ... out of bounds")
             return (t, t._version)
+        # Held detached (same storage and version counter; unpack's result gets its
+        # autograd edge from the graph, not from this tensor): t's grad_fn leads to
+        # the nodes whose saved tensors hold these hooks, and t itself when an op
+        # saves its own output (softmax, exp), a reference cycle through C++ that
+        # Python's collector cannot see. A B frees the saved tensors and breaks it,
+        # but an abar dropped without its B (a failed step, a discarded
+        # checkpoint: ``delete abar``) kept its whole graph alive for good.
+        t = t.detach()
         self.saved.append(t)
         return (t, t._version)
 
