@@ -227,7 +227,14 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             def pack(t, saved=saved):
                 # whether it is autocast's cached cast: asked here, in the
                 # autocast region the op saving it runs in (the stage's own too)
-                saved.append((t, t._version, casts_kept and _cached_cast(t)))
+                cached = casts_kept and _cached_cast(t)
+                # held and packed detached (same storage and version counter), as
+                # the executor's pack does: t's grad_fn leads to the nodes holding
+                # this hook, and to t itself where an op saves its output
+                # (softmax), a cycle through C++ the collector cannot break, which
+                # kept the graph of every forward not backpropagated for good
+                t = t.detach()
+                saved.append((t, t._version, cached))
                 return t
 
             fwd_times = []
