@@ -108,6 +108,11 @@ class AllocatorStats:
     ``reserved_bytes - allocated_bytes`` and includes ``pending_bytes`` (freed but
     waiting for an event before other streams may reuse them; stream-ordered
     frees count here until their stamp completes, NOTE [ Stream-ordered frees ]).
+    A free is stamped lazily: at the allocator's next stamp-and-poll round
+    (every 256 deferred frees), at an allocation that finds no free block, or
+    at the allocator's ``flush()`` / the arena's ``trim()``; until then
+    ``pending_bytes`` stays high even after the device finished the work,
+    although the memory is reusable by its own stream.
     ``fragmentation`` = 1 - largest free block / free bytes, in [0, 1] (0 when
     nothing is free). ``peak_bytes`` is the highest ``allocated_bytes`` seen.
     """
