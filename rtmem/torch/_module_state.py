@@ -11,7 +11,8 @@ import contextlib
 import torch
 from torch import nn
 
-__all__ = ["KeptBuffers", "buffer_slots", "replayed_generators", "slot_buffers", "stage_state"]
+__all__ = ["FirstBuffers", "KeptBuffers", "buffer_slots", "replayed_generators", "slot_buffers",
+           "stage_state"]
 
 
 def buffer_slots(module: nn.Module) -> tuple:
@@ -132,3 +133,55 @@ class KeptBuffers:
                 # through .data: no version bump, which would fail autograd's check
                 # of the views of t a recomputation saved (unpacked at B i)
                 t.data.copy_(value)
+
+
+class FirstBuffers:
+    """A stage's buffer slots as they were before its first forward of a step,
+    for its recomputations to start from (NOTE [ Executor ] rule 6): a stage
+    whose output depends on a buffer it updates (spectral norm's power
+    iteration vectors, an EMA codebook, a step counter) then recomputes what
+    the first forward computed, as the RNG replay makes dropout draw the same
+    masks; started from the updated buffers it computed another output, and the
+    backward gave gradients other than plain PyTorch's.
+
+    Taken before the first forward (a copy of every buffer of the stage, as
+    :class:`KeptBuffers` takes at each recomputation); :meth:`keep_changed`
+    then forgets the slots that forward left alone, so constant buffers (a
+    causal mask) are not held for the step. A change is a reassigned slot or a
+    moved version counter (every in-place op on a tensor moves it, ``out=``
+    included), decided without reading the values (no device sync). Batch
+    norm's native update of its running statistics moves none, and is not
+    replayed: a training-mode batch norm's output does not read them."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, slots):
+        # (module, name, tensor held then, its version then, a copy of its values)
+        self.entries = [(m, name, t, None if t is None else t._version,
+                         None if t is None else t.detach().clone())
+                        for m, name in slots for t in (m._buffers.get(name),)]
+
+    def keep_changed(self) -> bool:
+        """After the first forward: forget the slots it did not change; whether
+        any is left."""
+        self.entries = [e for e in self.entries
+                        if e[0]._buffers.get(e[1]) is not e[2]
+                        or (e[2] is not None and e[2]._version != e[3])]
+        return bool(self.entries)
+
+    def replay(self) -> None:
+        """Before a recomputation (after :class:`KeptBuffers` noted the state to
+        put back after it): each kept slot gets its values from before the first
+        forward: copied into the tensor it held then, if it still holds it
+        (updated in place; through ``.data``: no version bump, which would fail
+        autograd's check of the views of it the first forward saved), else a new
+        copy (the slot was reassigned: the old tensor may have gone with an
+        activation that saved it), one per tensor, so slots sharing one still do."""
+        fresh = {}
+        with torch.no_grad():
+            for m, name, t, _, value in self.entries:
+                if t is not None and m._buffers.get(name) is t:
+                    t.data.copy_(value)
+                else:
+                    m._buffers[name] = (None if value is None
+                                        else fresh.setdefault(id(value), value.clone()))

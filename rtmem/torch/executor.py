@@ -136,9 +136,16 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    numbers from it (other noise than the first forward: wrong gradients) and
    advances it again; hold it as a module attribute made before the step.
    With ``preserve_rng_state=False`` no generator is replayed. A
-   recomputation sees the buffers as the first forward left
-   them (as with ``torch.utils.checkpoint``): only a stage whose output depends
-   on a buffer it updates computes another output than the first time.
+   recomputation also reads the buffers the first forward read: a stage whose
+   output depends on a buffer it updates (spectral norm's power iteration, an
+   EMA codebook, a step counter) computes what the first forward computed, as
+   in plain training, where ``torch.utils.checkpoint`` would read the updated
+   ones. The first forward of a stage the schedule runs again copies the
+   stage's buffers and keeps, for the step, those it changed (a reassigned
+   slot, or a moved version counter: any in-place op). A buffer changed
+   through ``.data``, which moves no version counter, is read as the first
+   forward left it (as is batch norm's running statistics, which a
+   training-mode batch norm's output does not read).
 7. A stored tensor records its version counter. A stage (or the loss) may modify
    its input in place, but a stored tensor read again after such a change (to
    recompute from it, or by a backward that saved it) would give wrong values,
@@ -171,6 +178,7 @@ synchronously, so the semantics are tested on any machine.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 from torch import nn
@@ -182,7 +190,8 @@ from rtmem.planners._validation import type_label
 
 from ._bookkeeping import _Bookkeeping
 from ._host_side import _HostSide
-from ._module_state import KeptBuffers, buffer_slots, replayed_generators, slot_buffers, stage_state
+from ._module_state import (FirstBuffers, KeptBuffers, buffer_slots, replayed_generators,
+                            slot_buffers, stage_state)
 from ._moves import _ActivationMoves, _check_graph_moves
 from ._offload_hooks import _interrupts_held
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
@@ -325,6 +334,10 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # a view of the same tokens).
         self._own_input = any(op in (Op.DELETE, Op.F_NONE) and k == 0
                               for op, k, _ in schedule)
+        # Stages the schedule runs more than once: their first forward keeps the
+        # buffers it read, for the recomputations to read them too (rule 6)
+        forwards = Counter(s for op, s, _ in schedule if op in (Op.F_NONE, Op.F_CK, Op.F_ALL))
+        self._recomputed = {s for s, count in forwards.items() if count > 1}
 
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
@@ -534,14 +547,20 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             # start of the step found them
             gens = ([(g, g.get_state()) for g in self._stage_gens[i]]
                     if self.preserve_rng_state else [])
-            self._first[i] = (cpu, cuda, gens)
+            # the buffers this forward reads, for the stage's recomputations (rule 6)
+            before = FirstBuffers(self._buffer_slots[i]) if i in self._recomputed else None
+            self._first[i] = (cpu, cuda, gens, before)
             with own_parametrizations():
                 y = stage(x)
+            if before is not None and not before.keep_changed():
+                self._first[i] = (cpu, cuda, gens, None)
         else:
             kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
-            cpu, cuda, gens = self._first[i]
+            cpu, cuda, gens, before = self._first[i]
             try:
+                if before is not None:
+                    before.replay()
                 with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state), \
                         replayed_generators(gens), own_parametrizations():
                     if self.preserve_rng_state:
