@@ -3,12 +3,13 @@ planners pulls in no torch or cupy."""
 
 import subprocess
 import sys
-import textwrap
 
 import rtmem
 import rtmem.kernels
 import rtmem.planners
 import rtmem.planners.testing
+
+from _subprocess import run_ok
 
 
 def _public(module):
@@ -44,7 +45,7 @@ def test_planners_import_without_torch_or_cupy():
 def test_star_import_and_help_work_without_torch():
     # A core install (no torch extra): every name in __all__ must resolve, as
     # `from rtmem import *` and help() resolve them all; CPUAdam's ImportError broke both.
-    code = textwrap.dedent("""
+    code = """
         import sys
         sys.modules["torch"] = None
         import pydoc
@@ -61,17 +62,14 @@ def test_star_import_and_help_work_without_torch():
         else:
             raise AssertionError("CPUAdam resolved without torch")
         print("ok")
-    """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"
+    """
+    run_ok(code)
 
 
 def test_optional_subpackages_name_what_to_install():
     # Without torch / hypothesis, importing rtmem.torch (or any of its modules) and
     # rtmem.planners.testing raised a bare "No module named 'torch'" from deep inside.
-    code = textwrap.dedent("""
+    code = """
         import sys
         sys.modules["torch"] = sys.modules["hypothesis"] = None
         for module, missing, hint in [
@@ -85,11 +83,8 @@ def test_optional_subpackages_name_what_to_install():
             else:
                 raise AssertionError(f"{module} imported without {missing}")
         print("ok")
-    """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"
+    """
+    run_ok(code)
 
 
 def test_lazy_reexports():

@@ -6,9 +6,6 @@ import copy
 import io
 import pickle
 import re
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -16,6 +13,8 @@ import pytest
 import rtmem.optim as optim
 from rtmem.errors import OptimizerError
 from rtmem.kernels import adam_update
+
+from _subprocess import run_ok
 
 
 def _rel_err(x, ref):
@@ -30,7 +29,7 @@ def _rel_err(x, ref):
 
 def test_numpy_api_works_without_torch():
     # A fresh interpreter where `import torch` fails.
-    code = textwrap.dedent("""
+    code = """
         import sys
         sys.modules["torch"] = None
         import numpy as np
@@ -46,11 +45,8 @@ def test_numpy_api_works_without_torch():
         else:
             raise AssertionError("CPUAdam resolved without torch")
         print("ok")
-    """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"
+    """
+    run_ok(code)
 
 
 def test_numpy_adam_is_the_fused_kernel_step_by_step():

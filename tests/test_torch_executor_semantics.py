@@ -8,12 +8,13 @@ import contextlib
 import copy
 import gc
 import math
-import weakref
 
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+
+from _torch_models import SoftmaxRecorded  # noqa: E402
 
 from rtmem.errors import RtmemError  # noqa: E402
 from rtmem.torch import _saved  # noqa: E402
@@ -642,20 +643,6 @@ def test_discarding_a_checkpoint_frees_it_as_the_simulator_does():
     assert ex.peak_bytes <= sim.peak
 
 
-class _SoftmaxRecorded(nn.Module):
-    """Linear then softmax, whose backward saves its own output; keeps a weak
-    reference to every output it makes."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.outputs = nn.Linear(8, 8), []
-
-    def forward(self, x):
-        y = self.lin(x).softmax(-1)
-        self.outputs.append(weakref.ref(y))
-        return y
-
-
 @pytest.mark.parametrize("text, fails", [
     # the loss raises: no B runs, every abar is dropped with its graph
     ("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0", True),
@@ -670,7 +657,7 @@ def test_graphs_dropped_without_their_backward_are_freed(text, fails):
     # without one (a failed step, a discarded or never-consumed abar) stayed
     # alive for good, with its activations: 21 tensors a step on a GPT-2 block
     torch.manual_seed(0)
-    model = nn.Sequential(*(_SoftmaxRecorded() for _ in range(3)))
+    model = nn.Sequential(*(SoftmaxRecorded() for _ in range(3)))
     x, y = torch.randn(4, 8), torch.randn(4, 8)
 
     def loss_fn(out, target):

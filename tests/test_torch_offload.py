@@ -356,12 +356,7 @@ def test_decoupled_weight_decay_is_taken_as_torch_adam_and_cpu_adam_spell_it(mon
                                decoupled_weight_decay=True)
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     for step in range(2):
-        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
-        for m, opt in ((mine, off), (ref, ref_opt)):
-            torch.nn.functional.mse_loss(m(x, True), y).backward()
-            opt.step()
-            opt.zero_grad()
-        _assert_same_parameters(mine, ref, step)
+        _step_both(mine, ref, off, ref_opt, g, step)
     off.close()
     p = torch.nn.Parameter(torch.randn(4))
     for kwargs, want in (({}, False), (dict(adamw=True), True),
@@ -376,6 +371,18 @@ def test_decoupled_weight_decay_is_taken_as_torch_adam_and_cpu_adam_spell_it(mon
         assert info.value.argument == "decoupled_weight_decay"
     with pytest.raises(OptimizerError, match="decoupled_weight_decay='yes' must be True"):
         OffloadedAdam([p], decoupled_weight_decay="yes")
+
+
+def _step_both(mine, ref, off, ref_opt, g, step, use_aux=True, set_to_none=True):
+    """One training step of the two-head model on a fresh batch from ``g``, with
+    OffloadedAdam (``off``) and with torch's Adam (``ref_opt``): the same parameters
+    after it."""
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
+    for m, opt in ((mine, off), (ref, ref_opt)):
+        torch.nn.functional.mse_loss(m(x, use_aux), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    _assert_same_parameters(mine, ref, step)
 
 
 def _assert_same_parameters(mine, ref, step):
@@ -399,12 +406,7 @@ def test_parameters_without_gradient_match_torch(monkeypatch, adamw):
         if step == 5:
             for m in (mine, ref):
                 m.frozen.requires_grad_(True)
-        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
-        for m, opt in ((mine, off), (ref, ref_opt)):
-            torch.nn.functional.mse_loss(m(x, use_aux), y).backward()
-            opt.step()
-            opt.zero_grad()
-        _assert_same_parameters(mine, ref, step)
+        _step_both(mine, ref, off, ref_opt, g, step, use_aux)
         if step < 5:      # frozen: not even weight decay moves it
             for p, p0 in zip(mine.frozen.parameters(), frozen0):
                 assert torch.equal(p, p0)
@@ -622,12 +624,7 @@ def test_zero_grad_keeping_tensors_matches_torch(monkeypatch, adamw):
     for step, (use_aux, to_none) in enumerate([(True, False), (False, False),
                                                 (False, False), (False, True),
                                                 (False, True)]):
-        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
-        for m, opt in ((mine, off), (ref, ref_opt)):
-            torch.nn.functional.mse_loss(m(x, use_aux), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=to_none)
-        _assert_same_parameters(mine, ref, step)
+        _step_both(mine, ref, off, ref_opt, g, step, use_aux, set_to_none=to_none)
     steps = [int(ref_opt.state[q]["step"]) for q in ref.parameters() if q in ref_opt.state]
     assert off.steps.tolist() == [0, 0, 5, 5, 4, 4, 5, 5]   # aux: steps 0-3
     assert steps == [5, 5, 4, 4, 5, 5]

@@ -1,12 +1,13 @@
 """profile_sequential's byte counts in cases the executor tests do not reach."""
 
 import gc
-import weakref
 
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+
+from _torch_models import SoftmaxRecorded  # noqa: E402
 
 from rtmem.torch import profile_sequential  # noqa: E402
 
@@ -80,20 +81,6 @@ def test_backward_is_timed_outside_autocast_as_the_executor_runs_it(monkeypatch)
     assert _RecordsAutocast.seen == [False] * 4
 
 
-class _SoftmaxRecorded(nn.Module):
-    """Linear then softmax, whose backward saves its own output; keeps a weak
-    reference to every output it makes."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.outputs = nn.Linear(8, 8), []
-
-    def forward(self, x):
-        y = self.lin(x).softmax(-1)
-        self.outputs.append(weakref.ref(y))
-        return y
-
-
 def test_profiling_frees_the_graphs_of_its_repeated_forwards():
     # The pack hook returned each saved tensor as it was: softmax saves its own
     # output, whose grad_fn holds the saved tensor back, a cycle through
@@ -102,7 +89,7 @@ def test_profiling_frees_the_graphs_of_its_repeated_forwards():
     # 464 KB a call on a 2-block GPT-2 of hidden 32), on a GPU in the memory
     # the plan then budgets for training
     torch.manual_seed(0)
-    model = nn.Sequential(*(_SoftmaxRecorded() for _ in range(2)))
+    model = nn.Sequential(*(SoftmaxRecorded() for _ in range(2)))
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     profile_sequential(model, x, y, nn.functional.mse_loss, repeats=3)
     gc.collect()
