@@ -12,14 +12,49 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 
 __all__ = ["register", "bench_dir"]
 
+#: Files that make a folder rtmem's own ``bench/``: a ``bench`` folder beside an
+#: installed rtmem (``site-packages/bench``) may be another distribution's.
+_BENCH_MARKERS = ("_common.py", "gpu_session.sh")
+
+
+def _names_rtmem(pyproject: str) -> bool:
+    """Whether the file ``pyproject`` declares the project ``rtmem`` (a line
+    ``name = "rtmem"``; read as text: tomllib is Python >= 3.11 only)."""
+    try:
+        with open(pyproject, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return re.search(r"""^name\s*=\s*["']rtmem["']\s*(#.*)?$""", text, re.M) is not None
+
 
 def bench_dir() -> str:
-    """The ``bench/`` folder of the source tree this rtmem was imported from."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    """The ``bench/`` folder of the checkout (or unpacked sdist) this rtmem was
+    imported from.
+
+    Raises FileNotFoundError when rtmem was not imported from one: an installed
+    rtmem sits in ``site-packages``, where a ``bench`` folder would belong to some
+    other distribution, whose scripts ``rtmem bench`` must not run. The folder is
+    rtmem's when its parent has a pyproject.toml naming rtmem and it holds
+    bench/_common.py and bench/gpu_session.sh.
+    """
+    package = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(package)
+    bench = os.path.join(root, "bench")
+    if _names_rtmem(os.path.join(root, "pyproject.toml")) and \
+            all(os.path.isfile(os.path.join(bench, m)) for m in _BENCH_MARKERS):
+        return bench
+    raise FileNotFoundError(f"this rtmem ({package}) is not in a checkout of rtmem: {root} "
+                            f"has no pyproject.toml naming rtmem beside a bench/ folder "
+                            f"with {' and '.join(_BENCH_MARKERS)}; the benchmarks ship "
+                            f"with the source tree, not the installed package: run this "
+                            f"from a checkout or the unpacked sdist (pip install -e .), or "
+                            f"run the script there directly")
 
 
 def _load(script: str):

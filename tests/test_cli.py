@@ -761,6 +761,55 @@ def test_bench_errors_name_the_command_and_a_missing_script_is_exit_1(capsys, mo
     assert code == 2 and "pcie" in out and "dha" in out
 
 
+def _tree(root, pyproject, markers=("_common.py", "gpu_session.sh")):
+    """A folder ``root`` as a checkout (or site-packages) holding rtmem/cli_bench.py,
+    a pyproject.toml of ``pyproject`` (None: none), and bench/ with ``markers`` and
+    a pcie.py that records that it ran; returns the path cli_bench would have."""
+    (root / "rtmem").mkdir(parents=True)
+    (root / "bench").mkdir()
+    if pyproject is not None:
+        (root / "pyproject.toml").write_text(pyproject)
+    for name in markers:
+        (root / "bench" / name).write_text("")
+    (root / "bench" / "pcie.py").write_text(
+        "import pathlib\n"
+        "def main(argv, prog):\n"
+        "    pathlib.Path(__file__).with_name('ran').write_text(prog)\n"
+        "    return 0\n")
+    return str(root / "rtmem" / "cli_bench.py")
+
+
+@pytest.mark.parametrize("pyproject, markers", [
+    # an installed rtmem: site-packages/bench is some other distribution's
+    (None, ("_common.py", "gpu_session.sh")),
+    ('[project]\nname = "bench-tools"\n', ("_common.py", "gpu_session.sh")),
+    ('[project]\nname = "rtmem"\n', ("_common.py",)),
+    ('[project]\nname = "rtmem"\n', ("gpu_session.sh",)),
+])
+def test_bench_refuses_a_bench_folder_that_is_not_rtmems(capsys, monkeypatch, tmp_path,
+                                                        pyproject, markers):
+    # bench_dir() took whatever bench/ sat beside the rtmem package: installed, that
+    # is site-packages/bench, and `rtmem bench pcie` ran another package's pcie.py
+    import rtmem.cli_bench as cb
+    monkeypatch.setattr(cb, "__file__", _tree(tmp_path / "site", pyproject, markers))
+    with pytest.raises(FileNotFoundError, match="not in a checkout of rtmem"):
+        cb.bench_dir()
+    code, _, err = run(capsys, "bench", "pcie")
+    assert code == 1 and err.startswith("rtmem bench pcie: error: this rtmem (")
+    assert "run this from a checkout" in err
+    assert not (tmp_path / "site" / "bench" / "ran").exists()
+
+
+def test_bench_runs_the_scripts_of_an_rtmem_checkout(capsys, monkeypatch, tmp_path):
+    import rtmem.cli_bench as cb
+    assert os.path.isfile(os.path.join(cb.bench_dir(), "pcie.py"))   # this checkout's
+    monkeypatch.setattr(cb, "__file__", _tree(tmp_path / "checkout",
+                                              '[project]\nname = "rtmem"  # us\n'))
+    assert cb.bench_dir() == str(tmp_path / "checkout" / "bench")
+    assert main(["bench", "pcie"]) == 0
+    assert (tmp_path / "checkout" / "bench" / "ran").read_text() == "rtmem bench pcie"
+
+
 def test_memory_curve_steps_through_each_compute_ops_usage():
     # from t = 0 at the first compute op's usage; then, for each compute op, its
     # usage from its start and its usage once over from its end
