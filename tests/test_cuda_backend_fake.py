@@ -1016,6 +1016,34 @@ def test_numba_plugin_refuses_a_closed_arena_and_negative_sizes():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("cupy_installed", [False, True])
+def test_numba_plugin_install_without_an_arena_needs_cupy_at_once(monkeypatch,
+                                                                  cupy_installed):
+    # install() with no arena and no nbytes returned without CuPy: the default
+    # arena is made (on the cuda backend, which needs CuPy) only when numba
+    # creates its context, so the error came at the first numba.cuda allocation.
+    # In-process, numba.cuda is the simulator (no EMM): stand-ins for numba.
+    import types
+    from rtmem.errors import CuPyMissingError
+    from rtmem.integrations import numba_emm
+    plugged = []
+    numba_cuda = types.SimpleNamespace(set_memory_manager=plugged.append)
+    monkeypatch.setattr(numba_emm, "_numba_cuda", lambda: (numba_cuda, None))
+    monkeypatch.setattr(numba_emm, "manager_class", lambda: "the plugin class")
+    monkeypatch.setattr(numba_emm, "_arena", None)
+    monkeypatch.setitem(sys.modules, "cupy",
+                        types.ModuleType("cupy") if cupy_installed else None)
+    if cupy_installed:
+        numba_emm.install()
+        assert plugged == ["the plugin class"]
+    else:
+        with pytest.raises(CuPyMissingError, match=r"^rtmem.integrations.numba_emm needs "
+                                                   r"CuPy .*pip install rtmem\[cuda12\]"):
+            numba_emm.install()
+        assert plugged == []        # refused before anything changed
+    assert numba_emm._arena is None
+
+
 def test_a_trace_numbers_two_wrappers_of_one_stream_as_one(fake, backend):
     # Numbered by id(): two wrappers of one CUDA stream (equal, one stream to
     # the allocator) became two streams in the trace, and a replay ordered

@@ -191,7 +191,13 @@ def manager_class():
 
 def install(arena=None, *, nbytes=None) -> None:
     """Plug rtmem into numba.cuda: allocations come from ``arena`` (or a new
-    DeviceArena of ``nbytes`` bytes). Call before numba's context exists."""
+    DeviceArena of ``nbytes`` bytes; with neither, one numba makes when it
+    creates its context, see the module docs). Call before numba's context exists.
+
+    Raises :class:`~rtmem.errors.CuPyMissingError` (a ``ModuleNotFoundError``)
+    when CuPy is not installed: every arena the plugin can use is on the cuda
+    backend, which needs CuPy.
+    """
     global _arena
     if arena is not None and nbytes is not None:
         raise ValueError("give an arena or nbytes=, not both")
@@ -199,6 +205,19 @@ def install(arena=None, *, nbytes=None) -> None:
     # leaves the plugged-in arena as it was and allocates nothing.
     cuda, _ = _numba_cuda()
     cls = manager_class()
+    if arena is None and nbytes is None:
+        # The default arena is made only when numba creates its context, far from
+        # this call: without CuPy, install() returned and the first numba.cuda
+        # allocation failed instead. Say it here, naming the extra.
+        from ..backends.cuda import import_cupy
+        from ..errors import CuPyMissingError
+        try:
+            import_cupy()
+        except CuPyMissingError as exc:
+            # not import_cupy's own hint, RTMEM_BACKEND=host: no help to numba.cuda
+            raise CuPyMissingError(f"rtmem.integrations.numba_emm needs CuPy (the arena "
+                                   f"numba allocates from is on the cuda backend): "
+                                   f"{_HINT}") from exc
     if arena is None and nbytes is not None:
         from ..arena import DeviceArena
         arena = DeviceArena(nbytes, backend="cuda")
