@@ -109,6 +109,8 @@ def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
 ])
 def test_bench_scripts_refuse_bad_arguments_before_any_work(monkeypatch, capsys, tmp_path,
                                                             name, argv, fragment):
+    if name == "train":
+        pytest.importorskip("torch")        # bench/train.py imports it (an extra)
     monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))   # should one run, not here
     module = bench_module(monkeypatch, name)
     with pytest.raises(SystemExit) as e:

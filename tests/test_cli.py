@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import os
 from argparse import ArgumentTypeError
@@ -6,6 +7,14 @@ import pytest
 
 from _remat_cases import OVERLAPPING_TRANSFERS, two_stage_chain
 from rtmem.cli import main
+
+
+def needs(*modules):
+    """A mark skipping a case unless every one of ``modules`` is installed: the
+    optional extras (torch; matplotlib) a command checks for before its arguments."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {' and '.join(missing)} "
+                              f"(an extra: pip install 'rtmem[torch,plot]')")
 
 
 def run(capsys, *argv):
@@ -155,7 +164,8 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["demo", "--vocab", "1"], "at least 2"),
     (["demo", "--layers", "x"], "not an integer"),
     (["demo", "--heads", "3"], "multiple of --heads"),
-    (["demo", "--device", "tpu"], "cpu or cuda"),
+    # --device is read by torch.device: without torch the demo says torch is missing
+    pytest.param(["demo", "--device", "tpu"], "cpu or cuda", marks=needs("torch")),
     # checked before profiling, not after; the value named once
     (["demo", "--memory", "abc"], "--memory: invalid memory: cannot read 'abc'"),
     (["demo", "--model", "vgg"], "invalid choice"),
@@ -301,7 +311,8 @@ def test_a_missing_plot_extra_is_reported_before_the_work(capsys, monkeypatch, t
 def test_the_demo_names_every_missing_extra(capsys, monkeypatch, tmp_path, missing, install):
     # without torch and matplotlib it named matplotlib alone: installing the plot
     # extra then ran into torch
-    import importlib.util
+    for name in sorted({"torch", "matplotlib"} - missing):   # those the case says are there
+        pytest.importorskip(name)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in missing else find_spec(name, *a))
@@ -312,6 +323,7 @@ def test_the_demo_names_every_missing_extra(capsys, monkeypatch, tmp_path, missi
 
 
 def test_demo(capsys, tmp_path):
+    pytest.importorskip("torch")
     code, out, _ = run(capsys, "demo", "--layers", "2", "--hidden", "32", "--heads", "4",
                        "--seq", "32", "--batch", "2", "--vocab", "64", "--steps", "2",
                        "--device", "cpu", "--out", str(tmp_path))
@@ -324,6 +336,7 @@ def test_demo(capsys, tmp_path):
 
 def test_demo_trains_the_resnet_too(capsys, tmp_path):
     # batch norm in training mode: the replayed plan still gives the same losses
+    pytest.importorskip("torch")
     code, out, _ = run(capsys, "demo", "--model", "resnet", "--blocks", "1,2", "--width",
                        "4", "--image", "8", "--batch", "2", "--steps", "2", "--device",
                        "cpu", "--out", str(tmp_path))
@@ -359,6 +372,7 @@ def test_demo_result_values(tmp_path):
 def test_a_failed_demo_removes_the_folder_it_made_and_keeps_one_given(capsys, tmp_path):
     # an infeasible budget is found only after profiling; the folder made for the plots
     # used to stay behind empty
+    pytest.importorskip("torch")
     argv = ["demo", "--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "8",
             "--batch", "1", "--vocab", "16", "--steps", "1", "--device", "cpu",
             "--memory", "1B"]

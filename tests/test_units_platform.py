@@ -88,16 +88,25 @@ def test_a_budget_below_one_byte_says_it_rounds_down_to_zero():
 def test_a_negative_budget_is_told_the_same_bound_as_zero():
     # "-1" said "a size must be finite and >= 0 bytes" (parse_bytes' words), and
     # the 0 it invited was then refused with "> 0"
-    import torch
     from decimal import Decimal
     for memory in (-1, -1.5, "-1", "-1GiB", " -1GiB", "-inf", -2**70, np.array(-2.0),
-                   torch.tensor(-2), Decimal("-2")):
-        with pytest.raises(PlatformError, match=r"memory must be > 0 bytes, got") as err:
-            Platform(memory)
-        assert ">= 0" not in str(err.value) and "Platform(" not in str(err.value)
+                   Decimal("-2")):
+        _refused_as_not_positive(memory)
     # an array has no one truth value: a PlatformError, not numpy's ValueError
     with pytest.raises(PlatformError, match=r"must be one number .*shape \(2,\)"):
         Platform(np.array([-1, 2]))
+
+
+def _refused_as_not_positive(memory):
+    with pytest.raises(PlatformError, match=r"memory must be > 0 bytes, got") as err:
+        Platform(memory)
+    assert ">= 0" not in str(err.value) and "Platform(" not in str(err.value)
+
+
+def test_a_negative_torch_budget_is_told_the_same_bound_as_zero():
+    # as above, for a 0-d tensor (torch is an extra: skipped without it)
+    torch = pytest.importorskip("torch")
+    _refused_as_not_positive(torch.tensor(-2))
 
 
 def test_integer_sizes_are_exact_and_huge_numbers_are_unit_errors():
@@ -136,19 +145,26 @@ def test_formatting_rounds_into_the_next_unit_and_keeps_signs():
 def test_is_whole_refuses_numpy_and_torch_bools_as_it_refuses_bools():
     # np.True_ passed as 1 (plan_layout(alignment=np.True_) laid out with
     # alignment 1), where True is refused and parse_bytes refuses both; torch's
-    # bool tensor passed too, and a 0-d tensor's answer was a tensor
-    import torch
-
+    # bool tensor passed too, and a 0-d tensor's answer was a tensor (the torch
+    # half is test_is_whole_refuses_torch_bools_as_it_refuses_bools)
     from rtmem.layout import plan_layout
     from rtmem.units import is_whole
-    for value in (True, np.True_, np.bool_(False), np.array(True), torch.tensor(True)):
+    for value in (True, np.True_, np.bool_(False), np.array(True)):
         assert is_whole(value) is False, value
-    for value in (4, np.int64(4), 4.0, np.float32(4.0), np.array(4), torch.tensor(4)):
+    for value in (4, np.int64(4), 4.0, np.float32(4.0), np.array(4)):
         assert is_whole(value) is True, value
-    with pytest.raises(UnitError, match="must be a number"):
-        parse_bytes(torch.tensor(True))
     with pytest.raises(ValueError, match="power of two"):
         plan_layout([0], [1], [8], alignment=np.True_)
+
+
+def test_is_whole_refuses_torch_bools_as_it_refuses_bools():
+    # torch is an extra: skipped without it
+    torch = pytest.importorskip("torch")
+    from rtmem.units import is_whole
+    assert is_whole(torch.tensor(True)) is False
+    assert is_whole(torch.tensor(4)) is True
+    with pytest.raises(UnitError, match="must be a number"):
+        parse_bytes(torch.tensor(True))
 
 
 def test_arrays_of_one_element_are_refused_as_sizes_as_numpy_and_torch_alike():
