@@ -239,6 +239,7 @@ def test_simulated_kernels_use_fake_cupy_memory(bench):
 
 # ---------------------------------------------------------------- the scripts
 def test_pcie_gpu_path(bench, capsys):
+    pytest.importorskip("matplotlib")   # it plots its curves (an extra: rtmem[plot])
     pcie = bench.load("pcie")
     assert pcie.find_gpu() == ("Fake H200", "")
     launches = bench.stub_kernels()
@@ -617,6 +618,7 @@ def test_pinned_pools_measure_what_cupys_pool_takes(bench):
 
 
 def test_cli_bench_pcie_and_dha(bench, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")   # pcie plots its curves (an extra: rtmem[plot])
     from rtmem import cli, cli_bench
     bench.load("pcie")                                  # dha_layers imports it
     launches = bench.stub_kernels()

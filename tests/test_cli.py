@@ -33,6 +33,7 @@ def test_chains_table_and_json(capsys):
 
 
 def test_simulate_table_json_and_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")   # --plot (an extra: rtmem[plot])
     plot = tmp_path / "g.png"
     code, out, _ = run(capsys, "simulate", "gpt2:layers=2,hidden=64,heads=4,seq=16,batch=2,"
                        "vocab=50", "sequential:2", "--memory", "1GiB", "--bandwidth",
@@ -164,8 +165,10 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["demo", "--vocab", "1"], "at least 2"),
     (["demo", "--layers", "x"], "not an integer"),
     (["demo", "--heads", "3"], "multiple of --heads"),
-    # --device is read by torch.device: without torch the demo says torch is missing
-    pytest.param(["demo", "--device", "tpu"], "cpu or cuda", marks=needs("torch")),
+    # --device is read by torch.device: without torch (or matplotlib) the demo says
+    # that extra is missing
+    pytest.param(["demo", "--device", "tpu"], "cpu or cuda",
+                 marks=needs("torch", "matplotlib")),    # the demo checks both first
     # checked before profiling, not after; the value named once
     (["demo", "--memory", "abc"], "--memory: invalid memory: cannot read 'abc'"),
     (["demo", "--model", "vgg"], "invalid choice"),
@@ -324,6 +327,7 @@ def test_the_demo_names_every_missing_extra(capsys, monkeypatch, tmp_path, missi
 
 def test_demo(capsys, tmp_path):
     pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
     code, out, _ = run(capsys, "demo", "--layers", "2", "--hidden", "32", "--heads", "4",
                        "--seq", "32", "--batch", "2", "--vocab", "64", "--steps", "2",
                        "--device", "cpu", "--out", str(tmp_path))
@@ -337,6 +341,7 @@ def test_demo(capsys, tmp_path):
 def test_demo_trains_the_resnet_too(capsys, tmp_path):
     # batch norm in training mode: the replayed plan still gives the same losses
     pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
     code, out, _ = run(capsys, "demo", "--model", "resnet", "--blocks", "1,2", "--width",
                        "4", "--image", "8", "--batch", "2", "--steps", "2", "--device",
                        "cpu", "--out", str(tmp_path))
@@ -359,6 +364,7 @@ def test_demo_defaults_are_the_clis():
 
 def test_demo_result_values(tmp_path):
     pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")       # run_demo plots
     from rtmem.demo import run_demo
     from rtmem.planners import Plan
     r = run_demo(layers=2, hidden=32, heads=4, seq=32, batch=2, vocab=64, steps=3,
@@ -373,6 +379,7 @@ def test_a_failed_demo_removes_the_folder_it_made_and_keeps_one_given(capsys, tm
     # an infeasible budget is found only after profiling; the folder made for the plots
     # used to stay behind empty
     pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
     argv = ["demo", "--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "8",
             "--batch", "1", "--vocab", "16", "--steps", "1", "--device", "cpu",
             "--memory", "1B"]
@@ -412,6 +419,7 @@ def test_demo_trains_as_plain_adam_and_falls_back_to_halfway(tmp_path, monkeypat
     # when half the peak is below the least feasible memory the budget is halfway
     # between the two; both runs train as a plain torch loop with Adam would
     torch = pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")       # run_demo plots
     import math
 
     import rtmem.planners
@@ -505,6 +513,7 @@ def test_a_folder_named_like_a_built_in_does_not_hide_it(capsys, tmp_path, monke
 
 def test_plan_save_makes_a_missing_folder_as_plot_does(capsys, tmp_path):
     # --plot made its folder; --save failed on one with "[Errno 2]" after the solve
+    pytest.importorskip("matplotlib")   # --plot (an extra: rtmem[plot])
     save, plot = tmp_path / "a" / "plan.json", tmp_path / "b" / "plan.png"
     code, _, err = run(capsys, "plan", "remat", "gpt2:layers=2", "--memory", "inf",
                        "--quiet", "--save", str(save), "--plot", str(plot))
@@ -543,6 +552,7 @@ def test_output_paths_are_checked_before_the_solve_and_leave_nothing(capsys, tmp
                                                                      monkeypatch):
     # --save /proc/x.json failed with "[Errno 2]" only after the whole solve; the
     # check makes the missing folders and the file, then removes them again
+    pytest.importorskip("matplotlib")   # --plot (an extra: rtmem[plot])
     import os
 
     import rtmem.planners.remat as remat

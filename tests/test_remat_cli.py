@@ -134,6 +134,7 @@ def test_an_infeasible_budget_is_reported_before_any_baseline_is_planned(capsys,
 
 
 def test_plot_calls_plot_schedule(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")   # the CLI refuses --plot without it, before planning
     import rtmem.plot
     calls = []
     monkeypatch.setattr(rtmem.plot, "plot_schedule",
