@@ -172,7 +172,7 @@ def test_arrays_of_one_element_are_refused_as_sizes_as_numpy_and_torch_alike():
     # plan_layout aligned to tensor([8]), Chain(x0=tensor([3])) took 3 bytes)
     # where numpy 2 refuses np.array([4096]); 0-d arrays and tensors still pass
     torch = pytest.importorskip("torch")
-    from planners.chain import Chain
+    from rtmem.planners.chain import Chain
     from rtmem.errors import ChainError
     from rtmem.layout import plan_layout
     from rtmem.units import is_whole
