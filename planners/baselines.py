@@ -16,7 +16,7 @@ from rtmem.units import format_bytes
 
 from ._validation import check_chain, check_int
 from .chain import Chain
-from .plan import Plan, as_budget
+from .plan import Plan, as_budget, planned_info
 from .platform import Platform
 from .schedule import Op, Schedule
 from .simulator import simulate
@@ -98,7 +98,7 @@ def simulated_plan(chain: Chain, schedule: Schedule, budget, algorithm: str,
             f"{res.peak:,} bytes or use a planner that recomputes more (plan_remat)",
             budget=budget, min_feasible=res.peak)
     return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
-                algorithm=algorithm, info=dict(info or {}))
+                algorithm=algorithm, info=planned_info(chain, info or {}))
 
 
 def plan_store_all(chain: Chain, memory) -> Plan:
@@ -135,7 +135,7 @@ def fastest_fitting(chain: Chain, budget, candidates, algorithm: str, param: str
             "plan_remat", budget=budget, min_feasible=least)
     res, value, sched = best
     return Plan(schedule=sched, makespan=res.makespan, peak=res.peak, budget=budget,
-                algorithm=algorithm, info={param: value})
+                algorithm=algorithm, info=planned_info(chain, {param: value}))
 
 
 def plan_sequential(chain: Chain, memory, segments: int | None = None) -> Plan:

@@ -55,7 +55,7 @@ from rtmem.units import format_bytes
 
 from ._validation import check_chain, check_count
 from .chain import Chain
-from .plan import Plan, as_budget
+from .plan import Plan, as_budget, planned_info
 from .platform import Platform
 from .remat import _fixed_bytes, _least_budget, plan_remat
 from .rotor import StageArrays, discretize, stage_arrays
@@ -290,13 +290,14 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
             plan = plan_remat(chain, budget, slots=slots)
             return Plan(schedule=plan.schedule, makespan=plan.makespan, peak=plan.peak,
                         budget=budget, algorithm="floating",
-                        info={"method": "persistent", "dp_makespan": None,
-                              "slot_bytes": slot, "slots": M, "persistent": plan.info})
+                        info=planned_info(chain, {
+                            "method": "persistent", "dp_makespan": None, "slot_bytes": slot,
+                            "slots": M, "persistent": plan.info}))
     if not math.isfinite(value):
         raise infeasible(f"no schedule of {chain.name or 'the chain'} fits in {budget:,} "
                          f"bytes ({format_bytes(budget)}) for the floating DP")
     schedule = floating_schedule(disc, F, M)
     res = simulate(chain, schedule, Platform(budget))
     return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
-                algorithm="floating", info={"method": method, "dp_makespan": value,
-                                            "slot_bytes": slot, "slots": M})
+                algorithm="floating", info=planned_info(chain, {
+                    "method": method, "dp_makespan": value, "slot_bytes": slot, "slots": M}))

@@ -27,6 +27,16 @@ _VERSION = 1
 _REQUIRED = ("schedule", "makespan", "peak", "budget", "algorithm")
 
 
+def planned_info(chain, info: dict) -> dict:
+    """``info`` plus ``"input_bytes"`` (``chain.x0``, bytes) when the chain gives
+    its input's size: what every planner's :class:`Plan` carries, so that the
+    executor can tell a batch larger than the one the sizes were profiled for."""
+    info = dict(info)
+    if chain.x0 > 0:
+        info.setdefault("input_bytes", int(chain.x0))
+    return info
+
+
 @dataclass(frozen=True, eq=False)
 class Plan(JsonFile):
     """A schedule with its simulated cost.
@@ -48,7 +58,10 @@ class Plan(JsonFile):
     info:
         Planner-specific extras (JSON-serializable, numbers finite: ``None``
         for an infinite DP prediction): DP prediction, slot size, number of
-        segments, ...
+        segments, ... Every planner also records ``"input_bytes"``, the chain
+        input's bytes (``Chain.x0``, the profiled batch) when the chain gives
+        it (> 0): the plan's memory holds for that batch, and
+        :class:`~rtmem.torch.ScheduleExecutor` warns at a larger one.
 
     Non-finite numbers (a NaN or infinite makespan or peak, NaN anywhere,
     infinity in ``info``) raise :class:`~rtmem.errors.ScheduleError` naming the

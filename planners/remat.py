@@ -30,7 +30,7 @@ from rtmem.units import format_bytes
 from .baselines import plan_sequential, plan_sqrt, plan_store_all, store_all_schedule
 from ._validation import check_chain, check_count
 from .chain import Chain
-from .plan import Plan, as_budget
+from .plan import Plan, as_budget, planned_info
 from .platform import Platform
 from .rotor import (discretize, min_memory, min_memory_schedule, persistent_schedule,
                     persistent_table, stage_arrays)
@@ -228,7 +228,9 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         faster than the best so far, so it cannot win),
         ``dp_makespan`` (s, the DP's prediction; ``None`` when the DP found no
         schedule at any slot size tried; the no-recomputation makespan for
-        ``"store-all"``) and ``solve_seconds``. Only when the DP ran (``method``
+        ``"store-all"``), ``solve_seconds`` and, when the chain gives its input's
+        size (``x0`` > 0), ``input_bytes`` (the batch the plan holds for, see
+        :class:`Plan`). Only when the DP ran (``method``
         other than ``"store-all"``) does it also hold ``slot_bytes`` and
         ``slots`` (M, slots available to the DP) of the last DP run,
         ``refined`` (whether that run used finer slots than asked) and
@@ -266,7 +268,7 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
                 "candidates": {"store-all": float(res.makespan)},
                 "solve_seconds": time.perf_counter() - t0}
         return Plan(schedule=store_all, makespan=res.makespan, peak=res.peak,
-                    budget=budget, algorithm="rotor", info=info)
+                    budget=budget, algorithm="rotor", info=planned_info(chain, info))
     fixed = _fixed_bytes(chain)
     if slot_bytes is None:
         # the table has about `slots` columns: refuse an impossible size before the
@@ -320,7 +322,7 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
     info["solve_seconds"] = time.perf_counter() - t0
     say(f"rotor: solved in {info['solve_seconds']:.2f} s ({name})")
     return Plan(schedule=schedule, makespan=res.makespan, peak=res.peak, budget=budget,
-                algorithm="rotor", info=info)
+                algorithm="rotor", info=planned_info(chain, info))
 
 
 def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=None, *,

@@ -650,3 +650,30 @@ def test_a_stage_changed_after_construction_is_refused(change, given):
     with pytest.raises(ExecutionError, match="stages changed after this executor was built"):
         ex.step(x, y)
     assert all(p.grad is None for m in model for p in m.parameters())
+
+
+def test_a_batch_larger_than_the_planned_one_warns_once():
+    # A plan holds for the batch it was profiled with; 4x that batch ran at 4x the
+    # activation peak with nothing said
+    import warnings
+    from rtmem.planners import Plan
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = gpt2_model(layers=2, hidden=16, heads=2, seq=8, vocab=32)
+    x, y = make_batch(2)
+    chain = profile_sequential(model, x, y, loss_fn, repeats=1)
+    plan = plan_remat(chain, math.inf)
+    assert plan.info["input_bytes"] == x.numel() * x.element_size() == chain.x0
+    assert Plan.from_json(plan.to_json()).info["input_bytes"] == chain.x0
+    ex = ScheduleExecutor(model, plan, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ex.step(x, y)                                   # the planned batch: silent
+        ex.step(*make_batch(1))                         # a smaller one too
+    big = make_batch(4)
+    with pytest.warns(RuntimeWarning, match="larger than the 128-byte input the plan"):
+        ex.step(*big)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ex.step(*big)                                   # said once per executor
+        # a bare Schedule carries no batch size: nothing to check
+        ScheduleExecutor(model, plan.schedule, loss_fn).step(*big)

@@ -178,6 +178,7 @@ synchronously, so the semantics are tested on any machine.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 
 import torch
@@ -269,6 +270,11 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # (as_stages wraps it in a Sequential of our own, which no one changes)
         self._given = model
         model = as_stages(model, "ScheduleExecutor")
+        # the batch a Plan's memory was planned for (Plan.info "input_bytes": the
+        # profiled input's bytes), to warn at a larger one (see step)
+        planned = getattr(schedule, "info", None)
+        planned = planned.get("input_bytes") if isinstance(planned, dict) else None
+        self._planned_input = planned if type(planned) is int and planned > 0 else None
         schedule = getattr(schedule, "schedule", schedule)
         if not isinstance(schedule, Schedule):
             raise ExecutionError(f"schedule must be a Schedule or a Plan, got "
@@ -324,6 +330,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self.host_arena = host_arena
         self._streams = None
         self._new_ledger()
+        self._warned_batch = False
         self._caller_keys: set = set()
         self._caller_inputs = None   # the batch during a step, when it requires grad
         self._fixed_batch = False    # whether autograd refuses in-place ops on it
@@ -352,6 +359,23 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._settle_grads()   # no copy may still write into a forgotten tensor
         self._g_host.clear()
 
+    def _check_batch_size(self, inputs) -> None:
+        """Warn (RuntimeWarning, once per executor) at a batch larger than the one
+        the plan was made for: every size the planner counted (activations grow
+        with the batch) was that batch's, so the plan's memory bound no longer
+        holds, and nothing else said so (4x the batch ran at 4x the activation
+        peak). Only a Plan carries its batch size (``info["input_bytes"]``)."""
+        planned = self._planned_input
+        nbytes = inputs.numel() * inputs.element_size()
+        if planned is None or nbytes <= planned or self._warned_batch:
+            return
+        self._warned_batch = True
+        warnings.warn(
+            f"this batch is {nbytes:,} bytes, larger than the {planned:,}-byte input the "
+            f"plan was made for: its memory bound holds for that batch only (activations "
+            f"grow with the batch). Profile and plan again for this batch shape",
+            RuntimeWarning, stacklevel=3)
+
     def step(self, inputs, target) -> torch.Tensor:
         """One forward + backward pass following the schedule; returns the loss
         (detached). Parameter ``.grad`` accumulate as with ``loss.backward()``.
@@ -374,6 +398,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         or the :meth:`host_grads` of ``g_offload``), as after a failed
         ``loss.backward()``: zero both before retrying the batch."""
         check_inputs(inputs)
+        self._check_batch_size(inputs)
         if torch.is_inference_mode_enabled() or inputs.is_inference():
             raise ExecutionError(
                 "step() trains, so it cannot run under torch.inference_mode() or on an "
