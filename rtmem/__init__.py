@@ -10,10 +10,9 @@ Errors live in :mod:`rtmem.errors`; the torch bridge in :mod:`rtmem.torch`.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
 
 from . import adaptors, errors, layout, transfers
+from ._optional import installed as _installed
 from ._version import __version__
 from .allocator import AllocatorStats, BestFitAllocator
 from .arena import UNORDERED, ArenaStats, DeviceArena, HostArena
@@ -38,15 +37,6 @@ _LAZY = {
 # Names that need torch (the torch extra) when first accessed.
 _TORCH_NAMES = ("CPUAdam", "CPUAdamW")
 
-
-def _torch_installed() -> bool:
-    """Whether ``import torch`` can find torch, without importing it (``import rtmem``
-    stays free of torch)."""
-    if "torch" in sys.modules:      # imported already, or blocked (None)
-        return sys.modules["torch"] is not None
-    return importlib.util.find_spec("torch") is not None
-
-
 __all__ = [
     "__version__",
     # runtime
@@ -65,7 +55,7 @@ __all__ = [
     # dir()): `from rtmem import *` and help(rtmem) resolve every name listed, and
     # failed on a core install with CPUAdam's ImportError. rtmem.CPUAdam still
     # raises it, naming the extra to install.
-    *(name for name in _LAZY if name not in _TORCH_NAMES or _torch_installed()),
+    *(name for name in _LAZY if name not in _TORCH_NAMES or _installed("torch")),
 ]
 
 

@@ -32,7 +32,7 @@ import re
 
 import numpy as np
 
-from . import _torch_installed
+from ._optional import installed as _installed
 from .buffer import Buffer
 from .errors import OptimizerError, ResidencyError
 from .kernels._adam_checks import _check_state
@@ -44,7 +44,7 @@ _TORCH_CLASSES = ("CPUAdam", "CPUAdamW")
 # `from rtmem.optim import *` and help(rtmem.optim) work on a core install (they
 # resolved every listed name and raised CPUAdam's ImportError); rtmem.optim.CPUAdam
 # still raises it, naming the extra.
-__all__ = [*(_TORCH_CLASSES if _torch_installed() else ()), "NumpyAdam", "NumpyAdamW"]
+__all__ = [*(_TORCH_CLASSES if _installed("torch") else ()), "NumpyAdam", "NumpyAdamW"]
 # The kernel's argument names -> NumpyAdam.step's keywords, for error reports.
 _NUMPY_ARGUMENTS = {"grad": "grads", "out": "copies", "out_format": "copy_format"}
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")

@@ -36,21 +36,16 @@ Oracles
 Requires ``hypothesis`` (``pip install rtmem[test]``).
 """
 
-try:
-    import hypothesis as _hypothesis  # noqa: F401  (only to check that it is there)
-except ModuleNotFoundError as e:
-    if e.name != "hypothesis":  # hypothesis is there, one of its own imports is not
-        raise
-    # Raised from strategies.py as a bare "No module named 'hypothesis'", naming no
-    # extra; name="hypothesis" as in Python's own error, for code that reads e.name.
-    raise ModuleNotFoundError(
-        "rtmem.planners.testing needs hypothesis: pip install hypothesis (or "
-        "'rtmem[test]', which has it)", name="hypothesis") from e
+from rtmem._optional import require as _require
 
-from .bruteforce import brute_force_multichain, brute_force_remat
-from .reference import reference_simulate
-from .strategies import chains, platforms, simulation_cases, valid_schedules
-from .wandering import wandering_schedules
+# first: the submodules' own import of hypothesis failed bare, naming no extra
+_require("hypothesis", "rtmem.planners.testing needs hypothesis: pip install hypothesis "
+         "(or 'rtmem[test]', which has it)")
+
+from .bruteforce import brute_force_multichain, brute_force_remat  # noqa: E402
+from .reference import reference_simulate  # noqa: E402
+from .strategies import chains, platforms, simulation_cases, valid_schedules  # noqa: E402
+from .wandering import wandering_schedules  # noqa: E402
 
 __all__ = ["chains", "platforms", "valid_schedules", "wandering_schedules", "simulation_cases",
            "reference_simulate", "brute_force_remat", "brute_force_multichain"]

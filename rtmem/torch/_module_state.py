@@ -161,13 +161,12 @@ class FirstBuffers:
                          None if t is None else t.detach().clone())
                         for m, name in slots for t in (m._buffers.get(name),)]
 
-    def keep_changed(self) -> bool:
-        """After the first forward: forget the slots it did not change; whether
-        any is left."""
+    def keep_changed(self) -> None:
+        """After the first forward: forget the slots it did not change (with none
+        left, :meth:`replay` does nothing)."""
         self.entries = [e for e in self.entries
                         if e[0]._buffers.get(e[1]) is not e[2]
                         or (e[2] is not None and e[2]._version != e[3])]
-        return bool(self.entries)
 
     def replay(self) -> None:
         """Before a recomputation (after :class:`KeptBuffers` noted the state to

@@ -271,7 +271,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._given = model
         model = as_stages(model, "ScheduleExecutor")
         # the batch a Plan's memory was planned for (Plan.info "input_bytes": the
-        # profiled input's bytes), to warn at a larger one (see step)
+        # profiled input's bytes), to warn at a larger one; None once warned
         planned = getattr(schedule, "info", None)
         planned = planned.get("input_bytes") if isinstance(planned, dict) else None
         self._planned_input = planned if type(planned) is int and planned > 0 else None
@@ -330,7 +330,6 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self.host_arena = host_arena
         self._streams = None
         self._new_ledger()
-        self._warned_batch = False
         self._caller_keys: set = set()
         self._caller_inputs = None   # the batch during a step, when it requires grad
         self._fixed_batch = False    # whether autograd refuses in-place ops on it
@@ -367,9 +366,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         peak). Only a Plan carries its batch size (``info["input_bytes"]``)."""
         planned = self._planned_input
         nbytes = inputs.numel() * inputs.element_size()
-        if planned is None or nbytes <= planned or self._warned_batch:
+        if planned is None or nbytes <= planned:
             return
-        self._warned_batch = True
+        self._planned_input = None          # warned: once per executor
         warnings.warn(
             f"this batch is {nbytes:,} bytes, larger than the {planned:,}-byte input the "
             f"plan was made for: its memory bound holds for that batch only (activations "
@@ -577,8 +576,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             self._first[i] = (cpu, cuda, gens, before)
             with own_parametrizations():
                 y = stage(x)
-            if before is not None and not before.keep_changed():
-                self._first[i] = (cpu, cuda, gens, None)
+            if before is not None:
+                before.keep_changed()
         else:
             kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
