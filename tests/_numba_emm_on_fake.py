@@ -5,6 +5,7 @@ EMM), as a user with a GPU would; nothing here touches the CUDA driver."""
 import gc
 import pathlib
 import sys
+import types
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import _fake_cupy  # noqa: E402
@@ -36,12 +37,32 @@ for bad, error in ((HostArena(1 << 16, backend="cuda"), ValueError),
 
 
 class Context:      # memalloc and defer_cleanup never touch the context
-    pass
+    def __init__(self, device=0):   # numba's Context.device: its Device (a proxy)
+        self.device = types.SimpleNamespace(id=device)
 
 
 mgr = numba_emm.manager_class()(context=Context())
 mgr.initialize()
 assert mgr.arena is arena and mgr.deallocations.memory_capacity == arena.core.max_bytes
+
+# numba's context for another device is refused: it was bound to the one arena,
+# so numba's arrays on device 1 got device 0's memory. The default arena is not
+# made for it either (half the free memory of a device the context cannot use).
+from rtmem.errors import BackendError  # noqa: E402
+
+for plugged in (arena, None):
+    numba_emm._arena = plugged
+    other = numba_emm.manager_class()(context=Context(device=1))
+    try:
+        other.initialize()
+    except BackendError as exc:
+        assert "context for device 1" in str(exc) and "on device 0" in str(exc), exc
+        assert "one process per GPU" in str(exc), exc
+    else:
+        raise AssertionError(f"a device-1 context was bound to {other.arena!r}")
+    assert numba_emm._arena is plugged and not hasattr(other, "arena")
+numba_emm._arena = arena
+assert arena.stats().count_by_kind["workspace"] == 0
 
 
 def live():

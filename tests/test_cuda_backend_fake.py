@@ -679,7 +679,8 @@ def test_numba_plugin_defers_frees_and_refuses_bad_installs():
     # Frees ignored numba's defer_cleanup(); a refused install had already
     # replaced the plugged-in arena; a failed memalloc kept its buffer;
     # get_memory_info ignored a LimitAdaptor's budget; a bad
-    # RTMEM_NUMBA_ARENA_BYTES went unnamed in the error.
+    # RTMEM_NUMBA_ARENA_BYTES went unnamed in the error; numba's context for
+    # another device was bound to the arena (device 0's memory on device 1).
     import os
     import subprocess
     pytest.importorskip("numba.cuda")
@@ -985,7 +986,8 @@ assert numba_emm._arena is arena
 
 
 class Context:
-    pass
+    class device:
+        id = 0
 
 
 mgr = numba_emm.manager_class()(context=Context())

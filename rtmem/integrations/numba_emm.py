@@ -10,6 +10,11 @@ Enable it before numba creates its CUDA context, either with::
 or with the environment: ``NUMBA_CUDA_MEMORY_MANAGER=rtmem.integrations.numba_emm``
 (``RTMEM_NUMBA_ARENA_BYTES`` then sizes the arena, default half the free memory).
 Pinned host allocations stay with numba (``HostOnlyCUDAMemoryManager``).
+
+One device: rtmem's cuda backend serves the CUDA device that was current when
+rtmem first used it, and so does the arena. numba's context for any other
+device is refused (:class:`~rtmem.errors.BackendError`, at its first use) rather
+than given memory of the wrong GPU; on several GPUs run one process per GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import weakref
 
 from .._deferred import release, track
 from ..arena import UNORDERED
-from ..errors import OutOfMemoryError
+from ..errors import BackendError, OutOfMemoryError
 from . import alloc_exported, check_arena
 
 __all__ = ["install", "manager_class"]
@@ -85,6 +90,29 @@ def _default_arena():
     return DeviceArena(max(int(free) // 2, 1 << 20), backend="cuda")
 
 
+def _backend_device() -> int:
+    """The CUDA device (ordinal) of rtmem's cuda backend."""
+    from ..backends import get_backend
+    return get_backend("cuda").device_id
+
+
+def _check_device(context, device: int) -> None:
+    """Refuse numba's ``context`` unless it is for ``device`` (the ordinal of
+    the arena's memory). rtmem's cuda backend serves one device per process
+    (the current one when it was first used), so no arena can be made for
+    another: numba allocating there must fail here, not get memory of the wrong
+    GPU, which its kernels on that device would then read and write."""
+    numba_device = int(context.device.id)
+    if numba_device != device:
+        raise BackendError(
+            f"numba.cuda's context for device {numba_device} cannot allocate from "
+            f"rtmem: the arena of rtmem.integrations.numba_emm is on device {device} "
+            f"(rtmem's cuda backend serves one device per process, the current CUDA "
+            f"device when rtmem first used it). Use numba.cuda on device {device} "
+            f"only (numba.cuda.select_device({device})), or run one process per GPU "
+            f"(CUDA_VISIBLE_DEVICES=<gpu>) with the plugin installed in each")
+
+
 def _capacity(arena) -> tuple[int, int]:
     """(free, total) bytes of ``arena``: what it can still hand out (free bytes
     in its slabs plus the growth left) and the most it can hold (its capacity),
@@ -116,12 +144,21 @@ def manager_class():
         """numba EMM plugin (interface version 1) allocating from an rtmem arena."""
 
         def initialize(self):
-            """Bind to the installed arena, or make one (see module docs)."""
+            """Bind to the installed arena, or make one (see module docs).
+
+            Raises :class:`~rtmem.errors.BackendError` for a context of another
+            device than the arena's: numba makes one context (and one manager)
+            per device, and every one of them was bound to the one arena, so
+            numba's arrays on device 1 were given device 0's memory."""
             global _arena
             track()
             with _lock:
                 if _arena is None:
+                    # checked first: the default arena takes half the free memory
+                    # of rtmem's device, which this context could not use
+                    _check_device(self.context, _backend_device())
                     _arena = _default_arena()
+                _check_device(self.context, _arena.backend.device_id)
                 self.arena = _arena
             if not self.deallocations.memory_capacity:    # numba's 0: not set yet
                 # numba frees its pending deallocations in a batch once they
