@@ -140,6 +140,7 @@ def broken(driver, address):
     raise RuntimeError("no pointer")
 
 
+real_device_pointer = numba_emm._device_pointer
 numba_emm._device_pointer = broken
 try:
     mgr.memalloc(4096)
@@ -171,6 +172,34 @@ for value, error in (("0", ValueError), ("12 parsecs", UnitError),
         raise AssertionError(f"RTMEM_NUMBA_ARENA_BYTES={value!r} was accepted")
     assert numba_emm._arena is None
 del os.environ["RTMEM_NUMBA_ARENA_BYTES"]
+
+# install() after numba made a context: numba gives a context its manager when
+# it makes it (Device.get_primary_context), so a context with numba's own kept
+# cudaMalloc for good while install() returned; one with the plugin moved to the
+# new arena only at its next push. Stand-ins for numba's devices and contexts.
+numba_emm._device_pointer = real_device_pointer
+numba_emm.install(arena)
+theirs = Context()
+theirs.memory_manager = driver.NumbaCUDAMemoryManager(context=theirs)
+driver.driver.devices[0] = types.SimpleNamespace(id=0, primary_context=theirs)
+newer = DeviceArena(1 << 16, backend="cuda")
+try:
+    numba_emm.install(newer)
+except BackendError as exc:
+    assert "already made its CUDA context for device 0" in str(exc), exc
+    assert "before any numba.cuda use" in str(exc), exc
+else:
+    raise AssertionError("install() after numba's own context was accepted")
+assert numba_emm._arena is arena        # refused before anything changed
+del driver.driver.devices[0]
+mine = Context()
+mine.memory_manager = numba_emm.manager_class()(context=mine)
+mine.memory_manager.initialize()
+driver.driver.devices[0] = types.SimpleNamespace(id=0, primary_context=mine)
+numba_emm.install(newer)
+assert numba_emm._arena is newer and mine.memory_manager.arena is newer
+del driver.driver.devices[0]
+newer.close()
 arena.close()
 fc.shutdown()
 print("ok")

@@ -680,7 +680,8 @@ def test_numba_plugin_defers_frees_and_refuses_bad_installs():
     # replaced the plugged-in arena; a failed memalloc kept its buffer;
     # get_memory_info ignored a LimitAdaptor's budget; a bad
     # RTMEM_NUMBA_ARENA_BYTES went unnamed in the error; numba's context for
-    # another device was bound to the arena (device 0's memory on device 1).
+    # another device was bound to the arena (device 0's memory on device 1);
+    # install() after numba made its own context returned and did nothing there.
     import os
     import subprocess
     pytest.importorskip("numba.cuda")

@@ -113,6 +113,15 @@ def _check_device(context, device: int) -> None:
             f"(CUDA_VISIBLE_DEVICES=<gpu>) with the plugin installed in each")
 
 
+def _contexts(driver) -> list:
+    """The CUDA contexts numba has made so far (a device's primary context,
+    made at its first numba.cuda use). ``driver.driver.devices`` is a plain
+    attribute: reading it initializes nothing."""
+    devices = getattr(getattr(driver, "driver", None), "devices", None) or {}
+    return [ctx for ctx in (getattr(dev, "primary_context", None)
+                            for dev in list(devices.values())) if ctx is not None]
+
+
 def _capacity(arena) -> tuple[int, int]:
     """(free, total) bytes of ``arena``: what it can still hand out (free bytes
     in its slabs plus the growth left) and the most it can hold (its capacity),
@@ -231,6 +240,13 @@ def install(arena=None, *, nbytes=None) -> None:
     DeviceArena of ``nbytes`` bytes; with neither, one numba makes when it
     creates its context, see the module docs). Call before numba's context exists.
 
+    numba gives each context its memory manager once, when it makes the context
+    (at the first numba.cuda use on a device): a context made before this call
+    keeps numba's own manager for good, so install() then raises
+    :class:`~rtmem.errors.BackendError` (it returned, and numba went on
+    allocating with cudaMalloc as if nothing had been asked). Contexts already
+    using this plugin allocate from ``arena`` from now on.
+
     Raises :class:`~rtmem.errors.CuPyMissingError` (a ``ModuleNotFoundError``)
     when CuPy is not installed: every arena the plugin can use is on the cuda
     backend, which needs CuPy.
@@ -240,8 +256,18 @@ def install(arena=None, *, nbytes=None) -> None:
         raise ValueError("give an arena or nbytes=, not both")
     # Everything that can fail before anything changes: a refused install
     # leaves the plugged-in arena as it was and allocates nothing.
-    cuda, _ = _numba_cuda()
+    cuda, driver = _numba_cuda()
     cls = manager_class()
+    contexts = _contexts(driver)
+    for ctx in contexts:
+        if not isinstance(ctx.memory_manager, cls):
+            raise BackendError(
+                f"numba.cuda already made its CUDA context for device {ctx.device.id}, "
+                f"with its own memory manager ({type(ctx.memory_manager).__name__}), "
+                f"which it keeps: install() would take effect only for contexts made "
+                f"later. Call rtmem.integrations.numba_emm.install() before any "
+                f"numba.cuda use, or set NUMBA_CUDA_MEMORY_MANAGER="
+                f"rtmem.integrations.numba_emm before starting Python")
     if arena is None and nbytes is None:
         # The default arena is made only when numba creates its context, far from
         # this call: without CuPy, install() returned and the first numba.cuda
@@ -260,9 +286,15 @@ def install(arena=None, *, nbytes=None) -> None:
         arena = DeviceArena(nbytes, backend="cuda")
     if arena is not None:
         check_arena(arena, "workspace", "numba.cuda")
+        for ctx in contexts:
+            _check_device(ctx, arena.backend.device_id)
     with _lock:
         if arena is not None:
             _arena = arena
+            # The plugin's own contexts rebound only at their next push (numba
+            # calls initialize() there), which most numba.cuda calls skip: now.
+            for ctx in contexts:
+                ctx.memory_manager.arena = arena
     cuda.set_memory_manager(cls)
 
 
