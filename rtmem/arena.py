@@ -487,8 +487,10 @@ class _Arena:
             assert len(self._slabs) == st.slabs
 
     def close(self) -> None:
-        """Release every slab. Buffers still live become invalid; call only once
-        all work using the arena is done (``rtmem.transfers.synchronize()``).
+        """Release every slab. Buffers still live become invalid, except those
+        with a copy in another open arena (an offloaded buffer's host copy), which
+        keep that copy (NOTE [ Residency state machine ] in rtmem/buffer.py); call
+        only once all work using the arena is done (``rtmem.transfers.synchronize()``).
         Ends the recording of every :class:`~rtmem.adaptors.TracingAdaptor` in
         the arena's ``adaptors`` (its trace is complete on disk; frees after
         close are not recorded)."""

@@ -33,6 +33,14 @@ Legal moves (anything else raises ResidencyError naming the state and the fix):
 ``evict`` and ``drop_host`` are also refused while pinned views (NOTE [ Pinned
 views ]) read the copy they would drop.
 
+Closed arenas: ``close()`` releases an arena's memory, so a placement there
+holds nothing. A buffer that also has a placement in an open arena keeps it:
+the closed one is dropped at the buffer's next use (``residency`` included),
+so an offloaded buffer whose device arena was closed is ``"host"`` and can be
+read and prefetched into another arena. A buffer whose only copy was in a
+closed arena (or whose copy there is pinned by views) raises
+UseAfterFreeError at every use but ``free()``.
+
 A copy that fails (NOTE [ Host stream failures ] in backends/host.py) is raised
 once, as BackendError, by the next call that looks at the buffer (a move,
 ``wait``/``synchronize(buf)``, a view); ``residency`` and ``repr`` keep it for
@@ -219,12 +227,42 @@ class Buffer:
             raise UseAfterFreeError(
                 f"this {self.kind} buffer ({self.nbytes:,} bytes) was freed{waits}; "
                 f"allocate a new buffer instead of keeping references to freed ones")
-        for p in (self._device, self._host):
-            if p is not None and p.arena._closed:
-                raise UseAfterFreeError(
-                    f"the {p.arena.location} arena of this {self.kind} buffer "
-                    f"({self.nbytes:,} bytes) was closed, which released its memory; "
-                    f"close an arena only after its buffers are done with")
+        if self._forget_closed():
+            p = next(p for p in (self._device, self._host)
+                     if p is not None and p.arena._closed)
+            raise UseAfterFreeError(
+                f"the {p.arena.location} arena of this {self.kind} buffer "
+                f"({self.nbytes:,} bytes) was closed, which released its memory; "
+                f"close an arena only after its buffers are done with")
+
+    def _forget_closed(self) -> bool:
+        """Detach the placements in closed arenas when the buffer has one in an
+        open arena (NOTE [ Residency state machine ], closed arenas); True if a
+        placement in a closed arena is left (the only copy, or a pinned one).
+
+        An offloaded buffer whose device arena was closed kept its device
+        placement, and every use of the buffer refused it: the host copy, intact
+        in an open arena, could be neither read nor prefetched again, nor even
+        evicted to."""
+        with self._lock:
+            closed = [side for side, p in (("device", self._device), ("host", self._host))
+                      if p is not None and p.arena._closed]
+            if not closed:
+                return False
+            # close() waited for every copy first, so a move still in flight
+            # involves neither arena; one that completed is settled before its
+            # placements change (a failed one is undone and kept for reporting)
+            if len(closed) == 1 and not self._settle(report=False):
+                side = closed[0]
+                other = self._host if side == "device" else self._device
+                p = self._device if side == "device" else self._host
+                # pinned views of it hold released memory: kept, and reported,
+                # so the pins stay on attached placements (see _pins)
+                if other is not None and not other.arena._closed and not p.pins:
+                    self._drop(side)      # legal after close, as free() is
+                    return False
+            return any(p is not None and p.arena._closed
+                       for p in (self._device, self._host))
 
     def _settle(self, report: bool = True) -> bool:
         """Clear a completed pending move; True if one is still in flight. A
@@ -312,6 +350,7 @@ class Buffer:
             # a failed move is undone and kept for the next call that reports
             if self._settle(report=False):
                 return "in-flight"
+            self._forget_closed()     # a copy in a closed arena is no copy
             if self._device is not None and self._host is not None:
                 return "both"
             return "device" if self._device is not None else "host"

@@ -827,6 +827,40 @@ def test_buffers_of_a_closed_arena_say_so(arenas):
     assert z.residency == "freed"
 
 
+@pytest.mark.parametrize("closed", ["device", "host"])
+def test_closing_one_arena_keeps_the_copy_in_the_other(arenas, closed):
+    # An offloaded buffer whose device arena was closed kept its dead device
+    # placement, and every use refused the buffer: the host copy (intact bytes in
+    # an open arena) could be neither read, nor prefetched again, nor evicted to.
+    d0, h0 = arenas
+    d, h = DeviceArena("1MiB", backend="host"), HostArena("1MiB", backend="host")
+    data = np.random.default_rng().standard_normal(64).astype(np.float32)
+    b = d.alloc(shape=(64,), dtype=np.float32)
+    b.numpy()[:] = data
+    T.synchronize(T.offload(b, arena=h))
+    pinned = d.alloc(shape=(8,), dtype=np.float32)  # its copy there is viewed
+    T.synchronize(T.offload(pinned, arena=h))
+    view = pinned.numpy("device" if closed == "device" else "host", pin=True)
+    (d if closed == "device" else h).close()
+    kept = "host" if closed == "device" else "device"
+    assert b.residency == kept and b.placement(closed) is None
+    np.testing.assert_array_equal(b.numpy(kept), data)
+    np.testing.assert_array_equal(b.to_numpy(), data)
+    # and it moves on from there, into arenas still open
+    T.synchronize(T.prefetch(b, arena=d0) if kept == "host" else T.offload(b, arena=h0))
+    assert b.residency == "both"
+    np.testing.assert_array_equal(b.numpy("host"), data)
+    b.free()
+    # a copy pinned by views of released memory is not dropped under them
+    with pytest.raises(UseAfterFreeError, match=f"the {closed} arena .*was closed"):
+        pinned.to_numpy()
+    del view
+    gc.collect()
+    pinned.free()
+    (h if closed == "device" else d).close()
+    assert d0.stats().allocated_bytes == 0 and h0.stats().allocated_bytes == 0
+
+
 def test_moves_refuse_an_arena_of_the_wrong_kind(arenas):
     d, h = arenas
     dev = d.alloc(shape=(8,), dtype=np.float32)
