@@ -42,10 +42,12 @@ closed arena (or whose copy there is pinned by views) raises
 UseAfterFreeError at every use but ``free()``.
 
 A copy that fails (NOTE [ Host stream failures ] in backends/host.py) is raised
-once, as BackendError, by the next call that looks at the buffer (a move,
-``wait``/``synchronize(buf)``, a view); ``residency`` and ``repr`` keep it for
-that call. The placement the copy wrote is released when another copy holds
-valid bytes, else kept and reported as not valid. A move chained on one that
+once, as BackendError, by ``rtmem.transfers.synchronize()`` (NOTE [ Copy failures
+at synchronize ] in transfers.py) or by the next call that looks at the buffer
+(a move, ``wait``/``synchronize(buf)``, a view), whichever comes first;
+``residency`` and ``repr`` keep it for that call. The placement the copy wrote
+is released when another copy holds valid bytes, else kept and reported as not
+valid. A move chained on one that
 failed (a prefetch issued during the offload that made its source) fails with
 it, and both placements count as written by a failed copy.
 

@@ -12,6 +12,23 @@ the fix. Destinations are allocated when the move is issued (like the
 simulator's Rule 4), so an :class:`~rtmem.errors.OutOfMemoryError` leaves the
 buffer exactly as it was.
 
+NOTE [ Copy failures at synchronize ]
+A copy that fails (NOTE [ Host stream failures ] in rtmem/backends/host.py)
+is reported by its own event, not by the stream: ``synchronize()`` (no
+argument) waited for it and returned, and the failure came out at the
+buffer's next use, possibly much later and far from the cause, while
+``residency`` (an offload evicted meanwhile: ``"host"``) looked like a
+success. So every engine remembers the buffers it moved, and its
+``synchronize()`` settles them once the streams are idle: a failed move is
+undone (see NOTE [ Residency state machine ] in rtmem/buffer.py) and its
+BackendError raised there, one per call (the first found); the next buffer's
+by the next ``synchronize()``. Each is raised exactly once: by
+``synchronize()``, or, when the buffer is used first, by that use
+(``synchronize(buf)``, ``wait(buf)``, a move or a view), never both. A
+failure of a buffer freed meanwhile is not raised: freeing discarded its data.
+``wait()`` with no argument does not block on the cuda backend, so it reports
+nothing.
+
 NOTE [ Keeping memory alive during copies ]
 A slab read or written by an in-flight copy must outlive it, and its block must
 not be reused before it ends. The block side is stream-ordered freeing: each
@@ -49,6 +66,10 @@ class TransferEngine:
         self.d2h = backend.new_stream("d2h")
         self._lock = threading.Lock()
         self._inflight = deque()
+        # Buffers with a move issued here and not yet seen settled by
+        # synchronize(), which reports their failed copies (NOTE [ Copy failures
+        # at synchronize ]); weak: a dropped buffer has nobody to report to.
+        self._moved = weakref.WeakSet()
 
     @property
     def backend(self) -> Backend:
@@ -95,14 +116,44 @@ class TransferEngine:
             self._poll_locked()
             return len(self._inflight)
 
+    def _watch(self, buf) -> None:
+        """Remember ``buf``, whose move was just issued here, for synchronize()."""
+        with self._lock:
+            self._moved.add(buf)
+
     def synchronize(self) -> None:
         """Block until both transfer streams are idle; release kept memory.
-        A stream's failure is raised after both were waited for."""
+        A stream's failure is raised after both were waited for; then the
+        failure of a buffer's move (NOTE [ Copy failures at synchronize ])."""
         try:
             self.h2d.synchronize()
         finally:
             self.d2h.synchronize()
             self.poll()
+        self._report_failed_move()
+
+    def _report_failed_move(self) -> None:
+        """Settle the buffers moved here (NOTE [ Copy failures at synchronize ])
+        and raise the first failed move's BackendError; the others stay
+        watched, for the next synchronize() or their buffer's next use."""
+        with self._lock:        # never held while taking a buffer's lock
+            bufs = list(self._moved)
+        settled, failed = [], None
+        for buf in bufs:
+            with buf._lock:
+                if buf._freed or buf._free_requested:
+                    settled.append(buf)     # its free discarded the data
+                elif not buf._settle(report=False):     # a move issued since waits
+                    if buf._failed is None:
+                        settled.append(buf)
+                    elif failed is None:
+                        failed = buf
+                        settled.append(buf)
+        with self._lock:
+            for buf in settled:
+                self._moved.discard(buf)
+        if failed is not None:
+            failed._settle()    # raises it, once: the buffer no longer holds it
 
 
 # backend -> its engine, for as long as the backend lives (a backend made per
@@ -230,6 +281,7 @@ def _copy_to_new(buf: Buffer, arena, src, side: str, prior=None):
     else:
         buf._host, buf.host_arena = dst, arena
     buf._pending = _Move(event, side, prior)
+    engine._watch(buf)
     return event
 
 
@@ -372,6 +424,7 @@ def copy(dst: Buffer, src: Buffer):
         waits = [m.event for m in (dst._pending, src._pending) if m is not None]
         event = _issue(d, s, stream, engine, waits)
         dst._pending = _Move(event, side, dst._pending)
+        engine._watch(dst)
         return event
 
 
@@ -398,8 +451,9 @@ def wait(obj=None) -> None:
 def synchronize(obj=None) -> None:
     """Block the host until ``obj`` (a Buffer's pending copy, an event) or, with
     None, every transfer of the current backend has completed. A Buffer's failed
-    copy is raised here (BackendError); a freed Buffer raises UseAfterFreeError,
-    as its other uses."""
+    copy is raised here (BackendError); with None, a failed copy of any buffer
+    moved since, one per call (NOTE [ Copy failures at synchronize ]). A freed
+    Buffer raises UseAfterFreeError, as its other uses."""
     if isinstance(obj, Buffer):
         _settle_after(obj, lambda event: event.synchronize())
         return

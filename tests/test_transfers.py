@@ -946,6 +946,48 @@ def settled(event):
         pass
 
 
+def test_a_failed_offload_is_raised_by_the_next_synchronize_once(arenas, monkeypatch):
+    # synchronize() waited for a failing offload and returned: the failure came
+    # out at the buffer's next use, maybe much later, while residency (evicted
+    # during the offload) said "host" as after a success.
+    d, h = arenas
+    data = np.random.default_rng().standard_normal(64).astype(np.float32)
+    bufs = []
+    for _ in range(2):
+        b = d.alloc(shape=(64,), dtype=np.float32)
+        b.numpy()[:] = data
+        bufs.append(b)
+    kept, evicted = bufs
+    fail_next_copy(monkeypatch)
+    settled(T.offload(kept, arena=h))
+    fail_next_copy(monkeypatch)
+    gate = gate_stream(T.get_engine("host").d2h)
+    event = T.offload(evicted, arena=h)
+    T.evict(evicted)                    # legal during the offload
+    gate.set()
+    settled(event)
+    # one failure per call, each exactly once; the buffers are undone
+    with pytest.raises(BackendError, match="D2H copy") as first:
+        T.synchronize()
+    with pytest.raises(BackendError, match="D2H copy") as second:
+        T.synchronize()
+    T.synchronize()
+    assert {"dropped" in str(e.value) for e in (first, second)} == {True, False}
+    assert kept.residency == "device" and evicted.residency == "host"
+    np.testing.assert_array_equal(kept.numpy(), data)     # not raised again
+    evicted.numpy()                                      # nor here
+    T.synchronize(T.offload(kept, arena=h))              # the retry works
+    np.testing.assert_array_equal(kept.numpy("host"), data)
+    # a failure the buffer's own use reported first is not raised again
+    fail_next_copy(monkeypatch)
+    settled(T.prefetch(evicted))
+    with pytest.raises(BackendError, match="H2D copy"):
+        evicted.numpy()
+    T.synchronize()
+    for b in bufs:
+        b.free()
+
+
 def test_pinned_views_refuse_evicting_or_dropping_the_copy_they_read(arenas):
     # evict() released the device block a pinned view read; the next allocation
     # reused it, and the view and the new buffer wrote each other's data.
