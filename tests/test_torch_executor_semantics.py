@@ -336,6 +336,28 @@ def test_a_gradient_hook_removed_during_profiling_stays_removed():
     assert not w._backward_hooks and not w._post_accumulate_grad_hooks
 
 
+def test_a_gradient_hook_registered_during_profiling_is_held_off_too():
+    # the profiler held the hooks a leaf had when it first saw it: one a stage's
+    # forward hook registered later (a gradient flush set up at the first
+    # forward) ran in the next stage's backward passes on the profiler's
+    # gradients, and would have taken them for the next step
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    calls, handles = [], []
+
+    def register(module, args, out):
+        if not handles:
+            handles.append(model[2].weight.register_post_accumulate_grad_hook(
+                lambda p: calls.append("flush")))
+    handle = model[1].register_forward_hook(register)
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    profile_sequential(model, x, y, mse, repeats=2)
+    handle.remove()
+    assert calls == [] and len(handles) == 1
+    mse(model(x), y).backward()             # and it is back afterwards
+    assert calls == ["flush"]
+
+
 # ---------------------------------------------------------------- defect 4
 class _ScaleInPlace(nn.Module):
     def forward(self, x):

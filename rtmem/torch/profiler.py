@@ -90,11 +90,15 @@ def _clear_grads(leaves, grads: dict, held: list) -> None:
     their gradient hooks off until the end (:func:`_hold_hooks`, into ``held``):
     among them an open :class:`~rtmem.torch.OffloadedAdam`'s flush, which would
     take the profiler's gradients for the next step's."""
-    new = [p for p in leaves if p not in grads]
-    for p in new:
-        grads[p] = p.grad
-        p.grad = None
-    _hold_hooks(new, held)
+    for p in leaves:
+        if p not in grads:
+            grads[p] = p.grad
+            p.grad = None
+    # Every leaf so far, not only the new ones: a hook registered since on one
+    # already held (by a stage's forward or forward hook setting up a gradient
+    # flush at its first call) ran in the next backward on the profiler's
+    # gradients. Called before each stage's backward passes and the loss's.
+    _hold_hooks(grads, held)
 
 
 def _held_hook(_):
@@ -116,9 +120,13 @@ def _hold_hooks(leaves, held: list) -> None:
     put-back registered the hook again.)"""
     for p in leaves:
         for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
-            if hooks:
-                held.append((hooks, dict(hooks)))
-                for key in list(hooks):
+            # only those not held yet: called again for leaves held before, it
+            # must not take _held_hook for a hook to put back
+            new = {key: hook for key, hook in (hooks or {}).items()
+                   if hook is not _held_hook}
+            if new:
+                held.append((hooks, new))
+                for key in new:
                     hooks[key] = _held_hook
 
 
@@ -151,7 +159,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     those parameters and tensors (``register_hook``,
     ``register_post_accumulate_grad_hook``: an optimizer step in backward, a
     gradient all-reduce) do not run on the profiler's gradients: they are held
-    off while it runs and put back afterwards, also after an error. Module
+    off while it runs (also those registered meanwhile, by a stage's forward
+    or a module hook, before the backward passes that would run them) and put
+    back afterwards, also after an error. Module
     hooks (forward, backward) run, as part of the stages, as the executor runs
     them at every forward and backward of a stage (recomputations included):
     a module hook with side effects (one that logs statistics) sees the
