@@ -19,6 +19,9 @@ live in mapped host memory. Their CPU twins, with the same signatures, are in
 The CPU kernels may be called from several threads at once, under any of numba's
 threading layers: under ``workqueue``, which would abort the process, they take
 turns (NOTE [ One parallel region at a time under workqueue ] in ``_parallel``).
+They also run in a child fork()ed after they ran (a DataLoader worker), where
+numba's GNU OpenMP layer would kill it: there on one thread (NOTE [ Kernels in a
+child forked after GNU OpenMP started ]).
 """
 
 from ._half import decode_half, encode_half

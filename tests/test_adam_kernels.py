@@ -898,6 +898,57 @@ def test_a_child_forked_while_a_thread_holds_the_kernel_lock_gets_a_free_one():
         t.join()
 
 
+_FORKED_AFTER_OPENMP = """
+import os, sys
+import numpy as np
+import numba
+from rtmem.kernels import BLOCK_ELEMENTS, adam_update
+n = 3 * BLOCK_ELEMENTS + 123                     # several blocks: the parallel kernel
+rng = np.random.default_rng(int(sys.argv[1]))
+p = rng.standard_normal(n).astype(np.float32)
+g = rng.standard_normal(n).astype(np.float32)
+m = (rng.standard_normal(n) * 0.1).astype(np.float32)
+v = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+hyper = dict(lr=3e-3, beta1=0.85, beta2=0.99, eps=1e-7, weight_decay=0.05, step=7)
+want = p.copy()
+adam_update(want, g, m.copy(), v.copy(), **hyper)     # the parent starts the pool
+from numba.np.ufunc import omppool
+if numba.threading_layer() != "omp" or omppool.openmp_vendor != "GNU":
+    print("skip: layer", numba.threading_layer(), omppool.openmp_vendor)
+    sys.exit(0)
+g64, m64, v64 = (a.astype(np.float64) for a in (g, m, v))
+m64 = 0.85 * m64 + 0.15 * (g64 + 0.05 * p)
+v64 = 0.99 * v64 + 0.01 * (g64 + 0.05 * p) ** 2
+ref = p - 3e-3 / (1 - 0.85 ** 7) * m64 / (np.sqrt(v64) / np.sqrt(1 - 0.99 ** 7) + 1e-7)
+pid = os.fork()
+if pid == 0:
+    got = p.copy()
+    adam_update(got, g, m.copy(), v.copy(), **hyper)
+    scale = np.sqrt(np.mean(ref * ref))
+    err = float(np.max(np.abs(got - ref) / (np.abs(ref) + scale)))
+    os._exit(0 if np.array_equal(got, want) and err < 1e-5 else 1)
+print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_child_forked_after_gnu_openmp_started_runs_the_kernels(fresh_seed):
+    # NOTE [ Kernels in a child forked after GNU OpenMP started ]: numba killed
+    # such a child (a DataLoader worker) with SIGTERM at its first parallel
+    # region; it now runs the serial twin, with the parallel kernel's bits.
+    import subprocess
+    import sys
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "omp"}
+    done = subprocess.run([sys.executable, "-c", _FORKED_AFTER_OPENMP, str(fresh_seed)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 and "No threading layer could be loaded" in done.stderr:
+        pytest.skip("numba's omp threading layer is not available here")
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.startswith("skip"):
+        pytest.skip(done.stdout.strip())
+    assert done.stdout.strip() == "child 0", done.stdout + done.stderr[-2000:]
+
+
 def test_f16c_is_used_only_when_numbas_cpu_settings_include_it(monkeypatch):
     # NUMBA_CPU_FEATURES is a comma-separated list of +feature/-feature: "-f16c"
     # turns F16C off (a portable cache for CPUs without it), and a named CPU other
