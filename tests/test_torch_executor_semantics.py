@@ -1339,6 +1339,51 @@ def test_a_recomputation_reads_the_buffers_the_first_forward_read(model_fn, text
         _assert_same(m, ex, loss, ref, ref_loss.detach())
 
 
+class _UpdatesThroughData(nn.Module):
+    """A stage whose output reads a buffer its forward then changes through
+    ``.data``, which moves no version counter: an EMA written as
+    ``self.buf.data.mul_(...)``, or ``self.buf.data = new``."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("gain", torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        y = self.lin(x) * self.gain
+        if self.how == "assign":
+            self.gain.data = self.gain * 1.5
+        else:
+            self.gain.data.mul_(1.5)
+        return torch.tanh(y)
+
+
+@pytest.mark.parametrize("how", ["assign", "in place"])
+@pytest.mark.parametrize("text", [
+    "F_ck 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, F_all 0, B 0",
+    "F_all 0, F_all 1, delete abar1, F_all 2, L, B 2, F_all 0, B 1, B 0",
+])
+def test_a_recomputation_reads_buffers_the_first_forward_changed_through_data(how, text):
+    # .data moves no version counter: the first forward's change went unseen, the
+    # recomputation read the updated gain, and the gradients were 0.27 off plain
+    # PyTorch's, silently. Later steps keep the slot without comparing values
+    torch.manual_seed(0)
+    model = nn.Sequential(_UpdatesThroughData(how), _UpdatesThroughData(how),
+                          nn.Linear(4, 1)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)
+    m, ex, *rest = _train(model, x, y, mse, _sched(text, 3))
+    _assert_same(m, ex, *rest)
+    ref = rest[1]
+    for seed in (1, 2):
+        x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)
+        torch.manual_seed(seed)
+        loss = ex.step(x, y)
+        ref_loss = mse(ref(x), y)
+        ref_loss.backward()
+        _assert_same(m, ex, loss, ref, ref_loss.detach())
+
+
 def test_profiling_leaves_reassigned_buffers_and_outside_gradients_as_they_were():
     model, x, y = _reassigning_model()
     head = nn.Linear(1, 1)                  # a parameter the loss closes over

@@ -135,6 +135,15 @@ class KeptBuffers:
                 t.data.copy_(value)
 
 
+def _storage(t):
+    """The untyped storage of a strided buffer ``t``; None for no tensor and for
+    the layouts without one of their own (sparse, nested), whose changes through
+    ``.data`` :class:`FirstBuffers` does not look for."""
+    if t is None or t.layout != torch.strided or t.is_nested:
+        return None
+    return t.untyped_storage()
+
+
 class FirstBuffers:
     """A stage's buffer slots as they were before its first forward of a step,
     for its recomputations to start from (NOTE [ Executor ] rule 6): a stage
@@ -147,26 +156,50 @@ class FirstBuffers:
     Taken before the first forward (a copy of every buffer of the stage, as
     :class:`KeptBuffers` takes at each recomputation); :meth:`keep_changed`
     then forgets the slots that forward left alone, so constant buffers (a
-    causal mask) are not held for the step. A change is a reassigned slot or a
+    causal mask) are not held for the step. A change is a reassigned slot, a
     moved version counter (every in-place op on a tensor moves it, ``out=``
-    included), decided without reading the values (no device sync). Batch
-    norm's native update of its running statistics moves none, and is not
-    replayed: a training-mode batch norm's output does not read them."""
+    included) or another storage under the same tensor (``self.buf.data =
+    new``), decided without reading the values (no device sync); an in-place
+    change through ``.data`` (``self.buf.data.mul_(0.9)``), which moves no
+    version counter, is found only by comparing values, which
+    :meth:`keep_changed` does when asked (the executor asks at its first step).
+    Batch norm's native update of its running statistics moves no version
+    counter either: a training-mode batch norm's output does not read them,
+    and replaying them (when the values are compared) changes nothing."""
 
     __slots__ = ("entries",)
 
     def __init__(self, slots):
-        # (module, name, tensor held then, its version then, a copy of its values)
-        self.entries = [(m, name, t, None if t is None else t._version,
-                         None if t is None else t.detach().clone())
-                        for m, name in slots for t in (m._buffers.get(name),)]
+        # (slot index, module, name, tensor held then, its version then, its
+        # storage then (held, so no new storage can reuse its address before
+        # keep_changed compares), a copy of its values)
+        self.entries = [(k, m, name, t, None if t is None else t._version,
+                         _storage(t), None if t is None else t.detach().clone())
+                        for k, (m, name) in enumerate(slots) for t in (m._buffers.get(name),)]
 
-    def keep_changed(self) -> None:
+    def keep_changed(self, compare_values: bool = False, always=frozenset()) -> frozenset:
         """After the first forward: forget the slots it did not change (with none
-        left, :meth:`replay` does nothing)."""
-        self.entries = [e for e in self.entries
-                        if e[0]._buffers.get(e[1]) is not e[2]
-                        or (e[2] is not None and e[2]._version != e[3])]
+        left, :meth:`replay` does nothing). Slot indices in ``always`` are kept
+        whatever the forward did (the executor's record of the slots a stage
+        changes through ``.data``). With ``compare_values``, a slot whose tensor,
+        version and storage did not move is kept when its values changed
+        (through ``.data``; a read of every such buffer: a device sync on a GPU).
+        Returns the indices of the slots kept for that reason alone."""
+        kept, by_value = [], []
+        for e in self.entries:
+            k, m, name, t, version, storage, value = e
+            if k in always or m._buffers.get(name) is not t or (t is not None and (
+                    t._version != version or (storage is not None
+                                              and t.untyped_storage()._cdata != storage._cdata))):
+                kept.append(e)
+            elif compare_values and storage is not None and not torch.equal(t, value):
+                kept.append(e)
+                by_value.append(k)
+        # the held storages were for the comparison only: a reassigned buffer's
+        # old storage is freed now, as without this record
+        self.entries = [(k, m, name, t, None, None, value)
+                        for k, m, name, t, _, _, value in kept]
+        return frozenset(by_value)
 
     def replay(self) -> None:
         """Before a recomputation (after :class:`KeptBuffers` noted the state to
@@ -178,7 +211,7 @@ class FirstBuffers:
         activation that saved it), one per tensor, so slots sharing one still do."""
         fresh = {}
         with torch.no_grad():
-            for m, name, t, _, value in self.entries:
+            for _, m, name, t, _, _, value in self.entries:
                 if t is not None and m._buffers.get(name) is t:
                     t.data.copy_(value)
                 else:

@@ -142,10 +142,17 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    in plain training, where ``torch.utils.checkpoint`` would read the updated
    ones. The first forward of a stage the schedule runs again copies the
    stage's buffers and keeps, for the step, those it changed (a reassigned
-   slot, or a moved version counter: any in-place op). A buffer changed
-   through ``.data``, which moves no version counter, is read as the first
-   forward left it (as is batch norm's running statistics, which a
-   training-mode batch norm's output does not read).
+   slot, a moved version counter: any in-place op, or another storage:
+   ``self.buf.data = new``). A buffer changed in place through ``.data``
+   (``self.buf.data.mul_(0.9)``), which moves no version counter, is found
+   by comparing its values after the first forward of the executor's first
+   step (a device sync per buffer, once), and kept at every later step; a
+   stage that starts changing a buffer that way only after the first step
+   (every k steps, or under a condition the first step did not meet) is not
+   seen, and its recomputation reads the buffer as the first forward left it
+   (wrong gradients where the output depends on it): update it with an
+   in-place op on the buffer itself (``self.buf.mul_(0.9)`` under
+   ``torch.no_grad()``) instead.
 7. A stored tensor records its version counter. A stage (or the loss) may modify
    its input in place, but a stored tensor read again after such a change (to
    recompute from it, or by a backward that saved it) would give wrong values,
@@ -344,6 +351,10 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # buffers it read, for the recomputations to read them too (rule 6)
         forwards = Counter(s for op, s, _ in schedule if op in (Op.F_NONE, Op.F_CK, Op.F_ALL))
         self._recomputed = {s for s, count in forwards.items() if count > 1}
+        # recomputed stage -> the indices of its buffer slots that its first
+        # forward changes through .data (no version bump), found by comparing
+        # values at the first step that runs it (rule 6)
+        self._by_value: dict[int, frozenset] = {}
 
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
@@ -577,7 +588,14 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             with own_parametrizations():
                 y = stage(x)
             if before is not None:
-                before.keep_changed()
+                # Values compared at this stage's first step only (a device sync
+                # per buffer on a GPU, once): the slots it changes through .data
+                # are then kept at every step without reading them
+                checked = i in self._by_value
+                found = before.keep_changed(compare_values=not checked,
+                                            always=self._by_value.get(i, frozenset()))
+                if not checked:
+                    self._by_value[i] = found
         else:
             kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
