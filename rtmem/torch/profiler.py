@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -140,6 +141,23 @@ def _put_back_hooks(held: list) -> None:
                 hooks[key] = hook
 
 
+def _warn_in_place(stages: list, model) -> None:
+    """Warn once that ``stages`` modify their input in place: the chain cannot
+    say so, a planner may recompute them, and the executor refuses a
+    recomputation from an input changed in place (NOTE [ Executor ] rule 7)."""
+    names = ", ".join(f"{i} ({type(model[i]).__name__})" for i in stages)
+    warnings.warn(
+        f"stage(s) {names} modify their input in place (x.mul_(2), nn.ReLU(inplace=True) "
+        f"as a stage's first op, ...). That trains as plain PyTorch under a plan that "
+        f"keeps their inputs' graphs, but a plan that recomputes such a stage from its "
+        f"stored input would read the modified values, so ScheduleExecutor.step refuses "
+        f"it (ExecutionError at the first step), and the planners, which cannot see "
+        f"this, may choose one under a tight budget. Make the operation out-of-place "
+        f"(x = x * 2 instead of x.mul_(2), nn.ReLU() instead of nn.ReLU(inplace=True)) "
+        f"or move it to the end of the previous stage, then profile again",
+        RuntimeWarning, stacklevel=3)
+
+
 def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_fn, *,
                        repeats: int = 3, name: str = "", progress=None) -> Chain:
     """Profile ``model`` (an ``nn.Sequential`` of stages, or a list of modules) on
@@ -175,7 +193,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     when ``loss_fn`` returns what :class:`~rtmem.torch.ScheduleExecutor` refuses
     at ``L`` (not a 0-d tensor, or a loss without autograd history), with the
     executor's message, found at the loss's first call (after the stages were
-    measured) and before its backward.
+    measured) and before its backward. Warns (``RuntimeWarning``, once per call,
+    naming them) when stages modify their input in place, which the chain cannot
+    express: a plan that recomputes one of them is refused by the executor.
     """
     model = as_stages(model, "profile_sequential")
     check_inputs(inputs)
@@ -229,6 +249,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                          for params, stage in zip(stage_params, model)]
         needs_grad = inputs_need_grad(stage_tensors, inputs.requires_grad)
         seen_weights = set()
+        in_place = []   # stages that modify their input in place (warned below)
         # Iteration, not children(): a module repeated in the Sequential is one
         # stage per position, as the executor runs it.
         for i, stage in enumerate(model):
@@ -265,6 +286,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 _check_output(i, stage, y)
                 check_needs_grad(i, stage, y, needs_grad, xin)   # as the executor's F_all
                 fwd_times.append(t_f)
+                # the version counter arg shares with x: any in-place op on the input
+                if r == 0 and arg._version != x_version:
+                    in_place.append(i)
             # The executor re-derives a saved view of the input from a_i at B i
             # (its _forward_all), unless the stage changed the input before
             # saving it: then abar keeps the input's storage.
@@ -340,6 +364,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             loss_times.append(timer(run)[1])
         if progress is not None:
             progress(len(model) + 1, len(model) + 1)
+        if in_place:
+            _warn_in_place(in_place, model)
     finally:
         try:
             buffers.restore()
