@@ -153,6 +153,19 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    (wrong gradients where the output depends on it): update it with an
    in-place op on the buffer itself (``self.buf.mul_(0.9)`` under
    ``torch.no_grad()``) instead.
+   These buffer copies are memory no plan counts (neither the chain's
+   ``xbar``/``o_f`` nor :attr:`peak_bytes`), for the stages the schedule runs
+   more than once only: with B_i the bytes of all the buffers of such a stage
+   i and C_i those its first forward changes, its first forward copies B_i
+   (C_i of it kept to the end of the step) and each recomputation copies B_i
+   again (to put them back after it), so the device holds up to
+   sum(C_j over those stages) + max(B_i) bytes beyond the plan. Batch norm's
+   statistics are tiny next to a stage's activations (2 x channels values);
+   a causal-mask buffer is copied for the first forward only (it is not
+   changed); an EMA codebook (K codes x D dims, and an EMA of it of the same
+   size) is kept: 16 MiB in float32 at K = 8192, D = 256, half of that
+   stage's 32 MiB input at batch 32 on a 32 x 32 latent grid. Leave room for
+   it in the budget given to the planner.
 7. A stored tensor records its version counter. A stage (or the loss) may modify
    its input in place, but a stored tensor read again after such a change (to
    recompute from it, or by a backward that saved it) would give wrong values,
