@@ -1357,6 +1357,40 @@ def test_a_recomputation_reads_the_buffers_the_first_forward_read(model_fn, text
         _assert_same(m, ex, loss, ref, ref_loss.detach())
 
 
+class _UpdatesAnOddShapedBuffer(nn.Module):
+    """A stage updating a buffer of a shape nothing else in the test has."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("odd", torch.rand(3, 17) + 0.5)
+
+    def forward(self, x):
+        y = self.lin(x) * self.odd.mean()
+        with torch.no_grad():
+            self.odd.mul_(1.5)
+        return torch.tanh(y)
+
+
+def test_the_first_forwards_buffer_copies_are_freed_with_the_step():
+    # The copies a recomputed stage's first forward keeps (rule 6) were held until
+    # the next step began, through the caller's optimizer.step(): memory no plan
+    # counts, kept longer than the step that needs it
+    import gc
+    torch.manual_seed(0)
+    model = nn.Sequential(_UpdatesAnOddShapedBuffer(), _UpdatesAnOddShapedBuffer(),
+                          nn.Linear(4, 1)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)
+    m, ex, *rest = _train(model, x, y, mse, _sched(
+        "F_ck 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, F_all 0, B 0", 3))
+    _assert_same(m, ex, *rest)
+    gc.collect()
+    mine = {id(b) for net in (model, m, rest[1]) for b in net.buffers()}
+    copies = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)
+              and t.shape == (3, 17) and id(t) not in mine]
+    assert copies == [], f"{len(copies)} buffer copies outlived the step"
+
+
 class _UpdatesThroughData(nn.Module):
     """A stage whose output reads a buffer its forward then changes through
     ``.data``, which moves no version counter: an EMA written as

@@ -519,6 +519,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             with _interrupts_held():
                 self._plain.clear()
                 self._bar.clear()
+                # the first forwards' RNG states and buffer copies are for this
+                # step's recomputations only: not held through optimizer.step()
+                self._first = {}
                 self._delta = None
                 self._caller_keys = set()
                 self._caller_inputs = None
