@@ -5,8 +5,9 @@ Subcommands owned by other modules register themselves through a
 Every subcommand returns an exit code: 0 success, 1 an rtmem error (message on
 stderr), 2 bad usage (argparse), 130 stopped by Ctrl-C (files it was writing are
 left as they were: see :mod:`rtmem._files`). A subcommand run with ``--json`` that fails
-after its arguments parsed also prints one JSON object on stdout (see
-:func:`error_document`), so a script reading stdout always has JSON to parse.
+also prints one JSON object on stdout (see :func:`error_document`), so a script
+reading stdout always has JSON to parse; bad usage too, when ``--json`` is on the
+command line (exit 2, argparse's message on stderr as without it).
 """
 
 from __future__ import annotations
@@ -471,9 +472,46 @@ def add_model_size_args(p) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
 
 
+class _UsageError(SystemExit):
+    """argparse's exit on bad usage (an unknown option, a missing argument, a bad
+    choice or value): ``code`` is argparse's (2) and ``message`` its message,
+    which :func:`main` also prints as :func:`error_document` when ``--json`` was
+    given. A SystemExit, so a caller of ``parse_args`` sees what argparse raises."""
+
+    def __init__(self, code, message: str):
+        super().__init__(code)
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors raise :class:`_UsageError`, carrying the
+    message (argparse prints it on stderr and exits, keeping nothing a --json
+    document could be made of). Subcommands' parsers are of this class too
+    (``add_subparsers`` makes its parsers of the parent's class)."""
+
+    def error(self, message):
+        try:
+            super().error(message)      # usage and "PROG: error: MESSAGE" on stderr
+        except SystemExit as e:
+            raise _UsageError(e.code, message) from None
+
+
+def _wants_json(argv) -> bool:
+    """Whether the command line gives ``--json`` (or an abbreviation argparse
+    takes for it, or ``--json=...``) before any ``--``: usage errors are reported
+    before the arguments are parsed, so ``args.json`` is not there to ask."""
+    for word in argv:
+        if word == "--":
+            return False
+        option = word.partition("=")[0]
+        if len(option) > 2 and "--json".startswith(option):
+            return True
+    return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rtmem import __version__
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rtmem", description="Memory runtime and planners for training DNNs larger "
         "than GPU memory.")
     parser.add_argument("--version", action="version", version=f"rtmem {__version__}")
@@ -596,7 +634,15 @@ def _interrupted() -> int:
 def main(argv=None) -> int:
     """Entry point of the ``rtmem`` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as e:
+        # a script reading --json output got an empty stdout for bad usage, where
+        # every other error prints error_document; the exit code stays argparse's
+        if _wants_json(argv):
+            print(json.dumps(error_document(e.message), indent=1, allow_nan=False))
+        raise
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

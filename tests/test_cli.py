@@ -268,6 +268,33 @@ def test_a_failed_json_command_prints_json_on_stdout_too(capsys, tmp_path):
     assert code == 1 and out == "" and missing in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["chains", "--json", "--bogus"],                                  # unknown option
+    ["simulate", "gpt2-small", "--memory", "1GiB", "--json"],         # missing argument
+    ["simulate", "gpt2-small", "store-all", "--memory", "1GiB", "--channel", "x",
+     "--json"],                                                       # bad choice
+    ["plan", "remat", "gpt2-small", "--memory", "lots", "--json"],    # bad value
+    ["--json", "chains"],                                             # --json misplaced
+    ["simulate", "gpt2-small", "--memory", "1GiB", "--js"],           # abbreviated
+])
+def test_bad_usage_with_json_prints_json_on_stdout_too(capsys, argv):
+    # argparse printed its message on stderr only: a script parsing --json's stdout
+    # got nothing; the exit code stays argparse's 2
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2
+    assert json.loads(out) == {"error": err.strip().splitlines()[-1].split("error: ", 1)[1]}
+
+
+
+def test_bad_usage_without_json_leaves_stdout_empty(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["chains", "--bogus"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and "unrecognized arguments: --bogus" in err
+
+
 def test_a_missing_extra_is_one_line(capsys, monkeypatch):
     import rtmem.plot
 
