@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 
 from rtmem._table import format_table
@@ -487,7 +488,17 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors raise :class:`_UsageError`, carrying the
     message (argparse prints it on stderr and exits, keeping nothing a --json
     document could be made of). Subcommands' parsers are of this class too
-    (``add_subparsers`` makes its parsers of the parent's class)."""
+    (``add_subparsers`` makes its parsers of the parent's class).
+
+    A word such as ``-1MiB`` or ``-5GB/s`` is a value, not an option: argparse
+    before Python 3.13 reads only plain negative numbers (``-1``, ``-.5``) as
+    values, so ``--memory -1MiB`` failed with "expected one argument" instead of
+    rtmem's own "must be positive"; this is the test Python 3.13 uses (none of
+    rtmem's options looks like a negative number, which would turn it off)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message):
         try:

@@ -180,7 +180,13 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
      "argument --bandwidth: invalid bandwidth '0'"),
     (["plan", "remat", "{tmp}/missing.json", "--memory", "0"],
      "argument --memory: memory must be > 0 bytes"),
-    (["plan", "remat", "gpt2-small", "--memory", "-1GiB"], "usage: rtmem plan remat"),
+    # a negative size is a value, not an option: argparse (before Python 3.13) said
+    # "expected one argument" unless written --memory=-1GiB
+    (["plan", "remat", "gpt2-small", "--memory", "-1GiB"],
+     "argument --memory: memory must be > 0 bytes, got '-1GiB'"),
+    (["simulate", "resnet50", "store-all", "--memory", "1GiB", "--bandwidth", "-.5GB/s"],
+     "argument --bandwidth: invalid bandwidth '-.5GB/s'"),
+    (["demo", "--memory", "-1MiB"], "--memory: memory must be > 0 bytes, got '-1MiB'"),
     (["demo", "--model", "resnet", "--layers", "4"],
      "--layers sizes the gpt2 model; with --model resnet use --blocks --width --image"),
     (["demo", "--width", "4"], "--width sizes the resnet model"),
