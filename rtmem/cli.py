@@ -244,7 +244,8 @@ def _cmd_chains(args) -> int:
         print(json.dumps(docs, indent=1))
     else:
         print(format_table(["chain", "stages", "compute", "sum(xbar)", "weights",
-                            "no-remat peak"], rows))
+                            "no-remat peak"], rows,
+                           encoding=getattr(sys.stdout, "encoding", None)))
         print("\nAny size: gpt2:layers=..,hidden=..,heads=..,seq=..,batch=.. or "
               "resnet:depth=..,image=..,batch=..")
     return 0
@@ -319,7 +320,8 @@ def _cmd_simulate(args) -> int:
             ["host->device", format_bytes(r.h2d_bytes)],
             ["device->host", format_bytes(r.d2h_bytes)],
             ["link", f"{format_bandwidth(platform.bandwidth)} {platform.channel}"]],
-            align="lr"))
+            # measured as printed: the chain's name may hold what stdout escapes
+            align="lr", encoding=getattr(sys.stdout, "encoding", None)))
     if args.plot:
         from rtmem.plot import plot_schedule
         plot_schedule(chain, schedule, platform, args.plot, result=r)

@@ -136,7 +136,8 @@ def _cmd_remat(args) -> int:
     else:
         print(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}, "
               f"no-remat makespan {format_seconds(reference)}")
-        print(format_table(COMPARISON_HEADERS, rows, align="lrrrl"))
+        print(format_table(COMPARISON_HEADERS, rows, align="lrrrl",
+                           encoding=getattr(sys.stdout, "encoding", None)))
     return 0
 
 

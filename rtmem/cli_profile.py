@@ -196,7 +196,7 @@ def _table(chain) -> str:
             for i in range(chain.n)]
     rows.append(["loss", format_seconds(chain.u_loss), "", "", "", ""])
     return format_table(["stage", "forward", "backward", "x (output)", "xbar (saved)",
-                         "weights"], rows)
+                         "weights"], rows, encoding=getattr(sys.stdout, "encoding", None))
 
 
 def _measure(args, device):

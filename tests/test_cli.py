@@ -773,6 +773,35 @@ def test_format_table_pads_aligns_and_rules_every_column():
         format_table(["a", "b"], [["x"]])
 
 
+def test_format_table_aligns_escaped_and_wide_names_on_their_display_width():
+    from rtmem._table import format_table
+    # a tab or newline split or shifted the row; a wide character (two terminal
+    # columns) or a combining accent (none) was counted as one column
+    rows = [["a\tb", 1], ["\u65e5\u672c", 22], ["e\u0301", 3], ["x\u202ey", 4]]
+    assert format_table(["name", "n"], rows).splitlines() == [
+        "name       n",
+        "--------  --",
+        "a\\tb       1",
+        "\u65e5\u672c      22",             # 4 columns wide
+        "e\u0301          3",            # 1 column wide
+        "x\\u202ey   4"]                 # a bidirectional override, shown
+    # what the stream's encoding cannot write is measured as the \uXXXX it is printed as
+    assert format_table(["name", "n"], [["\u65e5", 1]], encoding="ascii").splitlines() == [
+        "name    n", "------  -", "\\u65e5  1"]
+
+
+def test_simulate_table_keeps_a_chain_name_with_a_newline_on_its_row(capsys, tmp_path):
+    from rtmem.planners import Chain, from_spec
+    doc = from_spec("gpt2:layers=1").to_dict()
+    doc["name"] = "two\nlines\tand a tab"
+    Chain.from_dict(doc).save(tmp_path / "c.json")
+    code, out, _ = run(capsys, "simulate", str(tmp_path / "c.json"), "store-all",
+                       "--memory", "inf")
+    lines = out.splitlines()
+    assert code == 0 and lines[2] == "chain         two\\nlines\\tand a tab (3 stages)"
+    assert len({len(line) for line in lines}) == 1     # right-aligned: one width
+
+
 class _FakeScript:
     def __init__(self, code=3, error=None):
         self.calls, self.code, self.error = [], code, error
