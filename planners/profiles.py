@@ -213,7 +213,7 @@ def from_spec(spec: str) -> Chain:
         raise ChainError(f"unknown chain {spec!r}: expected a built-in name "
                          f"({', '.join(builtin_names())}) or a spec starting with "
                          f"{' / '.join(sorted(_GENERATORS))}, e.g. 'gpt2:layers=6'")
-    kwargs = {}
+    kwargs, typed = {}, {}
     for item in filter(None, (a.strip() for a in args.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
@@ -226,10 +226,21 @@ def from_spec(spec: str) -> Chain:
             raise ChainError(f"{key} = {value!r} in {spec!r} is not a number") from e
         kwargs[key.strip()] = int(num) if num.is_integer() and "e" not in value.lower() \
             and "." not in value else num
+        typed[key.strip()] = value.strip()
     try:
         return _GENERATORS[family](**kwargs)
     except TypeError as e:
         raise ChainError(f"bad arguments in {spec!r}: {e}") from e
+    except ChainError as e:
+        # the generators name the number they were given: layers=1e3 (a float, so
+        # not a count) was reported as "got 1000.0", which the user never wrote
+        key = e.field
+        if key in typed and typed[key] != repr(kwargs[key]):
+            got = f"got {kwargs[key]!r}"
+            message = (str(e).replace(got, f"got {typed[key]!r} (read as {kwargs[key]!r})")
+                       if got in str(e) else f"{e} ({key}={typed[key]} in {spec!r})")
+            raise ChainError(message, field=e.field, index=e.index) from e
+        raise
 
 
 def _write_shipped(directory) -> None:

@@ -151,6 +151,21 @@ def test_spec_refuses_a_repeated_key():
         from_spec("gpt2:layers=2,layers=3")
 
 
+@pytest.mark.parametrize("spec, got", [
+    ("gpt2:layers=1e3", "got '1e3' (read as 1000.0)"),
+    ("resnet:depth=5E1", "got '5E1' (read as 50.0)"),
+    ("gpt2:seq=Infinity", "got 'Infinity' (read as inf)"),
+    ("gpt2:flops=-5e12", "got '-5e12' (read as -5000000000000.0)"),
+    ("resnet:image=+20", "got '+20' (read as 20)"),
+    ("gpt2:layers=2.0", "got 2.0"),             # written as read: said once
+])
+def test_a_spec_error_shows_the_value_as_written(spec, got):
+    # layers=1e3 was refused with "got 1000.0", a number the user never typed
+    with pytest.raises(ChainError) as e:
+        from_spec(spec)
+    assert str(e.value).endswith(got) and e.value.field == spec.split(":")[1].split("=")[0]
+
+
 def test_chain_document_without_its_arrays_is_a_chain_error():
     with pytest.raises(ChainError, match="lacks the field"):
         Chain.from_json("{}")
