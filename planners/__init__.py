@@ -1,6 +1,6 @@
 """rtmem.planners: the chain model, schedules, the simulator and the planners.
 
-Pure algorithms: this package imports only numpy, numba and scipy (plus rtmem's
+Pure algorithms: this package imports only numpy and numba (plus rtmem's
 leaf modules ``errors`` and ``units``), never torch or cupy.
 
 - Vocabulary: :class:`Chain`, :class:`Schedule` (:class:`Op`), :class:`Platform`,

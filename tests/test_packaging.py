@@ -37,6 +37,35 @@ def test_every_package_folder_is_listed():
     assert setup["package-dir"]["rtmem.planners"] == "planners"
 
 
+def _imported_top_level_modules():
+    """The top-level modules the installed packages' code imports (absolute imports)."""
+    import ast
+    found = set()
+    for folder in FOLDERS:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Import):
+                        found |= {a.name.split(".")[0] for a in node.names}
+                    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                        found.add(node.module.split(".")[0])
+    return found
+
+
+def test_every_core_dependency_is_imported():
+    # scipy was a core dependency nothing imported: every install pulled ~40 MB
+    # for nothing (numba does not need it: rtmem jits no np.linalg)
+    import re
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    names = {re.match(r"[A-Za-z0-9_.-]+", d).group().lower().replace("-", "_") for d in deps}
+    assert names and names <= _imported_top_level_modules()
+
+
 # The source tree's top-level files an sdist carries (those that exist here).
 SDIST_FILES = ("README.md", "LICENSE", "pyproject.toml", "MANIFEST.in", "Makefile",
                "constraints.txt", "constraints-oldest.txt")
