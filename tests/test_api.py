@@ -75,13 +75,45 @@ def test_optional_subpackages_name_what_to_install():
         for module, missing, hint in [
                 ("rtmem.torch", "torch", "pip install 'rtmem[torch]'"),
                 ("rtmem.torch.offload", "torch", "pip install 'rtmem[torch]'"),
-                ("rtmem.planners.testing", "hypothesis", "pip install hypothesis")]:
+                ("rtmem.planners.testing.strategies", "hypothesis",
+                 "pip install hypothesis"),
+                ("rtmem.planners.testing.wandering", "hypothesis",
+                 "pip install hypothesis")]:
             try:
                 __import__(module)
             except ModuleNotFoundError as e:
                 assert hint in str(e) and e.name == missing, (module, e, e.name)
             else:
                 raise AssertionError(f"{module} imported without {missing}")
+        print("ok")
+    """
+    run_ok(code)
+
+
+def test_the_oracles_import_without_hypothesis():
+    # rtmem.planners.testing refused to import without hypothesis, though only its
+    # strategies use it: the oracles (bench/simulate.py's reference_simulate) too
+    code = """
+        import sys
+        sys.modules["hypothesis"] = None
+        import numpy as np
+        from rtmem.planners import Chain, Platform, simulate, store_all_schedule
+        from rtmem.planners.testing import (brute_force_multichain, brute_force_remat,
+                                            reference_simulate)
+        rng = np.random.default_rng()
+        chain = Chain(u_f=rng.uniform(1, 2, 3), u_b=rng.uniform(1, 2, 3),
+                      x=rng.integers(1, 9, 3), xbar=rng.integers(9, 20, 3))
+        schedule, platform = store_all_schedule(chain.n), Platform(float("inf"))
+        assert reference_simulate(chain, schedule, platform)["peak"] == \\
+            simulate(chain, schedule, platform).peak
+        assert callable(brute_force_remat) and callable(brute_force_multichain)
+        for name in ("simulation_cases", "chains", "wandering_schedules"):
+            try:
+                exec(f"from rtmem.planners.testing import {name}")
+            except ModuleNotFoundError as e:
+                assert "pip install hypothesis" in str(e) and e.name == "hypothesis", e
+            else:
+                raise AssertionError(f"{name} imported without hypothesis")
         print("ok")
     """
     run_ok(code)

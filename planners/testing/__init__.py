@@ -33,19 +33,37 @@ Oracles
                                (Dijkstra over Table 2.1 states, the simulator's rules)
 :func:`brute_force_multichain` exhaustive search for the multi-chain problem
 
-Requires ``hypothesis`` (``pip install rtmem[test]``).
+The strategies require ``hypothesis`` (``pip install rtmem[test]``); the oracles
+do not: ``from rtmem.planners.testing import brute_force_remat`` works without it.
 """
 
-from rtmem._optional import require as _require
-
-# first: the submodules' own import of hypothesis failed bare, naming no extra
-_require("hypothesis", "rtmem.planners.testing needs hypothesis: pip install hypothesis "
-         "(or 'rtmem[test]', which has it)")
+# What the strategies say when hypothesis is missing (strategies.py and
+# wandering.py raise it on import): their own bare "No module named
+# 'hypothesis'" named no extra.
+HYPOTHESIS_MISSING = ("rtmem.planners.testing's strategies need hypothesis: pip install "
+                      "hypothesis (or 'rtmem[test]', which has it)")
 
 from .bruteforce import brute_force_multichain, brute_force_remat  # noqa: E402
 from .reference import reference_simulate  # noqa: E402
-from .strategies import chains, platforms, simulation_cases, valid_schedules  # noqa: E402
-from .wandering import wandering_schedules  # noqa: E402
 
 __all__ = ["chains", "platforms", "valid_schedules", "wandering_schedules", "simulation_cases",
            "reference_simulate", "brute_force_remat", "brute_force_multichain"]
+
+#: The strategies, imported on first use (PEP 562): the oracles need no hypothesis,
+#: and importing the package needed it for them all.
+_STRATEGIES = {"chains": "strategies", "platforms": "strategies",
+               "valid_schedules": "strategies", "simulation_cases": "strategies",
+               "wandering_schedules": "wandering"}
+
+
+def __getattr__(name):
+    if name in _STRATEGIES:
+        import importlib
+        value = getattr(importlib.import_module(f".{_STRATEGIES[name]}", __name__), name)
+        globals()[name] = value         # once: later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import strategies as st
-
 from ..chain import Chain
 from ..platform import CHANNELS, Platform
 from ..schedule import Op, Schedule
 from .._validation import check_flags, is_int
 from .reference import reference_simulate
 from .wandering import wandering_schedules
+
+from rtmem._optional import require
+
+from . import HYPOTHESIS_MISSING
+
+require("hypothesis", HYPOTHESIS_MISSING)   # before the import that fails bare
+
+from hypothesis import strategies as st  # noqa: E402
 
 __all__ = ["chains", "platforms", "valid_schedules", "simulation_cases"]
 

@@ -18,11 +18,17 @@ so a test that simulates what it draws checks that model against the simulator.
 
 from __future__ import annotations
 
-from hypothesis import strategies as st
-
 from ..chain import Chain
 from ..schedule import Op, Schedule
 from .._validation import check_flags, is_int
+
+from rtmem._optional import require
+
+from . import HYPOTHESIS_MISSING
+
+require("hypothesis", HYPOTHESIS_MISSING)   # before the import that fails bare
+
+from hypothesis import strategies as st  # noqa: E402
 
 __all__ = ["wandering_schedules"]
 
