@@ -279,6 +279,55 @@ def test_table_filled_in_bands_equals_one_pass():
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 3
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(1, 5, small=True), st.integers(1, 3))
+def test_least_memory_is_the_first_finite_entry_of_the_reference_table(chain, slot):
+    # the least-memory pass (its tables transposed for speed) against the recurrence
+    # as printed: C(0, n, m) is finite from m = mm on, not below
+    from rtmem.planners.rotor import min_memory
+    arrays = discretize(stage_arrays(chain), slot)
+    mm, _ = min_memory(arrays)
+    row = reference_persistent_table(arrays, mm + 2)[pair_index(arrays.N)[0, chain.n]]
+    assert np.isfinite(row[mm]) and (mm == 0 or np.isinf(row[mm - 1]))
+
+
+def test_least_memory_pass_reports_progress_and_gives_the_same_result():
+    # the O(n^3) least-memory pass took minutes on thousands of stages with nothing
+    # on screen; it now runs in bands and reports its fraction done like the table
+    from rtmem.planners.rotor import min_memory
+    rng = np.random.default_rng()
+    n = 60
+    x = rng.integers(1, 1000, n)
+    chain = Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
+                  xbar=x + rng.integers(0, 1000, n), w=rng.integers(0, 50, n),
+                  o_f=rng.integers(0, 50, n), o_b=rng.integers(0, 50, n), x0=int(x[0]))
+    arrays = stage_arrays(chain)
+    fractions = []
+    banded = min_memory(arrays, progress=fractions.append)
+    whole = min_memory(arrays)
+    assert banded[0] == whole[0]
+    np.testing.assert_array_equal(banded[1], whole[1])
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 3
+
+    seen = []
+
+    class Progress:
+        def __call__(self, msg):
+            seen.append(msg)
+
+        def update(self, fraction):
+            seen.append(fraction)
+
+    budget = (min_feasible_memory(chain) + store_all_peak(chain)) // 2
+    assert plan_remat(chain, budget, 50, progress=Progress()).schedule == \
+        plan_remat(chain, budget, 50).schedule
+    progress = seen
+    # announced, then updates of the pass, all before the DP table's line
+    first = progress.index("rotor: least memory of 60 stages")
+    table = next(i for i, m in enumerate(progress) if str(m).startswith("rotor: 60 stages"))
+    assert 1.0 in progress[first:table] and isinstance(progress[first + 1], float)
+
+
 def test_planner_arguments_are_checked():
     import math as _math
 
