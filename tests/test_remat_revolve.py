@@ -4,6 +4,8 @@ Chapter 1 validator and exhaustive search (thesis-remat.md §7.2)."""
 import itertools
 import math
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,9 +15,9 @@ from rtmem.planners import Chain, Platform, simulate
 from rtmem.planners.multichain import (MultiOp, min_slots, multichain_opt,
                                        multichain_schedule, multichain_table,
                                        simulate_multichain)
-from rtmem.planners.revolve import (binomial_makespan, opt0_table, revolve_schedule,
-                                    single_chain_ops)
-from rtmem.planners.schedule import Op
+from rtmem.planners.revolve import (binomial_makespan, opt0_table, revolve_ops,
+                                    revolve_schedule, single_chain_ops)
+from rtmem.planners.schedule import Op, Schedule
 from rtmem.planners.testing.bruteforce import brute_force_multichain
 
 SETTINGS = settings(max_examples=40, deadline=None,
@@ -93,6 +95,63 @@ def test_revolve_converted_to_table_2_1_is_valid(n, m):
     for j, (op, s, _) in enumerate(ops):
         if op == Op.F_ALL:
             assert ops[j + 1][:2] == (Op.B, s)
+
+
+def _converted(n, m):
+    """revolve_schedule as it was built before: revolve_ops' MultiOps converted one
+    by one in Python (an S makes the next F an F_ck, B_{n+1} is the loss)."""
+    ops, stored = [], False
+    for op in revolve_ops(n, m):
+        if op.kind == "S":
+            stored = True
+        elif op.kind == "F":
+            ops.append((Op.F_CK if stored else Op.F_NONE, op.index - 1))
+            stored = False
+        elif op.index == n + 1:
+            ops.append((Op.LOSS, 0))
+        else:
+            ops += [(Op.F_ALL, op.index - 1), (Op.B, op.index - 1)]
+    return Schedule.from_ops(ops)
+
+
+def test_revolve_schedule_builds_no_python_operations_and_matches_revolve_ops(monkeypatch):
+    # plan_revolve builds one schedule per slot count, up to n^2/2 operations each:
+    # building them as MultiOp objects was nearly all its time (10 s for 200 stages
+    # on a tight budget). They are now written by jitted code: same schedules
+    import rtmem.planners.multichain as multichain
+    expected = {(n, m): _converted(n, m) for n in range(1, 16) for m in range(3, n + 4)}
+    made = []
+
+    class Counting(multichain.MultiOp):
+        def __new__(cls, *args):
+            made.append(args)
+            return super().__new__(cls, *args)
+
+    monkeypatch.setattr(multichain, "MultiOp", Counting)
+    arg = opt0_table(15, 18)[1]
+    for (n, m), sched in expected.items():
+        assert revolve_schedule(n, m) == sched == revolve_schedule(n, m, arg), (n, m)
+    assert made == []
+
+
+def test_opt0_fill_copies_the_entries_with_more_slots_than_values():
+    # entries with m > l + 2 are copied from m = l + 2, not searched: the same values
+    # and argmins, bit for bit, as the recurrence computed in full (plain Python)
+    rng = np.random.default_rng()
+    u_f, u_b = rng.uniform(0.1, 3.0, 2)
+    l_max, m_max = 25, 31
+    T = np.full((l_max + 1, m_max + 1), np.inf)
+    arg = np.zeros((l_max + 1, m_max + 1), np.int64)
+    T[0, 2:] = u_b
+    for m in range(3, m_max + 1):
+        for j in range(1, l_max + 1):
+            for i in range(1, j + 1):
+                v = i * u_f + T[j - i, m - 1] + T[i - 1, m]
+                if v < T[j, m]:
+                    T[j, m], arg[j, m] = v, i
+    got_T, got_arg = opt0_table(l_max, m_max, u_f, u_b)
+    np.testing.assert_array_equal(got_T, T)
+    np.testing.assert_array_equal(got_arg, arg)
 
 
 def test_revolve_needs_three_slots():
