@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from .rotor import (discretize, min_memory, min_memory_schedule, persistent_sche
 from .simulator import simulate
 
 __all__ = ["plan_remat", "min_feasible_memory", "compare_remat", "DEFAULT_SLOTS",
-           "MAX_TABLE_BYTES", "REFINE_MAX_FACTOR", "REVOLVE_MAX_STAGES"]
+           "MAX_TABLE_BYTES", "REFINE_MAX_FACTOR", "REVOLVE_MAX_STAGES", "SLOW_SOLVE_SECONDS"]
 
 #: Memory slots of the discretized DP (thesis §3.7: 500 in all experiments).
 DEFAULT_SLOTS = 500
@@ -52,6 +53,14 @@ REVOLVE_MAX_STAGES = 400
 #: small test chains while a 3-stage chain with a 100 MB term cannot ask for a
 #: gigabyte table of one-byte slots.
 REFINE_MAX_FACTOR = 64
+#: plan_remat and min_feasible_memory warn (RuntimeWarning) before a solve whose
+#: predicted time (see _predicted_seconds) is above this many seconds.
+SLOW_SOLVE_SECONDS = 60.0
+# Measured seconds per step, CPU time on one core of a loaded 2-core machine: the
+# table fill (N^3 / 6 x M steps, N = n + 1; 400 stages x 500 slots: 8.0 s, 1.5 ns)
+# and the least-memory pass (N^3 / 6 steps; 1,000 stages: 1.1 s, 6.6 ns)
+_TABLE_STEP_SECONDS = 1.5e-9
+_LEAST_STEP_SECONDS = 6.6e-9
 # each DP retry divides the slot by this: the table grows 4x per retry, so the
 # retries together cost at most 4/3 of the last one
 _REFINE = 4
@@ -65,8 +74,13 @@ def _fixed_bytes(chain: Chain) -> int:
 def min_feasible_memory(chain: Chain) -> int:
     """Least budget (bytes) for which :func:`plan_remat` returns a plan: the
     chain input, the weights, and the least memory of a persistent schedule
-    (computed exactly in bytes, no discretization)."""
+    (computed exactly in bytes, no discretization).
+
+    O(n^3): 1.1 s for 1,000 stages, ~2.5 min for 5,000 (see
+    :func:`~rtmem.planners.rotor.min_memory`); warns (``RuntimeWarning``) when
+    the predicted time is above :data:`SLOW_SOLVE_SECONDS`."""
     check_chain(chain, "min_feasible_memory")
+    _warn_if_slow(chain.n, None, "min_feasible_memory", stacklevel=2)
     return _least_budget(stage_arrays(chain), _fixed_bytes(chain))
 
 
@@ -75,6 +89,54 @@ def _least_budget(arrays, fixed: int) -> int:
     at least 1: a :class:`Platform` has a positive memory, so a chain of zero
     sizes (whose schedules need 0 bytes) is planned with 1, not 0."""
     return max(1, fixed + min_memory(arrays)[0])
+
+
+def _predicted_seconds(n: int, slots: int | None) -> float:
+    """Predicted CPU seconds of :func:`plan_remat` on ``n`` stages with a table of
+    ``slots`` memory slots (M): its two least-memory passes and the table fill,
+    at the measured seconds per step above; with ``slots=None``, one least-memory
+    pass (:func:`min_feasible_memory`). An upper bound for the fill, whose
+    pruning skips more of it near the least and the store-all budgets."""
+    steps = float(n + 1) ** 3 / 6
+    if slots is None:
+        return steps * _LEAST_STEP_SECONDS
+    return steps * (2 * _LEAST_STEP_SECONDS + (slots + 1) * _TABLE_STEP_SECONDS)
+
+
+def _warn_if_slow(n: int, slots: int | None, caller: str, stacklevel: int) -> None:
+    """Warn (``RuntimeWarning``, at the caller ``stacklevel`` frames up) before a
+    solve whose :func:`_predicted_seconds` is above :data:`SLOW_SOLVE_SECONDS`,
+    saying how to make it faster. ``slots=None``: :func:`min_feasible_memory`."""
+    seconds = _predicted_seconds(n, slots)
+    if seconds <= SLOW_SOLVE_SECONDS:
+        return
+    head = f"{caller}: {n:,} stages, "
+    cost = f": predicted ~{seconds / 60:.1f} min of CPU. "
+    if slots is None:
+        message = (head + "its least-memory pass is O(n^3)" + cost + "For a faster "
+                   "answer describe the model with fewer, coarser stages (time is cubic "
+                   "in them)")
+    else:
+        # the most slots predicted within the limit, if the least-memory passes allow
+        steps = float(n + 1) ** 3 / 6
+        fill = SLOW_SOLVE_SECONDS - 2 * steps * _LEAST_STEP_SECONDS
+        fits = int(fill / (steps * _TABLE_STEP_SECONDS)) - 1
+        fewer = (f"pass fewer slots (time is linear in them: slots={fits} is predicted "
+                 f"within {SLOW_SOLVE_SECONDS:.0f} s), " if 0 < fits < slots else "")
+        message = (head + f"with {slots} memory slots its DP is O(n^3 x slots)" + cost
+                   + f"For a faster plan {fewer}describe the model with fewer, coarser "
+                   "stages (time is cubic in them), or plan with plan_sequential; pass "
+                   "progress= (e.g. rtmem.cli_plan.ProgressBar()) to follow it")
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+def _slot_for(m_bytes: int, slots: int, n: int) -> int:
+    """Slot size (bytes) for an activation budget of ``m_bytes`` split into
+    ``slots``: floor(m_bytes / slots) gives up to 2 slots - 1 slots, so it is
+    coarsened just enough for the table to fit (slots itself passed
+    _check_table); otherwise the DP was refused with "use at most K slots" for
+    slots <= K."""
+    return max(1, m_bytes // slots, -(-(m_bytes + 1) // (_max_slots(n) + 1)))
 
 
 def _check_table(n: int, slots: int, fixed_slot_bytes: bool = False) -> int:
@@ -252,6 +314,18 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
     InfeasibleError
         When the budget is below :func:`min_feasible_memory`; ``min_feasible``
         carries that value in bytes.
+
+    Warns
+    -----
+    RuntimeWarning
+        Up front, when the solve is predicted to take more than
+        :data:`SLOW_SOLVE_SECONDS` (60 s), with what would make it faster. The
+        cost is inherent to the DP: O(n^3) for the least-memory passes and
+        O(n^3 M) for the table (M slots, about ``slots``). Measured (CPU time, one
+        core of a loaded 2-core machine) at a budget half way between the least
+        and the store-all peak: 0.9 s for 200 stages and 8.0 s for 400 with 500
+        slots, so ~2 min for 1,000 stages with 500 slots and ~15 min for 5,000
+        stages (at most 20 slots fit :data:`MAX_TABLE_BYTES`).
     """
     return _plan_remat(chain, memory, slots, slot_bytes, progress, {})
 
@@ -285,6 +359,11 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
         # activation bytes the slot is 1 byte and the columns are the bytes: checking
         # `slots` itself refused slots=10**8 on a 115-byte budget ("7.45 GiB table")
         _check_table(chain.n, min(slots, max(1, int(budget) - fixed)))
+    # up front, before the O(n^3) least-memory pass: the slots the DP will have
+    # (finer retries near the least budget can add to it)
+    m_bytes = max(0, int(budget) - fixed)
+    _warn_if_slow(chain.n, m_bytes // (slot_bytes or _slot_for(m_bytes, slots, chain.n)),
+                  "plan_remat", stacklevel=3)
     arrays = stage_arrays(chain)
     mm, choice = _least_memory(chain, arrays, progress, say)
     min_feasible = fixed + mm
@@ -295,14 +374,7 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
             f"({format_bytes(min_feasible)}) = chain input and weights {fixed:,} + "
             f"activations {mm:,}. Give more memory or a smaller batch",
             budget=budget, min_feasible=min_feasible)
-    m_bytes = int(budget) - fixed
-    if slot_bytes is not None:
-        slot = slot_bytes
-    else:
-        # floor(m_bytes / slots) gives up to 2 slots - 1 slots: coarsen it just
-        # enough for the table to fit (slots itself passed _check_table above).
-        # Otherwise the DP was refused with "use at most K slots" for slots <= K.
-        slot = max(1, m_bytes // slots, -(-(m_bytes + 1) // (_max_slots(chain.n) + 1)))
+    slot = slot_bytes if slot_bytes is not None else _slot_for(m_bytes, slots, chain.n)
     value, schedule, M = _dp(chain, arrays, m_bytes, slot, progress, say,
                              slot_bytes is not None)
     refined = False

@@ -328,6 +328,48 @@ def test_least_memory_pass_reports_progress_and_gives_the_same_result():
     assert 1.0 in progress[first:table] and isinstance(progress[first + 1], float)
 
 
+def test_a_solve_predicted_to_be_slow_warns_up_front_with_advice(monkeypatch):
+    # the DP took ~10 min on 1,000 stages with 500 slots, and its least-memory pass
+    # an estimated ~50 min on 5,000 stages, with nothing said. Now a solve predicted
+    # above SLOW_SOLVE_SECONDS warns before any O(n^3) pass, saying what helps
+    import warnings
+
+    from rtmem.planners import remat
+    rng = np.random.default_rng()
+    n = 12
+    x = rng.integers(1, 1000, n)
+    chain = Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
+                  xbar=x + rng.integers(0, 1000, n), x0=int(x[0]))
+    budget = (min_feasible_memory(chain) + store_all_peak(chain)) // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # the defaults: no warning at this size
+        expected = plan_remat(chain, budget, 500).schedule
+
+    real_min_memory = remat.min_memory
+    before_pass = []
+
+    def min_memory(*args, **kwargs):
+        before_pass.append(len(caught))
+        return real_min_memory(*args, **kwargs)
+
+    predicted = remat._predicted_seconds(n, 500)
+    monkeypatch.setattr(remat, "min_memory", min_memory)
+    monkeypatch.setattr(remat, "SLOW_SOLVE_SECONDS", predicted / 4)
+    with pytest.warns(RuntimeWarning, match="fewer slots") as caught:
+        assert plan_remat(chain, budget, 500).schedule == expected   # same plan
+    assert before_pass[0] == 1 and caught[0].filename == __file__
+    message = str(caught[0].message)
+    assert "12 stages" in message and "coarser stages" in message
+    # the slots it suggests are predicted within the limit
+    slots = int(message.split("slots=")[1].split()[0])
+    assert remat._predicted_seconds(n, slots) <= predicted / 4 < \
+        remat._predicted_seconds(n, slots + 1)
+    monkeypatch.setattr(remat, "SLOW_SOLVE_SECONDS", remat._predicted_seconds(n, None) / 2)
+    with pytest.warns(RuntimeWarning, match="least-memory pass is O") as caught:
+        min_feasible_memory(chain)
+    assert caught[0].filename == __file__
+
+
 def test_planner_arguments_are_checked():
     import math as _math
 
