@@ -177,6 +177,49 @@ def test_early_exit_returns_what_a_full_scan_returns(chain):
             assert fast.schedule == full.schedule and fast.makespan == full.makespan
 
 
+def test_sequential_simulates_only_the_segment_counts_that_can_win(monkeypatch):
+    # plan_sequential simulated all n segment counts, O(n) operations each: O(n^2),
+    # 11 s for 1,000 stages. Their makespans are known before simulating (each
+    # count recomputes a known prefix of forwards), so counts predicted slower than
+    # the best fitting one are skipped: the same plan as the full scan
+    import numpy as np
+
+    import rtmem.planners.baselines as baselines
+    from rtmem.planners.baselines import _segmented
+    rng = np.random.default_rng()
+    n = 120
+    x = rng.integers(1, 1000, n)
+    chain = Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
+                  xbar=x + rng.integers(0, 1000, n), w=rng.integers(0, 50, n),
+                  o_f=rng.integers(0, 50, n), x0=int(x[0]))
+    peaks = [simulate(chain, sequential_schedule(n, k), Platform(math.inf)).peak
+             for k in range(1, n + 1)]
+    budgets = [min(peaks), plan_sqrt(chain, math.inf).peak, (min(peaks) + max(peaks)) // 2]
+    full = {b: _segmented(chain, b, range(1, n + 1), "sequential") for b in budgets}
+    simulated = []
+    real_simulate = baselines.simulate
+
+    def counting(*args):
+        simulated.append(1)
+        return real_simulate(*args)
+
+    monkeypatch.setattr(baselines, "simulate", counting)
+    counts = []
+    for budget in budgets:
+        simulated.clear()
+        plan = plan_sequential(chain, budget)
+        assert plan == full[budget] and plan.info == full[budget].info, budget
+        counts.append(len(simulated))
+    # near the least budget only counts that recompute much fit and most counts are
+    # still simulated; half way to the store-all peak a count recomputing little
+    # fits and ends the scan early (all n were simulated before)
+    assert counts[2] < n // 10, counts
+    simulated.clear()
+    with pytest.raises(InfeasibleError) as err:      # nothing fits: every count is tried
+        plan_sequential(chain, min(peaks) - 1)
+    assert err.value.min_feasible == min(peaks) and len(simulated) == n
+
+
 def test_compare_remat_leaves_out_only_revolve_on_chains_too_long_for_it(monkeypatch):
     # plan_revolve's Opt_0 table is refused beyond 2,712 stages (RtmemError), and
     # compare_remat did not catch it: the whole comparison failed although every
