@@ -334,7 +334,7 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
     """:func:`plan_remat`; ``baselines``: a dict (``{name: Plan or
     InfeasibleError}``, possibly empty) in which the baseline plans it needs are looked up and the
     ones it computes are left (:func:`compare_remat` shows them)."""
-    say = progress or (lambda msg: None)
+    say = progress if progress is not None else (lambda msg: None)
     check_chain(chain, "plan_remat")
     budget = as_budget(memory)
     slots = check_count("slots", slots)
@@ -446,7 +446,7 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
                                    min_feasible=None)
         return _plan_revolve(chain, memory)      # checked just above, once
 
-    say = progress or (lambda msg: None)
+    say = progress if progress is not None else (lambda msg: None)
     out = {}
     # rotor first: it refuses a too-large DP table before any baseline's
     # O(n^2) schedules (or Revolve's O(n^3) table) are built
