@@ -22,7 +22,7 @@ from .buffer import Buffer
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch,
-                    _check_group_hyper, _check_hyper, _check_num_threads,
+                    _check_group_hyper, _check_hyper, _check_moment, _check_num_threads,
                     _check_state_dict, _check_state_listed, _check_step_disjoint,
                     _check_switch_flags, _check_torch_layout, _checked_step,
                     _coefficients, _first_overlap, _host_view, _loaded, _named,
@@ -463,11 +463,13 @@ class CPUAdam(torch.optim.Optimizer):
         """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
         The state is copied into fresh contiguous float32 tensors, so the
         loaded dict is never aliased; each saved step must be an integer >= 0,
-        and each parameter's state must have both ``exp_avg`` and
-        ``exp_avg_sq`` (an Adamax state, with ``exp_inf``, is refused), and
-        each state's index must be listed by a group (torch's load drops the
-        state of an index it does not know, e.g. one a JSON round trip turned
-        into a string: refused here). Groups keep the saved
+        each moment finite and each second moment (``exp_avg_sq``,
+        ``max_exp_avg_sq``) >= 0 (torch.optim.Adam loads such a state, and its
+        next step makes the parameter NaN, silently), and each parameter's
+        state must have both ``exp_avg`` and ``exp_avg_sq`` (an Adamax state,
+        with ``exp_inf``, is refused), and each state's index must be listed
+        by a group (torch's load drops the state of an index it does not know,
+        e.g. one a JSON round trip turned into a string: refused here). Groups keep the saved
         ``decoupled_weight_decay`` (the class default where the dict has none;
         :class:`CPUAdamW`, like ``torch.optim.AdamW``, always decouples); a
         group without ``amsgrad`` or ``maximize`` (an older torch's dict) takes
@@ -547,8 +549,10 @@ class CPUAdam(torch.optim.Optimizer):
                             f"state {key} has shape {tuple(t.shape)} but its param "
                             f"has shape {tuple(p.shape)}; the state dict belongs to "
                             f"another model.", argument="state_dict")
-                    st[key] = t.detach().to(device="cpu", dtype=torch.float32).clone(
+                    held = t.detach().to(device="cpu", dtype=torch.float32).clone(
                         memory_format=torch.contiguous_format)
+                    _check_moment(f"group {gi} param {pi}", key, held.numpy())
+                    st[key] = held
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 

@@ -263,6 +263,33 @@ def _checked_step(step, where, limit=None, what="step") -> int:
     return count
 
 
+def _check_moment(where, key, values) -> None:
+    """OptimizerError naming ``where`` (the parameter) and ``key`` unless the
+    loaded moment ``values`` (the float32 numpy array the optimizer will hold,
+    so a float64 value beyond float32's range counts as the inf it becomes)
+    is finite everywhere and, for a second moment (``exp_avg_sq``,
+    ``max_exp_avg_sq``: running means of squared gradients), >= 0. The update
+    divides by its square root: a negative or NaN element made that parameter
+    element NaN at the next step, and an inf moment froze it or made it NaN,
+    silently (torch.optim.Adam loads such a state as it is). The optimizer's
+    own steps never write a negative second moment, and a step with inf/NaN
+    gradients is skipped under the finite check, so such a state is corrupt."""
+    values = np.asarray(values)
+    second = key != "exp_avg"
+    bad = ~np.isfinite(values)
+    if second:
+        bad |= values < 0
+    if not bad.any():
+        return
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    expected = "finite and >= 0 (a mean of squared gradients)" if second else "finite"
+    raise OptimizerError(
+        f"{where}: {key} has {int(bad.sum())} element(s) that are not {expected}, the "
+        f"first {float(values[first])!r} at index {first}; the next step would make "
+        f"the parameter NaN (or freeze it). The state dict is corrupt: load a "
+        f"checkpoint saved before it went bad.", argument="state_dict")
+
+
 def _named(where, exc, arguments):
     """``exc`` (an OptimizerError from the kernel's checks, which know an array
     only as "grad" or "out") again, prefixed with the parameter it is about and
@@ -528,7 +555,9 @@ class NumpyAdam:
         """Restore :meth:`state_dict` output, copying into the existing state arrays
         (their memory stays where it was allocated). ``hyper`` must hold every
         hyperparameter, with this optimizer's ``amsgrad``; each ``step`` must be an
-        integer >= 0. The skip counters are restored (0 and False from a dict
+        integer >= 0, each moment finite and each second moment (``exp_avg_sq``,
+        ``max_exp_avg_sq``) >= 0 (else the next step made the parameter NaN,
+        silently). The skip counters are restored (0 and False from a dict
         saved without them). A refused dict leaves the optimizer as it was."""
         if not isinstance(state_dict, dict) or not {"state", "hyper"} <= set(state_dict):
             raise OptimizerError("state_dict must be a dict with 'hyper' and 'state', as "
@@ -591,6 +620,8 @@ class NumpyAdam:
                         raise OptimizerError(f"param {i}: {key} has dtype {a.dtype}; "
                                              f"expected real floating point.",
                                              argument="state_dict")
+                    with np.errstate(over="ignore"):    # beyond float32: the inf held
+                        _check_moment(f"param {i}", key, a.astype(np.float32))
             checked.append((arrays, _checked_step(src.get("step"), f"param {i}")))
         skips = _saved_skips(state_dict)
         # Everything checked: copying can no longer fail half-way.

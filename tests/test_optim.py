@@ -1328,3 +1328,40 @@ def test_refusals_of_copies_name_the_callers_keyword_in_the_text():
     assert info.value.argument == "copies"
     with pytest.raises(OptimizerError, match=r"copies has dtype float64.*copy_format=\)"):
         opt.step(g, copies=[np.zeros(7, np.float64)])
+
+
+@pytest.mark.parametrize("key, bad", [("exp_avg_sq", -1e-3), ("exp_avg_sq", float("nan")),
+                                      ("exp_avg_sq", float("inf")), ("exp_avg", float("nan")),
+                                      ("exp_avg", -float("inf")), ("max_exp_avg_sq", -2.0),
+                                      ("exp_avg_sq", 1e39)])     # inf once in float32
+def test_load_state_dict_refuses_moments_the_step_would_turn_into_nan(key, bad):
+    # Loaded as given (as torch.optim.Adam loads them): the next step took the
+    # square root of a negative second moment, or divided by an inf/NaN one, and
+    # the parameter became NaN (or froze), silently.
+    gen = torch.Generator().manual_seed(31)
+    a = [torch.randn(s, generator=gen, dtype=torch.float64).float().requires_grad_()
+         for s in ((7, 3), (5,))]
+    opt = optim.CPUAdam(a, lr=0.1, amsgrad=True)
+    for p in a:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    sd = copy.deepcopy(good)
+    sd["state"][1][key] = sd["state"][1][key].double()
+    index = int(torch.randint(5, (), generator=gen))
+    sd["state"][1][key][index] = bad
+    old_groups, old_state = opt.param_groups, opt.state
+    with pytest.raises(OptimizerError, match=rf"group 0 param 1: {key} has 1 element\(s\) "
+                       rf"that are not finite.*at index \({index},\)") as info:
+        opt.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    assert opt.param_groups is old_groups and opt.state is old_state
+    for k, st in good["state"].items():
+        for name, v in st.items():
+            assert torch.equal(opt.state_dict()["state"][k][name], v), (k, name)
+    sd["state"][1][key][index] = 0.0            # a zero moment is a moment
+    opt.load_state_dict(sd)
+    for p in a:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in a)

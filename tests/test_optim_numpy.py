@@ -316,3 +316,33 @@ def test_numpy_adam_errors_name_the_param_and_the_keyword():
     with pytest.raises(OptimizerError, match=r"^params\[1\]: param is not C-contiguous"):
         optim.NumpyAdam([ok, np.ones(8, np.float32)[::2]])
     assert all((p == 1).all() for p in ps)
+
+
+@pytest.mark.parametrize("key, bad", [("exp_avg_sq", -1e-3), ("exp_avg_sq", np.nan),
+                                      ("exp_avg", np.inf), ("exp_avg", np.nan),
+                                      ("max_exp_avg_sq", -2.0), ("max_exp_avg_sq", 1e39)])
+def test_numpy_load_state_dict_refuses_moments_the_step_would_turn_into_nan(key, bad):
+    # Copied in as given: sqrt of a negative (or NaN) second moment made the
+    # parameter NaN at the next step, silently.
+    rng = np.random.default_rng(5)
+    ps = [rng.standard_normal(s).astype(np.float32) for s in ((3,), (2, 4))]
+    opt = optim.NumpyAdam(ps, lr=1e-2, amsgrad=True)
+    opt.step([rng.standard_normal(p.shape).astype(np.float32) for p in ps])
+    before = opt.state_dict()
+    bad_dict = opt.state_dict()
+    bad_dict["state"][1][key] = bad_dict["state"][1][key].astype(np.float64)
+    index = (int(rng.integers(2)), int(rng.integers(4)))
+    bad_dict["state"][1][key][index] = bad
+    bad_dict["state"][0]["step"] = 9
+    with pytest.raises(OptimizerError, match=rf"param 1: {key} has 1 element\(s\) that "
+                       rf"are not finite.*at index \({index[0]}, {index[1]}\)") as info:
+        opt.load_state_dict(bad_dict)
+    assert info.value.argument == "state_dict"
+    for st, ref in zip(opt.state, before["state"]):
+        assert st["step"] == ref["step"] == 1
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert st[name].tobytes() == ref[name].tobytes()
+    bad_dict["state"][1][key][index] = 0.0
+    opt.load_state_dict(bad_dict)
+    assert opt.step([rng.standard_normal(p.shape).astype(np.float32) for p in ps])
+    assert all(np.isfinite(p).all() for p in ps)

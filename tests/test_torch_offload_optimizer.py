@@ -1320,3 +1320,30 @@ def test_a_torch_dict_with_parameters_at_different_steps_counts_the_largest():
     off.load_state_dict(ref.state_dict())
     assert off.steps.tolist() == [3, 1] and off.step_count == 3
     off.close()
+
+
+@pytest.mark.parametrize("key, bad", [("exp_avg_sq", -1e-3), ("exp_avg_sq", float("nan")),
+                                      ("exp_avg", float("inf")), ("exp_avg", float("nan"))])
+def test_a_moment_the_next_step_would_turn_into_nan_is_refused(key, bad):
+    # Loaded into the host arena as given (torch.optim.Adam loads it too): the
+    # next step took sqrt of a negative second moment and the weight became NaN.
+    model = make_model()
+    off = OffloadedAdam(model.parameters(), lr=1e-2)
+    train(model, off, batches(1))
+    good = off.state_dict()
+    before = [a.copy() for a in (off.master, off.exp_avg, off.exp_avg_sq, off.steps)]
+    sd = copy.deepcopy(good)
+    gen = torch.Generator().manual_seed(7)
+    index = (int(torch.randint(8, (), generator=gen)), int(torch.randint(6, (), generator=gen)))
+    sd["state"][0][key][index] = bad
+    with pytest.raises(OptimizerError, match=rf"parameter 0: {key} has 1 element\(s\) that "
+                       rf"are not finite.*at index \({index[0]}, {index[1]}\)") as info:
+        off.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    after = (off.master, off.exp_avg, off.exp_avg_sq, off.steps)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    sd["state"][0][key][index] = 0.0
+    off.load_state_dict(sd)
+    train(model, off, batches(1, seed=2))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    off.close()

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from rtmem.errors import OptimizerError
-from rtmem.optim import (_check_adam_keys, _check_state_dict, _check_state_listed,
-                         _check_torch_layout, _checked_step, _loaded, _post_hooked,
-                         _pre_hooked, _saved_skips)
+from rtmem.optim import (_check_adam_keys, _check_moment, _check_state_dict,
+                         _check_state_listed, _check_torch_layout, _checked_step,
+                         _loaded, _post_hooked, _pre_hooked, _saved_skips)
 
 from ._offload_checks import _check_group
 
@@ -137,7 +137,9 @@ class _StateDict:
         ``master_step`` (a dict of an older rtmem) is of record. A master cast
         below float32 (``torch.optim.Adam``'s load casts its state to a bf16
         parameter's dtype) is read from the parameter, with a RuntimeWarning
-        that its extra precision was lost. A parameter
+        that its extra precision was lost. A moment with an inf or NaN element,
+        or an ``exp_avg_sq`` with a negative one, is refused (its next step
+        made the parameter NaN, silently, as torch.optim.Adam's does). A parameter
         whose data was replaced since construction (another dtype or size) is
         refused, as :meth:`step` refuses it. Everything is checked before
         anything changes; a refused load leaves the optimizer as it was.
@@ -222,7 +224,10 @@ class _StateDict:
                     cast.append((k, t.dtype))
                     arrays[k].append(None)       # read from the parameter
                     continue
-                arrays[k].append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
+                held = t.detach().reshape(-1).to("cpu", torch.float32).numpy()
+                if key != "master":     # weights may be anything; moments may not
+                    _check_moment(where, key, held.reshape(tuple(t.shape)))
+                arrays[k].append(held)
         counts = (_checked_step(state_dict.get("step_count", max(
                       [a[0] for a in arrays.values()], default=0)), "step_count"),
                   *_saved_skips(state_dict))
