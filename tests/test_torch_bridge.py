@@ -437,3 +437,40 @@ def test_new_gradient_buffers_start_from_zero_in_reused_memory(arena):
         assert torch.equal(p.grad, torch.zeros_like(p))         # none before: zeros
     assert torch.equal(emb.weight.grad, sparse)
     placement.release()
+
+
+def test_placed_parameters_keep_their_memory_format(arena):
+    # A channels_last weight came back row-major (the convolution chose other
+    # kernels; is_contiguous(memory_format=channels_last) turned False), and a
+    # transposed one contiguous; their gradients too.
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), torch.nn.Flatten(),
+                                torch.nn.Linear(5 * 4 * 4, 2))
+    model[0].to(memory_format=torch.channels_last)
+    model[2].weight.data = model[2].weight.data.t().contiguous().t()
+    model[2].weight.grad = torch.randn(model[2].weight.shape).t().contiguous().t()
+    grad = model[2].weight.grad.clone()
+    ref = copy.deepcopy(model)
+    strides = [p.stride() for p in model.parameters()]
+    placement = place_parameters(model, arena)
+    w = model[0].weight
+    assert w.is_contiguous(memory_format=torch.channels_last)
+    assert [p.stride() for p in model.parameters()] == strides
+    assert [p.grad.stride() for p in model.parameters()] == strides
+    assert placement.weights[w].shape == (5, 3, 3, 3)       # (N, H, W, C) in memory
+    np.testing.assert_array_equal(placement.weights[w].numpy(),
+                                  ref[0].weight.detach().permute(0, 2, 3, 1).numpy())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+        assert placement.weights[p].numpy().ctypes.data == p.data_ptr()
+    assert torch.equal(model[2].weight.grad, grad)
+    ref[2].weight.grad = grad
+    x = torch.randn(4, 3, 6, 6).to(memory_format=torch.channels_last)
+    for m in (model, ref):
+        m(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        assert p.grad.data_ptr() == placement.grads[p].numpy().ctypes.data   # in place
+    placement.release()
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert arena.stats().allocated_bytes == 0

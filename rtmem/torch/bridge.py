@@ -307,6 +307,26 @@ def _placement_of(p):
     return placement if placement is not None and p in placement.weights else None
 
 
+def _memory_order(t: torch.Tensor) -> list | None:
+    """The dimensions of ``t`` from outermost to innermost in memory when ``t``
+    is dense and non-overlapping but not row-major (a channels_last weight, a
+    transposed one), else None (row-major, or not dense: placed row-major)."""
+    if t.is_contiguous():
+        return None
+    # preserve_format keeps the strides of exactly the dense, non-overlapping
+    # layouts (torch's own test for them)
+    if torch.empty_like(t, device="meta").stride() != t.stride():
+        return None
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+def _view_like(buf: Buffer, like: torch.Tensor, order, **view) -> torch.Tensor:
+    """A tensor over ``buf`` with the shape and strides of ``like``: ``buf``
+    holds its elements in memory order, shaped ``like.permute(order)``."""
+    t = as_tensor(buf, dtype=like.dtype, **view)
+    return t if order is None else t.as_strided(like.shape, like.stride())
+
+
 def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
                      grad_arena=None, device_alias: bool = False) -> ModulePlacement:
     """Move ``module``'s parameters (and gradient buffers) into arena memory.
@@ -333,6 +353,13 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     mapped HostArena (GO-MemFerry, "gpu_go"). Returns a :class:`ModulePlacement`.
     All or nothing: if a buffer cannot be made, every parameter keeps its own
     tensors.
+
+    A parameter in another dense layout than row-major (a channels_last
+    convolution weight, a transposed one) keeps its strides, and so does its
+    gradient: its buffers hold the elements in memory order, shaped as they are
+    laid out (``(N, H, W, C)`` for a channels_last ``(N, C, H, W)`` weight), so
+    ``buf.numpy()`` reads them in that order. Other layouts (overlapping,
+    sliced) are placed row-major.
 
     Convert the module first (``module.half()``, ``.to(dtype)``, ``.to(device)``):
     a conversion after placing gives each parameter new data outside the arena,
@@ -387,16 +414,23 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     try:
         for p in dict.fromkeys(module.parameters()):   # shared parameters once
             before[p] = (p.data, p.grad)
-            buf = from_tensor(p.data, arena, kind="weight")
+            # A channels_last (or otherwise permuted) weight keeps its strides:
+            # made row-major, a convolution chose other kernels and
+            # is_contiguous(memory_format=torch.channels_last) turned False. Its
+            # buffer holds the same bytes, shaped in memory order.
+            order = _memory_order(p.data)
+            data = p.data if order is None else p.data.permute(order)
+            buf = from_tensor(data, arena, kind="weight")
             placement.weights[p] = buf
-            p.data = as_tensor(buf, dtype=p.dtype, device_alias=device_alias)
+            p.data = _view_like(buf, p.data, order, device_alias=device_alias)
             if grads and p.requires_grad:
                 # a frozen parameter keeps .grad None: optimizers skip only those
-                # (a zero gradient let weight decay and momentum move it)
+                # (a zero gradient let weight decay and momentum move it). Strided
+                # as the parameter, as autograd lays out the gradients it makes.
                 gbuf = grads_in.alloc(
-                    shape=tuple(p.shape), dtype=numpy_dtype(p.dtype), kind="gradient")
+                    shape=tuple(data.shape), dtype=numpy_dtype(p.dtype), kind="gradient")
                 placement.grads[p] = gbuf
-                g = as_tensor(gbuf, dtype=p.dtype, device_alias=grad_alias)
+                g = _view_like(gbuf, p.data, order, device_alias=grad_alias)
                 old = before[p][1]
                 if old is None:
                     g.zero_()
