@@ -474,3 +474,43 @@ def test_placed_parameters_keep_their_memory_format(arena):
     placement.release()
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert arena.stats().allocated_bytes == 0
+
+
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("convert", ["half", "float64"])
+def test_a_placed_module_converts_out_of_the_arena_as_documented(arena, swap, convert):
+    # With torch.__future__.set_swap_module_params_on_conversion(True), .half()
+    # and .to(dtype) swap each parameter's tensor in place
+    # (torch.utils.swap_tensors), which refuses a tensor with weak references:
+    # the placement's registry held one, and the conversion failed with
+    # "_apply(): Couldn't swap Linear.weight". Now it converts as without the
+    # flag: out of the arena, the buffers reserved until release().
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    placement = place_parameters(model, arena)
+    model(torch.randn(5, 4)).square().sum().backward()
+    params = list(model.parameters())
+    before = [(p.detach().clone(), p.grad.clone()) for p in params]
+    used = arena.stats().allocated_bytes
+    dtype = torch.float16 if convert == "half" else torch.float64
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        model.half() if convert == "half" else model.to(dtype)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+    assert list(model.parameters()) == params        # the same Parameter objects
+    for p, (data, grad) in zip(params, before):
+        assert p.dtype == p.grad.dtype == dtype
+        assert torch.equal(p, data.to(dtype)) and torch.equal(p.grad, grad.to(dtype))
+        assert p.data_ptr() != placement.weights[p].numpy().ctypes.data
+    assert arena.stats().allocated_bytes == used     # reserved until release()
+    with pytest.raises(ValueError, match="converted out of it.*release"):
+        place_parameters(model, arena)
+    placement.release()
+    assert arena.stats().allocated_bytes == 0
+    placement.release()                              # again: nothing to do
+    again = place_parameters(model, arena)            # converted, placed again
+    assert all(p.dtype == dtype for p in model.parameters())
+    again.release()
+    assert arena.stats().allocated_bytes == 0

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem._deferred import run_or_defer
 from rtmem.arena import is_arena
@@ -198,9 +197,22 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
     return t
 
 
-# parameter -> weak reference to the ModulePlacement that put it in an arena (keyed
-# by identity: tensors compare elementwise)
-_placed = WeakIdKeyDictionary()
+# id(parameter) -> weak reference to the ModulePlacement that put it in an arena.
+# Keyed by id, not by a weak reference to the parameter (a WeakIdKeyDictionary):
+# torch.utils.swap_tensors refuses a tensor that has weak references, so
+# module.half() / .to() under torch.__future__.set_swap_module_params_on_conversion
+# (True) failed on a placed module with "Couldn't swap Linear.weight". An id stays
+# its parameter's while the placement lives (its weights hold the parameter); the
+# entries go with release() or with the placement (_forget).
+_placed: dict = {}
+
+
+def _forget(ids, ref) -> None:
+    """Drop the ``_placed`` entries of the parameter ids ``ids`` still pointing
+    to the placement ``ref`` (a weak reference; a later placement's stay)."""
+    for i in ids:
+        if _placed.get(i) is ref:
+            del _placed[i]
 
 
 def _check_arena(arena, name: str) -> None:
@@ -269,8 +281,9 @@ class ModulePlacement:
             if grad is not None:
                 p.grad = grad
         bufs = [*self.weights.values(), *self.grads.values()]
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        detached = self._finalizer.detach() if self._finalizer is not None else None
+        if detached is not None:        # (placement, func, args, kwargs); None: done
+            _forget(*detached[2][1:])   # args: (buffers, ids, ref)
         self.weights.clear()
         self.grads.clear()
         _free_all(bufs)
@@ -287,7 +300,7 @@ def _free_all(bufs) -> None:
             pass
 
 
-def _free_dropped(bufs) -> None:
+def _free_dropped(bufs, ids, ref) -> None:
     """Free the buffers of a placement garbage-collected without ``release()``.
 
     The parameters then count as placed no more (:func:`_placement_of`), so the
@@ -296,13 +309,15 @@ def _free_dropped(bufs) -> None:
     parameter tensors still viewing its bytes (NOTE [ Pinned views ] in
     ``rtmem/buffer.py``), so the module keeps working meanwhile. May run inside
     a garbage collection: NOTE [ Frees from finalizers ] in rtmem/_deferred.py.
+    ``ids`` and ``ref``: the parameters' entries to :func:`_forget`.
     """
+    _forget(ids, ref)
     run_or_defer(lambda: _free_all(bufs))
 
 
 def _placement_of(p):
     """The live :class:`ModulePlacement` whose arena holds parameter ``p``, or None."""
-    ref = _placed.get(p)
+    ref = _placed.get(id(p))
     placement = ref() if ref is not None else None
     return placement if placement is not None and p in placement.weights else None
 
@@ -363,8 +378,9 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
 
     Convert the module first (``module.half()``, ``.to(dtype)``, ``.to(device)``):
     a conversion after placing gives each parameter new data outside the arena,
-    whose bytes stay reserved until :meth:`ModulePlacement.release`; to convert a
-    placed module, release it, convert, and place it again.
+    whose bytes stay reserved until :meth:`ModulePlacement.release` (also with
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``); to convert
+    a placed module, release it, convert, and place it again.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"place_parameters moves a torch.nn.Module's parameters, got "
@@ -454,9 +470,10 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
         raise
     ref = weakref.ref(placement)
     for p in placement.weights:
-        _placed[p] = ref
+        _placed[id(p)] = ref
     finalizer = weakref.finalize(
-        placement, _free_dropped, [*placement.weights.values(), *placement.grads.values()])
+        placement, _free_dropped, [*placement.weights.values(), *placement.grads.values()],
+        [id(p) for p in placement.weights], ref)
     finalizer.atexit = False     # the process gives everything back at exit
     placement._finalizer = finalizer
     return placement
