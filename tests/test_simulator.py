@@ -323,12 +323,15 @@ def test_wandering_schedules_of_long_chains_finish_without_recursion():
     simulate(chain, found, Platform(math.inf))
 
 
-@pytest.mark.parametrize("kwargs, match", [
+_BAD_WANDERING = [
     ({"chain": 0}, "stage count >= 1"), ({"chain": "3"}, "Chain or a stage count"),
     ({"chain": True}, "Chain or a stage count"),
     ({"chain": 3, "max_steps": -1}, "max_steps must be an integer >= 0"),
     ({"chain": 3, "max_steps": 2.5}, "max_steps must be an integer >= 0"),
-    ({"chain": 3, "max_steps": True}, "max_steps must be an integer >= 0")])
+    ({"chain": 3, "max_steps": True}, "max_steps must be an integer >= 0")]
+
+
+@pytest.mark.parametrize("kwargs, match", _BAD_WANDERING)
 def test_wandering_schedules_arguments_are_named(kwargs, match):
     from hypothesis import find
 
@@ -337,7 +340,7 @@ def test_wandering_schedules_arguments_are_named(kwargs, match):
              settings=settings(max_examples=1, database=None))
 
 
-@pytest.mark.parametrize("make, match", [
+_BAD_STRATEGY_CALLS = [
     # were an AttributeError ('int' object has no attribute 'n'), Hypothesis'
     # InvalidArgument and an OverflowError
     (lambda: valid_schedules(3), "valid_schedules: chain must be a Chain"),
@@ -356,12 +359,32 @@ def test_wandering_schedules_arguments_are_named(kwargs, match):
     # named "chains: need integers", a function the caller never called
     (lambda: simulation_cases(max_stages=0), "simulation_cases: need integers .* got 1, 0"),
     (lambda: simulation_cases(3, 2, wander=True), "simulation_cases: need integers"),
-])
+]
+
+
+@pytest.mark.parametrize("make, match", _BAD_STRATEGY_CALLS)
 def test_strategy_arguments_are_named(make, match):
     from hypothesis import find
 
     with pytest.raises(ValueError, match=match):
         find(make(), lambda s: True, settings=settings(max_examples=1, database=None))
+
+
+@pytest.mark.parametrize("make, match", [
+    *_BAD_STRATEGY_CALLS,
+    *((lambda kwargs=kwargs: wandering_schedules(**kwargs), match)
+      for kwargs, match in _BAD_WANDERING)])
+def test_strategy_arguments_are_refused_when_the_strategy_is_made(make, match):
+    # They were checked inside the composite strategies, so a bad argument
+    # raised only at the first draw, from deep inside Hypothesis's engine, and a
+    # strategy made at import time (a module constant, @given's argument) failed
+    # far from the call. Hypothesis users catch InvalidArgument for strategy
+    # arguments; a ValueError still, as before.
+    from hypothesis.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=match) as info:
+        make()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, RtmemError)
 
 
 def test_strategies_take_numpy_integers_as_every_planner_count_does():

@@ -8,7 +8,7 @@ import math
 from ..chain import Chain
 from ..platform import CHANNELS, Platform
 from ..schedule import Op, Schedule
-from .._validation import check_flags, is_int
+from ._arguments import StrategyArgumentError, check_flags, check_range, public_name
 from .reference import reference_simulate
 from .wandering import wandering_schedules
 
@@ -23,14 +23,6 @@ from hypothesis import strategies as st  # noqa: E402
 __all__ = ["chains", "platforms", "valid_schedules", "simulation_cases"]
 
 
-def _check_range(name, lo, hi, hint=""):
-    """``(lo, hi)`` as Python ints, for bounds ``1 <= lo <= hi``: ints or numpy
-    integers, as every count of the planners (a bool or a float is refused)."""
-    if not (is_int(lo) and is_int(hi)) or lo < 1 or hi < lo:
-        raise ValueError(f"{name}: need integers 1 <= min <= max, got {lo!r}, {hi!r}{hint}")
-    return int(lo), int(hi)
-
-
 @st.composite
 def _spread_ints(draw, max_exponent: int, allow_zero: bool = True):
     """Non-negative ints whose magnitude spans 10**0 .. 10**max_exponent."""
@@ -41,8 +33,7 @@ def _spread_ints(draw, max_exponent: int, allow_zero: bool = True):
     return mantissa * 10**exponent // 10
 
 
-@st.composite
-def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool | None = None,
+def chains(min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool | None = None,
            small: bool = False, weights: bool = True, overheads: bool = True):
     """Strategy for :class:`~rtmem.planners.Chain`.
 
@@ -63,10 +54,23 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
         are 0 or span 1 us .. 9.9 s (log-uniform).
     weights, overheads:
         Whether ``w`` and ``o_f``/``o_b`` may be non-zero.
+
+    Invalid arguments raise :class:`~hypothesis.errors.InvalidArgument` (also
+    a ValueError) when this is called, as for every strategy here.
     """
-    min_stages, max_stages = _check_range("chains", min_stages, max_stages)
+    # checked now: inside the composite they raised at the first draw, deep in
+    # Hypothesis's engine (the same for each strategy below)
+    min_stages, max_stages = check_range("chains", min_stages, max_stages)
     check_flags("chains", homogeneous=homogeneous, small=small, weights=weights,
                 overheads=overheads)
+    return _chains(min_stages=min_stages, max_stages=max_stages, homogeneous=homogeneous,
+                   small=small, weights=weights, overheads=overheads)
+
+
+@st.composite
+@public_name("chains")
+def _chains(draw, min_stages=1, max_stages=8, *, homogeneous=None, small=False, weights=True,
+            overheads=True):
     homo = draw(st.booleans()) if homogeneous is None else homogeneous
     if small:
         size = st.integers(0, 12)
@@ -91,15 +95,19 @@ def chains(draw, min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool 
                  x0=x0, u_loss=u_loss, o_loss=o_loss, name="hypothesis")
 
 
-@st.composite
-def platforms(draw, min_memory: int = 1, max_memory: int = 2**40):
+def platforms(min_memory: int = 1, max_memory: int = 2**40):
     """Strategy for :class:`~rtmem.planners.Platform` (memory in bytes, bandwidth in
     bytes/s log-uniform from 1 kB/s to 990 TB/s, or infinite; either channel model)."""
-    # integers only: a float bound raised Hypothesis' InvalidArgument, and an
-    # infinite one an OverflowError
-    min_memory, max_memory = _check_range(
+    # integers only: an infinite bound raised an OverflowError
+    min_memory, max_memory = check_range(
         "platforms", min_memory, max_memory,
         " for min_memory, max_memory (max_memory defaults to 2**40 bytes)")
+    return _platforms(min_memory=min_memory, max_memory=max_memory)
+
+
+@st.composite
+@public_name("platforms")
+def _platforms(draw, min_memory=1, max_memory=2**40):
     memory = draw(st.integers(min_memory, max_memory))
     bandwidth = draw(st.one_of(st.just(math.inf), _spread_ints(11, allow_zero=False)
                                .map(lambda v: max(v, 1) * 1e3)))
@@ -181,8 +189,7 @@ def _tensor_events(ops, n):
     return events
 
 
-@st.composite
-def valid_schedules(draw, chain: Chain, *, transfers: bool = True):
+def valid_schedules(chain: Chain, *, transfers: bool = True):
     """Strategy for schedules of ``chain`` that are valid with enough memory.
 
     The compute part is a random persistent rematerialization sequence; when
@@ -200,8 +207,14 @@ def valid_schedules(draw, chain: Chain, *, transfers: bool = True):
     if not isinstance(chain, Chain):
         # chain.n raised a bare AttributeError, e.g. for the stage count that
         # wandering_schedules takes
-        raise ValueError(f"valid_schedules: chain must be a Chain, got {chain!r}")
+        raise StrategyArgumentError(f"valid_schedules: chain must be a Chain, got {chain!r}")
     check_flags("valid_schedules", transfers=transfers)
+    return _valid_schedules(chain, transfers=transfers)
+
+
+@st.composite
+@public_name("valid_schedules")
+def _valid_schedules(draw, chain, *, transfers=True):
     n = chain.n
     ops = draw(_persistent_compute(n))
     if not transfers:
@@ -247,8 +260,7 @@ def valid_schedules(draw, chain: Chain, *, transfers: bool = True):
     return Schedule.from_ops(woven)
 
 
-@st.composite
-def simulation_cases(draw, min_stages: int = 1, max_stages: int = 8, *,
+def simulation_cases(min_stages: int = 1, max_stages: int = 8, *,
                      transfers: bool = True, small: bool = False, wander: bool = False):
     """Strategy for ``(chain, schedule, platform)`` that simulate without error.
 
@@ -262,8 +274,16 @@ def simulation_cases(draw, min_stages: int = 1, max_stages: int = 8, *,
     with ``wander``).
     """
     # checked here too: through chains() a bad range was reported as "chains: ..."
-    min_stages, max_stages = _check_range("simulation_cases", min_stages, max_stages)
+    min_stages, max_stages = check_range("simulation_cases", min_stages, max_stages)
     check_flags("simulation_cases", transfers=transfers, small=small, wander=wander)
+    return _simulation_cases(min_stages=min_stages, max_stages=max_stages,
+                             transfers=transfers, small=small, wander=wander)
+
+
+@st.composite
+@public_name("simulation_cases")
+def _simulation_cases(draw, min_stages=1, max_stages=8, *, transfers=True, small=False,
+                      wander=False):
     chain = draw(chains(min_stages, max_stages, small=small))
     schedule = draw(wandering_schedules(chain, transfers=transfers, weights=transfers)
                     if wander else valid_schedules(chain, transfers=transfers))

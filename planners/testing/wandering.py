@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from ..chain import Chain
 from ..schedule import Op, Schedule
-from .._validation import check_flags, is_int
+from .._validation import is_int
+from ._arguments import StrategyArgumentError, check_flags, public_name
 
 from rtmem._optional import require
 
@@ -171,8 +172,7 @@ class _Walk:
             k, op = s, Op.F_CK     # s > 0: a_0 is never lost (_keeps_a0)
 
 
-@st.composite
-def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = None,
+def wandering_schedules(chain: Chain | int, *, max_steps: int | None = None,
                         transfers: bool = True, weights: bool = True):
     """Strategy for schedules of ``chain`` (a :class:`~rtmem.planners.Chain` or a
     stage count) that the simulator accepts with enough memory, drawn by a
@@ -188,18 +188,29 @@ def wandering_schedules(draw, chain: Chain | int, *, max_steps: int | None = Non
     choice 0, so failures shrink toward the shortest schedule. ``transfers``
     allows activation offload / delete / prefetch, ``weights`` weight and
     gradient moves. Each step takes a draw from Hypothesis's input buffer: keep
-    chains to a few dozen stages.
+    chains to a few dozen stages. Invalid arguments raise
+    :class:`~hypothesis.errors.InvalidArgument` (also a ValueError) when this
+    is called.
     """
     check_flags("wandering_schedules", transfers=transfers, weights=weights)
     n = chain.n if isinstance(chain, Chain) else chain
     if not is_int(n) or n < 1:
-        raise ValueError(f"wandering_schedules: chain must be a Chain or a stage count "
-                         f">= 1, got {chain!r}")
+        raise StrategyArgumentError(f"wandering_schedules: chain must be a Chain or a "
+                                    f"stage count >= 1, got {chain!r}")
     steps = 6 * n + 8 if max_steps is None else max_steps
     if not is_int(steps) or steps < 0:
-        raise ValueError(f"wandering_schedules: max_steps must be an integer >= 0, "
-                         f"got {max_steps!r}")
-    n, steps = int(n), int(steps)
+        raise StrategyArgumentError(f"wandering_schedules: max_steps must be an integer "
+                                    f">= 0, got {max_steps!r}")
+    return _wandering_schedules(chain, max_steps=max_steps, transfers=transfers,
+                                weights=weights)
+
+
+@st.composite
+@public_name("wandering_schedules")
+def _wandering_schedules(draw, chain, *, max_steps=None, transfers=True, weights=True):
+    # the arguments as given (the strategy's repr shows them), checked above
+    n = int(chain.n if isinstance(chain, Chain) else chain)
+    steps = 6 * n + 8 if max_steps is None else int(max_steps)
     walk, ops = _Walk(n), []
     for _ in range(draw(st.integers(0, steps))):
         greedy = walk.progress()
