@@ -8,7 +8,6 @@ import math
 from ..chain import Chain
 from ..platform import CHANNELS, Platform
 from ..schedule import Op, Schedule
-from ._arguments import StrategyArgumentError, check_flags, check_range, public_name
 from .reference import reference_simulate
 from .wandering import wandering_schedules
 
@@ -19,6 +18,7 @@ from . import HYPOTHESIS_MISSING
 require("hypothesis", HYPOTHESIS_MISSING)   # before the import that fails bare
 
 from hypothesis import strategies as st  # noqa: E402
+from ._arguments import StrategyArgumentError, check_flags, check_range, public_name  # noqa: E402 (needs hypothesis)
 
 __all__ = ["chains", "platforms", "valid_schedules", "simulation_cases"]
 

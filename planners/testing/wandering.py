@@ -21,7 +21,6 @@ from __future__ import annotations
 from ..chain import Chain
 from ..schedule import Op, Schedule
 from .._validation import is_int
-from ._arguments import StrategyArgumentError, check_flags, public_name
 
 from rtmem._optional import require
 
@@ -30,6 +29,7 @@ from . import HYPOTHESIS_MISSING
 require("hypothesis", HYPOTHESIS_MISSING)   # before the import that fails bare
 
 from hypothesis import strategies as st  # noqa: E402
+from ._arguments import StrategyArgumentError, check_flags, public_name  # noqa: E402 (needs hypothesis)
 
 __all__ = ["wandering_schedules"]
 
