@@ -40,7 +40,7 @@ do not: ``from rtmem.planners.testing import brute_force_remat`` works without i
 # What the strategies say when hypothesis is missing (strategies.py and
 # wandering.py raise it on import): their own bare "No module named
 # 'hypothesis'" named no extra.
-HYPOTHESIS_MISSING = ("rtmem.planners.testing's strategies need hypothesis: pip install "
+_HYPOTHESIS_MISSING = ("rtmem.planners.testing's strategies need hypothesis: pip install "
                       "hypothesis (or 'rtmem[test]', which has it)")
 
 from .bruteforce import brute_force_multichain, brute_force_remat  # noqa: E402

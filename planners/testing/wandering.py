@@ -24,9 +24,9 @@ from .._validation import is_int
 
 from rtmem._optional import require
 
-from . import HYPOTHESIS_MISSING
+from . import _HYPOTHESIS_MISSING
 
-require("hypothesis", HYPOTHESIS_MISSING)   # before the import that fails bare
+require("hypothesis", _HYPOTHESIS_MISSING)   # before the import that fails bare
 
 from hypothesis import strategies as st  # noqa: E402
 from ._arguments import StrategyArgumentError, check_flags, public_name  # noqa: E402 (needs hypothesis)
