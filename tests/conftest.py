@@ -22,6 +22,15 @@ def pytest_configure(config):
     # Every ScheduleExecutor step in the suite checks its running byte count
     # against a full recount after each operation (rtmem/torch/executor.py).
     os.environ.setdefault("RTMEM_CHECK_ACCOUNTING", "1")
+    # NOTE [ Idle OpenMP threads sleep in the suite ]: torch's OpenMP pool (one
+    # thread per core) busy-waits after each parallel op by default. With
+    # `pytest -n 2` on two cores, every worker's idle threads spun on the cores
+    # the other worker needed: the torch tests burned about twice their CPU time
+    # (test_loss_curves_match_torch_adam: 33 s user+sys, 15 s with PASSIVE).
+    # PASSIVE only changes how an idle thread waits, not how many threads run
+    # or what they compute. Set before torch is imported (libgomp reads it
+    # when loaded), and inherited by the suite's subprocesses.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # No timing assertions, hypothesis's per-example deadline (200 ms) included:
     # a test's first example may compile numba functions (673 ms, and the test
     # failed when run alone, where another test had not compiled them first).
