@@ -597,6 +597,26 @@ def test_resnet_model_widths_double_and_later_groups_downsample():
     assert y.shape == (2,)
 
 
+def test_importing_and_stepping_load_no_torchdynamo():
+    # the unpack hook's torch.compiler.disable ran at import and loaded
+    # torch._dynamo: import rtmem.torch cost twice import torch, in every process
+    from _subprocess import run_ok
+    run_ok("""
+        import sys, torch
+        from torch import nn
+        from rtmem.planners import Schedule
+        from rtmem.torch import ScheduleExecutor
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        sched = Schedule.from_text(
+            "F_ck 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, F_all 0, B 0")
+        ScheduleExecutor(model, sched, nn.functional.mse_loss).step(
+            torch.randn(3, 4), torch.randn(3, 1))
+        assert model[0].weight.grad is not None
+        assert "torch._dynamo" not in sys.modules, "torch._dynamo was loaded"
+        print("ok")
+    """)
+
+
 def test_gradients_equal_plain_autograd_under_compiled_autograd():
     # Compiled autograd calls the saved-tensor unpack hooks from the backward
     # graph it compiles: traced by dynamo, their version checks read the traced

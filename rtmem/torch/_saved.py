@@ -12,6 +12,8 @@ measures the collector's cost per step).
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 
 import torch
 from torch.nn.utils import parametrize
@@ -134,11 +136,30 @@ class _SavedHooks:
             src = buf
         return src.as_strided(size, stride, offset)
 
-    # Kept out of TorchDynamo: under compiled autograd the backward graph calls
-    # the unpack hook, and traced, its version-counter checks read the traced
-    # tensors' counters and refused every step ("'4.weight' ... was modified in
-    # place afterwards"); run eagerly it re-derives and checks the real tensors.
-    unpack = torch.compiler.disable(unpack)
+    def unpack_hook(self):
+        """:meth:`unpack` as the hook to register, kept out of TorchDynamo once
+        TorchDynamo is loaded: under compiled autograd the backward graph calls
+        the unpack hook, and traced, its version-counter checks read the traced
+        tensors' counters and refused every step ("'4.weight' ... was modified in
+        place afterwards"); run eagerly it re-derives and checks the real tensors.
+
+        Asked per stage forward, not at import: ``torch.compiler.disable``
+        imports torch._dynamo, which doubled the cost of ``import rtmem.torch``
+        (3.6 s of CPU over torch's own 3.5 s) in every process, DataLoader
+        workers and CLI runs included. Compiled autograd and torch.compile load
+        TorchDynamo before any backward they trace, so while it is not loaded
+        no trace can meet this hook."""
+        global _eager_unpack
+        if "torch._dynamo" not in sys.modules:
+            return self.unpack
+        if _eager_unpack is None:
+            _eager_unpack = torch.compiler.disable(_SavedHooks.unpack)
+        return functools.partial(_eager_unpack, self)
+
+
+#: :meth:`_SavedHooks.unpack` under ``torch.compiler.disable``, made on first need
+#: (:meth:`_SavedHooks.unpack_hook`).
+_eager_unpack = None
 
 
 def casts_outlive_forward(device_type: str) -> bool:

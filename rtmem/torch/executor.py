@@ -709,8 +709,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
 
     def _forward_all(self, i: int, x: torch.Tensor):
         hooks = _SavedHooks(self, i, x)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack,
-                                                                           hooks.unpack):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                hooks.pack, hooks.unpack_hook()):
             leaf, arg = _stage_input(x, needs_grad=self._needs_grad[i])
             y = self._run_stage(i, arg)
         # a tensor that requires grad read from outside what the executor sees:
