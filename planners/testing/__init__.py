@@ -35,6 +35,15 @@ Oracles
 
 The strategies require ``hypothesis`` (``pip install rtmem[test]``); the oracles
 do not: ``from rtmem.planners.testing import brute_force_remat`` works without it.
+
+Time to a failing example: each drawn case costs tens of milliseconds, and
+after shrinking hypothesis's *explain* phase replays variations of the minimal
+case. Measured on a planted failure of ``simulation_cases(1, 8)`` (median of 3,
+``max_examples=200``): 61 s to the report with the default phases, 1.9 s
+without explain. While iterating on a failure, leave it out::
+
+    from hypothesis import Phase, settings
+    @settings(deadline=None, phases=[p for p in Phase if p is not Phase.explain])
 """
 
 # What the strategies say when hypothesis is missing (strategies.py and
