@@ -21,8 +21,18 @@ def _numba_info() -> dict:
     try:
         import numba
         info["numba"] = numba.__version__
-    except ImportError:
+    except ImportError as exc:
         info["numba"] = None
+        # numba refuses, with an ImportError, a numpy (or Python) newer than it
+        # supports ("Numba needs NumPy 2.4 or less"): the report said "not
+        # installed" and sent users to install what they had. Say which numba is
+        # there and why it does not import.
+        try:
+            from importlib.metadata import version
+            info["numba_installed"] = version("numba")
+        except Exception:   # really not installed
+            return info
+        info["numba_error"] = f"{type(exc).__name__}: {exc}"
         return info
     try:
         from importlib.metadata import version
@@ -95,6 +105,13 @@ def _lines(r: dict) -> list[str]:
                    f"{'yes' if dev['can_map_host_memory'] else 'no'}")
     if not cuda.get("devices"):
         out.append("gpu              none found")
+    if r.get("numba_error"):
+        # installed but refused to import: numba-cuda is unusable too
+        out.append(f"numba            {r.get('numba_installed')} is installed but does not "
+                   f"import: kernels and CPU Adam cannot run")
+        out.append(f"  ! {r['numba_error']} (install a numba release that supports "
+                   f"this numpy and Python)")
+        return out + _pinned_lines(r)
     out.append(f"numba            {r.get('numba') or 'not installed'}")
     nc = r.get("numba_cuda") or "numba's built-in numba.cuda"
     nvvm = {True: "yes", False: "no (kernels cannot compile)", None: "unknown"}[
@@ -109,14 +126,18 @@ def _lines(r: dict) -> list[str]:
     if r.get("numba_cuda_nvvm_error"):
         out.append(f"  ! {r['numba_cuda_nvvm_error']} (set CUDA_HOME to a CUDA toolkit "
                    f"that has nvvm/, or install the nvidia-nvvm wheel)")
+    return out + _pinned_lines(r)
+
+
+def _pinned_lines(r: dict) -> list[str]:
+    cuda = r["cuda"]
     lim = cuda.get("memlock_limit_bytes")
     avail = cuda.get("host_available_bytes")
     # cudaHostAlloc pins through the driver, bounded by host memory; RLIMIT_MEMLOCK
     # bounds mlock / cudaHostRegister of existing memory.
-    out.append(f"pinned limit     host available {format_bytes(avail) if avail else 'unknown'} "
-               f"(cudaHostAlloc); memlock rlimit "
-               f"{'unlimited' if lim is None else format_bytes(lim)} (mlock, cudaHostRegister)")
-    return out
+    return [f"pinned limit     host available {format_bytes(avail) if avail else 'unknown'} "
+            f"(cudaHostAlloc); memlock rlimit "
+            f"{'unlimited' if lim is None else format_bytes(lim)} (mlock, cudaHostRegister)"]
 
 
 def run(args) -> int:

@@ -83,6 +83,28 @@ def test_doctor_names_the_cuda_simulator(monkeypatch):
     assert "CUDA simulator" in line and "usable" not in line
 
 
+def test_doctor_says_why_an_installed_numba_does_not_import(monkeypatch, tmp_path):
+    # numba refuses a numpy newer than it supports with an ImportError ("Numba
+    # needs NumPy 2.4 or less"): the report said "numba  not installed".
+    from importlib.metadata import version
+
+    from rtmem import doctor
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    (tmp_path / "numba").mkdir()        # a numba whose version check fails, first on the path
+    (tmp_path / "numba" / "__init__.py").write_text(
+        'raise ImportError("Numba needs NumPy 2.4 or less. Got NumPy 2.5.")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "numba")       # put back after the test
+    report = doctor.collect()
+    assert report["numba"] is None and report["numba_installed"] == version("numba")
+    assert report["numba_error"] == "ImportError: Numba needs NumPy 2.4 or less. Got NumPy 2.5."
+    text = "\n".join(doctor._lines(report))
+    assert "not installed\n" not in text and "numba-cuda" not in text
+    assert f"numba            {version('numba')} is installed but does not import" in text
+    assert f"  ! {report['numba_error']} (install a numba release" in text
+    assert "pinned limit" in text
+
+
 def _report(**changes):
     report = {"RTMEM_BACKEND": None, "backend": "host", "backends": ["host", "cuda"],
               "gpu_usable": False, "numba": "0.61.0", "numba_cuda": None,
