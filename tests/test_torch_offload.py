@@ -456,6 +456,33 @@ def test_overlapping_parameter_is_refused():
         OffloadedAdam([torch.nn.Parameter(torch.randn(2)), shared])
 
 
+@pytest.mark.parametrize("swap", [True, False])
+def test_a_module_converted_after_construction_is_refused_at_the_step(monkeypatch, swap):
+    # torch.utils.swap_tensors (.half() under set_swap_module_params_on_conversion)
+    # refuses a tensor with weak references, and the registry of which optimizer
+    # owns a parameter held one: the conversion itself failed with torch's
+    # "_apply(): Couldn't swap Linear.weight". Now it converts as without the
+    # flag, and the step says what to do
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    off = OffloadedAdam(net.parameters(), lr=0.1)
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        net.half()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+    assert net.weight.dtype == torch.float16
+    net(torch.randn(2, 4, dtype=torch.float16)).square().sum().backward()
+    with pytest.raises(OptimizerError, match="parameter 0 .*replaced.*new OffloadedAdam"):
+        off.step()
+    with pytest.raises(OptimizerError, match="another open OffloadedAdam"):
+        OffloadedAdam(net.parameters())         # still this one's until close()
+    off.close()
+    OffloadedAdam(net.parameters(), lr=0.1).close()
+
+
 def test_replaced_parameter_refused_before_any_change(monkeypatch):
     # a step that cannot upload must be refused before the master weights,
     # moments or step counts change (they would disagree with the device copy)

@@ -15,16 +15,19 @@ import signal
 import threading
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from rtmem._deferred import run_or_defer
 
 from ._stages import SUMS_PARTIAL_GRADIENTS
 
-# parameter -> weak reference to the open OffloadedAdam whose hook flushes its
-# gradient: a second optimizer's hook would find p.grad already taken. (Keyed by
-# identity: tensors compare elementwise.)
-_owners = WeakIdKeyDictionary()
+# id(parameter) -> weak reference to the open OffloadedAdam whose hook flushes
+# its gradient: a second optimizer's hook would find p.grad already taken.
+# Keyed by id, not weakly by the tensor: torch.utils.swap_tensors (module.half()
+# under torch.__future__.set_swap_module_params_on_conversion(True)) refuses a
+# tensor that has a weak reference ("Couldn't swap Linear.weight"). An id cannot
+# be reused while its entry stands: the optimizer, and after it its finalizer,
+# hold the parameters until _disown removes their entries.
+_owners: dict[int, object] = {}
 
 
 def _hook(ref, k: int):
@@ -61,15 +64,15 @@ def _data_parallel() -> bool:
 def _held_by_open_optimizer(p) -> bool:
     """Whether an open OffloadedAdam updates ``p`` (and takes its gradients to
     the host, in backward or at its step)."""
-    owner = _owners.get(p)
+    owner = _owners.get(id(p))
     return owner is not None and owner() is not None
 
 
 def _disown(params, ref) -> None:
     """Forget the parameters ``ref`` (an optimizer's weak reference) owns."""
     for p in params:
-        if _owners.get(p) is ref:
-            del _owners[p]
+        if _owners.get(id(p)) is ref:
+            del _owners[id(p)]
 
 
 def _drop(hooks, params, ref, arena, bufs=(), streams=None) -> None:

@@ -396,7 +396,7 @@ class OffloadedAdam(_Gradients, _ChunkedUpdate, _StateDict, torch.optim.Optimize
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     _hook(self._ref, k)))
         for p in self.params:
-            _owners[p] = self._ref
+            _owners[id(p)] = self._ref
 
     # ------------------------------------------------------------ internals
     def _span(self, k: int) -> tuple:
