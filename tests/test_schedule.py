@@ -293,3 +293,109 @@ def test_operation_and_activation_names_are_read_in_any_case_and_aux_may_be_bool
     # aux is a flag (a: False, abar: True): a bool array is read as 0 and 1
     s = Schedule([int(Op.OFFLOAD), int(Op.DELETE)], [1, 1], np.array([True, False]))
     assert str(s) == "offload abar1, delete a1"
+
+
+def _isin_validation(op, stage, aux):
+    """Schedule's array checks as they were with np.isin (before the table lookup
+    by operation code): the reference the new checks must match, error for error.
+    Takes 1-D int64 arrays of one length; returns the stored (op, stage, aux)."""
+    from rtmem.planners.schedule import ACTIVATION_OPS
+    valid = np.isin(op, [int(o) for o in Op])
+    if not valid.all():
+        k = int(np.flatnonzero(~valid)[0])
+        raise ScheduleError(
+            f"op {k}: unknown operation code {int(op[k])}; valid codes are "
+            f"{[f'{o.name}={int(o)}' for o in Op]}", op_index=k, reason="unknown-op")
+    if (stage < 0).any():
+        k = int(np.flatnonzero(stage < 0)[0])
+        raise ScheduleError(f"op {k}: negative stage index {int(stage[k])}",
+                            op_index=k, reason="stage-range")
+    if (stage >= 2**31).any():
+        k = int(np.flatnonzero(stage >= 2**31)[0])
+        raise ScheduleError(f"op {k}: stage index {int(stage[k])} is beyond any chain "
+                            f"(at most 2**31 - 1)", op_index=k, reason="stage-range")
+    stage = np.where(op == int(Op.LOSS), 0, stage)
+    is_act = np.isin(op, [int(o) for o in ACTIVATION_OPS])
+    bad = ~np.isin(aux, (0, 1)) | ((aux != 0) & ~is_act)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise ScheduleError(
+            f"op {k}: aux = {int(aux[k])} is invalid; aux is 0 (a) or 1 (abar) for "
+            "delete/offload/prefetch and 0 for every other operation",
+            op_index=k, reason="malformed")
+    bad = is_act & (aux == 1) & (stage == 0)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise ScheduleError(f"op {k}: abar0 does not exist (abar_0 = a_0 by "
+                            "convention); write a0", op_index=k, reason="malformed")
+    return op.astype(np.int8), stage.astype(np.int32), aux.astype(np.int8)
+
+
+def _same_as_isin_validation(op, stage, aux):
+    """Schedule(op, stage, aux) accepts what the np.isin checks accepted, storing
+    the same arrays, and refuses the rest with the same error: type, message,
+    op_index and reason. Returns the reference's error (None when accepted)."""
+    op, stage = np.asarray(op, np.int64), np.asarray(stage, np.int64)
+    ref_aux = np.zeros_like(op) if aux is None else np.asarray(aux, np.int64)
+    try:
+        want = _isin_validation(op, stage, ref_aux)
+    except ScheduleError as e:
+        with pytest.raises(ScheduleError) as info:
+            Schedule(op, stage, aux)
+        got = info.value
+        assert (type(got), str(got), got.op_index, got.reason) == (
+            type(e), str(e), e.op_index, e.reason)
+        return e
+    s = Schedule(op, stage, aux)
+    for a, b in zip((s.op, s.stage, s.aux), want):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    return None
+
+
+# Every refusal of the array checks in this file, and one of each kind besides
+_ARRAY_REFUSALS = [
+    ([0, 99], [0, 0], None), ([0], [-1], None), ([int(Op.B)], [0], [1]),
+    ([int(Op.DELETE)], [0], [1]), ([0], [2**31], None), ([0, 0], [2**31, -1], None),
+    ([2, 2, 2, 3, 4, 4, 4], [0, 1, 4294967298, 0, 2, 1, 0], None),
+    ([-1], [0], None), ([12], [0], None), ([-2**63], [0], None), ([2**62], [0], None),
+    ([0], [-2**63], None), ([int(Op.OFFLOAD)], [1], [2]), ([int(Op.OFFLOAD)], [1], [-1]),
+    ([int(Op.LOSS)], [7], [1]), ([int(Op.LOSS), int(Op.PREFETCH)], [7, 0], [0, 1]),
+]
+
+
+@pytest.mark.parametrize("op, stage, aux", _ARRAY_REFUSALS)
+def test_array_checks_refuse_as_the_isin_checks_did(op, stage, aux):
+    assert _same_as_isin_validation(op, stage, aux) is not None
+
+
+def test_array_checks_match_the_isin_checks_on_random_arrays():
+    # Codes and indices mostly valid, each with a 1 in 25 chance of an edge of its
+    # check: unknown codes either side of the known ones, negative and int32-wrapping
+    # stages, aux beyond 0/1 or set on an operation that is not delete/offload/
+    # prefetch; abar0 and a stage given with the loss come up among the valid values
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    codes = np.array([int(o) for o in Op])
+    edges = {"op": np.array([-2**63, -1, max(Op) + 1, 32, 99, 2**63 - 1]),
+             "stage": np.array([-2**63, -1, 2**31 - 1, 2**31, 2**62]),
+             "aux": np.array([-1, 2, 2**62])}
+
+    def draw(name, n, valid):
+        edge = rng.random(n) < 1 / 25
+        return np.where(edge, rng.choice(edges[name], n), valid).astype(np.int64)
+
+    reasons = {}
+    for _ in range(1000):
+        n = int(rng.integers(0, 10))
+        op = draw("op", n, rng.choice(codes, n))
+        stage = draw("stage", n, rng.integers(0, 4, n))
+        aux = None if rng.random() < 0.2 else draw("aux", n, rng.integers(0, 2, n))
+        err = _same_as_isin_validation(op, stage, aux)
+        # the check that refused: its reason and the message's first two words
+        key = None if err is None else (err.reason, *str(err).split(": ", 1)[1].split()[:2])
+        reasons[key] = reasons.get(key, 0) + 1
+    # every outcome came up, so each was compared (seed given to replay a failure)
+    assert set(reasons) == {None, ("unknown-op", "unknown", "operation"),
+                            ("stage-range", "negative", "stage"), ("stage-range", "stage", "index"),
+                            ("malformed", "aux", "="), ("malformed", "abar0", "does")}, \
+        (seed, reasons)
