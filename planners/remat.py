@@ -45,8 +45,11 @@ DEFAULT_SLOTS = 500
 #: Largest C_MP table plan_remat allocates, bytes.
 MAX_TABLE_BYTES = 2 * 2**30
 #: Longest chain on which plan_remat also tries Revolve's schedules: plan_revolve
-#: simulates one schedule per slot count, the smallest with ~n^2/2 operations, which
-#: takes ~0.5 s for resnet1001's 335 stages and grows as n^3.
+#: fills an O(n^3) table, then simulates one schedule per slot count, the smallest
+#: with ~n^2/2 operations. With every slot count simulated (nothing fits), CPU time
+#: on one core of a loaded 2-core machine, median of 3: 0.16 s for resnet1001's 335
+#: stages, 0.22 s for 400, 0.5 s for 600, 0.8 s for 800, 2.4-3.3 s for 1,200 (where
+#: the table's n^3 takes over). At half the store-all peak resnet1001 takes 0.02 s.
 REVOLVE_MAX_STAGES = 400
 #: plan_remat's retries with finer slots stop at this many times the slots asked
 #: (and at MAX_TABLE_BYTES): 32,000 slots by default, enough for exact bytes on

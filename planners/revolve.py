@@ -340,8 +340,9 @@ def plan_revolve(chain: Chain, memory) -> Plan:
     Cost: the Opt_0 table, O(n^3), then one schedule (up to ~n^2/2 operations) built
     and simulated per slot count until the first one (n + 2 slots) fits; on a tight
     budget all n of them. Measured (CPU time, one core of a loaded 2-core machine)
-    with no slot count fitting: 0.43 s for 400 stages (3.8 s when the schedules
-    were built as Python objects)."""
+    with no slot count fitting: 0.27 s for 400 stages (0.42 s in the same run with
+    Schedule's np.isin checks, 3.8 s when the schedules were built as Python
+    objects)."""
     check_chain(chain, "plan_revolve")
     longest = _too_long(chain)
     if longest is not None:
