@@ -333,10 +333,13 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
     return _plan_remat(chain, memory, slots, slot_bytes, progress, {})
 
 
-def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
+def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines,
+                caller: str = "plan_remat", stacklevel: int = 3) -> Plan:
     """:func:`plan_remat`; ``baselines``: a dict (``{name: Plan or
     InfeasibleError}``, possibly empty) in which the baseline plans it needs are looked up and the
-    ones it computes are left (:func:`compare_remat` shows them)."""
+    ones it computes are left (:func:`compare_remat` shows them). ``caller`` and
+    ``stacklevel``: the public function the slow-solve warning names and the
+    frames up to its caller, at whose line the warning points."""
     say = progress if progress is not None else (lambda msg: None)
     check_chain(chain, "plan_remat")
     budget = as_budget(memory)
@@ -366,7 +369,7 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines) -> Plan:
     # (finer retries near the least budget can add to it)
     m_bytes = max(0, int(budget) - fixed)
     _warn_if_slow(chain.n, m_bytes // (slot_bytes or _slot_for(m_bytes, slots, chain.n)),
-                  "plan_remat", stacklevel=3)
+                  caller, stacklevel=stacklevel)
     arrays = stage_arrays(chain)
     mm, choice = _least_memory(chain, arrays, progress, say)
     min_feasible = fixed + mm
@@ -435,6 +438,9 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     :func:`min_feasible_memory`) is raised too, before any baseline is planned:
     every baseline is a persistent schedule, so none of them would fit either
     (what ``rtmem plan remat`` reports).
+
+    Warns (``RuntimeWarning``, at the caller's line) before a rotor solve
+    predicted to take more than :data:`SLOW_SOLVE_SECONDS`, as :func:`plan_remat`.
     """
     check_chain(chain, "compare_remat")
     from .revolve import _plan_revolve, _too_long
@@ -455,7 +461,10 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     # O(n^2) schedules (or Revolve's O(n^3) table) are built
     planned = {}
 
-    runs = [("rotor", lambda: _plan_remat(chain, memory, slots, None, progress, planned)),
+    # the slow-solve warning names compare_remat and points at its caller: frames
+    # _plan_remat -> the lambda -> compare_remat -> caller
+    runs = [("rotor", lambda: _plan_remat(chain, memory, slots, None, progress, planned,
+                                          "compare_remat", stacklevel=4)),
             ("store-all", lambda: plan_store_all(chain, memory)),
             ("sequential", lambda: plan_sequential(chain, memory)),
             ("sqrt", lambda: plan_sqrt(chain, memory)),

@@ -650,3 +650,23 @@ def test_revolve_is_tried_on_chains_of_up_to_revolve_max_stages(monkeypatch):
     assert plan_remat(chain, 6).info["candidates"]["revolve"] == plan_revolve(chain, 6).makespan
     monkeypatch.setattr(remat, "REVOLVE_MAX_STAGES", 7)
     assert "revolve" not in plan_remat(chain, 6).info["candidates"]
+
+
+def test_compare_remat_warns_of_a_slow_solve_at_its_callers_line(monkeypatch):
+    # compare_remat (what `rtmem plan remat` runs) reached plan_remat's warning
+    # through a lambda: it said "plan_remat:" and pointed at a line of remat.py,
+    # not at the code that asked for the comparison
+    from rtmem.planners import Plan, remat
+    rng = np.random.default_rng()
+    n = 10
+    x = rng.integers(1, 1000, n)
+    chain = Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
+                  xbar=x + rng.integers(0, 1000, n), x0=int(x[0]))
+    budget = (min_feasible_memory(chain) + store_all_peak(chain)) // 2
+    monkeypatch.setattr(remat, "SLOW_SOLVE_SECONDS", remat._predicted_seconds(n, 50) / 4)
+    with pytest.warns(RuntimeWarning, match="fewer slots") as caught:
+        plans = compare_remat(chain, budget, 50)
+    assert isinstance(plans["rotor"], Plan)
+    slow = [w for w in caught if "predicted ~" in str(w.message)]
+    assert len(slow) == 1 and slow[0].filename == __file__
+    assert str(slow[0].message).startswith("compare_remat: 10 stages")
