@@ -36,6 +36,11 @@ Oracles
 The strategies require ``hypothesis`` (``pip install rtmem[test]``); the oracles
 do not: ``from rtmem.planners.testing import brute_force_remat`` works without it.
 
+Each strategy checks its arguments when called, not at the first draw: a bad
+one (``simulation_cases(5, 2)``, a non-integer size) raises
+``hypothesis.errors.InvalidArgument`` at the call, which is also a ``ValueError``
+and an :class:`rtmem.errors.RtmemError`.
+
 Time to a failing example: each drawn case costs tens of milliseconds, and
 after shrinking hypothesis's *explain* phase replays variations of the minimal
 case. Measured on a planted failure of ``simulation_cases(1, 8)`` (median of 3,
