@@ -156,8 +156,8 @@ def run(args) -> int:
 def register(subparsers) -> None:
     """Add the ``doctor`` subcommand to an argparse ``subparsers`` object; its
     ``func(args)`` returns the exit code."""
-    p = subparsers.add_parser("doctor", help="report GPU, driver, CuPy, numba-cuda and "
-                                              "pinned-memory limits",
+    p = subparsers.add_parser("doctor", help="report GPU, driver, CuPy, numba, numba-cuda "
+                                              "and pinned-memory limits",
                               description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
