@@ -291,16 +291,22 @@ def test_least_memory_is_the_first_finite_entry_of_the_reference_table(chain, sl
     assert np.isfinite(row[mm]) and (mm == 0 or np.isinf(row[mm - 1]))
 
 
+def _random_chain(n: int, overheads: bool = False) -> Chain:
+    """A chain of ``n`` stages with fresh random times and byte sizes (and
+    weights and overheads when ``overheads``)."""
+    rng = np.random.default_rng()
+    x = rng.integers(1, 1000, n)
+    extra = dict(w=rng.integers(0, 50, n), o_f=rng.integers(0, 50, n),
+                 o_b=rng.integers(0, 50, n)) if overheads else {}
+    return Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
+                 xbar=x + rng.integers(0, 1000, n), x0=int(x[0]), **extra)
+
+
 def test_least_memory_pass_reports_progress_and_gives_the_same_result():
     # the O(n^3) least-memory pass took minutes on thousands of stages with nothing
     # on screen; it now runs in bands and reports its fraction done like the table
     from rtmem.planners.rotor import min_memory
-    rng = np.random.default_rng()
-    n = 60
-    x = rng.integers(1, 1000, n)
-    chain = Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
-                  xbar=x + rng.integers(0, 1000, n), w=rng.integers(0, 50, n),
-                  o_f=rng.integers(0, 50, n), o_b=rng.integers(0, 50, n), x0=int(x[0]))
+    chain = _random_chain(60, overheads=True)
     arrays = stage_arrays(chain)
     fractions = []
     banded = min_memory(arrays, progress=fractions.append)
@@ -339,11 +345,8 @@ def test_a_solve_predicted_to_be_slow_warns_up_front_with_advice(monkeypatch):
     import warnings
 
     from rtmem.planners import remat
-    rng = np.random.default_rng()
     n = 12
-    x = rng.integers(1, 1000, n)
-    chain = Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
-                  xbar=x + rng.integers(0, 1000, n), x0=int(x[0]))
+    chain = _random_chain(n)
     budget = (min_feasible_memory(chain) + store_all_peak(chain)) // 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # the defaults: no warning at this size
@@ -657,11 +660,8 @@ def test_compare_remat_warns_of_a_slow_solve_at_its_callers_line(monkeypatch):
     # through a lambda: it said "plan_remat:" and pointed at a line of remat.py,
     # not at the code that asked for the comparison
     from rtmem.planners import Plan, remat
-    rng = np.random.default_rng()
     n = 10
-    x = rng.integers(1, 1000, n)
-    chain = Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
-                  xbar=x + rng.integers(0, 1000, n), x0=int(x[0]))
+    chain = _random_chain(n)
     budget = (min_feasible_memory(chain) + store_all_peak(chain)) // 2
     monkeypatch.setattr(remat, "SLOW_SOLVE_SECONDS", remat._predicted_seconds(n, 50) / 4)
     with pytest.warns(RuntimeWarning, match="fewer slots") as caught:
