@@ -27,7 +27,7 @@ from .multichain import min_slots as multichain_min_slots
 from .plan import Plan
 from .platform import CHANNELS, Platform
 from .profiles import builtin, builtin_names, from_spec
-from .remat import compare_remat, min_feasible_memory, plan_remat
+from .remat import SlowSolveWarning, compare_remat, min_feasible_memory, plan_remat
 from .revolve import binomial_makespan, opt0_table, plan_revolve, revolve_schedule
 from .schedule import Op, Schedule
 from .simulator import SimResult, simulate
@@ -43,6 +43,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SimResult",
+    "SlowSolveWarning",
     "binomial_makespan",
     "builtin",
     "builtin_names",

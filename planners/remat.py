@@ -38,7 +38,8 @@ from .rotor import (discretize, min_memory, min_memory_schedule, persistent_sche
 from .simulator import simulate
 
 __all__ = ["plan_remat", "min_feasible_memory", "compare_remat", "DEFAULT_SLOTS",
-           "MAX_TABLE_BYTES", "REFINE_MAX_FACTOR", "REVOLVE_MAX_STAGES", "SLOW_SOLVE_SECONDS"]
+           "MAX_TABLE_BYTES", "REFINE_MAX_FACTOR", "REVOLVE_MAX_STAGES", "SLOW_SOLVE_SECONDS",
+           "SlowSolveWarning"]
 
 #: Memory slots of the discretized DP (thesis §3.7: 500 in all experiments).
 DEFAULT_SLOTS = 500
@@ -106,6 +107,22 @@ def _predicted_seconds(n: int, slots: int | None) -> float:
     return steps * (2 * _LEAST_STEP_SECONDS + (slots + 1) * _TABLE_STEP_SECONDS)
 
 
+class SlowSolveWarning(RuntimeWarning):
+    """Warned before a :func:`plan_remat`, :func:`compare_remat` or
+    :func:`min_feasible_memory` solve predicted to take more than
+    :data:`SLOW_SOLVE_SECONDS` of CPU (a ``RuntimeWarning``: filter it by this
+    class). ``stages``: the chain's; ``slots``: the DP's memory slots (None for
+    :func:`min_feasible_memory`); ``seconds``: the predicted CPU seconds;
+    ``slots_within``: the most slots predicted within the limit, or None when
+    fewer slots would not get there (then only fewer, coarser stages help)."""
+
+    def __init__(self, message: str, stages: int, slots: int | None, seconds: float,
+                 slots_within: int | None):
+        super().__init__(message)
+        self.stages, self.slots, self.seconds = stages, slots, seconds
+        self.slots_within = slots_within
+
+
 def _warn_if_slow(n: int, slots: int | None, caller: str, stacklevel: int) -> None:
     """Warn (``RuntimeWarning``, at the caller ``stacklevel`` frames up) before a
     solve whose :func:`_predicted_seconds` is above :data:`SLOW_SOLVE_SECONDS`,
@@ -115,6 +132,7 @@ def _warn_if_slow(n: int, slots: int | None, caller: str, stacklevel: int) -> No
         return
     head = f"{caller}: {n:,} stages, "
     cost = f": predicted ~{seconds / 60:.1f} min of CPU. "
+    within = None
     if slots is None:
         message = (head + "its least-memory pass is O(n^3)" + cost + "For a faster "
                    "answer describe the model with fewer, coarser stages (time is cubic "
@@ -124,13 +142,15 @@ def _warn_if_slow(n: int, slots: int | None, caller: str, stacklevel: int) -> No
         steps = float(n + 1) ** 3 / 6
         fill = SLOW_SOLVE_SECONDS - 2 * steps * _LEAST_STEP_SECONDS
         fits = int(fill / (steps * _TABLE_STEP_SECONDS)) - 1
+        within = fits if 0 < fits < slots else None
         fewer = (f"pass fewer slots (time is linear in them: slots={fits} is predicted "
-                 f"within {SLOW_SOLVE_SECONDS:.0f} s), " if 0 < fits < slots else "")
+                 f"within {SLOW_SOLVE_SECONDS:.0f} s), " if within is not None else "")
         message = (head + f"with {slots} memory slots its DP is O(n^3 x slots)" + cost
                    + f"For a faster plan {fewer}describe the model with fewer, coarser "
                    "stages (time is cubic in them), or plan with plan_sequential; pass "
                    "progress= (e.g. rtmem.cli_plan.ProgressBar()) to follow it")
-    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    warnings.warn(SlowSolveWarning(message, n, slots, seconds, within),
+                  stacklevel=stacklevel + 1)
 
 
 def _slot_for(m_bytes: int, slots: int, n: int) -> int:

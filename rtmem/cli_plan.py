@@ -11,10 +11,12 @@ peak memory and the overhead against training without rematerialization.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+import warnings
 
 from rtmem.cli import PLOT_SUFFIXES, at_least, output_file, platform_value, save_document
 
@@ -56,6 +58,12 @@ class ProgressBar:
         self.stream.write(f"\r{self._elapsed()} {self.label} [{bar}] {fraction:4.0%}")
         self.stream.flush()
         self._drawn = True
+
+    def warn(self, msg: str) -> None:
+        """Print ``msg`` as a warning line, also with ``quiet`` (which silences
+        progress, not what the user must know)."""
+        self._end_bar()
+        print(f"{self._elapsed()} warning: {msg}", file=self.stream, flush=True)
 
     def _end_bar(self) -> None:
         if self._drawn:
@@ -99,6 +107,30 @@ def comparison_rows(results: dict, reference: float) -> tuple[list, list]:
     return rows, docs
 
 
+@contextlib.contextmanager
+def _slow_solve_told(say: ProgressBar):
+    """Within the block, a :class:`~rtmem.planners.SlowSolveWarning` is told on
+    ``say``'s stream at once, in the command line's words (``--slots``), where
+    Python's own display named a line of this module and advised
+    ``progress=`` (the bar is already drawn). Other warnings show as before."""
+    from rtmem.planners.remat import SLOW_SOLVE_SECONDS, SlowSolveWarning
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not isinstance(message, SlowSolveWarning):
+                return shown(message, category, filename, lineno, file, line)
+            slots = "" if message.slots is None else f" with {message.slots} memory slots"
+            fewer = ("" if message.slots_within is None else
+                     f"--slots {message.slots_within} is predicted within "
+                     f"{SLOW_SOLVE_SECONDS:.0f} s; ")
+            say.warn(f"{message.stages:,} stages{slots}: rotor's DP is predicted to take "
+                     f"~{message.seconds / 60:.1f} min of CPU. {fewer}fewer, coarser "
+                     f"stages help most (time is cubic in them)")
+        warnings.showwarning = show
+        yield
+
+
 def _cmd_remat(args) -> int:
     from rtmem._table import format_table
     from rtmem.planners.plan import as_budget
@@ -115,8 +147,9 @@ def _cmd_remat(args) -> int:
     # an infeasible budget is raised (main() prints it, exit 1) before the baselines
     # are planned: none of them fits then, and the table is never printed. The
     # whole comparison was planned first (seconds, Revolve's O(n^3) table), for nothing
-    results = compare_remat(chain, budget, slots=args.slots, progress=say,
-                            raise_infeasible=True)
+    with _slow_solve_told(say):
+        results = compare_remat(chain, budget, slots=args.slots, progress=say,
+                                raise_infeasible=True)
     rotor = results["rotor"]
     reference = chain.compute_time       # makespan without rematerialization
     rows, docs = comparison_rows(results, reference)

@@ -47,6 +47,23 @@ def test_table_lists_rotor_and_every_baseline(capsys):
     assert "planning rotor" in err                   # progress on stderr
 
 
+def test_a_slow_solve_is_told_in_the_command_lines_words(capsys, monkeypatch):
+    # Python's display of plan_remat's warning named a line of rtmem/cli_plan.py
+    # and advised progress= (the bar is drawn already) and slots=, not --slots.
+    # Told on the status stream, with --quiet too
+    from rtmem.planners import remat
+    chain = from_spec(SPEC)
+    monkeypatch.setattr(remat, "SLOW_SOLVE_SECONDS",
+                        remat._predicted_seconds(chain.n, 200) / 4)
+    code, out, err = run(capsys, "plan", "remat", SPEC, "--memory", budget(0.3),
+                         "--slots", "200", "--quiet")
+    assert code == 0 and "rotor" in out
+    told = [line for line in err.splitlines() if "warning:" in line]
+    assert len(told) == 1, err
+    assert f"{chain.n:,} stages with " in told[0] and "--slots " in told[0]
+    assert "progress=" not in err and "cli_plan.py" not in err
+
+
 def test_json_save_and_chain_file(capsys, tmp_path):
     chain_path = tmp_path / "c.json"
     from_spec(SPEC).save(chain_path)

@@ -371,6 +371,11 @@ def test_a_solve_predicted_to_be_slow_warns_up_front_with_advice(monkeypatch):
     slots = int(message.split("slots=")[1].split()[0])
     assert remat._predicted_seconds(n, slots) <= predicted / 4 < \
         remat._predicted_seconds(n, slots + 1)
+    # and what it says is there to read, for callers that word it themselves
+    told = caught[0].message
+    assert isinstance(told, remat.SlowSolveWarning)
+    assert (told.stages, told.slots_within) == (n, slots) and told.slots > slots
+    assert told.seconds > remat.SLOW_SOLVE_SECONDS
     monkeypatch.setattr(remat, "SLOW_SOLVE_SECONDS", remat._predicted_seconds(n, None) / 2)
     with pytest.warns(RuntimeWarning, match="least-memory pass is O") as caught:
         min_feasible_memory(chain)
