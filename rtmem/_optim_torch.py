@@ -463,9 +463,10 @@ class CPUAdam(torch.optim.Optimizer):
         """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
         The state is copied into fresh contiguous float32 tensors, so the
         loaded dict is never aliased; each saved step must be an integer >= 0,
-        each moment finite and each second moment (``exp_avg_sq``,
-        ``max_exp_avg_sq``) >= 0 (torch.optim.Adam loads such a state, and its
-        next step makes the parameter NaN, silently), and each parameter's
+        each second moment (``exp_avg_sq``, ``max_exp_avg_sq``) >= 0
+        (torch.optim.Adam loads a negative one, and its next step makes the
+        parameter NaN, silently; inf/NaN moments, which steps on non-finite
+        gradients write, load as they are), and each parameter's
         state must have both ``exp_avg`` and ``exp_avg_sq`` (an Adamax state,
         with ``exp_inf``, is refused), and each state's index must be listed
         by a group (torch's load drops the state of an index it does not know,

@@ -264,30 +264,30 @@ def _checked_step(step, where, limit=None, what="step") -> int:
 
 
 def _check_moment(where, key, values) -> None:
-    """OptimizerError naming ``where`` (the parameter) and ``key`` unless the
-    loaded moment ``values`` (the float32 numpy array the optimizer will hold,
-    so a float64 value beyond float32's range counts as the inf it becomes)
-    is finite everywhere and, for a second moment (``exp_avg_sq``,
-    ``max_exp_avg_sq``: running means of squared gradients), >= 0. The update
-    divides by its square root: a negative or NaN element made that parameter
-    element NaN at the next step, and an inf moment froze it or made it NaN,
-    silently (torch.optim.Adam loads such a state as it is). The optimizer's
-    own steps never write a negative second moment, and a step with inf/NaN
-    gradients is skipped under the finite check, so such a state is corrupt."""
-    values = np.asarray(values)
-    second = key != "exp_avg"
-    bad = ~np.isfinite(values)
-    if second:
-        bad |= values < 0
+    """OptimizerError naming ``where`` (the parameter) and ``key`` when a loaded
+    second moment (``exp_avg_sq``, ``max_exp_avg_sq``: running means of squared
+    gradients; ``values`` as the float32 numpy array the optimizer will hold)
+    has a negative element: the update divides by its square root, so that
+    parameter element became NaN at the next step, silently (torch.optim.Adam
+    loads such a state as it is). No step writes a negative second moment, so
+    such a state is corrupt.
+
+    Non-finite moments (inf/NaN) load as they are, as torch's do: a step on
+    non-finite gradients writes them, and a save/load round trip must give the
+    state back as it was (the loss scaler's overflow check is what keeps them
+    out of a training run)."""
+    if key == "exp_avg":
+        return
+    bad = np.asarray(values) < 0        # NaN compares False: loaded as it is
     if not bad.any():
         return
     first = tuple(int(i) for i in np.argwhere(bad)[0])
-    expected = "finite and >= 0 (a mean of squared gradients)" if second else "finite"
     raise OptimizerError(
-        f"{where}: {key} has {int(bad.sum())} element(s) that are not {expected}, the "
-        f"first {float(values[first])!r} at index {first}; the next step would make "
-        f"the parameter NaN (or freeze it). The state dict is corrupt: load a "
-        f"checkpoint saved before it went bad.", argument="state_dict")
+        f"{where}: {key} has {int(bad.sum())} negative element(s), the first "
+        f"{float(np.asarray(values)[first])!r} at index {first}; a second moment is a "
+        f"mean of squared gradients (>= 0), and the next step would make the "
+        f"parameter NaN. The state dict is corrupt: load a checkpoint saved before "
+        f"it went bad.", argument="state_dict")
 
 
 def _named(where, exc, arguments):

@@ -137,9 +137,10 @@ class _StateDict:
         ``master_step`` (a dict of an older rtmem) is of record. A master cast
         below float32 (``torch.optim.Adam``'s load casts its state to a bf16
         parameter's dtype) is read from the parameter, with a RuntimeWarning
-        that its extra precision was lost. A moment with an inf or NaN element,
-        or an ``exp_avg_sq`` with a negative one, is refused (its next step
-        made the parameter NaN, silently, as torch.optim.Adam's does). A parameter
+        that its extra precision was lost. An ``exp_avg_sq`` with a negative
+        element is refused (its next step made the parameter NaN, silently, as
+        torch.optim.Adam's does); inf or NaN moments, which steps on non-finite
+        gradients write, load as they are. A parameter
         whose data was replaced since construction (another dtype or size) is
         refused, as :meth:`step` refuses it. Everything is checked before
         anything changes; a refused load leaves the optimizer as it was.
