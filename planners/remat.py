@@ -101,10 +101,24 @@ def _predicted_seconds(n: int, slots: int | None) -> float:
     at the measured seconds per step above; with ``slots=None``, one least-memory
     pass (:func:`min_feasible_memory`). An upper bound for the fill, whose
     pruning skips more of it near the least and the store-all budgets."""
-    steps = float(n + 1) ** 3 / 6
+    steps = _dp_steps(n)
     if slots is None:
         return steps * _LEAST_STEP_SECONDS
     return steps * (2 * _LEAST_STEP_SECONDS + (slots + 1) * _TABLE_STEP_SECONDS)
+
+
+def _dp_steps(n: int) -> float:
+    """Inner-loop steps of one least-memory pass on ``n`` stages, and of the
+    table fill per slot: N^3 / 6 with N = n + 1."""
+    return float(n + 1) ** 3 / 6
+
+
+def _slots_within(n: int) -> int:
+    """The most slots whose :func:`_predicted_seconds` is within
+    :data:`SLOW_SOLVE_SECONDS` (< 1 when the least-memory passes alone are not)."""
+    steps = _dp_steps(n)
+    fill = SLOW_SOLVE_SECONDS - 2 * steps * _LEAST_STEP_SECONDS
+    return int(fill / (steps * _TABLE_STEP_SECONDS)) - 1
 
 
 class SlowSolveWarning(RuntimeWarning):
@@ -138,10 +152,7 @@ def _warn_if_slow(n: int, slots: int | None, caller: str, stacklevel: int) -> No
                    "answer describe the model with fewer, coarser stages (time is cubic "
                    "in them)")
     else:
-        # the most slots predicted within the limit, if the least-memory passes allow
-        steps = float(n + 1) ** 3 / 6
-        fill = SLOW_SOLVE_SECONDS - 2 * steps * _LEAST_STEP_SECONDS
-        fits = int(fill / (steps * _TABLE_STEP_SECONDS)) - 1
+        fits = _slots_within(n)
         within = fits if 0 < fits < slots else None
         fewer = (f"pass fewer slots (time is linear in them: slots={fits} is predicted "
                  f"within {SLOW_SOLVE_SECONDS:.0f} s), " if within is not None else "")
@@ -388,8 +399,8 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines,
     # up front, before the O(n^3) least-memory pass: the slots the DP will have
     # (finer retries near the least budget can add to it)
     m_bytes = max(0, int(budget) - fixed)
-    _warn_if_slow(chain.n, m_bytes // (slot_bytes or _slot_for(m_bytes, slots, chain.n)),
-                  caller, stacklevel=stacklevel)
+    slot = slot_bytes if slot_bytes is not None else _slot_for(m_bytes, slots, chain.n)
+    _warn_if_slow(chain.n, m_bytes // slot, caller, stacklevel=stacklevel)
     arrays = stage_arrays(chain)
     mm, choice = _least_memory(chain, arrays, progress, say)
     min_feasible = fixed + mm
@@ -400,7 +411,6 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines,
             f"({format_bytes(min_feasible)}) = chain input and weights {fixed:,} + "
             f"activations {mm:,}. Give more memory or a smaller batch",
             budget=budget, min_feasible=min_feasible)
-    slot = slot_bytes if slot_bytes is not None else _slot_for(m_bytes, slots, chain.n)
     value, schedule, M = _dp(chain, arrays, m_bytes, slot, progress, say,
                              slot_bytes is not None)
     refined = False

@@ -29,8 +29,8 @@ from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
 __all__ = ["main", "add_model_size_args", "at_least", "error_document", "load_chain",
            "load_schedule", "model_sizes_problem", "output_file", "platform_value",
-           "require_plotting", "save_document", "torch_device_problem", "torch_oom",
-           "writable"]
+           "require_plotting", "save_document", "stdout_table", "torch_device_problem",
+           "torch_oom", "writable"]
 
 #: File types a plot can be written as (matplotlib picks the format by suffix).
 PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg", "eps")
@@ -243,9 +243,8 @@ def _cmd_chains(args) -> int:
     if args.json:
         print(json.dumps(docs, indent=1))
     else:
-        print(format_table(["chain", "stages", "compute", "sum(xbar)", "weights",
-                            "no-remat peak"], rows,
-                           encoding=getattr(sys.stdout, "encoding", None)))
+        print(stdout_table(["chain", "stages", "compute", "sum(xbar)", "weights",
+                            "no-remat peak"], rows))
         print("\nAny size: gpt2:layers=..,hidden=..,heads=..,seq=..,batch=.. or "
               "resnet:depth=..,image=..,batch=..")
     return 0
@@ -268,6 +267,14 @@ def _for_another_chain(error, schedule, chain):
                          f"backward steps cover {stages} stages, this chain has {chain.n})",
                          op_index=error.op_index, reason=error.reason,
                          over_bytes=error.over_bytes)
+
+
+def stdout_table(headers, rows, align=None) -> str:
+    """:func:`~rtmem._table.format_table` for printing on stdout: its columns
+    measured on the text stdout's encoding writes (:func:`_escaping_stdout`
+    escapes what it cannot)."""
+    return format_table(headers, rows, align=align,
+                        encoding=getattr(sys.stdout, "encoding", None))
 
 
 def require_plotting(args) -> None:
@@ -311,7 +318,7 @@ def _cmd_simulate(args) -> int:
     if args.json:
         print(json.dumps(doc, indent=1, allow_nan=False))
     else:
-        print(format_table(["quantity", "value"], [
+        print(stdout_table(["quantity", "value"], [
             ["chain", f"{chain.name} ({chain.n} stages)"], ["operations", len(schedule)],
             ["makespan", format_seconds(r.makespan)], ["peak memory", format_bytes(r.peak)],
             ["memory limit", format_bytes(platform.memory)],
@@ -321,7 +328,7 @@ def _cmd_simulate(args) -> int:
             ["device->host", format_bytes(r.d2h_bytes)],
             ["link", f"{format_bandwidth(platform.bandwidth)} {platform.channel}"]],
             # measured as printed: the chain's name may hold what stdout escapes
-            align="lr", encoding=getattr(sys.stdout, "encoding", None)))
+            align="lr"))
     if args.plot:
         from rtmem.plot import plot_schedule
         plot_schedule(chain, schedule, platform, args.plot, result=r)

@@ -132,13 +132,12 @@ def _slow_solve_told(say: ProgressBar):
 
 
 def _cmd_remat(args) -> int:
-    from rtmem._table import format_table
     from rtmem.planners.plan import as_budget
     from rtmem.planners.platform import Platform
     from rtmem.planners.remat import compare_remat
     from rtmem.units import format_bytes, format_seconds
 
-    from rtmem.cli import load_chain, require_plotting
+    from rtmem.cli import load_chain, require_plotting, stdout_table
     require_plotting(args)      # before the planning, not after it
     chain = load_chain(args.chain)
     budget = as_budget(args.memory)
@@ -169,8 +168,7 @@ def _cmd_remat(args) -> int:
     else:
         print(f"{chain.name or args.chain}: {chain.n} stages, budget {format_bytes(budget)}, "
               f"no-remat makespan {format_seconds(reference)}")
-        print(format_table(COMPARISON_HEADERS, rows, align="lrrrl",
-                           encoding=getattr(sys.stdout, "encoding", None)))
+        print(stdout_table(COMPARISON_HEADERS, rows, align="lrrrl"))
     return 0
 
 

@@ -189,14 +189,14 @@ def _model_to_device(model, device, spec: str):
 
 
 def _table(chain) -> str:
-    from rtmem._table import format_table
+    from rtmem.cli import stdout_table
     from rtmem.units import format_bytes, format_seconds
     rows = [[str(i), format_seconds(chain.u_f[i]), format_seconds(chain.u_b[i]),
              format_bytes(chain.x[i]), format_bytes(chain.xbar[i]), format_bytes(chain.w[i])]
             for i in range(chain.n)]
     rows.append(["loss", format_seconds(chain.u_loss), "", "", "", ""])
-    return format_table(["stage", "forward", "backward", "x (output)", "xbar (saved)",
-                         "weights"], rows, encoding=getattr(sys.stdout, "encoding", None))
+    return stdout_table(["stage", "forward", "backward", "x (output)", "xbar (saved)",
+                         "weights"], rows)
 
 
 def _measure(args, device):

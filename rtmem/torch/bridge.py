@@ -266,6 +266,8 @@ class ModulePlacement:
     # frees the buffers if the placement is dropped without release() (see
     # place_parameters); detached by release()
     _finalizer: object = field(default=None, init=False, repr=False, compare=False)
+    # the weak reference to it that _placed holds for its parameters
+    _ref: object = field(default=None, init=False, repr=False, compare=False)
 
     def release(self) -> None:
         """Copy every parameter (and gradient) out of the arenas and free the buffers.
@@ -281,9 +283,9 @@ class ModulePlacement:
             if grad is not None:
                 p.grad = grad
         bufs = [*self.weights.values(), *self.grads.values()]
-        detached = self._finalizer.detach() if self._finalizer is not None else None
-        if detached is not None:        # (placement, func, args, kwargs); None: done
-            _forget(*detached[2][1:])   # args: (buffers, ids, ref)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _forget([id(p) for p in self.weights], self._ref)   # none left once released
         self.weights.clear()
         self.grads.clear()
         _free_all(bufs)
@@ -475,5 +477,5 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
         placement, _free_dropped, [*placement.weights.values(), *placement.grads.values()],
         [id(p) for p in placement.weights], ref)
     finalizer.atexit = False     # the process gives everything back at exit
-    placement._finalizer = finalizer
+    placement._finalizer, placement._ref = finalizer, ref
     return placement

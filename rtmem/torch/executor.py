@@ -368,6 +368,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # forward changes through .data (no version bump), found by comparing
         # values at the first step that runs it (rule 6)
         self._by_value: dict[int, frozenset] = {}
+        # stage -> its first forward's RNG states and FirstBuffers, for the
+        # step's recomputations (emptied when the step ends)
+        self._first: dict[int, tuple] = {}
 
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
@@ -487,7 +490,6 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._needs_grad = inputs_need_grad(self._grad_tensors,
                                             self._caller_inputs is not None)
         self._plain[0] = _Stored.of(inputs)
-        self._first: dict[int, tuple] = {}
         self._trains = False  # whether the backward writes a gradient (_loss, _backward)
         track = self.track_memory
         self.peak_bytes = 0 if track else None
