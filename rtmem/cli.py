@@ -482,6 +482,12 @@ def add_model_size_args(p) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
 
 
+#: What argparse must read as a (negative) value rather than as an option: a
+#: minus before a digit or ".digit" (``-1MiB``, ``-.5GB/s``), or before inf,
+#: infinity or nan, alone (``-inf``; ``-info`` stays an unknown option).
+_NEGATIVE_VALUE = re.compile(r"^-(\.?\d|(inf|infinity|nan)$)", re.IGNORECASE)
+
+
 class _UsageError(SystemExit):
     """argparse's exit on bad usage (an unknown option, a missing argument, a bad
     choice or value): ``code`` is argparse's (2) and ``message`` its message,
@@ -499,15 +505,18 @@ class _Parser(argparse.ArgumentParser):
     document could be made of). Subcommands' parsers are of this class too
     (``add_subparsers`` makes its parsers of the parent's class).
 
-    A word such as ``-1MiB`` or ``-5GB/s`` is a value, not an option: argparse
-    before Python 3.13 reads only plain negative numbers (``-1``, ``-.5``) as
-    values, so ``--memory -1MiB`` failed with "expected one argument" instead of
-    rtmem's own "must be positive"; this is the test Python 3.13 uses (none of
-    rtmem's options looks like a negative number, which would turn it off)."""
+    A word such as ``-1MiB``, ``-5GB/s`` or ``-inf`` is a value, not an option:
+    argparse before Python 3.13 reads only plain negative numbers (``-1``, ``-.5``)
+    as values, so ``--memory -1MiB`` failed with "expected one argument" instead
+    of rtmem's own "must be > 0 bytes"; :data:`_NEGATIVE_VALUE` is the test Python
+    3.13 uses, plus the words float() reads as a negative infinity or a NaN, which
+    Python 3.13 still takes for options (none of rtmem's options looks like a
+    negative value, which would turn this off; an option of that spelling, such
+    as ``-i``, would still win over it)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"^-\.?\d")
+        self._negative_number_matcher = _NEGATIVE_VALUE
 
     def error(self, message):
         try:
