@@ -15,7 +15,9 @@ import statistics
 import sys
 import time
 
-from rtmem.cli import at_least  # noqa: F401  (the scripts' argparse types, one implementation)
+# the scripts' argparse types and parser, one implementation with the CLI's: -1MiB
+# and -inf are values, usage errors are rtmem's
+from rtmem.cli import CommandParser, at_least  # noqa: F401
 # a benchmark stopped by SIGINT exits as the CLI does (130)
 from rtmem.cli import INTERRUPTED_EXIT
 from rtmem._files import write_text  # replaced whole: written beside, renamed over

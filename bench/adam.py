@@ -63,7 +63,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PartialResults, at_least, write_results  # noqa: E402
+from _common import CommandParser, PartialResults, at_least, write_results  # noqa: E402
 
 from rtmem.cli import output_file  # noqa: E402
 from rtmem.kernels import adam_update, encode_half  # noqa: E402
@@ -337,7 +337,7 @@ def _document(args, argv, llc, sizes, rows, notes, t_start) -> dict:
 def main(argv=None) -> int:
     """Run the benchmark; returns the exit code, 130 when interrupted (the sizes
     measured before are kept, marked partial: :class:`_common.PartialResults`)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=_sizes, default="1e6,1e7,5e7,1e8",
                     help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
     ap.add_argument("--repeats", type=at_least(1), default=5,

@@ -39,7 +39,6 @@ the sections it finished; it then exits with code 130.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -48,7 +47,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PartialResults, at_least, gpu_required, write_results  # noqa: E402
+from _common import (CommandParser, PartialResults, at_least, gpu_required,  # noqa: E402
+                     write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay
@@ -484,7 +484,7 @@ def main(argv=None) -> int:
     there is no GPU to measure (then nothing is measured or written: an earlier
     result, GPU section included, stays), 130 when interrupted (the sections
     measured before are kept, marked partial: :class:`_common.PartialResults`)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=at_least(1), default=None,
                     help="timing repeats (median; default 7, 3 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")

@@ -82,14 +82,13 @@ MemFerry's finding to check: embedding and LayerNorm win, linear loses.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import PartialResults, write_results  # noqa: E402
+from _common import CommandParser, PartialResults, write_results  # noqa: E402
 from pcie import Timer, find_gpu, l2_flusher, no_gpu_exit  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -487,7 +486,7 @@ def main(argv=None, prog=None) -> int:
     when a layer failed, 130 when interrupted: what was measured is kept).
     ``prog``: the command named in usage messages (``rtmem bench dha``; default
     the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap = CommandParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help=f"1024 tokens, 3 repeats, sweep {SWEEP_TOKENS_QUICK}")
     ap.add_argument("--model", choices=sorted(HIDDEN), default="gpt2")

@@ -42,7 +42,6 @@ JSON to ``bench/results/executor.json`` (times in seconds; quote the ratios).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -50,7 +49,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import gc_cost, offload_everything, round_robin, write_results  # noqa: E402
+from _common import (CommandParser, gc_cost, offload_everything, round_robin,  # noqa: E402
+                     write_results)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -114,7 +114,7 @@ def measure(depth: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = CommandParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", default="25,100,400",
                     help="stage counts, comma-separated (default 25,100,400)")
     ap.add_argument("--repeats", type=int, default=7, help="timed rounds (default 7)")

@@ -36,8 +36,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (PartialResults, at_least, gpu_required, median_time,  # noqa: E402
-                     write_results)
+from _common import (CommandParser, PartialResults, at_least, gpu_required,  # noqa: E402
+                     median_time, write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.cli import PLOT_SUFFIXES, output_file  # noqa: E402
@@ -486,7 +486,7 @@ def main(argv=None, prog=None) -> int:
     """Run the benchmark; returns the exit code (0 also when no GPU is found,
     unless ``RTMEM_REQUIRE_GPU=1``; 130 when interrupted). ``prog``: the command
     named in usage messages (``rtmem bench pcie``; default the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap = CommandParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="4 KiB..64 MiB in steps of 4x, 3 repeats (about a minute)")
     ap.add_argument("--max-size", type=_max_size, default=None,

@@ -10,13 +10,13 @@ simulator at >= 1 million ops/s.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import at_least, median_time, offload_everything, write_results  # noqa: E402
+from _common import (CommandParser, at_least, median_time, offload_everything,  # noqa: E402
+                     write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.planners import Chain, Platform, simulate  # noqa: E402
@@ -24,7 +24,7 @@ from rtmem.planners.testing import reference_simulate  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=at_least(1), default=100_000)
     ap.add_argument("--repeats", type=at_least(1), default=5)   # 0: a median of nothing
     args = ap.parse_args(argv)

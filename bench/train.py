@@ -87,8 +87,8 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (PartialResults, at_least, gpu_required, round_robin,  # noqa: E402
-                     write_results)
+from _common import (CommandParser, PartialResults, at_least, gpu_required,  # noqa: E402
+                     round_robin, write_results)
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -526,7 +526,7 @@ def main(argv=None):
     the GPU section measured nothing, 130 when interrupted, 1 when the GPU section
     failed after something was measured (in both, what was finished is kept,
     marked partial: :class:`_common.PartialResults`)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = CommandParser(description=__doc__.split("\n\n")[0])
     # type=at_least(...): a count of 0 (--layers 0 timed a model of no blocks and
     # wrote it; --repeats 0 was a median of nothing after minutes of profiling)
     ap.add_argument("--layers", type=at_least(1), default=8)

@@ -27,8 +27,8 @@ from rtmem.demo import MODEL_OPTIONS, missing_folders, remove_empty_folders
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
-__all__ = ["main", "add_model_size_args", "at_least", "error_document", "load_chain",
-           "load_schedule", "model_sizes_problem", "output_file", "platform_value",
+__all__ = ["main", "CommandParser", "add_model_size_args", "at_least", "error_document",
+           "load_chain", "load_schedule", "model_sizes_problem", "output_file", "platform_value",
            "require_plotting", "save_document", "stdout_table", "torch_device_problem",
            "torch_oom", "writable"]
 
@@ -491,28 +491,36 @@ _NEGATIVE_VALUE = re.compile(r"^-(\.?\d|(inf|infinity|nan)$)", re.IGNORECASE)
 class _UsageError(SystemExit):
     """argparse's exit on bad usage (an unknown option, a missing argument, a bad
     choice or value): ``code`` is argparse's (2) and ``message`` its message,
-    which :func:`main` also prints as :func:`error_document` when ``--json`` was
-    given. A SystemExit, so a caller of ``parse_args`` sees what argparse raises."""
+    which :meth:`CommandParser.parse_args` also prints as :func:`error_document`
+    when ``--json`` was given. A SystemExit, so a caller of ``parse_args`` sees
+    what argparse raises."""
 
     def __init__(self, code, message: str):
         super().__init__(code)
         self.message = message
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors raise :class:`_UsageError`, carrying the
-    message (argparse prints it on stderr and exits, keeping nothing a --json
-    document could be made of). Subcommands' parsers are of this class too
-    (``add_subparsers`` makes its parsers of the parent's class).
+class CommandParser(argparse.ArgumentParser):
+    """The ArgumentParser of ``rtmem`` and of the ``bench/`` scripts (one
+    implementation, so both read arguments alike).
 
-    A word such as ``-1MiB``, ``-5GB/s`` or ``-inf`` is a value, not an option:
-    argparse before Python 3.13 reads only plain negative numbers (``-1``, ``-.5``)
-    as values, so ``--memory -1MiB`` failed with "expected one argument" instead
-    of rtmem's own "must be > 0 bytes"; :data:`_NEGATIVE_VALUE` is the test Python
-    3.13 uses, plus the words float() reads as a negative infinity or a NaN, which
-    Python 3.13 still takes for options (none of rtmem's options looks like a
-    negative value, which would turn this off; an option of that spelling, such
-    as ``-i``, would still win over it)."""
+    Negative values: a word such as ``-1MiB``, ``-5GB/s`` or ``-inf`` is a value,
+    not an option. argparse before Python 3.13 reads only plain negative numbers
+    (``-1``, ``-.5``) as values, so ``--memory -1MiB`` failed with "expected one
+    argument" instead of rtmem's own "must be > 0 bytes"; :data:`_NEGATIVE_VALUE`
+    is the test Python 3.13 uses, plus the words float() reads as a negative
+    infinity or a NaN, which Python 3.13 still takes for options (none of the
+    options looks like a negative value, which would turn this off; an option of
+    that spelling, such as ``-i``, would still win over it).
+
+    Usage errors raise :class:`_UsageError` (a SystemExit with code 2, as
+    argparse's), after argparse's usage and message on stderr. When the command
+    line asks for ``--json`` and this parser or one of its subcommands has that
+    option, :meth:`parse_args` also prints ``{"error": MESSAGE}``
+    (:func:`error_document`) on stdout, as every other failure of a ``--json``
+    command does: a script reading stdout got nothing to parse. Subcommands'
+    parsers are of this class too (``add_subparsers`` makes its parsers of the
+    parent's class)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -523,6 +531,28 @@ class _Parser(argparse.ArgumentParser):
             super().error(message)      # usage and "PROG: error: MESSAGE" on stderr
         except SystemExit as e:
             raise _UsageError(e.code, message) from None
+
+    def parse_args(self, args=None, namespace=None):
+        # (subcommands' parsers are run by parse_known_args: this prints once)
+        argv = sys.argv[1:] if args is None else list(args)
+        try:
+            return super().parse_args(argv, namespace)
+        except _UsageError as e:
+            if _wants_json(argv) and self._has_json_option():
+                print(json.dumps(error_document(e.message), indent=1, allow_nan=False))
+            raise
+
+    def _has_json_option(self) -> bool:
+        """Whether this parser or a subcommand's takes ``--json`` (a script without
+        it names ``--json`` as an unrecognized argument, in words only)."""
+        for action in self._actions:
+            if "--json" in action.option_strings:
+                return True
+            if isinstance(action, argparse._SubParsersAction) and any(
+                    isinstance(p, CommandParser) and p._has_json_option()
+                    for p in action.choices.values()):
+                return True
+        return False
 
 
 def _wants_json(argv) -> bool:
@@ -540,7 +570,7 @@ def _wants_json(argv) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     from rtmem import __version__
-    parser = _Parser(
+    parser = CommandParser(
         prog="rtmem", description="Memory runtime and planners for training DNNs larger "
         "than GPU memory.")
     parser.add_argument("--version", action="version", version=f"rtmem {__version__}")
@@ -664,14 +694,7 @@ def main(argv=None) -> int:
     """Entry point of the ``rtmem`` console script; returns the exit code."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = parser.parse_args(argv)
-    except _UsageError as e:
-        # a script reading --json output got an empty stdout for bad usage, where
-        # every other error prints error_document; the exit code stays argparse's
-        if _wants_json(argv):
-            print(json.dumps(error_document(e.message), indent=1, allow_nan=False))
-        raise
+    args = parser.parse_args(argv)      # bad usage: exit 2, JSON too with --json
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -106,6 +106,15 @@ def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
     ("adam", ["--sizes", "1000", "--repeats", "1", "--budget", "0", "--warm-cache",
               "--out", str(BENCH)], "is a folder"),
     ("remat", ["--out", str(BENCH)], "is a folder"),
+    # negative values reach the scripts' own checks (the parser is rtmem.cli's):
+    # argparse took -inf and -1e3 for options ("expected one argument")
+    ("pcie", ["--max-size", "-inf"], "--max-size: cannot read '-inf' as a size"),
+    ("pcie", ["--max-size", "-1MiB"], "--max-size: a size must be finite and >= 0"),
+    ("adam", ["--budget", "-inf"], "--budget: must be a finite number, at least 0.0"),
+    ("remat", ["--python-budget", "-1e9"], "--python-budget: must be a finite number"),
+    ("remat", ["--fraction", "-Infinity"], "--fraction: must be a finite number"),
+    ("simulate", ["--ops", "-1e3"], "--ops: '-1e3' is not an integer"),
+    ("train", ["--gpu-time-s", "-inf", "--skip-gpu"], "--gpu-time-s: must be a finite"),
 ])
 def test_bench_scripts_refuse_bad_arguments_before_any_work(monkeypatch, capsys, tmp_path,
                                                             name, argv, fragment):
@@ -222,3 +231,13 @@ def test_a_benchmark_interrupted_before_any_section_keeps_an_earlier_result(
     assert common.PartialResults("x").interrupted("the first section") == 130
     assert "partial" not in json.loads((tmp_path / "x.json").read_text())
     assert "before any section finished; nothing written" in capsys.readouterr().err
+
+
+def test_a_bench_script_given_json_it_does_not_take_prints_no_json(monkeypatch, capsys):
+    # the shared parser prints a usage error as JSON only for a command that has
+    # --json: a script without it names --json as unrecognized, in words only
+    simulate = bench_module(monkeypatch, "simulate")
+    with pytest.raises(SystemExit) as e:
+        simulate.main(["--json"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and "unrecognized arguments: --json" in err

@@ -306,6 +306,21 @@ def test_bad_usage_with_json_prints_json_on_stdout_too(capsys, argv):
 
 
 
+def test_the_shared_parser_prints_usage_errors_as_json_when_asked(capsys):
+    # bench/ scripts build their parsers from CommandParser: one implementation
+    # of negative values and JSON usage errors with `rtmem`'s
+    from rtmem.cli import CommandParser, at_least
+    p = CommandParser(prog="script")
+    p.add_argument("--count", type=at_least(1))
+    p.add_argument("--json", action="store_true")
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--count", "-inf", "--json"])
+    out, err = capsys.readouterr()
+    message = "argument --count: '-inf' is not an integer"
+    assert e.value.code == 2 and f"script: error: {message}" in err
+    assert json.loads(out) == {"error": message}
+
+
 def test_bad_usage_without_json_leaves_stdout_empty(capsys):
     with pytest.raises(SystemExit) as e:
         main(["chains", "--bogus"])
