@@ -33,6 +33,18 @@ def test_all_matches_public_names():
     assert set(rtmem.planners.testing.__all__) == _public(rtmem.planners.testing)
 
 
+def test_the_strategies_error_is_exported_where_users_catch_it():
+    # StrategyArgumentError was raised by every strategy but reachable only as
+    # rtmem.planners.testing._arguments.StrategyArgumentError (a private module)
+    import pytest
+    from rtmem.errors import RtmemError
+    from rtmem.planners.testing import StrategyArgumentError, simulation_cases
+    assert "StrategyArgumentError" in rtmem.planners.testing.__all__
+    assert issubclass(StrategyArgumentError, RtmemError)
+    with pytest.raises(StrategyArgumentError, match="simulation_cases"):
+        simulation_cases(5, 2)
+
+
 def test_version():
     assert isinstance(rtmem.__version__, str) and rtmem.__version__.count(".") == 2
 
@@ -109,7 +121,8 @@ def test_the_oracles_import_without_hypothesis():
         assert reference_simulate(chain, schedule, platform)["peak"] == \\
             simulate(chain, schedule, platform).peak
         assert callable(brute_force_remat) and callable(brute_force_multichain)
-        for name in ("simulation_cases", "chains", "wandering_schedules"):
+        for name in ("simulation_cases", "chains", "wandering_schedules",
+                     "StrategyArgumentError"):
             try:
                 exec(f"from rtmem.planners.testing import {name}")
             except ModuleNotFoundError as e:

@@ -38,8 +38,10 @@ do not: ``from rtmem.planners.testing import brute_force_remat`` works without i
 
 Each strategy checks its arguments when called, not at the first draw: a bad
 one (``simulation_cases(5, 2)``, a non-integer size) raises
-``hypothesis.errors.InvalidArgument`` at the call, which is also a ``ValueError``
-and an :class:`rtmem.errors.RtmemError`.
+:class:`StrategyArgumentError` at the call, which is hypothesis's
+``InvalidArgument``, a ``ValueError`` and an :class:`rtmem.errors.RtmemError`
+(it lives here, not in :mod:`rtmem.errors`, because it subclasses a hypothesis
+type: as ``rtmem.torch.ExecutionError`` lives with the extra it needs).
 
 Time to a failing example: each drawn case costs tens of milliseconds, and
 after shrinking hypothesis's *explain* phase replays variations of the minimal
@@ -61,13 +63,14 @@ from .bruteforce import brute_force_multichain, brute_force_remat  # noqa: E402
 from .reference import reference_simulate  # noqa: E402
 
 __all__ = ["chains", "platforms", "valid_schedules", "wandering_schedules", "simulation_cases",
-           "reference_simulate", "brute_force_remat", "brute_force_multichain"]
+           "StrategyArgumentError", "reference_simulate", "brute_force_remat",
+           "brute_force_multichain"]
 
-#: The strategies, imported on first use (PEP 562): the oracles need no hypothesis,
-#: and importing the package needed it for them all.
+#: The strategies and their error, imported on first use (PEP 562): the oracles
+#: need no hypothesis, and importing the package needed it for them all.
 _STRATEGIES = {"chains": "strategies", "platforms": "strategies",
                "valid_schedules": "strategies", "simulation_cases": "strategies",
-               "wandering_schedules": "wandering"}
+               "wandering_schedules": "wandering", "StrategyArgumentError": "_arguments"}
 
 
 def __getattr__(name):

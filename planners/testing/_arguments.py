@@ -4,12 +4,17 @@ strategy function is called (not at its first draw), raising
 
 from __future__ import annotations
 
-from hypothesis.errors import InvalidArgument
-
+from rtmem._optional import require
 from rtmem.errors import RtmemError
 
-from .._validation import check_flags as _check_flags
-from .._validation import is_int
+from . import _HYPOTHESIS_MISSING
+
+require("hypothesis", _HYPOTHESIS_MISSING)   # before the import that fails bare
+
+from hypothesis.errors import InvalidArgument  # noqa: E402
+
+from .._validation import check_flags as _check_flags  # noqa: E402
+from .._validation import is_int  # noqa: E402
 
 
 class StrategyArgumentError(RtmemError, InvalidArgument, ValueError):
