@@ -101,3 +101,51 @@ def test_the_sdist_ships_the_test_suite_and_the_benchmarks(tmp_path):
     assert "LICENSE" in wanted
     assert wanted - shipped == set()
     assert not any("__pycache__" in name or name.endswith(".pyc") for name in shipped)
+
+
+def _can_build_wheels() -> bool:
+    """setuptools >= 70.1 builds wheels itself; older ones need the wheel package."""
+    import importlib.util
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("setuptools.command.bdist_wheel", "wheel"))
+
+
+def test_the_wheel_ships_the_profiles_without_a_packaging_warning(tmp_path):
+    # setuptools warned "Package 'rtmem.planners.profiles' is absent from the
+    # `packages` configuration ... Package would be ignored": include-package-data
+    # swept the manifest's planners/profiles/*.json in and took their folder for an
+    # importable package. The built-in chains must still be in the wheel.
+    pytest.importorskip("setuptools.build_meta", reason="builds the wheel with setuptools")
+    if not _can_build_wheels():
+        pytest.skip("this setuptools needs the wheel package to build wheels")
+    import json
+    import zipfile
+    src = tmp_path / "src"         # a copy: building writes build/ and rtmem.egg-info
+    skip = shutil.ignore_patterns(".hypothesis", "__pycache__")
+    for folder in FOLDERS:
+        shutil.copytree(os.path.join(ROOT, folder), src / folder, symlinks=True, ignore=skip)
+    for name in ("README.md", "LICENSE", "pyproject.toml", "MANIFEST.in"):
+        if os.path.exists(os.path.join(ROOT, name)):
+            shutil.copy2(os.path.join(ROOT, name), src / name)
+    (tmp_path / "wheel").mkdir()
+    # every warning the build emits, as [category, message]
+    code = ("import json, sys, warnings; from setuptools import build_meta\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    name = build_meta.build_wheel(sys.argv[1])\n"
+            "print(json.dumps([name, [[type(w.message).__name__, str(w.message)] "
+            "for w in seen]]))")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "wheel")], cwd=src,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    name, seen = json.loads(res.stdout.strip().splitlines()[-1])
+    ours = [w for w in seen if "rtmem" in w[1]]
+    assert ours == [], ours
+    with zipfile.ZipFile(tmp_path / "wheel" / name) as wheel:
+        shipped = set(wheel.namelist())
+    profiles = {f"rtmem/planners/profiles/{f}"
+                for f in os.listdir(os.path.join(ROOT, "planners", "profiles"))
+                if f.endswith(".json")}
+    assert len(profiles) >= 8 and profiles <= shipped
+    # a data folder, not a package: nothing but the JSON files under it
+    assert {f for f in shipped if f.startswith("rtmem/planners/profiles/")} == profiles
