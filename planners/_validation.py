@@ -206,3 +206,13 @@ def check_ranges(chain, schedule) -> None:
             else f"stage {int(schedule.stage[k])} (valid: 0..{n - 1})"
         raise ScheduleError(f"op {k} ({schedule.op_text(k)}): {what} is out of range for "
                             f"a chain of {n} stages", op_index=k, reason="stage-range")
+
+
+def refuse_no_recompute(chain, what: str, why: str) -> None:
+    """Raise :class:`~rtmem.errors.RtmemError` when ``chain`` marks stages
+    ``no_recompute`` and the planner ``what`` cannot honour that (``why``)."""
+    if not chain.recomputable:
+        stages = np.flatnonzero(chain.no_recompute).tolist()
+        raise RtmemError(f"{what}: the chain marks stages {stages} no_recompute (they modify "
+                         f"their input in place), which {what} cannot honour ({why}); plan "
+                         f"it with plan_remat, which runs those stages once")

@@ -19,7 +19,7 @@ from .chain import Chain
 from .plan import Plan, as_budget, planned_info
 from .platform import Platform
 from .schedule import Op, Schedule
-from .simulator import simulate
+from .simulator import recomputed_flagged, simulate
 
 __all__ = ["store_all_schedule", "sequential_schedule", "segment_bounds",
            "plan_store_all", "plan_sequential", "plan_sqrt", "simulated_plan"]
@@ -122,6 +122,8 @@ def fastest_fitting(chain: Chain, budget, candidates, algorithm: str, param: str
     budget = as_budget(budget)
     best, least = None, None
     for index, (value, sched) in enumerate(candidates):
+        if recomputed_flagged(chain, sched) is not None:
+            continue        # runs a no_recompute stage twice: not a candidate
         res = simulate(chain, sched, Platform(math.inf))
         least = res.peak if least is None else min(least, res.peak)
         if res.peak <= budget and (best is None or res.makespan < best[0].makespan):
@@ -129,6 +131,12 @@ def fastest_fitting(chain: Chain, budget, candidates, algorithm: str, param: str
             if first_is_fastest and index == 0:
                 break
     if best is None:
+        if least is None:
+            raise InfeasibleError(
+                f"{algorithm}: every {what} recomputes a stage the chain marks no_recompute "
+                f"(stages {np.flatnonzero(chain.no_recompute).tolist()}: they modify their "
+                f"input in place); use plan_remat, which runs them once",
+                budget=budget, min_feasible=None)
         raise _none_fits(algorithm, what, budget, least)
     res, value, sched = best
     return Plan(schedule=sched, makespan=res.makespan, peak=res.peak, budget=budget,
@@ -196,6 +204,8 @@ def _best_segment_count(chain: Chain, memory) -> Plan:
         if best is not None and bound > best[0].makespan * (1 + _PREDICTION_MARGIN):
             break                                # so are all the counts after it
         sched = sequential_schedule(n, k)
+        if recomputed_flagged(chain, sched) is not None:
+            continue     # runs a no_recompute stage twice (k = 1, store-all, never does)
         res = simulate(chain, sched, Platform(math.inf))
         least = res.peak if least is None else min(least, res.peak)
         # ties go to fewer segments, as when the counts are tried in order

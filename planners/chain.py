@@ -17,6 +17,11 @@ and writes activation ``i+1``; activation 0 is the chain input.
 - ``o_f[i]``, ``o_b[i]`` (bytes): temporary memory of forward / backward.
 - ``u_loss`` (s), ``o_loss`` (bytes): time and overhead of the loss (forward and
   backward together); the loss turns a_n into delta_n, whose size is ``x[-1]``.
+- ``no_recompute[i]`` (bool): stage ``i`` must run its forward exactly once per
+  step (as ``F_all i``): it modifies its input a_i in place, so a second forward
+  would read the modified a_i. Not in the thesis; the simulator refuses a
+  schedule that breaks it and plan_remat's DP never splits a segment that would
+  recompute such a stage (NOTE [ Persistent DP C_MP ]).
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ class Chain(JsonFile):
         Temporary memory of each forward / backward, bytes (default 0).
     u_loss, o_loss:
         Loss time (s) and temporary memory (bytes), default 0.
+    no_recompute:
+        Per stage, True when the stage must never be recomputed (its forward
+        runs once per step, as ``F_all``): a stage that modifies its input in
+        place, which :func:`~rtmem.torch.profile_sequential` sets. Default: all
+        False. Booleans (or 0/1) only.
     name:
         Free-form label used in tables and plots.
 
@@ -81,6 +91,7 @@ class Chain(JsonFile):
     u_loss: float = 0.0
     o_loss: int = 0
     name: str = field(default="")
+    no_recompute: np.ndarray = None
 
     _DOCUMENT = ("chain", ChainError)
 
@@ -136,6 +147,7 @@ class Chain(JsonFile):
                          values=f"sum(u_f) = {sum_f:.3g} s, sum(u_b) = {sum_b:.3g} s, "
                                 f"u_loss = {self.u_loss:.3g} s, {n} stages")
         object.__setattr__(self, "name", str(self.name))
+        object.__setattr__(self, "no_recompute", _flags(self.no_recompute, n))
 
     # ------------------------------------------------------------------ basics
     @property
@@ -155,6 +167,7 @@ class Chain(JsonFile):
         if not isinstance(other, Chain):
             return NotImplemented
         return (all(np.array_equal(getattr(self, a), getattr(other, a)) for a in _ARRAYS)
+                and np.array_equal(self.no_recompute, other.no_recompute)
                 and (self.x0, self.u_loss, self.o_loss, self.name)
                 == (other.x0, other.u_loss, other.o_loss, other.name))
 
@@ -187,6 +200,11 @@ class Chain(JsonFile):
         return cls(u_f=[u_f] * n, u_b=[u_b] * n, x=[x] * n, xbar=[xbar] * n, w=[w] * n,
                    x0=x0, u_loss=u_loss, name=name or f"homogeneous-{n}")
 
+    @property
+    def recomputable(self) -> bool:
+        """Whether every stage may be recomputed (no ``no_recompute`` flag set)."""
+        return not self.no_recompute.any()
+
     # ------------------------------------------------------------------- JSON
     def to_dict(self) -> dict:
         """Plain-Python form (lists and numbers) used by :meth:`to_json`."""
@@ -194,6 +212,8 @@ class Chain(JsonFile):
              "x0": self.x0, "u_loss": self.u_loss, "o_loss": self.o_loss}
         for a in _ARRAYS:
             d[a] = getattr(self, a).tolist()
+        if self.no_recompute.any():   # documents of chains without it are unchanged
+            d["no_recompute"] = self.no_recompute.tolist()
         return d
 
     def to_json(self, indent: int | None = None) -> str:
@@ -205,7 +225,8 @@ class Chain(JsonFile):
         """Build a chain from :meth:`to_dict` output. Unknown keys are an error."""
         check_document(d, kind="chain", fmt=_FORMAT, version=_VERSION, error=ChainError,
                        lenient=True)
-        known = set(_ARRAYS) | {"format", "version", "name", "n", "x0", "u_loss", "o_loss"}
+        known = set(_ARRAYS) | {"format", "version", "name", "n", "x0", "u_loss", "o_loss",
+                                "no_recompute"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ChainError(f"unknown chain field(s) {unknown}; known fields are "
@@ -227,3 +248,25 @@ class Chain(JsonFile):
         """Parse a chain from a JSON string (see :meth:`to_json`)."""
         return cls.from_dict(parse_document(text, kind="chain", fmt=_FORMAT, version=_VERSION,
                                             error=ChainError, lenient=True))
+
+
+def _flags(raw, n: int) -> np.ndarray:
+    """``no_recompute`` as a read-only bool array of ``n`` entries (all False for
+    None); anything but booleans or 0/1 of the right length is a ChainError."""
+    if raw is None:
+        flags = np.zeros(n, bool)
+    else:
+        arr = np.asarray(raw)
+        if arr.ndim != 1 or arr.shape[0] != n:
+            raise ChainError(f"no_recompute must have one entry per stage ({n}), got "
+                             f"shape {arr.shape}", field="no_recompute")
+        if arr.dtype != bool:
+            values = arr.tolist()
+            bad = [i for i, v in enumerate(values)
+                   if type(v) not in (bool, int) or v not in (0, 1)]
+            if bad:
+                raise ChainError(f"no_recompute[{bad[0]}] = {values[bad[0]]!r}: each entry must "
+                                 f"be True or False", field="no_recompute", index=bad[0])
+        flags = arr.astype(bool)
+    flags.setflags(write=False)
+    return flags

@@ -53,7 +53,7 @@ import numpy as np
 from rtmem.errors import InfeasibleError, RtmemError
 from rtmem.units import format_bytes
 
-from ._validation import check_chain, check_count
+from ._validation import check_chain, check_count, refuse_no_recompute
 from .chain import Chain
 from .plan import Plan, as_budget, planned_info
 from .platform import Platform
@@ -245,8 +245,11 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     (:func:`~rtmem.planners.plan_remat`) is returned; ``info["method"]`` says
     which (``"dp"``, ``"exact"`` or ``"persistent"``). Raises
     :class:`~rtmem.errors.InfeasibleError` when no schedule fits, with
-    ``min_feasible`` the least budget (bytes) at which this returns a plan."""
+    ``min_feasible`` the least budget (bytes) at which this returns a plan, and
+    :class:`~rtmem.errors.RtmemError` for a chain with ``no_recompute`` stages
+    (use :func:`~rtmem.planners.plan_remat`)."""
     check_chain(chain, "plan_floating")
+    refuse_no_recompute(chain, "plan_floating", "its DP does not track the flag")
     budget = as_budget(memory)
     if slots is not None:
         slots = check_count("slots", slots)

@@ -281,7 +281,8 @@ def _baseline_plans(chain: Chain, budget: int, best: float, plans: dict) -> None
     # when that bound is no faster than the best so far it cannot win, and its
     # O(n^2)-op schedules are not built
     revolve_bound = float(2 * chain.u_f.sum() + chain.u_b.sum() + chain.u_loss)
-    if chain.n <= REVOLVE_MAX_STAGES and revolve_bound < best:
+    # Revolve recomputes every stage: never a candidate for no_recompute stages
+    if chain.n <= REVOLVE_MAX_STAGES and revolve_bound < best and chain.recomputable:
         run("revolve", plan_revolve)
 
 

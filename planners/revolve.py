@@ -39,7 +39,8 @@ import numpy as np
 from rtmem.errors import ChainError, InfeasibleError, RtmemError
 
 from .baselines import fastest_fitting
-from ._validation import as_scalar, check_chain, check_int, check_time_bound
+from ._validation import (as_scalar, check_chain, check_int, check_time_bound,
+                          refuse_no_recompute)
 from .chain import Chain
 from .plan import Plan
 from .schedule import Op, Schedule
@@ -335,7 +336,8 @@ def plan_revolve(chain: Chain, memory) -> Plan:
     it cannot use memory beyond m = n+2. Raises
     :class:`~rtmem.errors.InfeasibleError` with the least peak over all m, and
     :class:`~rtmem.errors.RtmemError` for a chain longer than
-    :func:`max_revolve_stages` (2,712 stages), whose Opt_0 table is too large.
+    :func:`max_revolve_stages` (2,712 stages), whose Opt_0 table is too large,
+    and for a chain with ``no_recompute`` stages (Revolve recomputes every stage).
 
     Cost: the Opt_0 table, O(n^3), then one schedule (up to ~n^2/2 operations) built
     and simulated per slot count until the first one (n + 2 slots) fits; on a tight
@@ -355,6 +357,8 @@ def plan_revolve(chain: Chain, memory) -> Plan:
             f"{table_bytes:,} bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} "
             f"bytes, {MAX_OPT0_STEPS:,} steps). Plan it with plan_remat or plan_sequential, "
             "or describe the model with fewer, coarser stages (group layers)")
+    refuse_no_recompute(chain, "plan_revolve", "Revolve runs every stage's forward at least "
+                        "twice")
     return _plan_revolve(chain, memory)
 
 

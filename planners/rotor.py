@@ -34,6 +34,15 @@ stage's output has the size of that output (erratum 13). C_MP is optimal among
 persistent schedules only: exhaustive search can do better (erratum 16; about
 1 random tiny chain in 1300 here), see floating.py for the exact DP.
 
+Beyond the thesis: stages the chain marks ``no_recompute`` (they modify their
+input in place) must run their forward once. The F^ck branch at (s, t, s')
+runs s..s' now and again in C(s, s', m); every other branch runs each of its
+stages once within the sub-problem, and a head C(s, s', .) contains only
+stages the split allowed. So restricting s' to s <= s' < nr[s], where nr[s] is
+the first flagged stage at or after s (N when there is none), is exactly the
+constraint, optimal among persistent schedules that respect it. Without flags
+nr[s] = N > t - 1 and every loop runs as before.
+
 Discretization (thesis §3.7): every size term above is rounded *up* to whole
 slots separately, so a schedule feasible in slots is feasible in bytes
 (property 11). The table is filled for all m at once per (s, t), with two
@@ -74,14 +83,18 @@ class StageArrays:
     ``of``, ``ob``, ``w``, ``G`` in bytes or in slots (int64), depending on
     whether it came from :func:`stage_arrays` or :func:`discretize`.
     ``Gb[k]`` = G[k] + w[k] (weight gradients present while B_k runs).
+    ``nr[k]`` (int64): the first stage >= k that must not be recomputed (N: none).
     """
 
-    __slots__ = ("uf", "ub", "xin", "xo", "xb", "of", "ob", "G", "Gb")
+    __slots__ = ("uf", "ub", "xin", "xo", "xb", "of", "ob", "G", "Gb", "nr")
 
-    def __init__(self, uf, ub, xin, xo, xb, of, ob, G, Gb):
+    def __init__(self, uf, ub, xin, xo, xb, of, ob, G, Gb, nr=None):
         self.uf, self.ub = uf, ub
         self.xin, self.xo, self.xb, self.of, self.ob, self.G, self.Gb = \
             xin, xo, xb, of, ob, G, Gb
+        # nr[s]: the first DP stage >= s the chain marks no_recompute, N if none
+        N = uf.shape[0]
+        self.nr = np.full(N, N, np.int64) if nr is None else nr
 
     @property
     def N(self) -> int:
@@ -102,7 +115,11 @@ def stage_arrays(chain: Chain) -> StageArrays:
     suffix = np.concatenate((np.cumsum(w[::-1])[::-1], [0])).astype(i64)
     G = suffix[1:]                     # sum_{j > k} w[j]
     Gb = suffix[:-1]                   # sum_{j >= k} w[j]
-    return StageArrays(uf, ub, xin, xo, xb, of, ob, G, Gb)
+    N = uf.shape[0]
+    nr = np.full(N, N, i64)
+    for k in range(N - 2, -1, -1):     # the loss (N - 1) is never flagged
+        nr[k] = k if chain.no_recompute[k] else nr[k + 1]
+    return StageArrays(uf, ub, xin, xo, xb, of, ob, G, Gb, nr)
 
 
 def discretize(arrays: StageArrays, slot: int) -> StageArrays:
@@ -112,7 +129,7 @@ def discretize(arrays: StageArrays, slot: int) -> StageArrays:
     def up(v):
         return -(-v // slot)
     return StageArrays(arrays.uf, arrays.ub, up(arrays.xin), up(arrays.xo), up(arrays.xb),
-                       up(arrays.of), up(arrays.ob), up(arrays.G), up(arrays.Gb))
+                       up(arrays.of), up(arrays.ob), up(arrays.G), up(arrays.Gb), arrays.nr)
 
 
 def pair_index(N: int) -> np.ndarray:
@@ -163,7 +180,7 @@ def _fill_requirements(xin, xo, xb, of, ob, G, Gb, mall, mnone):
 
 
 @numba.njit(cache=True)
-def _fill_rows(C, mf, full, uf, ub, xo, xb, mall, mnone, idx, M, s_hi, s_lo):
+def _fill_rows(C, mf, full, uf, ub, xo, xb, mall, mnone, nr, idx, M, s_hi, s_lo):
     """Fill the C_MP rows of every pair (s, t) with s_lo <= s <= s_hi, s descending;
     rows of larger s must be done. See the NOTE for pruning. ``mf[s, t]`` is the
     least m with a finite entry (M+1 if none); ``full[s, t]`` the memory from which
@@ -187,7 +204,7 @@ def _fill_rows(C, mf, full, uf, ub, xo, xb, mall, mnone, idx, M, s_hi, s_lo):
                 for m in range(max(mall[s, t], a + mf[s + 1, t]), M + 1):
                     row[m] = uf[s] + sub[m - a] + ub[s]
                 top = min(full[s, t], M + 1)   # at >= full, F^all is already optimal
-                for sp in range(s, t):
+                for sp in range(s, min(t, nr[s])):
                     a = xo[sp]
                     lo = max(mnone[s, t], mf[s, sp], mf[sp + 1, t] + a)
                     if lo >= top:
@@ -209,7 +226,7 @@ def _fill_rows(C, mf, full, uf, ub, xo, xb, mall, mnone, idx, M, s_hi, s_lo):
 
 
 @numba.njit(cache=True)
-def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, s0, t0, m0, n_loss, ops, stages):
+def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, nr, s0, t0, m0, n_loss, ops, stages):
     """Walk the table from (s0, t0, m0); write the schedule's operations and stages
     to ``ops`` and ``stages`` (int64, at least :func:`_reconstruct_capacity` long)
     and return their number."""
@@ -248,7 +265,7 @@ def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, s0, t0, m0, n_loss, ops, s
             best = uf[s] + C[idx[s + 1, t], m - xb[s]] + ub[s]
             choice = -1
         if m >= mnone[s, t]:
-            for sp in range(s, t):
+            for sp in range(s, min(t, nr[s])):
                 if m - xo[sp] < 0:
                     continue
                 v = (P[sp + 1] - P[s]) + C[idx[sp + 1, t], m - xo[sp]] + C[idx[s, sp], m]
@@ -299,10 +316,12 @@ def persistent_table(arrays: StageArrays, M: int, progress=None):
     mf = np.full((N, N), M + 1, np.int64)
     full = np.zeros((N, N), np.int64)
     if progress is None:
-        _fill_rows(table, mf, full, a.uf, a.ub, a.xo, a.xb, mall, mnone, idx, M, N - 1, 0)
+        _fill_rows(table, mf, full, a.uf, a.ub, a.xo, a.xb, mall, mnone, a.nr, idx, M,
+                   N - 1, 0)
         return table, mf, idx, mall, mnone
     for s_hi, s_lo, done in _bands(N):
-        _fill_rows(table, mf, full, a.uf, a.ub, a.xo, a.xb, mall, mnone, idx, M, s_hi, s_lo)
+        _fill_rows(table, mf, full, a.uf, a.ub, a.xo, a.xb, mall, mnone, a.nr, idx, M,
+                   s_hi, s_lo)
         progress(done)
     return table, mf, idx, mall, mnone
 
@@ -330,14 +349,14 @@ def persistent_schedule(arrays: StageArrays, table, idx, mall, mnone, m: int) ->
     N = a.N
     cap = _reconstruct_capacity(N)
     op, stage = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    n_ops = _reconstruct(table, idx, a.uf, a.ub, a.xo, a.xb, mall, mnone, 0, N - 1,
+    n_ops = _reconstruct(table, idx, a.uf, a.ub, a.xo, a.xb, mall, mnone, a.nr, 0, N - 1,
                          int(m), N - 1, op, stage)
     return Schedule(op[:n_ops], stage[:n_ops])
 
 
 # --------------------------------------------------------------- minimum memory
 @numba.njit(cache=True)
-def _min_memory_table(uf, ub, xo, xb, mall, mnone, mmT, tmT, ch, s_hi, s_lo):
+def _min_memory_table(uf, ub, xo, xb, mall, mnone, nr, mmT, tmT, ch, s_hi, s_lo):
     """Fill rows s_hi down to s_lo (rows of larger s must be done) of ``mmT[t, s]``
     ((N, N) int64, transposed): the least memory (same units) at which C(s, t, .)
     is finite, of ``tmT[t, s]`` ((N, N) float64, transposed) the time of the
@@ -378,7 +397,7 @@ def _min_memory_table(uf, ub, xo, xb, mall, mnone, mmT, tmT, ch, s_hi, s_lo):
             mn = mnone[s, t]
             # every F^ck candidate needs at least m_none: when F^all needs less, none
             # of them can reach (or tie) its memory
-            for sp in range(s, t if mn <= best else s):
+            for sp in range(s, min(t, nr[s]) if mn <= best else s):
                 v = max(mn, max(xo[sp] + mcol[sp + 1], head[sp]))
                 if v > best:
                     continue
@@ -411,7 +430,7 @@ def min_memory(arrays: StageArrays, progress=None) -> tuple[int, np.ndarray]:
     tmT = np.zeros((N, N))
     ch = np.full((N, N), -1, np.int64)
     for s_hi, s_lo, done in _bands(N) if progress is not None else [(N - 1, 0, 1.0)]:
-        _min_memory_table(a.uf, a.ub, a.xo, a.xb, mall, mnone, mmT, tmT, ch, s_hi, s_lo)
+        _min_memory_table(a.uf, a.ub, a.xo, a.xb, mall, mnone, a.nr, mmT, tmT, ch, s_hi, s_lo)
         if progress is not None:
             progress(done)
     return int(mmT[N - 1, 0]), ch
@@ -452,6 +471,7 @@ def reference_persistent_table(arrays: StageArrays, M: int) -> np.ndarray:
     of, ob = [int(v) for v in a.of], [int(v) for v in a.ob]
     G, Gb = [int(v) for v in a.G], [int(v) for v in a.Gb]
     inf = float("inf")
+    flagged = [int(a.nr[k]) == k for k in range(N)]   # no_recompute, as printed
     C = {}
 
     def m_all(s, t):
@@ -479,6 +499,8 @@ def reference_persistent_table(arrays: StageArrays, M: int) -> np.ndarray:
                     best = uf[s] + get(s + 1, t, m - xb[s]) + ub[s]
                 if m >= m_none(s, t):
                     for sp in range(s, t):
+                        if any(flagged[s:sp + 1]):   # F^ck would run a flagged stage twice
+                            continue
                         v = sum(uf[s:sp + 1]) + get(sp + 1, t, m - xo[sp]) + get(s, sp, m)
                         best = min(best, v)
                 row.append(best)

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from rtmem.errors import ScheduleError
+
 from .chain import Chain
 from .platform import Platform
 from .schedule import Op, Schedule
@@ -428,16 +430,49 @@ def _simulate_core(op, stage, aux, u_f, u_b, a_size, abar_size, w, o_f, o_b,
     return last_end, peak
 
 
+def recomputed_flagged(chain: Chain, schedule: Schedule) -> int | None:
+    """Index of the first operation of ``schedule`` that runs a second forward of
+    a stage ``chain.no_recompute`` flags, or None (always None for a chain
+    without flags: one vectorized pass over the forwards otherwise)."""
+    if chain.recomputable:
+        return None
+    op, stage = schedule.op, schedule.stage
+    fwd = np.flatnonzero(np.isin(op, (_F_NONE, _F_CK, _F_ALL))
+                         & chain.no_recompute[np.minimum(stage, chain.n - 1)])
+    seen = set()
+    for j in fwd.tolist():
+        if int(stage[j]) in seen:
+            return j
+        seen.add(int(stage[j]))
+    return None
+
+
+def check_no_recompute(chain: Chain, schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` when ``schedule`` recomputes a stage that
+    ``chain.no_recompute`` flags (it modifies its input in place: a second
+    forward reads the modified input)."""
+    j = recomputed_flagged(chain, schedule)
+    if j is not None:
+        s = int(schedule.stage[j])
+        raise ScheduleError(
+            f"op {j} ({schedule.op_text(j)}) runs stage {s} a second time, but the chain "
+            f"marks it no_recompute (it modifies its input in place, so a recomputation "
+            f"would read the modified input); use a schedule that runs it once, as F_all "
+            f"(plan_remat honours the flag)", op_index=j, reason="recomputed")
+
+
 def simulate(chain: Chain, schedule: Schedule, platform: Platform) -> SimResult:
     """Simulate ``schedule`` on ``chain`` and ``platform``; validate every invariant.
 
     Returns a :class:`SimResult` (makespan in seconds, peak in bytes, a per-op
     timeline). Raises :class:`~rtmem.errors.ScheduleError` naming the first
     violated invariant: the op index, the missing activation or weights, or by
-    how many bytes the memory limit is exceeded. The rules are in
+    how many bytes the memory limit is exceeded, or a second forward of a stage
+    the chain marks ``no_recompute``. The rules are in
     ``NOTE [ Simulator semantics ]`` at the top of this module.
     """
     schedule = simulation_args(chain, schedule, platform)
+    check_no_recompute(chain, schedule)
     a_size, abar_size = chain.activation_sizes()
     times = np.zeros((len(schedule), 2))
     mems = np.zeros((len(schedule), 2), np.int64)

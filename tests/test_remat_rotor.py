@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _remat_cases import erratum_16_chain, persistence_counterexample
-from rtmem.errors import InfeasibleError
-from rtmem.planners import Chain, Platform, simulate, store_all_schedule
+from rtmem.errors import ChainError, InfeasibleError, RtmemError, ScheduleError
+from rtmem.planners import Chain, Platform, Schedule, plan_floating, simulate, store_all_schedule
 from rtmem.planners.baselines import plan_sequential, plan_store_all
 from rtmem.planners.remat import compare_remat, min_feasible_memory, plan_remat
 from rtmem.planners.revolve import plan_revolve
@@ -675,3 +675,74 @@ def test_compare_remat_warns_of_a_slow_solve_at_its_callers_line(monkeypatch):
     slow = [w for w in caught if "predicted ~" in str(w.message)]
     assert len(slow) == 1 and slow[0].filename == __file__
     assert str(slow[0].message).startswith("compare_remat: 10 stages")
+
+
+# ------------------------------------------------------------ no_recompute stages
+def _flagged(chain: Chain, rng) -> Chain:
+    """``chain`` with a random non-empty set of stages marked no_recompute."""
+    flags = rng.random(chain.n) < 0.4
+    flags[rng.integers(chain.n)] = True
+    return Chain(**{k: getattr(chain, k) for k in ("u_f", "u_b", "x", "xbar", "w", "o_f",
+                                                   "o_b", "x0", "u_loss", "o_loss")},
+                 no_recompute=flags)
+
+
+def _forward_counts(schedule, n: int) -> list:
+    return [sum(1 for op, s, _ in schedule if s == i and op in (Op.F_CK, Op.F_NONE, Op.F_ALL))
+            for i in range(n)]
+
+
+def test_no_recompute_stages_are_run_once_by_an_optimal_persistent_dp():
+    # A stage that modifies its input in place (profile_sequential flags it) must
+    # not be recomputed. The DP restricts its F^ck splits; checked entry by entry
+    # against the recurrence as printed with the constraint written out, and its
+    # plans against exhaustive search under the same constraint (never faster)
+    rng = np.random.default_rng()
+    for _ in range(6):
+        n = int(rng.integers(2, 6))
+        chain = _flagged(_random_chain(n, overheads=True), rng)
+        arrays = discretize(stage_arrays(chain), 50)
+        M = int(simulate(chain, store_all_schedule(n), Platform(math.inf)).peak) // 50
+        np.testing.assert_array_equal(persistent_table(arrays, M)[0],
+                                      reference_persistent_table(arrays, M))
+        least, peak = min_feasible_memory(chain), simulate(
+            chain, store_all_schedule(n), Platform(math.inf)).peak
+        for budget in np.linspace(least, peak, 4).astype(int).tolist():
+            plan = plan_remat(chain, budget)
+            counts = _forward_counts(plan.schedule, n)
+            assert all(counts[i] == 1 for i in np.flatnonzero(chain.no_recompute))
+            best, sched = brute_force_remat(chain, budget)
+            assert plan.makespan >= best - 1e-9
+            counts = _forward_counts(sched, n)
+            assert all(counts[i] == 1 for i in np.flatnonzero(chain.no_recompute))
+
+
+def test_simulator_refuses_a_second_forward_of_a_no_recompute_stage():
+    chain = Chain.homogeneous(3)
+    sched = Schedule.from_text("F_all 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, B 0")
+    simulate(chain, sched, Platform(math.inf))                  # fine without the flag
+    flagged = Chain(**{k: getattr(chain, k) for k in ("u_f", "u_b", "x", "xbar")},
+                    x0=chain.x0, no_recompute=[False, True, False])
+    with pytest.raises(ScheduleError, match=r"op 5 \(F_all 1\) runs stage 1 a second time"):
+        simulate(flagged, sched, Platform(math.inf))
+
+
+def test_no_recompute_round_trips_and_planners_that_cannot_honour_it_refuse():
+    chain = Chain(u_f=[1, 1, 1], u_b=[1, 1, 1], x=[4, 4, 4], xbar=[8, 8, 8], x0=4,
+                  no_recompute=[False, True, False])
+    assert Chain.from_json(chain.to_json()) == chain
+    assert "no_recompute" not in Chain.homogeneous(3).to_dict()   # old documents unchanged
+    assert chain != Chain(u_f=[1, 1, 1], u_b=[1, 1, 1], x=[4, 4, 4], xbar=[8, 8, 8], x0=4)
+    with pytest.raises(ChainError, match=r"no_recompute\[1\] = 2"):
+        Chain(u_f=[1, 1], u_b=[1, 1], x=[4, 4], xbar=[8, 8], no_recompute=[0, 2])
+    with pytest.raises(ChainError, match="one entry per stage"):
+        Chain(u_f=[1, 1], u_b=[1, 1], x=[4, 4], xbar=[8, 8], no_recompute=[True])
+    with pytest.raises(RtmemError, match="plan_revolve: the chain marks stages \\[1\\]"):
+        plan_revolve(chain, 10**6)
+    with pytest.raises(RtmemError, match="plan_floating: the chain marks stages \\[1\\]"):
+        plan_floating(chain, 10**3)
+    # checkpoint_sequential's counts that recompute stage 1 are skipped
+    plan = plan_sequential(chain, 10**6)
+    assert _forward_counts(plan.schedule, 3)[1] == 1
+    with pytest.raises(InfeasibleError, match="recomputes a stage the chain marks"):
+        plan_sequential(chain, 10**6, segments=3)

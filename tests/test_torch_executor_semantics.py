@@ -6,6 +6,7 @@ never free memory it does not own, or refuse up front with ExecutionError."""
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import math
 import warnings
@@ -19,8 +20,8 @@ from _torch_models import SoftmaxRecorded  # noqa: E402
 
 from rtmem.errors import RtmemError  # noqa: E402
 from rtmem.torch import _saved  # noqa: E402
-from rtmem.planners import (Chain, Platform, Schedule, sequential_schedule,  # noqa: E402
-                            simulate, store_all_schedule)
+from rtmem.planners import (Chain, Op, Platform, Schedule, plan_remat,  # noqa: E402
+                            sequential_schedule, simulate, store_all_schedule)
 from rtmem.torch import (ExecutionError, ScheduleExecutor, gpt2_model,  # noqa: E402
                          place_parameters, profile_sequential)
 
@@ -390,9 +391,9 @@ def test_in_place_ops_on_stage_and_loss_inputs_train_like_plain_torch(segments):
         return out.sub_(target).pow(2).mean()   # in place on the loss input too
     sched = store_all_schedule(5) if segments is None else sequential_schedule(5, segments)
     _assert_same(*_train(model, x, y, loss_fn, sched))
-    with pytest.warns(RuntimeWarning, match="modify their input in place"):
-        chain = profile_sequential(model, x, y, loss_fn, repeats=2)
+    chain = profile_sequential(model, x, y, loss_fn, repeats=2)
     assert (chain.x > 0).all()
+    assert chain.no_recompute.tolist() == [False, True, True, False, False]
 
 
 def test_recomputing_from_an_input_modified_in_place_is_refused():
@@ -405,20 +406,64 @@ def test_recomputing_from_an_input_modified_in_place_is_refused():
         ex.step(x, y)
 
 
-def test_profiling_warns_of_stages_that_modify_their_input_in_place():
-    # a plan recomputing stage 1 or 2 is refused at step (above), and the chain
-    # cannot tell the planner: the profile is where the user learns it, once
+def test_profiling_marks_stages_that_modify_their_input_in_place_no_recompute():
+    # a plan recomputing stage 1 or 2 is refused at step (above): the profile
+    # tells the planners, silently (it used to warn, and leave it to the user)
     model, x, y = _in_place_model()
-    with pytest.warns(RuntimeWarning, match=r"stage\(s\) 1 \(_ScaleInPlace\), "
-                                            r"2 \(_HalveThenLinear\) modify their input"
-                      ) as record:
-        profile_sequential(model, x, y, mse, repeats=2)
-    assert len([w for w in record if "in place" in str(w.message)]) == 1
-    torch.manual_seed(1)
-    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        profile_sequential(plain, x, y, mse, repeats=1)
+        chain = profile_sequential(model, x, y, mse, repeats=2)
+        assert chain.no_recompute.tolist() == [False, True, True, False, False]
+        torch.manual_seed(1)
+        plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        assert chain.recomputable is False
+        assert profile_sequential(plain, x, y, mse, repeats=1).recomputable
+
+
+class _ShiftInPlace(nn.Module):
+    """Adds a learnable shift to its input in place, then a linear layer."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        x.add_(self.shift)
+        return self.lin(x)
+
+
+def test_a_plan_for_a_profiled_in_place_stage_trains_like_plain_torch_at_a_tight_budget():
+    # profile_sequential marks stage 3 no_recompute and plan_remat runs it once:
+    # before, its plan at this budget recomputed stage 3 from the a3 its first
+    # forward had changed, and the step was refused
+    torch.manual_seed(0)
+    d = 16      # activations (256 x 16 doubles) well above the weights: recomputation pays
+    model = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), _ShiftInPlace(d),
+                          nn.Tanh(), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 1)).double()
+    x = torch.randn(256, d, dtype=torch.float64)
+    y = torch.randn(256, 1, dtype=torch.float64)
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    assert chain.no_recompute.tolist() == [i == 3 for i in range(8)]
+    # unit times: the plans depend on the sizes only, not on the CPU's timings
+    chain = dataclasses.replace(chain, u_f=[1.0] * 8, u_b=[1.0] * 8, u_loss=1.0)
+    # one byte below store-all: a stage must be recomputed, and the cheapest
+    # choice without the flag is to keep a3 and run stage 3 twice on it
+    budget = simulate(chain, store_all_schedule(8), Platform(math.inf)).peak - 1
+    plan = plan_remat(chain, budget)
+    forwards = [s for op, s, _ in plan.schedule if op in (Op.F_CK, Op.F_NONE, Op.F_ALL)]
+    assert forwards.count(3) == 1 and len(forwards) > 8   # others are recomputed
+    # the same chain without the flag: its plan recomputes stage 3, and the step
+    # is refused (the executor's guard of NOTE [ Executor ] rule 7)
+    free = dataclasses.replace(chain, no_recompute=None)
+    unflagged = plan_remat(free, budget)
+    assert [s for op, s, _ in unflagged.schedule
+            if op in (Op.F_CK, Op.F_NONE, Op.F_ALL)].count(3) > 1
+    with pytest.raises(ExecutionError, match="modified in place"):
+        ScheduleExecutor(copy.deepcopy(model), unflagged, mse).step(x, y)
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, plan)
+    _assert_same(m, ex, loss, ref, ref_loss)
+    assert ex.peak_bytes <= plan.peak
 
 
 def test_modifying_a_saved_tensor_in_place_is_refused_as_in_autograd():
@@ -462,8 +507,8 @@ def test_an_in_place_dropout_s_abar_counts_the_storage_it_shares_with_its_input(
                           nn.Linear(40, 40), nn.Linear(40, 1))
     x, y = torch.randn(4, 5), torch.randn(4, 1)
     loss_fn = nn.functional.mse_loss
-    with pytest.warns(RuntimeWarning, match="modify their input in place"):
-        chain = profile_sequential(model, x, y, loss_fn, repeats=1)
+    chain = profile_sequential(model, x, y, loss_fn, repeats=1)
+    assert chain.no_recompute.tolist() == [False, True, False, False, False]
     # output (shared with a1) and the mask, 80 bytes each
     assert chain.x[1] == 80 and chain.xbar[1] == 160
     sched = Schedule.from_text(
@@ -527,8 +572,8 @@ def test_a_parameter_free_first_stage_whose_output_is_modified_in_place_trains()
     model = nn.Sequential(nn.Tanh(), nn.ReLU(inplace=True), nn.Linear(8, 1))
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     _assert_same(*_train(model, x, y, mse, store_all_schedule(3)))
-    with pytest.warns(RuntimeWarning, match="modify their input in place"):
-        chain = profile_sequential(model, x, y, mse, repeats=1)
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    assert chain.no_recompute.tolist() == [False, True, False]
     assert chain.u_b[0] == 0 and chain.xbar[0] == chain.x[0]   # nothing to backward
 
 
@@ -909,10 +954,10 @@ def test_a_stage_changing_its_input_before_saving_it_keeps_it_in_xbar():
                           nn.Sequential(nn.ReLU(inplace=True), nn.Linear(256, 8)),
                           nn.Linear(8, 512), nn.Linear(512, 8))
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    with pytest.warns(RuntimeWarning, match="modify their input in place"):
-        chain, sim, ex = _profiled_run(model, x, y, "F_all 0, F_all 1, offload abar1, "
-                                       "delete abar1, F_all 2, F_ck 3, L, F_all 3, B 3, B 2, "
-                                       "prefetch abar1, B 1, B 0")
+    chain, sim, ex = _profiled_run(model, x, y, "F_all 0, F_all 1, offload abar1, "
+                                   "delete abar1, F_all 2, F_ck 3, L, F_all 3, B 3, B 2, "
+                                   "prefetch abar1, B 1, B 0")
+    assert chain.no_recompute.tolist() == [False, True, False, False]
     assert chain.xbar[1] == chain.x[0] + chain.x[1]      # a1's storage + a2
     assert all(e <= s for e, s in zip(ex.resident_bytes, sim.timeline["mem_after"]))
     assert ex.peak_bytes <= sim.peak
@@ -1503,8 +1548,8 @@ def test_a_frozen_prefix_gets_no_input_gradients_as_in_plain_autograd(text):
     _RecordNeeds.calls.clear()
     _assert_same(*_train(model, x, y, mse, sched))
     assert _RecordNeeds.calls == []
-    with pytest.warns(RuntimeWarning, match="modify their input in place"):
-        chain = profile_sequential(model, x, y, mse, repeats=1)
+    chain = profile_sequential(model, x, y, mse, repeats=1)
+    assert chain.no_recompute.tolist() == [False, False, False, True, False]
     assert (chain.u_b[:4] == 0).all() and chain.u_b[4] > 0   # ReLU: on a frozen a3
     assert _RecordNeeds.calls == []
     # unfrozen between steps: the next step computes the input gradients again

@@ -8,6 +8,9 @@ of the simulator with exactly its memory rules (NOTE [ Simulator semantics ] in
 overhead <= memory; resident counts a_0 and weights from the start, delta_g, and
 the weight gradient of every stage whose B has run. No explicit deletes
 (erratum 11 of thesis-remat.md). Edge weights are op times; the target is g = 0.
+A chain with ``no_recompute`` stages adds R to the state, the set of those
+stages already run, and a flagged stage in R is not run again (R stays empty
+without flags, so their search is the same).
 
 This is the oracle the DPs are tested against: it searches every schedule, not
 only persistent ones, so C_MP can be strictly worse (erratum 16).
@@ -35,7 +38,8 @@ def brute_force_remat(chain: Chain, memory, *, max_stages: int = 7):
     """Optimal makespan and schedule of ``chain`` within ``memory`` (bytes).
 
     Returns ``(makespan_seconds, Schedule)``, or ``(math.inf, None)`` when no
-    valid schedule exists. Refuses chains longer than ``max_stages`` (the state
+    valid schedule exists (one that runs each ``chain.no_recompute`` stage
+    once). Refuses chains longer than ``max_stages`` (the state
     space is 2^(2n+1) (n+2)).
     """
     check_chain(chain, "brute_force_remat")     # a TypeError, not an AttributeError
@@ -63,10 +67,15 @@ def brute_force_remat(chain: Chain, memory, *, max_stages: int = 7):
                 total += abar[k]
         return total
 
-    def moves(A, Ab, g):
+    flagged = [bool(v) for v in chain.no_recompute]
+
+    def moves(A, Ab, g, R):
         mem = resident(A, Ab, g)
         have = A | Ab
         for k in range(n):
+            if flagged[k] and R >> k & 1:
+                continue                              # run once already
+            nR = R | 1 << k if flagged[k] else R
             if have >> k & 1:
                 for code, out_bit, size in ((Op.F_CK, 0, a[k + 1]), (Op.F_ALL, 1, abar[k + 1])):
                     target = Ab if out_bit else A
@@ -74,24 +83,24 @@ def brute_force_remat(chain: Chain, memory, *, max_stages: int = 7):
                         continue                      # output already there: a no-op
                     if mem + size + of[k] <= limit:
                         if out_bit:
-                            yield code, k, uf[k], (A, Ab | 1 << (k + 1), g)
+                            yield code, k, uf[k], (A, Ab | 1 << (k + 1), g, nR)
                         else:
-                            yield code, k, uf[k], (A | 1 << (k + 1), Ab, g)
+                            yield code, k, uf[k], (A | 1 << (k + 1), Ab, g, nR)
             if A >> k & 1 and mem + a[k + 1] + of[k] <= limit:
                 nA = (A & ~(1 << k)) | 1 << (k + 1)
-                yield Op.F_NONE, k, uf[k], (nA, Ab, g)
+                yield Op.F_NONE, k, uf[k], (nA, Ab, g, nR)
         if g == n + 1 and have >> n & 1 and mem + a[n] + chain.o_loss <= limit:
             nA = A & ~(1 << n) if not Ab >> n & 1 else A
-            yield Op.LOSS, 0, float(chain.u_loss), (nA, Ab, n)
+            yield Op.LOSS, 0, float(chain.u_loss), (nA, Ab, n, R)
         if g <= n and g >= 1:
             k = g - 1
             if Ab >> g & 1 and have >> k & 1 and mem + a[k] + ob[k] + w[k] <= limit:
                 nAb = Ab & ~(1 << g)
                 nA = A & ~(1 << k) if not nAb >> k & 1 else A
-                yield Op.B, k, ub[k], (nA, nAb, k)
+                yield Op.B, k, ub[k], (nA, nAb, k, R)
 
-    start = (1, 0, n + 1)
-    if resident(*start) > limit:
+    start = (1, 0, n + 1, 0)
+    if resident(*start[:3]) > limit:
         return math.inf, None
     dist = {start: 0.0}
     prev = {}

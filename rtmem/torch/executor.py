@@ -170,7 +170,10 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    its input in place, but a stored tensor read again after such a change (to
    recompute from it, or by a backward that saved it) would give wrong values,
    so reading it raises :class:`ExecutionError`, where plain autograd raises its
-   "modified by an inplace operation" error for saved tensors. Stage 0 gets an
+   "modified by an inplace operation" error for saved tensors.
+   :func:`~rtmem.torch.profile_sequential` marks a stage that changes its
+   input ``no_recompute`` in the chain, and ``plan_remat`` then runs it once
+   (as ``F_all``), so its plans never meet this error. Stage 0 gets an
    alias of the batch, on which in-place ops are allowed; a batch that is a leaf
    requiring grad (or a view of one), which plain autograd refuses to change in
    place, is copied first (the stages never change the caller's batch), and a
@@ -557,7 +560,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                 f"the schedule ({self.schedule.op_text(self._op_index)}) reads it again, which "
                 f"would compute with the modified values; make that in-place operation "
                 f"out-of-place (x = x * 2 instead of x.mul_(2)) or move it to the end of "
-                f"the previous stage, or use a schedule that does not recompute from a{k}")
+                f"the previous stage, or use a schedule that does not recompute from a{k}: "
+                f"profile_sequential marks such stages no_recompute in the chain, and "
+                f"plan_remat then runs them once")
         self._wait(st)
         return st.out.detach()
 

@@ -31,7 +31,11 @@ output's shape, and:
   first stage using it (tied weights, a module repeated in the Sequential);
 - ``x0``: bytes of the input, numel x element size (the executor works on a
   compact copy when the batch views a larger storage);
-- ``u_loss``: loss forward + backward seconds.
+- ``u_loss``: loss forward + backward seconds;
+- ``no_recompute``: True for a stage that modifies its input in place (its
+  first op is ``x.mul_(2)``, ``nn.ReLU(inplace=True)``, ...): a recomputation
+  would read the modified input, which the executor refuses (NOTE [ Executor ]
+  rule 7), so the planners must run it once (``plan_remat`` does).
 
 Byte counts use the same storage accounting as
 :class:`~rtmem.torch.ScheduleExecutor`, so simulated activation memory and the
@@ -50,7 +54,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 
 import torch
 from torch import nn
@@ -141,23 +144,6 @@ def _put_back_hooks(held: list) -> None:
                 hooks[key] = hook
 
 
-def _warn_in_place(stages: list, model) -> None:
-    """Warn once that ``stages`` modify their input in place: the chain cannot
-    say so, a planner may recompute them, and the executor refuses a
-    recomputation from an input changed in place (NOTE [ Executor ] rule 7)."""
-    names = ", ".join(f"{i} ({type(model[i]).__name__})" for i in stages)
-    warnings.warn(
-        f"stage(s) {names} modify their input in place (x.mul_(2), nn.ReLU(inplace=True) "
-        f"as a stage's first op, ...). That trains as plain PyTorch under a plan that "
-        f"keeps their inputs' graphs, but a plan that recomputes such a stage from its "
-        f"stored input would read the modified values, so ScheduleExecutor.step refuses "
-        f"it (ExecutionError at the first step), and the planners, which cannot see "
-        f"this, may choose one under a tight budget. Make the operation out-of-place "
-        f"(x = x * 2 instead of x.mul_(2), nn.ReLU() instead of nn.ReLU(inplace=True)) "
-        f"or move it to the end of the previous stage, then profile again",
-        RuntimeWarning, stacklevel=3)
-
-
 def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_fn, *,
                        repeats: int = 3, name: str = "", progress=None) -> Chain:
     """Profile ``model`` (an ``nn.Sequential`` of stages, or a list of modules) on
@@ -193,9 +179,11 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     when ``loss_fn`` returns what :class:`~rtmem.torch.ScheduleExecutor` refuses
     at ``L`` (not a 0-d tensor, or a loss without autograd history), with the
     executor's message, found at the loss's first call (after the stages were
-    measured) and before its backward. Warns (``RuntimeWarning``, once per call,
-    naming them) when stages modify their input in place, which the chain cannot
-    express: a plan that recomputes one of them is refused by the executor.
+    measured) and before its backward. Stages that modify their input in place
+    are marked ``no_recompute`` in the chain: :func:`~rtmem.planners.plan_remat`
+    then never recomputes them (a recomputation would read the modified input,
+    and the executor refuses it), and the planners that cannot honour the flag
+    (Revolve, the floating DP) refuse the chain.
     """
     model = as_stages(model, "profile_sequential")
     check_inputs(inputs)
@@ -249,7 +237,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                          for params, stage in zip(stage_params, model)]
         needs_grad = inputs_need_grad(stage_tensors, inputs.requires_grad)
         seen_weights = set()
-        in_place = []   # stages that modify their input in place (warned below)
+        in_place = []   # stages that modify their input in place: never recomputed
         # Iteration, not children(): a module repeated in the Sequential is one
         # stage per position, as the executor runs it.
         for i, stage in enumerate(model):
@@ -364,8 +352,6 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             loss_times.append(timer(run)[1])
         if progress is not None:
             progress(len(model) + 1, len(model) + 1)
-        if in_place:
-            _warn_in_place(in_place, model)
     finally:
         try:
             buffers.restore()
@@ -378,5 +364,6 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 torch.cuda.set_rng_state(cuda_rng, device)
             for g, g_state in gens:
                 g.set_state(g_state)
-    return Chain(**cols, x0=inputs.numel() * inputs.element_size(),
+    flags = [i in in_place for i in range(len(model))]
+    return Chain(**cols, x0=inputs.numel() * inputs.element_size(), no_recompute=flags,
                  u_loss=statistics.median(loss_times), name=name or f"profiled-{len(model)}-stages")
