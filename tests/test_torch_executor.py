@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
+nn = torch.nn
 
 import rtmem  # noqa: E402
 from rtmem.planners import (Chain, Platform, Schedule, min_feasible_memory,  # noqa: E402
@@ -697,3 +698,32 @@ def test_a_batch_larger_than_the_planned_one_warns_once():
         ex.step(*big)                                   # said once per executor
         # a bare Schedule carries no batch size: nothing to check
         ScheduleExecutor(model, plan.schedule, loss_fn).step(*big)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_eval_mode_attention_recomputes_as_plain_training_bit_for_bit(frozen):
+    # In eval mode torch's attention modules (nn.MultiheadAttention,
+    # nn.TransformerEncoderLayer) take a fused "fast path" when autograd is off,
+    # which rounds differently from the path a training forward takes: F_ck and
+    # F_none, run under no_grad, gave a_{i+1} (and so every gradient) a few ulp
+    # away from plain training, and from the stage's own F_all recomputation. A
+    # frozen stage whose input needs no gradient takes the fast path in plain
+    # training too, and must keep it.
+    torch.manual_seed(int.from_bytes(os.urandom(2), "little"))
+    model = nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1,
+                                                       batch_first=True)
+                            for _ in range(3)]).eval()
+    if frozen:
+        model[0].requires_grad_(False)
+    x, y = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    sched = Schedule.from_text("F_ck 0, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, "
+                               "F_all 0, B 0")
+    loss = ScheduleExecutor(m, sched, nn.functional.mse_loss).step(x, y)
+    assert torch.equal(loss, ref_loss.detach())
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    assert torch.backends.mha.get_fastpath_enabled()   # the caller's setting is back

@@ -251,6 +251,33 @@ def _casts_uncached():
         torch.set_autocast_cache_enabled(True)
 
 
+def fastpaths_as_trained(trains: bool):
+    """Turn torch's attention fast path (``torch.backends.mha``) off for a
+    forward under ``no_grad`` (F_none, F_ck) of a stage whose output needs a
+    gradient in plain training (``trains``), and put the caller's setting back
+    on exit, also after an error. In eval mode ``nn.MultiheadAttention`` and the
+    ``nn.Transformer*`` layers take a fused path when autograd is off, which
+    rounds differently from the path a training forward takes: the no_grad
+    forwards gave a_{i+1}, and so every gradient, a few ulp away from plain
+    training and from the stage's own F_all. A stage that trains nothing (frozen,
+    on an input needing no gradient) takes the fast path in plain training
+    too, and keeps it. A global flag, as torch has no other switch: another
+    thread's attention forward in the meantime runs the slow path (the same
+    values, slower)."""
+    if not (trains and torch.backends.mha.get_fastpath_enabled()):
+        return _NOTHING
+    return _fastpath_off()
+
+
+@contextlib.contextmanager
+def _fastpath_off():
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
 def autocast_off(device: torch.device):
     """Run the body (a backward: L's, a B's) with autocast off for the cpu and
     for ``device``'s type where it is on (a stage on the cpu under a cuda batch

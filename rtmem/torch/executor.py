@@ -12,6 +12,11 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    torch cached a weight's cast made under no_grad and handed it, with no
    autograd history, to the later F_all reading the weight, whose gradient was
    then silently lost (pytorch issues 112583 and 158232, fixed in 2.11).
+   In eval mode, torch's attention fast path (``torch.backends.mha``: the
+   fused ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` kernels
+   taken when autograd is off) is turned off for them when the stage's output
+   needs a gradient, so they compute what a training forward computes, bit
+   for bit (with it, gradients came out a few ulp from plain training's).
    Inside ``torch.nn.utils.parametrize.cached()``, every forward of a stage
    (and the loss) computes the parametrized weights in a cache of its own,
    the caller's put back afterwards: one filled under no_grad handed the
@@ -222,7 +227,8 @@ from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input
                       as_stages, check_inputs, check_loss, check_loss_fn, check_placement,
                       check_needs_grad, check_shared_hooks, check_shared_weights, inputs_need_grad,
                       nothing_trains, shared_parameters, trains_beyond)
-from ._saved import _SavedHooks, autocast_off, own_parametrizations, uncached_casts
+from ._saved import (_SavedHooks, autocast_off, fastpaths_as_trained, own_parametrizations,
+                     uncached_casts)
 from ._stored import _Stored
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
@@ -691,8 +697,11 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         and does not have a grad_fn" there, which names neither the stage nor
         the cause: refused with :class:`ExecutionError` saying both. The
         output comes without autograd history: a plain a_{i+1}."""
+        # the path plain training takes where torch's attention has two (in
+        # eval mode): whether the stage's output needs a gradient there
+        trains = self._needs_grad[i] or any(t.requires_grad for t in self._grad_tensors[i])
         try:
-            with torch.no_grad(), uncached_casts():
+            with torch.no_grad(), uncached_casts(), fastpaths_as_trained(trains):
                 y = self._run_stage(i, x)
         except RuntimeError as e:
             if "does not require grad and does not have a grad_fn" not in str(e):
