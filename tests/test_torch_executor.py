@@ -727,3 +727,22 @@ def test_eval_mode_attention_recomputes_as_plain_training_bit_for_bit(frozen):
         assert (p.grad is None) == (q.grad is None), name
         assert p.grad is None or torch.equal(p.grad, q.grad), name
     assert torch.backends.mha.get_fastpath_enabled()   # the caller's setting is back
+
+
+def test_a_recomputed_stage_on_a_device_whose_generator_is_not_replayed_is_refused():
+    # The executor replays the CPU's generator and the batch's CUDA device's. A
+    # recomputed stage whose weights live on another device (here "meta", standing
+    # in for mps/xpu, or a GPU under a CPU batch) drew new dropout masks there:
+    # refused before any stage runs, naming the stage and the device.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4))
+    model[0].to("meta")
+    sched = Schedule.from_text("F_ck 0, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, "
+                               "F_all 0, B 0")
+    ex = ScheduleExecutor(model, sched, nn.functional.mse_loss)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    state = torch.get_rng_state()
+    with pytest.raises(ExecutionError, match=r"stage 0 \(Linear\).*runs on meta.*"
+                                             r"preserve_rng_state=False"):
+        ex.step(x, y)
+    assert torch.equal(torch.get_rng_state(), state)   # nothing ran
+    assert all(p.grad is None for p in model.parameters())

@@ -140,6 +140,10 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    step on) is neither replayed nor put back: a recomputation draws new
    numbers from it (other noise than the first forward: wrong gradients) and
    advances it again; hold it as a module attribute made before the step.
+   A stage the schedule recomputes on another device (a batch on ``mps`` or
+   ``xpu``, a CPU batch with the stage's weights on a GPU) is refused with
+   :class:`ExecutionError` at the start of the step, as its generator would
+   not be replayed.
    With ``preserve_rng_state=False`` no generator is replayed. A
    recomputation also reads the buffers the first forward read: a stage whose
    output depends on a buffer it updates (spectral norm's power iteration, an
@@ -462,6 +466,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # a placement, or a gradient hook, may have been made after __init__
         check_placement(self._stage_params, self._moves, self._param_names)
         check_shared_hooks(self._shared, self._param_names)
+        self._check_replayable(inputs.device)
         if inputs.device.type == "cuda" and self.host_arena is not None and \
                 self.host_arena.backend.name == "cuda":
             # the host arena reuses its blocks in the order of CuPy's current
@@ -470,6 +475,33 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             with on_torch_stream(inputs.device):
                 return self._step(inputs, target)
         return self._step(inputs, target)
+
+    def _check_replayable(self, device: torch.device) -> None:
+        """Refuse, before any stage runs, a step whose recomputations could not
+        replay the random numbers of their first forward (rule 6): with
+        ``preserve_rng_state`` the executor replays the CPU's generator and the
+        batch's CUDA device's only, so a stage it recomputes on another device
+        (a batch on ``mps`` or ``xpu``, a CPU batch with the stage's weights on
+        a GPU) drew new dropout masks there, and the gradients were silently
+        wrong."""
+        if not (self.preserve_rng_state and self._recomputed):
+            return
+        replayed = {"cpu", str(device)} if device.type == "cuda" else {"cpu"}
+        for i in sorted(self._recomputed):
+            devices = {str(t.device) for t in (*self._stage_params[i], *self._stage_buffers[i])}
+            if device.type not in ("cpu", "cuda"):
+                devices.add(str(device))
+            other = sorted(devices - replayed)
+            if other:
+                raise ExecutionError(
+                    f"stage {i} ({type(self.stages[i]).__name__}), which the schedule "
+                    f"recomputes, runs on {', '.join(other)}, whose random generator the "
+                    f"executor does not replay (it replays the CPU's and the batch's CUDA "
+                    f"device's; the batch is on {device}): a recomputation would draw new "
+                    f"dropout masks and give wrong gradients. Put the batch on the device "
+                    f"the stages run on (a CUDA device), use a schedule that recomputes no "
+                    f"stage (plan_store_all), or pass preserve_rng_state=False if the "
+                    f"recomputed stages draw no random numbers")
 
     def _step(self, inputs, target) -> torch.Tensor:
         device = inputs.device
