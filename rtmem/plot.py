@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 
+from rtmem._files import replace_with
+
 __all__ = ["plot_schedule"]
 
 _COLORS = {"F_none": "#9ecae1", "F_ck": "#4292c6", "F_all": "#08519c", "L": "#636363",
@@ -54,8 +56,9 @@ def plot_schedule(chain, schedule, platform, path, title: str | None = None,
     """Draw the Gantt chart and the memory-over-time curve of ``schedule``.
 
     ``result`` is the :class:`~rtmem.planners.SimResult` when already simulated.
-    Writes an image to ``path`` (format from its extension, e.g. ``.png``) and
-    returns the path. Memory is plotted in the binary unit that suits its peak
+    Writes an image to ``path`` (format from its extension, e.g. ``.png``),
+    whole or not at all (a failure while writing leaves the file that was
+    there), and returns the path. Memory is plotted in the binary unit that suits its peak
     (GiB, MiB, KiB or bytes), time in seconds.
     """
     from rtmem.planners import simulate
@@ -106,6 +109,10 @@ def plot_schedule(chain, schedule, platform, path, title: str | None = None,
                  f"{format_seconds(result.makespan)}, peak {format_bytes(result.peak)}")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        # written beside it and renamed over it: a failure while writing (a full
+        # disk, Ctrl-C) left a truncated image where the previous plot was
+        replace_with(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    finally:
+        plt.close(fig)
     return os.fspath(path)

@@ -45,6 +45,37 @@ def test_simulate_table_json_and_plot(capsys, tmp_path):
     assert doc["peak_bytes"] > 6 * 2**30 and doc["channel"] == "shared"
 
 
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
+                                     KeyboardInterrupt()])
+def test_a_plot_that_fails_while_written_leaves_the_previous_plot(capsys, tmp_path,
+                                                                   monkeypatch, failure):
+    # savefig wrote straight into --plot's file: a full disk or a Ctrl-C half-way
+    # left a truncated image in place of the plot of the previous run
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+    plot = tmp_path / "g.png"
+    argv = ["simulate", "gpt2:layers=2,hidden=64,heads=4,seq=16,batch=2,vocab=50",
+            "sequential:2", "--memory", "1GiB", "--plot", str(plot)]
+    assert run(capsys, *argv)[0] == 0
+    previous = plot.read_bytes()
+    real = Image.Image.save
+
+    def half_written(self, fp, format=None, **params):
+        if not isinstance(fp, (str, os.PathLike)):      # matplotlib's own dry runs
+            return real(self, fp, format, **params)
+        import io
+        whole = io.BytesIO()
+        real(self, whole, format or "png", **params)
+        with open(fp, "wb") as f:      # as PIL does: the file is opened, then written
+            f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+        raise failure
+    monkeypatch.setattr(Image.Image, "save", half_written)
+    code = run(capsys, *argv)[0]
+    assert code == (130 if isinstance(failure, KeyboardInterrupt) else 1)
+    assert plot.read_bytes() == previous
+    assert os.listdir(tmp_path) == ["g.png"]       # no temporary file left beside it
+
+
 def test_simulate_schedule_file_and_text(capsys, tmp_path):
     path = tmp_path / "s.txt"
     path.write_text("F_all 0\nF_all 1\nL\nB 1\nB 0\n")
