@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (CommandParser, PartialResults, at_least, gpu_required,  # noqa: E402
                      median_time, write_results)
 
+from rtmem._files import replace_with  # noqa: E402
 from rtmem._table import format_table  # noqa: E402
 from rtmem.cli import PLOT_SUFFIXES, output_file  # noqa: E402
 from rtmem.errors import UnitError  # noqa: E402
@@ -464,8 +465,12 @@ def plot(doc: dict, path: str) -> str | None:
     fig.tight_layout()
     # --plot in a folder not made yet (the JSON's folder is made by write_results)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        # written beside it and renamed over it, as the JSON is: a failure while
+        # writing (a full disk, a time limit's SIGINT) left a truncated image
+        replace_with(path, lambda tmp: fig.savefig(tmp, dpi=120))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -291,6 +292,39 @@ def test_pcie_gpu_path(bench, capsys):
     copies = bench.fake.calls_named("memcpyAsync")
     assert {c[3] for c in copies} == {rt.memcpyHostToDevice, rt.memcpyDeviceToHost}
     assert 0 not in {c[4] for c in copies}             # on the benchmark's own streams
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
+                                     KeyboardInterrupt()])
+def test_a_pcie_plot_that_fails_while_written_leaves_the_previous_one(bench, monkeypatch,
+                                                                      failure):
+    # savefig wrote straight into --plot's file: a full disk or a time limit's
+    # SIGINT half-way left a truncated image in place of the previous sweep's plot
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+    pcie = bench.load("pcie")
+    doc = {"device": "Fake H200",
+           "curves": {"h2d_pinned": [{"bytes": 4096, "bytes_per_s": 1e9},
+                                     {"bytes": 16384, "bytes_per_s": 3e9}]}}
+    path = bench.results / "sweep.png"
+    assert pcie.plot(doc, str(path)) == str(path)
+    previous = path.read_bytes()
+    real = Image.Image.save
+
+    def half_written(self, fp, format=None, **params):
+        if not isinstance(fp, (str, os.PathLike)):      # matplotlib's own dry runs
+            return real(self, fp, format, **params)
+        whole = io.BytesIO()
+        real(self, whole, format or "png", **params)
+        with open(fp, "wb") as f:      # as PIL does: the file is opened, then written
+            f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+        raise failure
+    monkeypatch.setattr(Image.Image, "save", half_written)
+    doc["curves"]["h2d_pinned"][1]["bytes_per_s"] = 5e9
+    with pytest.raises(type(failure)):
+        pcie.plot(doc, str(path))
+    assert path.read_bytes() == previous
+    assert [p.name for p in bench.results.iterdir() if p.name.startswith(".")] == []
 
 
 def test_pcie_without_dha_kernels_measures_copies_and_saves_each_size(bench, monkeypatch,
