@@ -555,10 +555,11 @@ class NumpyAdam:
         """Restore :meth:`state_dict` output, copying into the existing state arrays
         (their memory stays where it was allocated). ``hyper`` must hold every
         hyperparameter, with this optimizer's ``amsgrad``; each ``step`` must be an
-        integer >= 0, each moment finite and each second moment (``exp_avg_sq``,
-        ``max_exp_avg_sq``) >= 0 (else the next step made the parameter NaN,
-        silently). The skip counters are restored (0 and False from a dict
-        saved without them). A refused dict leaves the optimizer as it was."""
+        integer >= 0 and each second moment (``exp_avg_sq``, ``max_exp_avg_sq``)
+        >= 0 (else the next step made the parameter NaN, silently); inf/NaN
+        moments, which a step on non-finite gradients writes, load as they are.
+        The skip counters are restored (0 and False from a dict saved without
+        them). A refused dict leaves the optimizer as it was."""
         if not isinstance(state_dict, dict) or not {"state", "hyper"} <= set(state_dict):
             raise OptimizerError("state_dict must be a dict with 'hyper' and 'state', as "
                                  "returned by state_dict()", argument="state_dict")

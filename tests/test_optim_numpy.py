@@ -345,3 +345,20 @@ def test_numpy_load_state_dict_refuses_moments_the_step_would_turn_into_nan(key,
     opt.load_state_dict(bad_dict)
     assert opt.step([rng.standard_normal(p.shape).astype(np.float32) for p in ps])
     assert all(np.isfinite(p).all() for p in ps)
+
+
+def test_a_numpy_state_written_by_a_step_on_non_finite_gradients_loads_back():
+    # NumpyAdam.load_state_dict's docstring still said each moment must be
+    # finite after the loads stopped refusing inf/NaN moments (which a step on
+    # non-finite gradients writes): its round trip gives such a state back
+    rng = np.random.default_rng(11)
+    p = rng.standard_normal(4).astype(np.float32)
+    opt = optim.NumpyAdam([p], lr=0.1, betas=(0.0, 0.6), amsgrad=True)
+    assert opt.step([np.array([np.inf, np.nan, 1.0, -2.0], np.float32)])
+    saved = opt.state_dict()
+    assert not np.isfinite(saved["state"][0]["exp_avg_sq"]).all()
+    again = optim.NumpyAdam([rng.standard_normal(4).astype(np.float32)], amsgrad=True)
+    again.load_state_dict(saved)
+    for key, value in saved["state"][0].items():
+        np.testing.assert_array_equal(again.state_dict()["state"][0][key], value)
+    assert "finite" not in optim.NumpyAdam.load_state_dict.__doc__.split("inf/NaN")[0]
