@@ -198,6 +198,18 @@ mine.memory_manager.initialize()
 driver.driver.devices[0] = types.SimpleNamespace(id=0, primary_context=mine)
 numba_emm.install(newer)
 assert numba_emm._arena is newer and mine.memory_manager.arena is newer
+# numba's deallocation threshold follows the switch: it kept the old arena's
+# capacity (16 times the new one), so frees were held back past what fits.
+assert mine.memory_manager.deallocations.memory_capacity == 1 << 16
+# ... and so does a context rebound at its next push (initialize()).
+later = DeviceArena(1 << 17, backend="cuda")
+numba_emm._arena = later
+mine.memory_manager.initialize()
+assert mine.memory_manager.arena is later
+assert mine.memory_manager.deallocations.memory_capacity == 1 << 17
+numba_emm._arena = newer
+mine.memory_manager.initialize()
+later.close()
 del driver.driver.devices[0]
 newer.close()
 arena.close()

@@ -138,6 +138,20 @@ def _capacity(arena) -> tuple[int, int]:
     return free, total
 
 
+def _bind(manager, arena) -> None:
+    """Make ``manager`` (a plugin instance) allocate from ``arena``, and size
+    numba's deallocation threshold on it: numba frees its pending deallocations
+    in a batch once they exceed a share (``CUDA_DEALLOCS_RATIO``) of
+    ``deallocations.memory_capacity`` (bytes). Kept from the previous arena
+    after install() switched, that threshold referred to the old arena's size:
+    frees held back past what a smaller new arena can spare (or flushed early
+    in a larger one)."""
+    if getattr(manager, "arena", None) is not arena or \
+            not manager.deallocations.memory_capacity:      # numba's 0: not set yet
+        manager.deallocations.memory_capacity = _capacity(arena)[1]
+    manager.arena = arena
+
+
 def manager_class():
     """The EMM plugin class (built on first use so numba is imported lazily)."""
     global _class
@@ -168,11 +182,7 @@ def manager_class():
                     _check_device(self.context, _backend_device())
                     _arena = _default_arena()
                 _check_device(self.context, _arena.backend.device_id)
-                self.arena = _arena
-            if not self.deallocations.memory_capacity:    # numba's 0: not set yet
-                # numba frees its pending deallocations in a batch once they
-                # exceed this share (CUDA_DEALLOCS_RATIO) of the memory.
-                self.deallocations.memory_capacity = _capacity(self.arena)[1]
+                _bind(self, _arena)
 
         def memalloc(self, size):
             """Allocate ``size`` bytes of device memory from the arena.
@@ -294,7 +304,7 @@ def install(arena=None, *, nbytes=None) -> None:
             # The plugin's own contexts rebound only at their next push (numba
             # calls initialize() there), which most numba.cuda calls skip: now.
             for ctx in contexts:
-                ctx.memory_manager.arena = arena
+                _bind(ctx.memory_manager, arena)
     cuda.set_memory_manager(cls)
 
 
