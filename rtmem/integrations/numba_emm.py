@@ -176,12 +176,13 @@ def manager_class():
             global _arena
             track()
             with _lock:
+                # One check: the default arena is on _backend_device() too. Made
+                # after it, since it takes half the free memory of rtmem's device,
+                # which this context could not use.
+                _check_device(self.context, _backend_device() if _arena is None
+                              else _arena.backend.device_id)
                 if _arena is None:
-                    # checked first: the default arena takes half the free memory
-                    # of rtmem's device, which this context could not use
-                    _check_device(self.context, _backend_device())
                     _arena = _default_arena()
-                _check_device(self.context, _arena.backend.device_id)
                 _bind(self, _arena)
 
         def memalloc(self, size):
