@@ -26,8 +26,15 @@ by the next ``synchronize()``. Each is raised exactly once: by
 ``synchronize()``, or, when the buffer is used first, by that use
 (``synchronize(buf)``, ``wait(buf)``, a move or a view), never both. A
 failure of a buffer freed meanwhile is not raised: freeing discarded its data.
-``wait()`` with no argument does not block on the cuda backend, so it reports
-nothing.
+``wait()`` with no argument reports nothing, on either backend: it only orders
+the compute stream after the transfer streams, and on cuda it must not block
+the host, while CUDA tells of an asynchronous failure only at a
+synchronization. (On the host backend it blocks; a failed move it waited for
+is undone when the buffer is next looked at, ``residency`` included, and
+raised by the next ``synchronize()`` or use of the buffer.) On the cuda
+backend a failed copy is a sticky CUDA error rather than one event's:
+``synchronize()`` raises it as a BackendError, and so does every later
+synchronization, since the CUDA context is unusable until the process restarts.
 
 NOTE [ Keeping memory alive during copies ]
 A slab read or written by an in-flight copy must outlive it, and its block must
@@ -432,8 +439,12 @@ def wait(obj=None) -> None:
     """Make the compute stream wait for ``obj``: a Buffer's pending copy, an
     event, or (None) everything enqueued on the current backend's transfer
     streams. On the host backend this blocks (its compute stream is synchronous);
-    on cuda it does not block the host. A Buffer's failed copy is raised here
-    (BackendError); a freed Buffer raises UseAfterFreeError, as its other uses."""
+    on cuda it does not block the host. On the host backend a Buffer's failed
+    copy is raised here (BackendError); on cuda a failure is a sticky CUDA
+    error, raised by the next ``synchronize()``. A freed Buffer raises
+    UseAfterFreeError, as its other uses. With None nothing is raised on either
+    backend: failed copies come out at ``synchronize()`` or at their buffer's
+    next use (NOTE [ Copy failures at synchronize ])."""
     if isinstance(obj, Buffer):
         _settle_after(obj, lambda event: obj.primary.arena.backend.current_stream()
                       .wait_event(event))

@@ -110,6 +110,7 @@ _ERRORS = {1: ("cudaErrorInvalidValue", "invalid argument"),
            101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
            400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
            600: ("cudaErrorNotReady", "device not ready"),
+           700: ("cudaErrorIllegalAddress", "an illegal memory access was encountered"),
            999: ("fakeWaitTimeout", f"a fake wait took over {WAIT_S} s (a hang)")}
 
 

@@ -564,6 +564,40 @@ def test_a_failed_copy_is_a_backend_error_and_changes_nothing(fake, backend, mon
     assert b.to_numpy().tobytes() == before[0]
 
 
+def test_wait_never_blocks_nor_reports_and_synchronize_raises_a_failed_copy(
+        fake, backend, monkeypatch):
+    # NOTE [ Copy failures at synchronize ]: wait() with no argument only orders
+    # the compute stream (it must not block the host on cuda, and CUDA reports
+    # an asynchronous failure only at a synchronization); synchronize() raised
+    # CuPy's own CUDARuntimeError, where the host backend raises a BackendError.
+    d = DeviceArena(1 << 20, backend=backend)
+    h = HostArena(1 << 20, backend=backend)
+    b = d.alloc(shape=(256,), dtype=np.float32)
+    eng = T.get_engine(backend)
+    gate = threading.Event()
+    eng.d2h.raw.launch_host_func(lambda _arg: gate.wait(), None)
+    real = fake.modules["cupy.cuda.runtime"].memcpyAsync
+
+    def faulting(dst, src, size, kind, stream):     # fails on the stream, later
+        def fault():
+            raise _fake_cupy.CUDARuntimeError(700)
+        fake._stream_of(stream)._enqueue(fault)
+    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", faulting)
+    T.offload(b, arena=h)
+    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", real)
+    T.wait()                                        # returns with the copy gated
+    assert not gate.is_set() and b.residency == "in-flight"
+    gate.set()
+    T.wait()                                        # ordering only: nothing raised
+    try:
+        with pytest.raises(BackendError, match="d2h.*illegal.*sticky.*restart") as err:
+            T.synchronize()
+        assert isinstance(err.value.__cause__, _fake_cupy.CUDARuntimeError)
+    finally:
+        fake.async_errors.clear()                   # a fresh context, as after a restart
+    T.synchronize()
+
+
 def test_debug_arena_poisons_and_catches_a_gpu_write_after_free(fake, backend):
     d = DeviceArena(1 << 16, debug=True, backend=backend)
     assert fake.calls_named("memsetAsync")           # the slab was poisoned on device

@@ -112,8 +112,22 @@ class CudaStream:
             runtime.streamWaitEvent(self.ptr, handle, 0)
 
     def synchronize(self) -> None:
-        """Block the host until this stream's work is done."""
-        self.raw.synchronize()
+        """Block the host until this stream's work is done. A failure of that
+        work (or of any earlier work on the device) is raised as
+        :class:`~rtmem.errors.BackendError`, as the host backend's streams
+        raise theirs: CuPy's own CUDARuntimeError escaped
+        ``except BackendError`` in rtmem.transfers.synchronize()."""
+        from cupy.cuda import runtime
+        try:
+            self.raw.synchronize()
+        except getattr(runtime, "CUDARuntimeError", ()) as exc:
+            # CUDA reports an asynchronous failure only here, and as a sticky
+            # error: every later call fails too, so the remedy is a restart.
+            raise BackendError(
+                f"work on CUDA stream {self.name!r} failed: {exc}; CUDA errors are "
+                f"sticky, so the context is unusable and every buffer on the device "
+                f"is suspect: restart the process (run with CUDA_LAUNCH_BLOCKING=1 "
+                f"to find the failing kernel or copy)") from exc
 
     def launch_host_func(self, fn) -> None:
         """Run ``fn()`` on a driver thread once earlier work is done; ``fn`` must
