@@ -39,7 +39,10 @@ the closed one is dropped at the buffer's next use (``residency`` included),
 so an offloaded buffer whose device arena was closed is ``"host"`` and can be
 read and prefetched into another arena. A buffer whose only copy was in a
 closed arena (or whose copy there is pinned by views) raises
-UseAfterFreeError at every use but ``free()``.
+UseAfterFreeError at every use but ``free()``; the message says which: with
+pinned views of the closed copy and an intact copy elsewhere, that dropping
+the views makes the buffer usable again (the views read released memory, so
+the copy is not detached under them and nothing is lost silently).
 
 A copy that fails (NOTE [ Host stream failures ] in backends/host.py) is raised
 once, as BackendError, by ``rtmem.transfers.synchronize()`` (NOTE [ Copy failures
@@ -230,12 +233,31 @@ class Buffer:
                 f"this {self.kind} buffer ({self.nbytes:,} bytes) was freed{waits}; "
                 f"allocate a new buffer instead of keeping references to freed ones")
         if self._forget_closed():
-            p = next(p for p in (self._device, self._host)
-                     if p is not None and p.arena._closed)
-            raise UseAfterFreeError(
-                f"the {p.arena.location} arena of this {self.kind} buffer "
-                f"({self.nbytes:,} bytes) was closed, which released its memory; "
-                f"close an arena only after its buffers are done with")
+            raise UseAfterFreeError(self._closed_message())
+
+    def _closed_message(self) -> str:
+        """Why a buffer with a placement in a closed arena is unusable, and what
+        to do: "close an arena only after its buffers are done with" was all it
+        said, also when the buffer's other copy was intact and only views of the
+        closed copy (pinned, NOTE [ Pinned views ]) kept it out of reach."""
+        p = next(p for p in (self._device, self._host)
+                 if p is not None and p.arena._closed)
+        side = p.arena.location
+        other = self._host if side == "device" else self._device
+        text = (f"the {side} arena of this {self.kind} buffer ({self.nbytes:,} bytes) "
+                f"was closed, which released its memory")
+        if p.pins and other is not None and not other.arena._closed:
+            return (f"{text}, and {p.pins} pinned view(s) of its {side} copy there "
+                    f"(numpy(pin=True), rtmem.torch.as_tensor) are still alive: they "
+                    f"read released memory. Its {other.arena.location} copy is intact: "
+                    f"drop those views (del them) and the buffer is usable again from it")
+        if p.pins:
+            return (f"{text}; its data was only there and is gone, and {p.pins} pinned "
+                    f"view(s) of it (numpy(pin=True), rtmem.torch.as_tensor) still read "
+                    f"that released memory: drop them and free() the buffer. Offload or "
+                    f"copy out (to_numpy()) what you need before closing an arena")
+        return (f"{text}; its data was only there and is gone: free() the buffer. "
+                f"Offload or copy out (to_numpy()) what you need before closing an arena")
 
     def _forget_closed(self) -> bool:
         """Detach the placements in closed arenas when the buffer has one in an
