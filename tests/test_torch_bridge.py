@@ -35,6 +35,34 @@ def test_from_tensor_round_trip(arena, dtype):
     assert arena.stats().bytes_by_kind["weight"] >= buf.nbytes
 
 
+def test_from_tensor_copies_the_values_of_strided_tensors_in_row_major_order(arena):
+    # Carried question: from_tensor does not keep strides. It must not read a
+    # transposed, channels_last, stepped or expanded tensor's storage as if it
+    # were row-major (silently wrong values): the buffer holds the logical
+    # elements in row-major order, checked against numpy's view of the same
+    # fresh random data (torch plays no part in the reference).
+    rng = np.random.default_rng()
+    a2 = rng.standard_normal((6, 9)).astype(np.float32)
+    a4 = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    col = rng.standard_normal((5, 1)).astype(np.float32)
+    cases = [
+        (torch.from_numpy(a2).t(), a2.T),
+        (torch.from_numpy(a2)[1::2, ::3], a2[1::2, ::3]),
+        (torch.from_numpy(a4).to(memory_format=torch.channels_last), a4),
+        (torch.from_numpy(a4).permute(3, 1, 0, 2), a4.transpose(3, 1, 0, 2)),
+        (torch.from_numpy(col).expand(5, 7), np.broadcast_to(col, (5, 7))),
+    ]
+    for t, ref in cases:
+        assert not t.is_contiguous()
+        buf = from_tensor(t, arena)
+        assert buf.shape == ref.shape
+        np.testing.assert_array_equal(buf.numpy(), ref)
+        view = as_tensor(buf)
+        assert view.is_contiguous() and torch.equal(view, t)
+        del view
+        buf.free()
+
+
 def test_views_keep_the_block_until_collected(arena):
     buf = arena.alloc(shape=(1000,), dtype=np.float32)
     t = as_tensor(buf)

@@ -222,7 +222,16 @@ def _check_arena(arena, name: str) -> None:
 
 def from_tensor(tensor: torch.Tensor, arena, *, kind: str = "activation") -> Buffer:
     """Copy ``tensor`` into a new buffer of ``arena`` (same shape; bfloat16 and float8
-    held as integer bits) and return the buffer."""
+    held as integer bits) and return the buffer.
+
+    The buffer holds the tensor's elements in row-major order, whatever its
+    strides (transposed, channels_last, sliced with steps, expanded): a buffer
+    has a shape and no strides, so ``as_tensor(buf)`` is a contiguous tensor
+    equal to ``tensor``, as ``tensor.contiguous()`` is. To keep a permuted
+    layout, copy ``tensor.permute(order)`` (the dimensions outermost first in
+    memory) and view the result with ``.as_strided(tensor.shape,
+    tensor.stride())``, as :func:`place_parameters` does for channels_last
+    weights."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"from_tensor copies a torch.Tensor, got {type(tensor).__name__}; "
                         f"convert it with torch.as_tensor first")
