@@ -491,6 +491,11 @@ class _Arena:
         with a copy in another open arena (an offloaded buffer's host copy), which
         keep that copy (NOTE [ Residency state machine ] in rtmem/buffer.py); call
         only once all work using the arena is done (``rtmem.transfers.synchronize()``).
+        Views of its buffers made before (``buf.numpy()``, ``buf.cupy()``, DLPack
+        capsules, tensors of ``rtmem.torch.as_tensor``) stay valid on both
+        backends: a slab goes back to the backend when the last of them goes, at
+        once without any. (Memory CuPy or numba allocated through
+        :mod:`rtmem.integrations` is not held: close only once they hold none.)
         Ends the recording of every :class:`~rtmem.adaptors.TracingAdaptor` in
         the arena's ``adaptors`` (its trace is complete on disk; frees after
         close are not recorded)."""

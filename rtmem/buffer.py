@@ -41,8 +41,9 @@ read and prefetched into another arena. A buffer whose only copy was in a
 closed arena (or whose copy there is pinned by views) raises
 UseAfterFreeError at every use but ``free()``; the message says which: with
 pinned views of the closed copy and an intact copy elsewhere, that dropping
-the views makes the buffer usable again (the views read released memory, so
-the copy is not detached under them and nothing is lost silently).
+the views makes the buffer usable again (the views keep the memory they read,
+on both backends, but it is no longer the buffer's: the copy is not detached
+under them, so nothing written through them is lost silently).
 
 A copy that fails (NOTE [ Host stream failures ] in backends/host.py) is raised
 once, as BackendError, by ``rtmem.transfers.synchronize()`` (NOTE [ Copy failures
@@ -249,13 +250,15 @@ class Buffer:
         if p.pins and other is not None and not other.arena._closed:
             return (f"{text}, and {p.pins} pinned view(s) of its {side} copy there "
                     f"(numpy(pin=True), rtmem.torch.as_tensor) are still alive: they "
-                    f"read released memory. Its {other.arena.location} copy is intact: "
+                    f"keep that memory, which is no longer the buffer's (what is written "
+                    f"through them is lost). Its {other.arena.location} copy is intact: "
                     f"drop those views (del them) and the buffer is usable again from it")
         if p.pins:
-            return (f"{text}; its data was only there and is gone, and {p.pins} pinned "
-                    f"view(s) of it (numpy(pin=True), rtmem.torch.as_tensor) still read "
-                    f"that released memory: drop them and free() the buffer. Offload or "
-                    f"copy out (to_numpy()) what you need before closing an arena")
+            return (f"{text}; its data is left only in {p.pins} pinned view(s) of it "
+                    f"(numpy(pin=True), rtmem.torch.as_tensor), which keep that memory "
+                    f"until they go: copy out what you need from them, drop them and "
+                    f"free() the buffer. Offload or copy out (to_numpy()) what you need "
+                    f"before closing an arena")
         return (f"{text}; its data was only there and is gone: free() the buffer. "
                 f"Offload or copy out (to_numpy()) what you need before closing an arena")
 
@@ -280,7 +283,7 @@ class Buffer:
                 side = closed[0]
                 other = self._host if side == "device" else self._device
                 p = self._device if side == "device" else self._host
-                # pinned views of it hold released memory: kept, and reported,
+                # pinned views of it hold memory the arena gave up: kept, and reported,
                 # so the pins stay on attached placements (see _pins)
                 if other is not None and not other.arena._closed and not p.pins:
                     self._drop(side)      # legal after close, as free() is
@@ -547,8 +550,10 @@ class Buffer:
         with self._lock:
             p = self._view_placement(where)
             if cuda:
+                # keep: the slab's memory, which the consumer (a torch tensor)
+                # reads for as long as it holds the export, arena.close() or not
                 return PinnedExport(self, p, "__cuda_array_interface__",
-                                    self._cuda_dict(p))
+                                    self._cuda_dict(p), keep=p.slab.owner)
             arr = self._typed(self._bytes(p))
             return PinnedExport(self, p, "__array_interface__", arr.__array_interface__,
                                 keep=arr)
@@ -577,7 +582,9 @@ class Buffer:
         # without CuPy installed raise "the cuda backend needs CuPy".
         cai = self._cuda_dict(p, error)
         from .backends.cuda import import_cupy
-        return import_cupy().asarray(_CudaView(cai, self))
+        # CuPy keeps the _CudaView as its memory's owner (so do DLPack capsules
+        # of the array): it holds the slab's memory past arena.close()
+        return import_cupy().asarray(_CudaView(cai, (self, p.slab.owner)))
 
     def _cuda_dict(self, p: Placement, error=AttributeError) -> dict:
         """The CUDA array interface of placement ``p``. ``error``: what to raise
@@ -681,7 +688,8 @@ class Buffer:
 
 
 class _CudaView:
-    """Carries one ``__cuda_array_interface__`` dict and keeps its buffer alive."""
+    """Carries one ``__cuda_array_interface__`` dict and keeps ``owner`` alive
+    (the buffer, and the memory the dict points at)."""
 
     __slots__ = ("__cuda_array_interface__", "owner")
 

@@ -75,7 +75,9 @@ How faithful it is (what a test can rely on):
   from the host pointer (0 as on Linux with UVA; nonzero in tests that check
   rtmem never confuses the two). Copies and memsets check bounds against the live
   allocation and raise ``CUDARuntimeError`` (invalid value) on overrun, use after
-  free or a pointer in no allocation above the host address range.
+  free or a pointer in no allocation above the host address range. ``free`` /
+  ``freeHost`` overwrite the bytes with ``FREED``; a view made before (``host_view``,
+  an ndarray's DLPack capsule, which holds the ndarray as CuPy's does) reads them.
 - Every stream, the null (legacy) stream included, runs its work in order on its
   own thread, so copies really are asynchronous; the synchronous ``memcpy`` /
   ``memset`` run on the null stream and wait. Blocking streams are treated as
@@ -102,6 +104,7 @@ import weakref
 import numpy as np
 
 DEVICE_BASE = 1 << 48          # fake device addresses: never valid host addresses
+FREED = 0xFE                   # what free/freeHost write over an allocation's bytes
 HOST_LIMIT = 1 << 47           # x86-64 user space ends here
 WAIT_S = 20.0                  # longest wait before a fake wait raises
 
@@ -204,11 +207,18 @@ class FakeCupy:
             raise CUDARuntimeError(1)          # runs past the allocation
         return a.host + off
 
-    def host_view(self, ptr: int, nbytes: int) -> np.ndarray:
+    def host_view(self, ptr: int, nbytes: int, owner=None) -> np.ndarray:
         """A numpy uint8 view of ``nbytes`` bytes at fake address ``ptr`` (how a
-        test plays a GPU kernel reading or writing device memory)."""
+        test plays a GPU kernel reading or writing device memory); it keeps
+        ``owner`` alive. The view holds the allocation's bytes, so reading it
+        after the allocation was freed reads ``FREED`` bytes (the fake's
+        use-after-free mark), not memory numpy gave back (a crash or garbage)."""
         real = self.resolve(ptr, nbytes)
-        return np.ctypeslib.as_array((ctypes.c_uint8 * int(nbytes)).from_address(real))
+        raw = (ctypes.c_uint8 * int(nbytes)).from_address(real)
+        hit = self._find(int(ptr))
+        raw._keep = None if hit is None else hit[0].keep
+        raw._owner = owner
+        return np.ctypeslib.as_array(raw)
 
     def simulator_array(self, obj, sync: bool = True):
         """``numba.cuda.as_cuda_array(obj, sync=True)`` for numba's CUDA simulator,
@@ -344,6 +354,8 @@ class FakeCupy:
                 if a is None or a.kind != kind:
                     raise CUDARuntimeError(1)
                 del fake.live[a.addr]
+                # views made before the free still hold the bytes: they read this
+                a.keep[:] = FREED
                 if kind == "device":
                     fake.device_used -= a.size
                 else:
@@ -838,7 +850,9 @@ class FakeCupy:
 
             def view_host(self):
                 """Test helper: a numpy view of the bytes (as a kernel sees them)."""
-                raw = fake.host_view(self.data.ptr, self.nbytes)
+                # the view keeps the array (its memory's owner) alive: a DLPack
+                # capsule of it does, as CuPy's capsule holds its ndarray
+                raw = fake.host_view(self.data.ptr, self.nbytes, owner=self)
                 return raw.view(self.dtype).reshape(self.shape)
 
             def get(self):

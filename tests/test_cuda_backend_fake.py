@@ -240,6 +240,59 @@ def test_numpy_views_of_pinned_memory_outlive_arena_close(fake, backend):
     assert len(fake.calls_named("freeHost")) == 3
 
 
+class _Capsule:
+    """A DLPack capsule taken earlier, for np.from_dlpack to read later."""
+
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, **_):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_device_views_outlive_arena_close(fake, backend):
+    # close() cudaFree'd each device slab explicitly, under live views of its
+    # buffers: the CUDA-array-interface export torch.as_tensor wraps (pinned), a
+    # CuPy array, a DLPack capsule. They then pointed at freed GPU memory (the
+    # fake's FREED bytes), where numpy views of host memory stay valid after close().
+    def read_export(b):
+        export = b._export(None, cuda=True)
+        ptr = export.__cuda_array_interface__["data"][0]
+        return export, lambda: fake.host_view(ptr, b.nbytes).view(np.float32).copy()
+
+    def read_cupy(b):
+        arr = b.cupy()
+        return arr, arr.get
+
+    def read_dlpack(b):
+        capsule = _Capsule(b.__dlpack__())
+        return capsule, lambda: np.from_dlpack(capsule).view(np.float32).copy()
+
+    rng = np.random.default_rng()
+    for make in (read_export, read_cupy, read_dlpack):
+        d = DeviceArena(1 << 16, backend=backend)
+        ptr = d.slabs[0].ptr
+        buf = d.alloc(shape=(64,), dtype=np.float32)
+        data = rng.standard_normal(64).astype(np.float32)
+        _device_view(fake, buf)[:] = data
+        view, read = make(buf)
+        d.close()
+        assert ptr in fake.live                     # the view still holds the slab
+        np.testing.assert_array_equal(read(), data)
+        buf.free()                                  # legal after close
+        del view, read
+        gc.collect()
+        assert ptr not in fake.live                 # freed with the last view
+    d = DeviceArena(1 << 16, backend=backend)       # no view: freed by close() itself
+    d.alloc(64)
+    d.close()
+    assert fake.live == {}
+    assert len(fake.calls_named("free")) == 4
+
+
 def test_out_of_memory_leaves_the_arena_unchanged(fake, backend):
     with pytest.raises(OutOfMemoryError, match="cudaMalloc") as exc:
         DeviceArena(128 << 20, backend=backend)

@@ -177,7 +177,8 @@ class _CudaAlloc:
     that matches how it was made (``free`` or ``freeHost``), on :meth:`free` or
     when the last reference goes: an arena dropped without ``close()`` returns
     its slabs as a host-backend one does. Whatever addresses the memory holds
-    this object (through the arena, or the ctypes array behind host views)."""
+    this object: its slab, the ctypes array behind host views, and the views
+    rtmem exports of device memory (:meth:`CudaBackend.release`)."""
 
     __slots__ = ("_finalizer", "__weakref__")
 
@@ -260,16 +261,19 @@ class CudaBackend(Backend):
                     mapped=mapped, owner=owner)
 
     def release(self, slab: Slab) -> None:
-        """Free the slab's memory (the caller synchronized its users). Host
-        memory goes once no numpy view of it remains, as on the host backend."""
+        """Give the slab's memory back (the caller synchronized its users): at
+        once when nothing else holds it, else when the last view of it goes, as
+        on the host backend. Views that hold it: numpy views of host memory
+        (``buf.numpy()``), and CuPy arrays (``buf.cupy()``), DLPack capsules
+        (``buf.__dlpack__()``) and CUDA-array-interface exports (the tensors of
+        ``rtmem.torch.as_tensor``) of device or mapped memory."""
         slab.host_array = None
-        owner, slab.owner = slab.owner, None
-        # Not host memory at once: numpy views (buf.numpy()) hold the allocation
-        # through their ctypes base and stay valid after arena.close() on the host
-        # backend; cudaFreeHost under them made reading one a segfault. Dropping
-        # the last reference here frees it now when no view is left.
-        if slab.location == "device" and hasattr(owner, "free"):
-            owner.free()
+        # Only the reference is dropped, never an explicit cudaFree/cudaFreeHost:
+        # under a live view (valid after arena.close() on the host backend) it
+        # left a tensor on freed GPU memory, or made reading a numpy view of
+        # pinned memory a segfault. The slab was the allocation's only other
+        # holder, so with no view left _CudaAlloc's finalizer frees it here.
+        slab.owner = None
 
     def new_stream(self, name: str = "stream") -> CudaStream:
         """A new non-blocking CUDA stream."""
