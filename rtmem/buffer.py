@@ -11,7 +11,8 @@ NOTE [ Residency state machine ]
 - ``"freed"``: the buffer was freed; every use raises UseAfterFreeError. That
   includes a buffer whose free waits for pinned views (NOTE [ Pinned views ]):
   its bytes stay reserved, but it is unusable (``is_freed`` turns True once
-  they are released).
+  they are released); and one with no copy left in an open arena (closed
+  arenas, below), which ``free()`` still cleans up (``is_freed`` then True).
 - ``"in-flight"``: a prefetch (H2D) or offload (D2H) has been enqueued and its
   event has not completed.
 - otherwise from the placements: ``"device"`` (device only), ``"host"`` (host
@@ -37,7 +38,9 @@ Closed arenas: ``close()`` releases an arena's memory, so a placement there
 holds nothing. A buffer that also has a placement in an open arena keeps it:
 the closed one is dropped at the buffer's next use (``residency`` included),
 so an offloaded buffer whose device arena was closed is ``"host"`` and can be
-read and prefetched into another arena. A buffer whose only copy was in a
+read and prefetched into another arena. A copy in a closed arena counts as
+no copy in ``residency``, also one kept for its pinned views: a buffer with
+no other copy is ``"freed"``. A buffer whose only copy was in a
 closed arena (or whose copy there is pinned by views) raises
 UseAfterFreeError at every use but ``free()``; the message says which: with
 pinned views of the closed copy and an intact copy elsewhere, that dropping
@@ -377,10 +380,16 @@ class Buffer:
             # a failed move is undone and kept for the next call that reports
             if self._settle(report=False):
                 return "in-flight"
-            self._forget_closed()     # a copy in a closed arena is no copy
-            if self._device is not None and self._host is not None:
+            # A copy in a closed arena is no copy: also one kept attached for
+            # its pinned views (_forget_closed), which reported "both".
+            self._forget_closed()
+            device, host = (p is not None and not p.arena._closed
+                            for p in (self._device, self._host))
+            if device and host:
                 return "both"
-            return "device" if self._device is not None else "host"
+            if not (device or host):
+                return "freed"      # the data is gone: every use but free() raises
+            return "device" if device else "host"
 
     @property
     def primary(self) -> Placement:

@@ -819,6 +819,8 @@ def test_buffers_of_a_closed_arena_say_so(arenas):
     d = DeviceArena("1MiB", backend="host")
     z = d.alloc(shape=(32,), dtype=np.float32)
     d.close()
+    # no copy in an open arena: its data is gone, every use raises ("device")
+    assert z.residency == "freed" and not z.is_freed
     for use in (z.numpy, z.to_numpy, lambda: T.offload(z, arena=h), lambda: T.wait(z),
                 lambda: T.synchronize(z)):
         with pytest.raises(UseAfterFreeError, match="arena .*was closed.*only there "
@@ -854,6 +856,9 @@ def test_closing_one_arena_keeps_the_copy_in_the_other(arenas, closed):
     assert b.residency == "both"
     np.testing.assert_array_equal(b.numpy("host"), data)
     b.free()
+    # the closed copy, kept attached for its view, is no copy: residency said
+    # "both" (NOTE [ Residency state machine ], closed arenas)
+    assert pinned.residency == kept and repr(pinned).count(f" {kept} ") == 1
     # a copy pinned by views of released memory is not dropped under them; the
     # error said only "close an arena only after its buffers are done with",
     # not that the other copy is intact and the views keep it out of reach
