@@ -509,6 +509,10 @@ class Buffer:
                 else:
                     p.arena.backend.current_stream().wait_event(event)
             except BackendError:
+                # A CUDA failure is sticky, no event's: raised as is (the view
+                # would read garbage, and the context is lost)
+                if getattr(event, "error", None) is None:
+                    raise
                 # The copy failed (NOTE [ Host stream failures ]). Not this call's to
                 # report raw: the buffer's own move is undone and raised once, with
                 # what is left, by _settle; a copy that only read ``p`` (the source

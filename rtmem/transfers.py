@@ -33,8 +33,10 @@ synchronization. (On the host backend it blocks; a failed move it waited for
 is undone when the buffer is next looked at, ``residency`` included, and
 raised by the next ``synchronize()`` or use of the buffer.) On the cuda
 backend a failed copy is a sticky CUDA error rather than one event's:
-``synchronize()`` raises it as a BackendError, and so does every later
-synchronization, since the CUDA context is unusable until the process restarts.
+``synchronize()`` raises it as a BackendError (so do ``synchronize(buf)``,
+``synchronize(event)`` and a host view waiting for the copy, the buffer left
+as it was), and so does every later synchronization, since the CUDA context
+is unusable until the process restarts.
 
 NOTE [ Keeping memory alive during copies ]
 A slab read or written by an in-flight copy must outlive it, and its block must
@@ -498,6 +500,10 @@ def _settle_after(buf: Buffer, wait_on) -> None:
         try:
             wait_on(move.event)
         except BackendError:
-            pass
+            # A host event's failure is its copy's: _settle undoes the move and
+            # raises it, once. A CUDA failure belongs to no event (sticky): it
+            # is raised as is, before anything changes (the context is lost).
+            if getattr(move.event, "error", None) is None:
+                raise
         _drop_completed()
     buf._settle()

@@ -651,6 +651,43 @@ def test_wait_never_blocks_nor_reports_and_synchronize_raises_a_failed_copy(
     T.synchronize()
 
 
+@pytest.mark.parametrize("use", ["synchronize(buf)", "synchronize(event)", "host view"])
+def test_waiting_on_a_failed_copy_is_a_backend_error_not_a_success(
+        fake, backend, monkeypatch, use):
+    # CudaEvent.synchronize raised CuPy's own CUDARuntimeError for a sticky CUDA
+    # failure, past `except BackendError`: synchronize(buf), synchronize(event)
+    # and a host view waiting for the copy did. As a BackendError it must still
+    # come out (the buffer-wait paths swallow an event's BackendError, which the
+    # host backend's events report again through their buffer), not be a success.
+    d = DeviceArena(1 << 20, backend=backend)
+    h = HostArena(1 << 20, backend=backend)
+    b = d.alloc(shape=(256,), dtype=np.float32)
+    gate = threading.Event()
+    T.get_engine(backend).d2h.raw.launch_host_func(lambda _arg: gate.wait(), None)
+    real = fake.modules["cupy.cuda.runtime"].memcpyAsync
+
+    def faulting(dst, src, size, kind, stream):     # fails on the stream, later
+        def fault():
+            raise _fake_cupy.CUDARuntimeError(700)
+        fake._stream_of(stream)._enqueue(fault)
+    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", faulting)
+    event = T.offload(b, arena=h)
+    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", real)
+    call = {"synchronize(buf)": lambda: T.synchronize(b),
+            "synchronize(event)": lambda: T.synchronize(event),
+            "host view": lambda: b.numpy("host")}[use]
+    opener = threading.Timer(0.05, gate.set)        # the copy fails while waited for
+    opener.start()
+    try:
+        with pytest.raises(BackendError, match="illegal.*sticky.*restart") as err:
+            call()
+        assert isinstance(err.value.__cause__, _fake_cupy.CUDARuntimeError)
+    finally:
+        opener.join()
+        fake.async_errors.clear()                   # a fresh context, as after a restart
+    T.synchronize()
+
+
 def test_debug_arena_poisons_and_catches_a_gpu_write_after_free(fake, backend):
     d = DeviceArena(1 << 16, debug=True, backend=backend)
     assert fake.calls_named("memsetAsync")           # the slab was poisoned on device

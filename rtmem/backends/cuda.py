@@ -118,16 +118,8 @@ class CudaStream:
         raise theirs: CuPy's own CUDARuntimeError escaped
         ``except BackendError`` in rtmem.transfers.synchronize()."""
         from cupy.cuda import runtime
-        try:
-            self.raw.synchronize()
-        except getattr(runtime, "CUDARuntimeError", ()) as exc:
-            # CUDA reports an asynchronous failure only here, and as a sticky
-            # error: every later call fails too, so the remedy is a restart.
-            raise BackendError(
-                f"work on CUDA stream {self.name!r} failed: {exc}; CUDA errors are "
-                f"sticky, so the context is unusable and every buffer on the device "
-                f"is suspect: restart the process (run with CUDA_LAUNCH_BLOCKING=1 "
-                f"to find the failing kernel or copy)") from exc
+        _synchronize(self.raw, f"work on CUDA stream {self.name!r}",
+                     getattr(runtime, "CUDARuntimeError", ()))
 
     def launch_host_func(self, fn) -> None:
         """Run ``fn()`` on a driver thread once earlier work is done; ``fn`` must
@@ -139,12 +131,15 @@ class CudaStream:
 
 
 class CudaEvent:
-    """A CuPy event (timing disabled) with rtmem's event interface."""
+    """A CuPy event (timing disabled) with rtmem's event interface;
+    ``cuda_error``: CuPy's CUDARuntimeError class (what :meth:`synchronize`
+    raises as a BackendError)."""
 
-    __slots__ = ("raw",)
+    __slots__ = ("raw", "_cuda_error")
 
-    def __init__(self, raw):
+    def __init__(self, raw, cuda_error=RuntimeError):
         self.raw = raw
+        self._cuda_error = cuda_error
 
     def record(self, stream=None) -> "CudaEvent":
         """Capture the work enqueued so far on ``stream`` (default: current)."""
@@ -161,8 +156,29 @@ class CudaEvent:
         return self.query()
 
     def synchronize(self) -> None:
-        """Block the host until the captured work is done."""
-        self.raw.synchronize()
+        """Block the host until the captured work is done. A failure of it (or
+        of earlier work on the device: CUDA errors are sticky) is raised as
+        :class:`~rtmem.errors.BackendError`, chained to CuPy's error. Unlike a
+        host event's, it is not the event's own (``error`` is absent): callers
+        that leave an event's failure to its buffer must raise this one."""
+        _synchronize(self.raw, "the CUDA work an event waits for", self._cuda_error)
+
+
+def _synchronize(raw, what: str, cuda_error) -> None:
+    """``raw.synchronize()`` of a CuPy stream or event, its CUDA failure (of
+    class ``cuda_error``) raised as a BackendError: CuPy's own
+    CUDARuntimeError escaped ``except BackendError`` in
+    rtmem.transfers.synchronize()."""
+    try:
+        raw.synchronize()
+    except cuda_error as exc:
+        # CUDA reports an asynchronous failure only at a synchronization, and as
+        # a sticky error: every later call fails too, so the remedy is a restart.
+        raise BackendError(
+            f"{what} failed: {exc}; CUDA errors are sticky, so the context is "
+            f"unusable and every buffer on the device is suspect: restart the "
+            f"process (run with CUDA_LAUNCH_BLOCKING=1 to find the failing kernel "
+            f"or copy)") from exc
 
 
 def _free_unless_exiting(release, ptr) -> None:
@@ -281,7 +297,8 @@ class CudaBackend(Backend):
 
     def new_event(self) -> CudaEvent:
         """A new event with timing disabled (cheaper to record and query)."""
-        return CudaEvent(self.cupy.cuda.Event(block=False, disable_timing=True))
+        return CudaEvent(self.cupy.cuda.Event(block=False, disable_timing=True),
+                         self._cuda_error)
 
     def current_stream(self) -> CudaStream:
         """CuPy's current stream (where user kernels run)."""
