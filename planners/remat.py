@@ -213,13 +213,13 @@ def _finer_slots(n: int, m_bytes: int, slot: int, slots: int):
         yield slot
 
 
-def _least_memory(chain, arrays, progress, say, units: str = ""):
+def _least_memory(chain, arrays, progress, say, units: str = "", choices: bool = True):
     """:func:`min_memory` of ``arrays`` (in bytes, or in slots: ``units`` says which
     on the status line), with ``progress`` as :func:`plan_remat` takes it: the
     O(n^3) pass takes minutes on thousands of stages (~2.5 min for 5,000), so it
-    is announced and reports its fraction done."""
+    is announced and reports its fraction done. ``choices``: as for min_memory."""
     say(f"rotor: least memory of {chain.n} stages{units}")
-    return min_memory(arrays, progress=getattr(progress, "update", None))
+    return min_memory(arrays, progress=getattr(progress, "update", None), choices=choices)
 
 
 def _dp(chain, arrays, m_bytes, slot, progress, say, fixed_slot_bytes=True):
@@ -229,9 +229,11 @@ def _dp(chain, arrays, m_bytes, slot, progress, say, fixed_slot_bytes=True):
     M = m_bytes // slot
     table_bytes = _check_table(chain.n, M, fixed_slot_bytes)
     disc = discretize(arrays, slot)
-    if _least_memory(chain, disc, progress, say, f" in slots of {format_bytes(slot)}")[0] > M:
+    units = f" in slots of {format_bytes(slot)}"
+    if _least_memory(chain, disc, progress, say, units, choices=False)[0] > M:
         # the least-memory pass follows the same recurrence in O(n^3), no table:
-        # near the least budget it saves filling a table that has no schedule
+        # near the least budget it saves filling a table that has no schedule.
+        # Only its value is used here, so it keeps no choices (4 N^2 bytes)
         return math.inf, None, M
     say(f"rotor: {chain.n} stages, {M} slots of {format_bytes(slot)}, "
         f"table {format_bytes(table_bytes)}")

@@ -68,7 +68,7 @@ from .schedule import Op, Schedule
 
 __all__ = ["StageArrays", "stage_arrays", "discretize", "persistent_table",
            "persistent_schedule", "min_memory", "min_memory_schedule",
-           "reference_persistent_table", "pair_index"]
+           "reference_persistent_table", "reference_min_memory", "pair_index"]
 
 _F_NONE, _F_CK, _F_ALL, _LOSS, _B = (int(Op.F_NONE), int(Op.F_CK), int(Op.F_ALL),
                                      int(Op.LOSS), int(Op.B))
@@ -356,12 +356,15 @@ def persistent_schedule(arrays: StageArrays, table, idx, mall, mnone, m: int) ->
 
 # --------------------------------------------------------------- minimum memory
 @numba.njit(cache=True)
-def _min_memory_table(uf, ub, xo, xb, mall, mnone, nr, mmT, tmT, ch, s_hi, s_lo):
-    """Fill rows s_hi down to s_lo (rows of larger s must be done) of ``mmT[t, s]``
-    ((N, N) int64, transposed): the least memory (same units) at which C(s, t, .)
-    is finite, of ``tmT[t, s]`` ((N, N) float64, transposed) the time of the
-    schedule reaching it, and of ``ch[s, t]`` ((N, N) int64, -1) its first choice
-    (-1: F^all, s' >= s: F^ck keeping a_{s'+1}).
+def _min_memory_table(uf, ub, xin, xo, xb, of, ob, G, Gb, nr, mmT, tmT, ch, timed, s_hi,
+                      s_lo):
+    """Fill rows s_hi down to s_lo (rows of larger s must be done) of the least
+    memory (same units as the sizes) at which C(s, t, .) is finite, ``mmT``; with
+    ``timed``, also of the time (seconds) of the schedule reaching it, ``tmT``, and
+    of its first choice ``ch[s, t]`` ((N, N), -1: F^all, s' >= s: F^ck keeping
+    a_{s'+1}). ``mmT`` and ``tmT`` hold the lower triangle of the transposed
+    tables, row t after row t-1: entry (t, s), s <= t, at t (t + 1) / 2 + s.
+    Without ``timed`` only ``mmT`` is filled (``tmT`` and ``ch`` are not read).
 
     Among the choices reaching the least memory the fastest is kept: ``tm[s, t]``
     (seconds) is the time of the schedule the choices describe, so ties are not
@@ -369,14 +372,18 @@ def _min_memory_table(uf, ub, xo, xb, mall, mnone, nr, mmT, tmT, ch, s_hi, s_lo)
     the least budget, where an arbitrary tie once cost 34 % (51 s against 38 s on
     the chain of tests/test_remat_rotor.py::test_least_budget_matches_brute_force).
     It is the fastest least-memory schedule only greedily: a sub-problem is solved
-    at its own least memory, not with all the memory its parent has.
+    at its own least memory, not with all the memory its parent has. Ties do not
+    change the least memory, so the untimed pass gives the same ``mm``.
 
     Cost: (N^3) / 6 steps of the inner loop over s'. It reads the tails
     mm[s'+1, t] and tm[s'+1, t] for s' = s..t-1, a column of a row-major table:
     with mm and tm stored by row each read was a cache miss (60 ns a step, 10 s
-    on 1,000 stages, ~50 min estimated on 5,000). Both are kept transposed
-    (``mmT``, ``tmT``), so the tails are contiguous, and the heads mm[s, s'],
-    tm[s, s'] of the row being filled sit in two row buffers.
+    on 1,000 stages, ~50 min estimated on 5,000). Both are kept transposed, so the
+    tails are contiguous, and the heads mm[s, s'], tm[s, s'] of the row being
+    filled sit in two row buffers. m_all(s, t) and m_none(s, t) are computed along
+    the row (as _fill_requirements does) rather than read from two more (N, N)
+    tables: together with the triangles that is 4x less memory than five full
+    (N, N) 8-byte tables (10x without ``timed``).
     """
     N = xo.shape[0]
     P = np.zeros(N + 1)
@@ -385,55 +392,87 @@ def _min_memory_table(uf, ub, xo, xb, mall, mnone, nr, mmT, tmT, ch, s_hi, s_lo)
     head = np.zeros(N, np.int64)         # mm[s, .] of the row s being filled
     head_t = np.zeros(N)                 # tm[s, .]
     for s in range(s_hi, s_lo - 1, -1):
-        head[s] = mall[s, s]
+        back = xb[s] + xo[s] + xin[s] + ob[s] + Gb[s]
+        inner = xo[s] + of[s]            # running max over h in s..t-1 of m_none
+        head[s] = max(xo[s] + xb[s] + of[s] + G[s], back)          # m_all(s, s)
         head_t[s] = uf[s] + ub[s]
-        mmT[s, s], tmT[s, s] = head[s], head_t[s]
+        diag = s * (s + 1) // 2 + s
+        mmT[diag] = head[s]
+        if timed:
+            tmT[diag] = head_t[s]
         for t in range(s + 1, N):
-            mcol = mmT[t]                # mm[., t]
-            tcol = tmT[t]                # tm[., t]
-            best = max(mall[s, t], xb[s] + mcol[s + 1])
-            best_t = uf[s] + tcol[s + 1] + ub[s]
-            arg = -1
-            mn = mnone[s, t]
-            # every F^ck candidate needs at least m_none: when F^all needs less, none
-            # of them can reach (or tie) its memory
-            for sp in range(s, min(t, nr[s]) if mn <= best else s):
-                v = max(mn, max(xo[sp] + mcol[sp + 1], head[sp]))
-                if v > best:
-                    continue
-                vt = (P[sp + 1] - P[s]) + tcol[sp + 1] + head_t[sp]
-                if v < best or vt < best_t:
-                    best, best_t, arg = v, vt, sp
-            head[t], head_t[t] = best, best_t
-            mmT[t, s], tmT[t, s] = best, best_t
-            ch[s, t] = arg
+            row = t * (t + 1) // 2
+            mcol = mmT[row:row + t + 1]  # mm[., t]
+            if t - 1 > s:
+                h = t - 1
+                inner = max(inner, xin[h] + xo[h] + of[h])
+            mall = max(xo[t] + xb[s] + of[s] + G[t], back)
+            mn = xo[t] + G[t] + inner
+            best = max(mall, xb[s] + mcol[s + 1])
+            if timed:
+                tcol = tmT[row:row + t + 1]      # tm[., t]
+                best_t = uf[s] + tcol[s + 1] + ub[s]
+                arg = -1
+                # every F^ck candidate needs at least m_none: when F^all needs less,
+                # none of them can reach (or tie) its memory
+                for sp in range(s, min(t, nr[s]) if mn <= best else s):
+                    v = max(mn, max(xo[sp] + mcol[sp + 1], head[sp]))
+                    if v > best:
+                        continue
+                    vt = (P[sp + 1] - P[s]) + tcol[sp + 1] + head_t[sp]
+                    if v < best or vt < best_t:
+                        best, best_t, arg = v, vt, sp
+                head_t[t] = best_t
+                tmT[row + s] = best_t
+                ch[s, t] = arg
+            else:
+                for sp in range(s, min(t, nr[s]) if mn <= best else s):
+                    v = max(mn, max(xo[sp] + mcol[sp + 1], head[sp]))
+                    if v < best:
+                        best = v
+            head[t] = best
+            mmT[row + s] = best
 
 
-def min_memory(arrays: StageArrays, progress=None) -> tuple[int, np.ndarray]:
+def _choice_dtype(N: int):
+    """Narrowest signed integer dtype holding the choices -1..N-1."""
+    return np.int16 if N <= np.iinfo(np.int16).max else np.int32
+
+
+def min_memory(arrays: StageArrays, progress=None, choices: bool = True):
     """Least memory for which a persistent schedule exists, in the units of
     ``arrays`` (bytes from :func:`stage_arrays`): activations, temporaries and
     weight gradients (through G), not a_0 nor the weights themselves. Returns
     ``(mm[0, n], choice_table)`` for :func:`min_memory_schedule`, whose schedule
-    is the fastest of the least-memory choices (see ``_min_memory_table``).
+    is the fastest of the least-memory choices (see ``_min_memory_table``);
+    ``choice_table[s, t]`` is -1 (F^all) or s' (F^ck keeping a_{s'+1}), an
+    (N, N) int16 array (int32 above 32,766 stages). With ``choices=False`` the
+    choices are not kept (``choice_table`` is None) and no time is tracked: the
+    least memory alone, in less memory.
 
     ``progress``: optional callable receiving the fraction done (0..1) after each
     of ~50 bands of rows, as for :func:`persistent_table`.
 
-    O(N^3) time (N = n + 1 DP stages, ~N^3 / 6 steps) and 5 (N, N) tables of 8-byte
-    entries (40 N^2 bytes). Measured (CPU time, one core of a loaded 2-core
-    machine): 1.1 s for 1,000 stages (4.2 s before its tables were transposed);
-    growing as n^3, ~30 s for 3,000 and ~2.5 min (and 1 GB) for 5,000."""
+    O(N^3) time (N = n + 1 DP stages, ~N^3 / 6 steps). Memory: two triangles of
+    N (N + 1) / 2 8-byte entries and the (N, N) choices, ~10 N^2 bytes (4 N^2
+    with ``choices=False``; five full (N, N) 8-byte tables, 40 N^2 bytes, before).
+    Measured (CPU time, one core of a loaded 2-core machine): 1.1 s for 1,000
+    stages (4.2 s before its tables were transposed); growing as n^3, ~30 s for
+    3,000 and ~2.5 min (and 250 MB) for 5,000."""
     a = arrays
-    mall, mnone = _requirements(a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb)
     N = a.N
-    mmT = np.zeros((N, N), np.int64)
-    tmT = np.zeros((N, N))
-    ch = np.full((N, N), -1, np.int64)
+    mmT = np.zeros(N * (N + 1) // 2, np.int64)
+    if choices:
+        tmT = np.zeros(N * (N + 1) // 2)
+        ch = np.full((N, N), -1, _choice_dtype(N))
+    else:
+        tmT, ch = np.zeros(1), np.zeros((1, 1), np.int16)
     for s_hi, s_lo, done in _bands(N) if progress is not None else [(N - 1, 0, 1.0)]:
-        _min_memory_table(a.uf, a.ub, a.xo, a.xb, mall, mnone, a.nr, mmT, tmT, ch, s_hi, s_lo)
+        _min_memory_table(a.uf, a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, a.nr,
+                          mmT, tmT, ch, choices, s_hi, s_lo)
         if progress is not None:
             progress(done)
-    return int(mmT[N - 1, 0]), ch
+    return int(mmT[(N - 1) * N // 2]), (ch if choices else None)
 
 
 def min_memory_schedule(arrays: StageArrays, choice) -> Schedule:
@@ -459,6 +498,44 @@ def min_memory_schedule(arrays: StageArrays, choice) -> Schedule:
 
 
 # ------------------------------------------------------- plain-Python reference
+def reference_min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
+    """:func:`min_memory` in plain Python from m_all and m_none as printed in
+    NOTE [ Persistent DP C_MP ], with full (N, N) tables: the oracle the jitted
+    pass (triangles, requirements along the row) is compared with, choices and
+    ties included. O(N^3) Python steps: small chains only."""
+    a = arrays
+    N = a.N
+    uf, ub = [float(v) for v in a.uf], [float(v) for v in a.ub]
+    xin, xo, xb = [int(v) for v in a.xin], [int(v) for v in a.xo], [int(v) for v in a.xb]
+    of, ob = [int(v) for v in a.of], [int(v) for v in a.ob]
+    G, Gb = [int(v) for v in a.G], [int(v) for v in a.Gb]
+    P = [0.0]
+    for v in uf:
+        P.append(P[-1] + v)
+
+    def m_all(s, t):
+        return max(xo[t] + xb[s] + of[s] + G[t], xb[s] + xo[s] + xin[s] + ob[s] + Gb[s])
+
+    def m_none(s, t):
+        return xo[t] + G[t] + max([xo[s] + of[s]] + [xin[h] + xo[h] + of[h]
+                                                     for h in range(s + 1, t)])
+
+    mm, tm = {}, {}
+    ch = np.full((N, N), -1, np.int64)
+    for s in range(N - 1, -1, -1):
+        mm[s, s], tm[s, s] = m_all(s, s), uf[s] + ub[s]
+        for t in range(s + 1, N):
+            best = max(m_all(s, t), xb[s] + mm[s + 1, t])
+            best_t = uf[s] + tm[s + 1, t] + ub[s]
+            for sp in range(s, t):
+                v = max(m_none(s, t), xo[sp] + mm[sp + 1, t], mm[s, sp])
+                vt = (P[sp + 1] - P[s]) + tm[sp + 1, t] + tm[s, sp]
+                if v < best or (v == best and vt < best_t):
+                    best, best_t, ch[s, t] = v, vt, sp
+            mm[s, t], tm[s, t] = best, best_t
+    return mm[0, N - 1], ch
+
+
 def reference_persistent_table(arrays: StageArrays, M: int) -> np.ndarray:
     """The C_MP table by the recurrence as printed (Appendix A.2), in plain
     Python, without pruning: the oracle the jitted table is compared with entry by

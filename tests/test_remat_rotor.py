@@ -291,6 +291,48 @@ def test_least_memory_is_the_first_finite_entry_of_the_reference_table(chain, sl
     assert np.isfinite(row[mm]) and (mm == 0 or np.isinf(row[mm - 1]))
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(chains(1, 12, small=True), chains(1, 12), chains(1, 30, homogeneous=True)),
+       st.integers(1, 5))
+def test_least_memory_pass_equals_the_plain_python_one(chain, slot):
+    # the jitted pass keeps triangles and computes m_all / m_none along its rows;
+    # the reference keeps full tables and the requirements as printed: same least
+    # memory and same choices (ties to the faster), in bytes and in slots, with
+    # and without the choices kept
+    from rtmem.planners.rotor import min_memory, reference_min_memory
+    for arrays in (stage_arrays(chain), discretize(stage_arrays(chain), slot)):
+        mm, choice = reference_min_memory(arrays)
+        got, got_choice = min_memory(arrays)
+        assert got == mm == min_memory(arrays, choices=False)[0]
+        np.testing.assert_array_equal(got_choice, choice)
+    # and in bytes the simulator agrees: the choices' schedule peaks at that memory
+    from rtmem.planners.rotor import min_memory_schedule
+    mm, choice = min_memory(stage_arrays(chain))
+    res = simulate(chain, min_memory_schedule(stage_arrays(chain), choice), Platform(math.inf))
+    assert res.peak == fixed_bytes(chain) + mm
+
+
+def test_least_memory_pass_keeps_no_full_8_byte_tables():
+    # it held five (N, N) 8-byte tables (40 N^2 bytes: 1 GB at 5,000 stages) and
+    # plan_remat ran it twice; now two triangles and (N, N) int16 choices, ~10 N^2
+    # bytes, and ~4 N^2 when only the least memory is wanted (the slot pass)
+    import tracemalloc
+
+    from rtmem.planners.rotor import min_memory
+    chain = _random_chain(300, overheads=True)
+    arrays = stage_arrays(chain)
+    N = arrays.N
+    min_memory(arrays), min_memory(arrays, choices=False)        # compiled first
+    for choices, most in ((True, 10.5 * N * N), (False, 4.5 * N * N)):
+        tracemalloc.start()
+        try:
+            min_memory(arrays, choices=choices)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= most, (choices, peak / N**2)
+
+
 def _random_chain(n: int, overheads: bool = False) -> Chain:
     """A chain of ``n`` stages with fresh random times and byte sizes (and
     weights and overheads when ``overheads``)."""
