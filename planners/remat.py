@@ -33,8 +33,8 @@ from ._validation import check_chain, check_count
 from .chain import Chain
 from .plan import Plan, as_budget, planned_info
 from .platform import Platform
-from .rotor import (discretize, min_memory, min_memory_schedule, persistent_schedule,
-                    persistent_table, stage_arrays)
+from .rotor import (choices_memory, discretize, min_memory, min_memory_schedule,
+                    persistent_schedule, persistent_table, stage_arrays)
 from .simulator import simulate
 
 __all__ = ["plan_remat", "min_feasible_memory", "compare_remat", "DEFAULT_SLOTS",
@@ -97,7 +97,8 @@ def _least_budget(arrays, fixed: int) -> int:
 
 def _predicted_seconds(n: int, slots: int | None) -> float:
     """Predicted CPU seconds of :func:`plan_remat` on ``n`` stages with a table of
-    ``slots`` memory slots (M): its two least-memory passes and the table fill,
+    ``slots`` memory slots (M): its least-memory passes (two at most: the one in
+    slots only where _feasible_in_slots's bounds cannot decide) and the table fill,
     at the measured seconds per step above; with ``slots=None``, one least-memory
     pass (:func:`min_feasible_memory`). An upper bound for the fill, whose
     pruning skips more of it near the least and the store-all budgets."""
@@ -222,18 +223,38 @@ def _least_memory(chain, arrays, progress, say, units: str = "", choices: bool =
     return min_memory(arrays, progress=getattr(progress, "update", None), choices=choices)
 
 
-def _dp(chain, arrays, m_bytes, slot, progress, say, fixed_slot_bytes=True):
+def _feasible_in_slots(chain, least, disc, M, slot, progress, say) -> bool:
+    """Whether a persistent schedule fits M slots (sizes ``disc``): the least
+    memory in slots is at most M. ``least``: ``(least memory in bytes, its
+    choices)`` from :func:`min_memory` on the byte arrays.
+
+    Rounding every term up to whole slots gives each choice tree at least its
+    bytes / slot, so the least memory in slots is at least ceil(least bytes /
+    slot); and at most what the byte-level least-memory choices need in slots
+    (:func:`choices_memory`, O(n) nodes). M outside these bounds is decided
+    without a second O(n^3) least-memory pass (it ran on every plan_remat);
+    only in between, near the least budget, does the pass run."""
+    mm_bytes, choice = least
+    if -(-mm_bytes // slot) > M:
+        return False
+    if choices_memory(disc, choice) <= M:
+        return True
+    units = f" in slots of {format_bytes(slot)}"
+    # only the value is used here, so the pass keeps no choices (4 N^2 bytes)
+    return _least_memory(chain, disc, progress, say, units, choices=False)[0] <= M
+
+
+def _dp(chain, arrays, least, m_bytes, slot, progress, say, fixed_slot_bytes=True):
     """Run C_MP with slots of ``slot`` bytes on an activation budget of ``m_bytes``;
     return ``(value, schedule or None, M)``: the DP's makespan (s, inf when
-    infeasible at this rounding) and its schedule."""
+    infeasible at this rounding) and its schedule. ``least``: as for
+    :func:`_feasible_in_slots`."""
     M = m_bytes // slot
     table_bytes = _check_table(chain.n, M, fixed_slot_bytes)
     disc = discretize(arrays, slot)
-    units = f" in slots of {format_bytes(slot)}"
-    if _least_memory(chain, disc, progress, say, units, choices=False)[0] > M:
+    if not _feasible_in_slots(chain, least, disc, M, slot, progress, say):
         # the least-memory pass follows the same recurrence in O(n^3), no table:
-        # near the least budget it saves filling a table that has no schedule.
-        # Only its value is used here, so it keeps no choices (4 N^2 bytes)
+        # near the least budget it saves filling a table that has no schedule
         return math.inf, None, M
     say(f"rotor: {chain.n} stages, {M} slots of {format_bytes(slot)}, "
         f"table {format_bytes(table_bytes)}")
@@ -245,13 +266,13 @@ def _dp(chain, arrays, m_bytes, slot, progress, say, fixed_slot_bytes=True):
     return value, schedule, M
 
 
-def _refine(chain, arrays, m_bytes, slot, slots, progress, say):
+def _refine(chain, arrays, least, m_bytes, slot, slots, progress, say):
     """The DP with the coarsest finer slot (see :func:`_finer_slots`) at which it
     is feasible, as :func:`_dp` returns it plus that slot (bytes), or None. _dp
     checks feasibility before filling a table, so at exactly the least budget of
     a long chain, where no rounding is fine enough, no table is filled."""
     for fine in _finer_slots(chain.n, m_bytes, slot, slots):
-        value, schedule, M = _dp(chain, arrays, m_bytes, fine, progress, say)
+        value, schedule, M = _dp(chain, arrays, least, m_bytes, fine, progress, say)
         if schedule is not None:
             say(f"rotor: no schedule in slots of {format_bytes(slot)}; "
                 f"found one in slots of {format_bytes(fine)}")
@@ -414,11 +435,11 @@ def _plan_remat(chain, memory, slots, slot_bytes, progress, baselines,
             f"({format_bytes(min_feasible)}) = chain input and weights {fixed:,} + "
             f"activations {mm:,}. Give more memory or a smaller batch",
             budget=budget, min_feasible=min_feasible)
-    value, schedule, M = _dp(chain, arrays, m_bytes, slot, progress, say,
+    value, schedule, M = _dp(chain, arrays, (mm, choice), m_bytes, slot, progress, say,
                              slot_bytes is not None)
     refined = False
     if schedule is None and slot_bytes is None:
-        retry = _refine(chain, arrays, m_bytes, slot, slots, progress, say)
+        retry = _refine(chain, arrays, (mm, choice), m_bytes, slot, slots, progress, say)
         if retry is not None:
             value, schedule, M, slot = retry
             refined = True

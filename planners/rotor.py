@@ -67,7 +67,7 @@ from .chain import Chain
 from .schedule import Op, Schedule
 
 __all__ = ["StageArrays", "stage_arrays", "discretize", "persistent_table",
-           "persistent_schedule", "min_memory", "min_memory_schedule",
+           "persistent_schedule", "min_memory", "min_memory_schedule", "choices_memory",
            "reference_persistent_table", "reference_min_memory", "pair_index"]
 
 _F_NONE, _F_CK, _F_ALL, _LOSS, _B = (int(Op.F_NONE), int(Op.F_CK), int(Op.F_ALL),
@@ -495,6 +495,44 @@ def min_memory_schedule(arrays: StageArrays, choice) -> Schedule:
             out += [(Op.F_NONE, h) for h in range(s + 1, sp + 1)]
             stack += [(0, s, sp), (0, sp + 1, t)]
     return Schedule.from_ops(out)
+
+
+def choices_memory(arrays: StageArrays, choice) -> int:
+    """Memory (in the units of ``arrays``) that the schedule of ``choice`` (as
+    :func:`min_memory` returns it, possibly computed on other units) needs by the
+    recurrence of ``_min_memory_table``: at a node (s, t), F^all needs
+    max(m_all(s, t), xb[s] + its tail's), F^ck keeping a_{s'+1}
+    max(m_none(s, t), xo[s'] + its tail's, its head's). So :func:`min_memory`
+    of ``arrays`` is at most this, and equal to it for its own choices.
+
+    The tree has fewer than 2 N nodes; each takes an O(t - s) numpy max."""
+    a = arrays
+    N = a.N
+    inner = a.xin + a.xo + a.of          # m_none's terms for s < h < t
+    order, stack = [], [(0, N - 1)]
+    while stack:                         # preorder: children after their parent
+        s, t = stack.pop()
+        order.append((s, t))
+        if s < t:
+            sp = int(choice[s, t])
+            stack += [(s + 1, t)] if sp == -1 else [(s, sp), (sp + 1, t)]
+    mem = {}
+    for s, t in reversed(order):
+        m_all = max(int(a.xo[t] + a.xb[s] + a.of[s] + a.G[t]),
+                    int(a.xb[s] + a.xo[s] + a.xin[s] + a.ob[s] + a.Gb[s]))
+        if s == t:
+            mem[s, t] = m_all
+            continue
+        sp = int(choice[s, t])
+        if sp == -1:
+            mem[s, t] = max(m_all, int(a.xb[s]) + mem[s + 1, t])
+            continue
+        top = int(a.xo[s] + a.of[s])
+        if t - s > 1:
+            top = max(top, int(inner[s + 1:t].max()))
+        m_none = int(a.xo[t] + a.G[t]) + top
+        mem[s, t] = max(m_none, int(a.xo[sp]) + mem[sp + 1, t], mem[s, sp])
+    return mem[0, N - 1]
 
 
 # ------------------------------------------------------- plain-Python reference

@@ -333,6 +333,42 @@ def test_least_memory_pass_keeps_no_full_8_byte_tables():
         assert peak <= most, (choices, peak / N**2)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(chains(1, 12, small=True), chains(1, 12)), st.integers(1, 2**40))
+def test_least_memory_in_slots_lies_between_the_bounds_plan_remat_uses(chain, slot):
+    # plan_remat decides whether a slot size is feasible from the least memory in
+    # bytes and its choices when M is outside [ceil(mm / slot), what those choices
+    # need in slots]; the least memory in slots is always in that range, and the
+    # byte-level choices need exactly the least memory in bytes
+    from rtmem.planners.rotor import choices_memory, min_memory
+    arrays = stage_arrays(chain)
+    mm, choice = min_memory(arrays)
+    assert choices_memory(arrays, choice) == mm
+    slot = min(slot, max(1, mm))
+    disc = discretize(arrays, slot)
+    assert -(-mm // slot) <= min_memory(disc, choices=False)[0] <= choices_memory(disc, choice)
+
+
+def test_plan_remat_runs_the_least_memory_pass_once_away_from_the_least_budget(monkeypatch):
+    # it ran the O(n^3) pass twice, in bytes and again in slots, only to compare
+    # the second with M; the bounds from the first decide it away from the least
+    # budget (same plan)
+    from rtmem.planners import remat
+    chain = _random_chain(40, overheads=True)
+    calls = []
+    real = remat.min_memory
+
+    def min_memory(*args, **kwargs):
+        calls.append(kwargs.get("choices", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(remat, "min_memory", min_memory)
+    lo = min_feasible_memory(chain)
+    calls.clear()
+    plan = plan_remat(chain, (lo + store_all_peak(chain)) // 2)
+    assert calls == [True] and plan.info["method"] in ("dp", "min-memory", "sequential")
+
+
 def _random_chain(n: int, overheads: bool = False) -> Chain:
     """A chain of ``n`` stages with fresh random times and byte sizes (and
     weights and overheads when ``overheads``)."""
