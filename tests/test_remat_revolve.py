@@ -15,8 +15,8 @@ from rtmem.planners import Chain, Platform, simulate
 from rtmem.planners.multichain import (MultiOp, min_slots, multichain_opt,
                                        multichain_schedule, multichain_table,
                                        simulate_multichain)
-from rtmem.planners.revolve import (binomial_makespan, opt0_table, revolve_ops,
-                                    revolve_schedule, single_chain_ops)
+from rtmem.planners.revolve import (binomial_makespan, opt0_table, revolve_argmins,
+                                    revolve_ops, revolve_schedule, single_chain_ops)
 from rtmem.planners.schedule import Op, Schedule
 from rtmem.planners.testing.bruteforce import brute_force_multichain
 
@@ -152,6 +152,49 @@ def test_opt0_fill_copies_the_entries_with_more_slots_than_values():
     got_T, got_arg = opt0_table(l_max, m_max, u_f, u_b)
     np.testing.assert_array_equal(got_T, T)
     np.testing.assert_array_equal(got_arg, arg)
+
+
+def test_revolve_argmins_equal_the_opt0_argmins_for_every_length_up_to_60():
+    # the O(l m log l) bisecting fill (convexity of Opt_0 in l) against the O(l^2 m)
+    # search, entry by entry: same least argmins, so the same schedules
+    for n in range(61):
+        for m in sorted({0, 1, 2, 3, 4, n // 2 + 3, n + 2, n + 5}):
+            np.testing.assert_array_equal(revolve_argmins(n, m), opt0_table(n, m)[1])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(61, 400), st.data())
+def test_revolve_argmins_equal_the_opt0_argmins_on_longer_chains(n, data):
+    m = data.draw(st.integers(3, n + 2))
+    arg = revolve_argmins(n, m)
+    np.testing.assert_array_equal(arg, opt0_table(n, m)[1])
+    # and the schedule walked from it is the simulator-valid Revolve schedule
+    rng = np.random.default_rng()
+    x = rng.integers(1, 100, n)
+    chain = Chain(u_f=rng.uniform(0.5, 2, n), u_b=rng.uniform(0.5, 2, n), x=x,
+                  xbar=x + rng.integers(0, 100, n), x0=int(x[0]))
+    schedule = revolve_schedule(n, m)
+    assert schedule == revolve_schedule(n, m, opt0_table(n, m)[1])
+    simulate(chain, schedule, Platform(math.inf))
+
+
+def test_plan_revolve_fills_no_cubic_table(monkeypatch):
+    # plan_revolve filled opt0_table(n, n + 2), O(n^3) steps (10 s on 2,700
+    # stages), for its argmins alone; revolve_argmins gives them in O(n^2 log n)
+    from rtmem.planners import plan_revolve, revolve
+
+    def cubic(*args, **kwargs):
+        raise AssertionError("opt0_table called")
+
+    rng = np.random.default_rng()
+    x = rng.integers(1, 100, 30)
+    chain = Chain(u_f=rng.uniform(0.5, 2, 30), u_b=rng.uniform(0.5, 2, 30), x=x,
+                  xbar=x + rng.integers(0, 100, 30), x0=int(x[0]))
+    expected = plan_revolve(chain, 10**9)
+    monkeypatch.setattr(revolve, "opt0_table", cubic)
+    plan = plan_revolve(chain, 10**9)
+    assert plan.schedule == expected.schedule and plan.info == expected.info
+    assert revolve_schedule(30, 5) == revolve_schedule(30, 5, revolve_argmins(30, 5))
 
 
 def test_revolve_needs_three_slots():
