@@ -46,12 +46,14 @@ DEFAULT_SLOTS = 500
 #: Largest C_MP table plan_remat allocates, bytes.
 MAX_TABLE_BYTES = 2 * 2**30
 #: Longest chain on which plan_remat also tries Revolve's schedules: plan_revolve
-#: fills an O(n^3) table, then simulates one schedule per slot count, the smallest
-#: with ~n^2/2 operations. With every slot count simulated (nothing fits), CPU time
-#: on one core of a loaded 2-core machine, median of 3: 0.16 s for resnet1001's 335
-#: stages, 0.22 s for 400, 0.5 s for 600, 0.8 s for 800, 2.4-3.3 s for 1,200 (where
-#: the table's n^3 takes over). At half the store-all peak resnet1001 takes 0.02 s.
-REVOLVE_MAX_STAGES = 400
+#: fills an O(n^2 log n) argmin table, then simulates one schedule per slot count,
+#: the smallest with ~n^2/2 operations. With every slot count simulated (nothing
+#: fits), CPU time on one core of a loaded 2-core machine, median of 3: 0.051 s for
+#: resnet1001's 335 stages, 0.060 s for 400, 0.075 s for 500, 0.11 s for 550, 0.12 s
+#: for 600, 0.20 s for 800, 0.42 s for 1,200. The limit keeps the cost the old
+#: O(n^3) table had at the old limit of 400 stages (0.088 s in the same run;
+#: 0.14 s for 500): 500 is the longest measured below it.
+REVOLVE_MAX_STAGES = 500
 #: plan_remat's retries with finer slots stop at this many times the slots asked
 #: (and at MAX_TABLE_BYTES): 32,000 slots by default, enough for exact bytes on
 #: small test chains while a 3-stage chain with a 100 MB term cannot ask for a
