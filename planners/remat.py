@@ -334,10 +334,24 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         (near the least budget), it is retried with slots a quarter the size,
         and so on, up to :data:`REFINE_MAX_FACTOR` x S slots and a table of
         :data:`MAX_TABLE_BYTES`.
+
+        Because the slot grows with the budget, the makespan is *not*
+        non-increasing in the budget: one byte more can give a coarser slot,
+        every size rounds up further, and the DP loses the schedule it had.
+        Example, with the default 500 slots: ``Chain(u_f=[5, 4, 1],
+        u_b=[1, 5, 2], x=[1797, 1094, 2239], xbar=[3130, 1963, 2443],
+        x0=1704)`` plans in 27 s with 9,703 bytes (slots of 15 bytes) but in
+        32 s with 9,704 (slots of 16 bytes: 8,000 activation bytes / 500),
+        and in 27 s again from 9,720 (501 slots of 16 bytes). The cheap
+        candidates (least-memory schedule, baselines) do not close such gaps,
+        and a grid that nests does not either (a coarser slot rounds each of
+        the summed terms up, so it can exclude what a finer one found).
+        Where monotonicity matters (a budget sweep), pass ``slot_bytes``.
     slot_bytes:
         Use this slot size (bytes) instead of deriving it from ``slots``, and
         never retry with finer ones; with a fixed slot the makespan is
-        non-increasing in the budget.
+        non-increasing in the budget (in the example above, slot_bytes=15 gives
+        27 s at both budgets).
     progress:
         Optional callable receiving short status strings (for CLIs); if it also
         has an ``update(fraction)`` method, that receives the DP's progress

@@ -755,6 +755,21 @@ def test_compare_remat_warns_of_a_slow_solve_at_its_callers_line(monkeypatch):
     assert str(slow[0].message).startswith("compare_remat: 10 stages")
 
 
+def test_derived_slots_make_the_makespan_non_monotone_as_documented():
+    # plan_remat's docstring (slots) states that one byte more can give a slower
+    # plan with derived slots, on this chain, and that a fixed slot_bytes does not
+    chain = Chain(u_f=[5, 4, 1], u_b=[1, 5, 2], x=[1797, 1094, 2239],
+                  xbar=[3130, 1963, 2443], x0=1704)
+    fine, coarse = plan_remat(chain, 9703), plan_remat(chain, 9704)
+    assert (fine.info["slot_bytes"], coarse.info["slot_bytes"]) == (15, 16)
+    assert coarse.makespan > fine.makespan
+    assert plan_remat(chain, 9720).makespan == fine.makespan
+    for budget in (9703, 9704):
+        res = simulate(chain, plan_remat(chain, budget, slot_bytes=15).schedule,
+                       Platform(budget))
+        assert res.makespan == fine.makespan
+
+
 # ------------------------------------------------------------ no_recompute stages
 def _flagged(chain: Chain, rng) -> Chain:
     """``chain`` with a random non-empty set of stages marked no_recompute, its
