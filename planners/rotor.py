@@ -550,6 +550,7 @@ def reference_min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
     P = [0.0]
     for v in uf:
         P.append(P[-1] + v)
+    flagged = [int(a.nr[k]) == k for k in range(N)]   # no_recompute, as printed
 
     def m_all(s, t):
         return max(xo[t] + xb[s] + of[s] + G[t], xb[s] + xo[s] + xin[s] + ob[s] + Gb[s])
@@ -566,6 +567,8 @@ def reference_min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
             best = max(m_all(s, t), xb[s] + mm[s + 1, t])
             best_t = uf[s] + tm[s + 1, t] + ub[s]
             for sp in range(s, t):
+                if any(flagged[s:sp + 1]):   # F^ck would run a flagged stage twice
+                    continue
                 v = max(m_none(s, t), xo[sp] + mm[sp + 1, t], mm[s, sp])
                 vt = (P[sp + 1] - P[s]) + tm[sp + 1, t] + tm[s, sp]
                 if v < best or (v == best and vt < best_t):

@@ -15,8 +15,9 @@ from rtmem.planners import Chain, Platform, Schedule, plan_floating, simulate, s
 from rtmem.planners.baselines import plan_sequential, plan_store_all
 from rtmem.planners.remat import compare_remat, min_feasible_memory, plan_remat
 from rtmem.planners.revolve import plan_revolve
-from rtmem.planners.rotor import (discretize, pair_index, persistent_table,
-                                  reference_persistent_table, stage_arrays)
+from rtmem.planners.rotor import (discretize, min_memory, pair_index, persistent_table,
+                                  reference_min_memory, reference_persistent_table,
+                                  stage_arrays)
 from rtmem.planners.schedule import Op
 from rtmem.planners.testing import chains
 from rtmem.planners.testing.bruteforce import brute_force_remat
@@ -802,6 +803,10 @@ def test_no_recompute_stages_are_run_once_by_an_optimal_persistent_dp():
         M = int(simulate(chain, store_all_schedule(n), Platform(math.inf)).peak) // 50
         np.testing.assert_array_equal(persistent_table(arrays, M)[0],
                                       reference_persistent_table(arrays, M))
+        least, choice = min_memory(arrays)
+        ref_least, ref_choice = reference_min_memory(arrays)
+        assert least == ref_least
+        np.testing.assert_array_equal(choice, ref_choice)
         least, peak = min_feasible_memory(chain), simulate(
             chain, store_all_schedule(n), Platform(math.inf)).peak
         for budget in np.linspace(least, peak, 4).astype(int).tolist():
