@@ -36,6 +36,12 @@ def slot_buffers(slots) -> list:
 # forward, over every module of the stage).
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
+# Attribute values that hold no tensor and no generator (a Linear's in_features, a
+# ReLU's inplace), skipped by their exact type: the isinstance test below goes
+# through torch.Generator's metaclass, a Python-level __instancecheck__, for every
+# value that is not a tensor, and that was most of the scan's cost on small stages.
+_SCALAR_TYPES = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
 
 def _strided_parts(t: torch.Tensor) -> tuple:
     """The strided tensors holding the data of ``t``: itself, or a sparse
@@ -89,7 +95,8 @@ def stage_state(modules) -> tuple[list, list]:
         d = m.__dict__
         for name in d.keys() - _MODULE_INTERNALS:
             v = d[name]
-            if isinstance(v, (torch.Tensor, torch.Generator, list, tuple, dict)):
+            if type(v) not in _SCALAR_TYPES and \
+                    isinstance(v, (torch.Tensor, torch.Generator, list, tuple, dict)):
                 _attribute_state(v, tensors, generators)
     return list(tensors.values()), list(generators.values())
 
