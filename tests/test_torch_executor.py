@@ -71,6 +71,29 @@ def test_remat_gradients_equal_plain_autograd(setup, segments):
     _assert_same_training(setup, *_run(setup, sched))
 
 
+def test_a_replaced_schedule_is_checked_and_compiled_at_the_next_step(setup):
+    # The executor decodes its schedule once (operations, recomputed stages, moves):
+    # a schedule assigned after a step must be run, not the one decoded before
+    model, loss_fn, x, y, _, _, chain = setup
+    n = chain.n
+    m = copy.deepcopy(model)
+    pristine = copy.deepcopy(m.state_dict())
+    ex = ScheduleExecutor(m, store_all_schedule(n), loss_fn)
+    ex.step(x, y)
+    m.load_state_dict(pristine)     # buffers as the reference found them
+    m.zero_grad(set_to_none=True)
+    ex.schedule = store_all_schedule(n + 1)      # planned for another chain
+    with pytest.raises(ExecutionError, match="another chain"):
+        ex.step(x, y)
+    assert all(p.grad is None for p in m.parameters())
+    new = sequential_schedule(n, 2)              # recomputes: replays dropout's RNG
+    ex.schedule = new
+    torch.manual_seed(7)
+    loss = ex.step(x, y)
+    assert len(ex.resident_bytes) == len(new)    # one figure per operation run
+    _assert_same_training(setup, m, ex, loss)
+
+
 def _moves_schedule(n):
     text = ["F_all 0", "offload abar1", "F_all 1", "delete abar1", "w_delete 0"]
     text += [f"F_all {i}" for i in range(2, n)] + ["L"]

@@ -265,7 +265,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         :class:`ExecutionError`, and so is one that moves the weights of a
         parameter shared by several stages, or the weights or gradients of
         parameters placed in an arena (NOTE [ Executor ] rule 5; placement is
-        checked again at every step).
+        checked again at every step). It is decoded once, here; a
+        :class:`~rtmem.planners.Schedule` assigned to :attr:`schedule` later
+        is checked and decoded alike by the next :meth:`step`.
     loss_fn:
         ``loss_fn(output, target) -> scalar tensor``. It runs at the schedule's
         ``L``, where a weight the schedule has moved off the device
@@ -321,14 +323,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             raise ExecutionError(f"host_arena must be an rtmem.HostArena or None, got "
                                  f"{host_arena!r}")
         self.n = len(model)
-        try:   # structural check: ranges, order, inputs present, complete backward
-            simulate(Chain.homogeneous(self.n), schedule, Platform(math.inf))
-        except ScheduleError as e:
-            raise ExecutionError(f"the schedule cannot run on this model of {self.n} stages "
-                                 f"(was it planned for another chain?): {e}") from e
-        _check_graph_moves(schedule)
         self.model = model
-        self.schedule = schedule
         self.loss_fn = loss_fn
         self.preserve_rng_state = preserve_rng_state
         self.track_memory = track_memory
@@ -348,13 +343,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             self._param_names.setdefault(p, name)
         for name, b in model.named_buffers(remove_duplicate=False):
             self._param_names.setdefault(b, name)   # for errors about saved buffers
-        # stage -> the weight and gradient moves the schedule makes on it
-        self._moves: dict[int, set] = {}
-        for op, s, _ in schedule:
-            if op in _WEIGHT_MOVES or op == Op.G_OFFLOAD:
-                self._moves.setdefault(s, set()).add(op)
-        check_shared_weights(self._stage_params, self._moves, self._param_names)
-        check_placement(self._stage_params, self._moves, self._param_names)
+        self._compiled = None
+        self._compile(schedule)
         self._shared = shared_parameters(self._stage_params)   # tied weights
         check_shared_hooks(self._shared, self._param_names)
         self.peak_bytes: int | None = 0 if track_memory else None
@@ -367,16 +357,6 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._caller_inputs = None   # the batch during a step, when it requires grad
         self._fixed_batch = False    # whether autograd refuses in-place ops on it
         self._op_index = 0   # of the operation running, for error messages
-        # If the schedule frees a0 before B 0 (a delete, or F_none 0 consuming it),
-        # work on a private copy, which it can free: the caller holds its batch,
-        # which may also share its storage with other tensors (targets are often
-        # a view of the same tokens).
-        self._own_input = any(op in (Op.DELETE, Op.F_NONE) and k == 0
-                              for op, k, _ in schedule)
-        # Stages the schedule runs more than once: their first forward keeps the
-        # buffers it read, for the recomputations to read them too (rule 6)
-        forwards = Counter(s for op, s, _ in schedule if op in (Op.F_NONE, Op.F_CK, Op.F_ALL))
-        self._recomputed = {s for s, count in forwards.items() if count > 1}
         # recomputed stage -> the indices of its buffer slots that its first
         # forward changes through .data (no version bump), found by comparing
         # values at the first step that runs it (rule 6)
@@ -384,6 +364,40 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # stage -> its first forward's RNG states and FirstBuffers, for the
         # step's recomputations (emptied when the step ends)
         self._first: dict[int, tuple] = {}
+
+    def _compile(self, schedule: Schedule) -> None:
+        """Check ``schedule`` against the model and derive, once, what every step
+        reads from it: its operations as Python values (decoding the arrays
+        was an enum construction per operation per step), the weight and
+        gradient moves per stage, whether a0 is freed and which stages are
+        recomputed. :meth:`step` compiles again when :attr:`schedule` was
+        replaced since. Raises :class:`ExecutionError` with the executor
+        unchanged."""
+        try:   # structural check: ranges, order, inputs present, complete backward
+            simulate(Chain.homogeneous(self.n), schedule, Platform(math.inf))
+        except ScheduleError as e:
+            raise ExecutionError(f"the schedule cannot run on this model of {self.n} stages "
+                                 f"(was it planned for another chain?): {e}") from e
+        _check_graph_moves(schedule)
+        ops = tuple(schedule)
+        # stage -> the weight and gradient moves the schedule makes on it
+        moves: dict[int, set] = {}
+        for op, s, _ in ops:
+            if op in _WEIGHT_MOVES or op == Op.G_OFFLOAD:
+                moves.setdefault(s, set()).add(op)
+        check_shared_weights(self._stage_params, moves, self._param_names)
+        check_placement(self._stage_params, moves, self._param_names)
+        self.schedule = self._compiled = schedule
+        self._ops, self._moves = ops, moves
+        # If the schedule frees a0 before B 0 (a delete, or F_none 0 consuming it),
+        # work on a private copy, which it can free: the caller holds its batch,
+        # which may also share its storage with other tensors (targets are often
+        # a view of the same tokens).
+        self._own_input = any(op in (Op.DELETE, Op.F_NONE) and k == 0 for op, k, _ in ops)
+        # Stages the schedule runs more than once: their first forward keeps the
+        # buffers it read, for the recomputations to read them too (rule 6)
+        forwards = Counter(s for op, s, _ in ops if op in (Op.F_NONE, Op.F_CK, Op.F_ALL))
+        self._recomputed = {s for s, count in forwards.items() if count > 1}
 
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
@@ -437,6 +451,13 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         or the :meth:`host_grads` of ``g_offload``), as after a failed
         ``loss.backward()``: zero both before retrying the batch."""
         check_inputs(inputs)
+        if self.schedule is not self._compiled:
+            # replaced since the last step: checked and compiled as __init__ does
+            schedule = self.schedule
+            if not isinstance(schedule, Schedule):
+                raise ExecutionError(f"ScheduleExecutor.schedule must be a Schedule, got "
+                                     f"{type_label(schedule, Schedule)}")
+            self._compile(schedule)
         self._check_batch_size(inputs)
         if torch.is_inference_mode_enabled() or inputs.is_inference():
             raise ExecutionError(
@@ -537,7 +558,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self.resident_bytes = []
         loss = None
         try:
-            for j, (op, s, aux) in enumerate(self.schedule):
+            for j, (op, s, aux) in enumerate(self._ops):
                 self._op_index = j
                 if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
                     self._forward(op, s)
