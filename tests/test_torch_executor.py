@@ -94,6 +94,21 @@ def test_a_replaced_schedule_is_checked_and_compiled_at_the_next_step(setup):
     _assert_same_training(setup, m, ex, loss)
 
 
+def test_only_recomputed_stages_snapshot_the_rng_state(setup, monkeypatch):
+    # A stage run once per step needs no RNG replay: its first forward takes no
+    # state copy (a cost per stage and step of store-all plans)
+    model, loss_fn, x, y, _, _, chain = setup
+    taken = []
+    real = torch.get_rng_state
+    monkeypatch.setattr(torch, "get_rng_state", lambda: taken.append(1) or real())
+    for schedule, snapshots in ((store_all_schedule(chain.n), False),
+                                (sequential_schedule(chain.n, 2), True)):
+        taken.clear()
+        m = copy.deepcopy(model)
+        ScheduleExecutor(m, schedule, loss_fn).step(x, y)
+        assert bool(taken) == snapshots
+
+
 def _moves_schedule(n):
     text = ["F_all 0", "offload abar1", "F_all 1", "delete abar1", "w_delete 0"]
     text += [f"F_all {i}" for i in range(2, n)] + ["L"]

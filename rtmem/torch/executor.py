@@ -395,7 +395,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         # a view of the same tokens).
         self._own_input = any(op in (Op.DELETE, Op.F_NONE) and k == 0 for op, k, _ in ops)
         # Stages the schedule runs more than once: their first forward keeps the
-        # buffers it read, for the recomputations to read them too (rule 6)
+        # buffers it read and the RNG states, for the recomputations (rule 6)
         forwards = Counter(s for op, s, _ in ops if op in (Op.F_NONE, Op.F_CK, Op.F_ALL))
         self._recomputed = {s for s, count in forwards.items() if count > 1}
 
@@ -657,15 +657,19 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         version = x._version   # shared with a_i and every alias of it
         made_by = x.grad_fn    # an in-place op autograd records replaces it
         if first:
-            cpu = torch.get_rng_state() if self.preserve_rng_state else None
+            # Only a stage the schedule runs again needs its first forward's RNG
+            # states and buffers (rule 6): taking them for every stage was a state
+            # copy per stage and generator at every step of a store-all plan
+            replayed = i in self._recomputed
+            keep_rng = self.preserve_rng_state and replayed
+            cpu = torch.get_rng_state() if keep_rng else None
             cuda = (torch.cuda.get_rng_state(self._device)
-                    if self.preserve_rng_state and self._device.type == "cuda" else None)
+                    if keep_rng and self._device.type == "cuda" else None)
             # the generators the stage's modules hold (rule 6), as the scan at the
             # start of the step found them
-            gens = ([(g, g.get_state()) for g in self._stage_gens[i]]
-                    if self.preserve_rng_state else [])
+            gens = [(g, g.get_state()) for g in self._stage_gens[i]] if keep_rng else []
             # the buffers this forward reads, for the stage's recomputations (rule 6)
-            before = FirstBuffers(self._buffer_slots[i]) if i in self._recomputed else None
+            before = FirstBuffers(self._buffer_slots[i]) if replayed else None
             self._first[i] = (cpu, cuda, gens, before)
             with own_parametrizations():
                 y = stage(x)
