@@ -536,21 +536,24 @@ def choices_memory(arrays: StageArrays, choice) -> int:
 
 
 # ------------------------------------------------------- plain-Python reference
+def _as_printed(a: StageArrays):
+    """The oracles' Python lists of ``a``: times (float), sizes (int), and
+    ``flagged[k]``, whether stage k is no_recompute (from ``nr``)."""
+    ints = [[int(v) for v in arr] for arr in (a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb)]
+    return ([float(v) for v in a.uf], [float(v) for v in a.ub], *ints,
+            [int(a.nr[k]) == k for k in range(a.N)])
+
+
 def reference_min_memory(arrays: StageArrays) -> tuple[int, np.ndarray]:
     """:func:`min_memory` in plain Python from m_all and m_none as printed in
     NOTE [ Persistent DP C_MP ], with full (N, N) tables: the oracle the jitted
     pass (triangles, requirements along the row) is compared with, choices and
     ties included. O(N^3) Python steps: small chains only."""
-    a = arrays
-    N = a.N
-    uf, ub = [float(v) for v in a.uf], [float(v) for v in a.ub]
-    xin, xo, xb = [int(v) for v in a.xin], [int(v) for v in a.xo], [int(v) for v in a.xb]
-    of, ob = [int(v) for v in a.of], [int(v) for v in a.ob]
-    G, Gb = [int(v) for v in a.G], [int(v) for v in a.Gb]
+    N = arrays.N
+    uf, ub, xin, xo, xb, of, ob, G, Gb, flagged = _as_printed(arrays)
     P = [0.0]
     for v in uf:
         P.append(P[-1] + v)
-    flagged = [int(a.nr[k]) == k for k in range(N)]   # no_recompute, as printed
 
     def m_all(s, t):
         return max(xo[t] + xb[s] + of[s] + G[t], xb[s] + xo[s] + xin[s] + ob[s] + Gb[s])
@@ -582,14 +585,9 @@ def reference_persistent_table(arrays: StageArrays, M: int) -> np.ndarray:
     Python, without pruning: the oracle the jitted table is compared with entry by
     entry (STYLE.md §5), and the baseline of ``bench/remat.py``. O(M N^3) Python
     steps: small chains only. Same layout as :func:`persistent_table`."""
-    a = arrays
-    N = a.N
-    uf, ub = [float(v) for v in a.uf], [float(v) for v in a.ub]
-    xin, xo, xb = [int(v) for v in a.xin], [int(v) for v in a.xo], [int(v) for v in a.xb]
-    of, ob = [int(v) for v in a.of], [int(v) for v in a.ob]
-    G, Gb = [int(v) for v in a.G], [int(v) for v in a.Gb]
+    N = arrays.N
+    uf, ub, xin, xo, xb, of, ob, G, Gb, flagged = _as_printed(arrays)
     inf = float("inf")
-    flagged = [int(a.nr[k]) == k for k in range(N)]   # no_recompute, as printed
     C = {}
 
     def m_all(s, t):

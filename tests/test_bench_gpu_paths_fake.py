@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import io
 import json
 import math
 import os
@@ -41,6 +40,7 @@ import numpy as np
 import pytest
 
 import _fake_cupy
+from _plots import fail_saves_half_way
 from test_bench_keys import bench_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -301,7 +301,6 @@ def test_a_pcie_plot_that_fails_while_written_leaves_the_previous_one(bench, mon
     # savefig wrote straight into --plot's file: a full disk or a time limit's
     # SIGINT half-way left a truncated image in place of the previous sweep's plot
     pytest.importorskip("matplotlib")
-    from PIL import Image
     pcie = bench.load("pcie")
     doc = {"device": "Fake H200",
            "curves": {"h2d_pinned": [{"bytes": 4096, "bytes_per_s": 1e9},
@@ -309,17 +308,7 @@ def test_a_pcie_plot_that_fails_while_written_leaves_the_previous_one(bench, mon
     path = bench.results / "sweep.png"
     assert pcie.plot(doc, str(path)) == str(path)
     previous = path.read_bytes()
-    real = Image.Image.save
-
-    def half_written(self, fp, format=None, **params):
-        if not isinstance(fp, (str, os.PathLike)):      # matplotlib's own dry runs
-            return real(self, fp, format, **params)
-        whole = io.BytesIO()
-        real(self, whole, format or "png", **params)
-        with open(fp, "wb") as f:      # as PIL does: the file is opened, then written
-            f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
-        raise failure
-    monkeypatch.setattr(Image.Image, "save", half_written)
+    fail_saves_half_way(monkeypatch, failure)
     doc["curves"]["h2d_pinned"][1]["bytes_per_s"] = 5e9
     with pytest.raises(type(failure)):
         pcie.plot(doc, str(path))

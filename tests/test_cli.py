@@ -5,6 +5,7 @@ from argparse import ArgumentTypeError
 
 import pytest
 
+from _plots import fail_saves_half_way
 from _remat_cases import OVERLAPPING_TRANSFERS, two_stage_chain
 from rtmem.cli import main
 
@@ -52,24 +53,12 @@ def test_a_plot_that_fails_while_written_leaves_the_previous_plot(capsys, tmp_pa
     # savefig wrote straight into --plot's file: a full disk or a Ctrl-C half-way
     # left a truncated image in place of the plot of the previous run
     pytest.importorskip("matplotlib")
-    from PIL import Image
     plot = tmp_path / "g.png"
     argv = ["simulate", "gpt2:layers=2,hidden=64,heads=4,seq=16,batch=2,vocab=50",
             "sequential:2", "--memory", "1GiB", "--plot", str(plot)]
     assert run(capsys, *argv)[0] == 0
     previous = plot.read_bytes()
-    real = Image.Image.save
-
-    def half_written(self, fp, format=None, **params):
-        if not isinstance(fp, (str, os.PathLike)):      # matplotlib's own dry runs
-            return real(self, fp, format, **params)
-        import io
-        whole = io.BytesIO()
-        real(self, whole, format or "png", **params)
-        with open(fp, "wb") as f:      # as PIL does: the file is opened, then written
-            f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
-        raise failure
-    monkeypatch.setattr(Image.Image, "save", half_written)
+    fail_saves_half_way(monkeypatch, failure)
     code = run(capsys, *argv)[0]
     assert code == (130 if isinstance(failure, KeyboardInterrupt) else 1)
     assert plot.read_bytes() == previous

@@ -617,6 +617,24 @@ def test_a_failed_copy_is_a_backend_error_and_changes_nothing(fake, backend, mon
     assert b.to_numpy().tobytes() == before[0]
 
 
+def _offload_failing_later(fake, monkeypatch, buf, host):
+    """Offload ``buf`` to ``host`` with a copy that fails on its stream, later
+    (a sticky cudaErrorIllegalAddress, as a kernel fault leaves), and return
+    the offload's event; later copies work."""
+    runtime = fake.modules["cupy.cuda.runtime"]
+    real = runtime.memcpyAsync
+
+    def faulting(dst, src, size, kind, stream):
+        def fault():
+            raise _fake_cupy.CUDARuntimeError(700)
+        fake._stream_of(stream)._enqueue(fault)
+    monkeypatch.setattr(runtime, "memcpyAsync", faulting)
+    try:
+        return T.offload(buf, arena=host)
+    finally:
+        monkeypatch.setattr(runtime, "memcpyAsync", real)
+
+
 def test_wait_never_blocks_nor_reports_and_synchronize_raises_a_failed_copy(
         fake, backend, monkeypatch):
     # NOTE [ Copy failures at synchronize ]: wait() with no argument only orders
@@ -629,15 +647,7 @@ def test_wait_never_blocks_nor_reports_and_synchronize_raises_a_failed_copy(
     eng = T.get_engine(backend)
     gate = threading.Event()
     eng.d2h.raw.launch_host_func(lambda _arg: gate.wait(), None)
-    real = fake.modules["cupy.cuda.runtime"].memcpyAsync
-
-    def faulting(dst, src, size, kind, stream):     # fails on the stream, later
-        def fault():
-            raise _fake_cupy.CUDARuntimeError(700)
-        fake._stream_of(stream)._enqueue(fault)
-    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", faulting)
-    T.offload(b, arena=h)
-    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", real)
+    _offload_failing_later(fake, monkeypatch, b, h)
     T.wait()                                        # returns with the copy gated
     assert not gate.is_set() and b.residency == "in-flight"
     gate.set()
@@ -664,15 +674,7 @@ def test_waiting_on_a_failed_copy_is_a_backend_error_not_a_success(
     b = d.alloc(shape=(256,), dtype=np.float32)
     gate = threading.Event()
     T.get_engine(backend).d2h.raw.launch_host_func(lambda _arg: gate.wait(), None)
-    real = fake.modules["cupy.cuda.runtime"].memcpyAsync
-
-    def faulting(dst, src, size, kind, stream):     # fails on the stream, later
-        def fault():
-            raise _fake_cupy.CUDARuntimeError(700)
-        fake._stream_of(stream)._enqueue(fault)
-    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", faulting)
-    event = T.offload(b, arena=h)
-    monkeypatch.setattr(fake.modules["cupy.cuda.runtime"], "memcpyAsync", real)
+    event = _offload_failing_later(fake, monkeypatch, b, h)
     call = {"synchronize(buf)": lambda: T.synchronize(b),
             "synchronize(event)": lambda: T.synchronize(event),
             "host view": lambda: b.numpy("host")}[use]
