@@ -117,6 +117,17 @@ class Placement:
         return self.block.offset
 
 
+def _in_open(p: Placement | None) -> bool:
+    """Whether ``p`` is a copy: a placement in an open arena (a closed arena's
+    counts as no copy, NOTE [ Residency state machine ])."""
+    return p is not None and not p.arena._closed
+
+
+def _in_closed(p: Placement | None) -> bool:
+    """Whether ``p`` is a placement left in a closed arena."""
+    return p is not None and p.arena._closed
+
+
 def _poll_transfers(backend) -> None:
     from .transfers import _poll_engine     # transfers imports this module
     _poll_engine(backend)
@@ -244,13 +255,12 @@ class Buffer:
         to do: "close an arena only after its buffers are done with" was all it
         said, also when the buffer's other copy was intact and only views of the
         closed copy (pinned, NOTE [ Pinned views ]) kept it out of reach."""
-        p = next(p for p in (self._device, self._host)
-                 if p is not None and p.arena._closed)
+        p = next(p for p in (self._device, self._host) if _in_closed(p))
         side = p.arena.location
         other = self._host if side == "device" else self._device
         text = (f"the {side} arena of this {self.kind} buffer ({self.nbytes:,} bytes) "
                 f"was closed, which released its memory")
-        if p.pins and other is not None and not other.arena._closed:
+        if p.pins and _in_open(other):
             return (f"{text}, and {p.pins} pinned view(s) of its {side} copy there "
                     f"(numpy(pin=True), rtmem.torch.as_tensor) are still alive: they "
                     f"keep that memory, which is no longer the buffer's (what is written "
@@ -276,7 +286,7 @@ class Buffer:
         evicted to."""
         with self._lock:
             closed = [side for side, p in (("device", self._device), ("host", self._host))
-                      if p is not None and p.arena._closed]
+                      if _in_closed(p)]
             if not closed:
                 return False
             # close() waited for every copy first, so a move still in flight
@@ -288,11 +298,10 @@ class Buffer:
                 p = self._device if side == "device" else self._host
                 # pinned views of it hold memory the arena gave up: kept, and reported,
                 # so the pins stay on attached placements (see _pins)
-                if other is not None and not other.arena._closed and not p.pins:
+                if _in_open(other) and not p.pins:
                     self._drop(side)      # legal after close, as free() is
                     return False
-            return any(p is not None and p.arena._closed
-                       for p in (self._device, self._host))
+            return _in_closed(self._device) or _in_closed(self._host)
 
     def _settle(self, report: bool = True) -> bool:
         """Clear a completed pending move; True if one is still in flight. A
@@ -383,8 +392,7 @@ class Buffer:
             # A copy in a closed arena is no copy: also one kept attached for
             # its pinned views (_forget_closed), which reported "both".
             self._forget_closed()
-            device, host = (p is not None and not p.arena._closed
-                            for p in (self._device, self._host))
+            device, host = _in_open(self._device), _in_open(self._host)
             if device and host:
                 return "both"
             if not (device or host):

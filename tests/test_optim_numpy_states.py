@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import rtmem
+from _adam_reference import adam_step64
 from _machines import machine_settings
 from rtmem.errors import OptimizerError
 from rtmem.optim import NumpyAdam, NumpyAdamW
@@ -35,18 +36,12 @@ def snapshot(opt):
 def adam64(p, g, state, hyper, decoupled, grad_scale):
     """One Adam(W) step in float64 from parameter ``p`` and ``state``:
     the new parameter and first moment."""
-    p, g = p.astype(np.float64), g.astype(np.float64) / (grad_scale or 1.0)
     (b1, b2), lr, wd = hyper["betas"], hyper["lr"], hyper["weight_decay"]
-    if decoupled:
-        p = p * (1 - lr * wd)
-    else:
-        g = g + wd * p
-    m = b1 * state["exp_avg"] + (1 - b1) * g
-    v = b2 * state["exp_avg_sq"] + (1 - b2) * g * g
-    if "max_exp_avg_sq" in state:
-        v = np.maximum(state["max_exp_avg_sq"], v)
-    step = state["step"] + 1
-    p = p - lr * (m / (1 - b1 ** step)) / (np.sqrt(v / (1 - b2 ** step)) + hyper["eps"])
+    p, m, _, _ = adam_step64(p.astype(np.float64), g.astype(np.float64) / (grad_scale or 1.0),
+                             state["exp_avg"], state["exp_avg_sq"],
+                             state.get("max_exp_avg_sq"), lr=lr, beta1=b1, beta2=b2,
+                             eps=hyper["eps"], wd=wd, decoupled=decoupled,
+                             step=state["step"] + 1)
     return p, m
 
 

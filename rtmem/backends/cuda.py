@@ -66,12 +66,15 @@ class CudaStream:
     the same handle, and for the per-thread default stream the same host thread,
     since that one handle names a different stream in every thread."""
 
-    __slots__ = ("raw", "name", "ptr", "thread", "_key")
+    __slots__ = ("raw", "name", "ptr", "thread", "_key", "_cuda_error")
     synchronous = False
 
-    def __init__(self, raw, name="stream"):
+    def __init__(self, raw, name="stream", cuda_error=RuntimeError):
         self.raw = raw
         self.name = name
+        #: CuPy's CUDARuntimeError class, what :meth:`synchronize` raises as a
+        #: BackendError (from the backend, as for :class:`CudaEvent`)
+        self._cuda_error = cuda_error
         #: The ``cudaStream_t`` handle (fixed for the stream's life; read once
         #: because the allocator hashes streams on every allocation).
         self.ptr = int(raw.ptr)
@@ -117,9 +120,7 @@ class CudaStream:
         :class:`~rtmem.errors.BackendError`, as the host backend's streams
         raise theirs: CuPy's own CUDARuntimeError escaped
         ``except BackendError`` in rtmem.transfers.synchronize()."""
-        from cupy.cuda import runtime
-        _synchronize(self.raw, f"work on CUDA stream {self.name!r}",
-                     getattr(runtime, "CUDARuntimeError", ()))
+        _synchronize(self.raw, f"work on CUDA stream {self.name!r}", self._cuda_error)
 
     def launch_host_func(self, fn) -> None:
         """Run ``fn()`` on a driver thread once earlier work is done; ``fn`` must
@@ -293,7 +294,7 @@ class CudaBackend(Backend):
 
     def new_stream(self, name: str = "stream") -> CudaStream:
         """A new non-blocking CUDA stream."""
-        return CudaStream(self.cupy.cuda.Stream(non_blocking=True), name)
+        return CudaStream(self.cupy.cuda.Stream(non_blocking=True), name, self._cuda_error)
 
     def new_event(self) -> CudaEvent:
         """A new event with timing disabled (cheaper to record and query)."""
@@ -308,7 +309,7 @@ class CudaBackend(Backend):
         cache = self._compute
         wrapped = getattr(cache, "stream", None)
         if wrapped is None or wrapped.raw is not raw:
-            wrapped = cache.stream = CudaStream(raw, "compute")
+            wrapped = cache.stream = CudaStream(raw, "compute", self._cuda_error)
         return wrapped
 
     def copy_async(self, dst: Slab, dst_offset: int, src: Slab, src_offset: int,
