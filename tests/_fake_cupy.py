@@ -85,7 +85,9 @@ How faithful it is (what a test can rely on):
   synchronize the device first, as CUDA does.
 - An error raised by queued work is kept (``async_errors``) and raised by the next
   synchronize, like CUDA's sticky errors. Waits time out after ``WAIT_S`` seconds
-  (raising) instead of hanging the test run.
+  (raising) instead of hanging the test run. Event and stream ``done`` (CuPy's
+  ``cudaEventQuery`` / ``cudaStreamQuery``) raise a kept error too, as CUDA's
+  queries report a sticky error.
 - ``calls`` logs every runtime call as ``(name, args)``.
 """
 
@@ -472,6 +474,7 @@ class FakeCupy:
 
             @property
             def done(self):
+                fake._raise_sticky()        # cudaEventQuery reports a sticky error
                 flag = self._flag
                 return flag is None or flag.is_set()
 
@@ -527,6 +530,7 @@ class FakeCupy:
 
             @property
             def done(self):
+                fake._raise_sticky()        # cudaStreamQuery reports a sticky error
                 return self._queue.unfinished_tasks == 0
 
             def wait_event(self, event):

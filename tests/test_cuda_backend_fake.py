@@ -690,6 +690,25 @@ def test_waiting_on_a_failed_copy_is_a_backend_error_not_a_success(
     T.synchronize()
 
 
+def test_querying_an_event_after_a_sticky_error_is_a_backend_error(fake, backend):
+    # CudaEvent.query() (and .done) let CuPy's own CUDARuntimeError out after a
+    # sticky CUDA failure (cudaEventQuery reports it, as every later call does),
+    # past `except BackendError`, where synchronize() raises a BackendError.
+    stream = backend.new_stream("x")
+    event = backend.new_event().record(stream)
+    stream.synchronize()
+    assert event.query()
+    fake.async_errors.append(_fake_cupy.CUDARuntimeError(700))   # a kernel faulted
+    try:
+        for ask in (event.query, lambda: event.done):
+            with pytest.raises(BackendError, match="illegal.*sticky.*restart") as err:
+                ask()
+            assert isinstance(err.value.__cause__, _fake_cupy.CUDARuntimeError)
+    finally:
+        fake.async_errors.clear()                   # a fresh context, as after a restart
+    assert event.query()
+
+
 def test_debug_arena_poisons_and_catches_a_gpu_write_after_free(fake, backend):
     d = DeviceArena(1 << 16, debug=True, backend=backend)
     assert fake.calls_named("memsetAsync")           # the slab was poisoned on device

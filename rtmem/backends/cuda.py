@@ -148,8 +148,15 @@ class CudaEvent:
         return self
 
     def query(self) -> bool:
-        """True when the captured work is done (or never recorded)."""
-        return bool(self.raw.done)
+        """True when the captured work is done (or never recorded). A failure
+        of earlier work on the device, which ``cudaEventQuery`` reports as CUDA
+        errors are sticky, is raised as :class:`~rtmem.errors.BackendError`, as
+        :meth:`synchronize` raises it (CuPy's own CUDARuntimeError escaped
+        ``except BackendError`` in the callers that poll events)."""
+        try:
+            return bool(self.raw.done)
+        except self._cuda_error as exc:
+            raise _failure("the CUDA work an event waits for", exc) from exc
 
     @property
     def done(self) -> bool:
@@ -173,13 +180,20 @@ def _synchronize(raw, what: str, cuda_error) -> None:
     try:
         raw.synchronize()
     except cuda_error as exc:
-        # CUDA reports an asynchronous failure only at a synchronization, and as
-        # a sticky error: every later call fails too, so the remedy is a restart.
-        raise BackendError(
-            f"{what} failed: {exc}; CUDA errors are sticky, so the context is "
-            f"unusable and every buffer on the device is suspect: restart the "
-            f"process (run with CUDA_LAUNCH_BLOCKING=1 to find the failing kernel "
-            f"or copy)") from exc
+        raise _failure(what, exc) from exc
+
+
+def _failure(what: str, exc) -> BackendError:
+    """The BackendError for CuPy's CUDA error ``exc`` met while waiting for or
+    querying ``what``."""
+    # CUDA reports an asynchronous failure only at a synchronization or query,
+    # and as a sticky error: every later call fails too, so the remedy is a
+    # restart.
+    return BackendError(
+        f"{what} failed: {exc}; CUDA errors are sticky, so the context is "
+        f"unusable and every buffer on the device is suspect: restart the "
+        f"process (run with CUDA_LAUNCH_BLOCKING=1 to find the failing kernel "
+        f"or copy)")
 
 
 def _free_unless_exiting(release, ptr) -> None:
