@@ -494,8 +494,8 @@ class _Arena:
         Views of its buffers made before (``buf.numpy()``, ``buf.cupy()``, DLPack
         capsules, tensors of ``rtmem.torch.as_tensor``) stay valid on both
         backends: a slab goes back to the backend when the last of them goes, at
-        once without any. (Memory CuPy or numba allocated through
-        :mod:`rtmem.integrations` is not held: close only once they hold none.)
+        once without any. The same holds for memory CuPy or numba allocated
+        through :mod:`rtmem.integrations` (their arrays alive at close stay valid).
         Ends the recording of every :class:`~rtmem.adaptors.TracingAdaptor` in
         the arena's ``adaptors`` (its trace is complete on disk; frees after
         close are not recorded)."""

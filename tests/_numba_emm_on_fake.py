@@ -135,6 +135,30 @@ gc.collect()
 mgr.deallocations.clear()
 
 
+# numba's device memory outlives arena.close(): a MemoryPointer held its buffer
+# but not the slab, so close() cudaFree'd memory numba still pointed at. The
+# slab goes with numba's deferred free of the last such allocation.
+import numpy as np  # noqa: E402
+
+short = DeviceArena(1 << 16, backend="cuda")
+short_mgr = numba_emm.manager_class()(context=Context())
+short_mgr.arena = short
+data = np.random.default_rng().standard_normal(64).astype(np.float32)
+mem = short_mgr.memalloc(data.nbytes)
+slab_ptr = short.slabs[0].ptr
+fc.host_view(mem.device_pointer_value, data.nbytes)[:] = data.view(np.uint8)
+short.close()
+assert slab_ptr in fc.live, "close() freed memory numba still holds"
+seen = fc.host_view(mem.device_pointer_value, data.nbytes).view(np.float32)
+assert (seen == data).all(), "numba's memory was overwritten by close()"
+with short_mgr.defer_cleanup():
+    del mem, seen
+    gc.collect()
+    assert slab_ptr in fc.live, "freed while numba defers its frees"
+short_mgr.deallocations.clear()
+assert slab_ptr not in fc.live, "the slab outlived numba's last allocation"
+del short_mgr
+
 # A failed hand-over frees the buffer it allocated.
 def broken(driver, address):
     raise RuntimeError("no pointer")

@@ -918,6 +918,36 @@ def test_cupy_free_during_garbage_collection_is_deferred(fake, backend):
     assert rtcupy.flush() == 0 and d.stats().count_by_kind["workspace"] == 0
 
 
+def test_cupy_arrays_from_the_hook_outlive_arena_close(fake, backend):
+    # CuPy arrays allocated through the hook (install() / using()) held their
+    # buffer but not its slab: arena.close() cudaFree'd memory they still pointed
+    # at (the fake's FREED bytes), where buf.cupy() views hold the slab.
+    from rtmem.integrations import cupy as rtcupy
+    cp = fake.modules["cupy"]
+    rng = np.random.default_rng()
+    for hook in ("using", "install"):
+        d = DeviceArena(1 << 16, backend=backend)
+        ptr = d.slabs[0].ptr
+        data = rng.standard_normal(64).astype(np.float32)
+        if hook == "using":
+            with rtcupy.using(d):
+                arr = cp.empty(64, np.float32)
+        else:
+            previous = rtcupy.install(d)
+            try:
+                arr = cp.empty(64, np.float32)
+            finally:
+                rtcupy.uninstall(previous)
+        arr[...] = data
+        d.close()
+        assert ptr in fake.live                     # the array still holds the slab
+        np.testing.assert_array_equal(arr.get(), data)
+        del arr
+        gc.collect()
+        assert ptr not in fake.live                 # freed with the last array
+        assert d.stats().count_by_kind["workspace"] == 0
+
+
 @pytest.mark.parametrize("cupy14", [True, False], ids=["from_external", "ExternalStream"])
 def test_as_tensor_waits_for_a_prefetch_on_torchs_current_stream(fake, backend,
                                                                  monkeypatch, cupy14):

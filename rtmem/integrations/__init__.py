@@ -30,9 +30,12 @@ def check_arena(arena, kind: str, library: str) -> None:
 
 
 def alloc_exported(arena, nbytes, kind: str, stream, export):
-    """``export(buf)`` of a new buffer of ``nbytes`` bytes (at least one); the
-    buffer is freed again if the export raises, so a failed hand-over leaks
-    nothing."""
+    """``export(buf, address, keep)`` of a new buffer of ``nbytes`` bytes (at
+    least one): ``address`` its device address, ``keep`` the allocation of its
+    slab, which the library's memory object must hold until the library frees
+    the buffer, so the memory outlives ``arena.close()`` as ``buf.cupy()`` views
+    do (close() only drops the arena's reference to a slab). The buffer is freed
+    again if the export raises, so a failed hand-over leaks nothing."""
     # At least a byte: a zero-byte buffer exports a null pointer (the CUDA array
     # interface's rule for empty arrays), and the libraries expect an address.
     # Sizes are read as arena.alloc reads them: max(int(nbytes), 1) gave a -1
@@ -41,7 +44,8 @@ def alloc_exported(arena, nbytes, kind: str, stream, export):
     size = nbytes if nbytes.__class__ is int and nbytes > 0 else max(parse_bytes(nbytes), 1)
     buf = arena.alloc(size, kind=kind, stream=stream)
     try:
-        return export(buf)
+        p = buf.primary
+        return export(buf, p.slab.device_ptr + p.offset, p.slab.owner)
     except BaseException:
         buf.free()
         raise

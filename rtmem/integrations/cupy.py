@@ -8,7 +8,9 @@
         x = cupy.zeros(1 << 20)        # lives in the arena
 
 Every CuPy allocation becomes a ``workspace`` buffer of the arena; it is freed
-(stream-ordered, on CuPy's current stream) when CuPy drops the memory.
+(stream-ordered, on CuPy's current stream) when CuPy drops the memory. Until
+then it holds its slab: ``arena.close()`` with CuPy arrays alive leaves them
+valid, and the slab goes back to CUDA with the last of them.
 
 Frees that CuPy requests during a garbage collection are deferred: NOTE [ Frees
 from finalizers ] in :mod:`rtmem._deferred`.
@@ -28,16 +30,19 @@ __all__ = ["allocator_for", "flush", "install", "uninstall", "using"]
 
 class _BufferOwner:
     """Owner object of an ``UnownedMemory``: frees the rtmem buffer when CuPy
-    garbage-collects the memory."""
+    garbage-collects the memory. ``keep`` (the slab's allocation) keeps the
+    bytes alive until then, after ``arena.close()`` too: the arena's reference
+    was the only other one, and CuPy arrays used to point at freed memory."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("buf", "keep")
 
-    def __init__(self, buf):
-        self.buf = buf
+    def __init__(self, buf, keep):
+        self.buf, self.keep = buf, keep
 
     def __del__(self):
         buf, self.buf = self.buf, None
         release(buf)
+        # the slab (if close() dropped the arena's hold) goes with this object
 
 
 _oom_classes = {}
@@ -86,9 +91,8 @@ def allocator_for(arena, *, kind: str = "workspace"):
     oom = _cupy_oom_class(cp)
     track()
 
-    def export(buf):
-        ptr = buf.__cuda_array_interface__["data"][0]
-        mem = cp.cuda.UnownedMemory(ptr, buf.nbytes, _BufferOwner(buf), device_id)
+    def export(buf, ptr, keep):
+        mem = cp.cuda.UnownedMemory(ptr, buf.nbytes, _BufferOwner(buf, keep), device_id)
         return cp.cuda.MemoryPointer(mem, 0)
 
     def allocate(nbytes):
@@ -107,9 +111,10 @@ def allocator_for(arena, *, kind: str = "workspace"):
 def install(arena, *, kind: str = "workspace"):
     """Make ``arena`` CuPy's allocator; return the previous one (for
     :func:`uninstall`). Out of memory raises :func:`allocator_for`'s error, both
-    rtmem's and CuPy's ``OutOfMemoryError``. Close the arena only once CuPy
-    holds none of its memory (:meth:`~rtmem.DeviceArena.close` leaves live
-    arrays pointing at released memory)."""
+    rtmem's and CuPy's ``OutOfMemoryError``. CuPy arrays allocated from the
+    arena stay valid after :meth:`~rtmem.DeviceArena.close`: each holds its slab,
+    which goes back to CUDA with the last of them (uninstall first: a closed
+    arena refuses new allocations)."""
     cp = _cupy()
     allocator = allocator_for(arena, kind=kind)
     previous = cp.cuda.get_allocator()
@@ -141,7 +146,9 @@ def using(arena, *, kind: str = "workspace"):
     """Context manager: CuPy allocates from ``arena`` inside the block (this
     thread only, as ``cupy.cuda.using_allocator``); the previous allocator is
     back after it, also after an exception. Out of memory raises
-    :func:`allocator_for`'s error, both rtmem's and CuPy's ``OutOfMemoryError``."""
+    :func:`allocator_for`'s error, both rtmem's and CuPy's ``OutOfMemoryError``.
+    Arrays made inside the block may outlive it and the arena's
+    :meth:`~rtmem.DeviceArena.close`, as with :func:`install`."""
     cp = _cupy()
     with cp.cuda.using_allocator(allocator_for(arena, kind=kind)):
         yield arena

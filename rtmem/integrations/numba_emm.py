@@ -68,6 +68,13 @@ def _device_pointer(driver, address: int):
     return ctypes.c_void_p(int(address))
 
 
+def _release_held(held) -> None:
+    """numba's deferred free of one allocation: ``held`` is (buffer, the
+    allocation of its slab); the slab goes with the tuple once the buffer is
+    released (at once if ``arena.close()`` dropped the arena's hold)."""
+    release(held[0])
+
+
 def _default_arena():
     from ..arena import DeviceArena
     from ..units import parse_bytes
@@ -195,7 +202,9 @@ def manager_class():
             bytes come back only once an event recorded on the compute stream
             (the legacy default stream unless CuPy's current stream was changed),
             and with it numba's blocking streams, has passed the free: what
-            numba's synchronizing cuMemFree guaranteed.
+            numba's synchronizing cuMemFree guaranteed. The memory holds
+            its slab until that free: ``arena.close()`` leaves numba's live
+            device arrays valid.
 
             When the arena cannot serve it (after numba has flushed its pending
             frees and retried once), :class:`~rtmem.errors.OutOfMemoryError`
@@ -204,13 +213,13 @@ def manager_class():
             """
             deallocations = self.deallocations
 
-            def export(buf):
-                address = buf.__cuda_array_interface__["data"][0]
-
-                def finalizer(buf=buf):
+            def export(buf, address, keep):
+                def finalizer(held=(buf, keep)):
                     # release() may run inside a garbage collection: NOTE [ Frees
-                    # from finalizers ] in rtmem/_deferred.py
-                    deallocations.add_item(release, buf, buf.nbytes)
+                    # from finalizers ] in rtmem/_deferred.py. The pending free
+                    # holds the slab (keep) until it runs: numba's work may use
+                    # the bytes until then, after arena.close() too.
+                    deallocations.add_item(_release_held, held, held[0].nbytes)
                 ptr = _device_pointer(driver, address)
                 if takes_context:
                     return driver.MemoryPointer(weakref.proxy(self.context), ptr, size,
