@@ -496,6 +496,10 @@ class _Arena:
         backends: a slab goes back to the backend when the last of them goes, at
         once without any. The same holds for memory CuPy or numba allocated
         through :mod:`rtmem.integrations` (their arrays alive at close stay valid).
+        Arrays other libraries make from a Buffer itself through
+        ``__cuda_array_interface__`` (``cupy.asarray(buf)``, numba kernels) hold
+        the Buffer, not the slab: they are valid only while the arena is open
+        (:attr:`~rtmem.buffer.Buffer.__cuda_array_interface__`).
         Ends the recording of every :class:`~rtmem.adaptors.TracingAdaptor` in
         the arena's ``adaptors`` (its trace is complete on disk; frees after
         close are not recorded)."""

@@ -670,7 +670,16 @@ class Buffer:
         before later work on the *current* (compute) stream only, by a wait put
         there when the interface is read. A consumer that runs on another stream
         must first make that stream wait for the buffer (``rtmem.wait(buf)`` on
-        it, or ``rtmem.synchronize(buf)``)."""
+        it, or ``rtmem.synchronize(buf)``).
+
+        Lifetime: the dict holds nothing. Consumers that read it keep the
+        producer (numba's ``cuda.as_cuda_array`` and kernel launches, CuPy's
+        ``cupy.asarray``, ``torch.as_tensor``: this Buffer), and a Buffer does not
+        keep its memory past ``arena.close()`` (else any Buffer still referenced
+        would keep its whole slab allocated after close). So an array made this
+        way is valid only while the arena is open and the buffer not freed. For
+        a view that outlives ``close()``, use :meth:`cupy`, ``__dlpack__`` or
+        ``rtmem.torch.as_tensor``: they hold the slab until the view goes."""
         return self._cuda_dict(self._view_placement(None))
 
     def __dlpack_device__(self) -> tuple[int, int]:
