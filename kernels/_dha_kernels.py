@@ -20,6 +20,13 @@ import_numba_cuda_arrays()     # before the first compile (numpy >= 2.5)
 
 _PARTIAL_ROWS = 64                   # rows per block of the column-sum kernels
 
+# NOTE [ No min() / max() in device code ]
+# numba >= 0.66 implements the builtins min and max as *args overloads, which
+# numba.cuda cannot compile ("Signature mismatch: 2 argument types given, but
+# function takes 1 arguments": numba issue #10753, still open with numba 0.68.1
+# and numba-cuda 0.30.4). The kernels here compare explicitly instead;
+# tests/test_dha_ptx.py checks that no kernel calls them.
+
 
 @cuda.jit
 def _read_kernel(words, partials):
@@ -185,7 +192,10 @@ def _layernorm_fwd_kernel(x, gamma, beta, out, mean, rstd, eps, staged):
             s += d
             s2 += d * d
         c = _block_sum(sm, s) / fh
-        var = max(_block_sum(sm, s2) / fh - c * c, numba.float32(0.0))
+        var = _block_sum(sm, s2) / fh - c * c
+        # rounding can make it negative; not max(): NOTE [ No min() / max() in device code ]
+        if var < numba.float32(0.0):
+            var = numba.float32(0.0)
         rs = numba.float32(1.0) / math.sqrt(var + eps)
         # Centre with (x - mu) - c, not x - (mu + c): mu + c rounded to float32
         # is up to half an ulp of the mean off (5e-4 at 1e4), which for a row of
@@ -240,7 +250,10 @@ def _column_partials_kernel(grad_out, x, mean, rstd, partials, with_xhat):
     for c in range(cuda.blockIdx.y, partials.shape[1], cuda.gridDim.y):
         s0 = numba.float32(0.0)
         s1 = numba.float32(0.0)
-        for r in range(c * _PARTIAL_ROWS, min(T, (c + 1) * _PARTIAL_ROWS)):
+        stop = (c + 1) * _PARTIAL_ROWS
+        if stop > T:                    # not min(): NOTE [ No min() / max() in device code ]
+            stop = T
+        for r in range(c * _PARTIAL_ROWS, stop):
             g = grad_out[r, h]
             s0 += g
             if with_xhat:
