@@ -40,6 +40,12 @@ _dispatcher.get_current_device = lambda: _Device()
 import numpy as np  # noqa: E402
 
 if "--without-row-stack" in sys.argv[1:] and hasattr(np, "row_stack"):
+    # numba's own array support (numba >= 0.68, the first to import with numpy
+    # 2.5) overloads np.row_stack only when numpy's *version* is below 2.5, which
+    # deleting the alias from an older numpy does not imitate: imported first,
+    # as under a real numpy 2.5 it leaves row_stack alone. numba-cuda's copy of
+    # that support has no such check, and is what this mode is about.
+    import numba.np.arrayobj  # noqa: F401
     del np.row_stack
     np.__all__ = [name for name in np.__all__ if name != "row_stack"]  # scipy reads it
 
