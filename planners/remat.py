@@ -62,11 +62,16 @@ REFINE_MAX_FACTOR = 64
 #: plan_remat and min_feasible_memory warn (RuntimeWarning) before a solve whose
 #: predicted time (see _predicted_seconds) is above this many seconds.
 SLOW_SOLVE_SECONDS = 60.0
-# Measured seconds per step, CPU time on one core of a loaded 2-core machine: the
-# table fill (N^3 / 6 x M steps, N = n + 1; 400 stages x 500 slots: 8.0 s, 1.5 ns)
-# and the least-memory pass (N^3 / 6 steps; 1,000 stages: 1.1 s, 6.6 ns)
-_TABLE_STEP_SECONDS = 1.5e-9
-_LEAST_STEP_SECONDS = 6.6e-9
+# Measured seconds per step, CPU time on one core of a loaded 2-core machine,
+# medians of 3 (random chains, budget half way between the least and the store-all
+# peak): the table fill (N^3 / 6 x (M + 1) steps, N = n + 1): 0.91 ns for 200
+# stages x 100 slots, 0.73 for 200 x 500, 1.05 for 400 x 100, 0.67 for 400 x 500
+# (3.6 s); and the timed least-memory pass (N^3 / 6 steps, with choices): 2.7 ns
+# for 300 stages, 3.1 for 600, 3.8 for 1,000 (0.64 s), 4.5 for 2,000 (6.0 s),
+# growing with n as its triangles leave the caches. The largest of each, so the
+# prediction stays an upper bound where it decides a warning (long chains).
+_TABLE_STEP_SECONDS = 1.05e-9
+_LEAST_STEP_SECONDS = 4.5e-9
 # each DP retry divides the slot by this: the table grows 4x per retry, so the
 # retries together cost at most 4/3 of the last one
 _REFINE = 4
@@ -99,15 +104,17 @@ def _least_budget(arrays, fixed: int) -> int:
 
 def _predicted_seconds(n: int, slots: int | None) -> float:
     """Predicted CPU seconds of :func:`plan_remat` on ``n`` stages with a table of
-    ``slots`` memory slots (M): its least-memory passes (two at most: the one in
-    slots only where _feasible_in_slots's bounds cannot decide) and the table fill,
-    at the measured seconds per step above; with ``slots=None``, one least-memory
-    pass (:func:`min_feasible_memory`). An upper bound for the fill, whose
-    pruning skips more of it near the least and the store-all budgets."""
+    ``slots`` memory slots (M): its least-memory pass in bytes and the table fill,
+    at the measured seconds per step above; with ``slots=None``, the least-memory
+    pass alone (:func:`min_feasible_memory`). One pass, as plan_remat runs it: a
+    pass in slots runs only where _feasible_in_slots's bounds cannot decide (near
+    the least budget or with few slots, where the table is small or pruned).
+    An upper bound for the fill, whose pruning skips more of it near the least
+    and the store-all budgets."""
     steps = _dp_steps(n)
     if slots is None:
         return steps * _LEAST_STEP_SECONDS
-    return steps * (2 * _LEAST_STEP_SECONDS + (slots + 1) * _TABLE_STEP_SECONDS)
+    return steps * (_LEAST_STEP_SECONDS + (slots + 1) * _TABLE_STEP_SECONDS)
 
 
 def _dp_steps(n: int) -> float:
@@ -118,9 +125,9 @@ def _dp_steps(n: int) -> float:
 
 def _slots_within(n: int) -> int:
     """The most slots whose :func:`_predicted_seconds` is within
-    :data:`SLOW_SOLVE_SECONDS` (< 1 when the least-memory passes alone are not)."""
+    :data:`SLOW_SOLVE_SECONDS` (< 1 when the least-memory pass alone is not)."""
     steps = _dp_steps(n)
-    fill = SLOW_SOLVE_SECONDS - 2 * steps * _LEAST_STEP_SECONDS
+    fill = SLOW_SOLVE_SECONDS - steps * _LEAST_STEP_SECONDS
     return int(fill / (steps * _TABLE_STEP_SECONDS)) - 1
 
 
@@ -397,8 +404,8 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         cost is inherent to the DP: O(n^3) for the least-memory passes and
         O(n^3 M) for the table (M slots, about ``slots``). Measured (CPU time, one
         core of a loaded 2-core machine) at a budget half way between the least
-        and the store-all peak: 0.9 s for 200 stages and 8.0 s for 400 with 500
-        slots, so ~2 min for 1,000 stages with 500 slots and ~15 min for 5,000
+        and the store-all peak: 0.4 s for 200 stages and 4.4 s for 400 with 500
+        slots, so ~1.5 min for 1,000 stages with 500 slots and ~9 min for 5,000
         stages (at most 20 slots fit :data:`MAX_TABLE_BYTES`).
     """
     return _plan_remat(chain, memory, slots, slot_bytes, progress, {})

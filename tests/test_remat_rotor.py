@@ -461,6 +461,32 @@ def test_a_solve_predicted_to_be_slow_warns_up_front_with_advice(monkeypatch):
     assert caught[0].filename == __file__
 
 
+def test_the_predicted_solve_counts_the_least_memory_passes_plan_remat_runs(monkeypatch):
+    # _predicted_seconds (the slow-solve warning, the slots it suggests) counted
+    # two least-memory passes per solve after plan_remat had stopped running the
+    # one in slots wherever the byte pass's bounds decide: at a budget half way
+    # to the store-all peak it runs one, so a solve is one pass plus the fill
+    from rtmem.planners import remat
+    n, slots = 40, 500
+    chain = _random_chain(n)
+    budget = (min_feasible_memory(chain) + store_all_peak(chain)) // 2
+    passes = []
+    real_min_memory = remat.min_memory
+
+    def min_memory(*args, **kwargs):
+        passes.append(1)
+        return real_min_memory(*args, **kwargs)
+
+    monkeypatch.setattr(remat, "min_memory", min_memory)
+    plan = plan_remat(chain, budget, slots)
+    M = plan.info["slots"]
+    one_pass = remat._predicted_seconds(n, None)
+    per_slot = remat._predicted_seconds(n, M + 1) - remat._predicted_seconds(n, M)
+    # what is left of the prediction once the M + 1 columns of the fill are taken out
+    passes_predicted = (remat._predicted_seconds(n, M) - (M + 1) * per_slot) / one_pass
+    assert len(passes) == 1 and passes_predicted == pytest.approx(len(passes))
+
+
 def test_planner_arguments_are_checked():
     import math as _math
 
