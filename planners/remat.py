@@ -505,8 +505,8 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     A baseline that was not attempted has an :class:`~rtmem.errors.InfeasibleError`
     with ``min_feasible=None`` whose message starts with ``"not attempted:"`` and
     says why: ``revolve`` on a chain longer than
-    :func:`~rtmem.planners.revolve.max_revolve_stages` (2,712 stages), whose Opt_0
-    table :func:`~rtmem.planners.plan_revolve` refuses. The other entries are
+    :func:`~rtmem.planners.revolve.max_revolve_stages` (4,410 stages), whose argmin
+    table and schedules :func:`~rtmem.planners.plan_revolve` refuses. The other entries are
     still planned. An error of the rotor plan itself (a DP table over
     :data:`MAX_TABLE_BYTES`) is raised, as by :func:`plan_remat`.
 

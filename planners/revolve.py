@@ -130,7 +130,7 @@ def revolve_argmins(l_max: int, m_max: int) -> np.ndarray:
     O(l_max^2 m_max): what :func:`plan_revolve` and :func:`revolve_schedule`
     walk. 16 (l_max + 1) (m_max + 1) bytes while it runs, 8 (...) returned."""
     l_max, m_max = _check_lm(l_max, m_max, "revolve_argmins:")
-    table_bytes = _opt0_cost(l_max, m_max)[0]
+    table_bytes = _argmin_cost(l_max, m_max)[0]
     if table_bytes > MAX_OPT0_TABLE_BYTES:
         raise RtmemError(
             f"the Revolve argmin table for l <= {l_max} and m <= {m_max} slots needs "
@@ -142,10 +142,12 @@ def revolve_argmins(l_max: int, m_max: int) -> np.ndarray:
     return arg
 
 
-#: Largest Opt_0 tables (T and arg, bytes) opt0_table allocates.
+#: Largest Opt_0 tables (T and arg, bytes) opt0_table allocates, and most bytes
+#: plan_revolve takes (its argmin table and longest schedule, _plan_revolve_cost).
 MAX_OPT0_TABLE_BYTES = 2 * 2**30
 #: Most inner steps of the Opt_0 fill, about (l_max + 1)^2 (m_max + 1) / 2:
-#: ~1 ns each, so ~10 s (plan_revolve on 2,700 stages).
+#: ~1 ns each, so ~10 s (opt0_table for 2,700 stages); and of plan_revolve, in
+#: steps of the same ~1 ns (_plan_revolve_cost: 4,410 stages).
 MAX_OPT0_STEPS = 10**10
 
 
@@ -194,17 +196,52 @@ def _table_fits(l_max: int, m_max: int) -> bool:
     return table_bytes <= MAX_OPT0_TABLE_BYTES and steps <= MAX_OPT0_STEPS
 
 
+def _argmin_cost(l_max: int, m_max: int) -> tuple[int, int]:
+    """Bytes of :func:`revolve_argmins`'s two tables while it fills, and the steps
+    of its fill: one bisection (at most bit_length(l_max) + 1 probes) per entry."""
+    return 16 * (l_max + 1) * (m_max + 1), \
+        (l_max + 1) * (m_max + 1) * (int(l_max).bit_length() + 1)
+
+
+# plan_revolve on n stages with no slot count fitting (every schedule built and
+# simulated; CPU time on one core of a loaded 2-core machine, median of 1): 0.48 s
+# and 230 MB peak RSS for 1,200 stages, 3.6 s and 480 MB for 2,700, 6.5 s and
+# 810 MB for 4,000, 8.9 s and 1,030 MB for 4,600 (the model below: 10.9 s of
+# steps, 1,190 MB). ~0.4-0.5 us x n^2 besides the argmins: n schedules, each with
+# O(n) work, and the longest (m = 3) with n (n + 1) / 2 operations at ~80 bytes
+# each while simulated. In the ~1 ns steps of MAX_OPT0_STEPS:
+_SCHEDULE_STEPS_PER_STAGE2 = 500
+_SCHEDULE_BYTES_PER_OP = 80
+
+
+def _plan_revolve_cost(n: int) -> tuple[int, int]:
+    """Bytes and ~1 ns steps :func:`plan_revolve` takes on ``n`` stages at most (a
+    budget no slot count fits): the argmin table for l <= n, m <= n + 2 and the
+    n schedules, the longest with n (n + 1) / 2 forward steps."""
+    table_bytes, steps = _argmin_cost(n, n + 2)
+    return (table_bytes + _SCHEDULE_BYTES_PER_OP * n * (n + 1) // 2,
+            steps + _SCHEDULE_STEPS_PER_STAGE2 * n * n)
+
+
+def _plan_revolve_fits(n: int) -> bool:
+    """Whether :func:`plan_revolve` plans a chain of ``n`` stages."""
+    plan_bytes, steps = _plan_revolve_cost(n)
+    return plan_bytes <= MAX_OPT0_TABLE_BYTES and steps <= MAX_OPT0_STEPS
+
+
 def max_revolve_stages() -> int:
     """Longest chain (stages) :func:`plan_revolve` plans: the most ``n`` whose
-    Opt_0 tables for ``l <= n``, ``m <= n + 2`` slots stay within
-    ``MAX_OPT0_TABLE_BYTES`` and ``MAX_OPT0_STEPS`` (2,712 with the defaults: the
-    fill grows as n^3)."""
-    lo, hi = 0, 1                 # _table_fits(lo, lo + 2) holds, (hi, hi + 2) does not
-    while _table_fits(hi, hi + 2):
+    argmin table (:func:`revolve_argmins`, l <= n, m <= n + 2 slots) and
+    schedules stay within ``MAX_OPT0_TABLE_BYTES`` and ``MAX_OPT0_STEPS``
+    (~10 s; 4,410 with the defaults: the cost grows as n^2 log n). It used to be
+    the limit of the O(n^3) Opt_0 fill (2,712), which plan_revolve no longer
+    runs: it needs the argmins only."""
+    lo, hi = 0, 1                 # _plan_revolve_fits(lo) holds, (hi) does not
+    while _plan_revolve_fits(hi):
         lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _table_fits(mid, mid + 2) else (lo, mid)
+        lo, hi = (mid, hi) if _plan_revolve_fits(mid) else (lo, mid)
     return lo
 
 
@@ -398,7 +435,7 @@ def plan_revolve(chain: Chain, memory) -> Plan:
     it cannot use memory beyond m = n+2. Raises
     :class:`~rtmem.errors.InfeasibleError` with the least peak over all m, and
     :class:`~rtmem.errors.RtmemError` for a chain longer than
-    :func:`max_revolve_stages` (2,712 stages, the limit of :func:`opt0_table`)
+    :func:`max_revolve_stages` (4,410 stages: its argmin table and schedules)
     and for a chain with ``no_recompute`` stages (Revolve recomputes every stage).
 
     Cost: the argmin table (:func:`revolve_argmins`, O(n^2 log n); the O(n^3)
@@ -414,11 +451,11 @@ def plan_revolve(chain: Chain, memory) -> Plan:
     if longest is not None:
         # said here, not by opt0_table: its advice (fewer slots, binomial_makespan)
         # names arguments and results plan_revolve does not have
-        table_bytes, steps = _opt0_cost(chain.n, chain.n + 2)
+        plan_bytes, steps = _plan_revolve_cost(chain.n)
         raise RtmemError(
             f"plan_revolve: {chain.name or 'the chain'} has {chain.n:,} stages, more than "
-            f"the {longest:,} it plans: Revolve's Opt_0 table for them takes "
-            f"{table_bytes:,} bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} "
+            f"the {longest:,} it plans: Revolve's argmin table and schedules for them take "
+            f"{plan_bytes:,} bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} "
             f"bytes, {MAX_OPT0_STEPS:,} steps). Plan it with plan_remat or plan_sequential, "
             "or describe the model with fewer, coarser stages (group layers)")
     refuse_no_recompute(chain, "plan_revolve", "Revolve runs every stage's forward at least "

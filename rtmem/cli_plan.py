@@ -99,7 +99,7 @@ def comparison_rows(results: dict, reference: float) -> tuple[list, list]:
         else:
             need = res.min_feasible
             # no least budget: more memory is not the remedy, the message says what is
-            # ("not attempted: 2,800 stages, plan_revolve plans at most 2,712")
+            # ("not attempted: 4,500 stages, plan_revolve plans at most 4,410")
             rows.append([name, "-", "-", "-", f"infeasible: needs {format_bytes(need)}"
                          if need is not None else str(res)])
             docs.append({"planner": name, "infeasible": True, "min_feasible_bytes": need,

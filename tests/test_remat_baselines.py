@@ -227,7 +227,8 @@ def test_compare_remat_leaves_out_only_revolve_on_chains_too_long_for_it(monkeyp
     # (plan_revolve takes none) or to use plan_remat (compare_remat's own planner).
     from rtmem.errors import RtmemError
     from rtmem.planners import revolve
-    monkeypatch.setattr(revolve, "MAX_OPT0_STEPS", 10**4)  # 25 stages at most: fast
+    # 25 stages at most (500 x 25^2 schedule steps + the argmins'): fast
+    monkeypatch.setattr(revolve, "MAX_OPT0_STEPS", 320_000)
     chain = Chain.homogeneous(30)
     out = compare_remat(chain, math.inf)
     assert list(out) == ["rotor", "store-all", "sequential", "sqrt", "revolve"]
@@ -241,9 +242,22 @@ def test_compare_remat_leaves_out_only_revolve_on_chains_too_long_for_it(monkeyp
     assert "plan_remat or plan_sequential" in str(err.value)
     assert "slots" not in str(err.value) and "binomial_makespan" not in str(err.value)
     assert plan_revolve(Chain.homogeneous(25), math.inf).peak > 0
-    assert not revolve._table_fits(26, 28)
+    assert not revolve._plan_revolve_fits(26)
     monkeypatch.undo()
-    assert revolve.max_revolve_stages() == 2712          # with the default limits
+    assert revolve.max_revolve_stages() == 4410          # with the default limits
+
+
+def test_plan_revolve_s_limit_comes_from_the_argmins_it_fills_not_the_opt0_fill():
+    # plan_revolve fills only the O(n^2 log n) argmin table (revolve_argmins), but
+    # its limit was opt0_table's O(n^3) fill's: 2,712 stages. Now it is its own
+    # cost, argmins and schedules within the same bytes and ~10 s of steps
+    from rtmem.planners import revolve
+    longest = revolve.max_revolve_stages()
+    assert revolve._plan_revolve_fits(longest) and not revolve._plan_revolve_fits(longest + 1)
+    assert not revolve._table_fits(longest, longest + 2)     # the Opt_0 fill would not
+    table_bytes = revolve._argmin_cost(longest, longest + 2)[0]
+    assert table_bytes <= revolve._plan_revolve_cost(longest)[0] <= revolve.MAX_OPT0_TABLE_BYTES
+    assert longest > 2712
 
 
 def test_compare_remat_checks_revolve_s_chain_length_once(monkeypatch):
