@@ -493,8 +493,10 @@ class Buffer:
             return self._primary
         p = self.placement(where)
         if p is None:
+            # only a prefetch makes a device copy, only an offload a host one
+            move = "prefetch" if where == "device" else "offload"
             raise ResidencyError(f"this buffer has no {where} copy (residency "
-                                 f"{self.residency!r}); prefetch or offload it first",
+                                 f"{self.residency!r}); {move} it first",
                                  state=self.residency, action=f"view {where}")
         return p
 

@@ -142,6 +142,25 @@ def test_thousand_cycles_do_not_leak(arenas):
     b.free()
 
 
+def test_a_view_of_a_missing_copy_names_the_move_that_makes_it(arenas):
+    # the refusal said "prefetch or offload it first" for either side, although
+    # only a prefetch makes a device copy and only an offload a host copy
+    d, h = arenas
+    b = d.alloc(1024)
+    with pytest.raises(ResidencyError, match="no host copy") as info:
+        b.numpy("host")
+    assert "offload it first" in str(info.value) and "prefetch" not in str(info.value)
+    assert info.value.state == "device" and info.value.action == "view host"
+    T.offload(b, arena=h)
+    T.evict(b)
+    T.synchronize()
+    with pytest.raises(ResidencyError, match="no device copy") as info:
+        b.numpy("device")
+    assert "prefetch it first" in str(info.value) and "offload" not in str(info.value)
+    assert b.residency == "host"
+    b.free()
+
+
 def test_illegal_moves_are_refused(arenas):
     d, h = arenas
     b = d.alloc(1024)
