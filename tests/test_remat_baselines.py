@@ -240,6 +240,10 @@ def test_compare_remat_leaves_out_only_revolve_on_chains_too_long_for_it(monkeyp
     with pytest.raises(RtmemError, match="has 30 stages, more than the 25 it plans") as err:
         plan_revolve(chain, math.inf)
     assert "plan_remat or plan_sequential" in str(err.value)
+    # it names the limit it applies; it quoted the bytes and steps of an Opt_0
+    # table that plan_revolve no longer fills (it walks revolve_argmins' table)
+    assert "max_revolve_stages()" in str(err.value)
+    assert "takes" not in str(err.value)
     assert "slots" not in str(err.value) and "binomial_makespan" not in str(err.value)
     assert plan_revolve(Chain.homogeneous(25), math.inf).peak > 0
     assert not revolve._plan_revolve_fits(26)
