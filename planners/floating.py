@@ -30,10 +30,11 @@ reads abar: a sub-problem entered after F_all has l = s, so it cannot move its
 input), and 16: the printed recurrence lacks Case A with l > s (move the floating
 activation by F_none, then F_all), so C_FL(s, t, t) = inf for s < t and the
 erratum's instance gets 42 instead of 39. With Case A generalised as above the
-DP matches exhaustive search (:func:`rtmem.planners.testing.brute_force_remat`)
-in tests/test_remat_floating.py, on 3,800 uniformly random chains of 1-5 stages
-(sizes 0-12 B, times 0-10 s, budgets up to the no-remat peak) and on 1,700 drawn
-by ``chains(1, 4)``: no miss (2026-11-21; an earlier note here had brute force
+DP matches exhaustive search (:func:`rtmem.planners.testing.brute_force_remat`):
+tests/test_remat_floating.py checks it on 60 ``chains(1, 4, small=True)`` per
+run, and a one-off run on 3,800 uniformly random chains of 1-5 stages (sizes
+0-12 B, times 0-10 s, budgets up to the no-remat peak) and 1,700 drawn by
+``chains(1, 4)`` found no miss (2026-11-21; an earlier note here had brute force
 ahead on about 1 chain in 150, which no longer reproduces). It is not proven
 optimal over all schedules: the recurrence never runs one stage twice in a row
 (F_all s, then F_none s), which exhaustive search may. The requirement

@@ -59,8 +59,9 @@ REVOLVE_MAX_STAGES = 500
 #: small test chains while a 3-stage chain with a 100 MB term cannot ask for a
 #: gigabyte table of one-byte slots.
 REFINE_MAX_FACTOR = 64
-#: plan_remat and min_feasible_memory warn (RuntimeWarning) before a solve whose
-#: predicted time (see _predicted_seconds) is above this many seconds.
+#: plan_remat, compare_remat and min_feasible_memory warn (SlowSolveWarning, a
+#: RuntimeWarning) before a solve whose predicted CPU time (see _predicted_seconds)
+#: is above this many seconds.
 SLOW_SOLVE_SECONDS = 60.0
 # Measured seconds per step, CPU time on one core of a loaded 2-core machine,
 # medians of 3 (random chains, budget half way between the least and the store-all

@@ -154,9 +154,10 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    slot, a moved version counter: any in-place op, or another storage:
    ``self.buf.data = new``). A buffer changed in place through ``.data``
    (``self.buf.data.mul_(0.9)``), which moves no version counter, is found
-   by comparing its values after the first forward of the executor's first
-   step (a device sync per buffer, once), and kept at every later step; a
-   stage that starts changing a buffer that way only after the first step
+   by comparing its values after the stage's first forward in the first step
+   whose schedule recomputes the stage (a device sync per buffer, once), and
+   kept at every later step; a stage that starts changing a buffer that way
+   only after that step
    (every k steps, or under a condition the first step did not meet) is not
    seen, and its recomputation reads the buffer as the first forward left it
    (wrong gradients where the output depends on it): update it with an
@@ -359,7 +360,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         self._op_index = 0   # of the operation running, for error messages
         # recomputed stage -> the indices of its buffer slots that its first
         # forward changes through .data (no version bump), found by comparing
-        # values at the first step that runs it (rule 6)
+        # values at the first step that recomputes it (rule 6)
         self._by_value: dict[int, frozenset] = {}
         # stage -> its first forward's RNG states and FirstBuffers, for the
         # step's recomputations (emptied when the step ends)
