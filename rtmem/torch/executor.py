@@ -277,8 +277,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         (``model.state_dict()`` gives their host copies).
     preserve_rng_state:
         Replay recomputations with the RNG state of the first execution (needed
-        for dropout; costs a state copy per stage, and per generator its modules
-        hold: NOTE [ Executor ] rule 6).
+        for dropout; costs a state copy per step for each stage the schedule
+        recomputes, and per generator its modules hold: NOTE [ Executor ] rule 6;
+        stages run once copy nothing).
     host_arena:
         A :class:`~rtmem.HostArena` (pinned) that receives offloaded activations.
         Its buffers are freed at the end of every step. Without one, offloaded data
