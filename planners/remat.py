@@ -89,8 +89,8 @@ def min_feasible_memory(chain: Chain) -> int:
     (computed exactly in bytes, no discretization).
 
     O(n^3): 1.1 s for 1,000 stages, ~2.5 min for 5,000 (see
-    :func:`~rtmem.planners.rotor.min_memory`); warns (``RuntimeWarning``) when
-    the predicted time is above :data:`SLOW_SOLVE_SECONDS`."""
+    :func:`~rtmem.planners.rotor.min_memory`); warns (:class:`SlowSolveWarning`, a
+    ``RuntimeWarning``) when the predicted time is above :data:`SLOW_SOLVE_SECONDS`."""
     check_chain(chain, "min_feasible_memory")
     _warn_if_slow(chain.n, None, "min_feasible_memory", stacklevel=2)
     return _least_budget(stage_arrays(chain), _fixed_bytes(chain))
@@ -399,8 +399,8 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
 
     Warns
     -----
-    RuntimeWarning
-        Up front, when the solve is predicted to take more than
+    SlowSolveWarning
+        (a ``RuntimeWarning``) Up front, when the solve is predicted to take more than
         :data:`SLOW_SOLVE_SECONDS` (60 s), with what would make it faster. The
         cost is inherent to the DP: O(n^3) for the least-memory passes and
         O(n^3 M) for the table (M slots, about ``slots``). Measured (CPU time, one
@@ -517,7 +517,7 @@ def compare_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, progress=Non
     every baseline is a persistent schedule, so none of them would fit either
     (what ``rtmem plan remat`` reports).
 
-    Warns (``RuntimeWarning``, at the caller's line) before a rotor solve
+    Warns (:class:`SlowSolveWarning`, at the caller's line) before a rotor solve
     predicted to take more than :data:`SLOW_SOLVE_SECONDS`, as :func:`plan_remat`.
     """
     check_chain(chain, "compare_remat")
