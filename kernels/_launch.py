@@ -248,9 +248,9 @@ def check_aligned(a, multiple: int, name: str, what: str, fix: str) -> None:
                                   f"{what}; {fix}", argument=name)
 
 
-def check_ids(ids, name: str = "ids", n_tokens: int | None = None) -> None:
-    """Token ids: a 1-D int32/int64 array (of ``n_tokens`` entries when given)."""
-    check_array(ids, name, ndim=1, dtypes=_IDS, shape=(n_tokens,))
+def check_ids(ids) -> None:
+    """Token ids ``ids``: a 1-D int32/int64 array (its length fixes T)."""
+    check_array(ids, "ids", ndim=1, dtypes=_IDS)
 
 
 def check_eps(eps: float) -> float:
