@@ -53,8 +53,11 @@ evaluated, since it already reaches the no-recomputation lower bound.
 
 Table memory: one float64 row of M+1 entries per pair s <= t, i.e.
 N (N+1) / 2 (M+1) 8 bytes. For L = 400 (N = 401) and M = 500 slots:
-80,601 x 501 x 8 = 323,048,808 bytes (308 MiB); M is below 2 S, so at most
-646 MB for S = 500. No back-pointer table: the reconstruction re-evaluates the
+80,601 x 501 x 8 = 323,048,808 bytes (308 MiB). plan_remat's first table has
+M below 2 S slots (at most 646 MB for S = 500 at 400 stages), but its retries
+with finer slots near the least budget go up to REFINE_MAX_FACTOR x S slots
+(32,000 for S = 500), so a table may reach MAX_TABLE_BYTES (2 GiB), its only
+bound. No back-pointer table: the reconstruction re-evaluates the
 O(t - s) candidates of the O(n) sub-problems it visits.
 """
 
