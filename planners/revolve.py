@@ -454,8 +454,8 @@ def plan_revolve(chain: Chain, memory) -> Plan:
         plan_bytes, steps = _plan_revolve_cost(chain.n)
         raise RtmemError(
             f"plan_revolve: {chain.name or 'the chain'} has {chain.n:,} stages, more than "
-            f"the {longest:,} it plans (max_revolve_stages()): Revolve's argmin table and schedules for them take "
-            f"{plan_bytes:,} bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} "
+            f"the {longest:,} it plans (max_revolve_stages()): Revolve's argmin table and "
+            f"schedules for them take {plan_bytes:,} bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} "
             f"bytes, {MAX_OPT0_STEPS:,} steps). Plan it with plan_remat or plan_sequential, "
             "or describe the model with fewer, coarser stages (group layers)")
     refuse_no_recompute(chain, "plan_revolve", "Revolve runs every stage's forward at least "
