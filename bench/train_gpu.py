@@ -27,11 +27,9 @@ GPU_DEVICE = "cuda"
 def _chain_for_layers(block_chain: Chain, layers: int) -> Chain:
     """The profiled 2-block chain [emb, block, block, head] stretched to
     ``layers`` blocks (every block has the same costs and sizes)."""
-    idx = [0] + [1] * layers + [3]
-    cols = {k: getattr(block_chain, k)[idx] for k in
-            ("u_f", "u_b", "x", "xbar", "w", "o_f", "o_b")}
-    return Chain(**cols, x0=block_chain.x0, u_loss=block_chain.u_loss,
-                 o_loss=block_chain.o_loss, name=f"gpt2-gpu-{layers}L")
+    # select keeps every per-stage field (no_recompute included): a block the
+    # profiler flagged stays flagged in each of its copies
+    return block_chain.select([0] + [1] * layers + [3], name=f"gpt2-gpu-{layers}L")
 
 
 def _free_cuda():

@@ -27,7 +27,7 @@ and writes activation ``i+1``; activation 0 is the chain input.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -199,6 +199,38 @@ class Chain(JsonFile):
         x0 = x if x0 is None else x0
         return cls(u_f=[u_f] * n, u_b=[u_b] * n, x=[x] * n, xbar=[xbar] * n, w=[w] * n,
                    x0=x0, u_loss=u_loss, name=name or f"homogeneous-{n}")
+
+    def select(self, stages, *, name: str | None = None) -> "Chain":
+        """A chain made of the given stages of this one, in the given order.
+
+        ``stages`` lists 0-based stage indices; an index may repeat (stretching
+        a profiled block to more layers: ``chain.select([0, 1, 1, 1, 2])``).
+        Every per-stage field (times, sizes, ``no_recompute`` and any field a
+        chain gains later) is taken from the stage selected; ``x0``, ``u_loss``
+        and ``o_loss`` are kept. ``name`` defaults to this chain's name.
+
+        ``x0`` is kept as it is, so the first stage selected should be one that
+        reads an input of that size (``dataclasses.replace`` the result to change
+        it). An index out of range, or not an integer, is a ChainError.
+        """
+        idx = np.asarray(stages)
+        if idx.ndim != 1 or idx.size == 0:
+            raise ChainError(f"select needs a non-empty list of stage indices, got shape "
+                             f"{idx.shape}", field="stages")
+        if idx.dtype.kind not in "iu":
+            raise ChainError(f"stage indices must be integers, got dtype {idx.dtype} "
+                             f"({idx.tolist()[:5]}...)", field="stages")
+        bad = np.flatnonzero((idx < 0) | (idx >= self.n))
+        if bad.size:
+            i = int(bad[0])
+            raise ChainError(f"stage index {int(idx[i])} (position {i}) is out of range for "
+                             f"a chain of {self.n} stages (0..{self.n - 1})",
+                             field="stages", index=i)
+        # every array field is per stage (x0, u_loss, o_loss are scalars): take
+        # them all by type, so a per-stage field added later is not dropped
+        per_stage = {f.name: getattr(self, f.name)[idx] for f in fields(self)
+                     if isinstance(getattr(self, f.name), np.ndarray)}
+        return replace(self, **per_stage, name=self.name if name is None else name)
 
     @property
     def recomputable(self) -> bool:

@@ -239,3 +239,17 @@ def test_train_keeps_the_cpu_section_when_the_gpu_section_stops(train_gpu, monke
         assert doc["error"] == ("the GPU section: RuntimeError: CUDA error: an illegal "
                                 "memory access")
         assert "the GPU section failed" in err and "Traceback" in err
+
+
+def test_a_flagged_block_stays_flagged_in_every_copy(train_gpu):
+    # _chain_for_layers rebuilt the chain from seven named columns and dropped
+    # no_recompute: a block that modifies its input in place was then planned
+    # to be recomputed, and the executor refused the plan
+    from rtmem.planners import Chain
+    block = Chain(u_f=[1, 2, 2, 1], u_b=[2, 4, 4, 2], x=[8, 8, 8, 4], xbar=[8, 16, 16, 4],
+                  w=[3, 5, 5, 3], x0=2, u_loss=0.5, no_recompute=[False, True, True, False])
+    for layers in (1, 3, 7):
+        chain = train_gpu._chain_for_layers(block, layers)
+        assert chain.n == layers + 2
+        assert chain.no_recompute.tolist() == [False] + [True] * layers + [False]
+        assert chain.u_f.tolist() == [1] + [2] * layers + [1]

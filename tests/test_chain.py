@@ -1,4 +1,5 @@
 import builtins
+import dataclasses
 import math
 import os
 
@@ -330,3 +331,39 @@ def test_shipped_chains_are_what_their_generators_build():
     from rtmem.planners import profiles
     for name, (family, kwargs) in profiles.SHIPPED.items():
         assert builtin(name) == getattr(profiles, family)(**kwargs, name=name), name
+
+
+def _random_flagged_chain(rng, n):
+    sizes = rng.integers(1, 1000, size=(5, n))
+    return Chain(u_f=rng.random(n), u_b=rng.random(n), x=sizes[0], xbar=sizes[0] + sizes[1],
+                 w=sizes[2], o_f=sizes[3], o_b=sizes[4], x0=int(rng.integers(1, 99)),
+                 u_loss=float(rng.random()), o_loss=int(rng.integers(0, 99)),
+                 no_recompute=rng.random(n) < 0.5, name="random")
+
+
+def test_select_keeps_every_per_stage_field_of_the_stages_it_takes():
+    # bench/train_gpu.py stretched a profiled chain by copying seven named columns
+    # and lost no_recompute; select takes every array field of the dataclass
+    rng = np.random.default_rng()
+    chain = _random_flagged_chain(rng, 6)
+    idx = rng.integers(0, 6, size=11)
+    sub = chain.select(idx, name="stretched")
+    arrays = [f.name for f in dataclasses.fields(Chain)
+              if isinstance(getattr(chain, f.name), np.ndarray)]
+    assert "no_recompute" in arrays and len(arrays) == 8
+    for a in arrays:
+        assert np.array_equal(getattr(sub, a), getattr(chain, a)[idx]), a
+    assert (sub.x0, sub.u_loss, sub.o_loss, sub.name) == (chain.x0, chain.u_loss,
+                                                          chain.o_loss, "stretched")
+    assert chain.select(range(6)) == chain
+
+
+@pytest.mark.parametrize("stages, fragment", [
+    ([], "non-empty"), ([0, 6], "index 6 .position 1. is out of range"),
+    ([-1], "index -1"), ([0.0, 1.0], "integers"), ([True, False], "integers"),
+    ([[0, 1]], "non-empty")])
+def test_select_refuses_bad_stage_indices(stages, fragment):
+    chain = _random_flagged_chain(np.random.default_rng(), 6)
+    with pytest.raises(ChainError, match=fragment) as err:
+        chain.select(stages)
+    assert err.value.field == "stages"
