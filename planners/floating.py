@@ -41,6 +41,17 @@ optimal over all schedules: the recurrence never runs one stage twice in a row
 checks are those of the simulator, op by op, so no gate such as m >= m_none is
 needed.
 
+Beyond the thesis: stages the chain marks ``no_recompute`` (they modify their
+input in place) must run their forward once. Every stage's B needs its abar,
+which only F_all makes, so a flagged stage may never run F_ck or F_none: Case A
+needs no flag among s..l-1 (l <= nr[s]), Case B none among s..s' (s' < nr[s]),
+where nr[s] is the first flagged stage at or after s (N when none; rotor.py's
+StageArrays.nr). Each sub-problem's own F_ck / F_none are then checked where
+they are chosen, so this is exactly the constraint on the DP's schedules; without
+flags nr[s] = N and the loops run as before (tables compared cell by cell on 300
+random chains, 2026-11-23). Plans are checked against exhaustive search under the
+same rule in tests/test_remat_floating.py.
+
 Cost O(M N^6) time, N^3 (M+1) float64 memory: small chains only (N <= ~12).
 """
 
@@ -54,7 +65,7 @@ import numpy as np
 from rtmem.errors import InfeasibleError, RtmemError
 from rtmem.units import format_bytes
 
-from ._validation import check_chain, check_count, refuse_no_recompute
+from ._validation import check_chain, check_count
 from .chain import Chain
 from .plan import Plan, as_budget, planned_info
 from .platform import Platform
@@ -88,7 +99,7 @@ _NONE, _CASE_A, _CASE_B = 0, 1, 2
 
 
 @numba.njit(cache=True)
-def _cells(F, s, t, l0, l1, m0, m1, adv, P, ub, xin, xo, xb, of, ob, Gb, D, arg, store):
+def _cells(F, s, t, l0, l1, m0, m1, adv, P, ub, xin, xo, xb, of, ob, Gb, D, nr, arg, store):
     """F(s, t, l, m) for l0 <= l < l1, m0 <= m < m1 from the cells of shorter
     ranges already in ``F``: the one case analysis of NOTE [ Floating DP C_FL ],
     shared by the fill (whole ranges, ``store``: written into ``F``) and the
@@ -99,13 +110,15 @@ def _cells(F, s, t, l0, l1, m0, m1, adv, P, ub, xin, xo, xb, of, ob, Gb, D, arg,
     ``arg`` = (case, r, sp, tp, mt, mr). Case A: F_none s..r-1, F_all r (r = l),
     then the range r+1..t in mt slots (mt = -1: the leaf, r = t). Case B: F_none
     s..r-1, F_ck r, F_none r+1..sp, then F(sp+1, t, tp, mt) and F(r, tp-1, l, mr).
+    ``nr[s]``: the first flagged stage >= s (NOTE [ Floating DP C_FL ], no_recompute).
     """
+    first_flag = nr[s]
     best = np.inf
     for l in range(l0, l1):
         for m in range(m0, m1):
             best, case, r_b, sp_b, mt_b, mr_b = np.inf, _NONE, -1, -1, -1, -1
             # Case A: move to a_l, F_all l, solve l+1..t, B l
-            if m >= adv[l - s] and (l == s or xin[l] >= xin[s]):
+            if m >= adv[l - s] and (l == s or xin[l] >= xin[s]) and l <= first_flag:
                 ml = m + xin[s] - xin[l]
                 if (ml >= xb[l] + of[l] + D[t]
                         and ml >= xb[l] + xo[l] + xin[l] + ob[l] + Gb[l]):
@@ -116,14 +129,14 @@ def _cells(F, s, t, l0, l1, m0, m1, adv, P, ub, xin, xo, xb, of, ob, Gb, D, arg,
                         case, r_b, mt_b = _CASE_A, l, ml - xb[l]
             # Case B: move to a_r, F_ck r, F_none to s', keep a_{s'+1}
             if t > l:
-                for r in range(s, l + 1):
+                for r in range(s, min(l + 1, first_flag)):
                     if (r > s and xin[r] < xin[s]) or m < adv[r - s]:
                         continue
                     mr = m + xin[s] - xin[r]
                     if mr < xo[r] + of[r] + D[t]:
                         continue
                     fwd = 0                 # F_none r+1..s' requirement so far
-                    for sp in range(r, t):
+                    for sp in range(r, min(t, first_flag)):
                         if sp > r:
                             fwd = max(fwd, xin[sp] + xo[sp] + of[sp] + D[t])
                         if mr < fwd:
@@ -144,7 +157,7 @@ def _cells(F, s, t, l0, l1, m0, m1, adv, P, ub, xin, xo, xb, of, ob, Gb, D, arg,
 
 
 @numba.njit(cache=True)
-def _fill(ub, xin, xo, xb, of, ob, G, Gb, P, M):
+def _fill(ub, xin, xo, xb, of, ob, G, Gb, nr, P, M):
     N = ub.shape[0]
     F = np.full((N, N, N, M + 1), np.inf)
     D = xo + G
@@ -154,7 +167,7 @@ def _fill(ub, xin, xo, xb, of, ob, G, Gb, P, M):
             t = s + d
             adv = _adv(s, t, xin, xo, of, D)
             _cells(F, s, t, s, t + 1, 0, M + 1, adv, P, ub, xin, xo, xb, of, ob,
-                   Gb, D, arg, True)
+                   Gb, D, nr, arg, True)
     return F
 
 
@@ -170,7 +183,7 @@ def floating_table(arrays: StageArrays, M: int):
     a = arrays
     _check_stages(a.N - 1)
     P = np.concatenate(([0.0], np.cumsum(a.uf)))
-    return _fill(a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, P, int(M))
+    return _fill(a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, a.nr, P, int(M))
 
 
 def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
@@ -190,7 +203,7 @@ def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
         _, s, t, l, m = item
         adv = _adv(s, t, a.xin, a.xo, a.of, D)
         best = _cells(F, s, t, l, l + 1, m, m + 1, adv, P, a.ub, a.xin, a.xo,
-                      a.xb, a.of, a.ob, a.Gb, D, arg, False)
+                      a.xb, a.of, a.ob, a.Gb, D, a.nr, arg, False)
         case, r, sp, tp, mt, mr = (int(v) for v in arg)
         if case == _NONE or not best <= F[s, t, l, m]:
             raise RtmemError(f"floating DP reconstruction failed at (s={s}, t={t}, l={l}, "
@@ -246,11 +259,10 @@ def plan_floating(chain: Chain, memory, slots: int | None = None) -> Plan:
     (:func:`~rtmem.planners.plan_remat`) is returned; ``info["method"]`` says
     which (``"dp"``, ``"exact"`` or ``"persistent"``). Raises
     :class:`~rtmem.errors.InfeasibleError` when no schedule fits, with
-    ``min_feasible`` the least budget (bytes) at which this returns a plan, and
-    :class:`~rtmem.errors.RtmemError` for a chain with ``no_recompute`` stages
-    (use :func:`~rtmem.planners.plan_remat`)."""
+    ``min_feasible`` the least budget (bytes) at which this returns a plan.
+    Stages the chain marks ``no_recompute`` run their forward once, as ``F_all``
+    (NOTE [ Floating DP C_FL ]), which may cost time or memory at tight budgets."""
     check_chain(chain, "plan_floating")
-    refuse_no_recompute(chain, "plan_floating", "its DP does not track the flag")
     budget = as_budget(memory)
     if slots is not None:
         slots = check_count("slots", slots)

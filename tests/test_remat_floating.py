@@ -1,6 +1,7 @@
 """The corrected floating DP (rtmem.planners.floating) against exhaustive search
 (thesis-remat.md erratum 16, properties 2-4, 9, 12)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from rtmem.planners.floating import plan_floating
 from rtmem.planners.plan import Plan
 from rtmem.planners.remat import min_feasible_memory, plan_remat
 from rtmem.planners.schedule import Op
+from rtmem.planners.simulator import check_no_recompute
 from rtmem.planners.testing import chains
 from rtmem.planners.testing.bruteforce import brute_force_remat
 
@@ -151,3 +153,52 @@ def test_a_budget_of_just_the_chain_input_says_no_schedule_fits():
     chain = Chain(u_f=[1, 2], u_b=[1, 1], x=[0, 0], xbar=[0, 0], x0=3)
     with pytest.raises(InfeasibleError, match="no schedule of the chain fits in 3 bytes"):
         plan_floating(chain, 3)
+
+
+@st.composite
+def flagged_case(draw):
+    chain, budget = draw(small_case())
+    flags = draw(st.lists(st.booleans(), min_size=chain.n, max_size=chain.n))
+    return dataclasses.replace(chain, no_recompute=flags), budget
+
+
+@SETTINGS
+@given(flagged_case())
+def test_flagged_stages_run_once_and_match_exhaustive_search(case):
+    # plan_floating refused chains with no_recompute stages; its DP now never
+    # runs F_ck / F_none on one (their B needs the F_all, so that would be a
+    # second forward). Exhaustive search under the same rule is the oracle
+    chain, budget = case
+    best, _ = brute_force_remat(chain, budget)
+    try:
+        plan = plan_floating(chain, budget)
+    except InfeasibleError as e:
+        assert budget < e.min_feasible
+        plan = plan_floating(chain, e.min_feasible)          # the least budget stated works
+        check_no_recompute(chain, plan.schedule)
+        assert simulate(chain, plan.schedule, Platform(e.min_feasible)).peak <= e.min_feasible
+        assert math.isinf(best)
+        return
+    check_no_recompute(chain, plan.schedule)
+    res = simulate(chain, plan.schedule, Platform(budget))   # refuses a second forward too
+    assert res.peak <= budget and res.makespan == plan.makespan
+    assert plan.makespan >= best
+    assert plan.makespan == best         # as without flags: no miss on random chains
+    assert plan.makespan <= makespan_or_inf(plan_remat, chain, budget, slots=budget)
+
+
+def test_a_flag_costs_the_memory_of_the_recomputation_it_forbids():
+    # erratum 16's chain: at 20 bytes the optimum (39 s) runs stage 1 three times;
+    # with stage 1 flagged no schedule fits below 26 bytes (exhaustive search
+    # agrees), and the least budget the error states is where a plan starts
+    chain = erratum_16_chain()
+    forwards = [op for op, s, _ in plan_floating(chain, 20).schedule if s == 1 and op != Op.B]
+    assert len(forwards) == 3
+    flagged = dataclasses.replace(chain, no_recompute=[False, True, False, False])
+    with pytest.raises(InfeasibleError) as err:
+        plan_floating(flagged, 20)
+    assert err.value.min_feasible == 26
+    assert math.isinf(brute_force_remat(flagged, 25)[0])
+    plan = plan_floating(flagged, 26)
+    check_no_recompute(flagged, plan.schedule)
+    assert plan.makespan == brute_force_remat(flagged, 26)[0] == 26

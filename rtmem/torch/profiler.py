@@ -181,9 +181,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     executor's message, found at the loss's first call (after the stages were
     measured) and before its backward. Stages that modify their input in place
     are marked ``no_recompute`` in the chain: :func:`~rtmem.planners.plan_remat`
-    then never recomputes them (a recomputation would read the modified input,
-    and the executor refuses it), and the planners that cannot honour the flag
-    (Revolve, the floating DP) refuse the chain.
+    and :func:`~rtmem.planners.plan_floating` then never recompute them (a
+    recomputation would read the modified input, and the executor refuses it),
+    and Revolve, which recomputes every stage, refuses the chain.
     """
     model = as_stages(model, "profile_sequential")
     check_inputs(inputs)
