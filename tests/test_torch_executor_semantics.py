@@ -1440,6 +1440,47 @@ def test_the_first_forwards_buffer_copies_are_freed_with_the_step():
     assert copies == [], f"{len(copies)} buffer copies outlived the step"
 
 
+class _EmaAndConstant(nn.Module):
+    """A stage with an EMA buffer its forward updates (kept for the step) and a
+    constant buffer it only reads (copied, then forgotten), of given sizes."""
+
+    def __init__(self, ema: int, const: int):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.rand(ema) + 0.5)
+        self.register_buffer("const", torch.rand(const))
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x) * self.ema.mean() + self.const.sum())
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * y.mean())
+        return y
+
+
+def test_the_buffer_copies_outside_the_plan_are_reported_in_bytes():
+    # The copies rule 6 makes for recomputed stages are memory no plan and not
+    # peak_bytes count; the docs told users to leave room for them without a
+    # figure. buffer_copy_bytes is the most held at once: with both stages
+    # recomputed after their first forwards, both EMAs kept plus one stage's
+    # buffers copied again (the docs' bound sum(C) + max(B), reached here)
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    sizes = [[int(v) for v in torch.randint(1, 200, (2,), generator=rng)] for _ in range(2)]
+    model = nn.Sequential(*(_EmaAndConstant(e, c) for e, c in sizes), nn.Linear(4, 1)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)
+    text = "F_ck 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, F_all 0, B 0"
+    m, ex, *rest = _train(model, x, y, mse, _sched(text, 3))
+    _assert_same(m, ex, *rest)
+    kept = [8 * e for e, _ in sizes]                  # float64 EMAs, bytes
+    whole = [8 * (e + c) for e, c in sizes]
+    assert ex.buffer_copy_bytes == sum(kept) + max(whole), sizes
+    plain = ScheduleExecutor(copy.deepcopy(model), store_all_schedule(3), mse)
+    plain.step(x, y)
+    assert plain.buffer_copy_bytes == 0               # nothing recomputed, nothing copied
+    off = ScheduleExecutor(copy.deepcopy(model), _sched(text, 3), mse, track_memory=False)
+    off.step(x, y)
+    assert off.buffer_copy_bytes is None
+
+
 class _UpdatesThroughData(nn.Module):
     """A stage whose output reads a buffer its forward then changes through
     ``.data``, which moves no version counter: an EMA written as

@@ -118,6 +118,12 @@ def replayed_generators(first: list):
             g.set_state(state)
 
 
+def _copy_bytes(values) -> int:
+    """Bytes of the storages of ``values`` (copies made by ``clone``: one storage
+    each, of their own size), None entries skipped."""
+    return sum(v.untyped_storage().nbytes() for v in values if v is not None)
+
+
 class KeptBuffers:
     """Which tensor each of ``slots`` holds now, and its values, to put back with
     :meth:`restore` after a forward that must leave no trace on the module's
@@ -130,6 +136,10 @@ class KeptBuffers:
         self.slots = slots
         self.held = [m._buffers.get(name) for m, name in slots]
         self.values = [(t, t.detach().clone()) for t in slot_buffers(slots)]
+
+    def nbytes(self) -> int:
+        """Bytes of the copies held (of every buffer of the slots)."""
+        return _copy_bytes(v for _, v in self.values)
 
     def restore(self) -> None:
         for (m, name), t in zip(self.slots, self.held):
@@ -184,6 +194,11 @@ class FirstBuffers:
                          _storage(t), None if t is None else t.detach().clone())
                         for k, (m, name) in enumerate(slots) for t in (m._buffers.get(name),)]
 
+    def nbytes(self) -> int:
+        """Bytes of the copies held: every buffer's before :meth:`keep_changed`,
+        the kept ones' after it."""
+        return _copy_bytes(e[6] for e in self.entries)
+
     def keep_changed(self, compare_values: bool = False, always=frozenset()) -> frozenset:
         """After the first forward: forget the slots it did not change (with none
         left, :meth:`replay` does nothing). Slot indices in ``always`` are kept
@@ -208,14 +223,15 @@ class FirstBuffers:
                         for k, m, name, t, _, _, value in kept]
         return frozenset(by_value)
 
-    def replay(self) -> None:
+    def replay(self) -> int:
         """Before a recomputation (after :class:`KeptBuffers` noted the state to
         put back after it): each kept slot gets its values from before the first
         forward: copied into the tensor it held then, if it still holds it
         (updated in place; through ``.data``: no version bump, which would fail
         autograd's check of the views of it the first forward saved), else a new
         copy (the slot was reassigned: the old tensor may have gone with an
-        activation that saved it), one per tensor, so slots sharing one still do."""
+        activation that saved it), one per tensor, so slots sharing one still do.
+        Returns the bytes of those new copies."""
         fresh = {}
         with torch.no_grad():
             for _, m, name, t, _, _, value in self.entries:
@@ -224,3 +240,4 @@ class FirstBuffers:
                 else:
                     m._buffers[name] = (None if value is None
                                         else fresh.setdefault(id(value), value.clone()))
+        return _copy_bytes(fresh.values())

@@ -175,7 +175,9 @@ Each operation of a :class:`~rtmem.planners.Schedule` maps onto PyTorch
    changed); an EMA codebook (K codes x D dims, and an EMA of it of the same
    size) is kept: 16 MiB in float32 at K = 8192, D = 256, half of that
    stage's 32 MiB input at batch 32 on a 32 x 32 latent grid. Leave room for
-   it in the budget given to the planner.
+   it in the budget given to the planner: after a step with ``track_memory``,
+   :attr:`ScheduleExecutor.buffer_copy_bytes` is the most bytes of such copies
+   the last step held at once (within that bound).
 7. A stored tensor records its version counter. A stage (or the loss) may modify
    its input in place, but a stored tensor read again after such a change (to
    recompute from it, or by a backward that saved it) would give wrong values,
@@ -296,8 +298,11 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
     of activation bytes (unique device storages of stored tensors and gradients,
     parameters and buffers excluded) held between two operations, the quantity
     the simulator's memory counts for activations, and ``resident_bytes`` that
-    count after each operation. Without tracking, ``peak_bytes`` is ``None`` and
-    ``resident_bytes`` empty.
+    count after each operation. ``buffer_copy_bytes`` is the largest number of
+    bytes of buffer copies held at once for recomputed stages (NOTE [ Executor ]
+    rule 6), which neither ``peak_bytes`` nor any plan counts: add it to the
+    budget given to the planner. Without tracking, ``peak_bytes`` and
+    ``buffer_copy_bytes`` are ``None`` and ``resident_bytes`` empty.
     """
 
     def __init__(self, model: nn.Sequential, schedule, loss_fn, *,
@@ -351,6 +356,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         check_shared_hooks(self._shared, self._param_names)
         self.peak_bytes: int | None = 0 if track_memory else None
         self.resident_bytes: list[int] = []
+        self.buffer_copy_bytes: int | None = 0 if track_memory else None
+        self._copies_kept = 0   # bytes of the FirstBuffers copies kept this step
         super().__init__()
         self.host_arena = host_arena
         self._streams = None
@@ -558,6 +565,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         track = self.track_memory
         self.peak_bytes = 0 if track else None
         self.resident_bytes = []
+        self.buffer_copy_bytes = 0 if track else None
+        self._copies_kept = 0
         loss = None
         try:
             for j, (op, s, aux) in enumerate(self._ops):
@@ -588,6 +597,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                 # the first forwards' RNG states and buffer copies are for this
                 # step's recomputations only: not held through optimizer.step()
                 self._first = {}
+                self._copies_kept = 0
                 self._delta = None
                 self._caller_keys = set()
                 self._caller_inputs = None
@@ -653,6 +663,12 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         return (slot_buffers(self._buffer_slots[i]),
                 *stage_state(self._stage_modules[i]))
 
+    def _count_copies(self, taken: int) -> None:
+        """Note ``taken`` bytes of buffer copies held, besides the first forwards'
+        kept ones, while a stage runs (rule 6), in :attr:`buffer_copy_bytes`."""
+        if self.buffer_copy_bytes is not None:
+            self.buffer_copy_bytes = max(self.buffer_copy_bytes, self._copies_kept + taken)
+
     def _run_stage(self, i: int, x: torch.Tensor):
         stage = self.stages[i]
         first = i not in self._first
@@ -673,6 +689,8 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             # the buffers this forward reads, for the stage's recomputations (rule 6)
             before = FirstBuffers(self._buffer_slots[i]) if replayed else None
             self._first[i] = (cpu, cuda, gens, before)
+            if before is not None:
+                self._count_copies(before.nbytes())
             with own_parametrizations():
                 y = stage(x)
             if before is not None:
@@ -684,13 +702,14 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                                             always=self._by_value.get(i, frozenset()))
                 if not checked:
                     self._by_value[i] = found
+                self._copies_kept += before.nbytes()
         else:
             kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
             cpu, cuda, gens, before = self._first[i]
             try:
-                if before is not None:
-                    before.replay()
+                fresh = before.replay() if before is not None else 0
+                self._count_copies(kept.nbytes() + fresh)
                 with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state), \
                         replayed_generators(gens), own_parametrizations():
                     if self.preserve_rng_state:
