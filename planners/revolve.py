@@ -455,9 +455,9 @@ def plan_revolve(chain: Chain, memory) -> Plan:
         raise RtmemError(
             f"plan_revolve: {chain.name or 'the chain'} has {chain.n:,} stages, more than "
             f"the {longest:,} it plans (max_revolve_stages()): Revolve's argmin table and "
-            f"schedules for them take {plan_bytes:,} bytes and {steps:,} steps (limits {MAX_OPT0_TABLE_BYTES:,} "
-            f"bytes, {MAX_OPT0_STEPS:,} steps). Plan it with plan_remat or plan_sequential, "
-            "or describe the model with fewer, coarser stages (group layers)")
+            f"schedules for them take {plan_bytes:,} bytes and {steps:,} steps (limits "
+            f"{MAX_OPT0_TABLE_BYTES:,} bytes, {MAX_OPT0_STEPS:,} steps). Plan it with plan_remat "
+            "or plan_sequential, or describe the model with fewer, coarser stages (group layers)")
     refuse_no_recompute(chain, "plan_revolve", "Revolve runs every stage's forward at least "
                         "twice")
     return _plan_revolve(chain, memory)
