@@ -30,6 +30,23 @@ _TIME_RE = re.compile(r"^\s*" + _NUMBER + r"\s*(s|ms|us|µs|ns|min|h)?\s*$")
 _TIME_UNIT = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9,
               "min": 60.0, "h": 3600.0}
 _INF = {"inf", "infinity", "unlimited", "∞"}
+# what float() reads as an infinity or a NaN, with our words for infinity: these
+# are read values out of range, not unreadable text ("-inf" said "cannot read
+# '-inf' as a bandwidth; write it like ... 'inf'", while the float -inf got
+# "must be > 0 bytes/s")
+_SPECIAL_RE = re.compile(r"^\s*([+-]?)\s*(" + "|".join(sorted(_INF | {"nan"})) + r")\s*$",
+                         re.IGNORECASE)
+
+
+def _special(text: str):
+    """The float ``text`` names when it is a signed or unsigned infinity word
+    (:data:`_INF`) or NaN, else None."""
+    m = _SPECIAL_RE.match(text)
+    if m is None:
+        return None
+    if m.group(2).lower() == "nan":
+        return math.nan
+    return -math.inf if m.group(1) == "-" else math.inf
 
 
 def _is_bool(value) -> bool:
@@ -98,7 +115,10 @@ def parse_bytes(value, *, round_down: bool = False) -> int:
     down with ``round_down`` (what a budget allows). Raises :class:`UnitError`
     for anything else, including negative or non-finite values.
     """
-    if isinstance(value, str):
+    special = _special(value) if isinstance(value, str) else None
+    if special is not None:
+        nbytes = special
+    elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m is None or (m.group(2) and m.group(2) not in _PREFIX):
             raise UnitError(
@@ -127,11 +147,14 @@ def parse_bandwidth(value) -> float:
     """Parse a bandwidth into bytes/s (a ``float``, possibly ``inf``).
 
     Accepts numbers (bytes/s) and strings such as ``"12 GB/s"``, ``"16GiB/s"``,
-    ``"inf"``. Raises :class:`UnitError` for anything else or for values <= 0.
+    ``"inf"`` (or ``"+inf"``, ``"unlimited"``). Raises :class:`UnitError` for
+    anything else, and, naming the range, for values <= 0 or NaN (``"-inf"``,
+    ``"nan"`` included).
     """
-    if isinstance(value, str):
-        if value.strip().lower() in _INF:
-            return math.inf
+    special = _special(value) if isinstance(value, str) else None
+    if special is not None:
+        bw = special
+    elif isinstance(value, str):
         m = _BW_RE.match(value)
         if m is None or (m.group(2) and m.group(2) not in _PREFIX):
             raise UnitError(
@@ -147,7 +170,10 @@ def parse_bandwidth(value) -> float:
 
 def parse_seconds(value) -> float:
     """Parse a duration into seconds: ``"3 ms"``, ``"1.5"``, ``"20us"``."""
-    if isinstance(value, str):
+    special = _special(value) if isinstance(value, str) else None
+    if special is not None:
+        secs = special
+    elif isinstance(value, str):
         m = _TIME_RE.match(value)
         if m is None:
             raise UnitError(f"cannot read {value!r} as a duration; write it like '3 ms' or '1.5s'")

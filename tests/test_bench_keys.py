@@ -108,7 +108,8 @@ def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
     ("remat", ["--out", str(BENCH)], "is a folder"),
     # negative values reach the scripts' own checks (the parser is rtmem.cli's):
     # argparse took -inf and -1e3 for options ("expected one argument")
-    ("pcie", ["--max-size", "-inf"], "--max-size: cannot read '-inf' as a size"),
+    ("pcie", ["--max-size", "-inf"],
+     "--max-size: a size must be finite and >= 0 bytes, got '-inf'"),
     ("pcie", ["--max-size", "-1MiB"], "--max-size: a size must be finite and >= 0"),
     ("adam", ["--budget", "-inf"], "--budget: must be a finite number, at least 0.0"),
     ("remat", ["--python-budget", "-1e9"], "--python-budget: must be a finite number"),

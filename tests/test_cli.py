@@ -214,10 +214,11 @@ def test_bad_input_files_and_texts_get_one_line(capsys, tmp_path, argv, fragment
     (["simulate", "resnet50", "store-all", "--memory", "-Infinity"],
      "argument --memory: memory must be > 0 bytes, got '-Infinity'"),
     (["simulate", "resnet50", "store-all", "--memory", "1GiB", "--bandwidth", "-inf"],
-     "argument --bandwidth: invalid bandwidth '-inf'"),
+     "argument --bandwidth: invalid bandwidth '-inf': a bandwidth must be > 0 bytes/s"),
     (["demo", "--memory", "-nan"], "--memory: memory must be > 0 bytes, got '-nan'"),
     # through rtmem bench's parser to bench/pcie.py's own
-    (["bench", "pcie", "--max-size", "-inf"], "argument --max-size: cannot read '-inf'"),
+    (["bench", "pcie", "--max-size", "-inf"],
+     "argument --max-size: a size must be finite and >= 0 bytes, got '-inf'"),
     (["bench", "pcie", "--max-size", "-1MiB"], "argument --max-size: a size must be finite"),
     (["demo", "--model", "resnet", "--layers", "4"],
      "--layers sizes the gpt2 model; with --model resnet use --blocks --width --image"),

@@ -1,4 +1,5 @@
 import math
+import re
 
 import numpy as np
 import pytest
@@ -224,3 +225,35 @@ def test_a_negative_number_beyond_floats_range_is_a_negative_bandwidth():
 ])
 def test_parse_seconds_units(text, secs):
     assert parse_seconds(text) == pytest.approx(secs, rel=1e-12)
+
+
+@pytest.mark.parametrize("text", ["-inf", "-Infinity", "-∞", "-unlimited", "nan", "-nan",
+                                  "NaN", " -inf "])
+def test_a_non_positive_or_nan_bandwidth_word_gets_the_bandwidth_error(text):
+    # "-inf" and "nan" said "cannot read '-inf' as a bandwidth; write it like ...
+    # 'inf'", sending the user to spell it better, while the float -inf got
+    # "must be > 0 bytes/s"; words float() reads are judged as the numbers are
+    with pytest.raises(UnitError, match=r"a bandwidth must be > 0 bytes/s, got "):
+        parse_bandwidth(text)
+    with pytest.raises(PlatformError, match=r"must be > 0 bytes/s"):
+        Platform(memory=2**30, bandwidth=text)
+
+
+@pytest.mark.parametrize("text", ["+inf", "+Infinity", "INF"])
+def test_a_signed_plus_infinity_is_an_unlimited_bandwidth(text):
+    assert parse_bandwidth(text) == math.inf
+
+
+@pytest.mark.parametrize("parse, text, fragment", [
+    (parse_bytes, "-inf", "a size must be finite and >= 0 bytes, got '-inf'"),
+    (parse_bytes, "inf", "a size must be finite and >= 0 bytes, got 'inf'"),
+    (parse_bytes, "nan", "a size must be finite and >= 0 bytes, got 'nan'"),
+    (parse_seconds, "-inf", "a duration must be finite and >= 0 seconds, got '-inf'"),
+    (parse_seconds, "Infinity", "a duration must be finite and >= 0 seconds"),
+    (parse_seconds, "nan", "a duration must be finite and >= 0 seconds, got 'nan'"),
+])
+def test_infinite_or_nan_sizes_and_durations_are_told_the_range(parse, text, fragment):
+    # as the floats inf and nan are: "cannot read 'inf' as a size" hid that the
+    # value was read and is out of range
+    with pytest.raises(UnitError, match=re.escape(fragment)):
+        parse(text)
