@@ -17,7 +17,8 @@ import time
 
 # the scripts' argparse types and parser, one implementation with the CLI's: -1MiB
 # and -inf are values, usage errors are rtmem's
-from rtmem.cli import CommandParser, at_least  # noqa: F401
+from rtmem.cli import (MAX_REPEATS, MAX_THREADS, CommandParser, at_least,  # noqa: F401
+                       count)
 # a benchmark stopped by SIGINT exits as the CLI does (130)
 from rtmem.cli import INTERRUPTED_EXIT
 from rtmem._files import write_text  # replaced whole: written beside, renamed over

@@ -63,7 +63,8 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import CommandParser, PartialResults, at_least, write_results  # noqa: E402
+from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least, count,  # noqa: E402
+                     write_results)
 
 from rtmem.cli import output_file  # noqa: E402
 from rtmem.kernels import adam_update, encode_half  # noqa: E402
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
     ap = CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=_sizes, default="1e6,1e7,5e7,1e8",
                     help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
-    ap.add_argument("--repeats", type=at_least(1), default=5,
+    ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=5,
                     help="minimum timed rounds per size (default 5)")
     ap.add_argument("--budget", type=at_least(0.0, float), default=12.0,
                     help="seconds of timed rounds per size; small sizes get more "

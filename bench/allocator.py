@@ -47,7 +47,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (CommandParser, PartialResults, at_least, gpu_required,  # noqa: E402
+from _common import (MAX_REPEATS, CommandParser, PartialResults, count, gpu_required,  # noqa: E402
                      write_results)
 
 from rtmem._table import format_table  # noqa: E402
@@ -485,7 +485,7 @@ def main(argv=None) -> int:
     result, GPU section included, stays), 130 when interrupted (the sections
     measured before are kept, marked partial: :class:`_common.PartialResults`)."""
     ap = CommandParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=at_least(1), default=None,
+    ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
                     help="timing repeats (median; default 7, 3 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")
     args = ap.parse_args(argv)

@@ -88,7 +88,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import CommandParser, PartialResults, write_results  # noqa: E402
+from _common import (MAX_REPEATS, CommandParser, PartialResults, count,  # noqa: E402
+                     write_results)
 from pcie import Timer, find_gpu, l2_flusher, no_gpu_exit  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -490,17 +491,16 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help=f"1024 tokens, 3 repeats, sweep {SWEEP_TOKENS_QUICK}")
     ap.add_argument("--model", choices=sorted(HIDDEN), default="gpt2")
-    ap.add_argument("--tokens", type=int, default=None,
+    ap.add_argument("--tokens", type=count(), default=None,
                     help="tokens per batch, batch x sequence (default 4096)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
+    ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
+                    help="timed runs per mode")
     ap.add_argument("--sweep", default=None,
                     help=f"token counts of the crossover sweep, comma-separated, or none "
                          f"(default {SWEEP_TOKENS})")
     args = ap.parse_args(argv)
     tokens = (1024 if args.quick else 4096) if args.tokens is None else args.tokens
     repeats = (3 if args.quick else 5) if args.repeats is None else args.repeats
-    if tokens < 1 or repeats < 1:
-        ap.error("--tokens and --repeats must be at least 1")   # nothing to time
     try:
         sweep = parse_tokens(args.sweep if args.sweep is not None else
                              SWEEP_TOKENS_QUICK if args.quick else SWEEP_TOKENS)

@@ -49,8 +49,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (CommandParser, gc_cost, offload_everything, round_robin,  # noqa: E402
-                     write_results)
+from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, count, gc_cost,  # noqa: E402
+                     offload_everything, round_robin, write_results)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -117,15 +117,17 @@ def main(argv=None) -> int:
     ap = CommandParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", default="25,100,400",
                     help="stage counts, comma-separated (default 25,100,400)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed rounds (default 7)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=7,
+                    help="timed rounds (default 7)")
+    ap.add_argument("--threads", type=count(high=MAX_THREADS), default=1,
+                    help="torch intra-op threads")
     args = ap.parse_args(argv)
     try:
         depths = [int(d) for d in args.depths.split(",")]
     except ValueError:
         ap.error(f"--depths takes comma-separated stage counts, got {args.depths!r}")
-    if any(d < 1 for d in depths) or args.repeats < 1 or args.threads < 1:
-        ap.error("--depths, --repeats and --threads must be at least 1")
+    if any(d < 1 for d in depths):
+        ap.error(f"--depths: stage counts must be at least 1, got {args.depths!r}")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows, results = [], []

@@ -36,8 +36,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (CommandParser, PartialResults, at_least, gpu_required,  # noqa: E402
-                     median_time, write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults, count,  # noqa: E402
+                     gpu_required, median_time, write_results)
 
 from rtmem._files import replace_with  # noqa: E402
 from rtmem._table import format_table  # noqa: E402
@@ -496,7 +496,7 @@ def main(argv=None, prog=None) -> int:
                     help="4 KiB..64 MiB in steps of 4x, 3 repeats (about a minute)")
     ap.add_argument("--max-size", type=_max_size, default=None,
                     help="largest buffer (default 1GiB)")
-    ap.add_argument("--repeats", type=at_least(1), default=None,   # 0: a median of nothing
+    ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
                     help="timed runs per point")
     # checked now: savefig refused a .txt or a folder after the whole sweep
     ap.add_argument("--plot", type=output_file(*PLOT_SUFFIXES), default=None,

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import CommandParser, at_least, write_results  # noqa: E402
+from _common import MAX_REPEATS, CommandParser, at_least, count, write_results  # noqa: E402
 
 from rtmem.cli import output_file
 from rtmem.planners import Platform, simulate, store_all_schedule
@@ -101,7 +101,7 @@ def growth(rows, key, fixed_key):
 
 def main(argv=None):
     ap = CommandParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=at_least(1), default=3)   # 0: a median of nothing
+    ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=3)
     # of the way from the least feasible memory to store-all's (outside: infeasible)
     ap.add_argument("--fraction", type=at_least(0.0, float, 1.0), default=0.4)
     ap.add_argument("--python-budget", type=at_least(0.0, float), default=3e7,

@@ -15,8 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (CommandParser, at_least, median_time, offload_everything,  # noqa: E402
-                     write_results)
+from _common import (MAX_REPEATS, CommandParser, count, median_time,  # noqa: E402
+                     offload_everything, write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.planners import Chain, Platform, simulate  # noqa: E402
@@ -25,8 +25,8 @@ from rtmem.planners.testing import reference_simulate  # noqa: E402
 
 def main(argv=None) -> int:
     ap = CommandParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", type=at_least(1), default=100_000)
-    ap.add_argument("--repeats", type=at_least(1), default=5)   # 0: a median of nothing
+    ap.add_argument("--ops", type=count(), default=100_000)
+    ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=5)
     args = ap.parse_args(argv)
     n = max(2, args.ops // 6)
     chain = Chain.homogeneous(n, u_f=1e-3, u_b=2e-3, x=2**20, xbar=3 * 2**20, w=2**16,

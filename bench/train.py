@@ -87,8 +87,8 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (CommandParser, PartialResults, at_least, gpu_required,  # noqa: E402
-                     round_robin, write_results)
+from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
+                     at_least, count, gpu_required, round_robin, write_results)
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -529,35 +529,35 @@ def main(argv=None):
     ap = CommandParser(description=__doc__.split("\n\n")[0])
     # type=at_least(...): a count of 0 (--layers 0 timed a model of no blocks and
     # wrote it; --repeats 0 was a median of nothing after minutes of profiling)
-    ap.add_argument("--layers", type=at_least(1), default=8)
-    ap.add_argument("--hidden", type=at_least(1), default=256)
-    ap.add_argument("--heads", type=at_least(1), default=8)
-    ap.add_argument("--seq", type=at_least(1), default=256)
-    ap.add_argument("--vocab", type=at_least(2), default=1024)
-    ap.add_argument("--batch", type=at_least(1), default=4)
-    ap.add_argument("--repeats", type=at_least(1), default=7)
-    ap.add_argument("--opt-repeats", type=at_least(1), default=7)
-    ap.add_argument("--profile-repeats", type=at_least(1), default=3)
-    ap.add_argument("--profiles", type=at_least(1), default=3,
+    ap.add_argument("--layers", type=count(), default=8)
+    ap.add_argument("--hidden", type=count(), default=256)
+    ap.add_argument("--heads", type=count(), default=8)
+    ap.add_argument("--seq", type=count(), default=256)
+    ap.add_argument("--vocab", type=count(2), default=1024)
+    ap.add_argument("--batch", type=count(), default=4)
+    ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=7)
+    ap.add_argument("--opt-repeats", type=count(high=MAX_REPEATS), default=7)
+    ap.add_argument("--profile-repeats", type=count(high=MAX_REPEATS), default=3)
+    ap.add_argument("--profiles", type=count(high=MAX_REPEATS), default=3,
                     help="profile this many times, keep each stage's least median time")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=at_least(1), default=1,
+    ap.add_argument("--threads", type=count(high=MAX_THREADS), default=1,
                     help="torch intra-op threads of the CPU section (see the docstring)")
     ap.add_argument("--skip-gpu", action="store_true")
     ap.add_argument("--skip-cpu", action="store_true",
                     help="GPU section only (write it with --out train_gpu)")
-    ap.add_argument("--gpu-hidden", type=at_least(1), default=1024)
-    ap.add_argument("--gpu-heads", type=at_least(1), default=16)
-    ap.add_argument("--gpu-seq", type=at_least(1), default=1024)
-    ap.add_argument("--gpu-vocab", type=at_least(2), default=50257)
-    ap.add_argument("--gpu-batch", type=at_least(1), default=16)
-    ap.add_argument("--gpu-start-layers", type=at_least(1), default=8)
-    ap.add_argument("--gpu-max-layers", type=at_least(1), default=128)
-    ap.add_argument("--gpu-slots", type=at_least(1), default=200)
+    ap.add_argument("--gpu-hidden", type=count(), default=1024)
+    ap.add_argument("--gpu-heads", type=count(), default=16)
+    ap.add_argument("--gpu-seq", type=count(), default=1024)
+    ap.add_argument("--gpu-vocab", type=count(2), default=50257)
+    ap.add_argument("--gpu-batch", type=count(), default=16)
+    ap.add_argument("--gpu-start-layers", type=count(), default=8)
+    ap.add_argument("--gpu-max-layers", type=count(), default=128)
+    ap.add_argument("--gpu-slots", type=count(), default=200)
     ap.add_argument("--gpu-reserve", type=at_least(0.0, float, 1.0), default=0.06,
                     help="fraction (0..1) of device memory kept out of rtmem's budget for "
                          "allocator fragmentation and library workspaces")
-    ap.add_argument("--gpu-repeats", type=at_least(1), default=3)
+    ap.add_argument("--gpu-repeats", type=count(high=MAX_REPEATS), default=3)
     ap.add_argument("--gpu-time-s", type=at_least(0.0, float), default=360.0,
                     help="seconds after which the GPU depth search stops")
     ap.add_argument("--gpu-deadline-s", type=at_least(0.0, float), default=None,

@@ -27,7 +27,7 @@ from rtmem.demo import MODEL_OPTIONS, missing_folders, remove_empty_folders
 from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
-__all__ = ["main", "CommandParser", "add_model_size_args", "at_least", "error_document",
+__all__ = ["main", "CommandParser", "add_model_size_args", "at_least", "count", "error_document",
            "load_chain", "load_schedule", "model_sizes_problem", "output_file", "platform_value",
            "require_plotting", "save_document", "stdout_table", "torch_device_problem",
            "torch_oom", "writable"]
@@ -194,6 +194,31 @@ def at_least(low, kind=int, high=None):
                 + ("" if high is None else f" and at most {high}") + f", got {value}")
         return x
     return check
+
+
+#: The largest count an option takes (``--tokens``, ``--ops``): a C int, the size
+#: numpy, numba and torch take counts as; beyond it the run raised an
+#: OverflowError ("cannot fit 'int' into an index-sized integer") after the work
+#: before it.
+MAX_COUNT = 2**31 - 1
+#: The most timed runs of one point (``--repeats``): a median over more moves by
+#: less than the machine drifts meanwhile, and a slip such as 1e20 ran until killed.
+MAX_REPEATS = 100_000
+#: The most threads ``--threads`` asks torch for: 2**31 - 1 made OpenMP allocate
+#: hundreds of GB ("libgomp: Out of memory"), 10**20 overflowed in torch.
+MAX_THREADS = 4096
+
+
+def count(low: int = 1, high: int = MAX_COUNT):
+    """An argparse ``type=`` for a count (runs, threads, tokens, operations): an
+    integer written in digits, ``low`` .. ``high`` (:data:`MAX_REPEATS` for
+    ``--repeats``, :data:`MAX_THREADS` for ``--threads``); anything else is bad
+    usage (exit 2) saying "must be at least LOW and at most HIGH, got VALUE" or
+    "VALUE is not an integer", before any work. One check for ``rtmem`` and the
+    bench scripts, so that every count reads alike: plain ``int`` options took 0
+    and negatives to a generic check after parsing, and huge values to a crash
+    (or a run without end)."""
+    return at_least(low, int, high)
 
 
 def platform_value(field: str):

@@ -102,6 +102,9 @@ def _cmd_dha(args) -> int:
 def register(subparsers) -> None:
     """Add ``bench`` (with ``pcie`` and ``dha``) to an argparse ``subparsers``
     object; each ``func(args)`` returns the exit code."""
+    # the scripts check these too; checked here as well so that `rtmem bench`'s own
+    # usage names them (a plain int said "invalid int value" for 2.5)
+    from rtmem.cli import MAX_REPEATS, count
     p = subparsers.add_parser("bench", help="GPU microbenchmarks: PCIe/DHA bandwidth, "
                               "per-layer DHA cost",
                               description=__doc__.splitlines()[0].replace("``", ""))
@@ -111,7 +114,8 @@ def register(subparsers) -> None:
                        "from 4 KiB to 1 GiB, contention, latency; JSON + plot")
     q.add_argument("--quick", action="store_true", help="up to 64 MiB, 3 repeats")
     q.add_argument("--max-size", default=None, help="largest buffer, e.g. 256MiB (default 1GiB)")
-    q.add_argument("--repeats", type=int, default=None, help="timed runs per point")
+    q.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
+                   help="timed runs per point")
     # the script puts the plot next to its JSON, in $RTMEM_BENCH_RESULTS when set
     q.add_argument("--plot", default=None,
                    help="plot file, .png, .pdf or .svg (default next to the JSON: "
@@ -123,8 +127,9 @@ def register(subparsers) -> None:
                    help="1024 tokens, 3 repeats, sweep 64,512,4096")
     q.add_argument("--model", default=None,
                    help="gpt2, gpt2-medium, gpt2-large or gpt2-xl (default gpt2)")
-    q.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 4096)")
-    q.add_argument("--repeats", type=int, default=None, help="timed runs per mode")
+    q.add_argument("--tokens", type=count(), default=None, help="tokens per batch (default 4096)")
+    q.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
+                   help="timed runs per mode")
     q.add_argument("--sweep", default=None,
                    help="token counts of the DHA-vs-copy crossover sweep, comma-separated, "
                         "or none (default 64,256,1024,4096,16384,65536)")

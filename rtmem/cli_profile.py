@@ -296,7 +296,7 @@ def _chain_name(value: str) -> str:
 def register(subparsers) -> None:
     """Add ``profile`` to an argparse ``subparsers`` object; ``func(args)``
     returns the exit code."""
-    from rtmem.cli import add_model_size_args, at_least, output_file
+    from rtmem.cli import MAX_REPEATS, add_model_size_args, count, output_file
     p = subparsers.add_parser(
         "profile", help="measure a model (the demo's or yours) into a chain JSON for "
         "rtmem plan / simulate", description=__doc__.split("\n\n")[0].replace("``", ""))
@@ -306,7 +306,7 @@ def register(subparsers) -> None:
                    "PATH.py:FUNCTION, a function returning (model, loss_fn, make_batch) "
                    "as rtmem.torch.gpt2_model does; default gpt2")
     add_model_size_args(p)
-    p.add_argument("--repeats", type=at_least(1), default=3,
+    p.add_argument("--repeats", type=count(high=MAX_REPEATS), default=3,
                    help="timed runs per stage, median kept (default 3)")
     p.add_argument("--name", default=None, type=_chain_name,
                    help="the chain's name (default: from the model)")

@@ -242,3 +242,78 @@ def test_a_bench_script_given_json_it_does_not_take_prints_no_json(monkeypatch, 
         simulate.main(["--json"])
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == "" and "unrecognized arguments: --json" in err
+
+
+HUGE = str(10**20)
+
+
+@pytest.mark.parametrize("name, argv, fragment", [
+    # plain argparse ints: 0 and negatives met a generic after-parse check
+    # ("--tokens and --repeats must be at least 1"), huge values none at all
+    # (10**20 repeats ran until killed; 10**20 threads: "Overflow when unpacking
+    # long long" from torch after the imports)
+    ("dha_layers", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("dha_layers", ["--repeats", "-3"], "--repeats: must be at least 1"),
+    ("dha_layers", ["--tokens", "0"], "--tokens: must be at least 1"),
+    ("dha_layers", ["--tokens", HUGE], "--tokens: must be at least 1 and at most"),
+    ("dha_layers", ["--repeats", "2.5"], "--repeats: '2.5' is not an integer"),
+    ("executor", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("executor", ["--threads", HUGE], "--threads: must be at least 1 and at most"),
+    # huge repeats and counts were accepted by at_least(1), which had no ceiling
+    ("simulate", ["--repeats", HUGE], "--repeats: must be at least 1 and at most"),
+    ("simulate", ["--ops", HUGE], "--ops: must be at least 1 and at most"),
+    ("remat", ["--repeats", HUGE], "--repeats: must be at least 1 and at most"),
+    ("allocator", ["--repeats", HUGE], "--repeats: must be at least 1 and at most"),
+    ("pcie", ["--repeats", HUGE], "--repeats: must be at least 1 and at most"),
+    ("adam", ["--repeats", HUGE], "--repeats: must be at least 1 and at most"),
+    ("train", ["--repeats", HUGE, "--skip-gpu"], "--repeats: must be at least 1 and at most"),
+    ("train", ["--threads", HUGE, "--skip-gpu"], "--threads: must be at least 1 and at most"),
+])
+def test_bench_counts_are_checked_alike_when_parsed(monkeypatch, capsys, tmp_path,
+                                                    name, argv, fragment):
+    if name in ("train", "executor"):
+        pytest.importorskip("torch")        # they import it (an extra)
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))   # should one run, not here
+    module = bench_module(monkeypatch, name)
+    _no_work_after_parsing(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        module.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and fragment in err and "Traceback" not in err
+
+
+class _Accepted(Exception):
+    """Raised in place of the run that follows a parse that accepted the arguments."""
+
+
+def _no_work_after_parsing(monkeypatch):
+    # an accepted value must not start the run: 10**20 repeats went on until killed
+    from rtmem.cli import CommandParser
+    parse = CommandParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        result = parse(self, args, namespace)
+        if self.prog == "rtmem":            # rtmem's own: the script's parser comes next
+            return result
+        raise _Accepted(f"{self.prog} accepted {args}")
+    monkeypatch.setattr(CommandParser, "parse_args", parse_only)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    # `rtmem bench` read these as plain ints and handed them on: 0 reached the
+    # script's generic check, 2.5 said "invalid int value", 10**20 ran
+    (["bench", "dha", "--repeats", "0"], "argument --repeats: must be at least 1"),
+    (["bench", "dha", "--tokens", HUGE], "argument --tokens: must be at least 1 and at most"),
+    (["bench", "pcie", "--repeats", HUGE], "argument --repeats: must be at least 1 and at most"),
+    (["bench", "pcie", "--repeats", "2.5"], "argument --repeats: '2.5' is not an integer"),
+])
+def test_rtmem_bench_counts_are_checked_by_its_own_parser(monkeypatch, capsys, argv,
+                                                          fragment):
+    from rtmem.cli import main
+    _no_work_after_parsing(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and fragment in err and "Traceback" not in err
+    # refused by rtmem's parser, not the script's (whose usage names the script)
+    assert f"usage: rtmem bench {argv[1]}" in err

@@ -433,7 +433,7 @@ def test_a_factory_running_out_of_memory_is_one_line(capsys, tmp_path, monkeypat
     (["--model", "resnet", "--batch", "1", "--image", "1"], "batch norm needs more than one"),
     (["--device", "tpu"], "--device 'tpu' is not a torch device"),
     (["--device", "meta"], "--device 'meta': profiling runs on cpu or cuda"),
-    (["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    (["--repeats", "0"], "argument --repeats: must be at least 1 and at most 100000, got 0"),
     (["--save", "."], "argument --save: '.' is a folder; give a file name"),
 ])
 def test_bad_usage_is_refused_before_any_work(capsys, argv, fragment):
