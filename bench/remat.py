@@ -12,7 +12,9 @@ median fill time of the jitted table over ``--repeats`` runs (compile excluded),
 full ``plan_remat`` time (table + reconstruction + simulation), the Python time
 (one run, only where the estimated M * N^3 / 6 steps are under
 ``--python-budget``; nothing is extrapolated), their ratio, and the table memory.
-Writes a table to stdout and JSON to ``bench/results/remat.json``.
+Writes a table to stdout and JSON to ``bench/results/remat.json`` (or ``--out``),
+also after each case, marked ``"partial": true``, so that a run stopped by Ctrl-C
+(SIGINT) keeps the cases it finished; it then exits with code 130.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MAX_REPEATS, CommandParser, at_least, count, write_results  # noqa: E402
+from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least, count,  # noqa: E402
+                     write_results)
 
 from rtmem.cli import output_file
 from rtmem.planners import Platform, simulate, store_all_schedule
@@ -125,9 +128,19 @@ def main(argv=None):
               f"{'python (s)':>10} {'speedup':>8} {'table':>10} {'overhead':>8}")
     print(header)
     print("-" * len(header))
+    command = "python bench/remat.py " + " ".join(argv or sys.argv[1:])
+    # the full run takes minutes: a stop keeps the cases solved before it
+    partial = PartialResults("remat", path=args.out)
     for chain, S in cases:
-        r = run_case(chain, S, args.fraction, args.repeats, args.python_budget)
+        try:
+            r = run_case(chain, S, args.fraction, args.repeats, args.python_budget)
+        except KeyboardInterrupt:
+            return partial.interrupted(f"{chain.name} with {S} slots")
         rows.append(r)
+        partial.save({"benchmark": "rotor persistent DP (C_MP) fill time",
+                      "command": command, "budget_fraction": args.fraction,
+                      "repeats": args.repeats, "compile_and_first_call_s": compile_s,
+                      "rows": rows})
         py = f"{r['python_s']:.3f}" if r["python_s"] else "not run"
         sp = f"{r['speedup_vs_python']:.0f}x" if r["speedup_vs_python"] else "-"
         print(f"{r['chain']:>12} {r['L']:>4} {r['S']:>4} {r['M']:>4} {r['fill_s_median']:>9.4f} "
@@ -137,7 +150,7 @@ def main(argv=None):
     gpt_rows = [r for r in rows if r["chain"].startswith("gpt2")]
     result = {
         "benchmark": "rotor persistent DP (C_MP) fill time",
-        "command": "python bench/remat.py " + " ".join(argv or sys.argv[1:]),
+        "command": command,
         "machine": {"numba_threads": "1 (no parallel code)",
                     "load_average_at_end": os.getloadavg()},
         "budget_fraction": args.fraction, "repeats": args.repeats,
@@ -151,7 +164,8 @@ def main(argv=None):
     print(f"growth exponent of fill time in L (per S): {result['growth_exponent_in_L_at_S']}")
     print(f"growth exponent of fill time in S (per L): {result['growth_exponent_in_S_at_L']}")
     print(f"wrote {write_results('remat', result, path=args.out)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -317,3 +317,38 @@ def test_rtmem_bench_counts_are_checked_by_its_own_parser(monkeypatch, capsys, a
     assert e.value.code == 2 and fragment in err and "Traceback" not in err
     # refused by rtmem's parser, not the script's (whose usage names the script)
     assert f"usage: rtmem bench {argv[1]}" in err
+
+
+def test_remat_bench_stopped_by_ctrl_c_keeps_the_cases_it_finished(monkeypatch, capsys,
+                                                                   tmp_path):
+    # a traceback, and every case solved before the stop lost (the file was
+    # written once, at the end, after minutes of solving)
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    remat = bench_module(monkeypatch, "remat")
+
+    class Plan:
+        info = {"method": "dp"}
+    monkeypatch.setattr(remat, "persistent_table", lambda *a: None)
+    monkeypatch.setattr(remat, "discretized", lambda *a: (None, 1))
+    monkeypatch.setattr(remat, "budget_for", lambda *a: 1)
+    monkeypatch.setattr(remat, "plan_remat", lambda *a: Plan())
+    done = []
+
+    def run_case(chain, slots, fraction, repeats, python_budget):
+        if len(done) == 3:
+            raise KeyboardInterrupt
+        done.append({"chain": chain.name, "L": chain.n, "S": slots, "M": slots,
+                     "fill_s_median": 1.0, "plan_remat_s": 1.0, "python_s": None,
+                     "speedup_vs_python": None, "table_bytes": 8,
+                     "overhead_vs_no_remat": 0.1})
+        return done[-1]
+    monkeypatch.setattr(remat, "run_case", run_case)
+    (tmp_path / "remat.json").write_text('{"earlier": true}\n')
+    try:
+        code = remat.main(["--repeats", "1"])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt escaped bench/remat.py's main")
+    assert code == 130
+    assert "Traceback" not in capsys.readouterr().err
+    doc = json.loads((tmp_path / "remat.json").read_text())
+    assert doc["partial"] is True and doc["rows"] == done and "interrupted" in doc
