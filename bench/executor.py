@@ -37,7 +37,9 @@ a row, as a training loop runs them) and collections per step by generation;
 ``with_gc_over_torch`` adds ``gc_s`` to both sides of the ratio.
 
 Ratios are over ``torch plain`` at the same depth. Writes a table to stdout and
-JSON to ``bench/results/executor.json`` (times in seconds; quote the ratios).
+JSON to ``bench/results/executor.json`` (times in seconds; quote the ratios),
+also after each depth, marked ``"partial": true``, so that a run stopped by
+Ctrl-C (SIGINT) keeps the depths it finished; it then exits with code 130.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, count, gc_cost,  # noqa: E402
-                     offload_everything, round_robin, write_results)
+from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
+                     count, gc_cost, offload_everything, round_robin, write_results)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -131,9 +133,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows, results = [], []
+    doc = {"command": "python bench/executor.py " + " ".join(argv or sys.argv[1:]),
+           "torch": torch.__version__, "threads": args.threads, "width": WIDTH,
+           "batch": BATCH, "repeats": args.repeats, "results": results}
+    # the default depths take minutes: a stop keeps the depths measured before it
+    partial = PartialResults("executor")
     for depth in depths:
-        r = measure(depth, args.repeats)
+        try:
+            r = measure(depth, args.repeats)
+        except KeyboardInterrupt:
+            return partial.interrupted(f"depth {depth}")
         results.append(r)
+        partial.save(doc)
         for name, ratio in r["over_torch"].items():
             g = r["gc"].get(name)
             rows.append([str(depth), name, f"{r['median_s'][name] * 1e3:.2f}", f"{ratio:.2f}",
@@ -144,10 +155,7 @@ def main(argv=None) -> int:
               flush=True)
     print(format_table(["stages", "contender", "median ms", "t/torch", "gc ms/step",
                         "with gc /torch"], rows, align="llrrrr"))
-    doc = {"command": "python bench/executor.py " + " ".join(argv or sys.argv[1:]),
-           "torch": torch.__version__, "threads": args.threads, "width": WIDTH,
-           "batch": BATCH, "repeats": args.repeats, "results": results,
-           "total_seconds": time.perf_counter() - t0}
+    doc["total_seconds"] = time.perf_counter() - t0
     print(f"wrote {write_results('executor', doc)}")
     return 0
 

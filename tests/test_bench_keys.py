@@ -352,3 +352,30 @@ def test_remat_bench_stopped_by_ctrl_c_keeps_the_cases_it_finished(monkeypatch, 
     assert "Traceback" not in capsys.readouterr().err
     doc = json.loads((tmp_path / "remat.json").read_text())
     assert doc["partial"] is True and doc["rows"] == done and "interrupted" in doc
+
+
+def test_executor_bench_stopped_by_ctrl_c_keeps_the_depths_it_finished(monkeypatch, capsys,
+                                                                       tmp_path):
+    # as remat: a traceback, and the depths measured before the stop lost
+    pytest.importorskip("torch")
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    executor = bench_module(monkeypatch, "executor")
+    done = []
+
+    def measure(depth, repeats):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append({"depth": depth, "median_s": {"torch plain": 1.0},
+                     "over_torch": {"torch plain": 1.0}, "gc": {},
+                     "with_gc_over_torch": {}, "recount_over_ledger": {}})
+        return done[-1]
+    monkeypatch.setattr(executor, "measure", measure)
+    (tmp_path / "executor.json").write_text('{"earlier": true}\n')
+    try:
+        code = executor.main(["--depths", "3,4,5", "--repeats", "1"])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt escaped bench/executor.py's main")
+    assert code == 130
+    assert "Traceback" not in capsys.readouterr().err
+    doc = json.loads((tmp_path / "executor.json").read_text())
+    assert doc["partial"] is True and doc["results"] == done and "interrupted" in doc
