@@ -379,3 +379,22 @@ def test_executor_bench_stopped_by_ctrl_c_keeps_the_depths_it_finished(monkeypat
     assert "Traceback" not in capsys.readouterr().err
     doc = json.loads((tmp_path / "executor.json").read_text())
     assert doc["partial"] is True and doc["results"] == done and "interrupted" in doc
+
+
+def test_simulate_bench_records_how_many_runs_each_median_took(monkeypatch, tmp_path):
+    # "repeats": 4 was all the JSON said, while the pure-Python median was taken
+    # over 2 runs (repeats // 2): a reader took both for medians of 4
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    simulate = bench_module(monkeypatch, "simulate")
+    calls = []
+
+    def median_time(fn, repeats, warmup=1):
+        calls.append(repeats)
+        return 1e-3 * len(calls)
+    monkeypatch.setattr(simulate, "median_time", median_time)
+    monkeypatch.setattr(simulate, "simulate",
+                        lambda c, s, p: type("R", (), {"peak": 1, "makespan": 1.0})())
+    monkeypatch.setattr(simulate, "reference_simulate", lambda c, s, p: {"peak": 1})
+    assert simulate.main(["--ops", "60", "--repeats", "5"]) == 0
+    doc = json.loads((tmp_path / "simulate.json").read_text())
+    assert [doc["jitted"]["repeats"], doc["pure_python"]["repeats"]] == calls
