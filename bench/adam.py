@@ -336,8 +336,9 @@ def _document(args, argv, llc, sizes, rows, notes, t_start) -> dict:
 
 
 def main(argv=None) -> int:
-    """Run the benchmark; returns the exit code, 130 when interrupted (the sizes
-    measured before are kept, marked partial: :class:`_common.PartialResults`)."""
+    """Run the benchmark; returns the exit code, 130 when interrupted, 1 when a
+    size does not fit in host memory (either way the sizes measured before are
+    kept, marked partial: :class:`_common.PartialResults`)."""
     ap = CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=_sizes, default="1e6,1e7,5e7,1e8",
                     help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
@@ -369,6 +370,14 @@ def main(argv=None) -> int:
             partial.save(_document(args, argv, llc, sizes[:k + 1], rows, notes, t_start))
         except KeyboardInterrupt:
             return partial.interrupted(f"size {n:,d}")
+        except MemoryError as e:
+            # --sizes 1e13 ended in numpy's "Unable to allocate 36.4 TiB" traceback
+            why = f"size {n:,d}: out of host memory ({e or 'MemoryError'})"
+            where = "nothing written"
+            if partial.doc is not None:
+                where = f"the sizes measured before are in {partial.save(partial.doc, error=why)}"
+            print(f"adam: {why}; give smaller --sizes; {where}", file=sys.stderr)
+            return 1
         print(f"size {n:>12,d}: done ({time.perf_counter() - t_start:.0f} s elapsed)",
               file=sys.stderr)
 

@@ -398,3 +398,24 @@ def test_simulate_bench_records_how_many_runs_each_median_took(monkeypatch, tmp_
     assert simulate.main(["--ops", "60", "--repeats", "5"]) == 0
     doc = json.loads((tmp_path / "simulate.json").read_text())
     assert [doc["jitted"]["repeats"], doc["pure_python"]["repeats"]] == calls
+
+
+def test_adam_bench_size_too_large_for_the_machine_is_one_line(monkeypatch, capsys,
+                                                                tmp_path):
+    # --sizes 1e13 ended in numpy's "Unable to allocate 36.4 TiB" traceback
+    # (exit 1, the partial document not marked with why it stopped)
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    adam = bench_module(monkeypatch, "adam")
+
+    def bench_size(n, repeats, seed, budget_s, evict):
+        if seed == 1:
+            raise MemoryError("Unable to allocate 36.4 TiB for an array")
+        return [{"size": n, "impl": "rtmem fp32", "median_s": 1.0, "min_s": 1.0}], {}
+    monkeypatch.setattr(adam, "bench_size", bench_size)
+    monkeypatch.setattr(adam, "CacheEvictor", lambda nbytes: None)
+    assert adam.main(["--sizes", "1000,10000000000000", "--repeats", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "out of host memory" in err and "--sizes" in err
+    doc = json.loads((tmp_path / "adam.json").read_text())
+    assert doc["partial"] is True and [r["size"] for r in doc["results"]] == [1000]
+    assert "10,000,000,000,000" in doc["error"]
