@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 from rtmem.errors import PlatformError, UnitError
-from rtmem.units import _is_array, format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
+from rtmem.units import (_is_array, _special, format_bandwidth, format_bytes, parse_bandwidth,
+                         parse_bytes)
 
 from ._validation import MAX_BYTES, is_int
 
@@ -54,7 +55,8 @@ class Platform:
         byte is rounded down, so at least 1 byte must be given). Everything the
         simulator tracks counts against it: activations, weights, weight
         gradients, temporaries. ``math.inf`` (or anything >= 2**62 bytes) means
-        unlimited. Strings such as ``"12GiB"`` are accepted.
+        unlimited, as are the strings ``"inf"``, ``"+inf"``, ``"infinity"``,
+        ``"unlimited"`` and ``"∞"`` (any case). Strings such as ``"12GiB"`` are accepted.
     bandwidth:
         Host<->device bandwidth in bytes/s (> 0, default ``inf``: transfers take
         no time). Strings such as ``"12 GB/s"`` are accepted.
@@ -69,7 +71,10 @@ class Platform:
 
     def __post_init__(self):
         mem = self.memory
-        if isinstance(mem, str) and mem.strip().lower() in ("inf", "unlimited"):
+        # every word the bandwidth reads as infinity ('+inf', 'Infinity', '∞'):
+        # only 'inf' and 'unlimited' were, and the others got parse_bytes' "must
+        # be finite", which contradicted the 'inf' accepted here
+        if isinstance(mem, str) and _special(mem) == math.inf:
             mem = math.inf
         if is_int(mem):
             # exact: parse_bytes goes through float, which rounds above 2**53 bytes,

@@ -244,6 +244,15 @@ def test_a_signed_plus_infinity_is_an_unlimited_bandwidth(text):
     assert parse_bandwidth(text) == math.inf
 
 
+@pytest.mark.parametrize("text", ["+inf", "Infinity", "+Infinity", "INF", " unlimited ", "∞"])
+def test_every_infinity_word_is_an_unlimited_memory_budget(text):
+    # Platform's memory read only 'inf' and 'unlimited' as unlimited; the other
+    # words the bandwidth takes for infinity ('+inf', 'Infinity', '∞') got "a size
+    # must be finite", contradicting the 'inf' it accepts
+    assert Platform(memory=text).memory == math.inf
+    assert Platform(memory=text, bandwidth=text).bandwidth == math.inf
+
+
 @pytest.mark.parametrize("parse, text, fragment", [
     (parse_bytes, "-inf", "a size must be finite and >= 0 bytes, got '-inf'"),
     (parse_bytes, "inf", "a size must be finite and >= 0 bytes, got 'inf'"),
