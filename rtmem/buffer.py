@@ -171,6 +171,24 @@ class PinnedExport:
             buf._unpin(self._placement)
 
 
+# What ``pin=`` means for numpy() and cupy(): one text, so the two cannot drift
+_PIN_DOC = """``pin=True``: the view pins the placement (NOTE [ Pinned views ]) for as
+        long as it or any array derived from it lives (slices, DLPack capsules
+        of it): a ``free()`` meanwhile only takes effect once the last of them
+        is gone, and ``evict``/``drop_host`` of that copy are refused. For views
+        kept beyond the caller's control of the buffer (optimizer state,
+        parameters). ``pin=False`` (the default, cheaper): the view is valid
+        until ``free()``, or ``evict``/``drop_host`` of that copy; after that
+        it reads and writes whatever the arena puts there next."""
+
+
+def _pin_doc(method):
+    """Put :data:`_PIN_DOC` in ``method``'s docstring, at ``{pin}``."""
+    if method.__doc__:      # None under python -OO
+        method.__doc__ = method.__doc__.replace("{pin}", _PIN_DOC)
+    return method
+
+
 class Buffer:
     """A typed, shaped view of ``nbytes`` bytes living in one or two arenas.
 
@@ -208,9 +226,11 @@ class Buffer:
         else:
             self._device, self._host = None, placement
             self.device_arena, self.host_arena = None, arena
-        # NOTE [ Pinned views ]: zero-copy tensors made by rtmem.torch.as_tensor pin
-        # the buffer; a free requested while pinned happens when the last view dies,
-        # so the arena never hands the bytes out while a tensor still reads them.
+        # NOTE [ Pinned views ]: zero-copy views made by rtmem.torch.as_tensor,
+        # numpy(pin=True) and cupy(pin=True) pin the placement they read (their
+        # PinnedExport does, kept by every array derived from the view); a free
+        # requested while pinned happens when the last view dies, so the arena
+        # never hands the bytes out while a view still reads them.
         # Meanwhile the buffer counts as freed: new views and moves are refused.
         self._free_requested = False
 
@@ -262,15 +282,15 @@ class Buffer:
                 f"was closed, which released its memory")
         if p.pins and _in_open(other):
             return (f"{text}, and {p.pins} pinned view(s) of its {side} copy there "
-                    f"(numpy(pin=True), rtmem.torch.as_tensor) are still alive: they "
-                    f"keep that memory, which is no longer the buffer's (what is written "
-                    f"through them is lost). Its {other.arena.location} copy is intact: "
+                    f"(numpy(pin=True), cupy(pin=True), rtmem.torch.as_tensor) are still "
+                    f"alive: they keep that memory, which is no longer the buffer's (what "
+                    f"is written through them is lost). Its {other.arena.location} copy is intact: "
                     f"drop those views (del them) and the buffer is usable again from it")
         if p.pins:
             return (f"{text}; its data is left only in {p.pins} pinned view(s) of it "
-                    f"(numpy(pin=True), rtmem.torch.as_tensor), which keep that memory "
-                    f"until they go: copy out what you need from them, drop them and "
-                    f"free() the buffer. Offload or copy out (to_numpy()) what you need "
+                    f"(numpy(pin=True), cupy(pin=True), rtmem.torch.as_tensor), which keep "
+                    f"that memory until they go: copy out what you need from them, drop "
+                    f"them and free() the buffer. Offload or copy out (to_numpy()) what you need "
                     f"before closing an arena")
         return (f"{text}; its data was only there and is gone: free() the buffer. "
                 f"Offload or copy out (to_numpy()) what you need before closing an arena")
@@ -529,16 +549,13 @@ class Buffer:
                 # of transfers.copy into another buffer) left its bytes intact.
                 self._settle()
 
+    @_pin_doc
     def numpy(self, where: str | None = None, *, pin: bool = False) -> np.ndarray:
         """A zero-copy numpy view (``dtype``, ``shape``) of the placement ``where``
         (default: primary). Host placements always qualify; device placements only
         on the host backend. Waits for an in-flight transfer first.
 
-        ``pin=True``: the view pins the placement (NOTE [ Pinned views ]) for as
-        long as it or any array derived from it lives: a ``free()`` meanwhile only
-        takes effect once the last of them is gone, and ``evict``/``drop_host`` of
-        that copy are refused. For views kept beyond the caller's control of the
-        buffer (optimizer state, parameters).
+        {pin}
         """
         if pin:
             view = np.asarray(self._export(where, cuda=False))
@@ -566,17 +583,19 @@ class Buffer:
     def _typed(self, raw: np.ndarray) -> np.ndarray:
         return raw.view(self._dtype).reshape(self._shape)
 
-    def _export(self, where, cuda: bool) -> PinnedExport:
+    def _export(self, where, cuda: bool, error=AttributeError) -> PinnedExport:
         """A :class:`PinnedExport` of placement ``where`` through the CUDA array
-        interface (``cuda``) or numpy's; placement, interface and pin are taken
-        under the lock, so no move can drop the placement in between."""
+        interface (``cuda``; ``error`` as for :meth:`_cuda_dict`) or numpy's;
+        placement, interface and pin are taken under the lock, so no move can
+        drop the placement in between."""
         with self._lock:
             p = self._view_placement(where)
             if cuda:
-                # keep: the slab's memory, which the consumer (a torch tensor)
-                # reads for as long as it holds the export, arena.close() or not
+                # keep: the slab's memory, which the consumer (a torch tensor, a
+                # CuPy array) reads for as long as it holds the export,
+                # arena.close() or not
                 return PinnedExport(self, p, "__cuda_array_interface__",
-                                    self._cuda_dict(p), keep=p.slab.owner)
+                                    self._cuda_dict(p, error), keep=p.slab.owner)
             arr = self._typed(self._bytes(p))
             return PinnedExport(self, p, "__array_interface__", arr.__array_interface__,
                                 keep=arr)
@@ -592,22 +611,38 @@ class Buffer:
             raw = p.arena.backend.read(p.slab, p.offset, self._view_nbytes())
         return self._typed(raw)
 
-    def cupy(self, where: str | None = None):
-        """A zero-copy CuPy array over the device placement (or a mapped host one).
+    @_pin_doc
+    def cupy(self, where: str | None = None, *, pin: bool = False):
+        """A zero-copy CuPy array over the placement ``where`` (default: primary):
+        a device placement, or a mapped host one (its device alias). Ordered after
+        an in-flight transfer on the current stream. It keeps the slab's memory
+        past ``arena.close()``.
+
+        {pin}
 
         Raises :class:`~rtmem.errors.ResidencyError` for a placement the GPU
         cannot address (pinned host memory that is not mapped, any buffer of the
         host backend), as :meth:`numpy` does for device memory."""
+        if pin:
+            # CuPy keeps the export as its memory's owner, as torch does
+            # (NOTE [ Pinned views ]): the pin lives as long as any array over it
+            return self._cupy_over(self._export(where, cuda=True, error=ResidencyError))
         return self._cupy_of(self._view_placement(where), error=ResidencyError)
 
     def _cupy_of(self, p: Placement, error=AttributeError):
         # The interface first: importing CuPy first made a host-backend buffer
         # without CuPy installed raise "the cuda backend needs CuPy".
         cai = self._cuda_dict(p, error)
-        from .backends.cuda import import_cupy
         # CuPy keeps the _CudaView as its memory's owner (so do DLPack capsules
         # of the array): it holds the slab's memory past arena.close()
-        return import_cupy().asarray(_CudaView(cai, (self, p.slab.owner)))
+        return self._cupy_over(_CudaView(cai, (self, p.slab.owner)))
+
+    @staticmethod
+    def _cupy_over(source):
+        """``cupy.asarray`` of an object carrying a CUDA array interface (zero-copy;
+        CuPy keeps ``source`` alive as the owner of the array's memory)."""
+        from .backends.cuda import import_cupy
+        return import_cupy().asarray(source)
 
     def _cuda_dict(self, p: Placement, error=AttributeError) -> dict:
         """The CUDA array interface of placement ``p``. ``error``: what to raise

@@ -388,7 +388,7 @@ def _drop_copy(buf: Buffer, side: str, action: str) -> None:
                                "synchronize(buf) first")
         if mine.pins:
             raise _state_error(buf, action, f"{mine.pins} pinned view(s) (numpy(pin=True), "
-                               f"rtmem.torch.as_tensor) still use its {side} copy",
+                               f"cupy(pin=True), rtmem.torch.as_tensor) still use its {side} copy",
                                "drop those views first")
         buf._drop(side)
 

@@ -26,7 +26,7 @@ import _fake_cupy
 from _threads import collect_holding
 from rtmem import transfers as T
 from rtmem.arena import DeviceArena, HostArena
-from rtmem.errors import (BackendError, OutOfMemoryError, ResidencyError,
+from rtmem.errors import (BackendError, DoubleFreeError, OutOfMemoryError, ResidencyError,
                           UseAfterFreeError)
 
 ALIAS = 1 << 40            # a device alias of mapped memory != its host pointer
@@ -291,6 +291,70 @@ def test_device_views_outlive_arena_close(fake, backend):
     d.close()
     assert fake.live == {}
     assert len(fake.calls_named("free")) == 4
+
+
+def test_pinned_cupy_views_keep_their_bytes_through_free_and_evict(fake, backend):
+    # buf.cupy() had no pin= (numpy() and as_tensor have one): a CuPy view kept
+    # past buf.free() read and wrote the next allocation of the arena, which took
+    # the same block. A pinned one holds the block until it and the arrays over
+    # it (a DLPack capsule here) are gone, as numpy(pin=True) views do.
+    rng = np.random.default_rng()
+    d = DeviceArena(1 << 16, backend=backend)
+    m = HostArena(1 << 16, mapped=True, backend=backend)
+    buf = d.alloc(shape=(64,), dtype=np.float32)
+    plain = buf.cupy()                              # unpinned: valid until the free
+    buf.free()
+    other = d.alloc(shape=(64,), dtype=np.float32)  # takes the block at once
+    data = rng.standard_normal(64).astype(np.float32)
+    _device_view(fake, other)[:] = data
+    np.testing.assert_array_equal(plain.get(), data)   # the next buffer's bytes
+    del plain
+    other.free()
+    for arena in (d, m):
+        data = rng.standard_normal(64).astype(np.float32)
+        buf = arena.alloc(shape=(64,), dtype=np.float32)
+        _device_view(fake, buf)[:] = data
+        view = buf.cupy(pin=True)
+        capsule = _Capsule(view.__dlpack__())
+        buf.free()                                  # postponed: a view still reads it
+        with pytest.raises(DoubleFreeError):
+            buf.free()
+        for new_view in (buf.cupy, lambda: buf.cupy(pin=True)):
+            with pytest.raises(UseAfterFreeError, match="its release waits for views"):
+                new_view()
+        other = arena.alloc(shape=(64,), dtype=np.float32)
+        assert other.offset != view.data.ptr - arena.slabs[0].device_ptr
+        _device_view(fake, other)[:] = -data
+        np.testing.assert_array_equal(view.get(), data)
+        del view
+        gc.collect()
+        assert not buf.is_freed                     # the capsule holds the array
+        np.testing.assert_array_equal(np.from_dlpack(capsule).view(np.float32), data)
+        del capsule
+        gc.collect()
+        assert buf.is_freed and arena.stats().allocated_bytes == other.nbytes
+        other.free()
+        arena._check_invariants()
+    # evict / drop_host refuse the copy a pinned view reads; the other copy may go
+    h = HostArena(1 << 16, backend=backend)
+    buf = d.alloc(shape=(64,), dtype=np.float32)
+    T.offload(buf, arena=h)
+    T.synchronize(buf)
+    view = buf.cupy("device", pin=True)
+    with pytest.raises(ResidencyError, match=r"pinned view.*cupy\(pin=True\)"):
+        T.evict(buf)
+    T.drop_host(buf)
+    assert buf.residency == "device"
+    del view
+    gc.collect()
+    T.offload(buf, arena=h)
+    T.synchronize(buf)
+    T.evict(buf)
+    assert buf.residency == "host"
+    with pytest.raises(ResidencyError, match="mapped=True"):   # host-only memory,
+        buf.cupy(pin=True)                                     # pinned or not
+    assert buf._pins == 0
+    buf.free()
 
 
 def test_out_of_memory_leaves_the_arena_unchanged(fake, backend):
