@@ -431,6 +431,25 @@ def test_as_tensor_refuses_a_wider_dtype_too(arena):
     buf.free()
 
 
+def test_a_dtype_of_another_item_size_is_refused_before_any_view(arena):
+    # The item-size check ran after the view was made: the pinned view lived on
+    # in the error's traceback, so a free() while the caller held the error was
+    # postponed (and evict refused). The message did not say what to pass.
+    rng = np.random.default_rng()
+    buf = arena.alloc(shape=(8,), dtype=np.float32)
+    data = rng.standard_normal(8).astype(np.float32)
+    buf.numpy()[:] = data
+    with pytest.raises(TypeError, match=r"float32 memory .4 bytes per item. as torch.float16 "
+                       r".2 bytes.*the item sizes differ.*pass dtype=None or one of "
+                       r"4 bytes.*torch.int32") as caught:
+        as_tensor(buf, dtype=torch.float16)
+    assert "dtype=" in as_tensor.__doc__.split("Raises")[1]   # documented
+    np.testing.assert_array_equal(buf.numpy(), data)          # unchanged
+    buf.free()                                 # the error (and its traceback) is held
+    assert buf.is_freed and arena.stats().allocated_bytes == 0
+    del caught
+
+
 def test_from_tensor_frees_its_buffer_when_the_copy_fails(arena, monkeypatch):
     import rtmem.torch.bridge as bridge
 

@@ -156,7 +156,11 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
         ``torch.bfloat16`` over a uint16 buffer.
 
     Raises :class:`~rtmem.errors.ResidencyError` when the requested placement does
-    not exist and :class:`~rtmem.errors.UseAfterFreeError` for a freed buffer.
+    not exist, :class:`~rtmem.errors.UseAfterFreeError` for a freed buffer, and
+    ``TypeError``, as for the other bad arguments (not a Buffer, a buffer dtype
+    torch lacks, a quantized ``dtype``), for a ``dtype=`` whose item size is not
+    the buffer's (pass ``dtype=None`` or one of that size). No view is made
+    then: the buffer is as before.
     """
     if not isinstance(buf, Buffer):
         raise TypeError(f"as_tensor needs an rtmem Buffer, got {type(buf).__name__}")
@@ -172,6 +176,8 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
                         f"view it with buf.numpy(), or allocate it with a dtype torch "
                         f"shares (uint16 holds bfloat16 bits: as_tensor(buf, "
                         f"dtype=torch.bfloat16))")
+    if dtype is not None:
+        _check_item_size(buf, dtype)
     if device_alias:
         try:
             p = buf._view_placement("host")
@@ -190,11 +196,28 @@ def as_tensor(buf: Buffer, *, where: str | None = None, device_alias: bool = Fal
         else:
             t = _cuda_export(buf, where, p.arena.backend.device_id)
     if dtype is not None and dtype != t.dtype:
-        if torch.empty(0, dtype=dtype).element_size() != t.element_size():
-            raise TypeError(f"cannot view {t.dtype} memory as {dtype}: the item sizes "
-                            "differ; allocate the buffer with a matching dtype")
         t = t.view(dtype)
     return t
+
+
+# Candidates named in the item-size error, most used first
+_COMMON = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_item_size(buf: Buffer, dtype: torch.dtype) -> None:
+    """Refuse to view ``buf`` as a ``dtype`` of another item size (bytes), naming
+    the dtypes that fit. Checked before any view is made: a pinned view alive in
+    the error's traceback postponed a ``free()`` of the buffer."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    have = buf.dtype.itemsize
+    if size != have:
+        fits = ", ".join(str(d) for d in _COMMON
+                         if torch.empty(0, dtype=d).element_size() == have)
+        raise TypeError(
+            f"cannot view this buffer's {buf.dtype} memory ({have} bytes per item) as "
+            f"{dtype} ({size} bytes): the item sizes differ; pass dtype=None or one of "
+            f"{have} bytes ({fits}), or allocate the buffer with a dtype of {size} bytes")
 
 
 # id(parameter) -> weak reference to the ModulePlacement that put it in an arena.
