@@ -66,6 +66,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from rtmem.errors import ScheduleError
+
 from .chain import Chain
 from .schedule import Op, Schedule
 
@@ -487,9 +489,23 @@ def min_memory_schedule(arrays: StageArrays, choice) -> Schedule:
     was half of plan_remat's time there (1.3 s of 2.5 on 800 stages; 9.9 s on
     3,000, 0.57 s jitted)."""
     N = arrays.N
+    table = np.asarray(choice)
+    if table.shape != (N, N) or table.dtype.kind not in "iu":
+        raise ScheduleError(
+            f"min_memory_schedule: choice must be the ({N}, {N}) integer table min_memory "
+            f"returns for these arrays, got {table.dtype} of shape {table.shape}",
+            reason="bad-choice-table")
     cap = _reconstruct_capacity(N)
     op, stage = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    count = _min_memory_ops(np.asarray(choice), N, op, stage)
+    count = _min_memory_ops(table, N, op, stage)
+    if count < 0:
+        # the jitted walk writes without bounds checks of its own; an entry out of
+        # range would make it loop or write past its arrays, so it stops there
+        s, t = divmod(-1 - count, N)
+        raise ScheduleError(
+            f"min_memory_schedule: choice[{s}, {t}] = {table[s, t]} is not a choice "
+            f"min_memory makes (-1, or s' with {s} <= s' < {t}); pass the table "
+            "min_memory returned for these arrays", reason="bad-choice-table")
     return Schedule(op[:count], stage[:count])
 
 
@@ -498,7 +514,10 @@ def _min_memory_ops(choice, N, ops, stages):
     """Write :func:`min_memory_schedule`'s operations and stages to ``ops`` and
     ``stages`` (int64, :func:`_reconstruct_capacity` long) and return their number.
     Task stack as in :func:`_reconstruct` (kind 0: the interval (s, t); kind 1:
-    emit B s); the later-pushed task is run first."""
+    emit B s); the later-pushed task is run first. Returns ``-1 - (s N + t)`` for
+    the first entry ``choice[s, t]`` it meets that is neither -1 nor in ``[s, t)``
+    (each interval then splits into strictly smaller ones, so the walk ends and its
+    stack and op counts stay within their bounds)."""
     kind = np.empty(4 * N + 4, np.int64)
     ts = np.empty(4 * N + 4, np.int64)
     tt = np.empty(4 * N + 4, np.int64)
@@ -526,6 +545,8 @@ def _min_memory_ops(choice, N, ops, stages):
             top += 2
         else:
             sp = np.int64(choice[s, t])
+            if sp < s or sp >= t:
+                return -1 - (s * N + t)
             ops[n_ops], stages[n_ops] = _F_CK, s
             n_ops += 1
             for h in range(s + 1, sp + 1):

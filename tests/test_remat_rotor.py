@@ -925,3 +925,32 @@ def test_no_recompute_round_trips_and_planners_that_cannot_honour_it_refuse():
     assert _forward_counts(plan.schedule, 3)[1] == 1
     with pytest.raises(InfeasibleError, match="recomputes a stage the chain marks"):
         plan_sequential(chain, 10**6, segments=3)
+
+
+@pytest.mark.parametrize("entry", [-2, "self", "t", 1000])
+def test_least_memory_schedule_refuses_a_choice_min_memory_never_makes(entry):
+    # the jitted walk writes its op arrays without bounds checks: an entry outside
+    # -1 or [s, t) made it loop (s' < s) or write past its arrays (s' >= t)
+    from rtmem.planners.rotor import min_memory, min_memory_schedule
+    arrays = stage_arrays(Chain.homogeneous(6))
+    _mm, choice = min_memory(arrays)
+    good = min_memory_schedule(arrays, choice)
+    # an entry the walk reads: the interval the root's choice leaves to the right
+    t = arrays.N - 1
+    s = 1 if choice[0, t] == -1 else int(choice[0, t]) + 1
+    assert 1 <= s < t
+    bad = choice.copy()
+    bad[s, t] = {"self": s - 1, "t": t}.get(entry, entry)
+    with pytest.raises(ScheduleError, match=rf"choice\[{s}, {t}\] = .* is not a choice") as err:
+        min_memory_schedule(arrays, bad)
+    assert err.value.reason == "bad-choice-table"
+    assert min_memory_schedule(arrays, choice) == good   # the table was not changed
+
+
+def test_least_memory_schedule_refuses_a_table_of_another_shape():
+    from rtmem.planners.rotor import min_memory, min_memory_schedule
+    arrays = stage_arrays(Chain.homogeneous(6))
+    _mm, choice = min_memory(arrays)
+    for bad in (choice[:-1], choice.astype(np.float64), choice[None]):
+        with pytest.raises(ScheduleError, match="integer table min_memory returns"):
+            min_memory_schedule(arrays, bad)
