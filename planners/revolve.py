@@ -36,7 +36,7 @@ from math import comb
 import numba
 import numpy as np
 
-from rtmem.errors import ChainError, InfeasibleError, RtmemError
+from rtmem.errors import ChainError, InfeasibleError, RtmemError, ScheduleError
 
 from .baselines import fastest_fitting
 from ._validation import (as_scalar, check_chain, check_int, check_time_bound,
@@ -336,7 +336,8 @@ def revolve_ops(l: int, m: int, *, branch: int = 0, offset: int = 0, arg=None) -
     Values are a_offset..a_{offset+l} of ``branch``; it starts with a_offset and
     delta_{offset+l+1} stored, ends with delta_offset. ``arg`` is an argmin table
     of :func:`opt0_table` (computed if not given). Raises ``InfeasibleError`` when
-    m < 3 (l >= 1) or m < 2."""
+    m < 3 (l >= 1) or m < 2, and :class:`~rtmem.errors.ScheduleError` (reason
+    ``"bad-argmin-table"``) for an ``arg`` entry no argmin table holds."""
     from .multichain import MultiOp
 
     arg = _argmin_table(l, m, "revolve_ops:", arg)
@@ -348,6 +349,8 @@ def revolve_ops(l: int, m: int, *, branch: int = 0, offset: int = 0, arg=None) -
             ops.append(MultiOp("B", branch, lo + 1))
             continue
         i = int(arg[hi - lo, mm])
+        if mm < 3 or not 1 <= i <= hi - lo:
+            _bad_argmin(arg, hi - lo, mm)
         ops.append(MultiOp("S", branch, lo))
         ops += [MultiOp("F", branch, k) for k in range(lo + 1, lo + i + 1)]
         stack += [(lo, lo + i - 1, mm), (lo + i, hi, mm - 1)]
@@ -389,14 +392,35 @@ def revolve_schedule(n: int, m: int, arg=None) -> Schedule:
     op, stage = np.empty(cap, np.int64), np.empty(cap, np.int64)
     # as int64 (no copy when it is, as opt0_table makes it): one compiled version
     count = _revolve_arrays(n, int(m), np.asarray(arg, np.int64), op, stage)
+    if count < 0:
+        _bad_argmin(arg, *divmod(-1 - count, int(m) + 1))
     return Schedule(op[:count], stage[:count])
+
+
+def _bad_argmin(arg, steps: int, m: int):
+    """Raise for an entry ``arg[steps, m]`` no argmin table holds (a Revolve step from
+    a stored value advances 1..steps stages): walking it would loop or, in the jitted
+    walk (no bounds checks), write past its arrays."""
+    if m < 3:
+        raise ScheduleError(
+            f"arg leads Revolve to ADJCHAIN({steps}, {m}), which needs 3 slots: it is not an "
+            "argmin table; pass revolve_argmins(l, m) or opt0_table(l, m)[1], or None to "
+            "compute it", reason="bad-argmin-table")
+    raise ScheduleError(
+        f"arg[{steps}, {m}] = {arg[steps, m]} is not a Revolve argmin (1 <= i <= {steps}); "
+        "pass revolve_argmins(l, m) or opt0_table(l, m)[1], or None to compute it",
+        reason="bad-argmin-table")
 
 
 @numba.njit(cache=True)
 def _revolve_arrays(n, m, arg, op, stage):
     """Write :func:`revolve_schedule`'s operations for ADJCHAIN(n, m) to ``op`` and
     ``stage`` (int64, long enough) and return their number: the conversion of
-    :func:`revolve_ops` (same stack order) without its Python objects."""
+    :func:`revolve_ops` (same stack order) without its Python objects. Returns
+    ``-1 - (l (m + 1) + mm)`` for the first entry ``arg[l, mm]`` it meets outside
+    ``1..l``, or for an interval of ``l`` stages that ``arg`` leads to with
+    ``mm < 3`` slots; with both checked every interval splits into strictly
+    shorter ones, and the stack and op counts stay within their bounds."""
     s_lo = np.empty(n + 2, np.int64)        # stacked intervals are disjoint in 0..n
     s_hi = np.empty(n + 2, np.int64)
     s_m = np.empty(n + 2, np.int64)
@@ -414,7 +438,11 @@ def _revolve_arrays(n, m, arg, op, stage):
                 op[count + 1], stage[count + 1] = _B, lo
                 count += 2
             continue
+        if mm < 3:                          # only a bad table leads here
+            return -1 - ((hi - lo) * (m + 1) + mm)
         i = arg[hi - lo, mm]
+        if i < 1 or i > hi - lo:
+            return -1 - ((hi - lo) * (m + 1) + mm)
         # S a_lo then F_{lo+1} .. F_{lo+i}: the first from the stored value
         op[count], stage[count] = _F_CK, lo
         count += 1

@@ -546,3 +546,30 @@ def test_single_stage_chain_with_its_loss_needs_two_slots():
     assert simulate_multichain(ops, (1,), 2, b=(1,)) == (3.0, 2)
     with pytest.raises(InfeasibleError):
         revolve_ops(0, 1)
+
+
+@pytest.mark.parametrize("entry", [0, -3, 99])
+def test_revolve_walks_refuse_an_entry_no_argmin_table_holds(entry):
+    # revolve_schedule's jitted walk writes its op arrays without bounds checks: an
+    # entry outside 1..l made it write past them (a crash) and revolve_ops loop
+    n, m = 9, 4
+    good = revolve_argmins(n, m)
+    bad = good.copy()
+    bad[n, m] = entry                      # the first entry both walks read
+    for walk in (lambda: revolve_schedule(n, m, arg=bad), lambda: revolve_ops(n, m, arg=bad)):
+        with pytest.raises(ScheduleError, match=rf"arg\[{n}, {m}\] = {entry} is not a "
+                                                rf"Revolve argmin \(1 <= i <= {n}\)") as err:
+            walk()
+        assert err.value.reason == "bad-argmin-table"
+    assert revolve_schedule(n, m, arg=good) == revolve_schedule(n, m)
+
+
+def test_revolve_walks_refuse_a_table_that_runs_out_of_slots():
+    # every step keeps one value and gives the rest of the interval one slot less:
+    # with m = 3, a first step of i = 1 leaves ADJCHAIN(n - 1, 2), which needs 3
+    n, m = 6, 3
+    bad = revolve_argmins(n, m).copy()
+    bad[n, m] = 1
+    for walk in (lambda: revolve_schedule(n, m, arg=bad), lambda: revolve_ops(n, m, arg=bad)):
+        with pytest.raises(ScheduleError, match=rf"ADJCHAIN\({n - 1}, 2\), which needs 3"):
+            walk()
