@@ -43,10 +43,10 @@ from ._validation import (as_scalar, check_chain, check_int, check_time_bound,
                           refuse_no_recompute)
 from .chain import Chain
 from .plan import Plan
+from .rotor import _emit_leaf
 from .schedule import Op, Schedule
 
-_F_NONE, _F_CK, _F_ALL, _LOSS, _B = (int(Op.F_NONE), int(Op.F_CK), int(Op.F_ALL),
-                                     int(Op.LOSS), int(Op.B))
+_F_NONE, _F_CK = int(Op.F_NONE), int(Op.F_CK)
 
 __all__ = ["opt0_table", "revolve_argmins", "binomial_makespan", "revolve_ops", "single_chain_ops",
            "revolve_schedule", "plan_revolve", "max_revolve_stages"]
@@ -430,13 +430,7 @@ def _revolve_arrays(n, m, arg, op, stage):
         top -= 1
         lo, hi, mm = s_lo[top], s_hi[top], s_m[top]
         if lo == hi:                        # B_{lo+1}: the loss for B_{n+1}
-            if lo + 1 == n + 1:
-                op[count], stage[count] = _LOSS, 0
-                count += 1
-            else:
-                op[count], stage[count] = _F_ALL, lo
-                op[count + 1], stage[count + 1] = _B, lo
-                count += 2
+            count = _emit_leaf(op, stage, count, lo, n)
             continue
         if mm < 3:                          # only a bad table leads here
             return -1 - ((hi - lo) * (m + 1) + mm)

@@ -80,6 +80,19 @@ _F_NONE, _F_CK, _F_ALL, _LOSS, _B = (int(Op.F_NONE), int(Op.F_CK), int(Op.F_ALL)
 _INF = np.inf
 
 
+@numba.njit(cache=True)
+def _emit_leaf(ops, stages, n_ops, s, last):
+    """Write the operations of the one-stage interval (s, s) of the jitted schedule
+    walks at position ``n_ops`` of ``ops`` / ``stages``: the loss when ``s`` is
+    ``last`` (the loss's DP stage), else F_all s then B s. Returns the new count."""
+    if s == last:
+        ops[n_ops], stages[n_ops] = _LOSS, 0
+        return n_ops + 1
+    ops[n_ops], stages[n_ops] = _F_ALL, s
+    ops[n_ops + 1], stages[n_ops + 1] = _B, s
+    return n_ops + 2
+
+
 class StageArrays:
     """Per-DP-stage arrays (N = n+1 entries, the loss last), as NOTE
     [ Persistent DP C_MP ] names them.
@@ -256,13 +269,7 @@ def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, nr, s0, t0, m0, n_loss, op
             n_ops += 1
             continue
         if s == t:
-            if s == n_loss:
-                ops[n_ops], stages[n_ops] = _LOSS, 0
-                n_ops += 1
-            else:
-                ops[n_ops], stages[n_ops] = _F_ALL, s
-                ops[n_ops + 1], stages[n_ops + 1] = _B, s
-                n_ops += 2
+            n_ops = _emit_leaf(ops, stages, n_ops, s, n_loss)
             continue
         best = _INF
         choice = -2
@@ -530,13 +537,7 @@ def _min_memory_ops(choice, N, ops, stages):
             ops[n_ops], stages[n_ops] = _B, s
             n_ops += 1
         elif s == t:
-            if s == N - 1:
-                ops[n_ops], stages[n_ops] = _LOSS, 0
-                n_ops += 1
-            else:
-                ops[n_ops], stages[n_ops] = _F_ALL, s
-                ops[n_ops + 1], stages[n_ops + 1] = _B, s
-                n_ops += 2
+            n_ops = _emit_leaf(ops, stages, n_ops, s, N - 1)
         elif choice[s, t] == -1:
             ops[n_ops], stages[n_ops] = _F_ALL, s
             n_ops += 1
