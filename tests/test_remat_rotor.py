@@ -885,6 +885,10 @@ def test_no_recompute_stages_are_run_once_by_an_optimal_persistent_dp():
         np.testing.assert_array_equal(choice, ref_choice)
         least, peak = min_feasible_memory(chain), simulate(
             chain, store_all_schedule(n), Platform(math.inf)).peak
+        if least > 1:              # the flags' least budget is where plans start
+            with pytest.raises(InfeasibleError) as err:
+                plan_remat(chain, least - 1)
+            assert err.value.min_feasible == least
         for budget in np.linspace(least, peak, 4).astype(int).tolist():
             plan = plan_remat(chain, budget)
             counts = _forward_counts(plan.schedule, n)
