@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import rtmem  # noqa: E402
+from _torch_precision import exact_fp32  # noqa: E402
 from rtmem.planners import Schedule, sequential_schedule, store_all_schedule  # noqa: E402
 from rtmem.torch import (OffloadedAdam, ScheduleExecutor, as_tensor,  # noqa: E402
                          from_tensor, gpt2_model, place_parameters)
@@ -48,10 +49,8 @@ def cuda(monkeypatch):
     torch.cuda.init()
     # exact fp32 matmuls: the reference and the plans then differ only by the
     # order of float32 additions, not by TF32 rounding of different operands
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield torch.device(DEV)
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    with exact_fp32(torch):
+        yield torch.device(DEV)
     gc.collect()
     torch.cuda.synchronize()
 
