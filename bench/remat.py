@@ -114,11 +114,16 @@ def main(argv=None):
                     help="results file (default: remat.json under $RTMEM_BENCH_RESULTS "
                          "or bench/results)")
     args = ap.parse_args(argv)
+    # the full run takes minutes: a stop keeps the cases solved before it
+    partial = PartialResults("remat", path=args.out)
 
     t = time.perf_counter()
-    warm = gpt2(layers=2)
-    persistent_table(*discretized(warm, budget_for(warm, 0.5), 10))
-    assert plan_remat(warm, budget_for(warm, 0.5), 500).info["method"] == "dp"
+    try:            # compiling the DP (without numba's cache) takes seconds
+        warm = gpt2(layers=2)
+        persistent_table(*discretized(warm, budget_for(warm, 0.5), 10))
+        assert plan_remat(warm, budget_for(warm, 0.5), 500).info["method"] == "dp"
+    except KeyboardInterrupt:
+        return partial.interrupted("the warm-up (compiling the DP)")
     compile_s = time.perf_counter() - t
 
     rows = []
@@ -129,8 +134,6 @@ def main(argv=None):
     print(header)
     print("-" * len(header))
     command = "python bench/remat.py " + " ".join(argv or sys.argv[1:])
-    # the full run takes minutes: a stop keeps the cases solved before it
-    partial = PartialResults("remat", path=args.out)
     for chain, S in cases:
         try:
             r = run_case(chain, S, args.fraction, args.repeats, args.python_budget)

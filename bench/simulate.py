@@ -5,7 +5,9 @@ prefetches, gradient flushes) in the same process; the figure of merit is the
 ratio of their operations per second: medians over ``--repeats`` runs of the
 jitted simulator and over half as many (at least one) of the much slower
 reference; the JSON gives each median's run count as ``"repeats"``. Target: the
-jitted simulator at >= 1 million ops/s.
+jitted simulator at >= 1 million ops/s. The results are written at the end: a
+run stopped by Ctrl-C (SIGINT) writes nothing, says so in one line and exits
+with code 130.
 
     python bench/simulate.py [--ops 100000] [--repeats 5]
 """
@@ -17,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (MAX_REPEATS, CommandParser, count, median_time,  # noqa: E402
-                     offload_everything, write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults, count,  # noqa: E402
+                     median_time, offload_everything, write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.planners import Chain, Platform, simulate  # noqa: E402
@@ -35,14 +37,18 @@ def main(argv=None) -> int:
                               name=f"homogeneous-{n}")
     sched = offload_everything(n)
     platform = Platform("1TiB", "12 GB/s", "duplex")
-    jit_r = simulate(chain, sched, platform)               # compiles (or loads the cache)
-    ref_r = reference_simulate(chain, sched, platform)
-    assert jit_r.peak == ref_r["peak"], "the two simulators disagree"
-    t_jit = median_time(lambda: simulate(chain, sched, platform), args.repeats)
-    # the reference is ~100x slower: half the runs (no warm-up: nothing to compile)
-    ref_repeats = max(1, args.repeats // 2)
-    t_ref = median_time(lambda: reference_simulate(chain, sched, platform), ref_repeats,
-                        warmup=0)
+    # one section, written at the end: a stop before it keeps an earlier result whole
+    try:
+        jit_r = simulate(chain, sched, platform)           # compiles (or loads the cache)
+        ref_r = reference_simulate(chain, sched, platform)
+        assert jit_r.peak == ref_r["peak"], "the two simulators disagree"
+        t_jit = median_time(lambda: simulate(chain, sched, platform), args.repeats)
+        # the reference is ~100x slower: half the runs (no warm-up: nothing to compile)
+        ref_repeats = max(1, args.repeats // 2)
+        t_ref = median_time(lambda: reference_simulate(chain, sched, platform), ref_repeats,
+                            warmup=0)
+    except KeyboardInterrupt:
+        return PartialResults("simulate").interrupted("the measurements")
     ops = len(sched)
     rows = [["jitted (rtmem.planners.simulate)", f"{ops / t_jit:,.0f}", f"{t_jit * 1e3:.1f}"],
             ["pure Python (testing.reference_simulate)", f"{ops / t_ref:,.0f}",

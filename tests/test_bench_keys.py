@@ -419,3 +419,64 @@ def test_adam_bench_size_too_large_for_the_machine_is_one_line(monkeypatch, caps
     doc = json.loads((tmp_path / "adam.json").read_text())
     assert doc["partial"] is True and [r["size"] for r in doc["results"]] == [1000]
     assert "10,000,000,000,000" in doc["error"]
+
+
+# A real SIGINT, sent by the bench's own process at a set point of its start (no
+# timing): a child of a shell job started with & inherits SIGINT ignored, so the
+# child's SIGINT is reset to the default, which Python turns into KeyboardInterrupt
+SIGINT_AT = """
+import importlib.abc, os, runpy, signal, sys
+import rtmem.planners, rtmem.planners.rotor
+where, script, *args = sys.argv[1:]
+
+def interrupting(fn):
+    def call(*a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        return fn(*a, **kw)
+    return call
+
+class InterruptTorchImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+if where == "import torch":
+    sys.meta_path.insert(0, InterruptTorchImport())
+else:                                   # a function the bench's warm-up calls first
+    module, name = where.rsplit(".", 1)
+    module = sys.modules[module]
+    setattr(module, name, interrupting(getattr(module, name)))
+sys.argv = [script, *args]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script, where, args", [
+    # compiling (or loading) the DP before the first case
+    ("remat", "rtmem.planners.rotor.persistent_table", []),
+    # the jitted simulator's first (compiling) call
+    ("simulate", "rtmem.planners.simulate", ["--ops", "600", "--repeats", "1"]),
+    # torch loading (seconds) before any depth
+    ("executor", "import torch", ["--depths", "2", "--repeats", "1"]),
+])
+def test_ctrl_c_before_the_first_result_is_one_line_and_exit_130(tmp_path, script, where,
+                                                                  args):
+    import os
+    import signal
+    import subprocess
+    import sys
+    if script == "executor":
+        pytest.importorskip("torch")
+    earlier = tmp_path / f"{script}.json"
+    earlier.write_text('{"earlier": true}\n')
+    env = dict(os.environ, RTMEM_BENCH_RESULTS=str(tmp_path))
+    res = subprocess.run(
+        [sys.executable, "-c", SIGINT_AT, where, str(BENCH / f"{script}.py"), *args],
+        capture_output=True, text=True, env=env, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert res.returncode == 130, (res.returncode, res.stderr[-2000:])
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "interrupted" in lines[0] and "nothing written" in lines[0], \
+        res.stderr[-2000:]
+    assert earlier.read_text() == '{"earlier": true}\n'          # the earlier result stays
