@@ -18,6 +18,9 @@ stream covers every earlier free). Stamps happen when an allocation finds no
 fit among the ready and its own stream's pending blocks (before polling), on
 ``flush``/``trim``, and every ``_MAINTAIN_EVERY`` deferred frees, which also
 poll, so that completed blocks return to ``_ready`` and the FIFOs stay short.
+An allocation also polls (without stamping) while stamped or event-gated frees
+are pending: a block left pending after its event completed merges with no
+ready neighbour, and best fit would fragment the ready space around it.
 
 An ordered free merges the block with neighbours pending on the same stream
 (their events are superseded by the next stamp, which is later on that
@@ -89,6 +92,17 @@ class _StreamOrderedFrees:
     def _poll_pending(self) -> None:
         """Move pending blocks whose event completed into ``_ready``."""
         self._drain(wait=False)
+
+    def _retirable(self) -> bool:
+        """True when a poll would retire something: some FIFO's head is stale or
+        its event completed. Costs one query per stream with stamped frees, which
+        keeps ``allocate``'s poll cheap while the GPU is behind."""
+        for fifo in self._fifo.values():
+            if fifo:
+                event, block = fifo[0]
+                if block.state != _PENDING or block.event is not event or event.query():
+                    return True
+        return False
 
     def _flush_pending(self) -> None:
         """Wait for every pending event and make all pending blocks ready."""

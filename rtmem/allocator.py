@@ -304,6 +304,14 @@ class BestFitAllocator(_StreamOrderedFrees):
         try:
             if self._deferrals >= self._maintain_every:
                 self._maintain()
+            elif self._fifo and self._retirable():
+                # Retire frees whose event completed before choosing: left pending,
+                # such a block merges with no ready neighbour, so best fit carves
+                # the ready space instead and an entirely free arena fragments
+                # (torch's caching allocators also process events on every malloc).
+                # One query per stream with stamped frees; unstamped ones wait for
+                # their stamp (NOTE [ Stream-ordered frees ]).
+                self._poll_pending()
             keys = self._ready
             probe = size << _SIZE_SHIFT
             i = bisect_left(keys, probe)

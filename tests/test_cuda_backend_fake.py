@@ -124,6 +124,30 @@ def test_slabs_use_the_right_calls_and_are_freed(fake, backend):
     assert len(fake.calls_named("free")) == 1 and len(fake.calls_named("freeHost")) == 2
 
 
+@pytest.mark.parametrize("kw", [{"mapped": True}, {}], ids=["mapped", "pinned"])
+def test_host_arena_reuses_completed_frees_before_carving_free_space(fake, backend, kw):
+    # A host buffer's free is gated by an event on the compute stream. Once that
+    # event had completed the block still sat in the pending index until an
+    # allocation missed, so the next allocation carved the free tail instead
+    # (offset 256, not 0) and a pending block never merged with its ready
+    # neighbours: after a few small cycles the arena, entirely free and
+    # synchronized, could not hold four quarters of itself.
+    rng = np.random.default_rng()
+    quarter = 256 * int(rng.integers(2, 6))
+    arena = HostArena(4 * quarter, backend=backend, **kw)
+    for _ in range(int(rng.integers(1, 4))):
+        buf = arena.alloc(256)
+        assert buf.placement("host").offset == 0     # the completed free's bytes
+        buf.free()
+        backend.synchronize()
+    bufs = [arena.alloc(quarter) for _ in range(4)]
+    assert sorted(b.placement("host").offset for b in bufs) == \
+        [i * quarter for i in range(4)]
+    for b in bufs:
+        b.free()
+    arena.close()
+
+
 def test_dropped_arenas_give_their_slabs_back(fake, backend):
     # _CudaAlloc had no finalizer: an arena dropped without close() kept its
     # cudaMalloc / cudaHostAlloc slabs until the process ended.
