@@ -496,6 +496,12 @@ class _Arena:
         backends: a slab goes back to the backend when the last of them goes, at
         once without any. The same holds for memory CuPy or numba allocated
         through :mod:`rtmem.integrations` (their arrays alive at close stay valid).
+        So do numba device arrays already dropped whose free numba has deferred
+        (its pending-deallocation queue, run at numba's own threshold): their
+        slab goes back only when numba runs that queue. Call
+        ``numba.cuda.current_context().deallocations.clear()`` before close()
+        to give it back at once (close() does not run numba's queue for you:
+        it holds other frees too, and ``cuda.defer_cleanup()`` may be on).
         Arrays other libraries make from a Buffer itself through
         ``__cuda_array_interface__`` (``cupy.asarray(buf)``, numba kernels) hold
         the Buffer, not the slab: they are valid only while the arena is open
