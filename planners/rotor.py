@@ -247,7 +247,10 @@ def _fill_rows(C, mf, full, uf, ub, xo, xb, mall, mnone, nr, idx, M, s_hi, s_lo)
 def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, nr, s0, t0, m0, n_loss, ops, stages):
     """Walk the table from (s0, t0, m0); write the schedule's operations and stages
     to ``ops`` and ``stages`` (int64, at least :func:`_reconstruct_capacity` long)
-    and return their number."""
+    and return their number, or ``-1 - ((s N + t) (M + 1) + m)`` at the first
+    finite entry (s, t, m) none of whose choices is finite (not a C_MP table).
+    With non-negative sizes and 0 <= m0 <= M, m stays in 0..M and every interval
+    splits into strictly smaller ones, so the stack and op counts stay in bounds."""
     N = uf.shape[0]
     P = np.zeros(N + 1)
     for k in range(N):
@@ -274,8 +277,10 @@ def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, nr, s0, t0, m0, n_loss, op
         best = _INF
         choice = -2
         if m >= mall[s, t] and m - xb[s] >= 0:
-            best = uf[s] + C[idx[s + 1, t], m - xb[s]] + ub[s]
-            choice = -1
+            v = uf[s] + C[idx[s + 1, t], m - xb[s]] + ub[s]
+            if v < best:                    # an infinite F^all is no choice either
+                best = v
+                choice = -1
         if m >= mnone[s, t]:
             for sp in range(s, min(t, nr[s])):
                 if m - xo[sp] < 0:
@@ -284,6 +289,10 @@ def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, nr, s0, t0, m0, n_loss, op
                 if v < best:
                     best = v
                     choice = sp
+        if choice == -2:
+            # only a table no C_MP fill makes leads here (callers descend into finite
+            # entries, whose best choice is finite): stop before writing past the arrays
+            return -1 - ((s * N + t) * C.shape[1] + m)
         if choice == -1:
             ops[n_ops], stages[n_ops] = _F_ALL, s
             n_ops += 1
@@ -292,7 +301,6 @@ def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, nr, s0, t0, m0, n_loss, op
             kind[top], ts[top], tt[top], tm[top] = 0, s + 1, t, m - xb[s]
             top += 1
         else:
-            # choice >= s: callers only descend into finite entries, so -2 cannot occur
             sp = choice
             ops[n_ops], stages[n_ops] = _F_CK, s
             n_ops += 1
@@ -356,14 +364,70 @@ def _bands(N: int):
 
 def persistent_schedule(arrays: StageArrays, table, idx, mall, mnone, m: int) -> Schedule:
     """Reconstruct the optimal persistent schedule of the whole chain at memory m
-    (Alg. 4, OptRecP). ``table[idx[0, n], m]`` must be finite."""
+    (Alg. 4, OptRecP), from what :func:`persistent_table` returned for ``arrays``.
+    ``m`` (in the units of ``arrays``, slots from :func:`discretize`) must be a
+    column of ``table`` with ``table[idx[0, n], m]`` finite.
+
+    Raises :class:`~rtmem.errors.ScheduleError` (reason ``"bad-persistent-table"``)
+    for tables of other shapes, an ``idx`` entry outside the table, an ``m`` outside
+    0..M or infeasible there, or a table whose entries no C_MP fill makes: the
+    jitted walk has no bounds checks of its own, and these made it write past its
+    arrays (a segmentation fault)."""
     a = arrays
     N = a.N
+    table, idx, mall, mnone, m = _check_persistent_args(N, table, idx, mall, mnone, m)
     cap = _reconstruct_capacity(N)
     op, stage = np.empty(cap, np.int64), np.empty(cap, np.int64)
     n_ops = _reconstruct(table, idx, a.uf, a.ub, a.xo, a.xb, mall, mnone, a.nr, 0, N - 1,
-                         int(m), N - 1, op, stage)
+                         m, N - 1, op, stage)
+    if n_ops < 0:
+        s, rest = divmod(-1 - n_ops, N * table.shape[1])
+        t, mm = divmod(rest, table.shape[1])
+        raise ScheduleError(
+            f"persistent_schedule: table[idx[{s}, {t}], {mm}] = {table[idx[s, t], mm]} is "
+            "finite but none of its choices is: it is not a C_MP table of these arrays; "
+            "pass what persistent_table(arrays, M) returned", reason="bad-persistent-table")
     return Schedule(op[:n_ops], stage[:n_ops])
+
+
+def _check_persistent_args(N: int, table, idx, mall, mnone, m):
+    """:func:`persistent_schedule`'s table arguments as the jitted walk needs them
+    (float64 table, int64 (N, N) tables, int ``m``), or ScheduleError naming the
+    first that is not. O(N^2): the walk itself is O(N^2) too."""
+    def bad(what):
+        return ScheduleError(f"persistent_schedule: {what}; pass what "
+                             "persistent_table(arrays, M) returned for these arrays",
+                             reason="bad-persistent-table")
+    table = np.asarray(table)
+    rows = N * (N + 1) // 2
+    if table.ndim != 2 or table.shape[0] != rows or table.dtype.kind != "f":
+        raise bad(f"table must be a ({rows}, M + 1) float array for {N} DP stages, got "
+                  f"{table.dtype} of shape {table.shape}")
+    tabs = []
+    for name, arr in (("idx", idx), ("mall", mall), ("mnone", mnone)):
+        arr = np.asarray(arr)
+        if arr.shape != (N, N) or arr.dtype.kind not in "iu":
+            raise bad(f"{name} must be an ({N}, {N}) integer array, got {arr.dtype} of "
+                      f"shape {arr.shape}")
+        tabs.append(arr.astype(np.int64, copy=False))
+    idx = tabs[0]
+    # the walk reads idx[s, t] for s <= t only
+    upper = idx[np.triu_indices(N)]
+    if upper.size and (upper.min() < 0 or upper.max() >= rows):
+        s, t = (int(v[0]) for v in np.nonzero(np.triu((idx < 0) | (idx >= rows))))
+        raise bad(f"idx[{s}, {t}] = {int(idx[s, t])} is not a row of table (0..{rows - 1})")
+    if isinstance(m, (bool, np.bool_)) or not isinstance(m, (int, np.integer)):
+        raise bad(f"m must be an integer, got {m!r}")
+    m = int(m)
+    M = table.shape[1] - 1
+    if not 0 <= m <= M:
+        raise bad(f"m = {m} is not a column of table (0..{M})")
+    if not np.isfinite(table[idx[0, N - 1], m]):
+        raise ScheduleError(
+            f"persistent_schedule: no persistent schedule fits in m = {m} (table[idx[0, "
+            f"{N - 1}], {m}] is {table[idx[0, N - 1], m]}); pass an m with a finite entry, "
+            f"at least mf[0, {N - 1}] of persistent_table", reason="bad-persistent-table")
+    return table, idx, tabs[1], tabs[2], m
 
 
 # --------------------------------------------------------------- minimum memory

@@ -958,3 +958,61 @@ def test_least_memory_schedule_refuses_a_table_of_another_shape():
     for bad in (choice[:-1], choice.astype(np.float64), choice[None]):
         with pytest.raises(ScheduleError, match="integer table min_memory returns"):
             min_memory_schedule(arrays, bad)
+
+
+def _persistent_args(n=6, M=200):
+    from rtmem.planners.rotor import persistent_schedule
+    arrays = discretize(stage_arrays(Chain.homogeneous(n)), 1)
+    table, mf, idx, mall, mnone = persistent_table(arrays, M)
+    m = int(mf[0, arrays.N - 1])
+    good = persistent_schedule(arrays, table, idx, mall, mnone, m)
+    return persistent_schedule, arrays, [table, idx, mall, mnone, m], good
+
+
+@pytest.mark.parametrize("m, match", [
+    (10**6, r"m = 1000000 is not a column of table \(0\.\.200\)"),
+    (-5, r"m = -5 is not a column of table"),
+    ("least-1", r"no persistent schedule fits in m = \d+ \(table\[idx\[0, 6\], \d+\] is inf"),
+    (2.0, r"m must be an integer")])
+def test_persistent_schedule_refuses_an_m_outside_or_infeasible_in_the_table(m, match):
+    # the jitted walk reads table columns without bounds checks: an m past M or
+    # below 0, or one with an infeasible root (no choice to follow) made it read
+    # and write past its arrays (a segmentation fault)
+    walk, arrays, args, good = _persistent_args()
+    args[4] = args[4] - 1 if m == "least-1" else m
+    with pytest.raises(ScheduleError, match=match) as err:
+        walk(arrays, *args)
+    assert err.value.reason == "bad-persistent-table"
+    args[4] = _persistent_args()[2][4]
+    assert walk(arrays, *args) == good          # nothing was changed
+
+
+def test_persistent_schedule_refuses_tables_of_another_shape_or_chain():
+    walk, arrays, args, good = _persistent_args()
+    table, idx, mall, mnone, m = args
+    other = persistent_table(discretize(stage_arrays(Chain.homogeneous(3)), 1), 200)
+    bad_idx = idx.copy()
+    bad_idx[1, arrays.N - 1] = 10**6
+    for bad, match in [((other[0], other[2], other[3], other[4], m), r"\(28, M \+ 1\) float"),
+                       ((table, other[2], mall, mnone, m), r"idx must be an \(7, 7\) integer"),
+                       ((table, idx, mall[:2], mnone, m), r"mall must be an \(7, 7\)"),
+                       ((table, bad_idx, mall, mnone, m), r"idx\[1, 6\] = 1000000 is not a row"),
+                       ((np.zeros(table.shape, np.int64), idx, mall, mnone, m), r"float array")]:
+        with pytest.raises(ScheduleError, match=match):
+            walk(arrays, *bad)
+    assert walk(arrays, *args) == good
+
+
+def test_persistent_schedule_refuses_a_table_no_fill_makes():
+    # finite where the walk enters but every choice infinite below: the walk had no
+    # choice to follow (-2) and wrote from a negative interval on
+    walk, arrays, args, good = _persistent_args()
+    table, idx, mall, mnone, m = args
+    bad = table.copy()
+    bad[idx[1:, arrays.N - 1]] = np.inf        # every tail (s', n) the root could keep
+    bad[idx[0, :arrays.N - 1]] = np.inf        # every head (0, s')
+    with pytest.raises(ScheduleError, match=rf"table\[idx\[0, 6\], {m}\] = .* is finite but "
+                                            "none of its choices is") as err:
+        walk(arrays, bad, idx, mall, mnone, m)
+    assert err.value.reason == "bad-persistent-table"
+    assert walk(arrays, *args) == good
