@@ -62,7 +62,7 @@ import math
 import numba
 import numpy as np
 
-from rtmem.errors import InfeasibleError, RtmemError
+from rtmem.errors import InfeasibleError, RtmemError, ScheduleError
 from rtmem.units import format_bytes
 
 from ._validation import check_chain, check_count
@@ -70,7 +70,7 @@ from .chain import Chain
 from .plan import Plan, as_budget, planned_info
 from .platform import Platform
 from .remat import _fixed_bytes, _least_budget, plan_remat
-from .rotor import StageArrays, discretize, stage_arrays
+from .rotor import StageArrays, _check_stage_arrays, discretize, stage_arrays
 from .schedule import Op, Schedule
 from .simulator import simulate
 
@@ -181,15 +181,35 @@ def floating_table(arrays: StageArrays, M: int):
     """Fill F(s, t, l, m) for m = 0..M (sizes of ``arrays`` in slots). Returns the
     table, ``F[s, t, l, m]`` in seconds (``inf``: infeasible)."""
     a = arrays
+    _check_stage_arrays(a, "floating_table")
     _check_stages(a.N - 1)
     P = np.concatenate(([0.0], np.cumsum(a.uf)))
     return _fill(a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, a.nr, P, int(M))
 
 
 def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
-    """Reconstruct the schedule of F(0, n, 0, m) (Alg. 2, with Case A generalised)."""
+    """Reconstruct the schedule of F(0, n, 0, m) (Alg. 2, with Case A generalised)
+    from ``F`` as :func:`floating_table` returned it for ``arrays``; ``m`` in slots,
+    0..M. Raises :class:`~rtmem.errors.ScheduleError` (reason
+    ``"bad-floating-table"``) for an ``F`` of another shape or an ``m`` outside it:
+    the jitted cells read ``F`` without bounds checks."""
     a = arrays
+    _check_stage_arrays(a, "floating_schedule")
     N = a.N
+    F = np.asarray(F)
+    if F.ndim != 4 or F.shape[:3] != (N, N, N) or F.dtype.kind != "f":
+        raise ScheduleError(
+            f"floating_schedule: F must be the ({N}, {N}, {N}, M + 1) float table "
+            f"floating_table returns for these arrays, got {F.dtype} of shape {F.shape}",
+            reason="bad-floating-table")
+    if isinstance(m, (bool, np.bool_)) or not isinstance(m, (int, np.integer)) \
+            or not 0 <= m < F.shape[3]:
+        raise ScheduleError(f"floating_schedule: m = {m!r} is not a memory of F (an integer "
+                            f"0..{F.shape[3] - 1}, in slots)", reason="bad-floating-table")
+    if not np.isfinite(F[0, N - 1, 0, m]):
+        raise ScheduleError(f"floating_schedule: no floating schedule fits in m = {m} "
+                            f"(F[0, {N - 1}, 0, {m}] is {F[0, N - 1, 0, m]}); pass an m with a "
+                            "finite entry", reason="bad-floating-table")
     D = a.xo + a.G
     P = np.concatenate(([0.0], np.cumsum(a.uf)))
     ops = []

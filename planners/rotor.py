@@ -66,7 +66,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from rtmem.errors import ScheduleError
+from rtmem.errors import ChainError, ScheduleError
 
 from .chain import Chain
 from .schedule import Op, Schedule
@@ -102,6 +102,8 @@ class StageArrays:
     whether it came from :func:`stage_arrays` or :func:`discretize`.
     ``Gb[k]`` = G[k] + w[k] (weight gradients present while B_k runs).
     ``nr[k]`` (int64): the first stage >= k that must not be recomputed (N: none).
+    The DP passes check these (``_check_stage_arrays``: N entries each, integer
+    sizes >= 0) before their jitted loops index them, and raise ChainError.
     """
 
     __slots__ = ("uf", "ub", "xin", "xo", "xb", "of", "ob", "G", "Gb", "nr")
@@ -117,6 +119,36 @@ class StageArrays:
     @property
     def N(self) -> int:
         return int(self.uf.shape[0])
+
+
+_TIMES = ("uf", "ub")
+_SIZES = ("xin", "xo", "xb", "of", "ob", "G", "Gb")
+
+
+def _check_stage_arrays(arrays: StageArrays, who: str) -> None:
+    """Raise :class:`~rtmem.errors.ChainError` unless ``arrays`` has what the jitted
+    passes index blindly: every field a 1-D array of N entries, the times real,
+    the sizes and ``nr`` integers, the sizes non-negative (a negative one moves a
+    memory index past the table). O(N); ``who`` names the caller in the message.
+    :func:`stage_arrays` and :func:`discretize` of a valid Chain always pass."""
+    N = arrays.N if getattr(arrays.uf, "ndim", 0) == 1 else None
+    for name in _TIMES + _SIZES + ("nr",):
+        arr = getattr(arrays, name)
+        kinds = "f" if name in _TIMES else "iu"
+        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in kinds \
+                or (N is not None and arr.shape[0] != N) or N == 0:
+            got = (f"{arr.dtype} of shape {arr.shape}" if isinstance(arr, np.ndarray)
+                   else type(arr).__name__)
+            raise ChainError(
+                f"{who}: StageArrays.{name} must be a 1-D {'float' if kinds == 'f' else 'integer'}"
+                f" array of N = {N} >= 1 entries (as uf), got {got}; build the arrays with "
+                "stage_arrays(chain) or discretize()")
+    for name in _SIZES:
+        arr = getattr(arrays, name)
+        if arr.min() < 0:
+            k = int(np.argmax(arr < 0))
+            raise ChainError(f"{who}: StageArrays.{name}[{k}] = {int(arr[k])} is negative; "
+                             "sizes are bytes or slots, >= 0")
 
 
 def stage_arrays(chain: Chain) -> StageArrays:
@@ -329,6 +361,7 @@ def persistent_table(arrays: StageArrays, M: int, progress=None):
     in seconds (``inf`` when infeasible), ``mf[s, t]`` the least feasible m.
     """
     a = arrays
+    _check_stage_arrays(a, "persistent_table")
     mall, mnone = _requirements(a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb)
     idx = pair_index(a.N)
     N, M = a.N, int(M)
@@ -374,6 +407,7 @@ def persistent_schedule(arrays: StageArrays, table, idx, mall, mnone, m: int) ->
     jitted walk has no bounds checks of its own, and these made it write past its
     arrays (a segmentation fault)."""
     a = arrays
+    _check_stage_arrays(a, "persistent_schedule")
     N = a.N
     table, idx, mall, mnone, m = _check_persistent_args(N, table, idx, mall, mnone, m)
     cap = _reconstruct_capacity(N)
@@ -536,6 +570,7 @@ def min_memory(arrays: StageArrays, progress=None, choices: bool = True):
     stages (4.2 s before its tables were transposed); growing as n^3, ~30 s for
     3,000 and ~2.5 min (and 250 MB) for 5,000."""
     a = arrays
+    _check_stage_arrays(a, "min_memory")
     N = a.N
     mmT = np.zeros(N * (N + 1) // 2, np.int64)
     if choices:
@@ -633,6 +668,7 @@ def choices_memory(arrays: StageArrays, choice) -> int:
 
     The tree has fewer than 2 N nodes; each takes an O(t - s) numpy max."""
     a = arrays
+    _check_stage_arrays(a, "choices_memory")
     N = a.N
     inner = a.xin + a.xo + a.of          # m_none's terms for s < h < t
     order, stack = [], [(0, N - 1)]

@@ -1016,3 +1016,57 @@ def test_persistent_schedule_refuses_a_table_no_fill_makes():
         walk(arrays, bad, idx, mall, mnone, m)
     assert err.value.reason == "bad-persistent-table"
     assert walk(arrays, *args) == good
+
+
+def _with(arrays, **fields):
+    from rtmem.planners.rotor import StageArrays
+    kw = {k: getattr(arrays, k) for k in StageArrays.__slots__}
+    kw.update(fields)
+    return StageArrays(**kw)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("xb", "negative", r"StageArrays\.xb\[0\] = -100 is negative"),
+    ("xo", "short", r"StageArrays\.xo must be a 1-D integer array of N = 7"),
+    ("xin", "short", r"StageArrays\.xin must be"),
+    ("nr", "short", r"StageArrays\.nr must be"),
+    ("of", "float", r"StageArrays\.of must be a 1-D integer array"),
+    ("uf", "2-D", r"StageArrays\.uf must be a 1-D float array")])
+def test_dp_passes_refuse_stage_arrays_they_would_index_past(field, value, match):
+    # the jitted passes index every field up to N = len(uf) and use sizes as memory
+    # indices: a short field was read past its end (a result from garbage) and a
+    # negative size wrote past the table (heap corruption, 'double free', abort)
+    arrays = discretize(stage_arrays(Chain.homogeneous(6)), 1)
+    good = getattr(arrays, field)
+    bad = {"negative": np.where(np.arange(good.size) == 0, -100, good),
+           "short": good[:2], "float": good.astype(np.float64),
+           "2-D": good[None]}[value]
+    bad_arrays = _with(arrays, **{field: bad})
+    for who, call in [("persistent_table", lambda a: persistent_table(a, 50)),
+                      ("min_memory", min_memory)]:
+        with pytest.raises(ChainError, match=rf"{who}: {match}"):
+            call(bad_arrays)
+    mm, _ = min_memory(arrays)
+    assert mm == min_memory(_with(arrays))[0]   # the arrays were not changed
+
+
+def test_floating_schedule_refuses_a_table_or_memory_it_would_read_past():
+    # floating_schedule's jitted cells read F[.., m'] with m' <= m without bounds
+    # checks: an m past M or F of another chain read past the table
+    from rtmem.planners.floating import floating_schedule, floating_table
+    arrays = discretize(stage_arrays(Chain.homogeneous(4)), 1)
+    F = floating_table(arrays, 20)
+    m = int(np.argmax(np.isfinite(F[0, arrays.N - 1, 0])))
+    good = floating_schedule(arrays, F, m)
+    other = floating_table(discretize(stage_arrays(Chain.homogeneous(2)), 1), 20)
+    for table, mm, match in [(F, 10**5, r"m = 100000 is not a memory of F \(an integer 0\.\.20"),
+                             (F, -3, "m = -3 is not a memory"),
+                             (F, m - 1, rf"no floating schedule fits in m = {m - 1}"),
+                             (other, m, r"F must be the \(5, 5, 5, M \+ 1\) float table")]:
+        with pytest.raises(ScheduleError, match=match) as err:
+            floating_schedule(arrays, table, mm)
+        assert err.value.reason == "bad-floating-table"
+    with pytest.raises(ChainError, match=r"floating_table: StageArrays\.xb\[0\] = -100"):
+        floating_table(_with(arrays, xb=np.where(np.arange(arrays.N) == 0, -100, arrays.xb)),
+                       20)
+    assert floating_schedule(arrays, F, m) == good
