@@ -133,17 +133,18 @@ def main(argv=None):
               f"{'python (s)':>10} {'speedup':>8} {'table':>10} {'overhead':>8}")
     print(header)
     print("-" * len(header))
-    command = "python bench/remat.py " + " ".join(argv or sys.argv[1:])
+    # one document: saved (partial) after each case, completed after the last
+    result = {"benchmark": "rotor persistent DP (C_MP) fill time",
+              "command": "python bench/remat.py " + " ".join(argv or sys.argv[1:]),
+              "budget_fraction": args.fraction, "repeats": args.repeats,
+              "compile_and_first_call_s": compile_s, "rows": rows}
     for chain, S in cases:
         try:
             r = run_case(chain, S, args.fraction, args.repeats, args.python_budget)
         except KeyboardInterrupt:
             return partial.interrupted(f"{chain.name} with {S} slots")
         rows.append(r)
-        partial.save({"benchmark": "rotor persistent DP (C_MP) fill time",
-                      "command": command, "budget_fraction": args.fraction,
-                      "repeats": args.repeats, "compile_and_first_call_s": compile_s,
-                      "rows": rows})
+        partial.save(result)
         py = f"{r['python_s']:.3f}" if r["python_s"] else "not run"
         sp = f"{r['speedup_vs_python']:.0f}x" if r["speedup_vs_python"] else "-"
         print(f"{r['chain']:>12} {r['L']:>4} {r['S']:>4} {r['M']:>4} {r['fill_s_median']:>9.4f} "
@@ -151,18 +152,13 @@ def main(argv=None):
               f"{r['table_bytes'] / 2**20:>8.1f}Mi {r['overhead_vs_no_remat']:>8.1%}",
               flush=True)
     gpt_rows = [r for r in rows if r["chain"].startswith("gpt2")]
-    result = {
-        "benchmark": "rotor persistent DP (C_MP) fill time",
-        "command": command,
+    result.update({
         "machine": {"numba_threads": "1 (no parallel code)",
                     "load_average_at_end": os.getloadavg()},
-        "budget_fraction": args.fraction, "repeats": args.repeats,
-        "compile_and_first_call_s": compile_s,
         "growth_exponent_in_L_at_S": growth(gpt_rows, "L", "S"),
         "growth_exponent_in_S_at_L": growth(gpt_rows, "S", "L"),
         "table_bytes_L400_S500_formula": 401 * 402 // 2 * 501 * 8,
-        "rows": rows,
-    }
+    })
     print(f"\ncompile + first call: {compile_s:.2f} s")
     print(f"growth exponent of fill time in L (per S): {result['growth_exponent_in_L_at_S']}")
     print(f"growth exponent of fill time in S (per L): {result['growth_exponent_in_S_at_L']}")

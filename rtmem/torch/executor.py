@@ -665,9 +665,9 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
 
     def _count_copies(self, taken: int) -> None:
         """Note ``taken`` bytes of buffer copies held, besides the first forwards'
-        kept ones, while a stage runs (rule 6), in :attr:`buffer_copy_bytes`."""
-        if self.buffer_copy_bytes is not None:
-            self.buffer_copy_bytes = max(self.buffer_copy_bytes, self._copies_kept + taken)
+        kept ones, while a stage runs (rule 6), in :attr:`buffer_copy_bytes`
+        (tracking only: callers skip the byte counts without it)."""
+        self.buffer_copy_bytes = max(self.buffer_copy_bytes, self._copies_kept + taken)
 
     def _run_stage(self, i: int, x: torch.Tensor):
         stage = self.stages[i]
@@ -689,7 +689,10 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
             # the buffers this forward reads, for the stage's recomputations (rule 6)
             before = FirstBuffers(self._buffer_slots[i]) if replayed else None
             self._first[i] = (cpu, cuda, gens, before)
-            if before is not None:
+            # the copies' bytes are summed only when tracking memory (a walk of
+            # the stage's buffers per forward otherwise spent for nothing)
+            counting = before is not None and self.buffer_copy_bytes is not None
+            if counting:
                 self._count_copies(before.nbytes())
             with own_parametrizations():
                 y = stage(x)
@@ -702,14 +705,16 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                                             always=self._by_value.get(i, frozenset()))
                 if not checked:
                     self._by_value[i] = found
-                self._copies_kept += before.nbytes()
+                if counting:
+                    self._copies_kept += before.nbytes()
         else:
             kept = KeptBuffers(self._buffer_slots[i])
             devices = [self._device] if self._device.type == "cuda" else []
             cpu, cuda, gens, before = self._first[i]
             try:
                 fresh = before.replay() if before is not None else 0
-                self._count_copies(kept.nbytes() + fresh)
+                if self.buffer_copy_bytes is not None:
+                    self._count_copies(kept.nbytes() + fresh)
                 with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state), \
                         replayed_generators(gens), own_parametrizations():
                     if self.preserve_rng_state:
