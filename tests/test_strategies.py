@@ -220,3 +220,20 @@ def test_the_walk_keeps_a_plain_input_that_has_an_abar_beside_it():
     assert (1, 0) in walk.dev and (Op.DELETE, 1, 0) in walk.legal()[1]
     simulate(Chain.homogeneous(1), Schedule.from_text("F_ck 0, F_all 0, L, delete a1, B 0"),
              Platform(math.inf))                       # raises if a_1 were gone
+
+
+# ------------------------------------------------------------- no_recompute
+def _flagged_chains():
+    """Chains of 1..5 stages, each stage flagged no_recompute or not."""
+    return chains(1, 5, small=True).flatmap(
+        lambda c: st.lists(st.booleans(), min_size=c.n, max_size=c.n).map(
+            lambda flags: Chain.from_dict({**c.to_dict(), "no_recompute": flags})))
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(_flagged_chains().flatmap(lambda c: st.tuples(st.just(c), valid_schedules(c))))
+def test_valid_schedules_run_flagged_stages_once(case):
+    # "valid with enough memory": a stage the chain flags no_recompute ran twice
+    # (F_ck, then F_all on the way back), which simulate refuses
+    chain, schedule = case
+    simulate(chain, schedule, Platform(math.inf))

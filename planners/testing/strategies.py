@@ -115,10 +115,18 @@ def _platforms(draw, min_memory=1, max_memory=2**40):
 
 
 @st.composite
-def _persistent_compute(draw, n: int):
+def _persistent_compute(draw, n: int, flagged=()):
     """A random persistent rematerialization sequence (thesis-remat.md §3.6 shape):
     each segment either starts with F_all (case C1) or keeps a_s with F_ck, runs
-    F_none to a random s', solves the tail, then the head (case C2)."""
+    F_none to a random s', solves the tail, then the head (case C2).
+
+    ``flagged`` (bools, one per stage: ``Chain.no_recompute``) marks stages that
+    may run once only: C2 recomputes stages s..s', so a flagged stage starts a C1
+    segment and no C2 segment spans one (the simulator refuses a second run)."""
+    # first flagged stage at or after each index (n: none), to bound s'
+    next_flagged = [n] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        next_flagged[i] = i if i < len(flagged) and flagged[i] else next_flagged[i + 1]
     ops = []
     # explicit stack instead of recursion: hypothesis chains can be long
     stack = [("solve", 0, n, False)]
@@ -136,11 +144,11 @@ def _persistent_compute(draw, n: int):
             continue
         # False (what Hypothesis shrinks a boolean to) keeps everything, so a
         # failure shrinks toward the store-all schedule, not toward recomputation.
-        if not draw(st.booleans()):
+        if next_flagged[s] == s or not draw(st.booleans()):
             ops.append((Op.F_ALL, s))
             stack += [("emit", (Op.B, s)), ("solve", s + 1, t, True)]
         else:
-            s2 = draw(st.integers(s, t - 1))
+            s2 = draw(st.integers(s, min(t, next_flagged[s]) - 1))
             ops.append((Op.F_CK, s))
             ops += [(Op.F_NONE, i) for i in range(s + 1, s2 + 1)]
             stack += [("solve", s, s2, input_is_bar), ("solve", s2 + 1, t, False)]
@@ -196,7 +204,8 @@ def valid_schedules(chain: Chain, *, transfers: bool = True):
     ``transfers`` is true, random activation offload/delete/prefetch round trips,
     weight offloads/deletes/prefetches and gradient offloads are woven in, each
     placed between two uses of its data so that the schedule stays valid (see
-    NOTE [ Simulator semantics ]). Use :func:`simulation_cases` to get a platform
+    NOTE [ Simulator semantics ]). A stage that ``chain.no_recompute`` flags runs
+    its forward once, as ``F_all``. Use :func:`simulation_cases` to get a platform
     on which it fits.
 
     Every op and every possible move takes a draw, which Hypothesis's input
@@ -216,7 +225,7 @@ def valid_schedules(chain: Chain, *, transfers: bool = True):
 @public_name("valid_schedules")
 def _valid_schedules(draw, chain, *, transfers=True):
     n = chain.n
-    ops = draw(_persistent_compute(n))
+    ops = draw(_persistent_compute(n, chain.no_recompute.tolist()))
     if not transfers:
         return Schedule.from_ops(ops)
     after = [[] for _ in range(len(ops) + 1)]   # slot j+1: right after op j
