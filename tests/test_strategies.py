@@ -237,3 +237,20 @@ def test_valid_schedules_run_flagged_stages_once(case):
     # (F_ck, then F_all on the way back), which simulate refuses
     chain, schedule = case
     simulate(chain, schedule, Platform(math.inf))
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(_flagged_chains().flatmap(lambda c: st.tuples(st.just(c), wandering_schedules(c))))
+def test_wandering_schedules_run_flagged_stages_once(case):
+    # "accepted with enough memory": the walk ran any forward over a resident input,
+    # a flagged stage too, and discarded the abar its one run had to keep
+    chain, schedule = case
+    simulate(chain, schedule, Platform(math.inf))
+
+
+def test_wandering_schedules_still_wander_around_flagged_stages():
+    chain = Chain.from_dict({**Chain.homogeneous(3).to_dict(),
+                             "no_recompute": [False, True, False]})
+    # an unflagged stage recomputed, and the flagged one's abar parked on the host
+    _reach(wandering_schedules(chain), lambda s: s.count(Op.F_CK) + s.count(Op.F_ALL) > 3)
+    _reach(wandering_schedules(chain), lambda s: "delete abar2" in str(s))

@@ -41,10 +41,16 @@ class _Walk:
     [ Simulator semantics ]): tensors ``(k, kind)`` (kind 0: a_k, 1: abar_k) on
     the device and on the host, stages whose weights are on the device or whose
     weight gradients are, and ``g``, the index of the next gradient to make
-    (``n + 1``: the loss is next; 0: the backward pass is over)."""
+    (``n + 1``: the loss is next; 0: the backward pass is over).
 
-    def __init__(self, n: int):
+    ``flagged`` holds the stages that ``Chain.no_recompute`` marks: each runs one
+    forward, an ``F_all`` (only it makes the abar that its B needs), and that abar
+    is kept on the device or the host until its B; ``ran`` holds those run."""
+
+    def __init__(self, n: int, flagged=()):
         self.n = n
+        self.flagged = set(flagged)
+        self.ran = set()
         self.dev = {(0, _A)}
         self.host = set()
         self.w_dev = set(range(n))
@@ -54,10 +60,16 @@ class _Walk:
     def _either(self, k: int) -> bool:
         return (k, _A) in self.dev or (k, _ABAR) in self.dev
 
-    def _keeps_a0(self, t) -> bool:
-        """False for an operation on ``t`` that would lose a_0: nothing can
-        recompute it, and B 0 needs it, so the walk could not finish."""
-        return t != (0, _A) or t in self.host
+    def _keeps(self, t) -> bool:
+        """False for an operation on ``t`` that would lose a_0 or the abar_{s+1}
+        of a flagged stage s before its B: nothing can make them again, and a
+        backward step needs them, so the walk could not finish."""
+        if t in self.host:
+            return True
+        k, kind = t
+        if t == (0, _A):
+            return False
+        return not (kind == _ABAR and k - 1 in self.flagged and self.g > k - 1)
 
     def legal(self) -> tuple[list, list, list]:
         """Every ``(op, stage, aux)`` allowed now, in a fixed order, in three
@@ -65,9 +77,13 @@ class _Walk:
         n, dev = self.n, self.dev
         compute, moves, weights = [], [], []
         for s in range(n):
-            if s not in self.w_dev:
+            if s not in self.w_dev or s in self.ran:
                 continue
-            if (s, _A) in dev and self._keeps_a0((s, _A)):
+            if s in self.flagged:
+                if self._either(s):
+                    compute.append((Op.F_ALL, s, 0))   # its one run keeps abar_{s+1}
+                continue
+            if (s, _A) in dev and self._keeps((s, _A)):
                 compute.append((Op.F_NONE, s, 0))      # reads and frees a plain a_s
             if self._either(s):
                 compute += [(Op.F_CK, s, 0), (Op.F_ALL, s, 0)]
@@ -80,7 +96,7 @@ class _Walk:
         for k, kind in sorted(dev):
             if (k, kind) not in self.host:
                 moves.append((Op.OFFLOAD, k, kind))
-            if self._keeps_a0((k, kind)):
+            if self._keeps((k, kind)):
                 moves.append((Op.DELETE, k, kind))
         moves += [(Op.PREFETCH, k, kind) for k, kind in sorted(self.host - dev)]
         # Gradient moves first: after the weight moves of all n stages, a
@@ -97,6 +113,8 @@ class _Walk:
         code, s, aux = op
         dev = self.dev
         if code in (Op.F_NONE, Op.F_CK, Op.F_ALL):
+            if s in self.flagged:
+                self.ran.add(s)
             if code == Op.F_NONE:
                 dev.discard((s, _A))
             dev.add((s + 1, _ABAR if code == Op.F_ALL else _A))   # kept if resident
@@ -146,7 +164,7 @@ class _Walk:
     def _need_either(self, k: int):
         if self._either(k):
             return None
-        # k > 0: a_0 is never lost (_keeps_a0)
+        # k > 0: a_0 is never lost (_Walk._keeps)
         return self._host_copy(k) or self._produce(k, Op.F_CK)
 
     def _host_copy(self, k: int):
@@ -165,18 +183,20 @@ class _Walk:
             s = k - 1
             step = self._need_weights(s)
             if step is None and self._either(s):
-                return (op, s, 0)
+                # a flagged stage runs once, as F_all (its B needs abar_{s+1})
+                return (Op.F_ALL if s in self.flagged else op, s, 0)
             step = step or self._host_copy(s)
             if step is not None:
                 return step
-            k, op = s, Op.F_CK     # s > 0: a_0 is never lost (_keeps_a0)
+            k, op = s, Op.F_CK     # s > 0: a_0 is never lost (_Walk._keeps)
 
 
 def wandering_schedules(chain: Chain | int, *, max_steps: int | None = None,
                         transfers: bool = True, weights: bool = True):
     """Strategy for schedules of ``chain`` (a :class:`~rtmem.planners.Chain` or a
     stage count) that the simulator accepts with enough memory, drawn by a
-    random walk over every allowed operation (module docstring).
+    random walk over every allowed operation (module docstring). A stage that
+    ``chain.no_recompute`` flags runs its forward once, as ``F_all``.
 
     Up to ``max_steps`` (default ``6 n + 8``) operations are drawn, each as a
     kind (the greedy step, a compute operation, an activation move, a weight or
@@ -211,7 +231,9 @@ def _wandering_schedules(draw, chain, *, max_steps=None, transfers=True, weights
     # the arguments as given (the strategy's repr shows them), checked above
     n = int(chain.n if isinstance(chain, Chain) else chain)
     steps = 6 * n + 8 if max_steps is None else int(max_steps)
-    walk, ops = _Walk(n), []
+    flagged = (chain.no_recompute.nonzero()[0].tolist() if isinstance(chain, Chain)
+               else ())
+    walk, ops = _Walk(n, flagged), []
     for _ in range(draw(st.integers(0, steps))):
         greedy = walk.progress()
         if greedy is None:
