@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from rtmem.errors import ScheduleError
 from rtmem.units import format_bytes
 
+from .schedule import Op
+
 if TYPE_CHECKING:
     from .chain import Chain
     from .platform import Platform
@@ -90,7 +92,10 @@ def raise_error(err, schedule: Schedule, chain: Chain, platform: Platform) -> No
         what = (f"the schedule ends before the backward pass is complete: {missing} and "
                 "the backward steps after it never run")
     elif code == _E_NOT_RESIDENT:
-        what = f"{_act(a, b)} is not on the device"
+        what = (f"{_act(a, b)} is not on the device (never made, deleted, or consumed by "
+                f"F_none/L/B); compute it again or prefetch it before "
+                f"{'offloading' if schedule.op[j] == Op.OFFLOAD else 'deleting'} it, or drop "
+                "this op")
     elif code == _E_ALREADY_RESIDENT:
         what = f"{_act(a, b)} is already on the device; prefetch only what was deleted"
     elif code == _E_NO_HOST_COPY:
@@ -102,8 +107,10 @@ def raise_error(err, schedule: Schedule, chain: Chain, platform: Platform) -> No
         what = (f"needs the weights of stage {a} on the device, but they were offloaded "
                 f"or deleted (w_offload/w_delete); w_prefetch {a} first")
     elif code == _E_WEIGHT_STATE:
-        what = (f"the weights of stage {a} are not on the device" if b == 1 else
-                f"the weights of stage {a} are already on the device")
+        what = (f"the weights of stage {a} are not on the device (already offloaded or "
+                f"deleted); w_prefetch {a} first, or drop this op" if b == 1 else
+                f"the weights of stage {a} are already on the device; w_prefetch only "
+                f"weights that w_offload or w_delete moved off it")
     elif code == _E_GRAD_MISSING:
         what = f"stage {a} has no weight gradient on the device (B {a} makes it)"
     else:  # pragma: no cover - a new code without a message is a bug

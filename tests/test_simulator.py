@@ -127,6 +127,20 @@ def test_each_invariant_violated_once(chain3, text, index, reason, fragment):
     assert ref.value.reason == reason
 
 
+@pytest.mark.parametrize("text, remedy", [
+    ("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0, offload a0",
+     "compute it again or prefetch it before offloading it"),
+    ("delete a2", "compute it again or prefetch it before deleting it"),
+    ("w_delete 0, w_offload 0", "w_prefetch 0 first"),
+    ("w_prefetch 0", "w_prefetch only weights that w_offload or w_delete moved off it"),
+])
+def test_residency_errors_say_what_to_do(chain3, text, remedy):
+    # they said only "a0 is not on the device" / "the weights ... are already on
+    # the device": what was wrong, not what to change in the schedule
+    with pytest.raises(ScheduleError, match=remedy):
+        simulate(chain3, Schedule.from_text(text), BIG)
+
+
 @pytest.mark.parametrize("channel, makespan", [("shared", 6.0), ("duplex", 5.0)])
 def test_channel_models(channel, makespan):
     # offload of abar1 [1, 2] and prefetch of w1 want the link at the same time:
