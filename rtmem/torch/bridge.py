@@ -300,6 +300,8 @@ class ModulePlacement:
     _finalizer: object = field(default=None, init=False, repr=False, compare=False)
     # the weak reference to it that _placed holds for its parameters
     _ref: object = field(default=None, init=False, repr=False, compare=False)
+    # handles of the load_state_dict pre-hooks refusing assign=True (_refuse_assign)
+    _hooks: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def release(self) -> None:
         """Copy every parameter (and gradient) out of the arenas and free the buffers.
@@ -317,6 +319,7 @@ class ModulePlacement:
         bufs = [*self.weights.values(), *self.grads.values()]
         if self._finalizer is not None:
             self._finalizer.detach()
+        _remove_hooks(self._hooks)
         _forget([id(p) for p in self.weights], self._ref)   # none left once released
         self.weights.clear()
         self.grads.clear()
@@ -334,7 +337,38 @@ def _free_all(bufs) -> None:
             pass
 
 
-def _free_dropped(bufs, ids, ref) -> None:
+def _remove_hooks(handles) -> None:
+    """Remove a placement's load_state_dict pre-hooks (weakly held: a module
+    already collected is skipped)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _refuse_assign(module, state_dict, prefix, local_metadata, *_) -> None:
+    """``load_state_dict`` pre-hook of each submodule of a placed module: refuse
+    ``assign=True`` while a parameter under ``module`` is placed.
+
+    Plain loading copies into the parameters in place, so they keep viewing
+    their buffers. ``assign=True`` replaced them with the state dict's tensors
+    (or, under ``torch.__future__.set_swap_module_params_on_conversion(True)``,
+    swapped those in): the module silently left the arena while its buffers
+    stayed reserved and went stale. Run on the topmost module loaded before
+    any of its parameters change, so the refusal leaves the module as it was.
+    """
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    placed = [name for name, p in module.named_parameters() if _placement_of(p) is not None]
+    if placed:
+        raise ResidencyError(
+            f"load_state_dict(assign=True) would replace parameter {prefix + placed[0]!r} (and "
+            f"{len(placed) - 1} more) placed in an arena by place_parameters with the "
+            f"state dict's tensors, outside the arena; load without assign=True (it "
+            f"copies the values into the arena in place), or call release() on the "
+            f"ModulePlacement first", state="placed", action="load_state_dict(assign=True)")
+
+
+def _free_dropped(bufs, ids, ref, hooks=()) -> None:
     """Free the buffers of a placement garbage-collected without ``release()``.
 
     The parameters then count as placed no more (:func:`_placement_of`), so the
@@ -343,8 +377,10 @@ def _free_dropped(bufs, ids, ref) -> None:
     parameter tensors still viewing its bytes (NOTE [ Pinned views ] in
     ``rtmem/buffer.py``), so the module keeps working meanwhile. May run inside
     a garbage collection: NOTE [ Frees from finalizers ] in rtmem/_deferred.py.
-    ``ids`` and ``ref``: the parameters' entries to :func:`_forget`.
+    ``ids`` and ``ref``: the parameters' entries to :func:`_forget`; ``hooks``:
+    the placement's load_state_dict pre-hook handles.
     """
+    _remove_hooks(list(hooks))
     _forget(ids, ref)
     run_or_defer(lambda: _free_all(bufs))
 
@@ -409,6 +445,11 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     laid out (``(N, H, W, C)`` for a channels_last ``(N, C, H, W)`` weight), so
     ``buf.numpy()`` reads them in that order. Other layouts (overlapping,
     sliced) are placed row-major.
+
+    ``module.load_state_dict(sd)`` copies into the placed parameters in place;
+    ``load_state_dict(sd, assign=True)`` would replace them with tensors outside
+    the arena, and is refused (:class:`~rtmem.errors.ResidencyError`, the module
+    unchanged) until :meth:`ModulePlacement.release`.
 
     Convert the module first (``module.half()``, ``.to(dtype)``, ``.to(device)``):
     a conversion after placing gives each parameter new data outside the arena,
@@ -505,9 +546,13 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     ref = weakref.ref(placement)
     for p in placement.weights:
         _placed[id(p)] = ref
+    # On every submodule: load_state_dict may be called on any of them, and the
+    # topmost one loaded refuses before anything under it changes.
+    placement._hooks = [m.register_load_state_dict_pre_hook(_refuse_assign)
+                        for m in module.modules()]
     finalizer = weakref.finalize(
         placement, _free_dropped, [*placement.weights.values(), *placement.grads.values()],
-        [id(p) for p in placement.weights], ref)
+        [id(p) for p in placement.weights], ref, placement._hooks)
     finalizer.atexit = False     # the process gives everything back at exit
     placement._finalizer, placement._ref = finalizer, ref
     return placement
