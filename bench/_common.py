@@ -33,6 +33,18 @@ def gpu_required() -> bool:
     return os.environ.get("RTMEM_REQUIRE_GPU") == "1"
 
 
+def not_measured(reason: str) -> dict:
+    """A results section that was not measured, as every benchmark writes it:
+    ``{"measured": false, "reason": reason}`` (a measured section carries
+    ``"measured": true`` beside its figures). ``reason``: words saying why (no
+    GPU, a ``--skip-*`` option, a run stopped before the section finished).
+
+    One spelling for every results file: allocator.json wrote ``{"skipped":
+    why}`` where train.json wrote this, so a reader had to know which file it
+    held to tell a GPU result from its absence."""
+    return {"measured": False, "reason": reason}
+
+
 def results_dir() -> str:
     """Where results go: ``$RTMEM_BENCH_RESULTS`` when set (a folder), else
     bench/results/."""

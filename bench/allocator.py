@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, CommandParser, PartialResults, count, gpu_required,  # noqa: E402
-                     write_results)
+                     not_measured, write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay
@@ -460,12 +460,14 @@ NO_GPU = "no usable CUDA GPU here: CuPy MemoryPool and torch caching allocator n
 
 
 def gpu_section(rtrace, gtrace, repeats, loops, random_peak, gpt2_peak) -> dict:
-    """Both traces against CuPy's and torch's pools (:func:`gpu_baselines`), or
-    ``{"skipped": why}`` without a usable GPU. ``*_peak``: each trace's peak of
-    live bytes."""
+    """Both traces against CuPy's and torch's pools (:func:`gpu_baselines`),
+    ``{"measured": true, "random": ..., "gpt2": ...}``, or
+    :func:`_common.not_measured` without a usable GPU. ``*_peak``: each trace's
+    peak of live bytes."""
     if not cuda_available():
-        return {"skipped": NO_GPU}
-    return {"random": gpu_baselines(rtrace, repeats, 1, 256 << 20, random_peak),
+        return not_measured(NO_GPU)
+    return {"measured": True,
+            "random": gpu_baselines(rtrace, repeats, 1, 256 << 20, random_peak),
             "gpt2": gpu_baselines(gtrace, repeats, loops,
                                   align_up(gpt2_peak * 5 // 4, 1 << 20), gpt2_peak)}
 
@@ -494,7 +496,7 @@ def main(argv=None) -> int:
     loops = 20 if args.quick else 200
     if gpu_required() and not cuda_available():
         # A GPU session must not report ok for the pool ratios it cannot
-        # measure, nor replace an earlier GPU result with "skipped" (the
+        # measure, nor replace an earlier GPU result with "not measured" (the
         # partial document after each section did): fail before measuring.
         print(f"RTMEM_REQUIRE_GPU=1: {NO_GPU}; nothing measured, nothing written",
               file=sys.stderr)
@@ -549,10 +551,11 @@ def main(argv=None) -> int:
     for key, value in p.get("pools", {}).items():
         rows.append((f"pinned 20.4 GiB: {key}",
                      f"{value:,}" if isinstance(value, int) else value))
-    if "skipped" in results["gpu"]:
-        rows.append(("GPU baselines", results["gpu"]["skipped"]))
+    if not results["gpu"]["measured"]:
+        rows.append(("GPU baselines", results["gpu"]["reason"]))
     else:
-        for tname, d in results["gpu"].items():
+        for tname in ("random", "gpt2"):
+            d = results["gpu"][tname]
             rows += [(f"GPU {tname}: {name} pairs/s", f"{d[name + '_pairs_per_s']:,.0f}")
                      for name in (*_RTMEM_GPU, "cupy_memorypool", "torch_caching")
                      if name + "_pairs_per_s" in d]

@@ -88,7 +88,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
-                     at_least, count, gpu_required, round_robin, write_results)
+                     at_least, count, gpu_required, not_measured, round_robin,
+                     write_results)
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -581,7 +582,7 @@ def main(argv=None):
     partial, during = PartialResults(args.out), "the CPU section"
     try:
         if args.skip_cpu:
-            doc["cpu"] = {"measured": False, "reason": "skipped (--skip-cpu)"}
+            doc["cpu"] = not_measured("skipped (--skip-cpu)")
         else:
             doc.update(cpu_report(args))
             if not args.skip_gpu and torch.cuda.is_available():
@@ -589,10 +590,10 @@ def main(argv=None):
                 # must not take the finished CPU section with it. (Without a
                 # GPU nothing is saved here: under RTMEM_REQUIRE_GPU=1 an
                 # earlier GPU result stays, below.)
-                partial.save(_jsonable({**doc, "gpu": {
-                    "measured": False, "reason": "the GPU section did not finish"}}))
+                partial.save(_jsonable({**doc, "gpu": not_measured(
+                    "the GPU section did not finish")}))
         if args.skip_gpu:
-            gpu = {"measured": False, "reason": "skipped (--skip-gpu)"}
+            gpu = not_measured("skipped (--skip-gpu)")
         else:
             torch.set_num_threads(os.cpu_count() or 1)   # the GPU section feeds the device
             during = "the GPU section"

@@ -3,7 +3,7 @@ with rtmem, and throughput against a ZeRO-Offload-shaped baseline.
 
 Runs only when ``torch.cuda.is_available()`` (see bench/train.py's docstring for
 what is measured); without a GPU it returns ``{"measured": False, "reason": ...}``
-and nothing is fabricated.
+(``_common.not_measured``) and nothing is fabricated.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
+from _common import not_measured  # bench/ is on sys.path: train.py put it there
 from rtmem.errors import InfeasibleError
 from rtmem.planners.chain import Chain
 from rtmem.planners.remat import plan_remat
@@ -99,8 +100,8 @@ def gpu_section(args, save=None):
     size, so a run stopped by a time limit still leaves what it measured."""
     save = save or (lambda partial: None)
     if not torch.cuda.is_available():
-        return {"measured": False, "reason": "no GPU: GPU section not measured "
-                "(torch.cuda.is_available() is False on this machine)"}
+        return not_measured("no GPU: GPU section not measured "
+                            "(torch.cuda.is_available() is False on this machine)")
     torch.set_float32_matmul_precision(args.gpu_matmul_precision)
     dev = torch.device(GPU_DEVICE)
     total = torch.cuda.get_device_properties(dev).total_memory

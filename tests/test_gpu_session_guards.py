@@ -38,6 +38,13 @@ def test_pytest_m_gpu_without_a_gpu_skips_or_fails_as_asked():
     assert "RTMEM_REQUIRE_GPU=1 but no usable CUDA GPU" in required.stdout + required.stderr
 
 
+def _not_measured(section) -> bool:
+    """Whether a results section is written as bench/_common.not_measured writes
+    it: ``{"measured": false, "reason": "words"}`` and nothing else."""
+    return (set(section) == {"measured", "reason"} and section["measured"] is False
+            and isinstance(section["reason"], str) and section["reason"] != "")
+
+
 @pytest.mark.parametrize("script", ["pcie", "dha_layers"])
 def test_gpu_benchmarks_without_a_gpu_exit_3_only_when_required(script, monkeypatch,
                                                                  capsys):
@@ -69,7 +76,8 @@ def test_train_benchmark_without_a_gpu_exits_3_only_when_required(monkeypatch, c
     assert "nothing written" in capsys.readouterr().err and not list(tmp_path.iterdir())
     monkeypatch.delenv("RTMEM_REQUIRE_GPU")
     assert train.main(["--skip-cpu", "--out", "train"]) == 0
-    assert (tmp_path / "train.json").exists()
+    doc = json.loads((tmp_path / "train.json").read_text())
+    assert _not_measured(doc["gpu"]) and _not_measured(doc["cpu"])
 
 
 def test_allocator_benchmark_without_a_gpu_exits_3_only_when_required(monkeypatch, capsys,
@@ -95,7 +103,10 @@ def test_allocator_benchmark_without_a_gpu_exits_3_only_when_required(monkeypatc
     assert json.loads((tmp_path / "allocator.json").read_text()) == earlier
     monkeypatch.delenv("RTMEM_REQUIRE_GPU")
     assert allocator.main(["--quick"]) == 0
-    assert "skipped" in json.loads((tmp_path / "allocator.json").read_text())["gpu"]
+    # one spelling of "not measured" in every results file: allocator.json wrote
+    # {"skipped": why} where train.json wrote {"measured": false, "reason": why}
+    gpu = json.loads((tmp_path / "allocator.json").read_text())["gpu"]
+    assert _not_measured(gpu) and gpu["reason"] == allocator.NO_GPU
 
 
 _FAKE_PYTHON = r"""#!/usr/bin/env bash
