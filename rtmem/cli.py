@@ -541,8 +541,8 @@ class CommandParser(argparse.ArgumentParser):
     Usage errors raise :class:`_UsageError` (a SystemExit with code 2, as
     argparse's), after argparse's usage and message on stderr. When the command
     line asks for ``--json`` and this parser or one of its subcommands has that
-    option, :meth:`parse_args` also prints ``{"error": MESSAGE}``
-    (:func:`error_document`) on stdout, as every other failure of a ``--json``
+    option, :meth:`parse_args` also prints ``{"error": MESSAGE, "kind":
+    "UsageError"}`` (:func:`error_document`) on stdout, as every other failure of a ``--json``
     command does: a script reading stdout got nothing to parse. Subcommands'
     parsers are of this class too (``add_subparsers`` makes its parsers of the
     parent's class)."""
@@ -645,9 +645,18 @@ def _prog(args) -> str:
     return "rtmem " + " ".join(words)
 
 
+#: The ``"kind"`` of :func:`error_document` for bad usage (argparse's errors and
+#: a subcommand's own checks of its arguments, exit 2), which raise nothing.
+USAGE_ERROR = "UsageError"
+
+
 def error_document(message: str, error: BaseException | None = None) -> dict:
     """The JSON object a ``--json`` subcommand prints on stdout when it fails:
-    ``{"error": message}``; for an :class:`~rtmem.errors.InfeasibleError` also
+    ``{"error": message, "kind": KIND}``, KIND the class name of ``error``
+    (``"InfeasibleError"``, ``"ScheduleError"``, ``"ChainError"``,
+    ``"FileNotFoundError"``, ...), or :data:`USAGE_ERROR` without one (bad
+    usage), so a script can tell a budget no plan fits from a mistyped argument
+    without matching the message's words; for an :class:`~rtmem.errors.InfeasibleError` also
     ``"infeasible": true``, ``"budget_bytes"`` and ``"min_feasible_bytes"`` (bytes;
     null when unknown or unlimited), the keys of an infeasible plan in ``rtmem
     plan remat --json``'s ``"plans"``; for a :class:`~rtmem.errors.ScheduleError`
@@ -657,7 +666,8 @@ def error_document(message: str, error: BaseException | None = None) -> dict:
     def finite(value):
         # JSON has no Infinity: an unlimited budget is null, as in `plan --json`
         return None if value is None or not math.isfinite(value) else value
-    doc = {"error": message}
+    doc = {"error": message,
+           "kind": USAGE_ERROR if error is None else type(error).__name__}
     if isinstance(error, InfeasibleError):
         doc.update(infeasible=True, budget_bytes=finite(error.budget),
                    min_feasible_bytes=finite(error.min_feasible))

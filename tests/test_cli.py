@@ -297,11 +297,15 @@ def test_a_failed_json_command_prints_json_on_stdout_too(capsys, tmp_path):
     doc = json.loads(out)
     assert code == 1 and err == f"rtmem simulate: error: {doc['error']}\n"
     assert doc["reason"] == "memory-limit" and doc["op_index"] is None
+    # "kind" names the error class: a script tells a refused schedule, a
+    # missing file and bad usage apart without matching the message's words
+    assert doc["kind"] == "ScheduleError"
     assert doc["over_bytes"] > 0 and str(f"{doc['over_bytes']:,}") in doc["error"]
     missing = str(tmp_path / "missing.json")
     code, out, err = run(capsys, "simulate", missing, "store-all", "--memory", "1GiB",
                          "--json")
-    assert code == 1 and json.loads(out) == {"error": err.split("error: ", 1)[1].strip()}
+    assert code == 1 and json.loads(out) == {"error": err.split("error: ", 1)[1].strip(),
+                                             "kind": "ChainError"}
     # without --json stdout stays empty
     code, out, err = run(capsys, "simulate", missing, "store-all", "--memory", "1GiB")
     assert code == 1 and out == "" and missing in err
@@ -323,7 +327,8 @@ def test_bad_usage_with_json_prints_json_on_stdout_too(capsys, argv):
         main(argv)
     out, err = capsys.readouterr()
     assert e.value.code == 2
-    assert json.loads(out) == {"error": err.strip().splitlines()[-1].split("error: ", 1)[1]}
+    assert json.loads(out) == {"error": err.strip().splitlines()[-1].split("error: ", 1)[1],
+                               "kind": "UsageError"}
 
 
 
@@ -339,7 +344,7 @@ def test_the_shared_parser_prints_usage_errors_as_json_when_asked(capsys):
     out, err = capsys.readouterr()
     message = "argument --count: '-inf' is not an integer"
     assert e.value.code == 2 and f"script: error: {message}" in err
-    assert json.loads(out) == {"error": message}
+    assert json.loads(out) == {"error": message, "kind": "UsageError"}
 
 
 def test_bad_usage_without_json_leaves_stdout_empty(capsys):

@@ -217,7 +217,8 @@ def test_a_failed_profile_with_json_prints_json_on_stdout(capsys, tmp_path, monk
     monkeypatch.chdir(tmp_path)
     code, out, err = run(capsys, "--model", "no_such_module:build", "--quiet", "--json")
     assert code == 2 and err.startswith("rtmem profile: error: ")
-    assert json.loads(out) == {"error": err.split("error: ", 1)[1].rstrip("\n")}
+    assert json.loads(out) == {"error": err.split("error: ", 1)[1].rstrip("\n"),
+                               "kind": "FactoryError"}
 
 
 def test_a_factory_file_imports_the_modules_beside_it(capsys, tmp_path, monkeypatch,

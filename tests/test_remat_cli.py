@@ -121,7 +121,8 @@ def test_an_infeasible_budget_with_json_prints_a_json_verdict(capsys):
         plan_remat(from_spec(SPEC), 1000)
     assert main(["plan", "remat", SPEC, "--memory", "1000", "--quiet", "--json"]) == 1
     out, err = capsys.readouterr()
-    assert json.loads(out) == {"error": str(expected.value), "infeasible": True,
+    assert json.loads(out) == {"error": str(expected.value), "kind": "InfeasibleError",
+                               "infeasible": True,
                                "budget_bytes": 1000,
                                "min_feasible_bytes": min_feasible_memory(from_spec(SPEC))}
     assert err == f"rtmem plan remat: error: {expected.value}\n"
