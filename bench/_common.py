@@ -15,15 +15,57 @@ import statistics
 import sys
 import time
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+#: Where this process wrote results: "writing" the file being written now, if
+#: any, "written" the last one written (for the line a stray Ctrl-C prints)
+_WRITES = {"writing": None, "written": None}
+
+
+def _ctrl_c_line(kind, value, tb, _previous=sys.excepthook):
+    """``sys.excepthook`` of a benchmark run as a script: a KeyboardInterrupt
+    that no ``except`` caught (Ctrl-C, or bench/gpu_session.sh's time limit,
+    during the imports or the final write, outside a script's measuring loop)
+    is one line on stderr saying what was written, and exit code 130, as a stop
+    a script catches is (:meth:`PartialResults.interrupted`). Anything else
+    goes to the previous hook (a traceback)."""
+    if not issubclass(kind, KeyboardInterrupt):
+        return _previous(kind, value, tb)
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
+    if _WRITES["writing"]:
+        what = (f"while writing {_WRITES['writing']}: it holds the earlier document or "
+                f"this run's, whole (files are written beside, then renamed over)")
+    elif _WRITES["written"]:
+        what = f"after writing {_WRITES['written']} (whole)"
+    else:
+        what = "before any result; nothing written (an earlier result stays)"
+    print(f"{name}: interrupted {what}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a reader that went away, a closed stream
+            pass
+    # After its excepthook Python ends a KeyboardInterrupt by killing itself
+    # with SIGINT (status -2 to a parent, 130 in a shell); 130 as an exit code
+    # is what every other stop of a benchmark returns. (130 is
+    # rtmem.cli.INTERRUPTED_EXIT, not imported yet at the earliest stop.)
+    os._exit(130)
+
+
+# Installed first, before the imports below (rtmem, then the script's own:
+# torch takes seconds), and only when a bench/ script is what runs: a test or
+# `rtmem bench` importing this module keeps its own handling.
+if sys.argv and sys.argv[0] and \
+        os.path.dirname(os.path.abspath(sys.argv[0])) == os.path.dirname(RESULTS):
+    sys.excepthook = _ctrl_c_line
+
 # the scripts' argparse types and parser, one implementation with the CLI's: -1MiB
 # and -inf are values, usage errors are rtmem's
-from rtmem.cli import (MAX_REPEATS, MAX_THREADS, CommandParser, at_least,  # noqa: F401
+from rtmem.cli import (MAX_REPEATS, MAX_THREADS, CommandParser, at_least,  # noqa: E402,F401
                        count)
 # a benchmark stopped by SIGINT exits as the CLI does (130)
-from rtmem.cli import INTERRUPTED_EXIT
-from rtmem._files import write_text  # replaced whole: written beside, renamed over
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from rtmem.cli import INTERRUPTED_EXIT  # noqa: E402
+from rtmem._files import write_text  # noqa: E402  (replaced whole: beside, renamed over)
 
 
 def gpu_required() -> bool:
@@ -177,7 +219,16 @@ def write_results(name: str, doc: dict, path=None) -> str:
     path = os.fspath(path) if path is not None else \
         os.path.join(results_dir(), f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    write_text(path, json.dumps(doc, indent=1) + "\n")
+    text = json.dumps(doc, indent=1) + "\n"
+    _WRITES["writing"] = path
+    try:
+        write_text(path, text)
+    except KeyboardInterrupt:
+        raise               # still "writing": the line a stray Ctrl-C prints names it
+    except BaseException:
+        _WRITES["writing"] = None
+        raise
+    _WRITES.update(writing=None, written=path)
     return path
 
 

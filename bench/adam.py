@@ -59,12 +59,13 @@ from pathlib import Path
 # threads sleep at once, for both. Must be set before either library loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-
+# _common first: a stop while numba loads is one line, not a traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least, count,  # noqa: E402
                      write_results)
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
 
 from rtmem.cli import output_file  # noqa: E402
 from rtmem.kernels import adam_update, encode_half  # noqa: E402

@@ -44,11 +44,11 @@ import random
 import statistics
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, CommandParser, PartialResults, count, gpu_required,  # noqa: E402
                      not_measured, write_results)
+
+import numpy as np  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay

@@ -54,15 +54,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
                      count, gc_cost, offload_everything, round_robin, write_results)
 
-try:                # loading torch takes seconds: a stop then is one line, as later
-    import torch  # noqa: E402
-    from torch import nn  # noqa: E402
+# (a stop while torch loads, seconds, is one line: _common's excepthook)
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
-    from rtmem._table import format_table  # noqa: E402
-    from rtmem.planners import sequential_schedule, store_all_schedule  # noqa: E402
-    from rtmem.torch import ScheduleExecutor  # noqa: E402
-except KeyboardInterrupt:
-    sys.exit(PartialResults("executor").interrupted("the imports (torch)"))
+from rtmem._table import format_table  # noqa: E402
+from rtmem.planners import sequential_schedule, store_all_schedule  # noqa: E402
+from rtmem.torch import ScheduleExecutor  # noqa: E402
 
 WIDTH, BATCH = 64, 8
 

@@ -25,11 +25,11 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least, count,  # noqa: E402
                      write_results)
+
+import numpy as np  # noqa: E402
 
 from rtmem.cli import output_file
 from rtmem.planners import Platform, simulate, store_all_schedule

@@ -82,14 +82,15 @@ import sys
 import time
 import traceback
 
-import numpy as np
-import torch
-from torch.utils.checkpoint import checkpoint_sequential
-
+# _common first: a stop while torch loads (seconds) is one line, not a traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
                      at_least, count, gpu_required, not_measured, round_robin,
                      write_results)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 from train_gpu import gpu_section  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402

@@ -426,7 +426,7 @@ def test_adam_bench_size_too_large_for_the_machine_is_one_line(monkeypatch, caps
 # child's SIGINT is reset to the default, which Python turns into KeyboardInterrupt
 SIGINT_AT = """
 import importlib.abc, os, runpy, signal, sys
-import rtmem.planners, rtmem.planners.rotor
+import rtmem._files, rtmem.planners, rtmem.planners.rotor
 where, script, *args = sys.argv[1:]
 
 def interrupting(fn):
@@ -459,6 +459,8 @@ runpy.run_path(script, run_name="__main__")
     ("simulate", "rtmem.planners.simulate", ["--ops", "600", "--repeats", "1"]),
     # torch loading (seconds) before any depth
     ("executor", "import torch", ["--depths", "2", "--repeats", "1"]),
+    # train imported torch before _common: a traceback, exit -2 (killed by SIGINT)
+    ("train", "import torch", ["--skip-gpu"]),
 ])
 def test_ctrl_c_before_the_first_result_is_one_line_and_exit_130(tmp_path, script, where,
                                                                   args):
@@ -466,7 +468,7 @@ def test_ctrl_c_before_the_first_result_is_one_line_and_exit_130(tmp_path, scrip
     import signal
     import subprocess
     import sys
-    if script == "executor":
+    if script in ("executor", "train"):
         pytest.importorskip("torch")
     earlier = tmp_path / f"{script}.json"
     earlier.write_text('{"earlier": true}\n')
@@ -480,3 +482,28 @@ def test_ctrl_c_before_the_first_result_is_one_line_and_exit_130(tmp_path, scrip
     assert len(lines) == 1 and "interrupted" in lines[0] and "nothing written" in lines[0], \
         res.stderr[-2000:]
     assert earlier.read_text() == '{"earlier": true}\n'          # the earlier result stays
+
+
+def test_ctrl_c_during_the_final_results_write_is_one_line_and_exit_130(tmp_path):
+    # the write is atomic (the file stays whole), but the stop was a traceback
+    # and exit -2 (Python's SIGINT death): outside every script's own handling
+    import os
+    import signal
+    import subprocess
+    import sys
+    earlier = tmp_path / "simulate.json"
+    earlier.write_text('{"earlier": true}\n')
+    env = dict(os.environ, RTMEM_BENCH_RESULTS=str(tmp_path))
+    res = subprocess.run(
+        [sys.executable, "-c", SIGINT_AT, "rtmem._files.write_text",
+         str(BENCH / "simulate.py"), "--ops", "600", "--repeats", "1"],
+        capture_output=True, text=True, env=env, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert res.returncode == 130, (res.returncode, res.stderr[-2000:])
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("simulate: interrupted while writing "), \
+        res.stderr[-2000:]
+    assert str(earlier) in lines[0]
+    # stopped before its rename: the earlier document, whole, and no stray temp file
+    assert earlier.read_text() == '{"earlier": true}\n'
+    assert [f.name for f in tmp_path.iterdir()] == ["simulate.json"]
