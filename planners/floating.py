@@ -191,8 +191,10 @@ def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
     """Reconstruct the schedule of F(0, n, 0, m) (Alg. 2, with Case A generalised)
     from ``F`` as :func:`floating_table` returned it for ``arrays``; ``m`` in slots,
     0..M. Raises :class:`~rtmem.errors.ScheduleError` (reason
-    ``"bad-floating-table"``) for an ``F`` of another shape or an ``m`` outside it:
-    the jitted cells read ``F`` without bounds checks."""
+    ``"bad-floating-table"``) for an ``F`` of another shape or an ``m`` outside it
+    (the jitted cells read ``F`` without bounds checks), and for an entry the walk
+    visits that its own choices do not reach (a table no fill made for these
+    arrays, e.g. one made for another chain or by hand)."""
     a = arrays
     _check_stage_arrays(a, "floating_schedule")
     N = a.N
@@ -226,8 +228,13 @@ def floating_schedule(arrays: StageArrays, F, m: int) -> Schedule:
                       a.xb, a.of, a.ob, a.Gb, D, a.nr, arg, False)
         case, r, sp, tp, mt, mr = (int(v) for v in arg)
         if case == _NONE or not best <= F[s, t, l, m]:
-            raise RtmemError(f"floating DP reconstruction failed at (s={s}, t={t}, l={l}, "
-                             f"m={m}); this is a bug")
+            # the fill stores exactly what _cells computes here, so only a table
+            # floating_table did not make (for these arrays) reaches this
+            got = "no choice is feasible" if case == _NONE else f"its best choice takes {best}"
+            raise ScheduleError(
+                f"floating_schedule: F[{s}, {t}, {l}, {m}] = {F[s, t, l, m]} but {got} by the "
+                "table's other entries: F is not a table floating_table(arrays, M) makes for "
+                "these arrays; pass the one it returned", reason="bad-floating-table")
         ops += [(Op.F_NONE, h) for h in range(s, r)]
         if case == _CASE_A:
             if mt < 0:     # the leaf: r == t
