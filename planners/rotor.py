@@ -595,24 +595,39 @@ def min_memory_schedule(arrays: StageArrays, choice) -> Schedule:
     was half of plan_remat's time there (1.3 s of 2.5 on 800 stages; 9.9 s on
     3,000, 0.57 s jitted)."""
     N = arrays.N
-    table = np.asarray(choice)
-    if table.shape != (N, N) or table.dtype.kind not in "iu":
-        raise ScheduleError(
-            f"min_memory_schedule: choice must be the ({N}, {N}) integer table min_memory "
-            f"returns for these arrays, got {table.dtype} of shape {table.shape}",
-            reason="bad-choice-table")
+    table = _choice_table(N, choice, "min_memory_schedule")
     cap = _reconstruct_capacity(N)
     op, stage = np.empty(cap, np.int64), np.empty(cap, np.int64)
     count = _min_memory_ops(table, N, op, stage)
     if count < 0:
         # the jitted walk writes without bounds checks of its own; an entry out of
         # range would make it loop or write past its arrays, so it stops there
-        s, t = divmod(-1 - count, N)
-        raise ScheduleError(
-            f"min_memory_schedule: choice[{s}, {t}] = {table[s, t]} is not a choice "
-            f"min_memory makes (-1, or s' with {s} <= s' < {t}); pass the table "
-            "min_memory returned for these arrays", reason="bad-choice-table")
+        raise _bad_choice("min_memory_schedule", table, *divmod(-1 - count, N))
     return Schedule(op[:count], stage[:count])
+
+
+def _choice_table(N: int, choice, who: str) -> np.ndarray:
+    """``choice`` as an array, or :class:`~rtmem.errors.ScheduleError` (reason
+    ``"bad-choice-table"``) unless it is an (N, N) integer table as :func:`min_memory`
+    returns; ``who`` names the caller. Its entries are checked where the walks read
+    them (:func:`_bad_choice`)."""
+    table = np.asarray(choice)
+    if table.shape != (N, N) or table.dtype.kind not in "iu":
+        raise ScheduleError(
+            f"{who}: choice must be the ({N}, {N}) integer table min_memory returns for "
+            f"these arrays, got {table.dtype} of shape {table.shape}",
+            reason="bad-choice-table")
+    return table
+
+
+def _bad_choice(who: str, table, s: int, t: int) -> ScheduleError:
+    """The error for an entry ``table[s, t]`` outside -1 and ``[s, t)``: walking it
+    would loop (s' < s, or s' = t splits (s, t) into itself) or index past the
+    table."""
+    return ScheduleError(
+        f"{who}: choice[{s}, {t}] = {table[s, t]} is not a choice min_memory makes (-1, or "
+        f"s' with {s} <= s' < {t}); pass the table min_memory returned for these arrays",
+        reason="bad-choice-table")
 
 
 @numba.njit(cache=True)
@@ -666,10 +681,15 @@ def choices_memory(arrays: StageArrays, choice) -> int:
     max(m_none(s, t), xo[s'] + its tail's, its head's). So :func:`min_memory`
     of ``arrays`` is at most this, and equal to it for its own choices.
 
+    Raises :class:`~rtmem.errors.ScheduleError` (reason ``"bad-choice-table"``),
+    as :func:`min_memory_schedule` does, for a table of another shape or an entry
+    it reads that min_memory never makes.
+
     The tree has fewer than 2 N nodes; each takes an O(t - s) numpy max."""
     a = arrays
     _check_stage_arrays(a, "choices_memory")
     N = a.N
+    choice = _choice_table(N, choice, "choices_memory")
     inner = a.xin + a.xo + a.of          # m_none's terms for s < h < t
     order, stack = [], [(0, N - 1)]
     while stack:                         # preorder: children after their parent
@@ -677,6 +697,8 @@ def choices_memory(arrays: StageArrays, choice) -> int:
         order.append((s, t))
         if s < t:
             sp = int(choice[s, t])
+            if sp != -1 and not s <= sp < t:
+                raise _bad_choice("choices_memory", choice, s, t)
             stack += [(s + 1, t)] if sp == -1 else [(s, sp), (sp + 1, t)]
     mem = {}
     for s, t in reversed(order):

@@ -27,3 +27,39 @@ def test_floating_schedule_refuses_a_table_of_the_right_shape_no_fill_makes():
         floating_schedule(arrays, made_up, m)
     assert err.value.reason == "bad-floating-table"
     assert floating_schedule(arrays, F, m) == good
+
+
+def _choices(n=6):
+    from rtmem.planners.rotor import min_memory
+    arrays = stage_arrays(Chain.homogeneous(n))
+    mm, choice = min_memory(arrays)
+    return arrays, mm, choice
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("entry", [-2, "self", "t", 1000])
+def test_choices_memory_refuses_a_choice_min_memory_never_makes(entry):
+    # choices_memory walked the table in Python with no check of its own: an entry
+    # past N was a bare IndexError, a negative one a KeyError, and s' = t split
+    # (s, t) into itself (a loop growing its stack without end)
+    from rtmem.planners.rotor import choices_memory
+    arrays, mm, choice = _choices()
+    t = arrays.N - 1
+    s = 1 if choice[0, t] == -1 else int(choice[0, t]) + 1    # an entry the walk reads
+    assert 1 <= s < t
+    bad = choice.copy()
+    bad[s, t] = {"self": s - 1, "t": t}.get(entry, entry)
+    with pytest.raises(ScheduleError, match=rf"choices_memory: choice\[{s}, {t}\] = .* is not "
+                                            "a choice") as err:
+        choices_memory(arrays, bad)
+    assert err.value.reason == "bad-choice-table"
+    assert choices_memory(arrays, choice) == mm              # the table was not changed
+
+
+def test_choices_memory_refuses_a_table_of_another_shape():
+    from rtmem.planners.rotor import choices_memory
+    arrays, mm, choice = _choices()
+    for bad in (choice[:-1], choice.astype(np.float64), choice[None], "table"):
+        with pytest.raises(ScheduleError, match="integer table min_memory returns") as err:
+            choices_memory(arrays, bad)
+        assert err.value.reason == "bad-choice-table"
