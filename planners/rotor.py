@@ -589,20 +589,34 @@ def min_memory(arrays: StageArrays, progress=None, choices: bool = True):
 def min_memory_schedule(arrays: StageArrays, choice) -> Schedule:
     """The schedule that needs the least memory (from :func:`min_memory`'s choices).
 
+    Contract: ``choice`` must be what :func:`min_memory` returned for these
+    ``arrays`` (or for the same chain in other units). The walk reads only the
+    choices, ``N`` and the no_recompute stages (``arrays.nr``): any table of
+    choices -1 or s <= s' < t describes a valid persistent schedule of every
+    chain of N - 1 stages, so a table made for another chain of the same length
+    gives a schedule of this one that is not its least-memory schedule, and
+    this cannot tell (that would take min_memory's O(N^3) pass; compare
+    :func:`choices_memory` ``(arrays, choice)`` with ``min_memory(arrays)[0]``
+    to check). Raises :class:`~rtmem.errors.ScheduleError` (reason
+    ``"bad-choice-table"``) for a table of another shape, an entry it reads
+    outside -1 and ``[s, t)``, or an F^ck that would run a stage these arrays
+    mark no_recompute twice (a table made for a chain without that flag).
+
     Walked in jitted code writing the operation arrays, as :func:`persistent_schedule`
     is: near the least budget the schedule has up to ~n^2/2 operations (a
     homogeneous chain: 321,201 for 800 stages), and building them as Python tuples
     was half of plan_remat's time there (1.3 s of 2.5 on 800 stages; 9.9 s on
     3,000, 0.57 s jitted)."""
+    _check_stage_arrays(arrays, "min_memory_schedule")
     N = arrays.N
     table = _choice_table(N, choice, "min_memory_schedule")
     cap = _reconstruct_capacity(N)
     op, stage = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    count = _min_memory_ops(table, N, op, stage)
+    count = _min_memory_ops(table, N, arrays.nr, op, stage)
     if count < 0:
         # the jitted walk writes without bounds checks of its own; an entry out of
         # range would make it loop or write past its arrays, so it stops there
-        raise _bad_choice("min_memory_schedule", table, *divmod(-1 - count, N))
+        raise _bad_choice("min_memory_schedule", table, *divmod(-1 - count, N), arrays.nr)
     return Schedule(op[:count], stage[:count])
 
 
@@ -620,10 +634,18 @@ def _choice_table(N: int, choice, who: str) -> np.ndarray:
     return table
 
 
-def _bad_choice(who: str, table, s: int, t: int) -> ScheduleError:
-    """The error for an entry ``table[s, t]`` outside -1 and ``[s, t)``: walking it
-    would loop (s' < s, or s' = t splits (s, t) into itself) or index past the
-    table."""
+def _bad_choice(who: str, table, s: int, t: int, nr) -> ScheduleError:
+    """The error for an entry ``table[s, t]`` outside -1 and ``[s, min(t, nr[s]))``:
+    walking it would loop (s' < s, or s' = t splits (s, t) into itself), index past
+    the table, or run a stage ``nr`` flags no_recompute twice (F^ck at s reruns
+    s..s' later)."""
+    sp = int(table[s, t])
+    if s <= sp < t:
+        return ScheduleError(
+            f"{who}: choice[{s}, {t}] = {sp} runs stage {int(nr[s])} twice, which these "
+            f"arrays mark no_recompute (F^ck {s} keeping a_{sp + 1} runs stages {s}..{sp} "
+            "again later): the table was made for another chain; pass the one "
+            "min_memory returned for these arrays", reason="bad-choice-table")
     return ScheduleError(
         f"{who}: choice[{s}, {t}] = {table[s, t]} is not a choice min_memory makes (-1, or "
         f"s' with {s} <= s' < {t}); pass the table min_memory returned for these arrays",
@@ -631,14 +653,15 @@ def _bad_choice(who: str, table, s: int, t: int) -> ScheduleError:
 
 
 @numba.njit(cache=True)
-def _min_memory_ops(choice, N, ops, stages):
+def _min_memory_ops(choice, N, nr, ops, stages):
     """Write :func:`min_memory_schedule`'s operations and stages to ``ops`` and
     ``stages`` (int64, :func:`_reconstruct_capacity` long) and return their number.
     Task stack as in :func:`_reconstruct` (kind 0: the interval (s, t); kind 1:
     emit B s); the later-pushed task is run first. Returns ``-1 - (s N + t)`` for
     the first entry ``choice[s, t]`` it meets that is neither -1 nor in ``[s, t)``
     (each interval then splits into strictly smaller ones, so the walk ends and its
-    stack and op counts stay within their bounds)."""
+    stack and op counts stay within their bounds), or in ``[nr[s], t)`` (an F^ck
+    that would run a stage flagged no_recompute twice)."""
     kind = np.empty(4 * N + 4, np.int64)
     ts = np.empty(4 * N + 4, np.int64)
     tt = np.empty(4 * N + 4, np.int64)
@@ -660,7 +683,7 @@ def _min_memory_ops(choice, N, ops, stages):
             top += 2
         else:
             sp = np.int64(choice[s, t])
-            if sp < s or sp >= t:
+            if sp < s or sp >= t or sp >= nr[s]:
                 return -1 - (s * N + t)
             ops[n_ops], stages[n_ops] = _F_CK, s
             n_ops += 1
@@ -683,7 +706,8 @@ def choices_memory(arrays: StageArrays, choice) -> int:
 
     Raises :class:`~rtmem.errors.ScheduleError` (reason ``"bad-choice-table"``),
     as :func:`min_memory_schedule` does, for a table of another shape or an entry
-    it reads that min_memory never makes.
+    it reads that min_memory never makes for these arrays (outside -1 and
+    ``[s, t)``, or an F^ck rerunning a stage they mark no_recompute).
 
     The tree has fewer than 2 N nodes; each takes an O(t - s) numpy max."""
     a = arrays
@@ -697,8 +721,8 @@ def choices_memory(arrays: StageArrays, choice) -> int:
         order.append((s, t))
         if s < t:
             sp = int(choice[s, t])
-            if sp != -1 and not s <= sp < t:
-                raise _bad_choice("choices_memory", choice, s, t)
+            if sp != -1 and not s <= sp < min(t, a.nr[s]):
+                raise _bad_choice("choices_memory", choice, s, t, a.nr)
             stack += [(s + 1, t)] if sp == -1 else [(s, sp), (sp + 1, t)]
     mem = {}
     for s, t in reversed(order):

@@ -10,6 +10,7 @@ from rtmem.errors import ScheduleError
 from rtmem.planners import Chain
 from rtmem.planners.floating import floating_schedule, floating_table
 from rtmem.planners.rotor import discretize, stage_arrays
+from rtmem.planners.schedule import Op
 
 
 def test_floating_schedule_refuses_a_table_of_the_right_shape_no_fill_makes():
@@ -63,3 +64,31 @@ def test_choices_memory_refuses_a_table_of_another_shape():
         with pytest.raises(ScheduleError, match="integer table min_memory returns") as err:
             choices_memory(arrays, bad)
         assert err.value.reason == "bad-choice-table"
+
+
+@pytest.mark.parametrize("who", ["min_memory_schedule", "choices_memory"])
+def test_choice_tables_of_a_chain_without_the_no_recompute_flag_are_refused(who):
+    # a choice table made for another chain of the same length walks as any other:
+    # the walks read only N from the arrays. One whose F^ck runs past a stage these
+    # arrays mark no_recompute made a schedule recomputing that (in-place) stage
+    from rtmem.planners import rotor
+    from rtmem.planners.simulator import recomputed_flagged
+    rng = np.random.default_rng()
+    plain = Chain.homogeneous(6)
+    choice = rotor.min_memory(stage_arrays(plain))[1]
+    walk = rotor.min_memory_schedule(stage_arrays(plain), choice)
+    # a stage the plain table's schedule runs more than once (not the last)
+    forwards = np.isin(walk.op, [int(Op.F_NONE), int(Op.F_CK), int(Op.F_ALL)])
+    runs = np.bincount(walk.stage[forwards], minlength=6)
+    k = int(rng.choice(np.flatnonzero(runs[:5] > 1)))
+    flagged = Chain(u_f=plain.u_f, u_b=plain.u_b, x=plain.x, xbar=plain.xbar, x0=plain.x0,
+                    no_recompute=np.arange(6) == k)
+    arrays = stage_arrays(flagged)
+    with pytest.raises(ScheduleError, match=rf"{who}: choice\[\d+, \d+\] = \d+ runs stage "
+                                            rf"{k} twice, which these arrays mark "
+                                            "no_recompute") as err:
+        getattr(rotor, who)(arrays, choice)
+    assert err.value.reason == "bad-choice-table"
+    own = rotor.min_memory(arrays)[1]
+    assert recomputed_flagged(flagged, rotor.min_memory_schedule(arrays, own)) is None
+    assert rotor.choices_memory(arrays, own) == rotor.min_memory(arrays)[0]
