@@ -24,9 +24,10 @@ from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch,
                     _check_group_hyper, _check_hyper, _check_moment, _check_num_threads,
                     _check_state_dict, _check_state_listed, _check_step_disjoint,
-                    _check_switch_flags, _check_torch_layout, _checked_step,
+                    _check_switch_flags, _check_torch_layout,
                     _coefficients, _first_overlap, _host_view, _loaded, _named,
-                    _post_hooked, _pre_hooked, _run_step, _saved_skips, _span)
+                    _post_hooked, _pre_hooked, _run_step, _saved_skips, _saved_step,
+                    _span)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -462,7 +463,8 @@ class CPUAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
         The state is copied into fresh contiguous float32 tensors, so the
-        loaded dict is never aliased; each saved step must be an integer >= 0,
+        loaded dict is never aliased; each saved state must have its step, an
+        integer >= 0 (a state without one is refused, not restarted),
         each second moment (``exp_avg_sq``, ``max_exp_avg_sq``) >= 0
         (torch.optim.Adam loads a negative one, and its next step makes the
         parameter NaN, silently; inf/NaN moments, which steps on non-finite
@@ -528,8 +530,7 @@ class CPUAdam(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if not st:
                     continue
-                step = _checked_step(st.get("step", 0), f"group {gi} param {pi}",
-                                     _MAX_STEP)
+                step = _saved_step(st, f"group {gi} param {pi}", _MAX_STEP)
                 # _state_for zero-fills a missing moment at the next step: an
                 # Adamax state (exp_avg and exp_inf) then took its first step with
                 # exp_avg_sq zero, ~10x too large, silently

@@ -263,6 +263,21 @@ def _checked_step(step, where, limit=None, what="step") -> int:
     return count
 
 
+def _saved_step(st, where, limit=None) -> int:
+    """The step count of a loaded parameter state ``st`` (a dict with its
+    moments), checked by :func:`_checked_step`. OptimizerError when it has
+    none: read as 0, the next step was a first step again, whose bias
+    correction divides the saved moments by ``1 - beta1`` (about 10x the
+    update), silently (``torch.optim.Adam``'s step raises KeyError on it)."""
+    if "step" not in st:
+        raise OptimizerError(
+            f"{where}: the state has {', '.join(map(str, st)) or 'nothing'} but no "
+            f"step, the count its moments were made at (read as 0, the next step "
+            f"would over-correct their bias); load the dict state_dict() returned, "
+            f"which saves it", argument="state_dict")
+    return _checked_step(st["step"], where, limit)
+
+
 def _check_moment(where, key, values) -> None:
     """OptimizerError naming ``where`` (the parameter) and ``key`` when a loaded
     second moment (``exp_avg_sq``, ``max_exp_avg_sq``: running means of squared
@@ -623,7 +638,7 @@ class NumpyAdam:
                                              argument="state_dict")
                     with np.errstate(over="ignore"):    # beyond float32: the inf held
                         _check_moment(f"param {i}", key, a.astype(np.float32))
-            checked.append((arrays, _checked_step(src.get("step"), f"param {i}")))
+            checked.append((arrays, _saved_step(src, f"param {i}")))
         skips = _saved_skips(state_dict)
         # Everything checked: copying can no longer fail half-way.
         for (arrays, step), dst in zip(checked, self.state):

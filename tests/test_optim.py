@@ -579,6 +579,25 @@ def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     assert float(opt.state[a[0]]["step"]) == 2.0
 
 
+def test_a_state_with_moments_but_no_step_is_refused_not_restarted():
+    # Read as step 0: the next step was a first step again, its bias correction
+    # dividing the saved moments by 1 - beta1 (~10x the update), silently;
+    # torch.optim.Adam's step raises KeyError 'step' on such a state.
+    a, opt, good = _stepped_once(29)
+    sd = copy.deepcopy(good)
+    del sd["state"][1]["step"]
+    sd["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(OptimizerError, match=r"group 0 param 1: the state has "
+                       r"exp_avg, exp_avg_sq but no step") as info:
+        opt.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    now = opt.state_dict()
+    assert now["param_groups"] == good["param_groups"]
+    for k, st in good["state"].items():
+        for key, v in st.items():
+            assert torch.equal(now["state"][k][key], v), (k, key)
+
+
 def test_state_no_group_lists_is_refused_not_dropped():
     # torch's load keeps state under a key no group lists and loads nothing for
     # the parameter: a checkpoint whose indices a JSON round trip made strings

@@ -366,6 +366,10 @@ def test_bad_state_dicts_are_refused_and_change_nothing():
             (edited(set_state("exp_avg", None)), "exp_avg=None; expected a tensor"),
             (edited(set_state("exp_avg_sq", "abc")), "exp_avg_sq='abc'; expected a tensor"),
             (edited(lambda sd: sd["state"][1].pop("exp_avg_sq")), "no exp_avg_sq"),
+            # was read as step 0: a first step's bias correction of the saved
+            # moments (~10x the update), silently
+            (edited(lambda sd: sd["state"][1].pop("step")), "parameter 1: the state has "
+             "master, exp_avg, exp_avg_sq, master_step but no step"),
             (edited(lambda sd: sd["state"].__setitem__(42, sd["state"][1])), "parameter 42"),
             (edited(lambda sd: sd["state"].__setitem__(1, [1, 2])), "dict of dicts"),
             (edited(lambda sd: sd.__setitem__("step_count", -1)), "step_count")):

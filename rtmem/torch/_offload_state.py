@@ -18,7 +18,8 @@ import torch
 from rtmem.errors import OptimizerError
 from rtmem.optim import (_check_adam_keys, _check_moment, _check_state_dict,
                          _check_state_listed, _check_torch_layout, _checked_step,
-                         _loaded, _post_hooked, _pre_hooked, _saved_skips)
+                         _loaded, _post_hooked, _pre_hooked, _saved_skips,
+                         _saved_step)
 
 from ._offload_checks import _check_group
 
@@ -198,7 +199,7 @@ class _StateDict:
                                      f"which OffloadedAdam does not run",
                                      argument="state_dict")
             # steps is int64, and a step adds one to it
-            step = _checked_step(st.get("step", 0), where, np.iinfo(np.int64).max - 1)
+            step = _saved_step(st, where, np.iinfo(np.int64).max - 1)
             arrays[k] = [step]
             # the master's step, when saved: another optimizer's steps moved the
             # parameter and "step" on, and carried the master along unchanged
