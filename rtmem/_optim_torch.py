@@ -487,6 +487,16 @@ class CPUAdam(torch.optim.Optimizer):
         _check_state_dict(state_dict)
         _check_torch_layout(state_dict)
         skips = _saved_skips(state_dict)
+        for i, st in state_dict["state"].items():
+            for key in _STATE_KEYS:
+                if torch.is_tensor(st.get(key)) and st[key].is_complex():
+                    # before torch's load, whose cast to the parameter's dtype
+                    # kept the real part only, under its generic ComplexWarning
+                    # (NumpyAdam refuses such a moment too)
+                    raise OptimizerError(
+                        f"the state of parameter {i!r} has {key} of dtype "
+                        f"{st[key].dtype}; expected real floating point, as "
+                        f"state_dict() saves it", argument="state_dict")
         # torch installs new state and group dicts; the checks below run after
         # it, so keep the old ones to put back.
         old_state, old_groups = self.state, self.param_groups

@@ -598,6 +598,23 @@ def test_a_state_with_moments_but_no_step_is_refused_not_restarted():
             assert torch.equal(now["state"][k][key], v), (k, key)
 
 
+def test_a_complex_moment_is_refused_not_cast_to_its_real_part():
+    # torch's cast to float32 dropped the imaginary part, with only torch's
+    # generic ComplexWarning; NumpyAdam refuses such a moment
+    a, opt, good = _stepped_once(30)
+    sd = copy.deepcopy(good)
+    sd["state"][1]["exp_avg"] = torch.complex(good["state"][1]["exp_avg"],
+                                              torch.ones_like(good["state"][1]["exp_avg"]))
+    with pytest.raises(OptimizerError, match=r"the state of parameter 1 has exp_avg of dtype "
+                       r"torch.complex64; expected real floating point") as info:
+        opt.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    now = opt.state_dict()
+    for k, st in good["state"].items():
+        for key, v in st.items():
+            assert torch.equal(now["state"][k][key], v), (k, key)
+
+
 def test_state_no_group_lists_is_refused_not_dropped():
     # torch's load keeps state under a key no group lists and loads nothing for
     # the parameter: a checkpoint whose indices a JSON round trip made strings

@@ -358,6 +358,9 @@ def test_bad_state_dicts_are_refused_and_change_nothing():
             # earlier parameters' state had been replaced
             (edited(set_state("step", torch.tensor(1e19))), "step counter holds"),
             (edited(set_state("exp_avg", torch.zeros(3))), "shape"),
+            # the shape matched: it was blamed on "another model" all the same
+            (edited(set_state("exp_avg", torch.zeros(8, dtype=torch.int64))),
+             r"parameter 1: state exp_avg has dtype torch.int64; expected floating"),
             (edited(set_state("master", torch.zeros(8, 6))), "shape"),
             (edited(set_state("master_step", -1)), "master_step: step is -1"),
             (edited(set_state("master_step", "2")), "master_step: step is '2'"),

@@ -213,12 +213,18 @@ class _StateDict:
                     raise OptimizerError(f"{where}: the state has no {key}",
                                          argument="state_dict")
                 t = torch.as_tensor(st[key])
-                if tuple(t.shape) != tuple(self.params[k].shape) or \
-                        not t.is_floating_point():
+                if tuple(t.shape) != tuple(self.params[k].shape):
                     raise OptimizerError(
                         f"{where}: state {key} is {t.dtype} of shape {tuple(t.shape)}, "
                         f"the parameter has shape {tuple(self.params[k].shape)}; the "
                         f"state dict belongs to another model", argument="state_dict")
+                if not t.is_floating_point():
+                    # the shape fits: "another model" (as the two were once
+                    # reported together) sent the user looking in the wrong place
+                    raise OptimizerError(
+                        f"{where}: state {key} has dtype {t.dtype}; expected floating "
+                        f"point, as state_dict() saves it: the dict was edited or "
+                        f"converted since", argument="state_dict")
                 if key == "master" and t.element_size() < 4:
                     # torch.optim.Adam's load casts its state to the parameter's
                     # dtype, master included, and keeps master_step: a trip through
