@@ -559,12 +559,14 @@ class NumpyAdam:
 
     def state_dict(self) -> dict:
         """A deep copy of the hyperparameters and per-parameter state (arrays
-        copied), and the ``skipped_steps`` / ``last_step_skipped`` counters."""
+        copied), the ``skipped_steps`` / ``last_step_skipped`` counters, and
+        ``decoupled_weight_decay`` (True for :class:`NumpyAdamW`)."""
         return {"hyper": dict(self.hyper),
                 "state": [{k: (v.copy() if isinstance(v, np.ndarray) else v)
                            for k, v in st.items()} for st in self.state],
                 "skipped_steps": self.skipped_steps,
-                "last_step_skipped": self.last_step_skipped}
+                "last_step_skipped": self.last_step_skipped,
+                "decoupled_weight_decay": self.decoupled_weight_decay}
 
     def load_state_dict(self, state_dict) -> None:
         """Restore :meth:`state_dict` output, copying into the existing state arrays
@@ -574,7 +576,10 @@ class NumpyAdam:
         >= 0 (else the next step made the parameter NaN, silently); inf/NaN
         moments, which a step on non-finite gradients writes, load as they are.
         The skip counters are restored (0 and False from a dict saved without
-        them). A refused dict leaves the optimizer as it was."""
+        them). A dict of the other class (``decoupled_weight_decay``: NumpyAdamW's
+        in NumpyAdam, or the reverse) is refused: its weight decay would run as
+        the other algorithm (a dict saved without the key, by an older rtmem,
+        loads as before). A refused dict leaves the optimizer as it was."""
         if not isinstance(state_dict, dict) or not {"state", "hyper"} <= set(state_dict):
             raise OptimizerError("state_dict must be a dict with 'hyper' and 'state', as "
                                  "returned by state_dict()", argument="state_dict")
@@ -601,6 +606,21 @@ class NumpyAdam:
                                  f"state_dict().", argument="state_dict")
         _check_hyper(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"])
         _check_switch_flags("state_dict['hyper']", hyper)
+        decoupled = state_dict.get("decoupled_weight_decay", self.decoupled_weight_decay)
+        if not isinstance(decoupled, (bool, np.bool_)):
+            raise OptimizerError(f"decoupled_weight_decay is {decoupled!r}; expected True "
+                                 f"or False, as state_dict() saves it.",
+                                 argument="state_dict")
+        if decoupled != self.decoupled_weight_decay:
+            # The class is the algorithm (CPUAdam's groups carry the switch; here
+            # it has no other home): loaded, the saved weight decay ran as the
+            # other one, silently.
+            saved = "NumpyAdamW" if decoupled else "NumpyAdam"
+            raise OptimizerError(
+                f"the state dict was saved by a {saved} (decoupled_weight_decay="
+                f"{bool(decoupled)}), this optimizer is a {type(self).__name__}: its "
+                f"weight decay would run as the other algorithm; build a {saved} to "
+                f"resume it.", argument="state_dict")
         if bool(hyper["amsgrad"]) != self.hyper["amsgrad"]:
             # The state arrays were allocated for this optimizer's setting (and the
             # checks below hold the saved state to them): a flag that contradicts

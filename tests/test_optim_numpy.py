@@ -362,3 +362,33 @@ def test_a_numpy_state_written_by_a_step_on_non_finite_gradients_loads_back():
     for key, value in saved["state"][0].items():
         np.testing.assert_array_equal(again.state_dict()["state"][0][key], value)
     assert "finite" not in optim.NumpyAdam.load_state_dict.__doc__.split("inf/NaN")[0]
+
+
+@pytest.mark.parametrize("saved_cls, loading_cls", [("NumpyAdamW", "NumpyAdam"),
+                                                    ("NumpyAdam", "NumpyAdamW")])
+def test_a_state_dict_of_the_other_weight_decay_is_refused(saved_cls, loading_cls):
+    # The dict did not say which decay made it: a NumpyAdamW checkpoint resumed
+    # in a NumpyAdam with its weight_decay as an L2 term added to the gradient
+    # (another algorithm), silently. CPUAdam's groups carry it; here the class
+    # is the algorithm, so the other one is refused, as amsgrad is.
+    rng = np.random.default_rng(11)
+    shapes = [(3, 2), (5,)]
+    saved_ps = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    saved = getattr(optim, saved_cls)(saved_ps, lr=1e-2, weight_decay=0.1)
+    saved.step([rng.standard_normal(s).astype(np.float32) for s in shapes])
+    sd = saved.state_dict()
+    ps = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    opt = getattr(optim, loading_cls)(ps, lr=1e-3, weight_decay=0.1)
+    before = opt.state_dict()
+    with pytest.raises(OptimizerError, match=rf"saved by a {saved_cls}.*build a "
+                       rf"{saved_cls} to resume it") as info:
+        opt.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    assert opt.hyper == before["hyper"]
+    assert all(st["step"] == 0 and not st["exp_avg"].any() for st in opt.state)
+    again = getattr(optim, saved_cls)([p.copy() for p in ps], lr=1e-3, weight_decay=0.1)
+    again.load_state_dict(sd)                   # the same class still loads it
+    assert again.state[0]["step"] == 1 and again.hyper == saved.hyper
+    older = {k: v for k, v in sd.items() if k != "decoupled_weight_decay"}
+    opt.load_state_dict(older)                  # a dict saved before it said: as before
+    assert opt.state[0]["step"] == 1
