@@ -225,9 +225,41 @@ def test_the_walk_keeps_a_plain_input_that_has_an_abar_beside_it():
 # ------------------------------------------------------------- no_recompute
 def _flagged_chains():
     """Chains of 1..5 stages, each stage flagged no_recompute or not."""
-    return chains(1, 5, small=True).flatmap(
-        lambda c: st.lists(st.booleans(), min_size=c.n, max_size=c.n).map(
-            lambda flags: Chain.from_dict({**c.to_dict(), "no_recompute": flags})))
+    return chains(1, 5, small=True, no_recompute=True)
+
+
+def test_chains_draw_no_recompute_flags_only_when_asked():
+    # chains() drew no flag at all: simulation_cases never covered flagged chains
+    # and every test built them by hand
+    _never(chains(1, 4), lambda c: c.no_recompute.any())
+    _never(chains(1, 4, homogeneous=True), lambda c: c.no_recompute.any())
+    _reach(chains(3, 3, no_recompute=True), lambda c: c.no_recompute.tolist() == [True] * 3)
+    _reach(chains(3, 3, no_recompute=True), lambda c: c.no_recompute.tolist() == [False] * 3)
+    # per stage in a homogeneous chain too: its costs are shared, its flags not
+    _reach(chains(3, 3, homogeneous=True, no_recompute=True),
+           lambda c: c.no_recompute.tolist() == [False, True, False])
+    _reach(simulation_cases(2, 2, no_recompute=True), lambda c: c[0].no_recompute.all())
+    _reach(simulation_cases(2, 2, wander=True, no_recompute=True),
+           lambda c: c[0].no_recompute.all())
+    for make in (lambda: chains(no_recompute="some"),
+                 lambda: simulation_cases(no_recompute=0.5)):
+        with pytest.raises(ValueError, match="no_recompute must be True or False"):
+            make()
+
+
+def test_flagged_chains_shrink_to_the_flags_a_failure_needs():
+    # a flag shrinks to False and goes with its stage: the least chain whose
+    # third stage is flagged has three stages and that one flag
+    shrinking = settings(max_examples=1000, database=None, derandomize=True,
+                         phases=[p for p in Phase if p is not Phase.explain])
+    chain = find(chains(1, 8, no_recompute=True), lambda c: c.n >= 3 and c.no_recompute[2],
+                 settings=shrinking)
+    assert chain.no_recompute.tolist() == [False, False, True], chain
+    assert not (chain.x.any() or chain.u_f.any() or chain.x0)
+    chain, schedule, _ = find(simulation_cases(no_recompute=True),
+                              lambda c: c[0].no_recompute.any(), settings=shrinking)
+    assert chain.no_recompute.tolist() == [True], chain
+    assert str(schedule) == "F_all 0, L, B 0", str(schedule)
 
 
 @settings(max_examples=40, deadline=None, database=None)

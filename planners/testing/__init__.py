@@ -16,7 +16,8 @@ Users import this to property-test their own schedules and planners::
 Strategies
 ----------
 :func:`chains`            heterogeneous or homogeneous chains, sizes over many
-                          orders of magnitude (or small integers for oracles)
+                          orders of magnitude (or small integers for oracles),
+                          optionally with stages flagged ``no_recompute``
 :func:`platforms`         memory / bandwidth / channel triples
 :func:`valid_schedules`   random *valid* schedules of a given chain (rematerialization,
                           offload/prefetch/delete, weight and gradient moves)

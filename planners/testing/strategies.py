@@ -34,7 +34,8 @@ def _spread_ints(draw, max_exponent: int, allow_zero: bool = True):
 
 
 def chains(min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool | None = None,
-           small: bool = False, weights: bool = True, overheads: bool = True):
+           small: bool = False, weights: bool = True, overheads: bool = True,
+           no_recompute: bool = False):
     """Strategy for :class:`~rtmem.planners.Chain`.
 
     Parameters
@@ -54,6 +55,13 @@ def chains(min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool | None
         are 0 or span 1 us .. 9.9 s (log-uniform).
     weights, overheads:
         Whether ``w`` and ``o_f``/``o_b`` may be non-zero.
+    no_recompute:
+        Whether stages may be flagged ``Chain.no_recompute`` (must run their
+        forward once, as ``F_all``). ``True``: each stage's flag is drawn (one
+        boolean per stage, about half of them set, drawn per stage for
+        homogeneous chains too); a flag shrinks to ``False``, so a failure
+        shrinks toward fewer flagged stages. ``False`` (default): no flag set,
+        and the draws are those of a call without the option.
 
     Invalid arguments raise :class:`~hypothesis.errors.InvalidArgument` (also
     a ValueError) when this is called, as for every strategy here.
@@ -62,15 +70,16 @@ def chains(min_stages: int = 1, max_stages: int = 8, *, homogeneous: bool | None
     # Hypothesis's engine (the same for each strategy below)
     min_stages, max_stages = check_range("chains", min_stages, max_stages)
     check_flags("chains", homogeneous=homogeneous, small=small, weights=weights,
-                overheads=overheads)
+                overheads=overheads, no_recompute=no_recompute)
     return _chains(min_stages=min_stages, max_stages=max_stages, homogeneous=homogeneous,
-                   small=small, weights=weights, overheads=overheads)
+                   small=small, weights=weights, overheads=overheads,
+                   no_recompute=no_recompute)
 
 
 @st.composite
 @public_name("chains")
 def _chains(draw, min_stages=1, max_stages=8, *, homogeneous=None, small=False, weights=True,
-            overheads=True):
+            overheads=True, no_recompute=False):
     homo = draw(st.booleans()) if homogeneous is None else homogeneous
     if small:
         size = st.integers(0, 12)
@@ -88,11 +97,25 @@ def _chains(draw, min_stages=1, max_stages=8, *, homogeneous=None, small=False, 
     n = draw(st.integers(min_stages, max_stages))
     stage = st.tuples(time, time, size, size, size if weights else zero,
                       size if overheads else zero, size if overheads else zero)
-    stages = [draw(stage)] * n if homo else draw(st.lists(stage, min_size=n, max_size=n))
+    # A flag is drawn with its stage, so a shorter chain drops its flags too;
+    # without the option the draws are exactly those of before it (the same
+    # strategies: their labels steer Hypothesis's generation). A homogeneous
+    # chain's stages share their costs, not their flags (all or no stage flagged
+    # leaves only store-all or nothing to test).
+    flags = None
+    if homo:
+        stages = [draw(stage)] * n
+        if no_recompute:
+            flags = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    elif no_recompute:
+        both = draw(st.lists(st.tuples(stage, st.booleans()), min_size=n, max_size=n))
+        stages, flags = [s for s, _ in both], [f for _, f in both]
+    else:
+        stages = draw(st.lists(stage, min_size=n, max_size=n))
     u_f, u_b, x, extra, w, o_f, o_b = (list(column) for column in zip(*stages))
     xbar = [a + b for a, b in zip(x, extra)]
     return Chain(u_f=u_f, u_b=u_b, x=x, xbar=xbar, w=w, o_f=o_f, o_b=o_b,
-                 x0=x0, u_loss=u_loss, o_loss=o_loss, name="hypothesis")
+                 x0=x0, u_loss=u_loss, o_loss=o_loss, name="hypothesis", no_recompute=flags)
 
 
 def platforms(min_memory: int = 1, max_memory: int = 2**40):
@@ -270,12 +293,15 @@ def _valid_schedules(draw, chain, *, transfers=True):
 
 
 def simulation_cases(min_stages: int = 1, max_stages: int = 8, *,
-                     transfers: bool = True, small: bool = False, wander: bool = False):
+                     transfers: bool = True, small: bool = False, wander: bool = False,
+                     no_recompute: bool = False):
     """Strategy for ``(chain, schedule, platform)`` that simulate without error.
 
     The schedule comes from :func:`valid_schedules`, or with ``wander`` from
     :func:`~rtmem.planners.testing.wandering_schedules` (any allowed operation
     at each step; ``transfers`` then also allows weight and gradient moves).
+    ``small`` and ``no_recompute`` are passed to :func:`chains` (with
+    ``no_recompute`` some stages run once, as ``F_all``, in either schedule).
     The platform memory is the schedule's peak with unlimited memory plus a random
     slack (the schedule then never waits for memory, so it stays valid).
     A heterogeneous chain and its moves share Hypothesis's input buffer: keep
@@ -284,16 +310,18 @@ def simulation_cases(min_stages: int = 1, max_stages: int = 8, *,
     """
     # checked here too: through chains() a bad range was reported as "chains: ..."
     min_stages, max_stages = check_range("simulation_cases", min_stages, max_stages)
-    check_flags("simulation_cases", transfers=transfers, small=small, wander=wander)
+    check_flags("simulation_cases", transfers=transfers, small=small, wander=wander,
+                no_recompute=no_recompute)
     return _simulation_cases(min_stages=min_stages, max_stages=max_stages,
-                             transfers=transfers, small=small, wander=wander)
+                             transfers=transfers, small=small, wander=wander,
+                             no_recompute=no_recompute)
 
 
 @st.composite
 @public_name("simulation_cases")
 def _simulation_cases(draw, min_stages=1, max_stages=8, *, transfers=True, small=False,
-                      wander=False):
-    chain = draw(chains(min_stages, max_stages, small=small))
+                      wander=False, no_recompute=False):
+    chain = draw(chains(min_stages, max_stages, small=small, no_recompute=no_recompute))
     schedule = draw(wandering_schedules(chain, transfers=transfers, weights=transfers)
                     if wander else valid_schedules(chain, transfers=transfers))
     probe = draw(platforms())
