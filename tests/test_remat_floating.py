@@ -178,9 +178,7 @@ def test_a_budget_of_just_the_chain_input_says_no_schedule_fits():
 
 @st.composite
 def flagged_case(draw):
-    chain = draw(chains(1, 4, small=True))
-    flags = draw(st.lists(st.booleans(), min_size=chain.n, max_size=chain.n))
-    chain = dataclasses.replace(chain, no_recompute=flags)
+    chain = draw(chains(1, 4, small=True, no_recompute=True))
     return chain, draw_budget(draw, chain)        # the least budget of the flagged chain
 
 
@@ -224,3 +222,4 @@ def test_a_flag_costs_the_memory_of_the_recomputation_it_forbids():
     plan = plan_floating(flagged, 26)
     check_no_recompute(flagged, plan.schedule)
     assert plan.makespan == brute_force_remat(flagged, 26)[0] == 26
+

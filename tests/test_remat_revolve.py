@@ -10,14 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rtmem.errors import InfeasibleError, ScheduleError
-from rtmem.planners import Chain, Platform, simulate
+from rtmem.errors import InfeasibleError, RtmemError, ScheduleError
+from rtmem.planners import Chain, Platform, plan_remat, plan_revolve, simulate
 from rtmem.planners.multichain import (MultiOp, min_slots, multichain_opt,
                                        multichain_schedule, multichain_table,
                                        simulate_multichain)
 from rtmem.planners.revolve import (binomial_makespan, opt0_table, revolve_argmins,
                                     revolve_ops, revolve_schedule, single_chain_ops)
 from rtmem.planners.schedule import Op, Schedule
+from rtmem.planners.testing import chains
 from rtmem.planners.testing.bruteforce import brute_force_multichain
 
 SETTINGS = settings(max_examples=40, deadline=None,
@@ -195,6 +196,30 @@ def test_plan_revolve_fills_no_cubic_table(monkeypatch):
     plan = plan_revolve(chain, 10**9)
     assert plan.schedule == expected.schedule and plan.info == expected.info
     assert revolve_schedule(30, 5) == revolve_schedule(30, 5, revolve_argmins(30, 5))
+
+
+@SETTINGS
+@given(chains(1, 8, homogeneous=True, small=True, no_recompute=True), st.integers(1, 300))
+def test_plan_revolve_refuses_flagged_chains_and_names_the_stages(chain, budget):
+    # Revolve recomputes every stage but the last, so it cannot honour
+    # no_recompute: a flagged chain gets the refusal naming its stages and
+    # plan_remat (whose plans run them once), never an InfeasibleError or a
+    # schedule the simulator would refuse for a second forward
+    flagged = np.flatnonzero(chain.no_recompute).tolist()
+    try:
+        plan = plan_revolve(chain, budget)
+    except InfeasibleError:
+        assert not flagged
+        return
+    except RtmemError as e:
+        assert flagged and str(e).startswith(
+            f"plan_revolve: the chain marks stages {flagged} no_recompute")
+        assert "plan it with plan_remat" in str(e)
+        try:
+            plan = plan_remat(chain, budget)        # the remedy the message names
+        except InfeasibleError:
+            return
+    assert simulate(chain, plan.schedule, Platform(budget)).peak <= budget
 
 
 def test_revolve_needs_three_slots():

@@ -848,55 +848,47 @@ def test_derived_slots_make_the_makespan_non_monotone_as_documented():
 
 
 # ------------------------------------------------------------ no_recompute stages
-def _flagged(chain: Chain, rng) -> Chain:
-    """``chain`` with a random non-empty set of stages marked no_recompute, its
-    times rounded to quarters: sums of those are exact in float64 in any order,
-    so the jitted table (prefix sums) and the reference (sums as printed) agree
-    to the bit; with arbitrary times they differed in the last ulp."""
-    flags = rng.random(chain.n) < 0.4
-    flags[rng.integers(chain.n)] = True
-    times = {k: np.round(getattr(chain, k) * 4) / 4 for k in ("u_f", "u_b")}
-    return Chain(**times, **{k: getattr(chain, k) for k in ("x", "xbar", "w", "o_f", "o_b",
-                                                            "x0", "u_loss", "o_loss")},
-                 no_recompute=flags)
-
-
 def _forward_counts(schedule, n: int) -> list:
     return [sum(1 for op, s, _ in schedule if s == i and op in (Op.F_CK, Op.F_NONE, Op.F_ALL))
             for i in range(n)]
 
 
-def test_no_recompute_stages_are_run_once_by_an_optimal_persistent_dp():
+def _run_once(chain, schedule) -> bool:
+    counts = _forward_counts(schedule, chain.n)
+    return all(counts[i] == 1 for i in np.flatnonzero(chain.no_recompute))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(2, 5, small=True, no_recompute=True).filter(lambda c: c.no_recompute.any()),
+       st.integers(1, 3), st.data())
+def test_no_recompute_stages_are_run_once_by_an_optimal_persistent_dp(chain, slot, data):
     # A stage that modifies its input in place (profile_sequential flags it) must
     # not be recomputed. The DP restricts its F^ck splits; checked entry by entry
     # against the recurrence as printed with the constraint written out, and its
-    # plans against exhaustive search under the same constraint (never faster)
-    rng = np.random.default_rng()
-    for _ in range(6):
-        n = int(rng.integers(2, 6))
-        chain = _flagged(_random_chain(n, overheads=True), rng)
-        arrays = discretize(stage_arrays(chain), 50)
-        M = int(simulate(chain, store_all_schedule(n), Platform(math.inf)).peak) // 50
-        np.testing.assert_array_equal(persistent_table(arrays, M)[0],
-                                      reference_persistent_table(arrays, M))
-        least, choice = min_memory(arrays)
-        ref_least, ref_choice = reference_min_memory(arrays)
-        assert least == ref_least
-        np.testing.assert_array_equal(choice, ref_choice)
-        least, peak = min_feasible_memory(chain), simulate(
-            chain, store_all_schedule(n), Platform(math.inf)).peak
-        if least > 1:              # the flags' least budget is where plans start
-            with pytest.raises(InfeasibleError) as err:
-                plan_remat(chain, least - 1)
-            assert err.value.min_feasible == least
-        for budget in np.linspace(least, peak, 4).astype(int).tolist():
-            plan = plan_remat(chain, budget)
-            counts = _forward_counts(plan.schedule, n)
-            assert all(counts[i] == 1 for i in np.flatnonzero(chain.no_recompute))
-            best, sched = brute_force_remat(chain, budget)
-            assert plan.makespan >= best - 1e-9
-            counts = _forward_counts(sched, n)
-            assert all(counts[i] == 1 for i in np.flatnonzero(chain.no_recompute))
+    # plans against exhaustive search under the same constraint (never faster).
+    # Drawn chains: integer times, so the jitted table's prefix sums and the
+    # reference's sums agree to the bit
+    arrays = discretize(stage_arrays(chain), slot)
+    peak = store_all_peak(chain)
+    M = (peak - fixed_bytes(chain)) // slot + 2
+    np.testing.assert_array_equal(persistent_table(arrays, M)[0],
+                                  reference_persistent_table(arrays, M))
+    least, choice = min_memory(arrays)
+    ref_least, ref_choice = reference_min_memory(arrays)
+    assert least == ref_least
+    np.testing.assert_array_equal(choice, ref_choice)
+    least = min_feasible_memory(chain)
+    if least > 1:              # the flags' least budget is where plans start
+        with pytest.raises(InfeasibleError) as err:
+            plan_remat(chain, least - 1)
+        assert err.value.min_feasible == least
+    budget = data.draw(st.integers(least, max(least, peak)), label="budget")
+    plan = plan_remat(chain, budget)
+    assert _run_once(chain, plan.schedule)
+    assert simulate(chain, plan.schedule, Platform(budget)).peak <= budget
+    best, sched = brute_force_remat(chain, budget)
+    assert plan.makespan >= best
+    assert _run_once(chain, sched)
 
 
 def test_simulator_refuses_a_second_forward_of_a_no_recompute_stage():
