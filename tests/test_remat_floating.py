@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _remat_cases import erratum_16_chain, persistence_counterexample
-from rtmem.errors import InfeasibleError, RtmemError
+from rtmem.errors import InfeasibleError, PlatformError, RtmemError
 from rtmem.planners import Chain, Platform, simulate, store_all_schedule
 from rtmem.planners.floating import plan_floating
 from rtmem.planners.plan import Plan
@@ -223,3 +223,21 @@ def test_a_flag_costs_the_memory_of_the_recomputation_it_forbids():
     check_no_recompute(flagged, plan.schedule)
     assert plan.makespan == brute_force_remat(flagged, 26)[0] == 26
 
+
+@settings(max_examples=20, deadline=None)
+@given(chains(1, 4, small=True, no_recompute=True), st.integers(1, 200))
+def test_exhaustive_search_reads_a_budget_as_the_planners_do(chain, budget):
+    # brute_force_remat(chain, 1.5) was accepted while 0 and -1 were refused: as
+    # every planner (and Platform) does, a fraction of a byte rounds down (a
+    # budget is never exceeded), so the oracle and the DP it checks answer for
+    # the same whole-byte budget, and below 1 byte both refuse alike
+    fraction = budget + 0.5
+    best, schedule = brute_force_remat(chain, fraction)
+    assert (best, schedule) == brute_force_remat(chain, budget)
+    assert makespan_or_inf(plan_floating, chain, fraction) == best
+    for bad in (0.5, 0, -1, "-1GiB"):
+        with pytest.raises(PlatformError) as oracle:
+            brute_force_remat(chain, bad)
+        with pytest.raises(PlatformError) as planner:
+            plan_floating(chain, bad)
+        assert str(oracle.value) == str(planner.value)

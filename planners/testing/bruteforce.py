@@ -37,6 +37,11 @@ __all__ = ["brute_force_remat", "brute_force_multichain"]
 def brute_force_remat(chain: Chain, memory, *, max_stages: int = 7):
     """Optimal makespan and schedule of ``chain`` within ``memory`` (bytes).
 
+    ``memory`` is read as every planner reads it (an int, a string such as
+    ``"12GiB"``, ``"inf"`` or a :class:`~rtmem.planners.Platform`): a fraction of
+    a byte rounds down, and a budget under 1 byte raises
+    :class:`~rtmem.errors.PlatformError`.
+
     Returns ``(makespan_seconds, Schedule)``, or ``(math.inf, None)`` when no
     valid schedule exists (one that runs each ``chain.no_recompute`` stage
     once). Refuses chains longer than ``max_stages`` (the state
