@@ -209,10 +209,13 @@ def check_ranges(chain, schedule) -> None:
 
 
 def refuse_no_recompute(chain, what: str, why: str) -> None:
-    """Raise :class:`~rtmem.errors.RtmemError` when ``chain`` marks stages
-    ``no_recompute`` and the planner ``what`` cannot honour that (``why``)."""
+    """Raise :class:`~rtmem.errors.ChainError` (``field="no_recompute"``,
+    ``index`` the first flagged stage) when ``chain`` marks stages
+    ``no_recompute`` and the planner ``what`` cannot honour that (``why``): the
+    chain, not the budget, is what this planner cannot take."""
     if not chain.recomputable:
         stages = np.flatnonzero(chain.no_recompute).tolist()
-        raise RtmemError(f"{what}: the chain marks stages {stages} no_recompute (they modify "
+        raise ChainError(f"{what}: the chain marks stages {stages} no_recompute (they modify "
                          f"their input in place), which {what} cannot honour ({why}); plan "
-                         f"it with plan_remat, which runs those stages once")
+                         f"it with plan_remat, which runs those stages once",
+                         field="no_recompute", index=stages[0])

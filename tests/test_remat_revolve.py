@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rtmem.errors import InfeasibleError, RtmemError, ScheduleError
+from rtmem.errors import ChainError, InfeasibleError, ScheduleError
 from rtmem.planners import Chain, Platform, plan_remat, plan_revolve, simulate
 from rtmem.planners.multichain import (MultiOp, min_slots, multichain_opt,
                                        multichain_schedule, multichain_table,
@@ -211,7 +211,8 @@ def test_plan_revolve_refuses_flagged_chains_and_names_the_stages(chain, budget)
     except InfeasibleError:
         assert not flagged
         return
-    except RtmemError as e:
+    except ChainError as e:
+        assert (e.field, e.index) == ("no_recompute", flagged[0])
         assert flagged and str(e).startswith(
             f"plan_revolve: the chain marks stages {flagged} no_recompute")
         assert "plan it with plan_remat" in str(e)

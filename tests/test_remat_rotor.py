@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _remat_cases import erratum_16_chain, persistence_counterexample
-from rtmem.errors import ChainError, InfeasibleError, RtmemError, ScheduleError
+from rtmem.errors import ChainError, InfeasibleError, ScheduleError
 from rtmem.planners import Chain, Platform, Schedule, plan_floating, simulate, store_all_schedule
 from rtmem.planners.baselines import plan_sequential, plan_store_all
 from rtmem.planners.remat import compare_remat, min_feasible_memory, plan_remat
@@ -911,7 +911,7 @@ def test_no_recompute_round_trips_and_planners_that_cannot_honour_it_refuse():
         Chain(u_f=[1, 1], u_b=[1, 1], x=[4, 4], xbar=[8, 8], no_recompute=[0, 2])
     with pytest.raises(ChainError, match="one entry per stage"):
         Chain(u_f=[1, 1], u_b=[1, 1], x=[4, 4], xbar=[8, 8], no_recompute=[True])
-    with pytest.raises(RtmemError, match="plan_revolve: the chain marks stages \\[1\\]"):
+    with pytest.raises(ChainError, match="plan_revolve: the chain marks stages \\[1\\]"):
         plan_revolve(chain, 10**6)
     # the floating DP honours the flag (tests/test_remat_floating.py checks it
     # against exhaustive search)
