@@ -129,7 +129,8 @@ def _check_stage_arrays(arrays: StageArrays, who: str) -> None:
     """Raise :class:`~rtmem.errors.ChainError` unless ``arrays`` has what the jitted
     passes index blindly: every field a 1-D array of N entries, the times real,
     the sizes and ``nr`` integers, the sizes non-negative (a negative one moves a
-    memory index past the table). O(N); ``who`` names the caller in the message.
+    memory index past the table), ``nr`` the first-flagged-stage index
+    :func:`stage_arrays` makes. O(N); ``who`` names the caller in the message.
     :func:`stage_arrays` and :func:`discretize` of a valid Chain always pass."""
     N = arrays.N if getattr(arrays.uf, "ndim", 0) == 1 else None
     for name in _TIMES + _SIZES + ("nr",):
@@ -149,6 +150,19 @@ def _check_stage_arrays(arrays: StageArrays, who: str) -> None:
             k = int(np.argmax(arr < 0))
             raise ChainError(f"{who}: StageArrays.{name}[{k}] = {int(arr[k])} is negative; "
                              "sizes are bytes or slots, >= 0")
+    # nr[k] is the first no_recompute stage at or after k (N if none): k itself or
+    # nr[k + 1]. Out of range it cannot index past anything (the passes only take
+    # min(t, nr[s])), but it silently hides the flag, and a flagged stage would be
+    # planned to run twice.
+    nr, ks = arrays.nr, np.arange(arrays.N)
+    ok = (nr == ks) | (nr == np.append(nr[1:], arrays.N))
+    ok[-1] = nr[-1] == arrays.N        # the loss (stage N - 1) is never flagged
+    if not ok.all():
+        k = int(np.argmin(ok))
+        raise ChainError(f"{who}: StageArrays.nr[{k}] = {int(nr[k])} is not the first "
+                         f"no_recompute stage at or after {k} (it must be {k} or nr[{k + 1}], "
+                         f"and nr[{arrays.N - 1}] = N = {arrays.N}); build the arrays with "
+                         "stage_arrays(chain) or discretize()")
 
 
 def stage_arrays(chain: Chain) -> StageArrays:

@@ -1022,6 +1022,9 @@ def _with(arrays, **fields):
     ("xo", "short", r"StageArrays\.xo must be a 1-D integer array of N = 7"),
     ("xin", "short", r"StageArrays\.xin must be"),
     ("nr", "short", r"StageArrays\.nr must be"),
+    ("nr", "hidden flag", r"StageArrays\.nr\[1\] = 2 is not the first no_recompute stage at "
+                          r"or after 1 \(it must be 1 or nr\[2\]"),
+    ("nr", "past N", r"StageArrays\.nr\[6\] = 9 is not the first"),
     ("of", "float", r"StageArrays\.of must be a 1-D integer array"),
     ("uf", "2-D", r"StageArrays\.uf must be a 1-D float array")])
 def test_dp_passes_refuse_stage_arrays_they_would_index_past(field, value, match):
@@ -1032,7 +1035,11 @@ def test_dp_passes_refuse_stage_arrays_they_would_index_past(field, value, match
     good = getattr(arrays, field)
     bad = {"negative": np.where(np.arange(good.size) == 0, -100, good),
            "short": good[:2], "float": good.astype(np.float64),
-           "2-D": good[None]}[value]
+           "2-D": good[None],
+           # stage 2 flagged (nr = [2, 2, 2, 7, ...]) with its own entry wiped
+           # (nr = [2, 2, 7, ...]): the flag would be lost
+           "hidden flag": np.where(np.arange(good.size) < 2, 2, good),
+           "past N": np.full_like(good, 9)}[value]
     bad_arrays = _with(arrays, **{field: bad})
     for who, call in [("persistent_table", lambda a: persistent_table(a, 50)),
                       ("min_memory", min_memory)]:
