@@ -21,6 +21,13 @@ poll, so that completed blocks return to ``_ready`` and the FIFOs stay short.
 An allocation also polls (without stamping) while stamped or event-gated frees
 are pending: a block left pending after its event completed merges with no
 ready neighbour, and best fit would fragment the ready space around it.
+Unstamped frees have no event to poll, so a split of a ready block whose
+left neighbour is pending (and right one is not) hands out the block's tail:
+the free head stays beside the pending block and merges with it once it
+retires, where carving the head walled it in for good. A stream query per
+such split (``cudaStreamQuery``, to retire an idle stream's frees at once) was
+tried instead and dropped: a driver call on the hot path, and it still
+fragmented an arena whose free blocks were all pending.
 
 An ordered free merges the block with neighbours pending on the same stream
 (their events are superseded by the next stamp, which is later on that

@@ -345,21 +345,39 @@ class BestFitAllocator(_StreamOrderedFrees):
             if bsize > size:
                 # Split off the remainder (a spare block if any) into the block's index
                 # (a pending tail keeps the event); a ready key may reuse slot i.
-                after = block.next
+                after, prev = block.next, block.prev
                 spare = self._spare
-                if spare:
-                    rest = spare.pop()
-                    rest.slab, rest.offset = block.slab, block.offset + size
-                    rest.size, rest.addr = bsize - size, block.addr + size
-                    rest.prev, rest.next = block, after
-                    rest.state, rest.stream = _READY, None
+                ready = block.state == _READY
+                if ready and prev is not None and prev.state == _PENDING \
+                        and (after is None or after.state != _PENDING):
+                    # Hand out the tail: the free head stays beside the pending block
+                    # and merges with it once that retires, where carving the head
+                    # walled it in (NOTE [ Stream-ordered frees ]).
+                    rest = block
+                    block = spare.pop() if spare else Block.__new__(Block)
+                    block.owner, block.slab, block.event = self, rest.slab, None
+                    block.offset = rest.offset + bsize - size
+                    block.addr = rest.addr + bsize - size
+                    block.prev, block.next = rest, after
+                    if after is not None:
+                        after.prev = block
+                    rest.next = block
+                    rest.size = bsize - size
+                    block.size = size
                 else:
-                    rest = Block(block.slab, block.offset + size, bsize - size, self,
-                                 block, after)
-                if after is not None:
-                    after.prev = rest
-                block.next = rest
-                block.size = size
+                    if spare:
+                        rest = spare.pop()
+                        rest.slab, rest.offset = block.slab, block.offset + size
+                        rest.size, rest.addr = bsize - size, block.addr + size
+                        rest.prev, rest.next = block, after
+                        rest.state, rest.stream = _READY, None
+                    else:
+                        rest = Block(block.slab, block.offset + size, bsize - size, self,
+                                     block, after)
+                    if after is not None:
+                        after.prev = rest
+                    block.next = rest
+                    block.size = size
                 key = ((bsize - size) << _SIZE_SHIFT) | rest.addr
                 self._free_map[rest.addr] = rest
                 if i >= 0:
@@ -368,7 +386,7 @@ class BestFitAllocator(_StreamOrderedFrees):
                         insort(keys, key, 0, i)
                     else:
                         keys[i] = key
-                elif block.state == _READY:
+                elif ready:
                     insort(keys, key)
                 else:
                     self._defer(rest, block.stream, event)

@@ -148,6 +148,45 @@ def test_host_arena_reuses_completed_frees_before_carving_free_space(fake, backe
     arena.close()
 
 
+def _alloc_stream(backend, which):
+    from rtmem import UNORDERED
+    return {"compute": backend.current_stream, "other": backend.new_stream,
+            "unordered": lambda: UNORDERED}[which]()
+
+
+@pytest.mark.parametrize("which", ["compute", "other", "unordered"])
+def test_device_arena_carves_free_bytes_away_from_a_pending_free(fake, backend, which):
+    # A DeviceArena's frees on the compute stream are stamped lazily and stay
+    # pending after a synchronize rtmem does not see (CuPy's or torch's); a
+    # pending block merges with no free neighbour, and best fit carved the head
+    # of the free bytes right after it, walling it in: the arena, every buffer
+    # freed and the device synchronized, could not hold four quarters of
+    # itself. Now the tail is carved, and the free head merges with the
+    # pending block once it retires.
+    rng = np.random.default_rng()
+    quarter = 256 * int(rng.integers(2, 6))
+    arena = DeviceArena(4 * quarter, backend=backend)
+    stream = _alloc_stream(backend, which)
+    cupy_sync = fake.modules["cupy.cuda.runtime"].deviceSynchronize
+    small = 256 * int(rng.integers(1, quarter // 256))
+    for _ in range(int(rng.integers(1, 4))):
+        buf = arena.alloc(small)
+        assert buf.placement("device").offset == 0
+        buf.free()
+        cupy_sync()
+    bufs = [arena.alloc(quarter, stream=stream) for _ in range(4)]
+    assert sorted(b.placement("device").offset for b in bufs) == \
+        [i * quarter for i in range(4)]
+    arena.allocator._check_invariants()
+    for b in bufs:
+        b.free()
+    cupy_sync()
+    whole = arena.alloc(4 * quarter, stream=stream)
+    assert whole.placement("device").offset == 0
+    whole.free()
+    arena.close()
+
+
 def test_dropped_arenas_give_their_slabs_back(fake, backend):
     # _CudaAlloc had no finalizer: an arena dropped without close() kept its
     # cudaMalloc / cudaHostAlloc slabs until the process ended.
