@@ -110,9 +110,11 @@ class AllocatorStats:
     frees count here until their stamp completes, NOTE [ Stream-ordered frees ]).
     A free is stamped lazily: at the allocator's next stamp-and-poll round
     (every 256 deferred frees), at an allocation that finds no free block, or
-    at the allocator's ``flush()`` / the arena's ``trim()``; until then
-    ``pending_bytes`` stays high even after the device finished the work,
-    although the memory is reusable by its own stream.
+    at the allocator's ``flush()`` / the arena's ``trim()``; the cuda backend's
+    ``synchronize()`` stamps and then retires every such free made before it.
+    Until then ``pending_bytes`` stays high even after the device finished the
+    work (e.g. after ``torch.cuda.synchronize()``), although the memory is
+    reusable by its own stream.
     ``fragmentation`` = 1 - largest free block / free bytes, in [0, 1] (0 when
     nothing is free). ``peak_bytes`` is the highest ``allocated_bytes`` seen.
     """

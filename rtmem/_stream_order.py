@@ -28,6 +28,15 @@ retires, where carving the head walled it in for good. A stream query per
 such split (``cudaStreamQuery``, to retire an idle stream's frees at once) was
 tried instead and dropped: a driver call on the hot path, and it still
 fragmented an arena whose free blocks were all pending.
+Instead, the cuda backend's ``synchronize()`` retires its DeviceArenas'
+unstamped frees: each allocator core stamps them before the device wait
+(``stamp()``: one event per stream that has some) and polls after it
+(``poll()``), so after "free everything, synchronize" the arena is one free
+block again, at no cost to allocate or free. What stays lazy: frees before a
+synchronize rtmem does not see (``torch.cuda.synchronize()``, CuPy's, a
+stream's own ``synchronize()``, ``rtmem.transfers.synchronize()``, which waits
+for the copy streams only) wait for their stamp as above, and only the tail
+carving keeps them from being walled in.
 
 An ordered free merges the block with neighbours pending on the same stream
 (their events are superseded by the next stamp, which is later on that
@@ -65,6 +74,21 @@ class _StreamOrderedFrees:
     indexes (``_pending``, ``_fifo``, ``_unstamped``, ``_free_map``,
     ``_pending_bytes``, ``_deferrals``), ``event_source``, and
     ``_make_ready``/``_absorb``, which move blocks to the ready index."""
+
+    def stamp(self) -> None:
+        """Record the lazy event behind every stream-ordered free made so far
+        (one per stream that has some). The cuda backend's ``synchronize()``
+        calls it before waiting for the device and :meth:`poll` after it, so
+        that those frees become reusable by every stream and merge with their
+        free neighbours (NOTE [ Stream-ordered frees ])."""
+        with self._lock:
+            self._stamp()
+
+    def poll(self) -> None:
+        """Make every pending free whose event has completed reusable by every
+        stream (merged with its ready neighbours); never waits."""
+        with self._lock:
+            self._poll_pending()
 
     def _remove_pending(self, block: Block) -> None:
         keys = self._pending[block.stream]

@@ -599,6 +599,12 @@ class DeviceArena(_Arena):
 
     location = "device"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # backend.synchronize() retires the stream-ordered frees made before it
+        # (NOTE [ Stream-ordered frees ] in _stream_order.py)
+        self.backend.retire_at_synchronize(self.core)
+
     def _new_slab(self, nbytes):
         return self.backend.device_slab(nbytes)
 

@@ -187,6 +187,35 @@ def test_device_arena_carves_free_bytes_away_from_a_pending_free(fake, backend, 
     arena.close()
 
 
+def test_device_arena_synchronize_retires_stream_ordered_frees(fake, backend):
+    # backend.synchronize() left a DeviceArena's stream-ordered frees pending (no
+    # event until a lazy stamp), each merged with no neighbour pending on another
+    # stream: after "free everything, synchronize", refills of random sizes on
+    # two streams took pieces of those blocks and fragmented the arena until an
+    # allocation failed (OutOfMemoryError). Now synchronize() retires them.
+    rng = np.random.default_rng()
+    quarter = 256 * int(rng.integers(2, 6))
+    units = 4 * quarter // 256
+    arena = DeviceArena(4 * quarter, backend=backend)
+    streams = [backend.current_stream(), backend.new_stream()]
+    bufs = [arena.alloc(quarter, stream=streams[i % 2]) for i in range(4)]
+    for _ in range(int(rng.integers(2, 5))):
+        for b in bufs:
+            b.free()
+        backend.synchronize()
+        st = arena.allocator.stats()
+        assert (st.pending_bytes, st.largest_free_bytes) == (0, 4 * quarter)
+        k = int(rng.integers(1, min(units, 6)))
+        cuts = np.sort(rng.choice(np.arange(1, units), k, replace=False))
+        sizes = np.diff(np.concatenate([[0], cuts, [units]])) * 256
+        rng.shuffle(sizes)
+        bufs = [arena.alloc(int(s), stream=streams[int(rng.integers(2))]) for s in sizes]
+        arena.allocator._check_invariants()
+    for b in bufs:
+        b.free()
+    arena.close()
+
+
 def test_dropped_arenas_give_their_slabs_back(fake, backend):
     # _CudaAlloc had no finalizer: an arena dropped without close() kept its
     # cudaMalloc / cudaHostAlloc slabs until the process ended.

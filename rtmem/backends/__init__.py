@@ -172,6 +172,14 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Wait for all work on all streams of this backend."""
 
+    def retire_at_synchronize(self, allocator) -> None:
+        """Have :meth:`synchronize` make ``allocator``'s stream-ordered frees
+        made before it reusable by every stream (``allocator.stamp()`` before the
+        wait, ``allocator.poll()`` after it; NOTE [ Stream-ordered frees ] in
+        rtmem/_stream_order.py). Held weakly. A no-op on backends whose arenas
+        make no stream-ordered frees (the host backend's compute stream is
+        synchronous)."""
+
     @abc.abstractmethod
     def describe(self) -> dict:
         """What was found (device, driver, libraries, limits), for ``rtmem doctor``."""

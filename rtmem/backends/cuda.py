@@ -239,6 +239,9 @@ class CudaBackend(Backend):
         # threads) must wrap as a different stream in each.
         self._compute = threading.local()
         self._cuda_error = getattr(self.runtime, "CUDARuntimeError", RuntimeError)
+        # allocator cores whose stream-ordered frees synchronize() retires
+        self._ordered = weakref.WeakSet()
+        self._ordered_lock = threading.Lock()
         try:
             if self.runtime.getDeviceCount() < 1:
                 raise BackendError("CuPy sees no CUDA device")
@@ -375,9 +378,28 @@ class CudaBackend(Backend):
                             self.runtime.memcpyDefault)
         return out
 
+    def retire_at_synchronize(self, allocator) -> None:
+        """See :meth:`Backend.retire_at_synchronize` (DeviceArenas register
+        their allocator core)."""
+        with self._ordered_lock:
+            self._ordered.add(allocator)
+
     def synchronize(self) -> None:
-        """``cudaDeviceSynchronize``."""
+        """``cudaDeviceSynchronize``. The stream-ordered frees of this backend's
+        DeviceArenas made before the call are then reusable by every stream
+        and merged with their free neighbours: each allocator stamps them
+        before the wait (one event per stream that has some) and polls after
+        it (NOTE [ Stream-ordered frees ])."""
+        with self._ordered_lock:
+            allocators = list(self._ordered)
+        # Stamped before the wait, so the events are complete once it returns
+        # (the poll never waits), and they cover only frees whose last use was
+        # enqueued before it (one on another thread meanwhile is left pending).
+        for allocator in allocators:
+            allocator.stamp()
         self.runtime.deviceSynchronize()
+        for allocator in allocators:
+            allocator.poll()
 
     def describe(self) -> dict:
         """Device, driver, runtime and library versions, memory and pinned limits."""
