@@ -846,7 +846,7 @@ def test_waiting_on_a_failed_copy_is_a_backend_error_not_a_success(
     T.synchronize()
 
 
-def test_querying_an_event_after_a_sticky_error_is_a_backend_error(fake, backend):
+def test_querying_an_event_or_the_device_after_a_sticky_error_is_a_backend_error(fake, backend):
     # CudaEvent.query() (and .done) let CuPy's own CUDARuntimeError out after a
     # sticky CUDA failure (cudaEventQuery reports it, as every later call does),
     # past `except BackendError`, where synchronize() raises a BackendError.
@@ -856,7 +856,8 @@ def test_querying_an_event_after_a_sticky_error_is_a_backend_error(fake, backend
     assert event.query()
     fake.async_errors.append(_fake_cupy.CUDARuntimeError(700))   # a kernel faulted
     try:
-        for ask in (event.query, lambda: event.done):
+        # CudaBackend.synchronize() (cudaDeviceSynchronize) let it out too
+        for ask in (event.query, lambda: event.done, backend.synchronize):
             with pytest.raises(BackendError, match="illegal.*sticky.*restart") as err:
                 ask()
             assert isinstance(err.value.__cause__, _fake_cupy.CUDARuntimeError)

@@ -389,7 +389,10 @@ class CudaBackend(Backend):
         DeviceArenas made before the call are then reusable by every stream
         and merged with their free neighbours: each allocator stamps them
         before the wait (one event per stream that has some) and polls after
-        it (NOTE [ Stream-ordered frees ])."""
+        it (NOTE [ Stream-ordered frees ]). A failure of the device's work
+        (CUDA errors are sticky) is raised as :class:`~rtmem.errors.BackendError`,
+        chained to CuPy's error, as the streams and events raise theirs; the
+        frees then stay pending."""
         with self._ordered_lock:
             allocators = list(self._ordered)
         # Stamped before the wait, so the events are complete once it returns
@@ -397,7 +400,11 @@ class CudaBackend(Backend):
         # enqueued before it (one on another thread meanwhile is left pending).
         for allocator in allocators:
             allocator.stamp()
-        self.runtime.deviceSynchronize()
+        try:
+            self.runtime.deviceSynchronize()
+        except self._cuda_error as exc:
+            # CuPy's own CUDARuntimeError escaped `except BackendError`.
+            raise _failure("the work on the CUDA device", exc) from exc
         for allocator in allocators:
             allocator.poll()
 
