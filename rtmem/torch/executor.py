@@ -208,6 +208,11 @@ assumes. Offloaded gradients are added to their host accumulators only when
 the end of a step compute waits for both copy streams, so the optimizer sees
 every weight and gradient in place. On the CPU the same code paths run
 synchronously, so the semantics are tested on any machine.
+
+This module holds what a user calls and what is checked before a step runs;
+the step loop and its compute operations (F, L, B) are in ``_replay.py``, the
+activation moves in ``_moves.py``, the weight and gradient moves in
+``_host_side.py``, the byte counts in ``_bookkeeping.py``: all follow this note.
 """
 
 from __future__ import annotations
@@ -226,27 +231,17 @@ from rtmem.planners._validation import type_label
 
 from ._bookkeeping import _Bookkeeping
 from ._host_side import _HostSide
-from ._module_state import (FirstBuffers, KeptBuffers, buffer_slots, replayed_generators,
-                            slot_buffers, stage_state)
+from ._module_state import buffer_slots, slot_buffers, stage_state
 from ._moves import _ActivationMoves, _check_graph_moves
-from ._offload_hooks import _interrupts_held
-from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
-                      as_stages, check_inputs, check_loss, check_loss_fn, check_placement,
-                      check_needs_grad, check_shared_hooks, check_shared_weights, inputs_need_grad,
-                      nothing_trains, shared_parameters, trains_beyond)
-from ._saved import (_SavedHooks, autocast_off, fastpaths_as_trained, own_parametrizations,
-                     uncached_casts)
-from ._stored import _Stored
+from ._replay import _StepReplay
+from ._stages import (_WEIGHT_MOVES, ExecutionError, as_stages, check_inputs, check_loss_fn,
+                      check_placement, check_shared_hooks, check_shared_weights,
+                      shared_parameters)
 
 __all__ = ["ScheduleExecutor", "ExecutionError"]
 
 
-def _changed(now: list, before: list) -> bool:
-    """Whether two lists of tensors differ (by identity)."""
-    return len(now) != len(before) or any(a is not b for a, b in zip(now, before))
-
-
-class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
+class ScheduleExecutor(_StepReplay, _Bookkeeping, _HostSide, _ActivationMoves):
     """Run training steps of ``model`` following ``schedule``.
 
     Parameters
@@ -533,115 +528,7 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
                     f"stage (plan_store_all), or pass preserve_rng_state=False if the "
                     f"recomputed stages draw no random numbers")
 
-    def _step(self, inputs, target) -> torch.Tensor:
-        device = inputs.device
-        self._device = device
-        self._caller_keys = _storage_ptrs((inputs, target))
-        self._caller_inputs = inputs if inputs.requires_grad else None
-        # A batch autograd refuses to change in place (a leaf that requires grad,
-        # or a view of one) is never handed to stage 0, which gets a detached
-        # alias: a private copy keeps it unchanged when stage 0 modifies its
-        # input; _run_stage refuses a change autograd recorded (rule 7)
-        self._fixed_batch = inputs.requires_grad and (
-            inputs.is_leaf or (inputs._is_view() and inputs._base.is_leaf))
-        if self._own_input or self._fixed_batch or (
-                inputs.untyped_storage().nbytes() != inputs.numel() * inputs.element_size()):
-            # a compact private copy: its bytes are exactly the chain's x0
-            inputs = inputs.detach().clone(memory_format=torch.contiguous_format)
-        if device.type == "cuda" and self._streams is None:
-            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        self._new_ledger()
-        self._scan_state()   # the caller may have reassigned buffers since the last step
-        self._refresh_state_ptrs()
-        # per step (after the scan: tensor attributes count): the caller may freeze
-        # or unfreeze parameters and tensor attributes between steps
-        # (inputs may be the private copy by now, which requires no grad). The
-        # same tensors tell L and B why nothing trains, when nothing does
-        self._grad_tensors = self._stage_tensors()
-        self._needs_grad = inputs_need_grad(self._grad_tensors,
-                                            self._caller_inputs is not None)
-        self._plain[0] = _Stored.of(inputs)
-        self._trains = False  # whether the backward writes a gradient (_loss, _backward)
-        track = self.track_memory
-        self.peak_bytes = 0 if track else None
-        self.resident_bytes = []
-        self.buffer_copy_bytes = 0 if track else None
-        self._copies_kept = 0
-        loss = None
-        try:
-            for j, (op, s, aux) in enumerate(self._ops):
-                self._op_index = j
-                if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
-                    self._forward(op, s)
-                elif op == Op.LOSS:
-                    loss = self._loss(target)
-                elif op == Op.B:
-                    self._backward(s)
-                elif op in (Op.OFFLOAD, Op.DELETE, Op.PREFETCH):
-                    self._move(op, s, aux)
-                elif op in _WEIGHT_MOVES:
-                    self._weights(op, s)
-                else:
-                    self._grads_to_host(s)
-                if track:
-                    self._account()
-        finally:   # also after an error: the model keeps all its weights
-            # A KeyboardInterrupt (Ctrl-C) landing in here cut the clean-up short:
-            # weights the schedule left on the host stayed 0-element placeholders
-            # (a checkpoint saved in the caller's `except KeyboardInterrupt` lost
-            # them; the next step failed inside a stage) and the host buffers were
-            # never freed. Held until the clean-up is done, then raised.
-            with _interrupts_held():
-                self._plain.clear()
-                self._bar.clear()
-                # the first forwards' RNG states and buffer copies are for this
-                # step's recomputations only: not held through optimizer.step()
-                self._first = {}
-                self._copies_kept = 0
-                self._delta = None
-                self._caller_keys = set()
-                self._caller_inputs = None
-                if self._streams is not None:
-                    # the optimizer and the next step run on the compute stream: every
-                    # weight prefetched and gradient offloaded must be in place by then
-                    compute = torch.cuda.current_stream(device)
-                    for stream in self._streams:
-                        compute.wait_stream(stream)
-                self._restore_weights()
-                self._release_host()
-        return loss
-
     # ------------------------------------------------------------- internals
-    def _resident(self, k: int, plain_only: bool = False) -> _Stored:
-        st = self._plain.get(k)
-        if (st is None or not st.resident) and not plain_only:
-            st = self._bar.get(k)
-        if st is None or not st.resident:
-            # the structural check makes this unreachable for valid schedules
-            raise ExecutionError(f"activation a{k} is not on the device")
-        return st
-
-    def _source(self, k: int, plain_only: bool = False) -> torch.Tensor:
-        st = self._resident(k, plain_only)
-        if st.out._version != st.version:
-            name = f"a{k}" if st.inp is None else f"abar{k}"
-            raise ExecutionError(
-                f"{name} was modified in place after the executor stored it (a stage or "
-                f"the loss modifies its input in place), and operation {self._op_index} of "
-                f"the schedule ({self.schedule.op_text(self._op_index)}) reads it again, which "
-                f"would compute with the modified values; make that in-place operation "
-                f"out-of-place (x = x * 2 instead of x.mul_(2)) or move it to the end of "
-                f"the previous stage, or use a schedule that does not recompute from a{k}: "
-                f"profile_sequential marks such stages no_recompute in the chain, and "
-                f"plan_remat then runs them once")
-        self._wait(st)
-        return st.out.detach()
-
-    def _wait(self, st: _Stored):
-        if st.ready is not None:
-            torch.cuda.current_stream(self._device).wait_event(st.ready)
-            st.ready = None
-
     def _scan_state(self) -> None:
         """Each stage's buffers, constant tables and generators as the modules
         hold them now."""
@@ -662,217 +549,3 @@ class ScheduleExecutor(_Bookkeeping, _HostSide, _ActivationMoves):
         hold them now."""
         return (slot_buffers(self._buffer_slots[i]),
                 *stage_state(self._stage_modules[i]))
-
-    def _count_copies(self, taken: int) -> None:
-        """Note ``taken`` bytes of buffer copies held, besides the first forwards'
-        kept ones, while a stage runs (rule 6), in :attr:`buffer_copy_bytes`
-        (tracking only: callers skip the byte counts without it)."""
-        self.buffer_copy_bytes = max(self.buffer_copy_bytes, self._copies_kept + taken)
-
-    def _run_stage(self, i: int, x: torch.Tensor):
-        stage = self.stages[i]
-        first = i not in self._first
-        version = x._version   # shared with a_i and every alias of it
-        made_by = x.grad_fn    # an in-place op autograd records replaces it
-        if first:
-            # Only a stage the schedule runs again needs its first forward's RNG
-            # states and buffers (rule 6): taking them for every stage was a state
-            # copy per stage and generator at every step of a store-all plan
-            replayed = i in self._recomputed
-            keep_rng = self.preserve_rng_state and replayed
-            cpu = torch.get_rng_state() if keep_rng else None
-            cuda = (torch.cuda.get_rng_state(self._device)
-                    if keep_rng and self._device.type == "cuda" else None)
-            # the generators the stage's modules hold (rule 6), as the scan at the
-            # start of the step found them
-            gens = [(g, g.get_state()) for g in self._stage_gens[i]] if keep_rng else []
-            # the buffers this forward reads, for the stage's recomputations (rule 6)
-            before = FirstBuffers(self._buffer_slots[i]) if replayed else None
-            self._first[i] = (cpu, cuda, gens, before)
-            # the copies' bytes are summed only when tracking memory (a walk of
-            # the stage's buffers per forward otherwise spent for nothing)
-            counting = before is not None and self.buffer_copy_bytes is not None
-            if counting:
-                self._count_copies(before.nbytes())
-            with own_parametrizations():
-                y = stage(x)
-            if before is not None:
-                # Values compared at this stage's first step only (a device sync
-                # per buffer on a GPU, once): the slots it changes through .data
-                # are then kept at every step without reading them
-                checked = i in self._by_value
-                found = before.keep_changed(compare_values=not checked,
-                                            always=self._by_value.get(i, frozenset()))
-                if not checked:
-                    self._by_value[i] = found
-                if counting:
-                    self._copies_kept += before.nbytes()
-        else:
-            kept = KeptBuffers(self._buffer_slots[i])
-            devices = [self._device] if self._device.type == "cuda" else []
-            cpu, cuda, gens, before = self._first[i]
-            try:
-                fresh = before.replay() if before is not None else 0
-                if self.buffer_copy_bytes is not None:
-                    self._count_copies(kept.nbytes() + fresh)
-                with torch.random.fork_rng(devices=devices, enabled=self.preserve_rng_state), \
-                        replayed_generators(gens), own_parametrizations():
-                    if self.preserve_rng_state:
-                        torch.set_rng_state(cpu)
-                        if cuda is not None:
-                            torch.cuda.set_rng_state(cuda, self._device)
-                    y = stage(x)
-            finally:
-                # recomputation must not update running statistics again, also when
-                # the stage raises after updating them (a failed step leaves the
-                # statistics of one forward, as plain training does)
-                kept.restore()
-        # A first forward may reassign a buffer (a recomputation's are put back),
-        # and any forward may set a tensor attribute (a lazy constant table, a
-        # cache of the last output): the new tensor is model state, never freed
-        # by a move (whose owner could read freed bytes) nor counted as an
-        # activation
-        now, consts, _ = self._scan_stage(i)   # generators: read at first runs only
-        if _changed(now, self._stage_buffers[i]) or _changed(consts, self._stage_consts[i]):
-            self._stage_buffers[i] = now
-            self._stage_consts[i] = consts
-            self._refresh_stage_ptrs(i)
-        # Refused where autograd recorded the change, as plain torch refuses it on
-        # a leaf: one made under the stage's own torch.no_grad() (allowed by
-        # torch: a normalisation in place) leaves grad_fn as it was, and so does
-        # every change in the executor's no_grad forwards (F_ck, F_none), which
-        # cannot be told apart and go on the private copy; a recomputation of
-        # stage 0 then finds its input changed (rule 7)
-        if i == 0 and self._fixed_batch and x._version != version and \
-                x.grad_fn is not made_by:
-            raise ExecutionError(
-                f"stage 0 ({type(stage).__name__}) modifies its input in place (x.mul_(2), "
-                f"nn.ReLU(inplace=True), ...), and the batch is a leaf tensor that requires "
-                f"grad (or a view of one), which plain PyTorch refuses to change in place "
-                f"(\"a leaf Variable that requires grad is being used in an in-place "
-                f"operation\"); the executor ran the stage on a copy, so the batch is "
-                f"unchanged. Make the operation out-of-place (x = x * 2 instead of "
-                f"x.mul_(2)), or pass a batch that is not a leaf (step(inputs.clone(), "
-                f"target): inputs.grad still gets its gradient)")
-        _check_output(i, stage, y)
-        return y
-
-    def _forward(self, op, i: int):
-        x = self._source(i, plain_only=op == Op.F_NONE)
-        self._wait_weights(i)
-        # An output already resident is kept, as the simulator keeps it (Table
-        # 2.1 adds nothing), and not computed again; a second abar_{i+1} would
-        # also leave the first one's output held by the leaf input of
-        # abar_{i+2}: bytes not planned.
-        old = (self._bar if op == Op.F_ALL else self._plain).get(i + 1)
-        if old is None or not old.resident:
-            if op == Op.F_ALL:
-                self._forward_all(i, x)
-                return
-            self._plain[i + 1] = _Stored.of(self._run_stage_without_grad(i, x))
-        if op == Op.F_NONE:   # after storing a_{i+1}, which may share a_i's storage
-            self._drop(self._plain, i)
-
-    def _run_stage_without_grad(self, i: int, x: torch.Tensor):
-        """Stage ``i`` on ``x`` under ``no_grad`` (F_ck, F_none). A stage
-        that differentiates inside its forward (``torch.autograd.grad`` or
-        ``.backward()``: a gradient penalty) gets torch's "does not require grad
-        and does not have a grad_fn" there, which names neither the stage nor
-        the cause: refused with :class:`ExecutionError` saying both. The
-        output comes without autograd history: a plain a_{i+1}."""
-        # the path plain training takes where torch's attention has two (in
-        # eval mode): whether the stage's output needs a gradient there
-        trains = self._needs_grad[i] or any(t.requires_grad for t in self._grad_tensors[i])
-        try:
-            with torch.no_grad(), uncached_casts(), fastpaths_as_trained(trains):
-                y = self._run_stage(i, x)
-        except RuntimeError as e:
-            if "does not require grad and does not have a grad_fn" not in str(e):
-                raise
-            stage = self.stages[i]
-            raise ExecutionError(
-                f"stage {i} ({type(stage).__name__}) failed in operation {self._op_index} "
-                f"of the schedule ({self.schedule.op_text(self._op_index)}) on a tensor "
-                f"without autograd history ({e}). F_ck and F_none run a stage under "
-                f"torch.no_grad(): if it differentiates inside its forward "
-                f"(torch.autograd.grad or .backward(), e.g. a gradient penalty), run that "
-                f"part under `with torch.enable_grad():` (its input then needs "
-                f"x.requires_grad_() where it does not require grad), which trains as plain "
-                f"PyTorch does, or use a schedule without F_ck and F_none of stage {i}; if "
-                f"it does so already, the tensor it differentiates does not require grad, "
-                f"and plain PyTorch fails alike") from e
-        # A stage that enables grad itself (for its penalty) returns an output
-        # with autograd history even here: kept, its graph, with every tensor
-        # the graph saved, lived as long as the plain a_{i+1}, counted nowhere
-        return y.detach() if y.requires_grad else y
-
-    def _forward_all(self, i: int, x: torch.Tensor):
-        hooks = _SavedHooks(self, i, x)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                hooks.pack, hooks.unpack_hook()):
-            leaf, arg = _stage_input(x, needs_grad=self._needs_grad[i])
-            y = self._run_stage(i, arg)
-        # a tensor that requires grad read from outside what the executor sees:
-        # refused, as stage i+1 gets (or got) its input without gradient
-        check_needs_grad(i, self.stages[i], y, self._needs_grad, leaf)
-        self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=hooks.saved)
-
-    def _loss(self, target):
-        k = self.n
-        src = self._source(k)
-        with torch.enable_grad(), own_parametrizations():
-            leaf, z = _stage_input(src)
-            loss = self.loss_fn(z, target)
-        check_loss(loss, z, self._grad_tensors, self._caller_inputs is not None,
-                   self.stages)
-        # z is a leaf that requires grad whatever a_n needs, so this loss requires
-        # grad where plain autograd's may not; the Bs decide (_backward). What they
-        # need from here: whether the loss trains something without a_n (a loss
-        # module's parameter, a target that requires grad)
-        self._trains = trains_beyond(loss, leaf)
-        with autocast_off(self._device):
-            loss.backward()
-        self._delta = leaf.grad
-        self._consume_plain(k)
-        return loss.detach()
-
-    def _backward(self, i: int):
-        if self._delta is not None and not self._trains:
-            # No gradient written yet (the loss and the Bs after this one wrote
-            # only into the executor's input leaves). An output without autograd
-            # history (stage i, or one before it, cut the chain) means a_n needs
-            # no gradient in plain autograd, where loss.backward() raises (rule 3)
-            out, inp = self._bar[i + 1].out, self._bar[i + 1].inp
-            if not out.requires_grad:
-                raise nothing_trains(self._grad_tensors, self._caller_inputs is not None,
-                                     self.stages, cut_at=i)
-            # a backward that writes a gradient of its own (a parameter) trains
-            # something: no later B may refuse the step
-            self._trains = trains_beyond(out, inp)
-        bar = self._bar.pop(i + 1)
-        self._wait(bar)
-        self._wait_weights(i)
-        # Drop our references to the saved tensors first, so that autograd frees
-        # each one as soon as its node has run, as in native PyTorch (holding them
-        # for the whole call raised the in-backward peak by ~10% on GPT-2 blocks).
-        bar.saved.clear()
-        bar.storages = []
-        with autocast_off(self._device):
-            if self._delta is not None and bar.out.requires_grad:
-                torch.autograd.backward(bar.out, self._delta)
-            # else nothing flows back (NOTE rule 3): a frozen or parameter-free stage
-            # on integer inputs, or an output the rest of the model did not use
-            self._delta = (bar.inp.grad if bar.inp is not None and bar.inp.requires_grad
-                           else None)
-            if i == 0 and self._delta is not None and self._caller_inputs is not None:
-                torch.autograd.backward(self._caller_inputs, self._delta)
-        # An abar_{i+2} recomputed from this one and never consumed holds its
-        # output as its leaf input; the simulator frees abar_{i+1} whole here
-        self._free_unneeded([bar.out.untyped_storage()])
-        self._consume_plain(i)
-
-    def _consume_plain(self, k: int):
-        """B and L consume a resident plain a_k unless abar_k is resident (Table 2.1)."""
-        plain, bar = self._plain.get(k), self._bar.get(k)
-        if plain is not None and plain.resident and not (bar is not None and bar.resident):
-            self._drop(self._plain, k)
