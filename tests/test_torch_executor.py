@@ -314,6 +314,26 @@ def test_track_memory_off_trains_the_same_and_counts_nothing(setup):
     assert ex.peak_bytes == tracked.peak_bytes == max(tracked.resident_bytes)
 
 
+@pytest.mark.parametrize("track", [True, False])
+def test_delta_is_in_the_byte_count_only_when_tracking_memory(track):
+    # Without track_memory nothing reads the byte count's total, and delta's
+    # storages are protected by the holding ledger: counting delta there too was
+    # two ledger updates per B for nothing. Checked inside B 1, where the
+    # executor holds delta_2 while the stage's backward runs.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    ex = ScheduleExecutor(model, store_all_schedule(3), nn.functional.mse_loss,
+                          track_memory=track)
+    seen = []
+
+    def during_backward(module, grad_input, grad_output):
+        ptr = ex._delta.untyped_storage().data_ptr()
+        seen.append((ex._ledger.holds(ptr), ex._holding.holds(ptr)))
+    model[1].register_full_backward_hook(during_backward)
+    ex.step(torch.randn(3, 4), torch.randn(3, 4))
+    assert seen == [(track, True)]
+
+
 #: Examples per random-schedule test (RTMEM_EXAMPLES raises it for a bug hunt).
 _RANDOM_SCHEDULES = settings(
     max_examples=int(os.environ.get("RTMEM_EXAMPLES", 25)), deadline=None,

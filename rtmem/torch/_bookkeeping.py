@@ -23,7 +23,8 @@ class _Bookkeeping:
     """Mixin of :class:`~rtmem.torch.ScheduleExecutor`, which provides the
     stored tensors (``_plain``, ``_bar``, made by :meth:`_new_ledger`),
     ``_state_count`` (from :class:`~rtmem.torch._host_side._HostSide`),
-    ``_caller_keys``, ``_op_index``, ``resident_bytes`` and ``peak_bytes``."""
+    ``_caller_keys``, ``_op_index``, ``track_memory``, ``resident_bytes`` and
+    ``peak_bytes``."""
 
     def _new_ledger(self):
         """No stored tensors, no delta, nothing counted."""
@@ -31,19 +32,29 @@ class _Bookkeeping:
         self._plain = _Entries(self._ledger, self._holding)
         self._bar = _Entries(self._ledger, self._holding)
         self._delta_t, self._delta_keys = None, ((), ())
+        # delta goes in the byte count only for a step that records it: a step
+        # without track_memory reads that ledger only to find storages a stored
+        # tensor holds without needing them (_free_unneeded), and delta's are
+        # protected by the holding ledger anyway. Decided per step, as the flag
+        # may change between steps. (Two ledger updates per B saved.)
+        self._delta_counted = self.track_memory
 
     @property
     def _delta(self):
-        """delta_i, the gradient flowing back (counted in the ledger)."""
+        """delta_i, the gradient flowing back (in the holding ledger, and in the
+        byte count of a step with ``track_memory``)."""
         return self._delta_t
 
     @_delta.setter
     def _delta(self, t):
-        # counted in both ledgers: its bytes are resident, and no move frees it
+        # its bytes are resident, and no move frees it
         counted, held = self._delta_keys
-        self._ledger.remove(counted)
         self._holding.remove(held)
-        self._delta_t, self._delta_keys = t, (self._ledger.add((t,)), self._holding.add((t,)))
+        held = self._holding.add((t,))
+        if self._delta_counted:
+            self._ledger.remove(counted)
+            counted = self._ledger.add((t,))
+        self._delta_t, self._delta_keys = t, (counted, held)
 
     def _account(self):
         nbytes = self._ledger.total

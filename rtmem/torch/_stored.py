@@ -65,7 +65,8 @@ class _Entries(dict):
       (:meth:`_Stored.needed`), which a delete or a drop must leave alone
       (NOTE [ Executor ] rule 4). Residency changes through :meth:`set_resident`.
 
-    The executor counts delta in both ledgers itself.
+    The executor counts delta itself: in the holding ledger, and in ``ledger``
+    during a step with ``track_memory`` only (nothing reads its total otherwise).
 
     The executor's plain and abar dictionaries share both ledgers."""
 
