@@ -37,6 +37,17 @@ synchronize rtmem does not see (``torch.cuda.synchronize()``, CuPy's, a
 stream's own ``synchronize()``, ``rtmem.transfers.synchronize()``, which waits
 for the copy streams only) wait for their stamp as above, and only the tail
 carving keeps them from being walled in.
+A request no single block holds may still fit in a stream's own pending
+blocks together with the free bytes beside them: a run of adjacent blocks,
+each ready or pending on that stream. After the miss's stamp and poll, and
+before the flush's wait, ``_take_own_run`` merges the smallest such run that
+holds it (best fit by run), carving a window that covers as many pending
+bytes as it can (ready bytes serve every stream) and leaves as few free
+pieces as it can; a block cut at the window's edge keeps its stream and event
+on the part outside. The flush waited for every pending event there: a host
+stall the size of the stream's queued work, where CUDA's stream-ordered
+allocator reuses the stream's own frees at once. The hot paths are unchanged;
+the scan, linear in the stream's pending blocks, runs only on this miss.
 
 An ordered free merges the block with neighbours pending on the same stream
 (their events are superseded by the next stamp, which is later on that
@@ -60,10 +71,10 @@ Ready blocks name no stream.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 
-from ._blocks import _PENDING, Block
+from ._blocks import _ADDR_MASK, _PENDING, _READY, Block
 
 #: Deferred frees between two stamp-and-poll rounds (NOTE [ Stream-ordered frees ]).
 _MAINTAIN_EVERY = 256
@@ -73,7 +84,8 @@ class _StreamOrderedFrees:
     """Mixin of :class:`~rtmem.allocator.BestFitAllocator`, which provides the
     indexes (``_pending``, ``_fifo``, ``_unstamped``, ``_free_map``,
     ``_pending_bytes``, ``_deferrals``), ``event_source``, and
-    ``_make_ready``/``_absorb``, which move blocks to the ready index."""
+    ``_make_ready``/``_absorb``/``_remove_ready``, which move blocks to and
+    from the ready index."""
 
     def stamp(self) -> None:
         """Record the lazy event behind every stream-ordered free made so far
@@ -177,6 +189,108 @@ class _StreamOrderedFrees:
             del pending[stream]
             self._fifo.pop(stream, None)
             self._unstamped.pop(stream, None)
+
+    def _take_own_run(self, size: int, stream):
+        """``size`` bytes (aligned) made of free blocks next to one another, at
+        least one of them pending on ``stream`` and each either ready or pending
+        on ``stream``, merged into one block removed from its index; None if no
+        such run holds ``size`` bytes (NOTE [ Stream-ordered frees ]).
+
+        For a miss of best fit only: no single block holds ``size``. Stream order
+        lets ``stream`` reuse its own pending blocks at once, so this avoids the
+        flush's wait. Best fit among the runs; within the run the window covers
+        as many pending bytes as it can (ready ones serve every stream), then
+        leaves as few free pieces as it can. A block cut at the window's edge
+        keeps its index, stream and event on the part outside it.
+        """
+        keys = self._pending.get(stream)
+        if not keys:
+            return None
+        fmap, seen, best = self._free_map, set(), None
+        for key in keys:
+            block = fmap[key & _ADDR_MASK]
+            if block.addr in seen:
+                continue
+            # Stretch to the run's ends over ready and same-stream pending blocks.
+            while block.prev is not None and (block.prev.state == _READY or (
+                    block.prev.state == _PENDING and block.prev.stream == stream)):
+                block = block.prev
+            run, total = [], 0
+            while block is not None and (block.state == _READY or (
+                    block.state == _PENDING and block.stream == stream)):
+                seen.add(block.addr)
+                run.append(block)
+                total += block.size
+                block = block.next
+            if total >= size and (best is None or total < best[0]):
+                best = (total, run)
+        if best is None:
+            return None
+        total, run = best
+        start, end = run[0].offset, run[-1].end
+        offsets, below = [], [0]      # pending bytes below each block's start
+        for block in run:
+            offsets.append(block.offset)
+            below.append(below[-1] + (block.size if block.state == _PENDING else 0))
+
+        def pending_below(at):
+            i = bisect_right(offsets, at) - 1
+            block = run[i]
+            return below[i] + (min(at, block.end) - block.offset
+                               if block.state == _PENDING else 0)
+
+        # The best window starts or ends at a block boundary (or the run's end).
+        choice = None
+        for block in run:
+            for x in (block.offset, block.end - size):
+                x = max(start, min(x, end - size))
+                pieces = (x > start) + (x + size < end)
+                rank = (pending_below(x + size) - pending_below(x), -pieces, -x)
+                if choice is None or rank > choice[0]:
+                    choice = (rank, x)
+        x = choice[1]
+        i = bisect_right(offsets, x) - 1
+        j = bisect_right(offsets, x + size - 1) - 1
+        first, last = run[i], run[j]
+        if first.offset < x:
+            tail = self._split_free(first, x - first.offset)
+            if last is first:
+                last = tail
+            first = tail
+        if last.end > x + size:
+            self._split_free(last, x + size - last.offset)
+        taken, block = [], first
+        while True:
+            taken.append(block)
+            if block is last:
+                break
+            block = block.next
+        for block in taken:
+            (self._remove_ready if block.state == _READY else self._remove_pending)(block)
+        for block in taken[1:]:
+            self._absorb(first, block)
+        return first
+
+    def _split_free(self, block: Block, head_bytes: int) -> Block:
+        """Cut free ``block`` (in an index) after ``head_bytes`` bytes; the new
+        tail joins the same index with the same stream and event (a pending
+        tail is gated as its head was). Returns the tail."""
+        keys = self._ready if block.state == _READY else self._pending[block.stream]
+        del keys[bisect_left(keys, block._key())]
+        tail = Block(block.slab, block.offset + head_bytes, block.size - head_bytes,
+                     self, block, block.next)
+        if block.next is not None:
+            block.next.prev = tail
+        block.next = tail
+        block.size = head_bytes
+        insort(keys, block._key())
+        if block.state == _READY:
+            self._free_map[tail.addr] = tail
+            insort(keys, tail._key())
+        else:
+            self._pending_bytes -= tail.size       # _defer counts it again
+            self._defer(tail, block.stream, block.event)
+        return tail
 
     def _check_free_args(self, stream, event, ordered) -> None:
         if ordered:

@@ -242,12 +242,18 @@ class BestFitAllocator(_StreamOrderedFrees):
 
     def _find_slow(self, size: int, nbytes: int, stream) -> Block:
         """After a miss among ready and same-stream pending blocks: stamp and
-        poll, then flush, grow or raise OutOfMemoryError. Returns the block
-        removed from its index."""
+        poll, then merge a run of the stream's own pending and ready blocks,
+        then flush, grow or raise OutOfMemoryError. Returns the block removed
+        from its index."""
         self._stamp()
         self._poll_pending()
         block = self._best_fit(size, stream)
         if block is None:
+            # Before any wait: the stream's own pending blocks with the free
+            # bytes beside them (NOTE [ Stream-ordered frees ]).
+            merged = self._take_own_run(size, stream)
+            if merged is not None:
+                return merged
             self._flush_pending()
             block = self._best_fit(size, stream)
         if block is None:

@@ -842,6 +842,47 @@ def test_best_fit_weighs_the_streams_pending_blocks_against_ready_ones():
     a._check_invariants()
 
 
+@pytest.mark.parametrize("how", ["ordered", "event"])
+def test_a_streams_pending_block_merges_with_its_ready_neighbours_without_waiting(how):
+    # A request that fit only in a pending block of its own stream together with
+    # the ready bytes beside it missed best fit, and the allocator waited for
+    # every pending event (a host stall) although stream order lets the stream
+    # reuse its own block at once. Now the block and its free neighbours merge.
+    rng = np.random.default_rng()
+    unit = 256
+    left, mid, right = (int(k) * unit for k in rng.integers(1, 6, 3))
+    rec = Recorder()
+    a = BestFitAllocator(left + mid + right + unit, event_source=rec)
+    s1, s2 = object(), object()
+    lb, p, rb, _ = (a.allocate(n, s1) for n in (left, mid, right, unit))
+    a.deallocate(lb)
+    a.deallocate(rb)
+    ev = FakeEvent()
+    if how == "ordered":
+        a.deallocate(p, stream=s1, ordered=True)
+    else:
+        a.deallocate(p, stream=s1, event=ev)
+    free, p_start, p_end = left + mid + right, p.offset, p.end
+    need = int(rng.integers(max(left, mid, right) // unit + 1, free // unit + 1)) * unit
+    got = a.allocate(need - int(rng.integers(0, unit)), s1)
+    assert ev.syncs == 0 and all(e.syncs == 0 for _, e in rec.events), "waited"
+    assert got.size == need and 0 <= got.offset and got.end <= free
+    assert got.offset <= p_start and p_end <= got.end       # the pending bytes first
+    st = a.stats()
+    assert (st.pending_bytes, st.free_bytes) == (0, free - need)
+    with pytest.raises(DoubleFreeError):                    # p's handle stays dead
+        a.deallocate(p)
+    a._check_invariants()
+    if st.largest_free_bytes:                               # the rest is ready for all
+        other = a.allocate(st.largest_free_bytes, s2)
+        assert not overlaps(other, got) and ev.syncs == 0
+        assert all(e.syncs == 0 for _, e in rec.events)
+        a.deallocate(other)
+    a.deallocate(got, stream=s1, ordered=True)
+    a.flush()
+    a._check_invariants()
+
+
 def test_peak_follows_every_byte_with_alignment_one():
     a = BestFitAllocator(64, alignment=1)
     b = a.allocate(1)

@@ -682,6 +682,36 @@ def test_compute_stream_frees_record_no_event_and_fence_other_streams(
     d._check_invariants()
 
 
+def test_a_stream_reuses_its_pending_free_with_the_free_bytes_beside_it_at_once(
+        fake, backend):
+    # Only the compute stream's own pending free plus the free bytes after it
+    # held the request: best fit found no single block and the allocation waited
+    # for the stamp, i.e. for all the gated work on the stream (a host stall).
+    # Stream order allows the compute stream to reuse its own free at once.
+    rng = np.random.default_rng()
+    d = DeviceArena(1 << 16, backend=backend)
+    half = 256 * int(rng.integers(129, 250))       # more than the free rest
+    gate = threading.Event()
+    backend.current_stream().launch_host_func(gate.wait)   # earlier work still runs
+    got = {}
+    try:
+        b = d.alloc(half)
+        offset = b.offset
+        b.free()
+        need = half + 256 * int(rng.integers(1, ((1 << 16) - half) // 256 + 1))
+        worker = threading.Thread(target=lambda: got.setdefault("buf", d.alloc(need)))
+        worker.start()
+        worker.join(timeout=10)                 # not forever if it does wait
+        assert "buf" in got, "the allocation waited for the gated compute stream"
+        assert got["buf"].offset == offset and d.stats().pending_bytes == 0
+        d._check_invariants()
+    finally:
+        gate.set()
+        worker.join()
+    got["buf"].free()
+    d._check_invariants()
+
+
 def test_a_buffer_for_another_wrapper_of_the_compute_stream_frees_as_compute_ones_do(
         fake, backend, monkeypatch):
     # _release compares streams by equality: a second CudaStream of the compute
