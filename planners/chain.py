@@ -27,6 +27,7 @@ and writes activation ``i+1``; activation 0 is the chain input.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -254,7 +255,9 @@ class Chain(JsonFile):
 
     @classmethod
     def from_dict(cls, d) -> "Chain":
-        """Build a chain from :meth:`to_dict` output. Unknown keys are an error."""
+        """Build a chain from :meth:`to_dict` output. Unknown keys are an error, and
+        so are times and sizes that are not JSON numbers (``"32768"``, ``true``,
+        ``null``): a :class:`~rtmem.errors.ChainError` names ``field[index]``."""
         check_document(d, kind="chain", fmt=_FORMAT, version=_VERSION, error=ChainError,
                        lenient=True)
         known = set(_ARRAYS) | {"format", "version", "name", "n", "x0", "u_loss", "o_loss",
@@ -267,6 +270,7 @@ class Chain(JsonFile):
         if missing:
             raise ChainError(f"chain document lacks the field(s) {missing}; a chain needs "
                              f"u_f, u_b, x and xbar (see Chain.to_dict)", field=missing[0])
+        _check_document_values(d)
         kwargs = {k: d[k] for k in known - {"format", "version", "n"} if k in d}
         chain = cls(**kwargs)
         # a string "3" said "n = 3 but its arrays have 3 stages"; true passed as 1
@@ -280,6 +284,37 @@ class Chain(JsonFile):
         """Parse a chain from a JSON string (see :meth:`to_json`)."""
         return cls.from_dict(parse_document(text, kind="chain", fmt=_FORMAT, version=_VERSION,
                                             error=ChainError, lenient=True))
+
+
+def _is_number(value) -> bool:
+    """A JSON number (an int or float, numpy's too; a bool is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_document_values(d: dict) -> None:
+    """ChainError unless the times, sizes and name of chain document ``d`` have the
+    JSON types :meth:`Chain.to_dict` writes. The constructor converts what numpy
+    and ``float()`` convert, so a hand-edited file's ``true`` was read as 1 byte,
+    ``"32768"`` as a number and ``null`` reported as ``nan``."""
+    def refuse(where, value, field, index=None):
+        shown = json.dumps(value) if value is None or isinstance(value, (bool, str)) \
+            else repr(value)
+        unit = "seconds" if field.startswith("u_") else "bytes"
+        raise ChainError(f"{where} = {shown} is not a number; write it as a JSON number "
+                         f"of {unit}, without quotes (e.g. 1024 or 0.5)",
+                         field=field, index=index)
+    for key in _ARRAYS:
+        values = d.get(key)
+        if isinstance(values, (list, tuple)):
+            for i, v in enumerate(values):
+                if not _is_number(v):
+                    refuse(f"{key}[{i}]", v, key, i)
+    for key in ("x0", "u_loss", "o_loss"):
+        if key in d and not _is_number(d[key]):
+            refuse(key, d[key], key)
+    if "name" in d and not isinstance(d["name"], str):
+        raise ChainError(f"name = {json.dumps(d['name'], default=repr)} must be a string "
+                         f"(the chain's label)", field="name")
 
 
 def _flags(raw, n: int) -> np.ndarray:

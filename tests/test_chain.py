@@ -2,6 +2,7 @@ import builtins
 import dataclasses
 import math
 import os
+import re
 
 import numpy as np
 
@@ -367,3 +368,34 @@ def test_select_refuses_bad_stage_indices(stages, fragment):
     with pytest.raises(ChainError, match=fragment) as err:
         chain.select(stages)
     assert err.value.field == "stages"
+
+
+@pytest.mark.parametrize("field, index, value, shown", [
+    ("x", 2, True, "true"),                 # was read as a size of 1 byte
+    ("x", 1, "32768", '"32768"'),           # a quoted number was read as a number
+    ("u_f", 0, "0.1", '"0.1"'),
+    ("u_b", 2, None, "null"),               # was reported as "u_b[2] = nan"
+    ("xbar", 0, "32KiB", '"32KiB"'),        # the message printed the whole list
+    ("x0", None, True, "true"), ("u_loss", None, "1", '"1"'), ("o_loss", None, None, "null"),
+])
+def test_chain_document_refuses_values_that_are_not_json_numbers(field, index, value, shown):
+    # Chain's constructor converts what numpy and float() convert; a document's
+    # values must be the JSON numbers to_dict writes, named with their index
+    rng = np.random.default_rng()
+    x = rng.integers(1, 1000, 4)
+    d = Chain(u_f=rng.random(4), u_b=rng.random(4), x=x, xbar=x + 5, x0=8,
+              u_loss=0.5, o_loss=4).to_dict()
+    if index is None:
+        d[field] = value
+    else:
+        d[field][index] = value
+    where = field if index is None else f"{field}[{index}]"
+    with pytest.raises(ChainError, match=re.escape(f"{where} = {shown} ")) as e:
+        Chain.from_dict(d)
+    assert (e.value.field, e.value.index) == (field, index)
+
+
+def test_chain_document_name_must_be_a_string():
+    d = dict(Chain.homogeneous(2).to_dict(), name=5)
+    with pytest.raises(ChainError, match="name"):
+        Chain.from_dict(d)
