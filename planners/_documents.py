@@ -7,6 +7,7 @@ and a message naming what was found and what is read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -67,6 +68,20 @@ def read_text(path, *, kind: str, error, **error_kw) -> str:
                     f"{e.reason} at byte {e.start})", **error_kw) from e
 
 
+@contextlib.contextmanager
+def naming_file(path, error):
+    """Within the block, an ``error`` raised (a ChainError, a ScheduleError) has
+    ``path`` put in front of its message, its type and fields kept: "x[2] = -5
+    is negative" did not say which of a command's files holds it."""
+    try:
+        yield
+    except error as e:
+        prefix = f"{os.fspath(path)}: "
+        if e.args and isinstance(e.args[0], str) and not e.args[0].startswith(prefix):
+            e.args = (prefix + e.args[0],) + e.args[1:]
+        raise
+
+
 class JsonFile:
     """``save(path)`` / ``load(path)`` for a document class with ``to_json(indent=)``
     and ``from_json(text)`` (chains and plans). Subclasses name their document
@@ -81,7 +96,10 @@ class JsonFile:
 
     @classmethod
     def load(cls, path: str | os.PathLike):
-        """Read a document written by :meth:`save`."""
+        """Read a document written by :meth:`save`; an error in it (the
+        document's error type, with its fields) names ``path`` first."""
         kind, error = cls._DOCUMENT
-        return cls.from_json(read_text(path, kind=kind, error=error))
+        text = read_text(path, kind=kind, error=error)
+        with naming_file(path, error):
+            return cls.from_json(text)
 

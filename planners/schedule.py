@@ -39,7 +39,7 @@ import numpy as np
 
 from rtmem.errors import ScheduleError
 
-from ._documents import parse_document, read_text, write_text
+from ._documents import naming_file, parse_document, read_text, write_text
 
 __all__ = ["Op", "Schedule"]
 
@@ -338,9 +338,11 @@ class Schedule:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Schedule":
-        """Read a schedule written by :meth:`save` (JSON or text, by content)."""
-        return cls.parse(read_text(path, kind="schedule", error=ScheduleError,
-                                   reason="parse"))
+        """Read a schedule written by :meth:`save` (JSON or text, by content); a
+        ScheduleError in it names ``path`` first."""
+        text = read_text(path, kind="schedule", error=ScheduleError, reason="parse")
+        with naming_file(path, ScheduleError):
+            return cls.parse(text)
 
     @classmethod
     def parse(cls, text: str) -> "Schedule":

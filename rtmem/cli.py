@@ -63,29 +63,15 @@ def load_schedule(spec: str, chain):
     """A schedule from a file (text or JSON), ``store-all``, ``sequential:K`` (K
     segments) or literal schedule text."""
     from rtmem.errors import ScheduleError
-    from rtmem.planners import Plan, Schedule, sequential_schedule, store_all_schedule
-    from rtmem.planners._documents import read_text
+    from rtmem.planners import Schedule, sequential_schedule, store_all_schedule
+    from rtmem.planners._documents import naming_file, read_text
     from rtmem.planners.schedule import _DIGITS, OP_WORDS
     # a folder named "store-all" or "sequential:2" must not hide the keyword
     keyword = spec == "store-all" or spec.startswith("sequential:")
     if os.path.exists(spec) and not (keyword and os.path.isdir(spec)):
         text = read_text(spec, kind="schedule", error=ScheduleError, reason="parse")
-        if text.lstrip().startswith("{"):
-            try:
-                doc = json.loads(text)
-            except (ValueError, RecursionError):
-                doc = None                           # Schedule.parse reports it
-            if isinstance(doc, dict) and doc.get("format") == "rtmem.plan":
-                return Plan.from_dict(doc).schedule  # a plan saved by `rtmem plan`
-            if isinstance(doc, dict) and doc.get("format") != "rtmem.schedule":
-                # "expected 'rtmem.schedule'" sent a user holding `plan remat --json`'s
-                # report (no schedule in it) looking for a schedule converter
-                raise ScheduleError(
-                    f"{spec!r} is neither a schedule nor a plan document (its format is "
-                    f"{doc.get('format')!r}); give a file written by `rtmem plan remat "
-                    f"--save` or Schedule.save (the --json report holds no schedule)",
-                    reason="parse")
-        return Schedule.parse(text)
+        with naming_file(spec, ScheduleError):
+            return _schedule_in_file(text)
     if not spec.strip():
         raise ScheduleError("the schedule is empty; give a path, 'store-all', "
                             "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
@@ -103,6 +89,34 @@ def load_schedule(spec: str, chain):
         return Schedule.from_text(spec)
     raise ScheduleError(f"no schedule file {spec!r}; give a path, 'store-all', "
                         "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
+
+
+def _schedule_in_file(text: str):
+    """The schedule in a file's ``text``: a plan document (its schedule), a schedule
+    document or schedule text."""
+    from rtmem.errors import ScheduleError
+    from rtmem.planners import Plan, Schedule
+    if not text.strip():
+        # read as a schedule of no operations: "the schedule ends before the
+        # backward pass is complete"
+        raise ScheduleError("the file is empty; give a file written by `rtmem plan remat "
+                            "--save` or Schedule.save", reason="parse")
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError):
+            doc = None                           # Schedule.parse reports it
+        if isinstance(doc, dict) and doc.get("format") == "rtmem.plan":
+            return Plan.from_dict(doc).schedule  # a plan saved by `rtmem plan`
+        if isinstance(doc, dict) and doc.get("format") != "rtmem.schedule":
+            # "expected 'rtmem.schedule'" sent a user holding `plan remat --json`'s
+            # report (no schedule in it) looking for a schedule converter
+            raise ScheduleError(
+                f"the file is neither a schedule nor a plan document (its format is "
+                f"{doc.get('format')!r}); give a file written by `rtmem plan remat "
+                f"--save` or Schedule.save (the --json report holds no schedule)",
+                reason="parse")
+    return Schedule.parse(text)
 
 
 def writable(path: str, replace: bool = False) -> str | None:

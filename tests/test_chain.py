@@ -1,5 +1,6 @@
 import builtins
 import dataclasses
+import json
 import math
 import os
 import re
@@ -399,3 +400,12 @@ def test_chain_document_name_must_be_a_string():
     d = dict(Chain.homogeneous(2).to_dict(), name=5)
     with pytest.raises(ChainError, match="name"):
         Chain.from_dict(d)
+
+
+def test_load_names_the_file_and_keeps_the_error_fields(tmp_path):
+    d = Chain.homogeneous(3).to_dict()
+    d["xbar"][1] = "big"
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    with pytest.raises(ChainError, match=re.escape(f"{tmp_path / 'c.json'}: xbar[1] = ")) as e:
+        Chain.load(tmp_path / "c.json")
+    assert (e.value.field, e.value.index) == ("xbar", 1)

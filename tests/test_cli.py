@@ -1049,3 +1049,34 @@ def test_a_system_error_of_another_cause_is_not_taken_for_ctrl_c(capsys, monkeyp
     monkeypatch.setattr(rtmem.planners, "simulate", broken)
     with pytest.raises(SystemError, match="internal"):
         main(["simulate", "resnet50", "store-all", "--memory", "inf"])
+
+
+@pytest.mark.parametrize("which, text, fragment", [
+    ("chain", '{"u_f": [1, 1], "u_b": [1, 1], "x": [4, -5], "xbar": [8, 9]}', "x[1] = -5"),
+    ("chain", '{"u_f": [1], "u_b": [1], "x": [4], "xbar": [8], "xbarr": [8]}', "xbarr"),
+    ("chain", "", "malformed chain JSON"),
+    ("plan", '{"format": "rtmem.plan", "version": 1, "algorithm": "rotor", "makespan": 1, '
+             '"peak": -1, "budget": 9, "schedule": "F_all 0, L, B 0"}', "peak -1 bytes"),
+    ("plan", "{", "malformed schedule JSON"),
+    ("schedule", "F_all 0, L, B zero", "'B zero'"),
+])
+def test_an_error_in_a_file_names_the_file(capsys, tmp_path, which, text, fragment):
+    # "x[1] = -5 is negative" did not say which of `simulate CHAIN SCHEDULE`'s two
+    # files holds it
+    bad = tmp_path / "edited.json"
+    bad.write_text(text)
+    chain = str(bad) if which == "chain" else "gpt2-small"
+    schedule = "store-all" if which == "chain" else str(bad)
+    code, _, err = run(capsys, "simulate", chain, schedule, "--memory", "8GiB")
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err
+    assert f"error: {bad}: " in last and fragment in last
+
+
+def test_an_empty_schedule_file_is_called_empty(capsys, tmp_path):
+    # it was read as a schedule of no operations: "the schedule ends before the
+    # backward pass is complete"
+    (tmp_path / "plan.json").write_text("\n")
+    code, _, err = run(capsys, "simulate", "gpt2-small", str(tmp_path / "plan.json"),
+                       "--memory", "8GiB")
+    assert code == 1 and f"{tmp_path / 'plan.json'}: the file is empty" in err
