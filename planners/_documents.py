@@ -29,14 +29,24 @@ def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),
     if d.get("format", fmt if lenient else None) != fmt:
         raise error(f"not a {kind} document: format is {d.get('format')!r}, expected "
                     f"{fmt!r}", **error_kw)
+    found = d.get("version", version if lenient else None)
+    # an int: true and 1.0 equal 1 but are no version number
+    bad_version = type(found) is not int or found != version
+
+    def refuse_version():
+        newer = ("; it was written by a newer rtmem: read it with that one"
+                 if type(found) is int and found > version else "")
+        raise error(f"{kind} document version {d.get('version')!r} is not supported "
+                    f"(this rtmem reads version {version}){newer}", **error_kw)
+    # another version number first: that version may name its fields otherwise,
+    # and "it lacks the field(s)" sent the user to edit a file this rtmem cannot read
+    if bad_version and type(found) is int:
+        refuse_version()
     missing = [k for k in required if k not in d]
     if missing:
         raise error(f"not a {kind} document: it lacks the field(s) {missing}", **error_kw)
-    found = d.get("version", version if lenient else None)
-    # an int: true and 1.0 equal 1 but are no version number
-    if type(found) is not int or found != version:
-        raise error(f"{kind} document version {d.get('version')!r} is not supported "
-                    f"(this rtmem reads version {version})", **error_kw)
+    if bad_version:
+        refuse_version()
     return d
 
 

@@ -1,10 +1,12 @@
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rtmem.errors import ScheduleError
-from rtmem.planners import Chain, Op, Schedule, sequential_schedule, store_all_schedule
+from rtmem.planners import Chain, Op, Plan, Schedule, sequential_schedule, store_all_schedule
 from rtmem.planners.testing import chains, valid_schedules
 
 
@@ -399,3 +401,12 @@ def test_array_checks_match_the_isin_checks_on_random_arrays():
                             ("stage-range", "negative", "stage"), ("stage-range", "stage", "index"),
                             ("malformed", "aux", "="), ("malformed", "abar0", "does")}, \
         (seed, reasons)
+
+
+@pytest.mark.parametrize("cls, fmt", [(Plan, "rtmem.plan"), (Schedule, "rtmem.schedule")])
+def test_a_document_of_a_newer_version_is_refused_for_its_version(cls, fmt):
+    # a newer rtmem may rename fields: the file was refused as "not a plan
+    # document: it lacks the field(s) [...]", sending the user to fix the file
+    text = json.dumps({"format": fmt, "version": 2, "steps": []})
+    with pytest.raises(ScheduleError, match="version 2 is not supported"):
+        cls.from_json(text)
