@@ -15,13 +15,14 @@ from rtmem._files import write_text
 
 
 def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),
-                   lenient: bool = False, **error_kw) -> dict:
+                   optional=None, lenient: bool = False, **error_kw) -> dict:
     """Validate a decoded document header; return ``d``.
 
     ``kind`` names the document in messages (``"chain"``), ``error`` is the
     exception type (extra keyword arguments go to it), ``required`` lists keys that
-    must be present. ``lenient=True`` accepts a missing ``format``/``version``
-    (hand-written chain files).
+    must be present; with ``optional`` (keys that may be present), any other
+    key but ``format`` and ``version`` is refused (a typo). ``lenient=True``
+    accepts a missing ``format``/``version`` (hand-written chain files).
     """
     if not isinstance(d, dict):
         raise error(f"a {kind} document must be a JSON object, got {type(d).__name__}",
@@ -42,6 +43,13 @@ def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),
     # and "it lacks the field(s)" sent the user to edit a file this rtmem cannot read
     if bad_version and type(found) is int:
         refuse_version()
+    if optional is not None:
+        # a typo of an optional key ("inf0") dropped what it held without a word
+        known = {"format", "version", *required, *optional}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise error(f"unknown {kind} field(s) {unknown}; known fields are "
+                        f"{sorted(known)}", **error_kw)
     missing = [k for k in required if k not in d]
     if missing:
         raise error(f"not a {kind} document: it lacks the field(s) {missing}", **error_kw)
@@ -53,7 +61,7 @@ def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),
 def parse_document(text, *, kind: str, error, **kwargs) -> dict:
     """``json.loads`` + :func:`check_document`; malformed JSON raises ``error`` too."""
     error_kw = {k: kwargs[k] for k in kwargs if k not in
-                ("fmt", "version", "required", "lenient")}
+                ("fmt", "version", "required", "optional", "lenient")}
     try:
         d = json.loads(text)
     except (json.JSONDecodeError, TypeError) as e:

@@ -158,9 +158,9 @@ class Plan(JsonFile):
         :meth:`to_dict` writes (``schedule`` and ``algorithm`` strings,
         ``makespan``, ``peak`` and ``budget`` numbers, ``budget`` also
         ``"inf"``, ``info`` an object); :class:`~rtmem.errors.ScheduleError`
-        names a field that has not."""
+        names a field that has not, and a key it does not know (a typo)."""
         check_document(d, kind="plan", fmt=_FORMAT, version=_VERSION, error=ScheduleError,
-                       required=_REQUIRED, reason="parse")
+                       required=_REQUIRED, optional=("info",), reason="parse")
         # The constructor converts what it is given (str(), float()), so a list
         # schedule was parsed as its repr ("unknown operation \"['F_all\""), a null
         # algorithm became "None" and a string makespan or a true peak a number.
@@ -178,7 +178,7 @@ class Plan(JsonFile):
         """Parse a plan written by :meth:`to_json`."""
         return cls.from_dict(parse_document(text, kind="plan", fmt=_FORMAT, version=_VERSION,
                                             error=ScheduleError, required=_REQUIRED,
-                                            reason="parse"))
+                                            optional=("info",), reason="parse"))
 
 
 def _is_number(value) -> bool:

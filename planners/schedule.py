@@ -318,7 +318,8 @@ class Schedule:
     def from_json(cls, text: str) -> "Schedule":
         """Parse a schedule JSON document (see :meth:`to_json`)."""
         d = parse_document(text, kind="schedule", fmt=_FORMAT, version=_VERSION,
-                           error=ScheduleError, required=("ops",), reason="parse")
+                           error=ScheduleError, required=("ops",), optional=("n_ops",),
+                           reason="parse")
         if not isinstance(d["ops"], str):
             raise ScheduleError(f"schedule document: ops must be the text form (a string), "
                                 f"got {d['ops']!r}", reason="parse")

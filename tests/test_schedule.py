@@ -410,3 +410,20 @@ def test_a_document_of_a_newer_version_is_refused_for_its_version(cls, fmt):
     text = json.dumps({"format": fmt, "version": 2, "steps": []})
     with pytest.raises(ScheduleError, match="version 2 is not supported"):
         cls.from_json(text)
+
+
+@pytest.mark.parametrize("cls, key", [(Plan, "inf0"), (Plan, "schedul"),
+                                      (Schedule, "opps")])
+def test_a_document_with_an_unknown_key_names_it(cls, key):
+    # a typo of "info" dropped the plan's extras (input_bytes: the executor's
+    # batch check) without a word, where a chain document refuses unknown keys
+    rng = np.random.default_rng()
+    n = int(rng.integers(1, 6))
+    schedule = sequential_schedule(n, 1)
+    d = (json.loads(schedule.to_json()) if cls is Schedule else
+         Plan(schedule, float(rng.random()), int(rng.integers(0, 1000)), 2**30, "test",
+              {"input_bytes": 8}).to_dict())
+    real = {"inf0": "info", "schedul": "schedule", "opps": "ops"}[key]
+    d[key] = d[real]
+    with pytest.raises(ScheduleError, match=f"unknown .*field.*'{key}'"):
+        cls.from_json(json.dumps(d))
