@@ -6,8 +6,8 @@ decoupled weight decay from Loshchilov & Hutter)::
     g  = grad * gmul              gmul = 1/grad_scale, negated for maximize
     g  = g + l2 * p               l2 = weight_decay for Adam, 0 for AdamW
     p  = p * decay                decay = 1 - lr*weight_decay for AdamW, 1 for Adam
-    m  = beta1*m + (1-beta1)*g
-    v  = beta2*v + (1-beta2)*g*g
+    m  = beta1*m + (1-beta1)*g       computed as m - (1-beta1)*m + (1-beta1)*g
+    v  = beta2*v + (1-beta2)*g*g     likewise (NOTE [ Decay by 1 - beta ])
     vm = max(vmax, v)             AMSGrad only (vmax <- vm); otherwise vm = v
     p  = p - step_size * m / (sqrt(vm) * inv_bc2_sqrt + eps)
 
@@ -133,9 +133,7 @@ def _adam_loop(p, g, m, v, vmax, out, c):
     gmul = c[_GMUL]
     l2 = c[_L2]
     decay = c[_DECAY]
-    b1 = c[_B1]
     omb1 = c[_OMB1]
-    b2 = c[_B2]
     omb2 = c[_OMB2]
     step_size = c[_STEP_SIZE]
     inv_bc2_sqrt = c[_INV_BC2_SQRT]
@@ -144,11 +142,19 @@ def _adam_loop(p, g, m, v, vmax, out, c):
         pi = p[i]
         gi = _load_grad(g, i) * gmul + l2 * pi
         pi = pi * decay
-        mi = b1 * m[i] + omb1 * gi
+        # NOTE [ Decay by 1 - beta ]: x - (1-beta)*x, not beta*x. float32(beta)
+        # and float32(1-beta) need not sum to 1 (0.9995 -> 0.99949998): the
+        # average then settled off the float64 one by a fixed factor, e.g.
+        # v 4.7e-5 low at beta2=0.9995, 1.3% at 0.999999.
+        mi = m[i]
+        mi = (mi - omb1 * mi) + omb1 * gi
         # (1-beta2)*g first, then *g, as torch's addcmul_: g*g alone overflows
         # float32 from |g| ~ 1.8e19, and v = inf froze the parameter for good
         # (m / inf = 0 at every later step) where torch and the float64 update move it
-        vi = b2 * v[i] + (omb2 * gi) * gi
+        vi = v[i]
+        vd = vi - omb2 * vi
+        # an inf v (overflow beyond ~5.8e20) stays inf, as beta2*v kept it, not inf - inf
+        vi = (vd if vd == vd else vi) + (omb2 * gi) * gi
         m[i] = mi
         v[i] = vi
         if vmax is not None:
