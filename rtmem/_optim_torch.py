@@ -18,12 +18,14 @@ except ImportError as e:
         "`pip install 'rtmem[torch]'`, or use rtmem.optim.NumpyAdam / NumpyAdamW "
         "on numpy arrays.") from e
 
+from ._optim_arena import arena_zeros, load_into_arena
 from .buffer import Buffer
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch,
                     _check_group_hyper, _check_hyper, _check_moment, _check_num_threads,
-                    _check_state_dict, _check_state_listed, _check_step_disjoint,
+                    _check_state_arena, _check_state_dict, _check_state_listed,
+                    _check_step_disjoint,
                     _check_switch_flags, _check_torch_layout,
                     _coefficients, _first_overlap, _host_view, _loaded, _named,
                     _post_hooked, _pre_hooked, _run_step, _saved_skips, _saved_step,
@@ -193,6 +195,20 @@ class CPUAdam(torch.optim.Optimizer):
     with ``amsgrad``), 8-12 bytes per parameter, laid out like
     ``torch.optim.Adam`` so state dicts move between the two.
 
+    ``state_arena``: None (the moments are ordinary CPU tensors) or a
+    :class:`~rtmem.HostArena` (pinned or mapped; any other value, a
+    DeviceArena too, is refused with an OptimizerError): each moment is then
+    a zero-copy CPU tensor over its own ``kind="optimizer-state"`` buffer of
+    the arena, 8 bytes per parameter element (12 with ``amsgrad``) plus up to
+    one alignment (256 bytes by default) per moment, made at the parameter's
+    first step, all of them or none (an arena too small raises
+    OutOfMemoryError and the optimizer is unchanged). :meth:`load_state_dict`
+    copies into the arena, :meth:`state_dict` returns the live arena tensors
+    (``torch.save`` writes their values), and a deep copy or pickle of the
+    optimizer is an independent one with ordinary CPU tensors
+    (``state_arena`` None). :meth:`close` gives the buffers back. NOTE
+    [ Optimizer state in an arena ] in rtmem/_optim_arena.py.
+
     ``lr`` >= 0, ``betas`` in [0, 1), ``eps`` > 0, ``weight_decay`` >= 0 (an
     L2 term added to the gradient; with ``decoupled_weight_decay=True``, as
     in ``torch.optim.Adam``, the decoupled decay ``p *= 1 - lr*weight_decay``
@@ -221,7 +237,8 @@ class CPUAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, amsgrad=False, *, maximize=False,
                  bias_correction=True, decoupled_weight_decay=False, num_threads=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
+                 foreach=None, fused=None, capturable=False, differentiable=False,
+                 state_arena=None):
         # torch.optim.Adam's implementation switches, taken so a call written for
         # it runs unchanged: the update is always one fused numba pass
         _check_switches("", dict(capturable=capturable, differentiable=differentiable))
@@ -230,6 +247,9 @@ class CPUAdam(torch.optim.Optimizer):
                                      bias_correction=bias_correction))
         self._check_decoupled(decoupled_weight_decay, "decoupled_weight_decay")
         self.num_threads = _check_num_threads(num_threads)
+        _check_state_arena(state_arena)
+        self.state_arena = state_arena
+        self._closed = False
         self.last_step_skipped = False
         self.skipped_steps = 0
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -246,9 +266,11 @@ class CPUAdam(torch.optim.Optimizer):
 
     # torch.optim.Optimizer pickles (and deep-copies) only defaults, state and
     # param_groups; these attributes are this class's own, with the values a
-    # pickle made without them gets.
+    # pickle made without them gets. Not state_arena: a copy's moments are
+    # ordinary tensors (torch's deepcopy and pickle copy the arena tensors'
+    # values out), so it has none.
     _EXTRA_STATE = (("num_threads", None), ("skipped_steps", 0),
-                    ("last_step_skipped", False))
+                    ("last_step_skipped", False), ("_closed", False))
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -260,7 +282,7 @@ class CPUAdam(torch.optim.Optimizer):
         # Also called by torch's load_state_dict with only state and groups:
         # attributes already set are kept.
         super().__setstate__(state)
-        for name, default in self._EXTRA_STATE:
+        for name, default in (*self._EXTRA_STATE, ("state_arena", None)):
             if name not in self.__dict__:
                 setattr(self, name, default)
         # As torch.optim.Adam.__setstate__, for the keys the step reads: a dict
@@ -332,15 +354,40 @@ class CPUAdam(torch.optim.Optimizer):
         """``p``'s state, with the entries this step needs added (zeros); each
         added ``(p, key)`` is appended to ``added``, so a step that is refused
         or skipped can take them back."""
+        # .get: self.state is a defaultdict, and a failed allocation below must
+        # not leave an empty entry behind
+        keys = [key for key in _STATE_KEYS if key not in self.state.get(p, ()) and
+                (key != "max_exp_avg_sq" or group["amsgrad"])]
+        if self.state_arena is None:
+            new = [torch.zeros_like(p, memory_format=torch.contiguous_format)
+                   for _ in keys]
+        else:   # all of them before any is installed (an arena too small: none)
+            new = arena_zeros([p.shape] * len(keys), self.state_arena)
         st = self.state[p]
         if "step" not in st:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             added.append((p, "step"))
-        for key in _STATE_KEYS:
-            if key not in st and (key != "max_exp_avg_sq" or group["amsgrad"]):
-                st[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                added.append((p, key))
+        for key, t in zip(keys, new):
+            st[key] = t
+            added.append((p, key))
         return st
+
+    def close(self) -> None:
+        """Drop the state (moments and step counts; with ``state_arena``, its
+        buffers go back to the arena once no tensor from :meth:`state_dict`
+        views them any more). Afterwards :meth:`step`, :meth:`state_dict` and
+        :meth:`load_state_dict` raise OptimizerError: make a new optimizer (and
+        load a saved state dict into it) to train on. The parameters are left
+        as they are. Idempotent."""
+        self.state.clear()
+        self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise OptimizerError(
+                f"cannot {what}: this {type(self).__name__} was closed (close() dropped "
+                f"its state); make a new one, and load_state_dict a state dict saved "
+                f"before close() into it to resume", argument="self")
 
     def _take_back(self, added) -> None:
         """Remove the state entries ``_state_for`` added (and states left empty)."""
@@ -376,6 +423,7 @@ class CPUAdam(torch.optim.Optimizer):
         """
         # an argument of the call: refused before the closure runs
         check_finite = _check_finite_switch(check_finite)
+        self._check_open("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -431,6 +479,11 @@ class CPUAdam(torch.optim.Optimizer):
             _check_step_disjoint(named, _TORCH_ARGUMENTS)
         except BaseException:
             self._take_back(added)   # a refused step leaves no new state behind
+            # and no view of it in this frame, which the traceback keeps: arena
+            # buffers of the taken-back state go back now
+            items.clear()
+            named.clear()
+            update = st = None      # noqa: F841
             raise
         if _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite):
             bump_versions(written)
@@ -448,6 +501,8 @@ class CPUAdam(torch.optim.Optimizer):
         and another optimizer loading the dict in memory (``torch.optim.Adam``
         keeps what it is given) then shares them; ``copy.deepcopy`` it (or
         ``torch.save`` it) to keep a snapshot."""
+        # a closed optimizer's empty state saved would restart every moment
+        self._check_open("save a state dict")
         # torch's state_dict without its post-hooks, which run on the dict with
         # the counters (the same dict goes back: the hooks' handles refer to it)
         hooks = self._optimizer_state_dict_post_hooks
@@ -463,7 +518,11 @@ class CPUAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Load a state dict (from CPUAdam, CPUAdamW or torch.optim.Adam/AdamW).
         The state is copied into fresh contiguous float32 tensors, so the
-        loaded dict is never aliased; each saved state must have its step, an
+        loaded dict is never aliased (with ``state_arena``, into the arena:
+        the buffers of moments the optimizer already holds, which a
+        :meth:`state_dict` taken earlier views and so sees the loaded values,
+        and new buffers for the rest, an arena too small for them refusing
+        the load with OutOfMemoryError); each saved state must have its step, an
         integer >= 0 (a state without one is refused, not restarted),
         each second moment (``exp_avg_sq``, ``max_exp_avg_sq``) >= 0
         (torch.optim.Adam loads a negative one, and its next step makes the
@@ -483,6 +542,7 @@ class CPUAdam(torch.optim.Optimizer):
         rtmem's). A refused dict leaves the optimizer as it was.
         The pre-hooks run first (they may adapt the dict), the post-hooks only
         once the load is accepted."""
+        self._check_open("load a state dict")
         state_dict = _pre_hooked(self, state_dict)
         _check_state_dict(state_dict)
         _check_torch_layout(state_dict)
@@ -502,6 +562,8 @@ class CPUAdam(torch.optim.Optimizer):
         old_state, old_groups = self.state, self.param_groups
         try:
             self._load_checked(state_dict)
+            if self.state_arena is not None:   # last: nothing can refuse the load after
+                load_into_arena(self.state, old_state, self.state_arena)
         except BaseException:
             self.state, self.param_groups = old_state, old_groups
             raise

@@ -7,7 +7,9 @@ Two front ends share one step routine:
   ``load_state_dict``, ``zero_grad``). Parameters are updated in place through
   zero-copy numpy views; the state tensors (``exp_avg``, ``exp_avg_sq``,
   ``max_exp_avg_sq``, ``step``) are laid out as ``torch.optim.Adam``'s, so a
-  state dict loads into either optimizer.
+  state dict loads into either optimizer; with ``state_arena=`` the moments
+  are zero-copy tensors over a HostArena's buffers (NOTE [ Optimizer state in
+  an arena ] in rtmem/_optim_arena.py).
 - :class:`NumpyAdam` / :class:`NumpyAdamW` do the same over plain numpy arrays and
   need no torch. torch is imported only when ``CPUAdam``/``CPUAdamW`` is first
   accessed: they are defined in :mod:`rtmem._optim_torch`, which this module
@@ -33,6 +35,7 @@ import re
 import numpy as np
 
 from ._optional import installed as _installed
+from .arena import is_arena
 from .buffer import Buffer
 from .errors import OptimizerError, ResidencyError
 from .kernels._adam_checks import _check_state
@@ -225,6 +228,25 @@ def _host_view(x, name):
             f"{name} is an rtmem Buffer the CPU cannot address ({exc}); the CPU "
             f"optimizer needs host memory: allocate it in a HostArena, or offload "
             f"it first.", argument=name) from exc
+
+
+def _check_state_arena(arena) -> None:
+    """OptimizerError unless ``arena`` (an optimizer's ``state_arena=``) is None
+    or a :class:`~rtmem.HostArena` (pinned or mapped): the CPU kernel reads and
+    writes the state through host views. A DeviceArena is refused on every
+    backend, so code tried on the host backend (where its slabs happen to be
+    host memory) does not break on a GPU."""
+    if arena is None or is_arena(arena, "host"):
+        return
+    if is_arena(arena):
+        raise OptimizerError(
+            f"state_arena is a {type(arena).__name__} ({arena.location} memory), which "
+            f"the CPU optimizer's kernel cannot address; pass a rtmem.HostArena (e.g. "
+            f"rtmem.HostArena('1GiB')), or None for ordinary host memory",
+            argument="state_arena")
+    raise OptimizerError(
+        f"state_arena is a {type(arena).__name__}, not an rtmem arena; pass a "
+        f"rtmem.HostArena, or None for ordinary host memory", argument="state_arena")
 
 
 def _zeros_state(shape, arena):
@@ -469,8 +491,10 @@ class NumpyAdam:
 
     state_arena:
         A :class:`~rtmem.HostArena` for the moments (``kind="optimizer-state"``
-        buffers, released when the optimizer is dropped), or None for numpy
-        memory.
+        buffers, 4 bytes per parameter element per moment, released when the
+        optimizer is dropped), or None for numpy memory. Anything else (a
+        DeviceArena too, whose memory the kernel cannot address on a GPU) is
+        refused with an OptimizerError.
 
     State lives in ``self.state[i]`` (float32 arrays, 8 bytes per parameter, 12
     with AMSGrad) next to ``self.params[i]``.
@@ -488,6 +512,7 @@ class NumpyAdam:
             raise OptimizerError("params must be a list of arrays, got a single "
                                  f"{type(params).__name__}; pass [params]",
                                  argument="params")
+        _check_state_arena(state_arena)
         self.params = [_host_view(p, f"params[{i}]") for i, p in enumerate(params)]
         if not self.params:
             raise OptimizerError("params is empty; pass at least one float32 array.",
