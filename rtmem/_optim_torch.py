@@ -3,7 +3,10 @@
 It is a module of its own because it imports torch at the top: ``rtmem.optim``
 imports it only when one of the two classes is first accessed (its module
 ``__getattr__``), so that ``import rtmem.optim`` (NumpyAdam) works without torch.
-The validation and step routine shared with NumpyAdam stay in ``rtmem.optim``.
+The validation and step routine shared with NumpyAdam stay in ``rtmem.optim``;
+the tensor plumbing (numpy views, Buffers as parameters, per-parameter
+arguments) is in :mod:`rtmem._optim_tensors`, the arena state in
+:mod:`rtmem._optim_arena`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ except ImportError as e:
         "on numpy arrays.") from e
 
 from ._optim_arena import arena_zeros, load_into_arena
-from .buffer import Buffer
+from ._optim_tensors import as_numpy, bump_versions, per_param, tensors_of
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch,
@@ -41,92 +44,6 @@ _TORCH_ARGUMENTS = {"grad": "grads", "out": "copies", "copy": "copies"}
 # The largest step count state["step"] (a float32 tensor, as torch's) holds
 # finite: a larger one is inf, which step() cannot turn back into a count.
 _MAX_STEP = int(np.finfo(np.float32).max)
-
-
-def as_numpy(t, name):
-    """(numpy view, 16-bit format or None) of a CPU tensor, zero-copy."""
-    if isinstance(t, np.ndarray):
-        if t.dtype == np.uint16:
-            # The kernel's advice (grad_format=) does not apply here: CPUAdam
-            # takes the format from the tensor's dtype.
-            raise OptimizerError(
-                f"{name} is a numpy uint16 array, whose bits could be bfloat16 or "
-                f"float16. Pass bfloat16 as a torch.bfloat16 tensor (zero-copy: "
-                f"torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)) and "
-                f"float16 as a float16 array or tensor.", argument=name)
-        return t, None
-    if not isinstance(t, torch.Tensor):
-        raise OptimizerError(f"{name} must be a torch.Tensor or numpy array, got "
-                             f"{type(t).__name__}.", argument=name)
-    if t.device.type != "cpu" or t.layout != torch.strided:
-        raise OptimizerError(
-            f"{name} is a {t.device.type} {t.layout} tensor; the CPU optimizer needs "
-            f"dense CPU tensors (copy with .to('cpu'), or .to_dense()).",
-            argument=name)
-    if not t.is_contiguous():
-        raise OptimizerError(f"{name} is not contiguous (strides {t.stride()}); the "
-                             f"fused kernel walks flat memory. Use .contiguous().",
-                             argument=name)
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16), "bfloat16"
-    if t.dtype in (torch.float32, torch.float16):
-        return t.numpy(), None
-    raise OptimizerError(f"{name} has dtype {t.dtype}; expected float32, float16 or "
-                         f"bfloat16.", argument=name)
-
-
-def tensors_of(params):
-    """``params`` with rtmem Buffers replaced by zero-copy CPU tensors over their
-    host memory (which pin the buffers while the optimizer holds them)."""
-    if isinstance(params, torch.Tensor):
-        return params          # torch.optim raises its own clear error for this
-
-    def one(p):
-        if not isinstance(p, Buffer):
-            return p
-        return torch.from_numpy(_host_view(p, "params"))
-    out = []
-    for item in params:
-        if isinstance(item, dict):
-            item = {**item, "params": [one(p) for p in (
-                [item["params"]] if isinstance(item["params"], (torch.Tensor, Buffer))
-                else item["params"])]}
-            out.append(item)
-        else:
-            out.append(one(item))
-    return out
-
-
-def per_param(values, params, name):
-    """Map a dict {param: value} or a sequence aligned with params to a dict."""
-    if values is None:
-        return {}
-    if isinstance(values, dict):
-        ids = {id(p) for p in params}
-        keyed = {_param_id(k, params, name): v for k, v in values.items()}
-        if any(k not in ids for k in keyed):
-            raise OptimizerError(f"{name} has a key that is not a parameter of this "
-                                 f"optimizer; key the dict by the parameters passed "
-                                 f"to it", argument=name)
-        return keyed
-    values = list(values)
-    if len(values) != len(params):
-        raise OptimizerError(f"{name} has {len(values)} entries for {len(params)} "
-                             f"params; pass one per param in param-group order, or a "
-                             f"dict {{param: tensor}}.", argument=name)
-    return {id(p): v for p, v in zip(params, values)}
-
-
-def _param_id(key, params, name) -> int | None:
-    """``id`` of the parameter a dict ``key`` names: a Buffer passed as a
-    parameter is held as a tensor over its host memory, found by address."""
-    if not isinstance(key, Buffer):
-        return id(key)
-    view = _host_view(key, name)
-    where = (view.ctypes.data, view.nbytes)
-    return next((id(p) for p in params
-                 if (p.data_ptr(), p.numel() * p.element_size()) == where), None)
 
 
 # torch.optim.Adam's switches that change what its step does, which CPUAdam
@@ -161,24 +78,6 @@ def _check_switches(where, group, loaded=False, reasons=None) -> None:
                    "gradient through the step, or keep torch.optim.Adam for it")
         raise OptimizerError(f"{where} has {name}={group[name]!r}, which is not "
                              f"supported: {why}; {fix}.", argument=name)
-
-
-def bump_versions(tensors):
-    """Tell autograd the ``tensors`` were modified in place.
-
-    The kernel writes them through numpy views, which autograd cannot see:
-    without this, backward through a graph that saved a parameter before the
-    step would silently use the new values, where torch.optim.Adam's in-place
-    update makes it raise "modified by an inplace operation".
-    """
-    increment = getattr(torch.autograd.graph, "increment_version", None)
-    for t in tensors:
-        if increment is not None:
-            increment(t)           # one tensor per call: older torch takes no lists
-        elif not t.is_inference():  # inference tensors have no version counter
-            # Any in-place op bumps the (shared) counter, even on no elements.
-            with torch.no_grad():
-                t.view(-1)[:0].zero_()
 
 
 class CPUAdam(torch.optim.Optimizer):
