@@ -8,7 +8,9 @@ grad_scale=) with fp32/fp16/bf16 gradients, param_groups edits, add_param_group,
 state dicts moved between fresh rtmem and torch optimizers. An inf/NaN gradient under
 the finite check must skip the step to the bit (no new state either) and count it; a
 refused call must change nothing. Each once failed (a skipped step created state, a
-refused one left max_exp_avg_sq, AMSGrad's maximum dropped a NaN).
+refused one left max_exp_avg_sq, AMSGrad's maximum dropped a NaN). Half the runs keep
+rtmem's moments in a HostArena (``state_arena=``), whose accounting must then match
+the moments held exactly: nothing a refused call, a skip or a load made is left there.
 
 Gradients, initial parameters, weight_decay and the quadratic loss factor are small
 multiples of powers of two, so both sides see the very same gradients, even at a first
@@ -16,6 +18,7 @@ step, where the update is about lr * sign(gradient) and a rounding near 0 could 
 """
 
 import copy
+import gc
 import io
 
 import numpy as np
@@ -26,6 +29,8 @@ from _machines import machine_settings
 
 torch = pytest.importorskip("torch")
 
+import rtmem  # noqa: E402
+from rtmem import _deferred  # noqa: E402
 from rtmem.errors import OptimizerError  # noqa: E402
 from rtmem.optim import CPUAdam, CPUAdamW  # noqa: E402
 
@@ -77,8 +82,9 @@ def same(a, b):
 class Machine(RuleBasedStateMachine):
 
     @initialize(data=st.data(), seed=seeds, adamw=st.booleans(), defaults=hypers,
-                assign=st.lists(st.integers(0, 2), min_size=N_START, max_size=N_START))
-    def build(self, data, seed, adamw, defaults, assign):
+                assign=st.lists(st.integers(0, 2), min_size=N_START, max_size=N_START),
+                arena=st.booleans())
+    def build(self, data, seed, adamw, defaults, assign, arena):
         # One torch thread: on a busy 2-core box torch's OpenMP pool and numba's spin
         # against each other, and copying or comparing 16k elements takes milliseconds.
         self.torch_threads = torch.get_num_threads()
@@ -88,6 +94,7 @@ class Machine(RuleBasedStateMachine):
         self.ref = [p.detach().double().requires_grad_() for p in self.ours]
         self.index = {id(p): i for i, p in enumerate(self.ours)}
         self.adamw, self.skips = adamw, 0     # skips: what skipped_steps must say
+        self.arena = rtmem.HostArena("1MiB") if arena else None
         self.groups = [g for g in ([i for i in range(N_START) if assign[i] == k]
                                    for k in range(3)) if g]
         overrides = []
@@ -107,7 +114,8 @@ class Machine(RuleBasedStateMachine):
         if torch_side:
             cls = torch.optim.AdamW if self.adamw else torch.optim.Adam
             return cls(pg, **defaults, foreach=False)
-        return (CPUAdamW if self.adamw else CPUAdam)(pg, **defaults)
+        return (CPUAdamW if self.adamw else CPUAdam)(pg, **defaults,
+                                                     state_arena=self.arena)
 
     def _frozen(self):
         """What a refused or skipped call must leave bit-identical (the skip
@@ -310,6 +318,23 @@ class Machine(RuleBasedStateMachine):
                 else:
                     close(v, ref[k], f"param {i} {k}")
 
+    @invariant()
+    def arena_holds_exactly_the_moments(self):
+        if getattr(self, "arena", None) is None:
+            return
+        moments = [v for s in self.opt.state.values() for k, v in s.items() if k != "step"]
+        slab = self.arena.slabs[0].host_array
+        lo = slab.__array_interface__["data"][0]
+        for v in (v for v in moments if v.numel()):      # an empty one has no address
+            start = v.data_ptr()
+            assert lo <= start and start + 4 * v.numel() <= lo + slab.nbytes
+        count = self.arena.stats().count_by_kind["optimizer-state"]
+        if count != len(moments):       # an optimizer replaced by a load, not yet collected
+            gc.collect()
+            _deferred.flush()
+            count = self.arena.stats().count_by_kind["optimizer-state"]
+        assert count == len(moments), (count, len(moments))
+
 
 Machine.TestCase.settings = machine_settings(25, 25)
-TestCPUAdamStates = Machine.TestCase
+TestCPUAdamStates = pytest.mark.usefixtures("host_backend")(Machine.TestCase)
