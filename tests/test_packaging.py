@@ -149,3 +149,91 @@ def test_the_wheel_ships_the_profiles_without_a_packaging_warning(tmp_path):
     assert len(profiles) >= 8 and profiles <= shipped
     # a data folder, not a package: nothing but the JSON files under it
     assert {f for f in shipped if f.startswith("rtmem/planners/profiles/")} == profiles
+
+
+def _absolute_imports(folder):
+    """``(file, line, module)`` for every import in ``folder``'s code (function
+    bodies included), relative imports resolved against the installed name
+    (``kernels/x.py``'s ``from ..errors`` is ``rtmem.errors``)."""
+    import ast
+    package = FOLDERS[folder]
+    for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+        rel = os.path.relpath(dirpath, os.path.join(ROOT, folder))
+        here = package if rel == "." else f"{package}.{rel.replace(os.sep, '.')}"
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    for alias in node.names:
+                        yield path, node.lineno, alias.name
+                elif isinstance(node, ast.ImportFrom):
+                    base = here.split(".")
+                    if node.level:
+                        base = base[:len(base) - node.level + 1]
+                        module = ".".join(base + ([node.module] if node.module else []))
+                    else:
+                        module = node.module
+                    # "from . import x" / "from rtmem import x" import submodules too
+                    for alias in node.names:
+                        yield path, node.lineno, f"{module}.{alias.name}"
+
+
+# rtmem's leaf modules (stdlib and numpy only) that planners and kernels may use
+RTMEM_LEAVES = ("rtmem.errors", "rtmem.units", "rtmem._files", "rtmem._optional")
+
+
+def _within(module, prefixes):
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("folder, allowed, banned", [
+    # DESIGN §1: planners <- kernels <- rtmem, never the other way; planners are
+    # pure algorithms (no GPU, no torch) that run with numpy/numba/scipy alone
+    ("planners", ("rtmem.planners",) + RTMEM_LEAVES, ("torch", "cupy", "numba.cuda")),
+    ("kernels", ("rtmem.kernels", "rtmem.planners") + RTMEM_LEAVES, ("torch",)),
+])
+def test_planners_and_kernels_import_nothing_above_them(folder, allowed, banned):
+    wrong = [f"{os.path.relpath(path, ROOT)}:{line} imports {module}"
+             for path, line, module in _absolute_imports(folder)
+             if (_within(module, ("rtmem",)) and not _within(module, allowed))
+             or _within(module, banned)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_numba_cpu_function_is_cached():
+    # DESIGN §6: numba functions use cache=True, so a fresh process (every CLI
+    # call, every test worker) loads the compiled code instead of compiling again
+    import ast
+    uncached, seen = [], 0
+    for folder in FOLDERS:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in (f for f in files if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+                bare = {id(d) for n in ast.walk(tree)
+                        for d in getattr(n, "decorator_list", ())}
+                for node in ast.walk(tree):
+                    # numba.njit(...) / njit(...) / numba.jit(...), called or as a bare
+                    # decorator; numba.cuda's jit is out of scope (no cache under
+                    # the CUDA simulator)
+                    call = node if isinstance(node, ast.Call) else None
+                    func = call.func if call else node
+                    if call is None and id(node) not in bare:
+                        continue
+                    called = func.attr if isinstance(func, ast.Attribute) else \
+                        getattr(func, "id", None)
+                    owner = getattr(getattr(func, "value", None), "id", "numba")
+                    if called not in ("njit", "jit") or owner != "numba":
+                        continue
+                    seen += 1
+                    cache = [k for k in call.keywords if k.arg == "cache"] if call else []
+                    if not (cache and isinstance(cache[0].value, ast.Constant)
+                            and cache[0].value.value is True):
+                        uncached.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert seen >= 20, f"found only {seen} numba functions: the scan is broken"
+    assert not uncached, "numba functions without cache=True: " + ", ".join(uncached)
