@@ -56,6 +56,31 @@ def test_planners_import_without_torch_or_cupy():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+def test_import_rtmem_loads_neither_numba_nor_torch_nor_the_planners():
+    # rtmem's docstring and the project's rules: the runtime (arenas, buffers,
+    # transfers on the host backend) needs numpy alone; numba (seconds to import),
+    # torch and the planners load on first use. Nothing checked it, and one eager
+    # import in rtmem/__init__.py would have put seconds on every `import rtmem`.
+    code = """
+        import sys
+        import rtmem
+        arena = rtmem.HostArena("1MiB", backend="host")
+        buf = arena.alloc(64, kind="weight")
+        dev = rtmem.DeviceArena("1MiB", backend="host")
+        rtmem.wait(rtmem.prefetch(buf, arena=dev))
+        buf.free()
+        heavy = ("numba", "torch", "scipy", "cupy", "llvmlite", "rtmem.planners",
+                 "rtmem.kernels", "rtmem.torch", "rtmem.optim")
+        loaded = [h for h in heavy
+                  if any(m == h or m.startswith(h + ".") for m in sys.modules)]
+        assert not loaded, loaded
+        rtmem.Chain      # the lazy names still load on first use
+        assert "rtmem.planners" in sys.modules and "numba" in sys.modules
+        print("ok")
+    """
+    run_ok(code)
+
+
 def test_star_import_and_help_work_without_torch():
     # A core install (no torch extra): every name in __all__ must resolve, as
     # `from rtmem import *` and help() resolve them all; CPUAdam's ImportError broke both.
