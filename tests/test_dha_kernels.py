@@ -84,6 +84,27 @@ def _rand(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale + 0.25).astype(np.float32)
 
 
+def test_the_cpu_twins_take_the_cuda_kernels_arguments():
+    # DESIGN §2: the host backend's kernels are the CPU twins of the numba.cuda
+    # ones, same signature, so one call site serves both backends (the tests
+    # above call them through one fixture). Only stream's default differs: the
+    # twins accept and ignore any stream, the cuda wrappers default to stream 0.
+    import inspect
+
+    from rtmem.kernels import dha, dha_cpu
+    assert set(dha_cpu.__all__) <= set(dha.__all__)
+    for name in dha_cpu.__all__:
+        cuda_params = inspect.signature(getattr(dha, name)).parameters
+        cpu_params = inspect.signature(getattr(dha_cpu, name)).parameters
+        assert list(cpu_params) == list(cuda_params), name
+        for p, q in zip(cpu_params.values(), cuda_params.values()):
+            assert p.kind == q.kind, (name, p.name)
+            assert p.name == "stream" or p.default == q.default, (name, p.name)
+    # the twins take the cuda wrappers' default stream too
+    words = np.arange(16, dtype=np.uint64)
+    assert np.array_equal(dha_cpu.dha_read(words, stream=0), dha_cpu.dha_read(words))
+
+
 # ----------------------------------------------------------------- probes
 
 @pytest.mark.parametrize("width", [4, 8])
