@@ -9,9 +9,12 @@ enqueued on the H2D stream after an event wait really waits: forgetting a wait
 races on CPU just as it would on a GPU. See NOTE [ Stream and event semantics ]
 in :mod:`rtmem.backends`.
 
-Limits (stated, not hidden): pinned slabs are not ``mlock``ed, so "pinned" only
-records intent; there is no real device, so ``__cuda_array_interface__`` is not
-offered by buffers on this backend.
+Pinned slabs are ``mlock``ed when asked (``HostBackend(mlock=True)``, or
+``RTMEM_HOST_MLOCK=1`` for the process's backend), so that they cannot be swapped
+out, as ``cudaHostAlloc``'s cannot; by default "pinned" only records intent (the
+memlock limit, ``ulimit -l``, is often a few MiB). A forked child does not inherit
+the locks (mlock(2)). There is no real device, so ``__cuda_array_interface__`` is
+not offered by buffers on this backend.
 """
 
 from __future__ import annotations
@@ -39,6 +42,53 @@ def _page_aligned(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     base = np.empty(nbytes + PAGE, dtype=np.uint8)
     skip = (-base.ctypes.data) % PAGE
     return base[skip:skip + nbytes], base
+
+
+#: Environment variable that turns :class:`HostBackend`'s ``mlock`` on (``1``) or off (``0``).
+MLOCK_ENV = "RTMEM_HOST_MLOCK"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _mlock_default() -> bool:
+    value = os.environ.get(MLOCK_ENV, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise BackendError(f"{MLOCK_ENV}={value!r} is not a switch; set it to 1 to lock "
+                           f"pinned host slabs into memory, 0 (or unset it) not to")
+    return value in _TRUE
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mlock.argtypes = libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    except (OSError, AttributeError) as exc:    # Windows: no mlock(2)
+        raise BackendError(f"mlock is not available here ({exc}); create the host "
+                           f"backend without mlock (unset {MLOCK_ENV})") from None
+    return libc
+
+
+def _mlock(ptr: int, nbytes: int) -> int:
+    """mlock(2) the range; 0, or the errno of the failure."""
+    import ctypes
+    return 0 if _libc().mlock(ptr, nbytes) == 0 else ctypes.get_errno()
+
+
+def _munlock(ptr: int, nbytes: int) -> None:
+    # Run when the slab's memory goes (its numpy owner is collected), before numpy
+    # frees it: memory given back to the heap unmapped no lock, and kept it locked
+    # for whatever malloc put there next.
+    _libc().munlock(ptr, nbytes)
+
+
+def _memlock_limit() -> str:
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    except (ImportError, OSError, AttributeError):
+        return "unknown"
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft:,} bytes"
 
 
 def _stream_failed(name, err) -> BackendError:
@@ -348,12 +398,26 @@ def _copy(dst, src):
 
 
 class HostBackend(Backend):
-    """Numpy slabs and threads with the cuda backend's semantics (module doc)."""
+    """Numpy slabs and threads with the cuda backend's semantics (module doc).
+
+    ``mlock``: lock each pinned host slab (``host_slab(pinned=True)``, mapped ones
+    included) into RAM with mlock(2) while it lives; a slab the memlock limit
+    (``ulimit -l``) cannot take raises :class:`~rtmem.errors.OutOfMemoryError`.
+    Default: the ``RTMEM_HOST_MLOCK`` environment variable (``1`` or ``0``), else off.
+    """
 
     name = "host"
     stream_types = (HostNullStream, HostStream)
 
-    def __init__(self):
+    def __init__(self, *, mlock: bool | None = None):
+        if mlock is None:
+            mlock = _mlock_default()
+        elif not isinstance(mlock, bool):
+            raise TypeError(f"mlock must be True, False or None (from {MLOCK_ENV}), "
+                            f"got {mlock!r}")
+        self.mlock = mlock
+        if mlock:
+            _libc()     # a platform without mlock(2) is refused now, not at a slab
         self._null = HostNullStream()
         self._streams = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -372,6 +436,15 @@ class HostBackend(Backend):
                                    f"a {location} slab; use a smaller arena",
                                    requested=nbytes) from exc
         ptr = arr.ctypes.data
+        if pinned and location == "host" and self.mlock:
+            err = _mlock(ptr, nbytes)
+            if err:
+                raise OutOfMemoryError(
+                    f"could not lock a pinned host slab of {nbytes:,} bytes into memory "
+                    f"(mlock: {os.strerror(err)}); the memlock limit (ulimit -l) is "
+                    f"{_memlock_limit()}: raise it, use a smaller arena, or turn mlock "
+                    f"off ({MLOCK_ENV}=0, HostBackend(mlock=False))", requested=nbytes)
+            weakref.finalize(base, _munlock, ptr, nbytes)
         return Slab(self, nbytes, ptr, location=location,
                     device_ptr=ptr if (location == "device" or mapped) else None,
                     host_array=arr, pinned=pinned, mapped=mapped, owner=base)
@@ -457,4 +530,5 @@ class HostBackend(Backend):
     def describe(self) -> dict:
         """What the host backend runs on."""
         return {"backend": "host", "page_size": PAGE, "cpus": os.cpu_count(),
+                "mlock": self.mlock,
                 "note": "no GPU: device memory is emulated by numpy slabs"}
