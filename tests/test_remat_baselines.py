@@ -105,6 +105,35 @@ def test_as_budget_accepts_bytes_strings_and_platforms():
     assert as_budget("inf") == math.inf
 
 
+@pytest.mark.parametrize("planner", [plan_remat, plan_store_all, plan_sequential, plan_sqrt,
+                                     plan_revolve, "plan_floating"])
+def test_every_planner_takes_a_platform_as_its_budget(planner, fresh_seed):
+    # DESIGN §4: planners are plan_xxx(chain, platform, ...): the platform a user
+    # simulates with is a budget every planner takes, planning as its memory limit
+    # alone would (rematerialization moves no data, so bandwidth and channel
+    # change nothing), and refusing the same budgets
+    import numpy as np
+
+    from rtmem.planners import plan_floating
+    planner = plan_floating if planner == "plan_floating" else planner
+    rng = np.random.default_rng(fresh_seed)
+    n = 5
+    chain = Chain(u_f=rng.uniform(1, 3, n), u_b=rng.uniform(2, 6, n),
+                  x=rng.integers(100, 1000, n), xbar=rng.integers(1000, 5000, n),
+                  w=rng.integers(0, 500, n))
+    with pytest.raises(InfeasibleError) as refused:
+        planner(chain, Platform(1, "12 GB/s"))
+    least, top = refused.value.min_feasible, plan_store_all(chain, math.inf).peak
+    assert refused.value.budget == 1 and least > 1
+    for budget in (least, (least + 2 * top) // 3, 2 * top):
+        platform = Platform(budget, "12 GB/s", "duplex")
+        by_bytes, by_platform = planner(chain, budget), planner(chain, platform)
+        assert by_platform.schedule == by_bytes.schedule, budget
+        assert (by_platform.makespan, by_platform.peak) == (by_bytes.makespan, by_bytes.peak)
+        assert by_platform.peak <= budget
+        assert simulate(chain, by_platform.schedule, platform).peak == by_platform.peak
+
+
 def test_compare_remat_reports_every_planner():
     chain = builtin("gpt2-small")
     peak = plan_store_all(chain, math.inf).peak
