@@ -64,6 +64,45 @@ def test_copies_run_in_stream_order_behind_events(arenas):
     b.free()
 
 
+def _completes(event, limit_s=30.0):
+    """Whether ``event`` completes within ``limit_s`` seconds (a hang guard for
+    copies of microseconds, not a timing assertion)."""
+    deadline = time.monotonic() + limit_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+@pytest.mark.parametrize("blocked", ["d2h", "h2d"])
+def test_each_direction_runs_while_the_other_is_blocked(arenas, blocked, fresh_seed):
+    # DESIGN §3: dedicated H2D and D2H streams, so that both directions overlap;
+    # a copy of one direction must not queue behind the other direction's work
+    # (one shared copy stream would pass every ordering test above)
+    d, h = arenas
+    eng = T.get_engine("host")
+    assert eng.h2d is not eng.d2h
+    rng = np.random.default_rng(fresh_seed)
+    going_down = d.alloc(shape=(4096,), dtype=np.float32)
+    going_down.numpy()[:] = down = rng.standard_normal(4096, dtype=np.float32)
+    coming_up = h.alloc(shape=(4096,), dtype=np.float32)
+    coming_up.numpy()[:] = up = rng.standard_normal(4096, dtype=np.float32)
+    gate = gate_stream(getattr(eng, blocked))
+    try:
+        stuck, free_running = ((T.offload(going_down, arena=h), T.prefetch(coming_up, arena=d))
+                               if blocked == "d2h" else
+                               (T.prefetch(coming_up, arena=d), T.offload(going_down, arena=h)))
+        assert _completes(free_running), f"a copy waited for the blocked {blocked} stream"
+        assert not stuck.query()
+    finally:
+        gate.set()
+    T.synchronize(going_down), T.synchronize(coming_up)
+    assert np.array_equal(going_down.numpy("host"), down)
+    assert np.array_equal(coming_up.numpy("device"), up)
+    going_down.free(), coming_up.free()
+
+
 def test_prefetch_waits_for_unfinished_offload(arenas):
     d, h = arenas
     eng = T.get_engine("host")
