@@ -29,6 +29,8 @@ import os
 import re
 import shlex
 import sys
+import sysconfig
+import traceback
 
 __all__ = ["load_factory", "register"]
 
@@ -142,10 +144,13 @@ def _built(spec: str, made):
 
 def _batch(spec: str, make_batch, batch: int, generator):
     """``make_batch(batch, generator)`` checked: (inputs, target)."""
+    from rtmem.torch._stages import raised_in
     who = f"the make_batch of {spec}"
     _check_call(make_batch, (batch, generator),
                 f"{who} is called as make_batch(batch, generator)")
-    return _returned(make_batch(batch, generator), 2, who, "(inputs, target)")
+    with raised_in(who):
+        made = make_batch(batch, generator)
+    return _returned(made, 2, who, "(inputs, target)")
 
 
 def _to_device(obj, device, spec: str = "the factory"):
@@ -188,6 +193,48 @@ def _model_to_device(model, device, spec: str):
     return [moved(m) for m in model] if isinstance(model, (list, tuple)) else moved(model)
 
 
+def _user_frame(tb) -> str | None:
+    """``file:line`` of the last frame of traceback ``tb`` in the user's code:
+    not rtmem's (by module name), not Python's or an installed package's (by
+    folder); None when there is none (the error came from torch's own
+    modules, ``nn.Linear`` on a wrong shape)."""
+    libraries = {os.path.join(os.path.abspath(path), "") for key, path in
+                 sysconfig.get_paths().items() if key in ("stdlib", "platstdlib", "purelib",
+                                                         "platlib")}
+    found = None
+    while tb is not None:
+        frame, line = tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+        module = str(frame.f_globals.get("__name__", ""))
+        path = frame.f_code.co_filename
+        if module == "rtmem" or module.startswith("rtmem.") or path.startswith("<"):
+            continue
+        path = os.path.abspath(path)
+        if any(path.startswith(folder) for folder in libraries):
+            continue
+        found = path, line
+    if found is None:
+        return None
+    path, line = found
+    here = os.path.join(os.getcwd(), "")
+    return f"{os.path.relpath(path) if path.startswith(here) else path}:{line}"
+
+
+def _user_error(error: Exception, where: str, hint: bool) -> str:
+    """One line for an exception the user's code raised in ``where`` (a stage's
+    forward or backward, the loss, the factory): its class, the first line of
+    its message and the place in the user's file, in place of the traceback
+    (torch's frames and rtmem's, around one line of the user's). ``hint``
+    adds how to see the whole traceback."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    if len(lines) > 1:
+        text += " ..."
+    at = _user_frame(error.__traceback__)
+    return (f"{where} raised {text}" + (f" (at {at})" if at else "")
+            + ("; rerun with --traceback for the full traceback" if hint else ""))
+
+
 def _table(chain) -> str:
     from rtmem.cli import stdout_table
     from rtmem.units import format_bytes, format_seconds
@@ -207,14 +254,18 @@ def _measure(args, device):
     from rtmem.cli_plan import ProgressBar
     from rtmem.demo import MODEL_OPTIONS, build_model
     from rtmem.torch import profile_sequential
+    from rtmem.torch._stages import raised_in
     torch.manual_seed(0)
     if args.model in MODEL_OPTIONS:
         sizes = {name: getattr(args, name) for name in MODEL_OPTIONS[args.model]}
         model, loss_fn, make_batch, name = build_model(args.model, batch=args.batch,
                                                        **sizes)
     else:
-        factory = load_factory(args.model)
-        model, loss_fn, make_batch = _built(args.model, factory())
+        with raised_in(f"the import of {args.model.rpartition(':')[0]}"):
+            factory = load_factory(args.model)
+        with raised_in(f"the model factory {args.model}"):
+            made = factory()
+        model, loss_fn, make_batch = _built(args.model, made)
         # a functools.partial or an object with __call__ has no __name__ (an
         # AttributeError from here): the FUNCTION the spec names then
         name = getattr(factory, "__name__", args.model.rpartition(":")[2])
@@ -256,11 +307,19 @@ def _cmd_profile(args) -> int:
     except FactoryError as e:
         report_error(args, str(e), e)
         return 2
-    except RuntimeError as e:
-        message = torch_oom(e)
-        if message is None:
+    except Exception as e:
+        from rtmem.torch._stages import RAISED_IN
+        where = getattr(e, RAISED_IN, None)
+        message = torch_oom(e) if isinstance(e, RuntimeError) else None
+        if message is not None:
+            at = f" in {where}" if where else ""
+            report_error(args, f"{message}{at}; make the model or --batch smaller", e)
+            return 1
+        if where is None:       # rtmem's own errors: main reports them
             raise
-        report_error(args, f"{message}; make the model or --batch smaller", e)
+        if args.traceback:
+            traceback.print_exception(e)
+        report_error(args, _user_error(e, where, hint=not args.traceback), e)
         return 1
     if args.save:
         save_document(chain, args.save)
@@ -315,4 +374,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the chain's JSON instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--traceback", action="store_true",
+                   help="when your model, loss or factory raises, print the full Python "
+                   "traceback too (by default one line: where, the error and its place in "
+                   "your file)")
     p.set_defaults(func=_cmd_profile)

@@ -422,8 +422,8 @@ def test_a_factory_running_out_of_memory_is_one_line(capsys, tmp_path, monkeypat
     code, _, err = run(capsys, "--model", f"{m}:build")
     assert code == 1
     assert err.strip() == ("rtmem profile: error: out of host memory (DefaultCPUAllocator: "
-                           "can't allocate memory: you tried to allocate 10 bytes); make the "
-                           "model or --batch smaller")
+                           f"can't allocate memory: you tried to allocate 10 bytes) in the "
+                           f"model factory {m}:build; make the model or --batch smaller")
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -497,3 +497,103 @@ def test_a_blank_chain_name_is_refused_before_profiling(capsys, name):
     with pytest.raises(SystemExit) as info:
         main(["profile", "--model", "gpt2:layers=1", "--name", name])
     assert info.value.code == 2 and "chain name is empty" in capsys.readouterr().err
+
+
+_FAILING = """
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, n_in, n_out):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(n_in, n_out))
+
+        def forward(self, x):
+            return x @ self.weight                          # line 11
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("no gradient for you")         # line 20
+
+    class BadBackward(nn.Module):
+        def forward(self, x):
+            return Fails.apply(x)
+
+    def batch(b, generator):
+        return torch.randn(b, 16, generator=generator), torch.randn(b, 4, generator=generator)
+
+    def forward():
+        # 32 outputs into a block of 31 inputs: a shape mismatch in stage 2
+        return nn.Sequential(Block(16, 32), nn.ReLU(), Block(31, 4)), nn.functional.mse_loss, batch
+
+    def backward():
+        named = nn.Sequential()
+        named.add_module("up", Block(16, 4))
+        named.add_module("odd", BadBackward())
+        return named, nn.functional.mse_loss, batch
+
+    def loss():
+        def loss_fn(output, target):
+            return (output - target[:, :3]).sum()           # line 41
+        return nn.Sequential(Block(16, 4)), loss_fn, batch
+
+    def factory():
+        raise KeyError("size")                              # line 45
+
+    def maker():
+        def make_batch(b, generator):
+            return torch.ones(b, 16).view(3, -1), None      # line 49
+        return nn.Sequential(Block(16, 4)), nn.functional.mse_loss, make_batch
+"""
+
+
+@pytest.mark.parametrize("function, where, error, line", [
+    ("forward", "the forward of stage 2 (Block)", "RuntimeError: mat1 and mat2 shapes cannot "
+     "be multiplied (8x32 and 31x4)", 11),
+    ("backward", "the backward of stage 1 'odd' (BadBackward)",
+     "ValueError: no gradient for you", 20),
+    ("loss", "the loss function", "RuntimeError: The size of tensor a (4) must match", 41),
+    ("factory", "the model factory {spec}", "KeyError: 'size'", 45),
+    ("maker", "the make_batch of {spec}", "RuntimeError: shape '[3, -1]' is invalid", 49),
+])
+def test_an_error_in_the_users_model_is_one_line_naming_the_stage_and_the_place(
+        capsys, tmp_path, monkeypatch, isolated_imports, function, where, error, line):
+    # it was torch's traceback through rtmem's profiler, the user's line lost in it
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, _FAILING)
+    spec = f"{m}.py:{function}"
+    code, out, err = run(capsys, "--model", spec, "--batch", "8", "--repeats", "1", "--quiet")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"rtmem profile: error: {where.format(spec=spec)} raised {error}")
+    assert f"(at {m}.py:{line}); rerun with --traceback for the full traceback\n" in err
+    # the full traceback on request, then the same line without the hint
+    code, out, err = run(capsys, "--model", spec, "--batch", "8", "--repeats", "1", "--quiet",
+                         "--traceback")
+    assert code == 1 and err.startswith("Traceback (most recent call last)")
+    assert f'{m}.py", line {line}' in err
+    assert err.splitlines()[-1].endswith(f"(at {m}.py:{line})")
+
+
+def test_an_error_raised_while_importing_the_factory_file_names_its_line(
+        capsys, tmp_path, monkeypatch, isolated_imports):
+    monkeypatch.chdir(tmp_path)
+    m = _write_factory(tmp_path, "import torch\n\nsize = undefined_name\n")
+    code, _, err = run(capsys, "--model", f"{m}:build", "--quiet", "--json")
+    assert code == 1 and err == (f"rtmem profile: error: the import of {m} raised NameError: "
+                                 f"name 'undefined_name' is not defined (at {m}.py:3); rerun "
+                                 f"with --traceback for the full traceback\n")
+
+
+def test_profile_sequential_notes_the_stage_an_error_came_from():
+    # the library's exception is unchanged, with a note the traceback prints
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(2, 1))
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as e:
+        profile_sequential(model, torch.randn(5, 4), torch.randn(5, 1),
+                           torch.nn.functional.mse_loss, repeats=1)
+    assert "rtmem: raised in the forward of stage 1 (Linear)" in e.value.__notes__

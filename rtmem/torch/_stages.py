@@ -29,6 +29,49 @@ class ExecutionError(RtmemError):
     """A schedule could not be executed on a model (wrong length, bad state)."""
 
 
+#: The attribute :class:`raised_in` sets on an exception from the user's code:
+#: a phrase saying where it was raised ("the forward of stage 2 (Block)"), which
+#: ``rtmem profile`` prints in place of the traceback.
+RAISED_IN = "_rtmem_raised_in"
+
+
+def stage_label(model: nn.Sequential, i: int) -> str:
+    """``stage I (ModuleType)``, with the stage's name in the Sequential when it
+    has one of its own (``stage 1 'attn' (Attention)``), for messages."""
+    name = list(model._modules)[i]
+    named = f" {name!r}" if name != str(i) else ""
+    return f"stage {i}{named} ({type(model[i]).__name__})"
+
+
+class raised_in:
+    """Context manager marking an exception raised by the user's code inside
+    (a stage's forward or backward, the loss) with ``where`` (a phrase), on
+    its :data:`RAISED_IN` attribute and as a note (Python >= 3.11) that the
+    traceback prints: a shape mismatch in stage 12's forward showed only
+    torch's message and frames. The innermost mark is kept, the exception is
+    raised on unchanged (its type, message and traceback). A class, not a
+    generator: it wraps timed calls, and its cost is two attribute lookups."""
+
+    __slots__ = ("where",)
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is not None and isinstance(exc, Exception) and \
+                getattr(exc, RAISED_IN, None) is None:
+            try:
+                setattr(exc, RAISED_IN, self.where)
+            except (AttributeError, TypeError):     # an exception without __dict__
+                return False
+            if hasattr(exc, "add_note"):            # Python >= 3.11
+                exc.add_note(f"rtmem: raised in {self.where}")
+        return False
+
+
 def as_stages(model, what: str) -> nn.Sequential:
     """``model`` as the ``nn.Sequential`` of stages ``what`` runs: an
     ``nn.Sequential``, or a list or tuple of modules (wrapped, the modules

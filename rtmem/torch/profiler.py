@@ -66,7 +66,7 @@ from ._saved import _cached_cast, autocast_off, casts_outlive_forward, own_param
 from ._stages import (ExecutionError, _check_output, _graph_leaves, _input_key, _rederived_input,
                       _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_inputs,
                       check_loss, check_loss_fn, check_needs_grad, differentiable,
-                      inputs_need_grad)
+                      inputs_need_grad, raised_in, stage_label)
 
 __all__ = ["profile_sequential"]
 
@@ -179,7 +179,9 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     when ``loss_fn`` returns what :class:`~rtmem.torch.ScheduleExecutor` refuses
     at ``L`` (not a 0-d tensor, or a loss without autograd history), with the
     executor's message, found at the loss's first call (after the stages were
-    measured) and before its backward. Stages that modify their input in place
+    measured) and before its backward. An exception raised by a stage's forward
+    or backward or by the loss propagates unchanged, with a note naming where
+    (``rtmem: raised in the forward of stage 2 (Block)``). Stages that modify their input in place
     are marked ``no_recompute`` in the chain: :func:`~rtmem.planners.plan_remat`
     and :func:`~rtmem.planners.plan_floating` then never recompute them (a
     recomputation would read the modified input, and the executor refuses it),
@@ -242,6 +244,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         # stage per position, as the executor runs it.
         for i, stage in enumerate(model):
             saved = []
+            label = stage_label(model, i)
 
             def pack(t, saved=saved):
                 # whether it is autocast's cached cast: asked here, in the
@@ -269,8 +272,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     # input needs no gradient (the batch, a frozen prefix)
                     xin, arg = _stage_input(x, needs_grad=needs_grad[i])
                     x_version = arg._version
-                    with own_parametrizations():   # as the executor's F_all
-                        y, t_f = timer(lambda: stage(arg))
+                    with own_parametrizations(), raised_in(f"the forward of {label}"):
+                        y, t_f = timer(lambda: stage(arg))   # as the executor's F_all
                 _check_output(i, stage, y)
                 check_needs_grad(i, stage, y, needs_grad, xin)   # as the executor's F_all
                 fwd_times.append(t_f)
@@ -312,7 +315,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
                 # outside the caller's autocast, as the executor runs its Bs
-                with autocast_off(device):
+                with autocast_off(device), raised_in(f"the backward of {label}"):
                     _, t_b = timer(lambda: torch.autograd.backward(
                         y, delta, retain_graph=r < repeats - 1))
                 bwd_times.append(t_b)
@@ -338,16 +341,18 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             with torch.enable_grad(), own_parametrizations():
                 leaf, z = _stage_input(x)   # as the executor's L hands it to loss_fn
                 if r == 0:   # untimed: find the leaves outside the model it uses
-                    loss = loss_fn(z, target)
+                    with raised_in("the loss function"):
+                        loss = loss_fn(z, target)
                     # refused as the executor's L refuses it, before a backward
                     # from it raises torch's error (or trains nothing)
                     check_loss(loss, z, stage_tensors, inputs.requires_grad, model)
                     _clear_grads(_graph_leaves(loss, leaf), grads, held)
 
             def run():
-                with torch.enable_grad(), own_parametrizations():
+                with torch.enable_grad(), own_parametrizations(), \
+                        raised_in("the loss function"):
                     loss = loss_fn(z, target)
-                with autocast_off(device):
+                with autocast_off(device), raised_in("the backward of the loss"):
                     loss.backward()
             loss_times.append(timer(run)[1])
         if progress is not None:
