@@ -26,6 +26,12 @@ _NUMBER = r"([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 _SIZE_RE = re.compile(r"^\s*" + _NUMBER + r"\s*([kKMGTP]i?)?\s*(B|bytes?)?\s*$")
 _BW_RE = re.compile(r"^\s*" + _NUMBER + r"\s*([kKMGTP]i?)?\s*(B/s|Bps|bytes?/s)?\s*$")
 _INTEGER_RE = re.compile(r"^[+-]?[0-9]+$")
+# The same texts read without case, for the suggestion of a refused one: the
+# prefix, the space after it and the unit as written.
+_SIZE_ANYCASE_RE = re.compile(r"^\s*(" + _NUMBER[1:-1] + r"\s*)([kmgtp]i?)(\s*)(b|bytes?)?\s*$",
+                              re.IGNORECASE)
+_BW_ANYCASE_RE = re.compile(r"^\s*(" + _NUMBER[1:-1] + r"\s*)([kmgtp]i?)?(\s*)(b/s|bps|bytes?/s)"
+                            r"?\s*$", re.IGNORECASE)
 _TIME_RE = re.compile(r"^\s*" + _NUMBER + r"\s*(s|ms|us|µs|ns|min|h)?\s*$")
 _TIME_UNIT = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9,
               "min": 60.0, "h": 3600.0}
@@ -107,6 +113,31 @@ def _number(value, what, example):
                         f"{value!r}") from None
 
 
+def _case_hint(text: str, anycase: re.Pattern, strict: re.Pattern, per: str) -> str:
+    """For a size or bandwidth refused only for its letters' case (``800mb``,
+    ``1.5gib``, ``12 gb/s``): the sentence saying that case matters and the
+    spelling it then means (read by ``strict``), else "". Read without case,
+    the prefix is one of k, M, G, T, P (Ki, Mi, ... with i) and b is B; ``per``
+    is "/s" for a bandwidth, where a lowercase b is said to be read as bytes."""
+    m = anycase.match(text)
+    if m is None or not (m.group(2) or m.group(4)):
+        return ""
+    number, prefix, space, unit = m.group(1), m.group(2) or "", m.group(3), m.group(4) or ""
+    if prefix:
+        prefix = "k" if prefix.lower() == "k" else prefix[0].upper() + prefix[1:].lower()
+    if unit.lower().startswith("byte"):
+        unit = unit.lower()
+    elif unit:
+        unit = "B" + unit[1:].lower()
+    meant = f"{number}{prefix}{space}{unit}"
+    if strict.match(meant) is None:
+        return ""
+    bits = (" (bytes per second: divide a bit rate by 8)"
+            if per and unit and m.group(4)[0] == "b" and not unit.startswith("byte") else "")
+    return (f"unit letters are case-sensitive (m would be milli, b bits): did you mean "
+            f"{meant!r}{bits}? ")
+
+
 def parse_bytes(value, *, round_down: bool = False) -> int:
     """Parse a size into bytes (an ``int``).
 
@@ -121,8 +152,9 @@ def parse_bytes(value, *, round_down: bool = False) -> int:
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m is None or (m.group(2) and m.group(2) not in _PREFIX):
-            raise UnitError(
-                f"cannot read {value!r} as a size; write it like '4096', '512 MiB' or '12GiB'")
+            raise UnitError(f"cannot read {value!r} as a size; "
+                            + _case_hint(value, _SIZE_ANYCASE_RE, _SIZE_RE, "")
+                            + "write it like '4096', '512 MiB' or '12GiB'")
         number, scale = m.group(1), _PREFIX[m.group(2) or ""]
         if _INTEGER_RE.match(number) and len(number) <= 40:
             # exact: through a float, "9007199254740993" became ...992 bytes
@@ -157,9 +189,9 @@ def parse_bandwidth(value) -> float:
     elif isinstance(value, str):
         m = _BW_RE.match(value)
         if m is None or (m.group(2) and m.group(2) not in _PREFIX):
-            raise UnitError(
-                f"cannot read {value!r} as a bandwidth; write it like '12 GB/s', "
-                "'16GiB/s' or 'inf'")
+            raise UnitError(f"cannot read {value!r} as a bandwidth; "
+                            + _case_hint(value, _BW_ANYCASE_RE, _BW_RE, "/s")
+                            + "write it like '12 GB/s', '16GiB/s' or 'inf'")
         bw = float(m.group(1)) * _PREFIX[m.group(2) or ""]
     else:
         bw = _number(value, "a bandwidth", "12 GB/s")

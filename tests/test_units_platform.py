@@ -266,3 +266,36 @@ def test_infinite_or_nan_sizes_and_durations_are_told_the_range(parse, text, fra
     # value was read and is out of range
     with pytest.raises(UnitError, match=re.escape(fragment)):
         parse(text)
+
+
+@pytest.mark.parametrize("parse, text, meant, value, bits", [
+    (parse_bytes, "800mb", "800MB", 800 * 10**6, False),
+    (parse_bytes, "1.5gib", "1.5GiB", 3 * 2**29, False),
+    (parse_bytes, "2 GIB", "2 GiB", 2 * 2**30, False), (parse_bytes, "1 kib", "1 KiB", 1024, False),
+    (parse_bytes, "800m", "800M", 800 * 10**6, False), (parse_bytes, "64kb", "64kB", 64000, False),
+    (parse_bytes, " 5 mbytes", "5 Mbytes", 5 * 10**6, False),
+    (parse_bandwidth, "12 gb/s", "12 GB/s", 12e9, True),
+    (parse_bandwidth, "3mbps", "3MBps", 3e6, True),
+    (parse_bandwidth, "16gib/s", "16GiB/s", 16 * 2**30, True),
+    (parse_bandwidth, "2 TBytes/S", "2 Tbytes/s", 2e12, False),
+])
+def test_a_unit_refused_for_its_case_suggests_the_spelling_it_means(parse, text, meant, value,
+                                                                     bits):
+    # case matters (m would be milli), but "cannot read '800mb'" did not say so
+    with pytest.raises(UnitError) as e:
+        parse(text)
+    message = str(e.value)
+    assert f"unit letters are case-sensitive (m would be milli, b bits): did you mean " \
+           f"{meant!r}" in message
+    assert ("divide a bit rate by 8" in message) == bits
+    assert parse(meant) == value       # the suggestion reads as the letters say
+
+
+@pytest.mark.parametrize("parse, text", [
+    (parse_bytes, "7xb"), (parse_bytes, "12 gb/s"), (parse_bytes, "5 mib mib"),
+    (parse_bandwidth, "800 gib"), (parse_bandwidth, "12"[:0] + "gb/s"),
+])
+def test_unreadable_units_get_no_case_suggestion(parse, text):
+    with pytest.raises(UnitError, match="cannot read") as e:
+        parse(text)
+    assert "did you mean" not in str(e.value)
