@@ -12,11 +12,54 @@ import math
 import numpy as np
 
 from rtmem.errors import ChainError, RtmemError, ScheduleError
-from rtmem.units import _is_array
+from rtmem.units import _is_array, _is_bool
 
 #: Byte counts the planners take stay below this (int64-safe sums; the
 #: Platform's stand-in for unlimited memory).
 MAX_BYTES = 2**62
+
+
+def _not_a_number(name: str, value, index: int | None, integral: bool) -> ChainError:
+    """The ChainError for a bool or a string given as a time or a size."""
+    where = name if index is None else f"{name}[{index}]"
+    unit = "bytes" if integral else "seconds"
+    fix = ("convert text you read with float() first" if isinstance(value, (str, bytes))
+           else "a bool is no time or size")
+    shown = repr(bool(value)) if _is_bool(value) else repr(value)     # not np.True_
+    return ChainError(f"{where} = {shown} is not a number; pass a number of {unit} (an int "
+                      f"or float, e.g. 1024 or 0.5): {fix}", field=name, index=index)
+
+
+def _check_numbers(name: str, values, integral: bool) -> None:
+    """ChainError for bool or string elements of ``values``, which numpy and
+    float() convert: ``Chain(x=[True, ...])`` was a 1-byte activation and
+    ``u_f=["1.0", ...]`` a number, where a chain document refuses both. An
+    ndarray (or tensor) is judged by its dtype alone, with no Python loop over a
+    large profile's elements; only a sequence (or an object array) is walked."""
+    dtype = getattr(values, "dtype", None)
+    kind = getattr(dtype, "kind", None)
+    if kind in ("b", "U", "S") or str(dtype) == "torch.bool":   # torch's dtype: no .kind
+        flat = values.reshape(-1)
+        first = flat[0].item() if flat.shape[0] else (True if kind != "U" else "")
+        raise _not_a_number(name, first, 0 if getattr(values, "ndim", 0) else None, integral)
+    if dtype is not None and kind != "O":
+        return
+    if isinstance(values, (str, bytes)):
+        raise _not_a_number(name, values, None, integral)
+    try:
+        items = list(values)
+    except TypeError:           # not a sequence: as_vector's conversion says so
+        return
+    # the element types first (a set of a few), then the index only when one is
+    # bad or may be (a 0-d array or tensor of bools): a walk calling _is_bool on
+    # each of a million floats took 3x the conversion itself
+    types = set(map(type, items))
+    if not any(issubclass(t, (bool, np.bool_, str, bytes))
+               or (hasattr(t, "dtype") and not issubclass(t, np.generic)) for t in types):
+        return
+    for i, v in enumerate(items):
+        if _is_bool(v) or isinstance(v, (str, bytes)):
+            raise _not_a_number(name, v, i, integral)
 
 
 def as_vector(name: str, values, n: int | None, *, integral: bool) -> np.ndarray:
@@ -24,7 +67,10 @@ def as_vector(name: str, values, n: int | None, *, integral: bool) -> np.ndarray
 
     ``n`` is the required length (``None``: any length >= 1). Sizes
     (``integral=True``) are rounded up to whole bytes; times stay float64.
+    Bools and strings, which numpy converts, are refused (ChainError naming
+    ``name[index]``).
     """
+    _check_numbers(name, values, integral)
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError) as e:
@@ -76,6 +122,8 @@ def as_scalar(name: str, value, *, integral: bool):
         raise ChainError(f"{name} must be one number, got an array of shape "
                          f"{tuple(value.shape)}: {value!r}; pass a scalar (x.item())",
                          field=name)
+    if _is_bool(value) or isinstance(value, (str, bytes)):    # float() converts them
+        raise _not_a_number(name, value, None, integral)
     try:
         v = float(value)
     except (TypeError, ValueError) as e:

@@ -75,10 +75,12 @@ class Chain(JsonFile):
         Free-form label used in tables and plots.
 
     All arrays are validated on construction: same length, at least one stage,
-    finite and non-negative; a :class:`~rtmem.errors.ChainError` names the field and
-    the first bad index. Byte sizes are stored as int64 (rounded up), times as
-    float64. See ``NOTE [ Chain notation ]`` in this module for the mapping to the
-    thesis' notation.
+    numbers (a bool or a string, which numpy would convert, is refused; bool
+    and string arrays by their dtype), finite and non-negative; a
+    :class:`~rtmem.errors.ChainError` names the field and the first bad index.
+    Byte sizes are stored as int64 (rounded up), times as float64. See
+    ``NOTE [ Chain notation ]`` in this module for the mapping to the thesis'
+    notation.
     """
 
     u_f: np.ndarray

@@ -35,7 +35,7 @@ def test_arrays_and_defaults():
     (dict(u_f=[1], u_b=[1], x=[5], xbar=[4]), "xbar", 0, "xbar must be >= x"),
     (dict(u_f=[1], u_b=[1], x=[1], xbar=[1], w=[math.inf]), "w", 0, "not finite"),
     (dict(u_f=[[1]], u_b=[1], x=[1], xbar=[1]), "u_f", None, "one-dimensional"),
-    (dict(u_f=["a"], u_b=[1], x=[1], xbar=[1]), "u_f", None, "numbers"),
+    (dict(u_f=["a"], u_b=[1], x=[1], xbar=[1]), "u_f", 0, "u_f[0] = 'a' is not a number"),
     (dict(u_f=[1], u_b=[1], x=[1], xbar=[1], x0=-1), "x0", None, ">= 0"),
     (dict(u_f=[1], u_b=None, x=[1], xbar=[1]), "u_b", None, "required"),
 ])
@@ -44,6 +44,57 @@ def test_bad_chains_name_field_and_index(kwargs, field, index, fragment):
         Chain(**kwargs)
     assert e.value.field == field and e.value.index == index
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("x", True, "True"), ("xbar", np.True_, "True"), ("w", "12", "'12'"),
+    ("u_f", "1.0", "'1.0'"), ("u_b", b"2", "b'2'"), ("o_f", False, "False"),
+])
+def test_the_constructor_refuses_bools_and_strings_as_times_and_sizes(field, value, shown):
+    # numpy and float() converted them: x=[True, ...] was a 1-byte activation and
+    # u_f=["1.0", ...] a time, where a chain document refuses both
+    rng = np.random.default_rng()
+    n = int(rng.integers(2, 6))
+    i = int(rng.integers(0, n))
+    x = rng.integers(1, 1000, n)
+    arrays = dict(u_f=rng.random(n), u_b=rng.random(n), x=x, xbar=x + 1000, w=x, o_f=x)
+    column = list(arrays[field])
+    column[i] = value
+    arrays[field] = column
+    unit = "seconds" if field.startswith("u_") else "bytes"
+    with pytest.raises(ChainError) as e:
+        Chain(**arrays)
+    assert f"{field}[{i}] = {shown} is not a number; pass a number of {unit}" in str(e.value)
+    assert (e.value.field, e.value.index) == (field, i)
+
+
+@pytest.mark.parametrize("dtype", [bool, str, object])
+def test_the_constructor_refuses_bool_and_string_arrays(dtype):
+    rng = np.random.default_rng()
+    x = rng.integers(1, 1000, 4)
+    bad = np.array([True, False, True, True], dtype=dtype)
+    if dtype is str:
+        bad = x.astype(str)
+    with pytest.raises(ChainError, match=r"x\[0\] = .* is not a number") as e:
+        Chain(u_f=rng.random(4), u_b=rng.random(4), x=bad, xbar=x + 1000)
+    assert e.value.field == "x"
+
+
+@pytest.mark.parametrize("field, value", [("x0", True), ("u_loss", "0.5"), ("o_loss", np.True_)])
+def test_the_constructor_refuses_bool_and_string_scalars(field, value):
+    with pytest.raises(ChainError) as e:
+        Chain(u_f=[1.0], u_b=[1.0], x=[1], xbar=[1], **{field: value})
+    shown = repr(value).replace("np.True_", "True")
+    assert f"{field} = {shown} is not a number" in str(e.value) and e.value.field == field
+
+
+def test_no_recompute_still_takes_bools_and_numeric_arrays_still_pass():
+    rng = np.random.default_rng()
+    x = rng.integers(1, 1000, 3)
+    flags = np.array([True, False, True])
+    chain = Chain(u_f=rng.random(3).astype(np.float32), u_b=rng.random(3), x=x.astype(np.int32),
+                  xbar=x + 1, no_recompute=flags)
+    assert chain.no_recompute.tolist() == flags.tolist() and chain.x.tolist() == x.tolist()
 
 
 def test_homogeneous():
