@@ -449,7 +449,10 @@ def place_parameters(module: torch.nn.Module, arena, *, grads: bool = True,
     ``module.load_state_dict(sd)`` copies into the placed parameters in place;
     ``load_state_dict(sd, assign=True)`` would replace them with tensors outside
     the arena, and is refused (:class:`~rtmem.errors.ResidencyError`, the module
-    unchanged) until :meth:`ModulePlacement.release`.
+    unchanged) until :meth:`ModulePlacement.release`. A load of a module that
+    contains ``module`` is refused when torch reaches ``module``: the parameters
+    loaded before it (in ``named_parameters()`` order) have been replaced by
+    then (torch has no load hook above ``module`` for the refusal to run in).
 
     Convert the module first (``module.half()``, ``.to(dtype)``, ``.to(device)``):
     a conversion after placing gives each parameter new data outside the arena,
