@@ -6,6 +6,7 @@ the same run; absolute times are only meaningful on the machine that made them.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import gc
 import json
@@ -40,6 +41,12 @@ def _ctrl_c_line(kind, value, tb, _previous=sys.excepthook):
     else:
         what = "before any result; nothing written (an earlier result stays)"
     print(f"{name}: interrupted {what}", file=sys.stderr)
+    # os._exit below skips what a normal exit runs: run the atexit handlers
+    # (logging's flush, a library's trace file) first, once, as Python would.
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:               # a second Ctrl-C, a failing handler
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
