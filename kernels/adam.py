@@ -64,8 +64,8 @@ __all__ = ["adam_update", "grads_finite", "adam_coefficients", "prepare_update",
 BLOCK_ELEMENTS = 1 << 14
 
 # Layout of the coefficient vector (float32) read by the kernel.
-_GMUL, _L2, _DECAY, _B1, _OMB1, _B2, _OMB2, _STEP_SIZE, _INV_BC2_SQRT, _EPS = range(10)
-_N_COEFFS = 10
+_GMUL, _L2, _DECAY, _OMB1, _OMB2, _STEP_SIZE, _INV_BC2_SQRT, _EPS = range(8)
+_N_COEFFS = 8
 
 
 # --------------------------------------------------------------------------- jitted
@@ -262,9 +262,8 @@ def adam_coefficients(*, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
         c[_GMUL] = gmul
         c[_L2] = 0.0 if decoupled_weight_decay else weight_decay
         c[_DECAY] = 1.0 - lr * weight_decay if decoupled_weight_decay else 1.0
-        c[_B1] = beta1
+        # the moments decay as x - (1 - beta)*x: beta itself is not needed
         c[_OMB1] = 1.0 - beta1
-        c[_B2] = beta2
         c[_OMB2] = 1.0 - beta2
         # beta1 == 0 and step 1 keeps bc1 = 1; bc1 > 0 always since beta1 < 1.
         c[_STEP_SIZE] = lr / bc1

@@ -68,7 +68,7 @@ def test_load_state_dict_assign_is_refused_and_leaves_the_module_unchanged(arena
     try:
         with pytest.raises(ResidencyError, match=r"assign=True.*'0\.weight'.*release\(\)"):
             model.load_state_dict(fresh, assign=True)
-        with pytest.raises(ResidencyError, match=r"'weight'"):
+        with pytest.raises(ResidencyError, match=r"'weight' \(and 1 more\) placed"):
             model[2].load_state_dict({"weight": fresh["2.weight"], "bias": fresh["2.bias"]},
                                      assign=True)
     finally:
@@ -81,6 +81,15 @@ def test_load_state_dict_assign_is_refused_and_leaves_the_module_unchanged(arena
     assert not any(m._load_state_dict_pre_hooks for m in model.modules())
     model.load_state_dict(fresh, assign=True)
     assert all(torch.equal(v, fresh[k]) for k, v in model.state_dict().items())
+
+
+def test_the_assign_refusal_counts_the_other_placed_parameters_only_when_there_are(arena):
+    # one placed parameter read "(and 0 more)"
+    lone = torch.nn.Linear(4, 3, bias=False)
+    placement = place_parameters(lone, arena)
+    with pytest.raises(ResidencyError, match=r"replace parameter 'weight' placed in an arena"):
+        lone.load_state_dict({"weight": torch.randn(3, 4)}, assign=True)
+    placement.release()
 
 
 def test_pickle_and_deepcopy_of_arena_tensors_copy_the_values(arena):

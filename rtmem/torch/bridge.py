@@ -361,8 +361,9 @@ def _refuse_assign(module, state_dict, prefix, local_metadata, *_) -> None:
     placed = [name for name, p in module.named_parameters() if _placement_of(p) is not None]
     if placed:
         raise ResidencyError(
-            f"load_state_dict(assign=True) would replace parameter {prefix + placed[0]!r} (and "
-            f"{len(placed) - 1} more) placed in an arena by place_parameters with the "
+            f"load_state_dict(assign=True) would replace parameter {prefix + placed[0]!r}"
+            f"{f' (and {len(placed) - 1} more)' if len(placed) > 1 else ''} placed in an "
+            f"arena by place_parameters with the "
             f"state dict's tensors, outside the arena; load without assign=True (it "
             f"copies the values into the arena in place), or call release() on the "
             f"ModulePlacement first", state="placed", action="load_state_dict(assign=True)")
