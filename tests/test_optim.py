@@ -561,6 +561,17 @@ def _stepped_once(seed):
     return a, opt, copy.deepcopy(opt.state_dict())
 
 
+def _assert_state_is(opt, good, *, groups=True):
+    """``opt``'s state dict equals ``good`` (a refused load changed nothing):
+    every state tensor, and the param groups unless ``groups=False``."""
+    now = opt.state_dict()
+    if groups:
+        assert now["param_groups"] == good["param_groups"]
+    for k, st in good["state"].items():
+        for key, v in st.items():
+            assert torch.equal(now["state"][k][key], v), (k, key)
+
+
 def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     a, opt, good = _stepped_once(24)
     bad = copy.deepcopy(good)
@@ -570,11 +581,7 @@ def test_refused_load_state_dict_leaves_the_optimizer_as_it_was():
     bad["state"][2]["exp_avg"] = torch.zeros(5)          # another model's state
     with pytest.raises(OptimizerError, match="another model"):
         opt.load_state_dict(bad)
-    now = opt.state_dict()
-    assert now["param_groups"] == good["param_groups"]
-    for k, st in good["state"].items():
-        for key, v in st.items():
-            assert torch.equal(now["state"][k][key], v), (k, key)
+    _assert_state_is(opt, good)
     opt.step()                                           # and it still works
     assert float(opt.state[a[0]]["step"]) == 2.0
 
@@ -591,11 +598,7 @@ def test_a_state_with_moments_but_no_step_is_refused_not_restarted():
                        r"exp_avg, exp_avg_sq but no step") as info:
         opt.load_state_dict(sd)
     assert info.value.argument == "state_dict"
-    now = opt.state_dict()
-    assert now["param_groups"] == good["param_groups"]
-    for k, st in good["state"].items():
-        for key, v in st.items():
-            assert torch.equal(now["state"][k][key], v), (k, key)
+    _assert_state_is(opt, good)
 
 
 def test_a_complex_moment_is_refused_not_cast_to_its_real_part():
@@ -609,10 +612,7 @@ def test_a_complex_moment_is_refused_not_cast_to_its_real_part():
                        r"torch.complex64; expected real floating point") as info:
         opt.load_state_dict(sd)
     assert info.value.argument == "state_dict"
-    now = opt.state_dict()
-    for k, st in good["state"].items():
-        for key, v in st.items():
-            assert torch.equal(now["state"][k][key], v), (k, key)
+    _assert_state_is(opt, good, groups=False)
 
 
 def test_state_no_group_lists_is_refused_not_dropped():
@@ -645,10 +645,7 @@ def test_state_no_group_lists_is_refused_not_dropped():
         with pytest.raises(OptimizerError, match=match):
             opt.load_state_dict(bad)
         assert opt.param_groups is old_groups and opt.state is old_state
-    now = opt.state_dict()
-    for k, st in good["state"].items():
-        for key, v in st.items():
-            assert torch.equal(now["state"][k][key], v), (k, key)
+    _assert_state_is(opt, good, groups=False)
     opt.load_state_dict(copy.deepcopy(good))             # the dict as saved loads
     for p in a:
         p.grad = torch.randn_like(p)
@@ -923,11 +920,7 @@ def test_load_state_dict_refuses_a_step_that_is_not_a_count(bad):
     with pytest.raises(OptimizerError, match=r"group 0 param 1: step is tensor\(") as info:
         opt.load_state_dict(sd)
     assert info.value.argument == "state_dict"
-    now = opt.state_dict()
-    assert now["param_groups"] == good["param_groups"]
-    for k, st in good["state"].items():
-        for key, v in st.items():
-            assert torch.equal(now["state"][k][key], v), (k, key)
+    _assert_state_is(opt, good)
     sd["state"][1]["step"] = 3                   # a plain int (old torch) is a count
     opt.load_state_dict(sd)
     assert float(opt.state[a[1]]["step"]) == 3.0
