@@ -4,7 +4,7 @@ NOTE [ Optimizer state in an arena ]
 Each moment (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of a parameter is
 a zero-copy CPU tensor over its own ``kind="optimizer-state"`` buffer of the
 arena (float32, 4 bytes per element, each buffer rounded up to the arena's
-alignment), made by :func:`rtmem.optim._zeros_state`, the helper NumpyAdam
+alignment), made by :func:`rtmem.optim._zeros_states`, the helper NumpyAdam
 uses: the buffer is freed at once and its free waits for the last view (NOTE
 [ Pinned views ] in rtmem/buffer.py). So the arena gets the bytes back when
 the optimizer drops the tensor *and* every tensor derived from it is gone (a
@@ -13,8 +13,9 @@ no view ever reads memory the arena has handed out again.
 
 Rules:
 1. A parameter's missing moments are allocated together before any is
-   installed (:func:`arena_zeros`): an arena too small raises
-   OutOfMemoryError and installs none of them.
+   installed (:func:`arena_zeros`; NumpyAdam's constructor: every
+   parameter's at once): an arena too small raises OutOfMemoryError, installs
+   none of them and holds none (those made are given back before it raises).
 2. A load copies the checked values into the arena, reusing the buffers of
    moments already there (same parameter, key and shape), so the state stays
    in the arena and a load needs no second copy of it there; buffers are
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .optim import _STATE_KEYS, _zeros_state
+from .optim import _STATE_KEYS, _zeros_states
 
 
 def arena_zeros(shapes, arena) -> list:
@@ -37,14 +38,7 @@ def arena_zeros(shapes, arena) -> list:
     allocation fails (OutOfMemoryError) the ones made are dropped before the
     error propagates, so their bytes go back at once rather than when the
     traceback dies."""
-    made = []
-    try:
-        for shape in shapes:
-            made.append(torch.from_numpy(_zeros_state(tuple(shape), arena)))
-    except BaseException:
-        made.clear()
-        raise
-    return made
+    return [torch.from_numpy(a) for a in _zeros_states(shapes, arena)]
 
 
 def in_arena(t, arena) -> bool:

@@ -263,6 +263,21 @@ def _zeros_state(shape, arena):
     return view
 
 
+def _zeros_states(shapes, arena) -> list:
+    """Zeroed float32 state arrays of ``shapes`` (:func:`_zeros_state`), all or
+    none: when one allocation fails (OutOfMemoryError) the arrays made so far
+    are dropped before the error propagates, so their arena buffers go back at
+    once, not when the traceback (whose frames would hold them) dies."""
+    made = []
+    try:
+        for shape in shapes:
+            made.append(_zeros_state(tuple(shape), arena))
+    except BaseException:
+        made.clear()
+        raise
+    return made
+
+
 def _checked_step(step, where, limit=None, what="step") -> int:
     """A saved step count as an int; raise OptimizerError naming ``where`` (the
     parameter) unless it is an integer >= 0 (a Python/numpy number or a
@@ -530,9 +545,13 @@ class NumpyAdam:
                 raise _named(f"params[{i}]", exc, {"param": "params"}) from None
         _check_disjoint(self.params)
         keys = _STATE_KEYS if amsgrad else _STATE_KEYS[:2]
-        for p in self.params:
+        # every moment before any is installed: an arena too small raises with
+        # none of them held (NOTE [ Optimizer state in an arena ], Rule 1)
+        moments = iter(_zeros_states([p.shape for p in self.params for _ in keys],
+                                     state_arena))
+        for _ in self.params:
             st = {"step": 0}
-            st.update((key, _zeros_state(p.shape, state_arena)) for key in keys)
+            st.update((key, next(moments)) for key in keys)
             self.state.append(st)
         self.last_step_skipped = False
         self.skipped_steps = 0

@@ -392,3 +392,28 @@ def test_a_state_dict_of_the_other_weight_decay_is_refused(saved_cls, loading_cl
     older = {k: v for k, v in sd.items() if k != "decoupled_weight_decay"}
     opt.load_state_dict(older)                  # a dict saved before it said: as before
     assert opt.state[0]["step"] == 1
+
+
+def test_numpy_adam_refused_for_a_full_arena_gives_back_the_state_it_made(monkeypatch):
+    # Room for the first parameter's moments only: the constructor raises
+    # part-way through; what it made goes back to the arena at once, not when
+    # the traceback (held here) is dropped.
+    import rtmem
+    from rtmem.errors import OutOfMemoryError
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    arena = rtmem.HostArena(6 * 4096)       # a moment: 4,000 B, 4 KiB once aligned
+    filler = arena.alloc(3 * 4096, kind="workspace")
+    params = [np.zeros(1000, np.float32), np.zeros(1000, np.float32)]
+    with pytest.raises(OutOfMemoryError) as caught:
+        optim.NumpyAdam(params, amsgrad=True, state_arena=arena)
+    err = caught.value
+    assert err.__traceback__ is not None
+    st = arena.stats()
+    assert st.requested_by_kind["optimizer-state"] == 0
+    assert st.count_by_kind["optimizer-state"] == 0
+    arena._check_invariants()
+    # the arena takes the same optimizer once it has room
+    filler.free()
+    opt = optim.NumpyAdam(params, amsgrad=True, state_arena=arena)
+    assert arena.stats().requested_by_kind["optimizer-state"] == 3 * 2 * 4 * 1000
+    del opt, err
