@@ -25,7 +25,7 @@ from ._optim_arena import arena_zeros, load_into_arena
 from ._optim_tensors import as_numpy, bump_versions, per_param, tensors_of
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
-from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch,
+from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch, _check_open,
                     _check_group_hyper, _check_hyper, _check_moment, _check_num_threads,
                     _check_state_arena, _check_state_dict, _check_state_listed,
                     _check_step_disjoint,
@@ -282,11 +282,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._closed = True
 
     def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise OptimizerError(
-                f"cannot {what}: this {type(self).__name__} was closed (close() dropped "
-                f"its state); make a new one, and load_state_dict a state dict saved "
-                f"before close() into it to resume", argument="self")
+        _check_open(self, what)
 
     def _take_back(self, added) -> None:
         """Remove the state entries ``_state_for`` added (and states left empty)."""

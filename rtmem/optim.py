@@ -278,6 +278,16 @@ def _zeros_states(shapes, arena) -> list:
     return made
 
 
+def _check_open(opt, what: str) -> None:
+    """OptimizerError if ``opt`` (CPUAdam, NumpyAdam) was closed: ``what`` is
+    the refused call ("step", "save a state dict", ...)."""
+    if opt._closed:
+        raise OptimizerError(
+            f"cannot {what}: this {type(opt).__name__} was closed (close() dropped "
+            f"its state); make a new one, and load_state_dict a state dict saved "
+            f"before close() into it to resume", argument="self")
+
+
 def _checked_step(step, where, limit=None, what="step") -> int:
     """A saved step count as an int; raise OptimizerError naming ``where`` (the
     parameter) unless it is an integer >= 0 (a Python/numpy number or a
@@ -506,16 +516,20 @@ class NumpyAdam:
 
     state_arena:
         A :class:`~rtmem.HostArena` for the moments (``kind="optimizer-state"``
-        buffers, 4 bytes per parameter element per moment, released when the
-        optimizer is dropped), or None for numpy memory. Anything else (a
+        buffers, 4 bytes per parameter element per moment, plus up to one
+        alignment each, made in the constructor, all of them or none: an arena
+        too small raises OutOfMemoryError and holds none; released when the
+        optimizer is closed or dropped), or None for numpy memory. Anything else (a
         DeviceArena too, whose memory the kernel cannot address on a GPU) is
         refused with an OptimizerError.
 
     State lives in ``self.state[i]`` (float32 arrays, 8 bytes per parameter, 12
-    with AMSGrad) next to ``self.params[i]``.
+    with AMSGrad) next to ``self.params[i]``. :meth:`close` drops it.
     """
 
     decoupled_weight_decay = False
+    # a class default, so that an optimizer pickled before close() existed loads open
+    _closed = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, bias_correction=True, num_threads=None,
@@ -570,6 +584,7 @@ class NumpyAdam:
         the same pass (a float16 copy is +-inf where the parameter exceeds fp16's
         range, see :func:`rtmem.kernels.adam_update`). See NOTE [ Skipped steps ].
         """
+        _check_open(self, "step")
         check_finite = _check_finite_switch(check_finite)
         grads = list(grads)
         if len(grads) != len(self.params):
@@ -605,6 +620,7 @@ class NumpyAdam:
         """A deep copy of the hyperparameters and per-parameter state (arrays
         copied), the ``skipped_steps`` / ``last_step_skipped`` counters, and
         ``decoupled_weight_decay`` (True for :class:`NumpyAdamW`)."""
+        _check_open(self, "save a state dict")
         return {"hyper": dict(self.hyper),
                 "state": [{k: (v.copy() if isinstance(v, np.ndarray) else v)
                            for k, v in st.items()} for st in self.state],
@@ -624,6 +640,7 @@ class NumpyAdam:
         in NumpyAdam, or the reverse) is refused: its weight decay would run as
         the other algorithm (a dict saved without the key, by an older rtmem,
         loads as before). A refused dict leaves the optimizer as it was."""
+        _check_open(self, "load a state dict")
         if not isinstance(state_dict, dict) or not {"state", "hyper"} <= set(state_dict):
             raise OptimizerError("state_dict must be a dict with 'hyper' and 'state', as "
                                  "returned by state_dict()", argument="state_dict")
@@ -711,6 +728,18 @@ class NumpyAdam:
             dst["step"] = step
         self.hyper = hyper
         self.skipped_steps, self.last_step_skipped = skips
+
+
+    def close(self) -> None:
+        """Drop the state (moments and step counts): with ``state_arena``, its
+        buffers go back to the arena at once (once no array taken from
+        ``self.state`` views them any more; :meth:`state_dict` copies, so its
+        arrays do not). Afterwards :meth:`step`, :meth:`state_dict` and
+        :meth:`load_state_dict` raise OptimizerError: make a new optimizer (and
+        load a state dict saved before into it) to train on. The parameters
+        are left as they are. Idempotent."""
+        self.state.clear()
+        self._closed = True
 
 
 class NumpyAdamW(NumpyAdam):

@@ -417,3 +417,38 @@ def test_numpy_adam_refused_for_a_full_arena_gives_back_the_state_it_made(monkey
     opt = optim.NumpyAdam(params, amsgrad=True, state_arena=arena)
     assert arena.stats().requested_by_kind["optimizer-state"] == 3 * 2 * 4 * 1000
     del opt, err
+
+
+@pytest.mark.parametrize("cls", ["NumpyAdam", "NumpyAdamW"])
+def test_numpy_adam_close_gives_the_state_back_and_later_use_is_refused(monkeypatch, cls):
+    import copy
+
+    import rtmem
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    arena = rtmem.HostArena(1 << 20)
+    rng = np.random.default_rng()
+    p = rng.standard_normal(300).astype(np.float32)
+    opt = getattr(optim, cls)([p], lr=1e-2, amsgrad=True, state_arena=arena)
+    opt.step([rng.standard_normal(300).astype(np.float32)])
+    saved, after_step = opt.state_dict(), p.copy()
+    opt.close()
+    # back at once: state_dict() copies, so nothing else views the buffers
+    stats = arena.stats()
+    assert stats.count_by_kind["optimizer-state"] == 0
+    assert stats.requested_by_kind["optimizer-state"] == 0
+    arena._check_invariants()
+    opt.close()                          # idempotent
+    grads = [np.ones(300, np.float32)]
+    for call, what in ((lambda: opt.step(grads), "cannot step"),
+                       (opt.state_dict, "cannot save"),
+                       (lambda: opt.load_state_dict(saved), "cannot load")):
+        with pytest.raises(OptimizerError, match=f"{what}.*closed.*close") as e:
+            call()
+        assert e.value.argument == "self"
+    assert np.array_equal(p, after_step) and opt.state == []
+    with pytest.raises(OptimizerError, match="closed"):
+        copy.deepcopy(opt).step(grads)   # a copy stays closed
+    # the saved state resumes in a new optimizer
+    fresh = getattr(optim, cls)([p], lr=1e-2, amsgrad=True, state_arena=arena)
+    fresh.load_state_dict(saved)
+    assert fresh.state[0]["step"] == 1
