@@ -25,14 +25,13 @@ from ._optim_arena import arena_zeros, load_into_arena
 from ._optim_tensors import as_numpy, bump_versions, per_param, tensors_of
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
-from .optim import (_STATE_KEYS, _check_adam_keys, _check_finite_switch, _check_open,
-                    _check_group_hyper, _check_hyper, _check_moment, _check_num_threads,
-                    _check_state_arena, _check_state_dict, _check_state_listed,
-                    _check_step_disjoint,
-                    _check_switch_flags, _check_torch_layout,
-                    _coefficients, _first_overlap, _host_view, _loaded, _named,
-                    _post_hooked, _pre_hooked, _run_step, _saved_skips, _saved_step,
-                    _span)
+from .optim import (_MOMENT_DTYPE_HINT, _STATE_KEYS, _check_adam_keys,
+                    _check_finite_switch, _check_group_hyper, _check_hyper, _check_moment,
+                    _check_num_threads, _check_open, _check_state_arena, _check_state_dict,
+                    _check_state_listed, _check_step_disjoint, _check_switch_flags,
+                    _check_torch_layout, _coefficients, _first_overlap, _host_view,
+                    _loaded, _named, _post_hooked, _pre_hooked, _run_step, _saved_skips,
+                    _saved_step, _span)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -419,10 +418,13 @@ class CPUAdam(torch.optim.Optimizer):
         and new buffers for the rest, an arena too small for them refusing
         the load with OutOfMemoryError); each saved state must have its step, an
         integer >= 0 (a state without one is refused, not restarted),
-        each second moment (``exp_avg_sq``, ``max_exp_avg_sq``) >= 0
-        (torch.optim.Adam loads a negative one, and its next step makes the
-        parameter NaN, silently; inf/NaN moments, which steps on non-finite
-        gradients write, load as they are), and each parameter's
+        each moment real floating point (torch.optim.Adam's load casts an
+        integer, bool or complex one to the parameter's dtype; refused here,
+        as by NumpyAdam and OffloadedAdam: no Adam saves one), each second
+        moment (``exp_avg_sq``, ``max_exp_avg_sq``) >= 0 (torch.optim.Adam
+        loads a negative one, and its next step makes the parameter NaN,
+        silently; inf/NaN moments, which steps on non-finite gradients write,
+        load as they are), and each parameter's
         state must have both ``exp_avg`` and ``exp_avg_sq`` (an Adamax state,
         with ``exp_inf``, is refused), and each state's index must be listed
         by a group (torch's load drops the state of an index it does not know,
@@ -444,14 +446,16 @@ class CPUAdam(torch.optim.Optimizer):
         skips = _saved_skips(state_dict)
         for i, st in state_dict["state"].items():
             for key in _STATE_KEYS:
-                if torch.is_tensor(st.get(key)) and st[key].is_complex():
-                    # before torch's load, whose cast to the parameter's dtype
-                    # kept the real part only, under its generic ComplexWarning
-                    # (NumpyAdam refuses such a moment too)
+                # before torch's load, whose cast to the parameter's dtype
+                # loaded an integer or bool moment as float, and kept a complex
+                # one's real part only, under its generic ComplexWarning
+                # (NumpyAdam and OffloadedAdam refuse such moments too)
+                dtype = _moment_dtype(st.get(key))
+                if dtype is not None and not dtype.is_floating_point:
                     raise OptimizerError(
                         f"the state of parameter {i!r} has {key} of dtype "
-                        f"{st[key].dtype}; expected real floating point, as "
-                        f"state_dict() saves it", argument="state_dict")
+                        f"{dtype}; expected real floating point, "
+                        f"{_MOMENT_DTYPE_HINT}", argument="state_dict")
         # torch installs new state and group dicts; the checks below run after
         # it, so keep the old ones to put back.
         old_state, old_groups = self.state, self.param_groups
@@ -523,6 +527,17 @@ class CPUAdam(torch.optim.Optimizer):
                     _check_moment(f"group {gi} param {pi}", key, held.numpy())
                     st[key] = held
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def _moment_dtype(value):
+    """The torch dtype a loaded moment ``value`` (a tensor, numpy array or nested
+    list) loads as, or None if it is absent or no array (later checks name it)."""
+    if value is None or torch.is_tensor(value):
+        return None if value is None else value.dtype
+    try:
+        return torch.as_tensor(value).dtype
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 class CPUAdamW(CPUAdam):

@@ -51,6 +51,12 @@ __all__ = [*(_TORCH_CLASSES if _installed("torch") else ()), "NumpyAdam", "Numpy
 # The kernel's argument names -> NumpyAdam.step's keywords, for error reports.
 _NUMPY_ARGUMENTS = {"grad": "grads", "out": "copies", "out_format": "copy_format"}
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The end of every optimizer's refusal of a loaded moment that is not real
+# floating point. Refused, not cast (as torch.optim.Adam's load casts it to the
+# parameter's dtype): no Adam saves such a moment, so the dict is not the
+# state it claims to be (and a complex one lost its imaginary part).
+_MOMENT_DTYPE_HINT = ("as state_dict() saves it: an integer, bool or complex moment "
+                      "is no Adam state (was the dict edited or converted?)")
 
 
 # --------------------------------------------------------------------------- shared
@@ -632,7 +638,9 @@ class NumpyAdam:
         """Restore :meth:`state_dict` output, copying into the existing state arrays
         (their memory stays where it was allocated). ``hyper`` must hold every
         hyperparameter, with this optimizer's ``amsgrad``; each ``step`` must be an
-        integer >= 0 and each second moment (``exp_avg_sq``, ``max_exp_avg_sq``)
+        integer >= 0, each moment real floating point of any precision (an
+        integer, bool or complex one is refused, as by CPUAdam and
+        OffloadedAdam) and each second moment (``exp_avg_sq``, ``max_exp_avg_sq``)
         >= 0 (else the next step made the parameter NaN, silently); inf/NaN
         moments, which a step on non-finite gradients writes, load as they are.
         The skip counters are restored (0 and False from a dict saved without
@@ -713,9 +721,10 @@ class NumpyAdam:
                         raise OptimizerError(f"param {i}: {key} has shape {a.shape}, "
                                              f"expected {dst[key].shape}.",
                                              argument="state_dict")
-                    if not np.can_cast(a.dtype, np.float32, "same_kind"):
+                    if a.dtype.kind != "f":
                         raise OptimizerError(f"param {i}: {key} has dtype {a.dtype}; "
-                                             f"expected real floating point.",
+                                             f"expected real floating point, "
+                                             f"{_MOMENT_DTYPE_HINT}.",
                                              argument="state_dict")
                     with np.errstate(over="ignore"):    # beyond float32: the inf held
                         _check_moment(f"param {i}", key, a.astype(np.float32))

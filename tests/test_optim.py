@@ -601,6 +601,48 @@ def test_a_state_with_moments_but_no_step_is_refused_not_restarted():
     _assert_state_is(opt, good)
 
 
+@pytest.mark.parametrize("which", ["CPUAdam", "OffloadedAdam"])
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+@pytest.mark.parametrize("value", [torch.int64, torch.int32, torch.bool, "int-list"])
+def test_an_integer_or_bool_moment_is_refused_by_every_adam(monkeypatch, which, key, value):
+    # One rule for CPUAdam, OffloadedAdam and NumpyAdam (tests/test_optim_numpy.py):
+    # a non-floating moment means the dict is not an Adam state (torch's load
+    # casts it to the parameter's dtype; CPUAdam loaded it so, OffloadedAdam
+    # refused it). Every dict torch.optim.Adam saves has floating moments.
+    monkeypatch.setenv("RTMEM_BACKEND", "host")
+    from rtmem.torch import OffloadedAdam
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(2**31)))
+    params = [torch.randn(4, 3, generator=gen).requires_grad_(),
+              torch.randn(6, generator=gen).requires_grad_()]
+    opt = (optim.CPUAdam if which == "CPUAdam" else OffloadedAdam)(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(good)
+    bad["state"][1][key] = ([1, 0, 1, 0, 1, 0] if value == "int-list"
+                            else torch.ones(6, dtype=value))
+    dtype = torch.int64 if value == "int-list" else value
+    with pytest.raises(OptimizerError, match=rf"parameter 1.* {key} (of )?(has )?dtype "
+                       rf"{dtype}; expected (real )?floating point") as e:
+        opt.load_state_dict(bad)
+    assert e.value.argument == "state_dict"
+    now = opt.state_dict()
+    for k, st in good["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(now["state"][k][name]), torch.as_tensor(v))
+    # torch.optim.Adam's own dict, half-precision moments included, still loads
+    ref = torch.optim.Adam(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    ref.step()
+    saved = ref.state_dict()
+    saved["state"][1][key] = saved["state"][1][key].to(torch.bfloat16)
+    opt.load_state_dict(saved)
+    if which == "OffloadedAdam":
+        opt.close()
+
+
 def test_a_complex_moment_is_refused_not_cast_to_its_real_part():
     # torch's cast to float32 dropped the imaginary part, with only torch's
     # generic ComplexWarning; NumpyAdam refuses such a moment

@@ -452,3 +452,31 @@ def test_numpy_adam_close_gives_the_state_back_and_later_use_is_refused(monkeypa
     fresh = getattr(optim, cls)([p], lr=1e-2, amsgrad=True, state_arena=arena)
     fresh.load_state_dict(saved)
     assert fresh.state[0]["step"] == 1
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"])
+@pytest.mark.parametrize("value", [np.ones(5, np.int64), np.ones(5, np.uint8),
+                                   np.ones(5, bool), [1, 0, 1, 0, 1]],
+                         ids=["int64", "uint8", "bool", "int-list"])
+def test_numpy_load_state_dict_refuses_an_integer_or_bool_moment(key, value):
+    # The same rule as CPUAdam and OffloadedAdam (tests/test_optim.py): a
+    # non-floating moment means the dict is not an Adam state; it was cast to
+    # float32 and loaded.
+    rng = np.random.default_rng()
+    p = rng.standard_normal(5).astype(np.float32)
+    opt = optim.NumpyAdam([p], lr=1e-2, amsgrad=True)
+    opt.step([rng.standard_normal(5).astype(np.float32)])
+    before = opt.state_dict()
+    bad = opt.state_dict()
+    bad["state"][0][key] = value
+    dtype = np.asarray(value).dtype
+    with pytest.raises(OptimizerError, match=rf"param 0: {key} has dtype {dtype}; "
+                       rf"expected real floating point") as e:
+        opt.load_state_dict(bad)
+    assert e.value.argument == "state_dict"
+    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        assert opt.state[0][k].tobytes() == before["state"][0][k].tobytes()
+    # floating moments of any precision still load (float16 here)
+    ok = opt.state_dict()
+    ok["state"][0][key] = ok["state"][0][key].astype(np.float16)
+    opt.load_state_dict(ok)
