@@ -450,7 +450,7 @@ class CPUAdam(torch.optim.Optimizer):
                 # loaded an integer or bool moment as float, and kept a complex
                 # one's real part only, under its generic ComplexWarning
                 # (NumpyAdam and OffloadedAdam refuse such moments too)
-                dtype = _moment_dtype(st.get(key))
+                dtype = _moment_dtype(st.get(key), f"the state of parameter {i!r}", key)
                 if dtype is not None and not dtype.is_floating_point:
                     raise OptimizerError(
                         f"the state of parameter {i!r} has {key} of dtype "
@@ -529,15 +529,19 @@ class CPUAdam(torch.optim.Optimizer):
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
-def _moment_dtype(value):
+def _moment_dtype(value, where, key):
     """The torch dtype a loaded moment ``value`` (a tensor, numpy array or nested
-    list) loads as, or None if it is absent or no array (later checks name it)."""
+    list) loads as, or None if it is absent. OptimizerError naming ``where``
+    (the parameter) and ``key`` if it is no array (a ragged nested list raised
+    a bare ValueError from torch.as_tensor further on)."""
     if value is None or torch.is_tensor(value):
         return None if value is None else value.dtype
     try:
         return torch.as_tensor(value).dtype
-    except (TypeError, ValueError, RuntimeError):
-        return None
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise OptimizerError(f"{where} has {key} that is no array ({exc}); expected a "
+                             f"tensor, as state_dict() saves it",
+                             argument="state_dict") from None
 
 
 class CPUAdamW(CPUAdam):

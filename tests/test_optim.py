@@ -643,6 +643,22 @@ def test_an_integer_or_bool_moment_is_refused_by_every_adam(monkeypatch, which, 
         opt.close()
 
 
+def test_a_moment_that_is_no_array_is_refused_by_name():
+    # a ragged nested list raised a bare ValueError from torch.as_tensor, after
+    # torch's load had replaced the state (put back by the rollback)
+    a, opt, good = _stepped_once(int(np.random.default_rng().integers(2**31)))
+    sd = copy.deepcopy(good)
+    sd["state"][1]["exp_avg_sq"] = [[1.0], [1.0, 2.0]]
+    with pytest.raises(OptimizerError, match=r"the state of parameter 1 has exp_avg_sq "
+                       r"that is no array .*as state_dict\(\) saves it") as info:
+        opt.load_state_dict(sd)
+    assert info.value.argument == "state_dict"
+    now = opt.state_dict()
+    for k, st in good["state"].items():
+        for key, v in st.items():
+            assert torch.equal(now["state"][k][key], v), (k, key)
+
+
 def test_a_complex_moment_is_refused_not_cast_to_its_real_part():
     # torch's cast to float32 dropped the imaginary part, with only torch's
     # generic ComplexWarning; NumpyAdam refuses such a moment
