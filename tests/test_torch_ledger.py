@@ -94,3 +94,46 @@ def test_two_storages_over_the_same_memory_count_once_until_both_go():
     ledger.remove(keys_b)
     assert ledger.total == 0 and not ledger.holds(ptr)
     assert not (ledger._at_ptr or ledger._bytes_at)
+
+
+
+@settings(max_examples=100, deadline=None)
+@given(picks=st.lists(st.tuples(st.integers(0, 10**6), st.booleans(),
+                                st.lists(st.integers(0, 10**6), max_size=3)),
+                      min_size=1, max_size=6),
+       freed=st.integers(0, 7))
+def test_a_stored_tensor_counts_in_both_ledgers_as_its_tensors_do(picks, freed):
+    # _Entries.store looks each tensor's storage up once for the stored tensor and
+    # both ledgers: what it counts must be what counting the tensors counts
+    # (shared storages once, empty ones by identity, the abar's leaf input in the
+    # byte ledger only), and replacing or popping must uncount all of it
+    from rtmem.torch._stored import _Entries
+
+    bases = [torch.empty(n) for n in (4, 8, 16)]
+    pool = [t for b in bases for t in (b, b[1:], b.view(1, -1))]
+    for j, b in enumerate(bases):
+        if (freed >> j) & 1:
+            b.untyped_storage().resize_(0)   # a deleted tensor's storage
+    byte_ledger, holding = _Ledger(), _Ledger()
+    entries = _Entries(byte_ledger, holding)
+    for k, (a, has_inp, saved) in enumerate(picks):
+        out = pool[a % len(pool)]
+        inp = pool[(a // 7) % len(pool)] if has_inp else None
+        saved = [pool[s % len(pool)] for s in saved]
+        entries.store(k % 3, out, inp=inp, saved=saved)   # an index in use: replaced
+        stored = entries[k % 3]
+        assert stored.all_tensors() == [out, inp, *saved]
+        assert {k: s._cdata for k, s in _storages(stored.needed()).items()} == \
+            {k: s._cdata for k, s in zip(_storages(stored.needed()),
+                                         stored.storages)}
+        tensors = [t for st_ in entries.values() for t in st_.all_tensors()]
+        assert byte_ledger.total == _recount([tensors], set())
+        needed = {k for k, s in _storages([t for st_ in entries.values()
+                                           for t in st_.needed()]).items() if s.nbytes()}
+        for t in pool:
+            ptr = t.untyped_storage().data_ptr()
+            if t.untyped_storage().nbytes():
+                assert holding.holds(ptr) == (ptr in needed)
+    for k in list(entries):
+        entries.pop(k)
+    assert byte_ledger.total == 0 and not byte_ledger._refs and not holding._refs

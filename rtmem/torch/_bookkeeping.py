@@ -49,11 +49,12 @@ class _Bookkeeping:
     def _delta(self, t):
         # its bytes are resident, and no move frees it
         counted, held = self._delta_keys
+        storage = () if t is None else (t.untyped_storage(),)   # looked up once for both
         self._holding.remove(held)
-        held = self._holding.add((t,))
+        held = self._holding.add_storages(storage)
         if self._delta_counted:
             self._ledger.remove(counted)
-            counted = self._ledger.add((t,))
+            counted = self._ledger.add_storages(storage)
         self._delta_t, self._delta_keys = t, (counted, held)
 
     def _account(self):

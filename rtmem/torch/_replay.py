@@ -71,7 +71,7 @@ class _StepReplay:
         self._grad_tensors = self._stage_tensors()
         self._needs_grad = inputs_need_grad(self._grad_tensors,
                                             self._caller_inputs is not None)
-        self._plain[0] = _Stored.of(inputs)
+        self._plain.store(0, inputs)
         self._trains = False  # whether the backward writes a gradient (_loss, _backward)
         track = self.track_memory
         self.peak_bytes = 0 if track else None
@@ -258,7 +258,7 @@ class _StepReplay:
             if op == Op.F_ALL:
                 self._forward_all(i, x)
                 return
-            self._plain[i + 1] = _Stored.of(self._run_stage_without_grad(i, x))
+            self._plain.store(i + 1, self._run_stage_without_grad(i, x))
         if op == Op.F_NONE:   # after storing a_{i+1}, which may share a_i's storage
             self._drop(self._plain, i)
 
@@ -304,7 +304,7 @@ class _StepReplay:
         # a tensor that requires grad read from outside what the executor sees:
         # refused, as stage i+1 gets (or got) its input without gradient
         check_needs_grad(i, self.stages[i], y, self._needs_grad, leaf)
-        self._bar[i + 1] = _Stored.of(y, inp=leaf, saved=hooks.saved)
+        self._bar.store(i + 1, y, inp=leaf, saved=hooks.saved)
 
     def _loss(self, target):
         k = self.n

@@ -106,11 +106,13 @@ def check_inputs(inputs) -> None:
 def _storages(tensors):
     """Unique untyped storages of ``tensors`` keyed by data pointer (0-byte ones kept
     by identity so freed storages still count once they come back)."""
+    return _keyed(t.untyped_storage() for t in tensors if t is not None)
+
+
+def _keyed(storages) -> dict:
+    """:func:`_storages` of the tensors whose storages are ``storages``."""
     out = {}
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
+    for s in storages:
         out[id(s) if s.nbytes() == 0 else s.data_ptr()] = s
     return out
 
@@ -167,12 +169,15 @@ class _Ledger:
         """Count the storages of ``tensors`` (None skipped); returns the keys to
         hand to :meth:`remove`, which holds even if a tensor's ``.data`` is
         swapped meanwhile."""
+        return self.add_storages([t.untyped_storage() for t in tensors if t is not None])
+
+    def add_storages(self, storages) -> tuple:
+        """:meth:`add` for a caller that has the tensors' untyped storages
+        already, one per tensor (a tensor's storage is a lookup in C++, and the
+        executor counts each stored tensor in two ledgers)."""
         keys = []
         refs = self._refs
-        for t in tensors:
-            if t is None:
-                continue
-            s = t.untyped_storage()
+        for s in storages:
             key = s._cdata
             n = refs.get(key)
             if n is None:

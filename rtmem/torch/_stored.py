@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._stages import _storages
+from ._stages import _keyed
 
 
 def _copy_matches(st, host) -> bool:
@@ -37,12 +37,6 @@ class _Stored:
     resident: bool = True                    # False between delete and prefetch
     ledger_keys: tuple = ()                  # what _Entries counted for it
     holding_keys: tuple = ()                 # ... in the holding ledger
-
-    @classmethod
-    def of(cls, out, inp=None, saved=()):
-        saved = list(saved)
-        return cls(out=out, inp=inp, saved=saved,
-                   storages=list(_storages([out, *saved]).values()), version=out._version)
 
     def all_tensors(self):
         return [self.out, self.inp, *self.saved]
@@ -78,6 +72,22 @@ class _Entries(dict):
         self.pop(k, None)
         st.ledger_keys = self._ledger.add(st.all_tensors())
         st.holding_keys = self._holding.add(st.needed()) if st.resident else ()
+        super().__setitem__(k, st)
+
+    def store(self, k, out, inp=None, saved=()) -> None:
+        """``self[k] =`` a new stored tensor of ``out`` (an abar also has the leaf
+        input ``inp`` of its F_all and the tensors autograd ``saved``). Each
+        tensor's storage is looked up once, for :attr:`_Stored.storages` and both
+        ledgers: that was three lookups per tensor, ~1/3 of the ledgers' cost."""
+        saved = list(saved)
+        needed = [t.untyped_storage() for t in (out, *saved)]   # as _Stored.needed()
+        st = _Stored(out=out, inp=inp, saved=saved, storages=list(_keyed(needed).values()),
+                     version=out._version)
+        self.pop(k, None)
+        # in the order of _Stored.all_tensors(), as __setitem__ counts them
+        every = needed if inp is None else [needed[0], inp.untyped_storage(), *needed[1:]]
+        st.ledger_keys = self._ledger.add_storages(every)
+        st.holding_keys = self._holding.add_storages(needed)
         super().__setitem__(k, st)
 
     def set_resident(self, st: _Stored, resident: bool) -> None:
