@@ -2330,6 +2330,65 @@ def test_a_constant_table_made_by_the_first_forward_is_model_state():
     assert ex.peak_bytes == ex2.peak_bytes     # not counted as activation bytes
 
 
+class _AddsTable(nn.Module):
+    """As _LazyScaled, with no ``table`` attribute at all until the first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not hasattr(self, "table"):
+            self.table = torch.arange(8.0) / 10 + 1
+        return self.lin(x) * self.table
+
+
+class _SwapsAttribute(_AddsTable):
+    """Trades a scalar attribute for the table at the first forward: the module
+    holds as many attributes after it as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = 1.0
+
+    def forward(self, x):
+        if "spare" in self.__dict__:
+            del self.spare
+        return super().forward(x)
+
+
+class _ListCached(_AddsTable):
+    """The table appended, at the first forward, to a list the module holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = []
+
+    def forward(self, x):
+        if not self.cache:
+            self.cache.append(torch.arange(8.0) / 10 + 1)
+        return self.lin(x) * self.cache[0]
+
+
+@pytest.mark.parametrize("make", [_AddsTable, _SwapsAttribute, _ListCached],
+                         ids=["added", "traded-for-a-scalar", "appended-to-a-list"])
+def test_a_table_a_forward_adds_is_model_state_at_once(make):
+    # After a forward, the attributes are walked again only where the modules'
+    # attributes may have changed (a new or removed name, a value reassigned, a
+    # list or dict that may have been changed in place). Each of these makes a
+    # table mid-step that abar1 saves: deleting abar1 freed it under the module
+    # when the walk was skipped, and the failed step left it freed
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), nn.Linear(8, 1))
+    x, y = torch.randn(3, 8), torch.randn(3, 1)
+    m = _after_a_failed_step(model, x, y)
+    # no repr of a freed tensor in the report: it reads freed memory
+    intact = _intact(m[0].cache[0] if make is _ListCached else m[0].table)
+    assert intact, "the step freed the table under its module"
+    m, ex, loss, ref, ref_loss = _train(model, x, y, mse, _sched(_FAILS_AFTER_DELETE, 2))
+    _assert_same(m, ex, loss, ref, ref_loss)
+
+
 class _KeepsLast(nn.Module):
     """Caches its last hidden state as an attribute, which autograd saves."""
 
