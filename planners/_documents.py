@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 
+import numpy as np
+
 from rtmem._files import write_text
+
+
+def is_json_number(value) -> bool:
+    """A JSON number as the documents hold it: an int or float (numpy's too); a
+    bool, which Python counts as an int, is not one."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def check_document(d, *, kind: str, fmt: str, version: int, error, required=(),

@@ -7,6 +7,7 @@ report bad input the same way.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -19,15 +20,23 @@ from rtmem.units import _is_array, _is_bool
 MAX_BYTES = 2**62
 
 
-def _not_a_number(name: str, value, index: int | None, integral: bool) -> ChainError:
-    """The ChainError for a bool or a string given as a time or a size."""
+def _not_a_number(name: str, value, index: int | None, integral: bool, *,
+                  document: bool = False) -> ChainError:
+    """The ChainError for a bool or a string given as a time or a size; with
+    ``document``, for a value of a chain document that is no JSON number (shown
+    as the file has it: ``true``, ``"32KiB"``, ``null``)."""
     where = name if index is None else f"{name}[{index}]"
     unit = "bytes" if integral else "seconds"
-    fix = ("convert text you read with float() first" if isinstance(value, (str, bytes))
-           else "a bool is no time or size")
-    shown = repr(bool(value)) if _is_bool(value) else repr(value)     # not np.True_
-    return ChainError(f"{where} = {shown} is not a number; pass a number of {unit} (an int "
-                      f"or float, e.g. 1024 or 0.5): {fix}", field=name, index=index)
+    if document:
+        shown = json.dumps(value) if value is None or isinstance(value, (bool, str)) \
+            else repr(value)
+        how = f"write it as a JSON number of {unit}, without quotes (e.g. 1024 or 0.5)"
+    else:
+        fix = ("convert text you read with float() first" if isinstance(value, (str, bytes))
+               else "a bool is no time or size")
+        shown = repr(bool(value)) if _is_bool(value) else repr(value)     # not np.True_
+        how = f"pass a number of {unit} (an int or float, e.g. 1024 or 0.5): {fix}"
+    return ChainError(f"{where} = {shown} is not a number; {how}", field=name, index=index)
 
 
 def _check_numbers(name: str, values, integral: bool) -> None:

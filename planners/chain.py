@@ -27,15 +27,14 @@ and writes activation ``i+1``; activation 0 is the chain input.
 from __future__ import annotations
 
 import json
-import numbers
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
 from rtmem.errors import ChainError
 
-from ._documents import JsonFile, check_document, parse_document
-from ._validation import MAX_BYTES, as_scalar, as_vector, check_int, check_time_bound
+from ._documents import JsonFile, check_document, is_json_number, parse_document
+from ._validation import MAX_BYTES, _not_a_number, as_scalar, as_vector, check_int, check_time_bound
 
 __all__ = ["Chain"]
 
@@ -288,32 +287,20 @@ class Chain(JsonFile):
                                             error=ChainError, lenient=True))
 
 
-def _is_number(value) -> bool:
-    """A JSON number (an int or float, numpy's too; a bool is not one)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
 def _check_document_values(d: dict) -> None:
     """ChainError unless the times, sizes and name of chain document ``d`` have the
     JSON types :meth:`Chain.to_dict` writes. The constructor converts what numpy
     and ``float()`` convert, so a hand-edited file's ``true`` was read as 1 byte,
     ``"32768"`` as a number and ``null`` reported as ``nan``."""
-    def refuse(where, value, field, index=None):
-        shown = json.dumps(value) if value is None or isinstance(value, (bool, str)) \
-            else repr(value)
-        unit = "seconds" if field.startswith("u_") else "bytes"
-        raise ChainError(f"{where} = {shown} is not a number; write it as a JSON number "
-                         f"of {unit}, without quotes (e.g. 1024 or 0.5)",
-                         field=field, index=index)
     for key in _ARRAYS:
         values = d.get(key)
         if isinstance(values, (list, tuple)):
             for i, v in enumerate(values):
-                if not _is_number(v):
-                    refuse(f"{key}[{i}]", v, key, i)
+                if not is_json_number(v):
+                    raise _not_a_number(key, v, i, not key.startswith("u_"), document=True)
     for key in ("x0", "u_loss", "o_loss"):
-        if key in d and not _is_number(d[key]):
-            refuse(key, d[key], key)
+        if key in d and not is_json_number(d[key]):
+            raise _not_a_number(key, d[key], None, key != "u_loss", document=True)
     if "name" in d and not isinstance(d["name"], str):
         raise ChainError(f"name = {json.dumps(d['name'], default=repr)} must be a string "
                          f"(the chain's label)", field="name")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rtmem.errors import ScheduleError
 
-from ._documents import JsonFile, check_document, parse_document
+from ._documents import JsonFile, check_document, is_json_number, parse_document
 from ._validation import MAX_BYTES, is_int
 from .schedule import Schedule
 
@@ -181,18 +181,13 @@ class Plan(JsonFile):
                                             optional=("info",), reason="parse"))
 
 
-def _is_number(value) -> bool:
-    """A JSON number (an int or float; a bool is not one)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 # (field, its check, the form it must have) of a plan document
 _FIELDS = (("schedule", lambda v: isinstance(v, str), "the text form (a string)"),
            ("algorithm", lambda v: isinstance(v, str),
             "a string (the planner's name, e.g. \"rotor\")"),
-           ("makespan", _is_number, "a number (seconds)"),
-           ("peak", _is_number, "a number (bytes)"),
-           ("budget", lambda v: v == "inf" or _is_number(v),
+           ("makespan", is_json_number, "a number (seconds)"),
+           ("peak", is_json_number, "a number (bytes)"),
+           ("budget", lambda v: v == "inf" or is_json_number(v),
             "a number (bytes) or \"inf\" (unlimited)"),
            ("info", lambda v: isinstance(v, dict), "an object (the planner's extras)"))
 
