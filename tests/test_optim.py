@@ -642,28 +642,22 @@ def test_an_integer_or_bool_moment_is_refused_by_every_adam(monkeypatch, which, 
         opt.close()
 
 
-def test_a_moment_that_is_no_array_is_refused_by_name():
+@pytest.mark.parametrize("key, bad, match", [
     # a ragged nested list raised a bare ValueError from torch.as_tensor, after
     # torch's load had replaced the state (put back by the rollback)
-    a, opt, good = _stepped_once(int(np.random.default_rng().integers(2**31)))
-    sd = copy.deepcopy(good)
-    sd["state"][1]["exp_avg_sq"] = [[1.0], [1.0, 2.0]]
-    with pytest.raises(OptimizerError, match=r"the state of parameter 1 has exp_avg_sq "
-                       r"that is no array .*as state_dict\(\) saves it") as info:
-        opt.load_state_dict(sd)
-    assert info.value.argument == "state_dict"
-    _assert_state_is(opt, good, groups=False)
-
-
-def test_a_complex_moment_is_refused_not_cast_to_its_real_part():
+    ("exp_avg_sq", lambda v: [[1.0], [1.0, 2.0]],
+     r"the state of parameter 1 has exp_avg_sq that is no array .*as state_dict\(\) saves it"),
     # torch's cast to float32 dropped the imaginary part, with only torch's
     # generic ComplexWarning; NumpyAdam refuses such a moment
-    a, opt, good = _stepped_once(30)
+    ("exp_avg", lambda v: torch.complex(v, torch.ones_like(v)),
+     r"the state of parameter 1 has exp_avg of dtype torch.complex64; expected real "
+     r"floating point"),
+], ids=["no-array", "complex"])
+def test_a_moment_that_is_no_adam_moment_is_refused_not_cast(key, bad, match):
+    a, opt, good = _stepped_once(int(np.random.default_rng().integers(2**31)))
     sd = copy.deepcopy(good)
-    sd["state"][1]["exp_avg"] = torch.complex(good["state"][1]["exp_avg"],
-                                              torch.ones_like(good["state"][1]["exp_avg"]))
-    with pytest.raises(OptimizerError, match=r"the state of parameter 1 has exp_avg of dtype "
-                       r"torch.complex64; expected real floating point") as info:
+    sd["state"][1][key] = bad(good["state"][1][key])
+    with pytest.raises(OptimizerError, match=match) as info:
         opt.load_state_dict(sd)
     assert info.value.argument == "state_dict"
     _assert_state_is(opt, good, groups=False)
