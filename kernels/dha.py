@@ -350,6 +350,10 @@ def layernorm_forward(x, gamma, beta, out, mean, rstd, *, eps: float = 1e-5,
     mapped host, staged once per block in shared memory when 2*H*4 <= 47 KiB);
     ``mean``, ``rstd`` [T] float32 outputs (saved for the backward;
     ``rstd = 1/sqrt(var + eps)``, biased variance). ``eps`` > 0.
+
+    The statistics are float32, as torch's: a row whose deviations from its mean
+    exceed about 1.8e19 (their squares overflow float32) gets ``var = inf``, so
+    ``rstd = 0`` and ``out = beta``. The CPU twin (float64 statistics) stays finite.
     """
     x, gamma, beta, out, mean, rstd = (as_device(a, n) for a, n in (
         (x, "x"), (gamma, "gamma"), (beta, "beta"), (out, "out"), (mean, "mean"),

@@ -1,6 +1,7 @@
 """CPU twins of the DHA kernels (:mod:`rtmem.kernels.dha`), for the host backend.
 
-Same functions, same arguments, same results (to float32 rounding): on the host
+Same functions, same arguments, same results (to float32 rounding, for inputs whose
+float32 statistics are finite; see the LayerNorm note below): on the host
 backend the "device view" of a mapped buffer is the host view itself, so the
 runtime swaps this module in for :mod:`rtmem.kernels.dha` and nothing else
 changes. Arrays are numpy arrays or anything with ``__array_interface__``
@@ -10,7 +11,10 @@ parallel loops), so results are visible on return.
 
 Differences from the GPU kernels, all documented in their functions: LayerNorm
 statistics and the column sums (bias, gamma, beta gradients) accumulate in float64
-(more accurate, not bitwise equal to the GPU's float32),
+(more accurate, not bitwise equal to the GPU's float32; where a row's deviations
+from its mean exceed about 1.8e19, their float32 squares overflow on the GPU, which
+then writes ``rstd = 0`` and ``out = beta``, while the twin's float64 statistics
+stay finite and correct),
 the embedding backward is deterministic, and bad token ids always raise before
 any output is written (the GPU wrappers do so with ``check=True``, their default,
 at the cost of a wait; with ``check=False`` they stay asynchronous and zero those

@@ -377,6 +377,27 @@ def test_layernorm_forward_of_rows_with_a_large_mean(be, fresh_seed):
                         rstd_rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the simulator
+@sim_and_cpu
+def test_layernorm_forward_beyond_float32_statistics_is_as_documented(be, fresh_seed):
+    # The documented limit of the GPU kernel's float32 statistics (kernels/dha.py
+    # layernorm_forward, kernels/dha_cpu.py's module docstring): deviations above
+    # ~1.8e19 square past float32's range, so var = inf, rstd = 0 and out = beta on
+    # the GPU, while the CPU twin's float64 statistics stay finite and correct.
+    rng = np.random.default_rng(fresh_seed)
+    T, H, eps = 3, 16, 1e-5
+    x = (rng.standard_normal((T, H)) * 1e20).astype(np.float32)
+    gamma, beta = _rand(rng, H), _rand(rng, H)
+    _, _, out, mean, rs = _ln_forward(be, x, gamma, beta, eps)
+    y, _, rstd, *_ = _ln_reference(x, gamma, beta, _rand(rng, T, H), eps)
+    if be.name == "cpu":
+        np.testing.assert_allclose(be.host(rs), rstd, rtol=1e-5)
+        np.testing.assert_allclose(be.host(out), y, rtol=1e-4, atol=1e-4)
+    else:
+        np.testing.assert_array_equal(be.host(rs), np.zeros(T, np.float32))
+        np.testing.assert_array_equal(be.host(out), np.broadcast_to(beta, (T, H)))
+
+
 @sim_and_cpu
 def test_column_sums_over_several_row_chunks_and_column_blocks(be, fresh_seed):
     # T = 70 rows: two 64-row chunks of partial sums on the GPU, the second one
