@@ -40,7 +40,7 @@ carving keeps them from being walled in.
 A request no single block holds may still fit in a stream's own pending
 blocks together with the free bytes beside them: a run of adjacent blocks,
 each ready or pending on that stream. After the miss's stamp and poll, and
-before the flush's wait, ``_take_own_run`` merges the smallest such run that
+before any wait, ``_take_own_run`` merges the smallest such run that
 holds it (best fit by run), carving a window that covers as many pending
 bytes as it can (ready bytes serve every stream) and leaves as few free
 pieces as it can; a block cut at the window's edge keeps its stream and event
@@ -48,6 +48,15 @@ on the part outside. The flush waited for every pending event there: a host
 stall the size of the stream's queued work, where CUDA's stream-ordered
 allocator reuses the stream's own frees at once. The hot paths are unchanged;
 the scan, linear in the stream's pending blocks, runs only on this miss.
+If no run holds the request either, ``_wait_until_fit`` waits for other
+streams' events one at a time: a FIFO head whose blocks, once ready, would lie
+in a usable run big enough (``_head_frees``), else the first stream's head,
+each wait followed by a poll, best fit and the run search again. It used to
+flush, waiting for every pending event of every stream (a host stall as long as
+the slowest stream's queued work) when one event sufficed. The stream's own
+events are never waited for (they make nothing fit that stream order does not
+already allow), so a request nothing holds grows a slab at once and leaves the
+stream's own frees pending. ``flush()`` and ``trim()`` still wait for all.
 
 An ordered free merges the block with neighbours pending on the same stream
 (their events are superseded by the next stamp, which is later on that
@@ -190,6 +199,70 @@ class _StreamOrderedFrees:
             self._fifo.pop(stream, None)
             self._unstamped.pop(stream, None)
 
+    def _wait_until_fit(self, size: int, stream):
+        """``size`` bytes (aligned) for ``stream`` after a miss's stamp and poll,
+        removed from their index: a single free block, else a run of ``stream``'s
+        own pending blocks with the free bytes beside them (:meth:`_take_own_run`),
+        else the same after waiting for other streams' events one at a time, the
+        oldest left on a stream first; None once no other stream has anything
+        pending and still nothing fits (NOTE [ Stream-ordered frees ]).
+
+        ``stream``'s own events are never waited for: stream order already lets
+        it reuse those blocks, so their events would not make anything fit.
+        """
+        while True:
+            block = self._best_fit(size, stream)
+            if block is not None:
+                (self._remove_ready if block.state == _READY else
+                 self._remove_pending)(block)
+                return block
+            block = self._take_own_run(size, stream)
+            if block is not None:
+                return block
+            # After a poll each FIFO's head is live and not known complete. Wait
+            # for a head whose blocks would then hold the request, else for the
+            # first stream's (the stream freed on longest ago).
+            fifos = [f for s, f in self._fifo.items() if f and s != stream]
+            if not fifos:
+                return None
+            fifo = next((f for f in fifos if self._head_frees(f, size, stream)), fifos[0])
+            event = fifo[0][0]
+            event.synchronize()
+            # Retired by hand, not by the poll's query: progress even from an
+            # event that still reports busy after its wait.
+            while fifo and fifo[0][0] is event:
+                _, block = fifo.popleft()
+                if block.state == _PENDING and block.event is event:
+                    self._remove_pending(block)
+                    self._make_ready(block)
+            self._poll_pending()
+
+    def _head_frees(self, fifo, size: int, stream) -> bool:
+        """True if the blocks behind the event at ``fifo``'s head, once ready,
+        would lie in a run of free blocks usable on ``stream`` (ready, behind
+        that event, or pending on ``stream``) of at least ``size`` bytes."""
+        event, seen = fifo[0][0], set()
+
+        def usable(b):
+            return b is not None and (b.state == _READY or b.state == _PENDING and (
+                b.event is event or b.stream == stream))
+
+        for ev, block in fifo:
+            if ev is not event:
+                break       # a stamp's entries are appended together
+            if block.state != _PENDING or block.event is not event or block.addr in seen:
+                continue
+            while usable(block.prev):
+                block = block.prev
+            total = 0
+            while usable(block):
+                seen.add(block.addr)
+                total += block.size
+                block = block.next
+            if total >= size:
+                return True
+        return False
+
     def _take_own_run(self, size: int, stream):
         """``size`` bytes (aligned) made of free blocks next to one another, at
         least one of them pending on ``stream`` and each either ready or pending
@@ -198,7 +271,7 @@ class _StreamOrderedFrees:
 
         For a miss of best fit only: no single block holds ``size``. Stream order
         lets ``stream`` reuse its own pending blocks at once, so this avoids the
-        flush's wait. Best fit among the runs; within the run the window covers
+        waits of :meth:`_wait_until_fit`. Best fit among the runs; within the run the window covers
         as many pending bytes as it can (ready ones serve every stream), then
         leaves as few free pieces as it can. A block cut at the window's edge
         keeps its index, stream and event on the part outside it.

@@ -41,9 +41,9 @@ Index keys are ints ``size << 56 | slab << 40 | offset`` kept sorted in plain
 lists, so best fit is one ``bisect`` and ties go to the lowest address;
 ``_free_map`` maps ``addr`` to every free block. The hot paths inline.
 
-Under memory pressure ``allocate`` waits for pending events while holding the
-lock (numba's flush-and-retry): an event must never depend on another
-allocation from the same allocator.
+Under memory pressure ``allocate`` waits for pending events (one at a time,
+until the request fits) while holding the lock (numba's flush-and-retry): an
+event must never depend on another allocation from the same allocator.
 
 Frees behind a stream or an event: NOTE [ Stream-ordered frees ] in
 _stream_order.py (a mixin of the allocator).
@@ -242,39 +242,34 @@ class BestFitAllocator(_StreamOrderedFrees):
 
     def _find_slow(self, size: int, nbytes: int, stream) -> Block:
         """After a miss among ready and same-stream pending blocks: stamp and
-        poll, then merge a run of the stream's own pending and ready blocks,
-        then flush, grow or raise OutOfMemoryError. Returns the block removed
-        from its index."""
+        poll, then merge a run of the stream's own pending and ready blocks, or
+        wait for other streams' events until the request fits, then grow or
+        raise OutOfMemoryError. Returns the block removed from its index."""
         self._stamp()
         self._poll_pending()
-        block = self._best_fit(size, stream)
-        if block is None:
-            # Before any wait: the stream's own pending blocks with the free
-            # bytes beside them (NOTE [ Stream-ordered frees ]).
-            merged = self._take_own_run(size, stream)
-            if merged is not None:
-                return merged
-            self._flush_pending()
+        # The stream's own pending runs first, then the other streams' events one
+        # at a time, each until the request fits (NOTE [ Stream-ordered frees ]).
+        block = self._wait_until_fit(size, stream)
+        if block is not None:
+            return block
+        # At most what max_bytes leaves: a last, smaller slab (max_bytes need
+        # not be initial + k * growth), when it still holds the request.
+        grow = min(max(self.growth_bytes, size), self.max_bytes - self._reserved)
+        # Out of slab ids is out of memory too (it raised a bare ValueError
+        # from _add_slab, which callers that catch OutOfMemoryError missed).
+        no_ids = grow >= size and not self._free_ids \
+            and self._next_slab >= (1 << _SLAB_BITS)
+        if grow >= size and size < _MAX_SLAB_BYTES and not no_ids:   # < 1 TiB slabs
+            try:
+                self._add_slab(grow)
+            except OutOfMemoryError as exc:   # the backend has no memory left
+                stats = self._stats_locked()
+                raise OutOfMemoryError(
+                    f"out of memory: cannot allocate {nbytes:,} bytes: growing by a "
+                    f"{grow:,}-byte slab failed ({exc}); {stats.describe()}. Free "
+                    f"buffers first or plan with a smaller memory budget.",
+                    requested=nbytes, stats=stats) from exc
             block = self._best_fit(size, stream)
-        if block is None:
-            # At most what max_bytes leaves: a last, smaller slab (max_bytes need
-            # not be initial + k * growth), when it still holds the request.
-            grow = min(max(self.growth_bytes, size), self.max_bytes - self._reserved)
-            # Out of slab ids is out of memory too (it raised a bare ValueError
-            # from _add_slab, which callers that catch OutOfMemoryError missed).
-            no_ids = grow >= size and not self._free_ids \
-                and self._next_slab >= (1 << _SLAB_BITS)
-            if grow >= size and size < _MAX_SLAB_BYTES and not no_ids:   # < 1 TiB slabs
-                try:
-                    self._add_slab(grow)
-                except OutOfMemoryError as exc:   # the backend has no memory left
-                    stats = self._stats_locked()
-                    raise OutOfMemoryError(
-                        f"out of memory: cannot allocate {nbytes:,} bytes: growing by a "
-                        f"{grow:,}-byte slab failed ({exc}); {stats.describe()}. Free "
-                        f"buffers first or plan with a smaller memory budget.",
-                        requested=nbytes, stats=stats) from exc
-                block = self._best_fit(size, stream)
         if block is None:
             stats = self._stats_locked()
             raise OutOfMemoryError(
@@ -294,9 +289,11 @@ class BestFitAllocator(_StreamOrderedFrees):
     def allocate(self, nbytes: int, stream=None) -> Block:
         """Allocate ``nbytes`` bytes (>= 0) for use on ``stream``; return a Block.
 
-        The block's size is ``nbytes`` rounded up to ``alignment``. On failure the
-        allocator waits for every event-gated free, retries once, grows by a slab
-        when ``max_bytes`` allows, and otherwise raises
+        The block's size is ``nbytes`` rounded up to ``alignment``. On a miss the
+        allocator waits for other streams' event-gated or stream-ordered frees,
+        one event at a time until the request fits (never for ``stream``'s own,
+        which it reuses at once), then grows by a slab when ``max_bytes`` allows,
+        and otherwise raises
         :class:`~rtmem.errors.OutOfMemoryError` (with ``requested`` and ``stats``)
         leaving every allocation untouched.
         """

@@ -883,6 +883,49 @@ def test_a_streams_pending_block_merges_with_its_ready_neighbours_without_waitin
     a._check_invariants()
 
 
+@pytest.mark.parametrize("fits", ["second", "both"])
+def test_a_miss_waits_only_for_the_events_that_make_the_request_fit(fits):
+    # The miss path waited for every pending event of every stream (a flush)
+    # when the block behind one of them was enough: a host stall as long as
+    # the slowest stream's queued work. Now one event at a time, one whose
+    # blocks hold the request first.
+    rng = np.random.default_rng()
+    unit = 256
+    small, big = sorted(int(k) * unit for k in rng.choice(np.arange(1, 9), 2, False))
+    a = BestFitAllocator(small + big + 2 * unit)
+    s1, s2, s3 = object(), object(), object()
+    p1, _, p2, _ = (a.allocate(n, s) for n, s in ((small, s1), (unit, s1),
+                                                   (big, s2), (unit, s2)))
+    ev1, ev2 = FakeEvent(), FakeEvent()
+    a.deallocate(p1, stream=s1, event=ev1)         # s1's free is the older one
+    a.deallocate(p2, stream=s2, event=ev2)
+    need = (small if fits == "both" else big) - int(rng.integers(0, unit))
+    got = a.allocate(need, s3)
+    waited = (ev1.syncs, ev2.syncs)
+    assert waited == ((1, 0) if fits == "both" else (0, 1)), f"waited {waited}"
+    assert got.offset == (p1 if fits == "both" else p2).offset
+    assert a.stats().pending_bytes == (big if fits == "both" else small)
+    a._check_invariants()
+
+
+def test_a_miss_never_waits_for_its_own_streams_events_before_growing():
+    # The stream may reuse its own pending blocks at once, so waiting for their
+    # events makes nothing fit: the flush before growing was a pure stall.
+    rng = np.random.default_rng()
+    unit = 256
+    held = int(rng.integers(1, 8)) * unit
+    a = BestFitAllocator(held + unit, max_bytes=4 * (held + unit))
+    s1 = object()
+    p, _ = a.allocate(held, s1), a.allocate(unit, s1)
+    ev = FakeEvent()
+    a.deallocate(p, stream=s1, event=ev)
+    got = a.allocate(held + unit + int(rng.integers(1, unit)), s1)
+    assert ev.syncs == 0 and got.slab == 1
+    assert a.stats().pending_bytes == held         # still reusable by s1 at once
+    assert a.allocate(held, s1).offset == p.offset and ev.syncs == 0
+    a._check_invariants()
+
+
 def test_peak_follows_every_byte_with_alignment_one():
     a = BestFitAllocator(64, alignment=1)
     b = a.allocate(1)
