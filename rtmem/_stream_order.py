@@ -57,6 +57,9 @@ the slowest stream's queued work) when one event sufficed. The stream's own
 events are never waited for (they make nothing fit that stream order does not
 already allow), so a request nothing holds grows a slab at once and leaves the
 stream's own frees pending. ``flush()`` and ``trim()`` still wait for all.
+``resize(block, n, stream)`` grows in place into the next block when it is
+ready or pending on ``stream`` (the same stream-order argument); the part it
+does not take keeps its stream and event.
 
 An ordered free merges the block with neighbours pending on the same stream
 (their events are superseded by the next stamp, which is later on that

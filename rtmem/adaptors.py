@@ -228,7 +228,7 @@ class LimitAdaptor(AllocatorAdaptor):
         with self._lock:
             old = self._sizes.get(block, 0)
             fits_in_place = getattr(self.upstream, "fits_in_place", None)
-            in_place = fits_in_place is not None and fits_in_place(block, nbytes)
+            in_place = fits_in_place is not None and fits_in_place(block, nbytes, stream)
             extra = size - old if in_place else size
             if self._used + extra > self.budget_bytes:
                 self._refuse(nbytes, extra)
@@ -334,9 +334,10 @@ class PoisonAdaptor(AllocatorAdaptor):
             self._fill(block, self.POISON)
             self.upstream.deallocate(block)
 
-    def fits_in_place(self, block, nbytes: int) -> bool:
+    def fits_in_place(self, block, nbytes: int, stream=None) -> bool:
         """Whether :meth:`resize` keeps ``block`` in place: only a shrink here
-        (growth always moves), whatever the allocator below could do."""
+        (growth always moves), whatever the allocator below could do on any
+        ``stream``."""
         # A checked size ("7" <= block.size was a bare TypeError); block.size is
         # aligned, so the block holds any request up to it.
         return _request(nbytes, "resize to") <= block.size

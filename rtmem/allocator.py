@@ -520,8 +520,11 @@ class BestFitAllocator(_StreamOrderedFrees):
     def resize(self, block: Block, nbytes: int, stream=None) -> Block:
         """Resize a live block to ``nbytes`` bytes; return the (possibly new) block.
 
-        Shrinking and growing into a ready free neighbour happen in place (the
-        same Block is returned, its bytes kept); otherwise a new block is
+        Shrinking and growing into the free neighbour after it happen in place
+        (the same Block is returned, its bytes kept) when that neighbour is ready
+        or pending on ``stream`` (freed there in stream order or behind an event:
+        stream order lets ``stream`` reuse it at once; the part not taken stays
+        pending as it was); otherwise a new block is
         allocated and the old one freed at once (``result is not block``). The
         old bytes are then free memory: another thread or stream may be handed
         them before the caller reads them, so a caller that needs the data in a
@@ -533,8 +536,15 @@ class BestFitAllocator(_StreamOrderedFrees):
         with self._lock:
             self._check_owned_live(block)
             nxt = block.next
-            if self._fits_in_place(block, size):
-                if size > block.size:
+            if self._fits_in_place(block, size, stream):
+                if size > block.size and nxt.state == _PENDING:
+                    if block.size + nxt.size > size:
+                        # The rest keeps its stream and event (still gated for others)
+                        self._split_free(nxt, size - block.size)
+                    self._remove_pending(nxt)
+                    self._allocated += nxt.size
+                    self._absorb(block, nxt)
+                elif size > block.size:
                     self._remove_ready(nxt)
                     self._allocated += nxt.size
                     self._absorb(block, nxt)
@@ -558,20 +568,22 @@ class BestFitAllocator(_StreamOrderedFrees):
         return new
 
     @staticmethod
-    def _fits_in_place(block: Block, size: int) -> bool:
+    def _fits_in_place(block: Block, size: int, stream) -> bool:
         nxt = block.next
-        return size <= block.size or (nxt is not None and nxt.state == _READY
-                                      and block.size + nxt.size >= size)
+        return size <= block.size or (nxt is not None and (
+            nxt.state == _READY or nxt.state == _PENDING and stream is not None
+            and nxt.stream == stream) and block.size + nxt.size >= size)
 
-    def fits_in_place(self, block: Block, nbytes: int) -> bool:
-        """True if :meth:`resize` of live ``block`` to ``nbytes`` bytes would keep
-        it in place now (a shrink, or growth into a ready free neighbour)."""
+    def fits_in_place(self, block: Block, nbytes: int, stream=None) -> bool:
+        """True if :meth:`resize` of live ``block`` to ``nbytes`` bytes on
+        ``stream`` would keep it in place now (a shrink, or growth into a free
+        neighbour that is ready or pending on ``stream``)."""
         # Checked as resize checks it: int() took True, 2.5 and "7", and told a
         # negative size it fits (resize refuses all of these).
         size = align_up(max(_request(nbytes, "resize to"), 1), self.alignment)
         with self._lock:
             self._check_owned_live(block)
-            return self._fits_in_place(block, size)
+            return self._fits_in_place(block, size, stream)
 
     def owns(self, block) -> bool:
         """True if ``block`` is a live block of this allocator."""

@@ -349,6 +349,42 @@ def test_resize_in_place_and_moving():
     a._check_invariants()
 
 
+@pytest.mark.parametrize("how", ["ordered", "event"])
+def test_resize_grows_into_a_neighbour_pending_on_its_own_stream(how):
+    # resize grew in place only into a ready neighbour: one freed on the same
+    # stream, which stream order lets that stream reuse at once, made it move
+    # (or miss) although the bytes were there. The part not taken stays gated.
+    from rtmem.adaptors import LimitAdaptor
+    rng = np.random.default_rng()
+    unit = 256
+    held, freed = (int(k) * unit for k in rng.integers(1, 8, 2))
+    rec = Recorder()
+    a = BestFitAllocator(held + freed + unit, event_source=rec)
+    s1, s2 = object(), object()
+    x, y, _ = a.allocate(held, s1), a.allocate(freed, s1), a.allocate(unit, s1)
+    ev = FakeEvent()
+    if how == "ordered":
+        a.deallocate(y, stream=s1, ordered=True)
+    else:
+        a.deallocate(y, stream=s1, event=ev)
+    grow = held + int(rng.integers(1, freed // unit + 1)) * unit
+    nbytes = grow - int(rng.integers(0, unit))
+    limit = LimitAdaptor(a, held + freed + unit)   # charged the difference only
+    limit._sizes[x], limit._used = x.size, held + freed + unit - (grow - held)
+    assert limit.resize(x, nbytes, s1) is x
+    assert (x.size, x.requested, x.offset) == (grow, nbytes, 0)
+    assert ev.syncs == 0 and all(e.syncs == 0 for _, e in rec.events), "waited"
+    st = a.stats()
+    assert (st.pending_bytes, st.allocated_bytes) == (held + freed - grow, grow + unit)
+    a._check_invariants()
+    if st.pending_bytes:                    # the rest: gated for s2, at once for s1
+        whole = held + freed
+        assert a.fits_in_place(x, whole, s1) and not a.fits_in_place(x, whole, s2)
+        assert a._best_fit(st.pending_bytes, s2) is None
+        assert a.allocate(st.pending_bytes, s1).offset == grow
+    a._check_invariants()
+
+
 def test_many_small_blocks_coalesce_back():
     a = BestFitAllocator(1 << 20, alignment=64)
     rng = random.Random(0)
