@@ -336,11 +336,12 @@ def _document(args, argv, llc, sizes, rows, notes, t_start) -> dict:
         ratios_best_of_rounds=ratios_min, wall_s=time.perf_counter() - t_start)
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog=None) -> int:
     """Run the benchmark; returns the exit code, 130 when interrupted, 1 when a
     size does not fit in host memory (either way the sizes measured before are
-    kept, marked partial: :class:`_common.PartialResults`)."""
-    ap = CommandParser(description=__doc__.splitlines()[0])
+    kept, marked partial: :class:`_common.PartialResults`). ``prog``: the command
+    named in usage messages (``rtmem bench adam``; default the script's name)."""
+    ap = CommandParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=_sizes, default="1e6,1e7,5e7,1e8",
                     help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
     ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=5,

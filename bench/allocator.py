@@ -481,12 +481,14 @@ def pinned_section() -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog=None) -> int:
     """Run the benchmark; returns the exit code: 3 when ``RTMEM_REQUIRE_GPU=1`` and
     there is no GPU to measure (then nothing is measured or written: an earlier
     result, GPU section included, stays), 130 when interrupted (the sections
-    measured before are kept, marked partial: :class:`_common.PartialResults`)."""
-    ap = CommandParser(description=__doc__.splitlines()[0])
+    measured before are kept, marked partial: :class:`_common.PartialResults`).
+    ``prog``: the command named in usage messages (``rtmem bench allocator``;
+    default the script's name)."""
+    ap = CommandParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
                     help="timing repeats (median; default 7, 3 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")

@@ -1,11 +1,16 @@
-"""``rtmem bench pcie`` and ``rtmem bench dha``: the GPU microbenchmarks.
+"""``rtmem bench pcie|dha|adam|allocator``: rtmem's benchmarks.
 
-Thin front ends over the scripts ``bench/pcie.py`` (PCIe copy and DHA bandwidth,
-contention, small-transfer latency) and ``bench/dha_layers.py`` (per-layer cost
-of on-GPU vs DHA vs copy-then-compute, the JSON a DHA planner consumes). The
-scripts live in the source tree, not in the installed package, so these commands
-run from a checkout. Each returns the script's exit code: 0 also when no GPU is
-found (nothing is measured or written then, and the message says so).
+Thin front ends over the scripts of ``bench/``: ``pcie.py`` (PCIe copy and DHA
+bandwidth, contention, small-transfer latency; GPU) and ``dha_layers.py``
+(per-layer cost of on-GPU vs DHA vs copy-then-compute, the JSON a DHA planner
+consumes; GPU), ``adam.py`` (the fused CPU Adam against torch and a memory
+roofline; CPU) and ``allocator.py`` (the best-fit allocator against a naive
+best fit, on the host backend without a GPU; with one, against CuPy's and
+torch's pools too). Each takes the script's options, writes the script's JSON
+and returns its exit code. The scripts live in the source tree, not in the
+installed package, so these commands run from a checkout. ``pcie`` and ``dha``
+return 0 also when no GPU is found (nothing is measured or written then, and
+the message says so).
 """
 
 from __future__ import annotations
@@ -79,8 +84,10 @@ def _run(script: str, argv: list[str], prog: str) -> int:
     return int(module.main(argv, prog=prog) or 0)
 
 
-def _flags(args, names) -> list[str]:
-    argv = ["--quick"] if args.quick else []
+def _flags(args, names, switches=("quick",)) -> list[str]:
+    """The script's command line for ``args``: each of ``switches`` given, then
+    each option of ``names`` given a value, as ``--name=value``."""
+    argv = [f"--{name}" for name in switches if getattr(args, name.replace("-", "_"))]
     for name in names:
         value = getattr(args, name.replace("-", "_"))
         if value is not None:
@@ -99,14 +106,23 @@ def _cmd_dha(args) -> int:
                 "rtmem bench dha")
 
 
+def _cmd_adam(args) -> int:
+    return _run("adam.py", _flags(args, ("sizes", "repeats", "budget", "out"),
+                                  switches=("warm-cache",)), "rtmem bench adam")
+
+
+def _cmd_allocator(args) -> int:
+    return _run("allocator.py", _flags(args, ("repeats",)), "rtmem bench allocator")
+
+
 def register(subparsers) -> None:
-    """Add ``bench`` (with ``pcie`` and ``dha``) to an argparse ``subparsers``
-    object; each ``func(args)`` returns the exit code."""
+    """Add ``bench`` (with ``pcie``, ``dha``, ``adam`` and ``allocator``) to an
+    argparse ``subparsers`` object; each ``func(args)`` returns the exit code."""
     # the scripts check these too; checked here as well so that `rtmem bench`'s own
     # usage names them (a plain int said "invalid int value" for 2.5)
-    from rtmem.cli import MAX_REPEATS, count
-    p = subparsers.add_parser("bench", help="GPU microbenchmarks: PCIe/DHA bandwidth, "
-                              "per-layer DHA cost",
+    from rtmem.cli import MAX_REPEATS, at_least, count, output_file
+    p = subparsers.add_parser("bench", help="benchmarks: PCIe/DHA bandwidth and per-layer "
+                              "DHA cost (GPU), CPU Adam, allocator",
                               description=__doc__.splitlines()[0].replace("``", ""))
     sub = p.add_subparsers(dest="bench", metavar="BENCH")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -134,3 +150,26 @@ def register(subparsers) -> None:
                    help="token counts of the DHA-vs-copy crossover sweep, comma-separated, "
                         "or none (default 64,256,1024,4096,16384,65536)")
     q.set_defaults(func=_cmd_dha)
+    q = sub.add_parser("adam", help="fused CPU Adam (fp32, bf16, fp16 grads) vs torch.optim.Adam "
+                       "(and DeepSpeed when installed) vs a memory roofline; CPU; JSON")
+    # --sizes is read by the script (its usage then names `rtmem bench adam`)
+    q.add_argument("--sizes", default=None,
+                   help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
+    q.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
+                   help="minimum timed rounds per size (default 5)")
+    q.add_argument("--budget", type=at_least(0.0, float), default=None,
+                   help="seconds of timed rounds per size; small sizes get more rounds, "
+                        "up to 50 (default 12)")
+    q.add_argument("--warm-cache", action="store_true",
+                   help="do not evict caches before each timed call")
+    q.add_argument("--out", type=output_file(replace=True), default=None,
+                   help="JSON output path (default: adam.json in bench/results or "
+                        "$RTMEM_BENCH_RESULTS)")
+    q.set_defaults(func=_cmd_adam)
+    q = sub.add_parser("allocator", help="best-fit allocator vs a naive best fit (random and "
+                       "GPT-2 traces, fragmentation, static layout, pinned overhead) on the "
+                       "host backend; on a GPU vs CuPy's and torch's pools too; JSON")
+    q.add_argument("--quick", action="store_true", help="small traces (smoke run)")
+    q.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
+                   help="timing repeats (median; default 7, 3 with --quick)")
+    q.set_defaults(func=_cmd_allocator)

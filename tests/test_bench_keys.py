@@ -306,6 +306,9 @@ def _no_work_after_parsing(monkeypatch):
     (["bench", "dha", "--tokens", HUGE], "argument --tokens: must be at least 1 and at most"),
     (["bench", "pcie", "--repeats", HUGE], "argument --repeats: must be at least 1 and at most"),
     (["bench", "pcie", "--repeats", "2.5"], "argument --repeats: '2.5' is not an integer"),
+    (["bench", "adam", "--repeats", "0"], "argument --repeats: must be at least 1"),
+    (["bench", "adam", "--budget", "-inf"], "argument --budget: must be a finite number"),
+    (["bench", "allocator", "--repeats", "0"], "argument --repeats: must be at least 1"),
 ])
 def test_rtmem_bench_counts_are_checked_by_its_own_parser(monkeypatch, capsys, argv,
                                                           fragment):
@@ -512,3 +515,38 @@ def test_ctrl_c_during_the_final_results_write_is_one_line_and_exit_130(tmp_path
     assert [f.name for f in tmp_path.iterdir()] == ["simulate.json"]
     # the exit code comes from os._exit, which skips atexit: the hook runs them
     assert mark.read_text() == "ran"
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--sizes", "1e6,0"], "parameter counts >= 1"),
+    (["--sizes", "garbage"], "parameter counts >= 1"),
+])
+def test_rtmem_bench_adam_sizes_are_checked_by_the_script_under_its_name(capsys, argv,
+                                                                         fragment):
+    from rtmem.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "adam", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and fragment in err and "usage: rtmem bench adam" in err
+
+
+def test_rtmem_bench_adam_and_allocator_run_on_cpu_and_write_the_scripts_json(
+        monkeypatch, capsys, tmp_path):
+    # `rtmem bench` exposed pcie and dha only: the CPU benchmarks were scripts alone
+    from rtmem.cli import main
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    adam = bench_module(monkeypatch, "adam")        # the module rtmem bench loads anew
+    out = tmp_path / "a.json"
+    assert main(["bench", "adam", "--sizes", "1000", "--repeats", "1", "--budget", "0",
+                 "--warm-cache", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["sizes"] == [1000] and "partial" not in doc and doc["caches"] == "warm"
+    assert {r["impl"] for r in doc["results"]} >= {"rtmem fp32", "roofline fp32"}
+    assert all(r["median_s"] > 0 and r["rounds"] >= 1 for r in doc["results"])
+    assert adam._size_key(1000) in doc["ratios"]
+    assert main(["bench", "allocator", "--quick", "--repeats", "1"]) == 0
+    doc = json.loads((tmp_path / "allocator.json").read_text())
+    assert doc["repeats"] == 1 and "partial" not in doc
+    assert doc["random"]["rtmem_pairs_per_s"] > 0 and doc["gpt2"]["speedup_vs_naive"] > 0
+    assert doc["gpu"]["measured"] is False and doc["pinned"]["reserved_bytes"] > 0
+    assert "wrote " + str(tmp_path / "allocator.json") in capsys.readouterr().out

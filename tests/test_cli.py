@@ -875,6 +875,12 @@ class _FakeScript:
       "none"], "dha_layers.py", ["--model=gpt2-xl", "--tokens=64", "--repeats=1",
                                  "--sweep=none"]),
     (["bench", "dha", "--quick"], "dha_layers.py", ["--quick"]),
+    (["bench", "adam"], "adam.py", []),
+    (["bench", "adam", "--sizes", "1e3,2e3", "--repeats", "2", "--budget", "0.5",
+      "--warm-cache", "--out=-a.json"], "adam.py",
+     ["--warm-cache", "--sizes=1e3,2e3", "--repeats=2", "--budget=0.5", "--out=-a.json"]),
+    (["bench", "allocator", "--quick", "--repeats", "2"], "allocator.py",
+     ["--quick", "--repeats=2"]),
 ])
 def test_bench_passes_its_options_to_the_script_and_returns_its_code(capsys, monkeypatch,
                                                                      argv, script, expected):
@@ -897,7 +903,7 @@ def test_bench_errors_name_the_command_and_a_missing_script_is_exit_1(capsys, mo
     code, out, err = run(capsys, "bench", "pcie")
     assert code == 1 and f"{tmp_path}/pcie.py not found" in err
     code, out, _ = run(capsys, "bench")            # no benchmark named: help, bad usage
-    assert code == 2 and "pcie" in out and "dha" in out
+    assert code == 2 and all(name in out for name in ("pcie", "dha", "adam", "allocator"))
 
 
 def _tree(root, pyproject, markers=("_common.py", "gpu_session.sh")):
