@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -206,12 +207,24 @@ def offload_everything(n: int, grads: bool = True, first: int = 1):
 
 
 def machine() -> dict:
-    """Facts that make a result interpretable: CPU count, Python, library versions."""
+    """Facts that make a result interpretable: CPU count, Python, library versions
+    (rtmem's among them: two runs of different rtmem releases compare the code as
+    much as the machine)."""
     import numba
     import numpy
+
+    import rtmem
     return {"python": sys.version.split()[0], "platform": platform.platform(),
             "cpus": os.cpu_count(), "numpy": numpy.__version__, "numba": numba.__version__,
-            "numba_threads": numba.get_num_threads()}
+            "numba_threads": numba.get_num_threads(), "rtmem": rtmem.__version__}
+
+
+def command_line(script: str, argv=None, prog=None) -> str:
+    """The command that ran a benchmark, as it would be typed again: ``prog``
+    (``rtmem bench adam``) or ``python bench/SCRIPT``, then the arguments
+    (``argv``; None: this process's ``sys.argv[1:]``), quoted for a shell."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    return " ".join([prog or f"python bench/{script}", *map(shlex.quote, words)])
 
 
 def write_results(name: str, doc: dict, path=None) -> str:

@@ -61,8 +61,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # _common first: a stop while numba loads is one line, not a traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least, count,  # noqa: E402
-                     write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least,  # noqa: E402
+                     command_line, count, write_results)
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
@@ -305,7 +305,7 @@ def _ratios(rows, sizes) -> tuple[dict, dict]:
     return ratios, ratios_min
 
 
-def _document(args, argv, llc, sizes, rows, notes, t_start) -> dict:
+def _document(args, llc, sizes, rows, notes, t_start) -> dict:
     """The JSON document of the ``sizes`` measured so far (``rows``, ``notes``)."""
     ratios, ratios_min = _ratios(rows, sizes)
     try:
@@ -315,8 +315,7 @@ def _document(args, argv, llc, sizes, rows, notes, t_start) -> dict:
         torch_info = None
     return dict(
         benchmark="cpu-adam",
-        command=" ".join(["python bench/adam.py",
-                          *(argv if argv is not None else sys.argv[1:])]),
+        command=args.command,
         machine=dict(cpu=platform.processor() or platform.machine(),
                      omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), torch=torch_info,
                      cpus=os.cpu_count(), numba_threads=numba.get_num_threads(),
@@ -357,6 +356,8 @@ def main(argv=None, prog=None) -> int:
                     help="JSON output path (default: adam.json in bench/results or "
                          "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)
+    # what ran, to run it again: `rtmem bench adam ...` was recorded as bench/adam.py
+    args.command = command_line("adam.py", argv, prog)
     sizes = args.sizes
     llc = last_level_cache_bytes()
     evict = None if args.warm_cache else CacheEvictor(2 * llc)
@@ -369,7 +370,7 @@ def main(argv=None, prog=None) -> int:
             r, nt = bench_size(n, args.repeats, seed=k, budget_s=args.budget, evict=evict)
             rows += r
             notes.update(nt)
-            partial.save(_document(args, argv, llc, sizes[:k + 1], rows, notes, t_start))
+            partial.save(_document(args, llc, sizes[:k + 1], rows, notes, t_start))
         except KeyboardInterrupt:
             return partial.interrupted(f"size {n:,d}")
         except MemoryError as e:
@@ -394,7 +395,7 @@ def main(argv=None, prog=None) -> int:
     for name, note in notes.items():
         print(f"{name}: {note}")
 
-    result = _document(args, argv, llc, sizes, rows, notes, t_start)
+    result = _document(args, llc, sizes, rows, notes, t_start)
     print("\nratios (speed, >1 = first is faster):")
     for key, rs in result["ratios"].items():
         print(f"  {key}: " + ", ".join(f"{k}={v:.2f}" for k, v in rs.items()

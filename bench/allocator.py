@@ -45,8 +45,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MAX_REPEATS, CommandParser, PartialResults, count, gpu_required,  # noqa: E402
-                     not_measured, write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults, command_line,  # noqa: E402
+                     count, gpu_required, not_measured, write_results)
 
 import numpy as np  # noqa: E402
 
@@ -503,7 +503,7 @@ def main(argv=None, prog=None) -> int:
         print(f"RTMEM_REQUIRE_GPU=1: {NO_GPU}; nothing measured, nothing written",
               file=sys.stderr)
         return 3
-    results = {"repeats": repeats}
+    results = {"command": command_line("allocator.py", argv, prog), "repeats": repeats}
     partial, during = PartialResults("allocator"), "making the traces"
     try:
         rtrace = random_trace(4000 if args.quick else 40000)

@@ -544,9 +544,25 @@ def test_rtmem_bench_adam_and_allocator_run_on_cpu_and_write_the_scripts_json(
     assert {r["impl"] for r in doc["results"]} >= {"rtmem fp32", "roofline fp32"}
     assert all(r["median_s"] > 0 and r["rounds"] >= 1 for r in doc["results"])
     assert adam._size_key(1000) in doc["ratios"]
+    # what ran, to run it again, and which rtmem (a script's name was recorded)
+    assert doc["command"] == (f"rtmem bench adam --warm-cache --sizes=1000 --repeats=1 "
+                              f"--budget=0.0 --out={out}")
+    from rtmem import __version__
+    assert doc["machine"]["rtmem"] == __version__
     assert main(["bench", "allocator", "--quick", "--repeats", "1"]) == 0
     doc = json.loads((tmp_path / "allocator.json").read_text())
     assert doc["repeats"] == 1 and "partial" not in doc
+    assert doc["command"] == "rtmem bench allocator --quick --repeats=1"
+    assert doc["machine"]["rtmem"] == __version__
     assert doc["random"]["rtmem_pairs_per_s"] > 0 and doc["gpt2"]["speedup_vs_naive"] > 0
     assert doc["gpu"]["measured"] is False and doc["pinned"]["reserved_bytes"] > 0
     assert "wrote " + str(tmp_path / "allocator.json") in capsys.readouterr().out
+
+
+def test_bench_command_line_is_quoted_and_names_how_it_ran(monkeypatch):
+    common = bench_module(monkeypatch, "_common")
+    assert common.command_line("adam.py", ["--sizes", "1e3", "--out", "a b.json"]) == \
+        "python bench/adam.py --sizes 1e3 --out 'a b.json'"
+    assert common.command_line("adam.py", [], "rtmem bench adam") == "rtmem bench adam"
+    monkeypatch.setattr("sys.argv", ["bench/allocator.py", "--quick"])
+    assert common.command_line("allocator.py") == "python bench/allocator.py --quick"
