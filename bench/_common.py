@@ -23,6 +23,10 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: any, "written" the last one written (for the line a stray Ctrl-C prints)
 _WRITES = {"writing": None, "written": None}
 
+#: Results files this process wrote (absolute paths): replacing one of them is a
+#: run updating its own partial document, not another run's result.
+_OWN_FILES: set = set()
+
 
 def _ctrl_c_line(kind, value, tb, _previous=sys.excepthook):
     """``sys.excepthook`` of a benchmark run as a script: a KeyboardInterrupt
@@ -240,6 +244,8 @@ def write_results(name: str, doc: dict, path=None) -> str:
         os.path.join(results_dir(), f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     text = json.dumps(doc, indent=1) + "\n"
+    if os.path.abspath(path) not in _OWN_FILES and os.path.exists(path):
+        _say_replaced(name, path)
     _WRITES["writing"] = path
     try:
         write_text(path, text)
@@ -249,7 +255,23 @@ def write_results(name: str, doc: dict, path=None) -> str:
         _WRITES["writing"] = None
         raise
     _WRITES.update(writing=None, written=path)
+    _OWN_FILES.add(os.path.abspath(path))
     return path
+
+
+def _say_replaced(name: str, path: str) -> None:
+    """One line on stderr before a run replaces a results file it did not write:
+    the earlier run's figures are gone (in a checkout, bench/results/ holds the
+    committed ones), and the line says which run that was and how to keep both."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        what = f"the result of {old.get('command') or 'an earlier run'}" + \
+            (f" at {old['when']}" if old.get("when") else "")
+    except (OSError, ValueError, AttributeError):   # unreadable, not JSON, not an object
+        what = "a file that is not a benchmark result"
+    print(f"{name}: replacing {path}, {what}; to keep both, set RTMEM_BENCH_RESULTS to "
+          f"another folder (or give --out where the script takes it)", file=sys.stderr)
 
 
 class PartialResults:

@@ -356,3 +356,21 @@ def test_train_json_has_plain_types(monkeypatch):
     out = train._jsonable({"a": (np.int64(1), np.float32(0.5)), 2: np.arange(2)})
     assert out == {"a": [1, 0.5], "2": [0, 1]}
     assert type(out["a"][0]) is int and json.loads(json.dumps(out)) == out
+
+
+def test_a_run_replacing_another_runs_result_says_so_once(monkeypatch, tmp_path, capsys):
+    # two runs wrote bench/results/NAME.json in turn, the second silently replacing
+    # the first's figures (in a checkout: the committed ones)
+    common = bench_module(monkeypatch, "_common")
+    monkeypatch.setattr(common, "_OWN_FILES", set())
+    path = tmp_path / "x.json"
+    common.write_results("x", {"command": "python bench/x.py --one"}, path=path)
+    assert capsys.readouterr().err == ""               # nothing there before
+    monkeypatch.setattr(common, "_OWN_FILES", set())   # a second run
+    common.PartialResults("x", path).save({"command": "python bench/x.py --two"})
+    err = capsys.readouterr().err
+    assert err.startswith(f"x: replacing {path}, the result of python bench/x.py --one at ")
+    assert "set RTMEM_BENCH_RESULTS" in err
+    common.write_results("x", {"command": "python bench/x.py --two"}, path=path)
+    assert capsys.readouterr().err == ""               # its own partial document
+    assert json.loads(path.read_text())["command"] == "python bench/x.py --two"

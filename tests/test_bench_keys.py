@@ -507,6 +507,11 @@ def test_ctrl_c_during_the_final_results_write_is_one_line_and_exit_130(tmp_path
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert res.returncode == 130, (res.returncode, res.stderr[-2000:])
     lines = res.stderr.strip().splitlines()
+    # first the line saying that an earlier run's file is being replaced
+    assert lines[0] == (f"simulate: replacing {earlier}, the result of an earlier run; to "
+                        f"keep both, set RTMEM_BENCH_RESULTS to another folder (or give "
+                        f"--out where the script takes it)"), res.stderr[-2000:]
+    lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith("simulate: interrupted while writing "), \
         res.stderr[-2000:]
     assert str(earlier) in lines[0]
