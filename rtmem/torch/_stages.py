@@ -367,6 +367,65 @@ def _graph_leaves(t, own) -> list:
     return list(_iter_graph_leaves(t, own))
 
 
+def node_mark() -> int:
+    """The sequence number autograd gives the next node it records on this
+    thread: nodes are numbered in the order they are made, so a node of a graph
+    numbered below a stage forward's mark was made before that forward.
+    Call under ``enable_grad``."""
+    return torch.ones((), requires_grad=True).neg().grad_fn._sequence_nr() + 1
+
+
+# A leaf's AccumulateGrad node carries the largest sequence number (it is made
+# for the leaf, not recorded by an op): never taken for a node of another stage.
+_NO_SEQUENCE = 2 ** 64 - 1
+
+
+def _cast_of_leaf(node) -> bool:
+    """Whether ``node`` is a dtype cast of a leaf (``ToCopyBackward0`` to an
+    AccumulateGrad): what autocast's cache hands every forward reading a
+    parameter in its region, model state for the executor (rule 4)."""
+    return type(node).__name__ == "ToCopyBackward0" and all(
+        nxt is None or hasattr(nxt, "variable") for nxt, _ in node.next_functions)
+
+
+def check_cross_stage(i: int, y, own, marks: list, model, casts_kept: bool) -> None:
+    """Refuse the output ``y`` of a grad-mode forward of stage ``i`` whose graph
+    reaches a node another stage's forward recorded: the stage read a tensor
+    with autograd history that stage k < i made and handed over outside the
+    activations (a module attribute shared by the stages, ``self.ctx.bias =
+    ...`` in the style of T5's position bias, a skip connection kept as an
+    attribute, a global). The executor runs and backpropagates each stage on
+    its own, and recomputes stage k under ``no_grad``, where that tensor has no
+    history: its gradient would be lost or wrong, silently. ``marks[k]`` is the
+    :func:`node_mark` taken before stage k's first forward (``marks[i]`` too);
+    ``own`` is the input leaf of stage ``i``. Autocast's cached casts of
+    parameters (``casts_kept``) are model state and pass."""
+    begin, start = marks[0], marks[i]
+    seen, todo = set(), [y.grad_fn] if isinstance(y, torch.Tensor) else []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        seq = node._sequence_nr()
+        if seq != _NO_SEQUENCE and begin <= seq < start and not (
+                casts_kept and _cast_of_leaf(node)):
+            k = max(j for j in range(i) if marks[j] <= seq)
+            raise ExecutionError(
+                f"{stage_label(model, i)} reads a tensor with autograd history that the "
+                f"forward of {stage_label(model, k)} made ({type(node).__name__}), handed "
+                f"over outside the stages' outputs (a module attribute the stages share, "
+                f"e.g. self.ctx.bias = ... or a skip connection kept as an attribute, or "
+                f"a global). The executor runs, recomputes (under no_grad) and "
+                f"backpropagates each stage on its own, so the gradient through that "
+                f"tensor would be lost or wrong. Pass it in the activation (pack it into "
+                f"the tensor stage {k} returns, e.g. torch.cat, and unpack it in the "
+                f"next stages), compute it in every stage that reads it, detach it if it "
+                f"should not train, or merge stages {k} to {i} into one stage")
+        todo.extend(nxt for nxt, _ in node.next_functions
+                    if nxt is not None and getattr(nxt, "variable", None) is not own)
+
+
 def trains_beyond(t, own) -> bool:
     """Whether a backward from ``t`` writes a gradient other than ``own``'s
     (:func:`_graph_leaves` is not empty), the walk stopping at the first leaf:

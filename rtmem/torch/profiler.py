@@ -64,9 +64,9 @@ from rtmem.planners._validation import check_int
 from ._module_state import KeptBuffers, buffer_slots, slot_buffers, stage_state
 from ._saved import _cached_cast, autocast_off, casts_outlive_forward, own_parametrizations
 from ._stages import (ExecutionError, _check_output, _graph_leaves, _input_key, _rederived_input,
-                      _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_inputs,
-                      check_loss, check_loss_fn, check_needs_grad, differentiable,
-                      inputs_need_grad, raised_in, stage_label)
+                      _stage_input, _storage_bytes, _storage_ptrs, as_stages, check_cross_stage,
+                      check_inputs, check_loss, check_loss_fn, check_needs_grad,
+                      differentiable, inputs_need_grad, node_mark, raised_in, stage_label)
 
 __all__ = ["profile_sequential"]
 
@@ -175,7 +175,10 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
     (NOTE [ Executor ] rule 1), and the caller's cache is left as it was. Returns a
     :class:`~rtmem.planners.Chain` with times in seconds and sizes in bytes. Raises
     :class:`~rtmem.torch.ExecutionError` for a model, batch or loss it cannot run
-    (before running any stage), when a stage does not return a single tensor, and
+    (before running any stage), when a stage does not return a single tensor or
+    reads a tensor with autograd history that another stage's forward made and
+    handed over outside the outputs (a module attribute the stages share: its
+    gradient would be lost under recomputation), and
     when ``loss_fn`` returns what :class:`~rtmem.torch.ScheduleExecutor` refuses
     at ``L`` (not a 0-d tensor, or a loss without autograd history), with the
     executor's message, found at the loss's first call (after the stages were
@@ -240,6 +243,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
         needs_grad = inputs_need_grad(stage_tensors, inputs.requires_grad)
         seen_weights = set()
         in_place = []   # stages that modify their input in place: never recomputed
+        marks = []      # node_mark() before each stage's first forward
         # Iteration, not children(): a module repeated in the Sequential is one
         # stage per position, as the executor runs it.
         for i, stage in enumerate(model):
@@ -260,6 +264,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 return t
 
             fwd_times = []
+            with torch.enable_grad():
+                marks.append(node_mark())
             for r in range(repeats):
                 saved.clear()
                 if cuda:
@@ -276,6 +282,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                         y, t_f = timer(lambda: stage(arg))   # as the executor's F_all
                 _check_output(i, stage, y)
                 check_needs_grad(i, stage, y, needs_grad, xin)   # as the executor's F_all
+                if r == 0:   # before a backward runs into another stage's graph
+                    check_cross_stage(i, y, xin, marks, model, casts_kept)
                 fwd_times.append(t_f)
                 # the version counter arg shares with x: any in-place op on the input
                 if r == 0 and arg._version != x_version:
