@@ -1173,16 +1173,20 @@ def test_executor_arguments_are_named():
         ex.step([[1.0, 2.0, 3.0]], torch.zeros(1, 1))
 
 
-def test_a_list_of_blocks_is_a_chain_of_stages():
+@pytest.mark.parametrize("container", [list, nn.ModuleList])
+def test_a_list_of_blocks_is_a_chain_of_stages(container):
     # "an nn.Sequential (or a list of blocks)": profiled, planned and run as the
-    # same stages, sharing the blocks' parameters
+    # same stages, sharing the blocks' parameters; a ModuleList (how models hold
+    # their blocks) was refused
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)] + [nn.Linear(4, 1)]
+    blocks = container([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)]
+                       + [nn.Linear(4, 1)])
     x, y = torch.randn(5, 4), torch.randn(5, 1)
     chain = profile_sequential(blocks, x, y, mse, repeats=1)
     assert chain.n == 4
     ref = copy.deepcopy(nn.Sequential(*blocks))
-    ex = ScheduleExecutor(tuple(blocks), sequential_schedule(4, 2), mse)
+    ex = ScheduleExecutor(blocks if container is nn.ModuleList else tuple(blocks),
+                          sequential_schedule(4, 2), mse)
     torch.testing.assert_close(ex.step(x, y), mse(ref(x), y).detach())
     mse(ref(x), y).backward()
     for block, twin in zip(blocks, ref):

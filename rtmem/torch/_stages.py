@@ -74,10 +74,14 @@ class raised_in:
 
 def as_stages(model, what: str) -> nn.Sequential:
     """``model`` as the ``nn.Sequential`` of stages ``what`` runs: an
-    ``nn.Sequential``, or a list or tuple of modules (wrapped, the modules
-    shared, not copied). Raises :class:`ExecutionError` for anything else or for
-    no stages at all."""
-    if isinstance(model, (list, tuple)) and all(isinstance(m, nn.Module) for m in model):
+    ``nn.Sequential``, or a list, tuple or ``nn.ModuleList`` of modules
+    (wrapped, the modules shared, not copied). Raises :class:`ExecutionError`
+    for anything else or for no stages at all."""
+    # A ModuleList is how models hold their blocks (model.h in GPT-2 ports); it
+    # was refused with "wrap your blocks in nn.Sequential" while a plain list of
+    # the same blocks ran.
+    if isinstance(model, (list, tuple, nn.ModuleList)) and all(
+            isinstance(m, nn.Module) for m in model):
         model = nn.Sequential(*model)
     if not isinstance(model, nn.Sequential):
         raise ExecutionError(f"{what} needs an nn.Sequential of stages or a list of "
