@@ -28,7 +28,8 @@ from rtmem.errors import RtmemError
 from rtmem.units import format_bandwidth, format_bytes, format_seconds
 
 __all__ = ["main", "CommandParser", "add_model_size_args", "at_least", "count", "error_document",
-           "load_chain", "load_schedule", "model_sizes_problem", "output_file", "platform_value",
+           "load_chain", "load_schedule", "load_schedule_and_plan", "model_sizes_problem",
+           "output_file", "platform_value",
            "require_plotting", "save_document", "stdout_table", "torch_device_problem",
            "torch_oom", "writable"]
 
@@ -62,6 +63,13 @@ def load_chain(spec: str):
 def load_schedule(spec: str, chain):
     """A schedule from a file (text or JSON), ``store-all``, ``sequential:K`` (K
     segments) or literal schedule text."""
+    return load_schedule_and_plan(spec, chain)[0]
+
+
+def load_schedule_and_plan(spec: str, chain):
+    """:func:`load_schedule`, and the :class:`~rtmem.planners.Plan` when ``spec``
+    is a plan document (else None): its recorded peak tells a plan made for
+    another chain of the same length."""
     from rtmem.errors import ScheduleError
     from rtmem.planners import Schedule, sequential_schedule, store_all_schedule
     from rtmem.planners._documents import naming_file, read_text
@@ -76,7 +84,7 @@ def load_schedule(spec: str, chain):
         raise ScheduleError("the schedule is empty; give a path, 'store-all', "
                             "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
     if spec == "store-all":
-        return store_all_schedule(chain.n)
+        return store_all_schedule(chain.n), None
     if spec.startswith("sequential:"):
         k = spec.partition(":")[2]
         # ASCII digits only: str.isdigit also accepts "²" (int() then raises a raw
@@ -84,16 +92,16 @@ def load_schedule(spec: str, chain):
         if not _DIGITS.fullmatch(k):
             raise ScheduleError(f"sequential:K needs an integer K written in digits 0-9, "
                                 f"got {spec!r}")
-        return sequential_schedule(chain.n, int(k))
+        return sequential_schedule(chain.n, int(k)), None
     if "," in spec or "\n" in spec or spec.split()[0].lower() in OP_WORDS:
-        return Schedule.from_text(spec)
+        return Schedule.from_text(spec), None
     raise ScheduleError(f"no schedule file {spec!r}; give a path, 'store-all', "
                         "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
 
 
 def _schedule_in_file(text: str):
-    """The schedule in a file's ``text``: a plan document (its schedule), a schedule
-    document or schedule text."""
+    """The schedule in a file's ``text`` and the plan when it is a plan document
+    (else None): a plan document, a schedule document or schedule text."""
     from rtmem.errors import ScheduleError
     from rtmem.planners import Plan, Schedule
     if not text.strip():
@@ -107,7 +115,8 @@ def _schedule_in_file(text: str):
         except (ValueError, RecursionError):
             doc = None                           # Schedule.parse reports it
         if isinstance(doc, dict) and doc.get("format") == "rtmem.plan":
-            return Plan.from_dict(doc).schedule  # a plan saved by `rtmem plan`
+            plan = Plan.from_dict(doc)           # a plan saved by `rtmem plan`
+            return plan.schedule, plan
         if isinstance(doc, dict) and doc.get("format") != "rtmem.schedule":
             # "expected 'rtmem.schedule'" sent a user holding `plan remat --json`'s
             # report (no schedule in it) looking for a schedule converter
@@ -116,7 +125,7 @@ def _schedule_in_file(text: str):
                 f"{doc.get('format')!r}); give a file written by `rtmem plan remat "
                 f"--save` or Schedule.save (the --json report holds no schedule)",
                 reason="parse")
-    return Schedule.parse(text)
+    return Schedule.parse(text), None
 
 
 def writable(path: str, replace: bool = False) -> str | None:
@@ -332,7 +341,7 @@ def _cmd_simulate(args) -> int:
     from rtmem.planners import simulate
     require_plotting(args)
     chain = load_chain(args.chain)
-    schedule = load_schedule(args.schedule, chain)
+    schedule, plan = load_schedule_and_plan(args.schedule, chain)
     platform = _platform(args)
     try:
         r = simulate(chain, schedule, platform)
@@ -346,6 +355,15 @@ def _cmd_simulate(args) -> int:
         # still repeat operations until the float64 sum overflows
         raise RtmemError(f"the makespan of this schedule overflows a float64 ({len(schedule)} "
                          "operations); express the chain's times in larger units")
+    if plan is not None and plan.peak != r.peak:
+        # A plan for another chain of the same length simulated without a word
+        # (plans do not record their chain); its peak, a function of the chain's
+        # sizes, tells it. A note, not an error: simulating a plan on a re-profiled
+        # or edited chain is a fair question. Exact bytes: format_bytes may round
+        # two different peaks to the same text.
+        print(f"note: the plan records a peak of {plan.peak:,} B; on {chain.name} it "
+              f"peaks at {r.peak:,} B: was it made for another chain (or another batch "
+              f"size)?", file=sys.stderr)
     doc = {"chain": chain.name, "ops": len(schedule), "makespan_s": r.makespan,
            "peak_bytes": r.peak, "compute_s": r.compute_time, "idle_s": r.idle_time,
            "h2d_bytes": r.h2d_bytes, "d2h_bytes": r.d2h_bytes,

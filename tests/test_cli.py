@@ -7,7 +7,7 @@ import pytest
 
 from _plots import fail_saves_half_way
 from _remat_cases import OVERLAPPING_TRANSFERS, two_stage_chain
-from rtmem.cli import main
+from rtmem.cli import load_chain, main
 
 
 def needs(*modules):
@@ -272,6 +272,26 @@ def test_simulate_a_plan_for_another_chain_says_so(capsys, tmp_path):
     # another error of a schedule for the chain gets no such hint
     code, _, err = run(capsys, "simulate", "gpt2:layers=6", str(plan), "--memory", "1GiB")
     assert code == 1 and "memory" in err and "another chain" not in err
+
+
+def test_simulate_a_plan_for_another_chain_of_the_same_length_notes_it(capsys, tmp_path):
+    # Same number of stages, other sizes: the schedule simulates, and the plan's
+    # recorded peak (which the simulator gave on its own chain) differed silently
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "remat", "gpt2:layers=6", "--memory", "64GiB",
+                     "--save", str(plan), "--quiet")
+    assert code == 0
+    recorded = json.loads(plan.read_text())["peak"]
+    code, out, err = run(capsys, "simulate", "gpt2:layers=6", str(plan), "--memory", "inf",
+                         "--json")
+    assert code == 0 and json.loads(out)["peak_bytes"] == recorded and err == ""
+    code, out, err = run(capsys, "simulate", "gpt2:layers=6,batch=16", str(plan),
+                         "--memory", "inf", "--json")
+    peak = json.loads(out)["peak_bytes"]
+    assert code == 0 and peak != recorded
+    assert err == (f"note: the plan records a peak of {recorded:,} B; on "
+                   f"{load_chain('gpt2:layers=6,batch=16').name} it peaks at {peak:,} B: "
+                   f"was it made for another chain (or another batch size)?\n")
 
 
 def test_simulate_json_is_strict_json(capsys):
