@@ -3,8 +3,9 @@
 It is a module of its own because it imports torch at the top: ``rtmem.optim``
 imports it only when one of the two classes is first accessed (its module
 ``__getattr__``), so that ``import rtmem.optim`` (NumpyAdam) works without torch.
-The validation and step routine shared with NumpyAdam stay in ``rtmem.optim``;
-the tensor plumbing (numpy views, Buffers as parameters, per-parameter
+The validation and step routine shared with NumpyAdam stay in ``rtmem.optim``,
+the checks of a loaded state dict are in :mod:`rtmem._optim_state_dict`, the
+tensor plumbing (numpy views, Buffers as parameters, per-parameter
 arguments) is in :mod:`rtmem._optim_tensors`, the arena state in
 :mod:`rtmem._optim_arena`.
 """
@@ -22,16 +23,17 @@ except ImportError as e:
         "on numpy arrays.") from e
 
 from ._optim_arena import arena_zeros, load_into_arena
+from ._optim_state_dict import (_MOMENT_DTYPE_HINT, _STATE_KEYS, _check_adam_keys,
+                                _check_moment, _check_state_dict, _check_state_listed,
+                                _check_torch_layout, _loaded, _post_hooked, _pre_hooked,
+                                _saved_skips, _saved_step)
 from ._optim_tensors import as_numpy, bump_versions, per_param, tensors_of
 from .errors import OptimizerError
 from .kernels.adam import prepare_update
-from .optim import (_MOMENT_DTYPE_HINT, _STATE_KEYS, _check_adam_keys,
-                    _check_finite_switch, _check_group_hyper, _check_hyper, _check_moment,
-                    _check_num_threads, _check_open, _check_state_arena, _check_state_dict,
-                    _check_state_listed, _check_step_disjoint, _check_switch_flags,
-                    _check_torch_layout, _coefficients, _first_overlap, _host_view,
-                    _loaded, _named, _post_hooked, _pre_hooked, _run_step, _saved_skips,
-                    _saved_step, _span)
+from .optim import (_check_finite_switch, _check_group_hyper, _check_hyper,
+                    _check_num_threads, _check_open, _check_state_arena, _check_step_disjoint,
+                    _check_switch_flags, _coefficients, _first_overlap, _host_view, _named,
+                    _run_step, _span)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
