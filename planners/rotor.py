@@ -59,6 +59,12 @@ with finer slots near the least budget go up to REFINE_MAX_FACTOR x S slots
 (32,000 for S = 500), so a table may reach MAX_TABLE_BYTES (2 GiB), its only
 bound. No back-pointer table: the reconstruction re-evaluates the
 O(t - s) candidates of the O(n) sub-problems it visits.
+
+This module holds the C_MP table, its reconstruction and the plain-Python
+references. The DP stage arrays (:class:`StageArrays`, :func:`stage_arrays`,
+:func:`discretize`, :func:`pair_index`) are in planners/_rotor_arrays.py, the
+least-memory pass (:func:`min_memory`, :func:`min_memory_schedule`,
+:func:`choices_memory`) in planners/_rotor_min_memory.py; all are imported here.
 """
 
 from __future__ import annotations
@@ -66,147 +72,24 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from rtmem.errors import ChainError, ScheduleError
+from rtmem.errors import ScheduleError
 
-from .chain import Chain
-from .schedule import Op, Schedule
+# The DP stage arrays and the least-memory pass are modules of their own; their
+# names are imported here, where floating.py, revolve.py, remat.py and users take
+# them from.
+from ._rotor_arrays import (_B, _F_ALL, _F_CK, _F_NONE, StageArrays,
+                            _bands, _check_stage_arrays, _emit_leaf,
+                            _reconstruct_capacity, discretize, pair_index, stage_arrays)
+from ._rotor_min_memory import choices_memory, min_memory, min_memory_schedule
+from .schedule import Schedule
 
 __all__ = ["StageArrays", "stage_arrays", "discretize", "persistent_table",
            "persistent_schedule", "min_memory", "min_memory_schedule", "choices_memory",
            "reference_persistent_table", "reference_min_memory", "pair_index"]
 
-_F_NONE, _F_CK, _F_ALL, _LOSS, _B = (int(Op.F_NONE), int(Op.F_CK), int(Op.F_ALL),
-                                     int(Op.LOSS), int(Op.B))
 _INF = np.inf
-
-
-@numba.njit(cache=True)
-def _emit_leaf(ops, stages, n_ops, s, last):
-    """Write the operations of the one-stage interval (s, s) of the jitted schedule
-    walks at position ``n_ops`` of ``ops`` / ``stages``: the loss when ``s`` is
-    ``last`` (the loss's DP stage), else F_all s then B s. Returns the new count."""
-    if s == last:
-        ops[n_ops], stages[n_ops] = _LOSS, 0
-        return n_ops + 1
-    ops[n_ops], stages[n_ops] = _F_ALL, s
-    ops[n_ops + 1], stages[n_ops + 1] = _B, s
-    return n_ops + 2
-
-
-class StageArrays:
-    """Per-DP-stage arrays (N = n+1 entries, the loss last), as NOTE
-    [ Persistent DP C_MP ] names them.
-
-    Times ``uf``, ``ub`` in seconds (float64); sizes ``xin``, ``xo``, ``xb``,
-    ``of``, ``ob``, ``w``, ``G`` in bytes or in slots (int64), depending on
-    whether it came from :func:`stage_arrays` or :func:`discretize`.
-    ``Gb[k]`` = G[k] + w[k] (weight gradients present while B_k runs).
-    ``nr[k]`` (int64): the first stage >= k that must not be recomputed (N: none).
-    The DP passes check these (``_check_stage_arrays``: N entries each, integer
-    sizes >= 0) before their jitted loops index them, and raise ChainError.
-    """
-
-    __slots__ = ("uf", "ub", "xin", "xo", "xb", "of", "ob", "G", "Gb", "nr")
-
-    def __init__(self, uf, ub, xin, xo, xb, of, ob, G, Gb, nr=None):
-        self.uf, self.ub = uf, ub
-        self.xin, self.xo, self.xb, self.of, self.ob, self.G, self.Gb = \
-            xin, xo, xb, of, ob, G, Gb
-        # nr[s]: the first DP stage >= s the chain marks no_recompute, N if none
-        N = uf.shape[0]
-        self.nr = np.full(N, N, np.int64) if nr is None else nr
-
-    @property
-    def N(self) -> int:
-        return int(self.uf.shape[0])
-
-
-_TIMES = ("uf", "ub")
-_SIZES = ("xin", "xo", "xb", "of", "ob", "G", "Gb")
-
-
-def _check_stage_arrays(arrays: StageArrays, who: str) -> None:
-    """Raise :class:`~rtmem.errors.ChainError` unless ``arrays`` has what the jitted
-    passes index blindly: every field a 1-D array of N entries, the times real,
-    the sizes and ``nr`` integers, the sizes non-negative (a negative one moves a
-    memory index past the table), ``nr`` the first-flagged-stage index
-    :func:`stage_arrays` makes. O(N); ``who`` names the caller in the message.
-    :func:`stage_arrays` and :func:`discretize` of a valid Chain always pass."""
-    N = arrays.N if getattr(arrays.uf, "ndim", 0) == 1 else None
-    for name in _TIMES + _SIZES + ("nr",):
-        arr = getattr(arrays, name)
-        kinds = "f" if name in _TIMES else "iu"
-        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in kinds \
-                or (N is not None and arr.shape[0] != N) or N == 0:
-            got = (f"{arr.dtype} of shape {arr.shape}" if isinstance(arr, np.ndarray)
-                   else type(arr).__name__)
-            raise ChainError(
-                f"{who}: StageArrays.{name} must be a 1-D {'float' if kinds == 'f' else 'integer'}"
-                f" array of N = {N} >= 1 entries (as uf), got {got}; build the arrays with "
-                "stage_arrays(chain) or discretize()")
-    for name in _SIZES:
-        arr = getattr(arrays, name)
-        if arr.min() < 0:
-            k = int(np.argmax(arr < 0))
-            raise ChainError(f"{who}: StageArrays.{name}[{k}] = {int(arr[k])} is negative; "
-                             "sizes are bytes or slots, >= 0")
-    # nr[k] is the first no_recompute stage at or after k (N if none): k itself or
-    # nr[k + 1]. Out of range it cannot index past anything (the passes only take
-    # min(t, nr[s])), but it silently hides the flag, and a flagged stage would be
-    # planned to run twice.
-    nr, ks = arrays.nr, np.arange(arrays.N)
-    ok = (nr == ks) | (nr == np.append(nr[1:], arrays.N))
-    ok[-1] = nr[-1] == arrays.N        # the loss (stage N - 1) is never flagged
-    if not ok.all():
-        k = int(np.argmin(ok))
-        raise ChainError(f"{who}: StageArrays.nr[{k}] = {int(nr[k])} is not the first "
-                         f"no_recompute stage at or after {k} (it must be {k} or nr[{k + 1}], "
-                         f"and nr[{arrays.N - 1}] = N = {arrays.N}); build the arrays with "
-                         "stage_arrays(chain) or discretize()")
-
-
-def stage_arrays(chain: Chain) -> StageArrays:
-    """Byte-level DP arrays of ``chain`` (loss appended as DP stage n)."""
-    i64 = np.int64
-    uf = np.append(chain.u_f, chain.u_loss).astype(np.float64)
-    ub = np.append(chain.u_b, 0.0).astype(np.float64)
-    xo = np.append(chain.x, 0).astype(i64)
-    xb = np.append(chain.xbar, 0).astype(i64)
-    xin = np.concatenate(([chain.x0], chain.x)).astype(i64)
-    of = np.append(chain.o_f, 0).astype(i64)
-    ob = np.append(chain.o_b, chain.o_loss).astype(i64)
-    w = np.append(chain.w, 0).astype(i64)
-    suffix = np.concatenate((np.cumsum(w[::-1])[::-1], [0])).astype(i64)
-    G = suffix[1:]                     # sum_{j > k} w[j]
-    Gb = suffix[:-1]                   # sum_{j >= k} w[j]
-    N = uf.shape[0]
-    nr = np.full(N, N, i64)
-    for k in range(N - 2, -1, -1):     # the loss (N - 1) is never flagged
-        nr[k] = k if chain.no_recompute[k] else nr[k + 1]
-    return StageArrays(uf, ub, xin, xo, xb, of, ob, G, Gb, nr)
-
-
-def discretize(arrays: StageArrays, slot: int) -> StageArrays:
-    """Every size rounded up to whole slots of ``slot`` bytes (thesis §3.7)."""
-    slot = int(slot)
-
-    def up(v):
-        return -(-v // slot)
-    return StageArrays(arrays.uf, arrays.ub, up(arrays.xin), up(arrays.xo), up(arrays.xb),
-                       up(arrays.of), up(arrays.ob), up(arrays.G), up(arrays.Gb), arrays.nr)
-
-
-def pair_index(N: int) -> np.ndarray:
-    """``idx[s, t]`` = row of pair (s, t), s <= t, in a persistent table (-1 if s > t)."""
-    # column-major: the rows (s', t) for one t are adjacent, so the fill's reads of
-    # the tails C(s'+1, t, .) for s' = s..t-1 stream through memory
-    idx = np.full((N, N), -1, np.int64)
-    k = 0
-    for t in range(N):
-        for s in range(t + 1):
-            idx[s, t] = k
-            k += 1
-    return idx
+# Its public home, as before the split: reprs and pickles name rtmem.planners.rotor.
+StageArrays.__module__ = __name__
 
 
 def _requirements(xin, xo, xb, of, ob, G, Gb):
@@ -220,8 +103,9 @@ def _requirements(xin, xo, xb, of, ob, G, Gb):
 
 
 # NOTE [ Jitted results and Ctrl-C ]
-# The jitted functions here fill arrays their Python caller allocated and return
-# nothing or a number, never a tuple of arrays. numba boxes a returned array by
+# The jitted functions here (and in _rotor_arrays.py, _rotor_min_memory.py) fill
+# arrays their Python caller allocated and return nothing or a number, never a
+# tuple of arrays. numba boxes a returned array by
 # calling back into Python (numba.core.serialize._numba_unpickle), where a pending
 # Ctrl-C is raised; for a tuple of arrays numba then hands back a result with the
 # exception set: a SystemError instead of the KeyboardInterrupt, or a segfault
@@ -360,10 +244,6 @@ def _reconstruct(C, idx, uf, ub, xo, xb, mall, mnone, nr, s0, t0, m0, n_loss, op
     return n_ops
 
 
-def _reconstruct_capacity(N: int) -> int:
-    """Most operations :func:`_reconstruct` writes for N DP stages."""
-    return N * (N + 1) // 2 + 2 * N + 2
-
 
 def persistent_table(arrays: StageArrays, M: int, progress=None):
     """Fill the C_MP table for memory 0..M (sizes in ``arrays`` in slots).
@@ -392,21 +272,6 @@ def persistent_table(arrays: StageArrays, M: int, progress=None):
         progress(done)
     return table, mf, idx, mall, mnone
 
-
-def _bands(N: int):
-    """Bands ``(s_hi, s_lo, fraction done after it)`` of rows s, descending, of
-    about equal work (row s of an O(N^3) fill costs ~ (N - s)^2): ~50 of them, for
-    progress reports between jitted calls."""
-    total = float(N) ** 3 / 3
-    done, s_hi, band = 0.0, N - 1, total / 50
-    while s_hi >= 0:
-        s_lo, work = s_hi, 0.0
-        while s_lo > 0 and work < band:
-            work += float(N - s_lo) ** 2
-            s_lo -= 1
-        done += sum(float(N - s) ** 2 for s in range(s_lo, s_hi + 1))
-        yield s_hi, s_lo, min(1.0, done / total)
-        s_hi = s_lo - 1
 
 
 def persistent_schedule(arrays: StageArrays, table, idx, mall, mnone, m: int) -> Schedule:
@@ -476,285 +341,6 @@ def _check_persistent_args(N: int, table, idx, mall, mnone, m):
             f"{N - 1}], {m}] is {table[idx[0, N - 1], m]}); pass an m with a finite entry, "
             f"at least mf[0, {N - 1}] of persistent_table", reason="bad-persistent-table")
     return table, idx, tabs[1], tabs[2], m
-
-
-# --------------------------------------------------------------- minimum memory
-@numba.njit(cache=True)
-def _min_memory_table(uf, ub, xin, xo, xb, of, ob, G, Gb, nr, mmT, tmT, ch, timed, s_hi,
-                      s_lo):
-    """Fill rows s_hi down to s_lo (rows of larger s must be done) of the least
-    memory (same units as the sizes) at which C(s, t, .) is finite, ``mmT``; with
-    ``timed``, also of the time (seconds) of the schedule reaching it, ``tmT``, and
-    of its first choice ``ch[s, t]`` ((N, N), -1: F^all, s' >= s: F^ck keeping
-    a_{s'+1}). ``mmT`` and ``tmT`` hold the lower triangle of the transposed
-    tables, row t after row t-1: entry (t, s), s <= t, at t (t + 1) / 2 + s.
-    Without ``timed`` only ``mmT`` is filled (``tmT`` and ``ch`` are not read).
-
-    Among the choices reaching the least memory the fastest is kept: ``tm[s, t]``
-    (seconds) is the time of the schedule the choices describe, so ties are not
-    left to the loop order. That schedule is what plan_remat falls back to near
-    the least budget, where an arbitrary tie once cost 34 % (51 s against 38 s on
-    the chain of tests/test_remat_rotor.py::test_least_budget_matches_brute_force).
-    It is the fastest least-memory schedule only greedily: a sub-problem is solved
-    at its own least memory, not with all the memory its parent has. Ties do not
-    change the least memory, so the untimed pass gives the same ``mm``.
-
-    Cost: (N^3) / 6 steps of the inner loop over s'. It reads the tails
-    mm[s'+1, t] and tm[s'+1, t] for s' = s..t-1, a column of a row-major table:
-    with mm and tm stored by row each read was a cache miss (60 ns a step, 10 s
-    on 1,000 stages, ~50 min estimated on 5,000). Both are kept transposed, so the
-    tails are contiguous, and the heads mm[s, s'], tm[s, s'] of the row being
-    filled sit in two row buffers. m_all(s, t) and m_none(s, t) are computed along
-    the row (as _fill_requirements does) rather than read from two more (N, N)
-    tables: together with the triangles that is 4x less memory than five full
-    (N, N) 8-byte tables (10x without ``timed``).
-    """
-    N = xo.shape[0]
-    P = np.zeros(N + 1)
-    for k in range(N):
-        P[k + 1] = P[k] + uf[k]
-    head = np.zeros(N, np.int64)         # mm[s, .] of the row s being filled
-    head_t = np.zeros(N)                 # tm[s, .]
-    for s in range(s_hi, s_lo - 1, -1):
-        back = xb[s] + xo[s] + xin[s] + ob[s] + Gb[s]
-        inner = xo[s] + of[s]            # running max over h in s..t-1 of m_none
-        head[s] = max(xo[s] + xb[s] + of[s] + G[s], back)          # m_all(s, s)
-        head_t[s] = uf[s] + ub[s]
-        diag = s * (s + 1) // 2 + s
-        mmT[diag] = head[s]
-        if timed:
-            tmT[diag] = head_t[s]
-        for t in range(s + 1, N):
-            row = t * (t + 1) // 2
-            mcol = mmT[row:row + t + 1]  # mm[., t]
-            if t - 1 > s:
-                h = t - 1
-                inner = max(inner, xin[h] + xo[h] + of[h])
-            mall = max(xo[t] + xb[s] + of[s] + G[t], back)
-            mn = xo[t] + G[t] + inner
-            best = max(mall, xb[s] + mcol[s + 1])
-            if timed:
-                tcol = tmT[row:row + t + 1]      # tm[., t]
-                best_t = uf[s] + tcol[s + 1] + ub[s]
-                arg = -1
-                # every F^ck candidate needs at least m_none: when F^all needs less,
-                # none of them can reach (or tie) its memory
-                for sp in range(s, min(t, nr[s]) if mn <= best else s):
-                    v = max(mn, max(xo[sp] + mcol[sp + 1], head[sp]))
-                    if v > best:
-                        continue
-                    vt = (P[sp + 1] - P[s]) + tcol[sp + 1] + head_t[sp]
-                    if v < best or vt < best_t:
-                        best, best_t, arg = v, vt, sp
-                head_t[t] = best_t
-                tmT[row + s] = best_t
-                ch[s, t] = arg
-            else:
-                for sp in range(s, min(t, nr[s]) if mn <= best else s):
-                    v = max(mn, max(xo[sp] + mcol[sp + 1], head[sp]))
-                    if v < best:
-                        best = v
-            head[t] = best
-            mmT[row + s] = best
-
-
-def _choice_dtype(N: int):
-    """Narrowest signed integer dtype holding the choices -1..N-1."""
-    return np.int16 if N <= np.iinfo(np.int16).max else np.int32
-
-
-def min_memory(arrays: StageArrays, progress=None, choices: bool = True):
-    """Least memory for which a persistent schedule exists, in the units of
-    ``arrays`` (bytes from :func:`stage_arrays`): activations, temporaries and
-    weight gradients (through G), not a_0 nor the weights themselves. Returns
-    ``(mm[0, n], choice_table)`` for :func:`min_memory_schedule`, whose schedule
-    is the fastest of the least-memory choices (see ``_min_memory_table``);
-    ``choice_table[s, t]`` is -1 (F^all) or s' (F^ck keeping a_{s'+1}), an
-    (N, N) int16 array (int32 above 32,766 stages). With ``choices=False`` the
-    choices are not kept (``choice_table`` is None) and no time is tracked: the
-    least memory alone, in less memory.
-
-    ``progress``: optional callable receiving the fraction done (0..1) after each
-    of ~50 bands of rows, as for :func:`persistent_table`.
-
-    O(N^3) time (N = n + 1 DP stages, ~N^3 / 6 steps). Memory: two triangles of
-    N (N + 1) / 2 8-byte entries and the (N, N) choices, ~10 N^2 bytes (4 N^2
-    with ``choices=False``; five full (N, N) 8-byte tables, 40 N^2 bytes, before).
-    Measured (CPU time, one core of a loaded 2-core machine): 1.1 s for 1,000
-    stages (4.2 s before its tables were transposed); growing as n^3, ~30 s for
-    3,000 and ~2.5 min (and 250 MB) for 5,000."""
-    a = arrays
-    _check_stage_arrays(a, "min_memory")
-    N = a.N
-    mmT = np.zeros(N * (N + 1) // 2, np.int64)
-    if choices:
-        tmT = np.zeros(N * (N + 1) // 2)
-        ch = np.full((N, N), -1, _choice_dtype(N))
-    else:
-        tmT, ch = np.zeros(1), np.zeros((1, 1), np.int16)
-    for s_hi, s_lo, done in _bands(N) if progress is not None else [(N - 1, 0, 1.0)]:
-        _min_memory_table(a.uf, a.ub, a.xin, a.xo, a.xb, a.of, a.ob, a.G, a.Gb, a.nr,
-                          mmT, tmT, ch, choices, s_hi, s_lo)
-        if progress is not None:
-            progress(done)
-    return int(mmT[(N - 1) * N // 2]), (ch if choices else None)
-
-
-def min_memory_schedule(arrays: StageArrays, choice) -> Schedule:
-    """The schedule that needs the least memory (from :func:`min_memory`'s choices).
-
-    Contract: ``choice`` must be what :func:`min_memory` returned for these
-    ``arrays`` (or for the same chain in other units). The walk reads only the
-    choices, ``N`` and the no_recompute stages (``arrays.nr``): any table of
-    choices -1 or s <= s' < t describes a valid persistent schedule of every
-    chain of N - 1 stages, so a table made for another chain of the same length
-    gives a schedule of this one that is not its least-memory schedule, and
-    this cannot tell (that would take min_memory's O(N^3) pass; compare
-    :func:`choices_memory` ``(arrays, choice)`` with ``min_memory(arrays)[0]``
-    to check). Raises :class:`~rtmem.errors.ScheduleError` (reason
-    ``"bad-choice-table"``) for a table of another shape, an entry it reads
-    outside -1 and ``[s, t)``, or an F^ck that would run a stage these arrays
-    mark no_recompute twice (a table made for a chain without that flag).
-
-    Walked in jitted code writing the operation arrays, as :func:`persistent_schedule`
-    is: near the least budget the schedule has up to ~n^2/2 operations (a
-    homogeneous chain: 321,201 for 800 stages), and building them as Python tuples
-    was half of plan_remat's time there (1.3 s of 2.5 on 800 stages; 9.9 s on
-    3,000, 0.57 s jitted)."""
-    _check_stage_arrays(arrays, "min_memory_schedule")
-    N = arrays.N
-    table = _choice_table(N, choice, "min_memory_schedule")
-    cap = _reconstruct_capacity(N)
-    op, stage = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    count = _min_memory_ops(table, N, arrays.nr, op, stage)
-    if count < 0:
-        # the jitted walk writes without bounds checks of its own; an entry out of
-        # range would make it loop or write past its arrays, so it stops there
-        raise _bad_choice("min_memory_schedule", table, *divmod(-1 - count, N), arrays.nr)
-    return Schedule(op[:count], stage[:count])
-
-
-def _choice_table(N: int, choice, who: str) -> np.ndarray:
-    """``choice`` as an array, or :class:`~rtmem.errors.ScheduleError` (reason
-    ``"bad-choice-table"``) unless it is an (N, N) integer table as :func:`min_memory`
-    returns; ``who`` names the caller. Its entries are checked where the walks read
-    them (:func:`_bad_choice`)."""
-    table = np.asarray(choice)
-    if table.shape != (N, N) or table.dtype.kind not in "iu":
-        raise ScheduleError(
-            f"{who}: choice must be the ({N}, {N}) integer table min_memory returns for "
-            f"these arrays, got {table.dtype} of shape {table.shape}",
-            reason="bad-choice-table")
-    return table
-
-
-def _bad_choice(who: str, table, s: int, t: int, nr) -> ScheduleError:
-    """The error for an entry ``table[s, t]`` outside -1 and ``[s, min(t, nr[s]))``:
-    walking it would loop (s' < s, or s' = t splits (s, t) into itself), index past
-    the table, or run a stage ``nr`` flags no_recompute twice (F^ck at s reruns
-    s..s' later)."""
-    sp = int(table[s, t])
-    if s <= sp < t:
-        return ScheduleError(
-            f"{who}: choice[{s}, {t}] = {sp} runs stage {int(nr[s])} twice, which these "
-            f"arrays mark no_recompute (F^ck {s} keeping a_{sp + 1} runs stages {s}..{sp} "
-            "again later): the table was made for another chain; pass the one "
-            "min_memory returned for these arrays", reason="bad-choice-table")
-    return ScheduleError(
-        f"{who}: choice[{s}, {t}] = {table[s, t]} is not a choice min_memory makes (-1, or "
-        f"s' with {s} <= s' < {t}); pass the table min_memory returned for these arrays",
-        reason="bad-choice-table")
-
-
-@numba.njit(cache=True)
-def _min_memory_ops(choice, N, nr, ops, stages):
-    """Write :func:`min_memory_schedule`'s operations and stages to ``ops`` and
-    ``stages`` (int64, :func:`_reconstruct_capacity` long) and return their number.
-    Task stack as in :func:`_reconstruct` (kind 0: the interval (s, t); kind 1:
-    emit B s); the later-pushed task is run first. Returns ``-1 - (s N + t)`` for
-    the first entry ``choice[s, t]`` it meets that is neither -1 nor in ``[s, t)``
-    (each interval then splits into strictly smaller ones, so the walk ends and its
-    stack and op counts stay within their bounds), or in ``[nr[s], t)`` (an F^ck
-    that would run a stage flagged no_recompute twice)."""
-    kind = np.empty(4 * N + 4, np.int64)
-    ts = np.empty(4 * N + 4, np.int64)
-    tt = np.empty(4 * N + 4, np.int64)
-    kind[0], ts[0], tt[0] = 0, 0, N - 1
-    top, n_ops = 1, 0
-    while top > 0:
-        top -= 1
-        k, s, t = kind[top], ts[top], tt[top]
-        if k == 1:
-            ops[n_ops], stages[n_ops] = _B, s
-            n_ops += 1
-        elif s == t:
-            n_ops = _emit_leaf(ops, stages, n_ops, s, N - 1)
-        elif choice[s, t] == -1:
-            ops[n_ops], stages[n_ops] = _F_ALL, s
-            n_ops += 1
-            kind[top], ts[top] = 1, s
-            kind[top + 1], ts[top + 1], tt[top + 1] = 0, s + 1, t
-            top += 2
-        else:
-            sp = np.int64(choice[s, t])
-            if sp < s or sp >= t or sp >= nr[s]:
-                return -1 - (s * N + t)
-            ops[n_ops], stages[n_ops] = _F_CK, s
-            n_ops += 1
-            for h in range(s + 1, sp + 1):
-                ops[n_ops], stages[n_ops] = _F_NONE, h
-                n_ops += 1
-            kind[top], ts[top], tt[top] = 0, s, sp
-            kind[top + 1], ts[top + 1], tt[top + 1] = 0, sp + 1, t
-            top += 2
-    return n_ops
-
-
-def choices_memory(arrays: StageArrays, choice) -> int:
-    """Memory (in the units of ``arrays``) that the schedule of ``choice`` (as
-    :func:`min_memory` returns it, possibly computed on other units) needs by the
-    recurrence of ``_min_memory_table``: at a node (s, t), F^all needs
-    max(m_all(s, t), xb[s] + its tail's), F^ck keeping a_{s'+1}
-    max(m_none(s, t), xo[s'] + its tail's, its head's). So :func:`min_memory`
-    of ``arrays`` is at most this, and equal to it for its own choices.
-
-    Raises :class:`~rtmem.errors.ScheduleError` (reason ``"bad-choice-table"``),
-    as :func:`min_memory_schedule` does, for a table of another shape or an entry
-    it reads that min_memory never makes for these arrays (outside -1 and
-    ``[s, t)``, or an F^ck rerunning a stage they mark no_recompute).
-
-    The tree has fewer than 2 N nodes; each takes an O(t - s) numpy max."""
-    a = arrays
-    _check_stage_arrays(a, "choices_memory")
-    N = a.N
-    choice = _choice_table(N, choice, "choices_memory")
-    inner = a.xin + a.xo + a.of          # m_none's terms for s < h < t
-    order, stack = [], [(0, N - 1)]
-    while stack:                         # preorder: children after their parent
-        s, t = stack.pop()
-        order.append((s, t))
-        if s < t:
-            sp = int(choice[s, t])
-            if sp != -1 and not s <= sp < min(t, a.nr[s]):
-                raise _bad_choice("choices_memory", choice, s, t, a.nr)
-            stack += [(s + 1, t)] if sp == -1 else [(s, sp), (sp + 1, t)]
-    mem = {}
-    for s, t in reversed(order):
-        m_all = max(int(a.xo[t] + a.xb[s] + a.of[s] + a.G[t]),
-                    int(a.xb[s] + a.xo[s] + a.xin[s] + a.ob[s] + a.Gb[s]))
-        if s == t:
-            mem[s, t] = m_all
-            continue
-        sp = int(choice[s, t])
-        if sp == -1:
-            mem[s, t] = max(m_all, int(a.xb[s]) + mem[s + 1, t])
-            continue
-        top = int(a.xo[s] + a.of[s])
-        if t - s > 1:
-            top = max(top, int(inner[s + 1:t].max()))
-        m_none = int(a.xo[t] + a.G[t]) + top
-        mem[s, t] = max(m_none, int(a.xo[sp]) + mem[sp + 1, t], mem[s, sp])
-    return mem[0, N - 1]
 
 
 # ------------------------------------------------------- plain-Python reference
