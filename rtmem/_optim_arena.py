@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from .optim import _STATE_KEYS, _zeros_states
+from ._optim_state_dict import _STATE_KEYS
+from .optim import _zeros_states
 
 
 def arena_zeros(shapes, arena) -> list:

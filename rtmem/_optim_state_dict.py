@@ -3,9 +3,8 @@
 torch layout (``state``, ``param_groups``), the step counts, the moments, the
 skip counters (NOTE [ Skipped steps ] in rtmem/optim.py), and the state_dict /
 load_state_dict hooks, run as torch runs them. numpy only (no torch), split
-from :mod:`rtmem.optim` so that it keeps to the optimizers and their step;
-``rtmem.optim`` imports every name here under the same name, and
-:mod:`rtmem.torch` takes them from there.
+from :mod:`rtmem.optim` so that it keeps to the optimizers and their step.
+Each of those imports what it uses from here.
 """
 
 from __future__ import annotations

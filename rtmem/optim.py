@@ -38,14 +38,10 @@ import re
 
 import numpy as np
 
-# The checks of a loaded state dict are in their own module. All of them are
-# imported here, by their old names: NumpyAdam uses some, and rtmem.torch's
-# OffloadedAdam imports them from rtmem.optim.
-from ._optim_state_dict import (_MOMENT_DTYPE_HINT, _STATE_KEYS,  # noqa: F401
-                                _check_adam_keys, _check_moment, _check_state_dict,
-                                _check_state_listed, _check_torch_layout, _checked_step,
-                                _loaded, _post_hooked, _pre_hooked, _saved_skips,
-                                _saved_step)
+# The checks of a loaded state dict are in their own module (NumpyAdam's
+# load_state_dict uses these; OffloadedAdam and CPUAdam import theirs from it).
+from ._optim_state_dict import _MOMENT_DTYPE_HINT, _STATE_KEYS, _check_moment, _saved_skips, \
+    _saved_step
 from ._optional import installed as _installed
 from .arena import is_arena
 from .buffer import Buffer

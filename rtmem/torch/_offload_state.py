@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from rtmem.errors import OptimizerError
-from rtmem.optim import (_check_adam_keys, _check_moment, _check_state_dict,
-                         _check_state_listed, _check_torch_layout, _checked_step,
-                         _loaded, _post_hooked, _pre_hooked, _saved_skips,
-                         _saved_step)
+from rtmem._optim_state_dict import (_check_adam_keys, _check_moment, _check_state_dict,
+                                    _check_state_listed, _check_torch_layout,
+                                    _checked_step, _loaded, _post_hooked, _pre_hooked,
+                                    _saved_skips, _saved_step)
 
 from ._offload_checks import _check_group
 
