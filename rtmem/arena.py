@@ -595,12 +595,27 @@ class DeviceArena(_Arena):
         for a :class:`~rtmem.adaptors.StatisticsAdaptor`'s figures).
     debug:
         Poison freed memory and detect writes after free (slow; for tests).
+        Default False.
+
+    Raises :class:`~rtmem.errors.UnitError` (a ``ValueError``) for a size it
+    cannot read or a negative one, ``ValueError`` for ``nbytes`` 0, a slab of
+    1 TiB or more, an ``alignment`` that is not a power of two or
+    ``max_bytes`` below ``nbytes``, ``TypeError`` for a ``debug`` (or
+    ``HostArena``'s ``pinned``/``mapped``) that is not a bool and for
+    ``adaptors`` that are not callables returning allocators,
+    :class:`~rtmem.errors.BackendError` for an unknown or unusable backend, and
+    :class:`~rtmem.errors.OutOfMemoryError` when the backend cannot give the
+    first slab (device memory, or the memlock limit of an ``mlock``ed host
+    backend).
     """
 
     location = "device"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, nbytes, *, backend=None, alignment: int = DEFAULT_ALIGNMENT,
+                 max_bytes=None, growth_bytes=None, adaptors=(), debug: bool = False):
+        # spelled out, not *args/**kwargs: help() and inspect.signature show them
+        super().__init__(nbytes, backend=backend, alignment=alignment, max_bytes=max_bytes,
+                         growth_bytes=growth_bytes, adaptors=adaptors, debug=debug)
         # backend.synchronize() retires the stream-ordered frees made before it
         # (NOTE [ Stream-ordered frees ] in _stream_order.py)
         self.backend.retire_at_synchronize(self.core)
@@ -630,8 +645,8 @@ class HostArena(_Arena):
     device alias). Mapped memory is always pinned (the GPU addresses only
     page-locked memory): ``mapped=True`` with ``pinned=False`` gives pinned,
     mapped memory (``arena.pinned`` is True). Reserves exactly ``nbytes``
-    rounded up to ``alignment``: no power-of-two pools. Other parameters as
-    :class:`DeviceArena`.
+    rounded up to ``alignment``: no power-of-two pools. Other parameters, their
+    defaults and the errors as :class:`DeviceArena`.
 
     A new buffer is safe for the CPU to write at once: by default its bytes were
     freed behind GPU work that has completed (``alloc(stream=...)`` relaxes this
@@ -640,12 +655,15 @@ class HostArena(_Arena):
 
     location = "host"
 
-    def __init__(self, nbytes, *, pinned: bool = True, mapped: bool = False, **kwargs):
+    def __init__(self, nbytes, *, pinned: bool = True, mapped: bool = False, backend=None,
+                 alignment: int = DEFAULT_ALIGNMENT, max_bytes=None, growth_bytes=None,
+                 adaptors=(), debug: bool = False):
         _check_flag("pinned", pinned)
         _check_flag("mapped", mapped)
         self.pinned = bool(pinned or mapped)
         self.mapped = bool(mapped)
-        super().__init__(nbytes, **kwargs)
+        super().__init__(nbytes, backend=backend, alignment=alignment, max_bytes=max_bytes,
+                         growth_bytes=growth_bytes, adaptors=adaptors, debug=debug)
 
     def _new_slab(self, nbytes):
         return self.backend.host_slab(nbytes, pinned=self.pinned, mapped=self.mapped)

@@ -196,3 +196,59 @@ def test_errors_pickle_with_their_attributes():
         again = pickle.loads(pickle.dumps(err))
         assert type(again) is cls and str(again) == "what went wrong"
         assert vars(again) == vars(err) == {k: (k, i) for i, k in enumerate(keywords)}
+
+
+def _public_callables():
+    """(qualified name, object) of every class and function a user reaches from
+    the exported modules' ``__all__`` (enums and exceptions aside)."""
+    import enum
+    import inspect
+
+    import rtmem.errors
+    import rtmem.optim
+    modules = [rtmem, rtmem.planners, rtmem.planners.testing, rtmem.kernels, rtmem.optim,
+               rtmem.errors]
+    for module in modules:
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if (inspect.isclass(obj) and issubclass(obj, (enum.Enum, BaseException))) \
+                    or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                continue
+            yield f"{module.__name__}.{name}", obj
+
+
+def test_every_public_signature_names_its_parameters():
+    # help(rtmem.DeviceArena) showed "DeviceArena(*args, **kwargs)": its
+    # __init__ forwarded everything, so the reference hid every parameter, which
+    # of them are keyword-only, and the defaults its docstring states. A name
+    # whose parameters help() can show must show them.
+    import inspect
+    vague = []
+    for qualname, obj in _public_callables():
+        try:
+            params = inspect.signature(obj).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        kinds = {p.kind for p in params}
+        if kinds and kinds <= {inspect.Parameter.VAR_POSITIONAL,
+                               inspect.Parameter.VAR_KEYWORD}:
+            vague.append(qualname)
+    assert not vague, f"help() shows only (*args, **kwargs) for {vague}"
+
+
+def test_arena_signatures_show_the_documented_defaults():
+    import inspect
+
+    from rtmem.allocator import DEFAULT_ALIGNMENT
+    for cls in (rtmem.DeviceArena, rtmem.HostArena):
+        params = inspect.signature(cls).parameters
+        assert list(params)[0] == "nbytes", cls
+        # the DeviceArena docstring's defaults; HostArena takes the same ones
+        expected = {"backend": None, "alignment": DEFAULT_ALIGNMENT, "max_bytes": None,
+                    "growth_bytes": None, "adaptors": (), "debug": False}
+        for name, default in expected.items():
+            assert params[name].default == default, (cls.__name__, name)
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (cls.__name__, name)
+    arena = rtmem.HostArena(1024, backend="host", alignment=512, debug=True)
+    assert arena.core.alignment == 512 and arena.debug
+    assert rtmem.DeviceArena(1024, backend="host", max_bytes=4096).core.max_bytes == 4096
