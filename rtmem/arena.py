@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _deferred
+from . import _deferred, _fork
 from .adaptors import PoisonAdaptor, TracingAdaptor
 from .allocator import DEFAULT_ALIGNMENT, AllocatorStats, BestFitAllocator
 from .backends import Backend, get_backend
@@ -205,6 +205,7 @@ class _Arena:
                                 f"upstream -> allocator, e.g. StatisticsAdaptor")
         #: Top of the allocator stack (adaptors included); ``.upstream`` walks down.
         self.allocator = allocator
+        _fork.register_arena(self)      # NOTE [ Arenas after fork ] in _fork.py
 
     # ------------------------------------------------------ slab source API
     def _new_slab(self, nbytes):
@@ -564,6 +565,9 @@ class _Arena:
             f"needed, and copy buffers' data with buf.to_numpy()")
 
     def __repr__(self) -> str:
+        if isinstance(self.core._lock, _fork.HeldAtFork):   # no stats to read
+            return (f"<{type(self).__name__} {self.backend.name}, unusable in this "
+                    f"forked child>")
         st = self.core.stats()
         return (f"<{type(self).__name__} {self.backend.name} "
                 f"{st.allocated_bytes:,}/{st.reserved_bytes:,} B>")

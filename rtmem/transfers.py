@@ -49,6 +49,7 @@ completes (CuPy's ``_EventWatcher`` idea), guarded by ``TransferEngine._lock``.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -169,6 +170,21 @@ class TransferEngine:
 # arena, DeviceArena(..., backend=HostBackend()), is dropped with its arenas)
 _engines = weakref.WeakKeyDictionary()
 _engines_lock = threading.Lock()
+
+
+def _renew_locks_after_fork() -> None:
+    """In a child made by fork(): fresh locks for the engines (Rule 3 of NOTE
+    [ Arenas after fork ] in rtmem/_fork.py). Each guards single deque or set
+    operations, so a lock another thread held at the fork left no half-done
+    update, only a child whose every transfer waited forever."""
+    global _engines_lock
+    _engines_lock = threading.Lock()
+    for eng in list(_engines.values()):
+        eng._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_locks_after_fork)
 
 
 def get_engine(backend: Backend | str | None = None) -> TransferEngine:

@@ -630,6 +630,82 @@ def test_transfers_and_close_work_in_a_child_forked_after_copies_ran():
     h.close()
 
 
+def _held_by_a_thread(lock):
+    """Start a thread that holds ``lock`` (as one inside an alloc, a free or a
+    poll does) until the returned event is set; returns (release, thread)."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(30)
+    return release, t
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
+@pytest.mark.parametrize("held", ["allocator", "accounting", "stats adaptor", "engine"])
+def test_a_child_forked_while_a_thread_uses_an_arena_raises_instead_of_hanging(held):
+    # A thread allocating, freeing or moving (a prefetch thread, as the README's
+    # "Threads and processes" allows) holds a lock at the fork; that thread does
+    # not exist in the child, so the child's first use of the arena waited
+    # forever: a DataLoader worker hung. An arena or allocator lock held means a
+    # half-done update, so that arena is refused in the child, with a
+    # BackendError saying why and what to do; the transfer engine's lock guards
+    # single deque and set operations, so it is renewed. Other arenas work.
+    from rtmem.adaptors import StatisticsAdaptor
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    busy = HostArena(1 << 16, backend=be, adaptors=[StatisticsAdaptor])
+    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
+    kept = busy.alloc(shape=(16,), dtype=np.float32)
+    kept.numpy()[:] = 3.0
+    lock = {"allocator": busy.core._lock, "accounting": busy._acct_lock,
+            "stats adaptor": busy.allocator._lock, "engine": T.get_engine(be)._lock}[held]
+    release, t = _held_by_a_thread(lock)
+
+    def child():
+        import os
+        try:
+            if held != "engine":
+                for use in (lambda: busy.alloc(16), kept.free, busy.stats, busy.close):
+                    try:
+                        use()
+                        os._exit(3)
+                    except BackendError as e:
+                        if "forked" not in str(e) or "another thread" not in str(e):
+                            os._exit(4)
+                if not (kept.numpy() == 3.0).all():    # its data is still readable
+                    os._exit(5)
+                if "unusable in this forked child" not in repr(busy):
+                    os._exit(9)
+            b = d.alloc(shape=(64,), dtype=np.float32)
+            b.numpy()[:] = 7.0
+            T.synchronize(T.offload(b, arena=h))
+            ok = (b.to_numpy() == 7.0).all()
+            b.free()
+            d.close()
+            h.close()
+            os._exit(0 if ok else 6)
+        except BaseException:
+            os._exit(8)
+
+    try:
+        assert _in_forked_child(child, timeout=8) == 0
+    finally:
+        release.set()
+        t.join()
+    for arena in (busy, d, h):          # the parent is unaffected
+        arena.alloc(16).free()
+    assert (kept.numpy() == 3.0).all()
+    kept.free()
+    for arena in (busy, d, h):
+        arena.close()
+
+
 def test_a_record_refused_by_a_closed_stream_leaves_the_event_as_it_was():
     # The event switched to the new recording before the stream refused it: it
     # stayed pending forever, and its synchronize() hung.
