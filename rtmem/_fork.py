@@ -17,8 +17,9 @@ first use of that arena hung: a worker that never returned a batch.
    lock); ``alloc``, ``free``, ``stats`` and ``close`` raise. The child's
    memory is its own copy: the parent is untouched either way.
 2. An arena no thread was using works in the child as in the parent.
-3. The transfer engines' locks each guard one deque or set operation, never a
-   half-done update, so rtmem.transfers gives the child fresh ones.
+3. The transfer engines' locks, and the backend registry's (``get_backend``),
+   each guard one container operation, never a half-done update, so
+   rtmem.transfers and rtmem.backends give the child fresh ones.
 
 Only registration (a WeakSet add per arena) costs anything before a fork.
 """

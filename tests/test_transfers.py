@@ -647,15 +647,17 @@ def _held_by_a_thread(lock):
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
-@pytest.mark.parametrize("held", ["allocator", "accounting", "stats adaptor", "engine"])
+@pytest.mark.parametrize("held", ["allocator", "accounting", "stats adaptor", "engine",
+                                  "backends"])
 def test_a_child_forked_while_a_thread_uses_an_arena_raises_instead_of_hanging(held):
     # A thread allocating, freeing or moving (a prefetch thread, as the README's
     # "Threads and processes" allows) holds a lock at the fork; that thread does
     # not exist in the child, so the child's first use of the arena waited
     # forever: a DataLoader worker hung. An arena or allocator lock held means a
     # half-done update, so that arena is refused in the child, with a
-    # BackendError saying why and what to do; the transfer engine's lock guards
-    # single deque and set operations, so it is renewed. Other arenas work.
+    # BackendError saying why and what to do; the transfer engine's and the
+    # backend registry's locks guard single container operations, so they are
+    # renewed. Other arenas work.
     from rtmem.adaptors import StatisticsAdaptor
     from rtmem.backends.host import HostBackend
     be = HostBackend()
@@ -663,14 +665,16 @@ def test_a_child_forked_while_a_thread_uses_an_arena_raises_instead_of_hanging(h
     d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
     kept = busy.alloc(shape=(16,), dtype=np.float32)
     kept.numpy()[:] = 3.0
+    import rtmem.backends
     lock = {"allocator": busy.core._lock, "accounting": busy._acct_lock,
-            "stats adaptor": busy.allocator._lock, "engine": T.get_engine(be)._lock}[held]
+            "stats adaptor": busy.allocator._lock, "engine": T.get_engine(be)._lock,
+            "backends": rtmem.backends._lock}[held]
     release, t = _held_by_a_thread(lock)
 
     def child():
         import os
         try:
-            if held != "engine":
+            if held not in ("engine", "backends"):
                 for use in (lambda: busy.alloc(16), kept.free, busy.stats, busy.close):
                     try:
                         use()
@@ -685,7 +689,8 @@ def test_a_child_forked_while_a_thread_uses_an_arena_raises_instead_of_hanging(h
             b = d.alloc(shape=(64,), dtype=np.float32)
             b.numpy()[:] = 7.0
             T.synchronize(T.offload(b, arena=h))
-            ok = (b.to_numpy() == 7.0).all()
+            T.synchronize()                     # the default backend's engine
+            ok = (b.to_numpy() == 7.0).all() and get_backend("host").name == "host"
             b.free()
             d.close()
             h.close()

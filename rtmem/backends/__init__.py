@@ -190,6 +190,19 @@ _instances: dict = {}
 _cuda_ok = None
 
 
+def _renew_lock_after_fork() -> None:
+    # A thread inside get_backend at a fork() holds _lock, and does not exist in
+    # the child: every later get_backend there (each transfer with the default
+    # backend) waited forever. The lock guards one dict lookup and insert, so a
+    # fresh one is safe (a backend half made at the fork was never inserted).
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock_after_fork)
+
+
 def cuda_available() -> bool:
     """True if CuPy imports and sees at least one CUDA device (cached)."""
     global _cuda_ok
