@@ -396,6 +396,10 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
     InfeasibleError
         When the budget is below :func:`min_feasible_memory`; ``min_feasible``
         carries that value in bytes.
+    RtmemError
+        When ``slots`` or ``slot_bytes`` is not an integer >= 1, or the DP table
+        would exceed :data:`MAX_TABLE_BYTES` (the message gives the most slots
+        that fit).
 
     Warns
     -----
