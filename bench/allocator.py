@@ -31,7 +31,8 @@ Usage::
     python bench/allocator.py [--repeats 7] [--quick]
 
 Prints a table and writes ``bench/results/allocator.json``. Rates and ratios
-are medians over repeats, measured in the same run. The JSON is written after
+are medians over repeats, measured in the same run; beside each, ``KEY_all``
+holds every repeat's figure (the table gives the speedups' range). The JSON is written after
 each section too, marked ``"partial": true`` until the run is complete, so a
 run stopped early (SIGINT, as bench/gpu_session.sh's time limit sends) keeps
 the sections it finished; it then exits with code 130.
@@ -193,16 +194,25 @@ def time_replays(make, trace, repeats, loops):
 
 
 def time_pair(make_a, make_b, trace, repeats, loops):
-    """Median pairs/s of ``make_a`` and ``make_b`` allocators and the median of
-    their per-repeat ratio a / b; each repeat times both, alternating which
-    goes first, so slow phases of a noisy machine hit both alike."""
+    """Per-repeat pairs/s of ``make_a`` and ``make_b`` allocators and their ratio
+    a / b in each repeat, three lists of ``repeats`` floats; each repeat times
+    both, alternating which goes first, so slow phases of a noisy machine hit
+    both alike. :func:`spread` turns a list into the JSON's fields."""
     rates_a, rates_b = [], []
     for k in range(repeats):
         order = ((make_a, rates_a), (make_b, rates_b))
         for make, rates in (order if k % 2 == 0 else order[::-1]):
             rates.append(time_replays(make, trace, 1, loops)[0])
     ratios = [x / y for x, y in zip(rates_a, rates_b)]
-    return statistics.median(rates_a), statistics.median(rates_b), statistics.median(ratios)
+    return rates_a, rates_b, ratios
+
+
+def spread(key: str, values) -> dict:
+    """``{key: median, key_all: values}``: the median the table quotes and every
+    repeat's figure (as remat.json's ``fill_s_all``, adam.json's ``times_s``),
+    so that two runs can be compared with their spread, not by medians alone."""
+    values = list(values)
+    return {key: statistics.median(values), f"{key}_all": values}
 
 
 def sampled_fragmentation(trace, slab_bytes, every=500):
@@ -331,10 +341,12 @@ def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
     contenders["cupy_memorypool"].pool.free_all_blocks()
     if "torch_caching" in contenders:
         torch.cuda.empty_cache()
-    out = {f"{name}_pairs_per_s": statistics.median(r) for name, r in rates.items()}
+    out = {}
+    for name, r in rates.items():
+        out.update(spread(f"{name}_pairs_per_s", r))
     for name in _RTMEM_GPU:
-        out[f"{name}_over_cupy"] = statistics.median(
-            a / b for a, b in zip(rates[name], rates["cupy_memorypool"]))
+        out.update(spread(f"{name}_over_cupy",
+                          [a / b for a, b in zip(rates[name], rates["cupy_memorypool"])]))
     out["goal_over_cupy"] = 1 / 1.5
     for name, nbytes in reserved.items():
         out[f"{name}_reserved_bytes"] = nbytes
@@ -419,7 +431,8 @@ def random_section(trace, repeats) -> dict:
     peak = peak_live_aligned(trace)
     out = {
         "ops": len(trace), "pairs": sum(op == "free" for op, *_ in trace),
-        "rtmem_pairs_per_s": rt, "naive_pairs_per_s": nv, "speedup_vs_naive": speedup,
+        **spread("rtmem_pairs_per_s", rt), **spread("naive_pairs_per_s", nv),
+        **spread("speedup_vs_naive", speedup),
         "fragmentation_mean": mean_f, "fragmentation_max": max_f,
         "extent_bytes": extent, "peak_live_bytes": peak,
         "reserved_over_peak_live": extent / peak,
@@ -428,8 +441,9 @@ def random_section(trace, repeats) -> dict:
     # host backend: 256 MiB of numpy slab holds the trace's ~100 MB peak.
     ar, co, ratio = time_pair(lambda: ArenaPath(256 << 20, backend="host"),
                               lambda: BestFitAllocator(256 << 20), trace, repeats, 1)
-    out.update(host_arena_pairs_per_s=ar, core_pairs_per_s_same_run=co,
-               host_arena_over_core=ratio)
+    out.update(**spread("host_arena_pairs_per_s", ar),
+               **spread("core_pairs_per_s_same_run", co),
+               **spread("host_arena_over_core", ratio))
     return out
 
 
@@ -445,7 +459,8 @@ def gpt2_section(trace, lt, repeats, loops) -> dict:
     return {
         "chain": "gpt2-small", "schedule": "sequential_schedule(n, 4)",
         "buffers": len(lt), "ops": len(trace),
-        "rtmem_pairs_per_s": rt, "naive_pairs_per_s": nv, "speedup_vs_naive": speedup,
+        **spread("rtmem_pairs_per_s", rt), **spread("naive_pairs_per_s", nv),
+        **spread("speedup_vs_naive", speedup),
         "naive_max_holes": max_holes(trace, 64 * GIB),
         "fragmentation_mean": mean_f, "fragmentation_max": max_f,
         "peak_live_bytes": peak, "best_fit_reserved_bytes": extent,
@@ -453,6 +468,13 @@ def gpt2_section(trace, lt, repeats, loops) -> dict:
         "static_layout_reserved_bytes": lay.reserved_bytes,
         "static_layout_reserved_over_peak_live": lay.reserved_bytes / lay.peak_live_bytes,
         "goal_best_fit": 1.05, "goal_static": 1.01}
+
+
+def _range(section: dict, key: str = "speedup_vs_naive") -> str:
+    """The spread of ``key``'s repeats in a section, for the table: "1.80-2.05x
+    over 7 repeats"."""
+    values = section[f"{key}_all"]
+    return f"{min(values):.2f}-{max(values):.2f}x over {len(values)} repeats"
 
 
 #: Why the GPU section is skipped on a machine without a usable GPU.
@@ -527,8 +549,8 @@ def main(argv=None, prog=None) -> int:
     rows = [
         ("random: rtmem pairs/s", f"{r['rtmem_pairs_per_s']:,.0f}"),
         ("random: naive best-fit pairs/s", f"{r['naive_pairs_per_s']:,.0f}"),
-        ("random: speedup vs naive", f"{r['speedup_vs_naive']:.2f}x "
-                                     f"(naive scans up to {r['naive_max_holes']} holes)"),
+        ("random: speedup vs naive", f"{r['speedup_vs_naive']:.2f}x ({_range(r)}; "
+                                     f"naive scans up to {r['naive_max_holes']} holes)"),
         ("random: fragmentation mean / max", f"{r['fragmentation_mean']:.3f} / "
                                              f"{r['fragmentation_max']:.3f}"),
         ("random: reserved / peak live", f"{r['reserved_over_peak_live']:.3f}"),
@@ -536,8 +558,8 @@ def main(argv=None, prog=None) -> int:
          f"({r['host_arena_over_core']:.2f}x the core's)"),
         ("gpt2: rtmem pairs/s", f"{g['rtmem_pairs_per_s']:,.0f}"),
         ("gpt2: naive best-fit pairs/s", f"{g['naive_pairs_per_s']:,.0f}"),
-        ("gpt2: speedup vs naive", f"{g['speedup_vs_naive']:.2f}x "
-                                   f"(naive scans up to {g['naive_max_holes']} holes)"),
+        ("gpt2: speedup vs naive", f"{g['speedup_vs_naive']:.2f}x ({_range(g)}; "
+                                   f"naive scans up to {g['naive_max_holes']} holes)"),
         ("gpt2: best-fit reserved / peak live (goal <= 1.05)",
          f"{g['best_fit_reserved_over_peak_live']:.4f}"),
         ("gpt2: static layout reserved / peak live (goal <= 1.01)",

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -594,6 +595,12 @@ def test_allocator_gpu_section(bench, capsys):
         d = doc["gpu"][trace]
         assert all(_rate_ok(d[f"{n}_pairs_per_s"]) for n in names)
         assert all(_rate_ok(d[f"{n}_over_cupy"]) for n in al._RTMEM_GPU)
+        # every repeat's rate and ratio, not the medians alone (--quick: 3 repeats)
+        for n in al._RTMEM_GPU:
+            rates, cupy = d[f"{n}_pairs_per_s_all"], d["cupy_memorypool_pairs_per_s_all"]
+            assert len(rates) == len(cupy) == doc["repeats"] == 3
+            assert d[f"{n}_over_cupy_all"] == [a / b for a, b in zip(rates, cupy)]
+            assert d[f"{n}_pairs_per_s"] == statistics.median(rates)
         assert d["warmup_ooms"] == d["timed_ooms"] == dict.fromkeys(names, 0)
         assert "torch_caching_pairs_per_s" not in d            # torch sees no CUDA
         assert _torch_skipped() in d["torch_caching_skipped"]
@@ -629,7 +636,7 @@ def test_allocator_gpu_section_reports_allocations_refused_while_timed(bench, mo
             return dataclasses.replace(result, ooms=3)        # not in its warm-up
         return result
     monkeypatch.setattr(al, "replay", replay)
-    monkeypatch.setattr(al, "time_pair", lambda *a, **k: (1.0, 1.0, 1.0))   # host sections
+    monkeypatch.setattr(al, "time_pair", lambda *a, **k: ([1.0], [1.0], [1.0]))  # host sections
     monkeypatch.setattr(al, "sampled_fragmentation", lambda *a, **k: (0.0, 0.0, 1 << 20))
     assert al.main(["--quick", "--repeats", "2"]) == 0
     d = bench.json("allocator")["gpu"]["random"]

@@ -3,6 +3,7 @@
 import importlib
 import json
 import pathlib
+import statistics
 
 import pytest
 
@@ -146,6 +147,32 @@ def test_allocator_quick_keeps_an_explicit_repeats(monkeypatch, tmp_path):
         with pytest.raises(Stop):
             allocator.main(argv)
         assert seen.pop() == repeats
+
+
+def test_allocator_json_keeps_every_repeat_beside_the_medians(monkeypatch, tmp_path, capsys):
+    # allocator.json kept only medians: two runs could not be compared with their
+    # spread (time_pair threw the per-repeat rates and ratios away)
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    allocator = bench_module(monkeypatch, "allocator")
+    assert allocator.main(["--quick", "--repeats", "3"]) == 0
+    doc = json.loads((tmp_path / "allocator.json").read_text())
+    for section, pairs in (("random", [("rtmem_pairs_per_s", "naive_pairs_per_s",
+                                        "speedup_vs_naive"),
+                                       ("host_arena_pairs_per_s", "core_pairs_per_s_same_run",
+                                        "host_arena_over_core")]),
+                           ("gpt2", [("rtmem_pairs_per_s", "naive_pairs_per_s",
+                                      "speedup_vs_naive")])):
+        d = doc[section]
+        for a, b, ratio in pairs:
+            rates_a, rates_b = d[f"{a}_all"], d[f"{b}_all"]
+            assert len(rates_a) == len(rates_b) == 3 and min(rates_a + rates_b) > 0
+            assert d[f"{ratio}_all"] == [x / y for x, y in zip(rates_a, rates_b)]
+            for key in (a, b, ratio):       # the medians stay under their keys
+                assert d[key] == statistics.median(d[f"{key}_all"])
+    # the table gives the speedups' spread
+    out = capsys.readouterr().out
+    runs = doc["random"]["speedup_vs_naive_all"]
+    assert f"{min(runs):.2f}-{max(runs):.2f}x over 3 repeats" in out
 
 
 def test_pcie_plot_makes_its_folder(monkeypatch, tmp_path):

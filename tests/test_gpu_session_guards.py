@@ -91,7 +91,7 @@ def test_allocator_benchmark_without_a_gpu_exits_3_only_when_required(monkeypatc
     allocator = importlib.import_module("allocator")
     monkeypatch.setattr(allocator, "cuda_available", lambda: False)
     # only the exit is under test: the CPU measurements are stubbed out
-    monkeypatch.setattr(allocator, "time_pair", lambda *a, **k: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(allocator, "time_pair", lambda *a, **k: ([1.0], [1.0], [1.0]))
     monkeypatch.setattr(allocator, "pinned_check", lambda nbytes: {"error": "stubbed"})
     monkeypatch.setenv("RTMEM_REQUIRE_GPU", "1")
     # an earlier GPU result stays (allocator replaced it with "skipped", in the
