@@ -4,12 +4,13 @@ Run:  python bench/adam.py [--sizes 1e6,1e7,5e7,1e8] [--repeats 3]
 
 For each size (parameters) every contender runs once per round, rounds
 interleaved so machine noise hits all of them alike; the table reports the median
-over rounds. Before every timed call a scratch buffer of twice the last-level
-cache is rewritten (untimed), so each call starts from cold caches, as an
-optimizer step does after backward; otherwise a contender that runs right after
-another on the same arrays finds them cached (at 1M params a warm call was 2.5x
-faster than a cold one here) and small sizes compare cache luck. ``--warm-cache``
-turns the eviction off. Contenders:
+over rounds and their spread (``max/min``: slowest over fastest round; the JSON
+has every round). Before every timed call a scratch buffer of twice the
+last-level cache is rewritten (untimed), so each call starts from cold caches,
+as an optimizer step does after backward; otherwise a contender that runs
+right after another on the same arrays finds them cached (at 1M params a warm
+call was 2.5x faster than a cold one here) and small sizes compare cache luck.
+``--warm-cache`` turns the eviction off. Contenders:
 
 - ``rtmem fp32``: :func:`rtmem.kernels.adam_update`, fp32 grads.
 - ``rtmem fp32+check``: the same with a loss scale, so the read-only finite pass
@@ -384,14 +385,16 @@ def main(argv=None, prog=None) -> int:
         print(f"size {n:>12,d}: done ({time.perf_counter() - t_start:.0f} s elapsed)",
               file=sys.stderr)
 
+    # max/min: the spread of the rounds behind each median (1.00: every round
+    # alike; a noisy machine shows here before it shows in the ratios)
     print(f"\n{'params':>12} {'implementation':<22} {'Mparams/s':>10} {'GB/s':>7}"
-          f" {'vs roofline':>11}")
+          f" {'vs roofline':>11} {'max/min':>7}")
     for r in rows:
         half = ("bf16" in r["impl"] or "fp16" in r["impl"]) and "torch" not in r["impl"]
         roof = "roofline bf16" if half else "roofline fp32"
         rr = _ratio(rows, r["size"], r["impl"], roof)
         print(f"{r['size']:>12,d} {r['impl']:<22} {r['params_per_s'] / 1e6:>10.1f}"
-              f" {r['gb_per_s']:>7.1f} {rr:>11.2f}")
+              f" {r['gb_per_s']:>7.1f} {rr:>11.2f} {max(r['times_s']) / r['min_s']:>7.2f}")
     for name, note in notes.items():
         print(f"{name}: {note}")
 

@@ -250,6 +250,25 @@ def test_adam_keeps_its_finished_sizes_when_interrupted(monkeypatch, tmp_path, c
     assert "partial" not in doc and "interrupted" not in doc and doc["sizes"] == [1000, 2000]
 
 
+def test_adam_table_shows_the_spread_of_each_medians_rounds(monkeypatch, tmp_path, capsys):
+    # the JSON kept every round (times_s) but the printed table showed medians
+    # only: a noisy run looked as trustworthy as a quiet one
+    adam = bench_module(monkeypatch, "adam")
+    monkeypatch.setattr(adam, "_deepspeed_contenders",       # its import alone takes seconds
+                        lambda n, seed: ({}, {"DeepSpeed CPUAdam": "not timed in tests"}))
+    out = tmp_path / "adam.json"
+    assert adam.main(["--sizes", "1000", "--repeats", "3", "--budget", "0", "--warm-cache",
+                      "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "implementation" in line)
+    assert header.split()[-1] == "max/min"
+    for r in doc["results"]:
+        row = next(line for line in lines if f" {r['impl']} " in line and "1,000" in line)
+        assert len(r["times_s"]) == 3
+        assert row.split()[-1] == f"{max(r['times_s']) / min(r['times_s']):.2f}"
+
+
 def test_a_benchmark_interrupted_before_any_section_keeps_an_earlier_result(
         monkeypatch, tmp_path, capsys):
     # nothing measured: an earlier (complete) result is not replaced by an empty one
