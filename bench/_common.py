@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import atexit
 import copy
+import functools
 import gc
 import json
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 
@@ -210,17 +212,66 @@ def offload_everything(n: int, grads: bool = True, first: int = 1):
     return Schedule.from_ops(ops)
 
 
+#: The checkout (or unpacked sdist) these scripts belong to.
+ROOT = os.path.dirname(os.path.dirname(RESULTS))
+
+#: Seconds one git command may take before :func:`source_revision` gives up on
+#: it: a results file is written after each section, and git on a slow or
+#: network file system must not hold a benchmark up (the answer is cached).
+GIT_TIMEOUT_S = 2.0
+
+
+@functools.lru_cache(maxsize=None)
+def source_revision(root: str = ROOT) -> dict:
+    """The git commit the code in ``root`` (default: this checkout) was run
+    from: ``{"commit": "<40 hex>", "dirty": bool}``, ``dirty`` when tracked
+    files differ from that commit (untracked files are not counted), or
+    ``{"commit": None, "reason": why}`` when git is not installed, fails or
+    takes over :data:`GIT_TIMEOUT_S` seconds, or ``root`` is not the top of a
+    git checkout (an unpacked sdist; a folder inside some other repository,
+    whose commit says nothing about this code). Never raises; asked once per
+    process and root."""
+    def git(*args):
+        # --no-optional-locks: status must not write the index under a
+        # concurrent git command of the user's
+        return subprocess.run(["git", "--no-optional-locks", "-C", root, *args],
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              timeout=GIT_TIMEOUT_S, check=False)
+    try:
+        head = git("rev-parse", "--show-toplevel", "HEAD")
+        lines = head.stdout.splitlines()
+        if head.returncode != 0 or len(lines) != 2:
+            why = (head.stderr.strip().splitlines() or ["git rev-parse failed"])[0]
+            return {"commit": None, "reason": f"not a git checkout with a commit: {why}"}
+        top, commit = lines
+        if os.path.realpath(top) != os.path.realpath(root):
+            return {"commit": None, "reason": f"{root} is inside the git checkout {top}, "
+                                              f"not one of its own"}
+        status = git("status", "--porcelain", "--untracked-files=no")
+        if status.returncode != 0:
+            why = (status.stderr.strip().splitlines() or ["git status failed"])[0]
+            return {"commit": commit, "dirty": None, "reason": why}
+        return {"commit": commit, "dirty": bool(status.stdout.strip())}
+    except subprocess.TimeoutExpired:
+        return {"commit": None, "reason": f"git took over {GIT_TIMEOUT_S:g} s"}
+    except OSError as e:                # FileNotFoundError: no git on PATH
+        return {"commit": None, "reason": f"git did not run: {e}"}
+
+
 def machine() -> dict:
     """Facts that make a result interpretable: CPU count, Python, library versions
     (rtmem's among them: two runs of different rtmem releases compare the code as
-    much as the machine)."""
+    much as the machine), and ``rtmem_git``, the checkout's commit and whether
+    its tracked files were changed (:func:`source_revision`): runs between two
+    releases differ by commit only."""
     import numba
     import numpy
 
     import rtmem
     return {"python": sys.version.split()[0], "platform": platform.platform(),
             "cpus": os.cpu_count(), "numpy": numpy.__version__, "numba": numba.__version__,
-            "numba_threads": numba.get_num_threads(), "rtmem": rtmem.__version__}
+            "numba_threads": numba.get_num_threads(), "rtmem": rtmem.__version__,
+            "rtmem_git": source_revision()}
 
 
 def command_line(script: str, argv=None, prog=None) -> str:

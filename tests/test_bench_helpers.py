@@ -103,6 +103,70 @@ def test_partial_results_keep_what_was_saved_not_what_came_after(monkeypatch, tm
     assert saved["sizes"] == [1] and saved["interrupted"] == "size 2"
 
 
+def _git(cwd, *args):
+    import subprocess
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_results_record_the_checkouts_commit_and_whether_it_was_changed(monkeypatch,
+                                                                         tmp_path):
+    # a results file named rtmem's version only: two runs between releases could
+    # not be told apart, nor a run of uncommitted code from the commit's
+    import shutil
+    import subprocess
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    common = bench_module(monkeypatch, "_common")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))   # no enclosing repo
+    for name in ("GIT_DIR", "GIT_WORK_TREE"):
+        monkeypatch.delenv(name, raising=False)
+    ask = common.source_revision.__wrapped__                       # uncached
+    repo = tmp_path / "checkout"
+    (repo / "sub").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / "a.txt").write_text("one\n")
+    _git(repo, "add", "a.txt")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = _git(repo, "rev-parse", "HEAD")
+    assert ask(str(repo)) == {"commit": head, "dirty": False}
+    (repo / "new.txt").write_text("untracked files do not count\n")
+    assert ask(str(repo)) == {"commit": head, "dirty": False}
+    (repo / "a.txt").write_text("two\n")
+    assert ask(str(repo)) == {"commit": head, "dirty": True}
+    # not the top of a checkout: another repository's commit says nothing of it
+    inner = ask(str(repo / "sub"))
+    assert inner["commit"] is None and "inside the git checkout" in inner["reason"]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    none = ask(str(plain))
+    assert none["commit"] is None and "not a git checkout" in none["reason"]
+    # git missing, or too slow: a reason, no error, no wait
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    gone = ask(str(repo))
+    assert gone["commit"] is None and "git did not run" in gone["reason"]
+
+    def slow(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
+    monkeypatch.setattr(common.subprocess, "run", slow)
+    late = ask(str(repo))
+    assert late["commit"] is None and f"over {common.GIT_TIMEOUT_S:g} s" in late["reason"]
+
+
+def test_write_results_carry_this_checkouts_revision(monkeypatch, tmp_path):
+    common = bench_module(monkeypatch, "_common")
+    path = common.write_results("x", {}, path=tmp_path / "x.json")
+    rev = json.loads(open(path).read())["machine"]["rtmem_git"]
+    assert rev == common.source_revision(common.ROOT)
+    root = common.ROOT
+    if rev["commit"] is not None:       # tests run from a checkout: its HEAD
+        assert rev["commit"] == _git(root, "rev-parse", "HEAD")
+        assert rev["dirty"] == bool(_git(root, "status", "--porcelain",
+                                         "--untracked-files=no"))
+    else:                               # an sdist, no git: says why
+        assert rev["reason"]
+
+
 # --------------------------------------------------------------------- adam
 def test_adam_ratios_are_speed_ratios_of_medians_and_of_best_rounds(monkeypatch):
     adam = bench_module(monkeypatch, "adam")
