@@ -52,7 +52,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
-                     count, gc_cost, offload_everything, round_robin, write_results)
+                     command_line, count, gc_cost, offload_everything, round_robin,
+                     write_results)
 
 # (a stop while torch loads, seconds, is one line: _common's excepthook)
 import torch  # noqa: E402
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows, results = [], []
-    doc = {"command": "python bench/executor.py " + " ".join(argv or sys.argv[1:]),
+    doc = {"command": command_line("executor.py", argv),
            "torch": torch.__version__, "threads": args.threads, "width": WIDTH,
            "batch": BATCH, "repeats": args.repeats, "results": results}
     # the default depths take minutes: a stop keeps the depths measured before it

@@ -26,8 +26,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least, count,  # noqa: E402
-                     write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least,  # noqa: E402
+                     command_line, count, write_results)
 
 import numpy as np  # noqa: E402
 
@@ -135,7 +135,7 @@ def main(argv=None):
     print("-" * len(header))
     # one document: saved (partial) after each case, completed after the last
     result = {"benchmark": "rotor persistent DP (C_MP) fill time",
-              "command": "python bench/remat.py " + " ".join(argv or sys.argv[1:]),
+              "command": command_line("remat.py", argv),
               "budget_fraction": args.fraction, "repeats": args.repeats,
               "compile_and_first_call_s": compile_s, "rows": rows}
     for chain, S in cases:

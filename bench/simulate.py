@@ -19,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (MAX_REPEATS, CommandParser, PartialResults, count,  # noqa: E402
-                     median_time, offload_everything, write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults,  # noqa: E402
+                     command_line, count, median_time, offload_everything, write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.planners import Chain, Platform, simulate  # noqa: E402
@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     print(format_table(["simulator", "ops/s", "median ms"], rows))
     print(f"\nspeed-up jitted / pure Python: {t_ref / t_jit:.1f}x")
     path = write_results("simulate", {
+        "command": command_line("simulate.py", argv),
         "ops": ops, "stages": n, "repeats": args.repeats,
         "jitted": {"median_s": t_jit, "ops_per_s": ops / t_jit, "repeats": args.repeats},
         "pure_python": {"median_s": t_ref, "ops_per_s": ops / t_ref, "repeats": ref_repeats},

@@ -85,7 +85,7 @@ import traceback
 # _common first: a stop while torch loads (seconds) is one line, not a traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
-                     at_least, count, gpu_required, not_measured, round_robin,
+                     at_least, command_line, count, gpu_required, not_measured, round_robin,
                      write_results)
 
 import numpy as np  # noqa: E402
@@ -575,8 +575,7 @@ def main(argv=None):
         args.gpu_deadline_s = args.gpu_time_s + 240.0
 
     t0 = time.perf_counter()
-    doc = {"command": "python bench/train.py " + " ".join(sys.argv[1:] if argv is None
-                                                          else argv),
+    doc = {"command": command_line("train.py", argv),
            "torch": torch.__version__}
     # a time limit must not take what was measured with it: the GPU section's
     # parts are written as they finish (marked partial)

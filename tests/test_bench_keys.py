@@ -610,6 +610,62 @@ def test_rtmem_bench_adam_and_allocator_run_on_cpu_and_write_the_scripts_json(
     assert "wrote " + str(tmp_path / "allocator.json") in capsys.readouterr().out
 
 
+def _stub_measurements(monkeypatch, name, module):
+    """Replace ``name``'s measuring by constant figures: only its document is
+    under test."""
+    if name == "simulate":
+        monkeypatch.setattr(module, "median_time", lambda fn, repeats, warmup=1: 1e-3)
+        monkeypatch.setattr(module, "simulate",
+                            lambda c, s, p: type("R", (), {"peak": 1, "makespan": 1.0})())
+        monkeypatch.setattr(module, "reference_simulate", lambda c, s, p: {"peak": 1})
+    elif name == "remat":
+        class Plan:
+            info = {"method": "dp"}
+        monkeypatch.setattr(module, "persistent_table", lambda *a: None)
+        monkeypatch.setattr(module, "discretized", lambda *a: (None, 1))
+        monkeypatch.setattr(module, "budget_for", lambda *a: 1)
+        monkeypatch.setattr(module, "plan_remat", lambda *a: Plan())
+        monkeypatch.setattr(module, "run_case", lambda chain, slots, *a: {
+            "chain": chain.name, "L": chain.n, "S": slots, "M": slots,
+            "fill_s_median": 1.0, "plan_remat_s": 1.0, "python_s": None,
+            "speedup_vs_python": None, "table_bytes": 8, "overhead_vs_no_remat": 0.1})
+    elif name == "executor":
+        monkeypatch.setattr(module, "measure", lambda depth, repeats: {
+            "depth": depth, "median_s": {"torch plain": 1.0},
+            "over_torch": {"torch plain": 1.0}, "gc": {}, "with_gc_over_torch": {},
+            "recount_over_ledger": {}})
+
+
+@pytest.mark.parametrize("name, argv, written", [
+    ("simulate", [], "simulate.json"),
+    ("simulate", ["--ops", "60", "--repeats", "2"], "simulate.json"),
+    ("remat", [], "remat.json"),
+    ("remat", ["--repeats", "1", "--out", "{tmp}/a b.json"], "a b.json"),
+    ("executor", [], "executor.json"),
+    ("executor", ["--depths", "3, 4", "--repeats", "1"], "executor.json"),
+    ("train", ["--skip-cpu", "--skip-gpu"], "train.json"),
+    ("train", ["--skip-cpu", "--skip-gpu", "--out", "t 1"], "t 1.json"),
+])
+def test_bench_results_record_the_command_main_was_given_quoted(monkeypatch, tmp_path,
+                                                                name, argv, written):
+    # simulate.json had no command; remat, executor and train joined `argv or
+    # sys.argv[1:]` unquoted, so main([]) recorded the test runner's arguments and
+    # a value with a space could not be typed again
+    import shlex
+    if name in ("executor", "train"):
+        pytest.importorskip("torch")
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    monkeypatch.setattr("sys.argv", ["pytest", "-n", "2", "-k", "not this"])
+    module = bench_module(monkeypatch, name)
+    _stub_measurements(monkeypatch, name, module)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert module.main(argv) == 0
+    doc = json.loads((tmp_path / written).read_text())
+    assert doc["command"] == f"python bench/{name}.py" + "".join(
+        " " + shlex.quote(a) for a in argv)
+    assert shlex.split(doc["command"])[2:] == argv          # typed again, the same words
+
+
 def test_bench_command_line_is_quoted_and_names_how_it_ran(monkeypatch):
     common = bench_module(monkeypatch, "_common")
     assert common.command_line("adam.py", ["--sizes", "1e3", "--out", "a b.json"]) == \
