@@ -28,9 +28,9 @@ shared machines) hits both sides alike.
 
 Usage::
 
-    python bench/allocator.py [--repeats 7] [--quick]
+    python bench/allocator.py [--repeats 7] [--quick] [--out PATH]
 
-Prints a table and writes ``bench/results/allocator.json``. Rates and ratios
+Prints a table and writes ``bench/results/allocator.json`` (or ``--out``). Rates and ratios
 are medians over repeats, measured in the same run; beside each, ``KEY_all``
 holds every repeat's figure (the table gives the speedups' range). The JSON is written after
 each section too, marked ``"partial": true`` until the run is complete, so a
@@ -55,6 +55,7 @@ from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay
 from rtmem.allocator import BestFitAllocator, align_up
 from rtmem.backends import cuda_available
+from rtmem.cli import output_file
 from rtmem.errors import OutOfMemoryError
 from rtmem.layout import plan_layout
 from rtmem.planners import builtin, sequential_schedule
@@ -514,6 +515,10 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
                     help="timing repeats (median; default 7, 3 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")
+    # checked now: a folder or an unwritable path met the final write after the run
+    ap.add_argument("--out", type=output_file(replace=True), default=None,
+                    help="JSON output path (default: allocator.json in bench/results or "
+                         "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)
     # --quick gives the default only: it replaced an explicit --repeats silently
     repeats = args.repeats if args.repeats is not None else 3 if args.quick else 7
@@ -526,7 +531,7 @@ def main(argv=None, prog=None) -> int:
               file=sys.stderr)
         return 3
     results = {"command": command_line("allocator.py", argv, prog), "repeats": repeats}
-    partial, during = PartialResults("allocator"), "making the traces"
+    partial, during = PartialResults("allocator", args.out), "making the traces"
     try:
         rtrace = random_trace(4000 if args.quick else 40000)
         gtrace, lt = gpt2_trace()
@@ -597,7 +602,7 @@ def main(argv=None, prog=None) -> int:
                           f"timings invalid", f"{n:,}")
                          for name, n in d[f"{when}_ooms"].items() if n]
     print(format_table(["metric", "value"], rows, align="ll"))
-    print(f"\nwrote {write_results('allocator', results)}")
+    print(f"\nwrote {write_results('allocator', results, path=args.out)}")
     return 0
 
 

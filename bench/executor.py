@@ -2,6 +2,7 @@
 next to plain torch in the same process.
 
     .venv/bin/python bench/executor.py [--depths 25,100,400] [--repeats 7] [--threads 1]
+        [--out PATH]
 
 The model is ``depth`` thin stages (``Linear(64, 64)`` + ReLU, batch 8, CPU), so
 a stage's compute is tens of microseconds and the executor's per-operation work
@@ -37,8 +38,8 @@ a row, as a training loop runs them) and collections per step by generation;
 ``with_gc_over_torch`` adds ``gc_s`` to both sides of the ratio.
 
 Ratios are over ``torch plain`` at the same depth. Writes a table to stdout and
-JSON to ``bench/results/executor.json`` (times in seconds; quote the ratios),
-also after each depth, marked ``"partial": true``, so that a run stopped by
+JSON to ``bench/results/executor.json`` or ``--out`` (times in seconds; quote
+the ratios), also after each depth, marked ``"partial": true``, so that a run stopped by
 Ctrl-C (SIGINT) keeps the depths it finished; it then exits with code 130.
 """
 
@@ -60,6 +61,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
+from rtmem.cli import output_file  # noqa: E402
 from rtmem.planners import sequential_schedule, store_all_schedule  # noqa: E402
 from rtmem.torch import ScheduleExecutor  # noqa: E402
 
@@ -125,6 +127,10 @@ def main(argv=None) -> int:
                     help="timed rounds (default 7)")
     ap.add_argument("--threads", type=count(high=MAX_THREADS), default=1,
                     help="torch intra-op threads")
+    # checked now: a folder or an unwritable path met the final write after the run
+    ap.add_argument("--out", type=output_file(replace=True), default=None,
+                    help="JSON output path (default: executor.json in bench/results or "
+                         "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)
     try:
         depths = [int(d) for d in args.depths.split(",")]
@@ -139,7 +145,7 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "threads": args.threads, "width": WIDTH,
            "batch": BATCH, "repeats": args.repeats, "results": results}
     # the default depths take minutes: a stop keeps the depths measured before it
-    partial = PartialResults("executor")
+    partial = PartialResults("executor", args.out)
     for depth in depths:
         try:
             r = measure(depth, args.repeats)
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     print(format_table(["stages", "contender", "median ms", "t/torch", "gc ms/step",
                         "with gc /torch"], rows, align="llrrrr"))
     doc["total_seconds"] = time.perf_counter() - t0
-    print(f"wrote {write_results('executor', doc)}")
+    print(f"wrote {write_results('executor', doc, path=args.out)}")
     return 0
 
 

@@ -9,7 +9,9 @@ jitted simulator at >= 1 million ops/s. The results are written at the end: a
 run stopped by Ctrl-C (SIGINT) writes nothing, says so in one line and exits
 with code 130.
 
-    python bench/simulate.py [--ops 100000] [--repeats 5]
+    python bench/simulate.py [--ops 100000] [--repeats 5] [--out PATH]
+
+Writes ``bench/results/simulate.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from _common import (MAX_REPEATS, CommandParser, PartialResults,  # noqa: E402
                      command_line, count, median_time, offload_everything, write_results)
 
 from rtmem._table import format_table  # noqa: E402
+from rtmem.cli import output_file  # noqa: E402
 from rtmem.planners import Chain, Platform, simulate  # noqa: E402
 from rtmem.planners.testing import reference_simulate  # noqa: E402
 
@@ -31,6 +34,10 @@ def main(argv=None) -> int:
     ap = CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=count(), default=100_000)
     ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=5)
+    # checked now: a folder or an unwritable path met the final write after the run
+    ap.add_argument("--out", type=output_file(replace=True), default=None,
+                    help="JSON output path (default: simulate.json in bench/results or "
+                         "$RTMEM_BENCH_RESULTS)")
     args = ap.parse_args(argv)
     n = max(2, args.ops // 6)
     chain = Chain.homogeneous(n, u_f=1e-3, u_b=2e-3, x=2**20, xbar=3 * 2**20, w=2**16,
@@ -48,7 +55,7 @@ def main(argv=None) -> int:
         t_ref = median_time(lambda: reference_simulate(chain, sched, platform), ref_repeats,
                             warmup=0)
     except KeyboardInterrupt:
-        return PartialResults("simulate").interrupted("the measurements")
+        return PartialResults("simulate", args.out).interrupted("the measurements")
     ops = len(sched)
     rows = [["jitted (rtmem.planners.simulate)", f"{ops / t_jit:,.0f}", f"{t_jit * 1e3:.1f}"],
             ["pure Python (testing.reference_simulate)", f"{ops / t_ref:,.0f}",
@@ -57,7 +64,7 @@ def main(argv=None) -> int:
           f"peak {jit_r.peak:,} B\n")
     print(format_table(["simulator", "ops/s", "median ms"], rows))
     print(f"\nspeed-up jitted / pure Python: {t_ref / t_jit:.1f}x")
-    path = write_results("simulate", {
+    path = write_results("simulate", path=args.out, doc={
         "command": command_line("simulate.py", argv),
         "ops": ops, "stages": n, "repeats": args.repeats,
         "jitted": {"median_s": t_jit, "ops_per_s": ops / t_jit, "repeats": args.repeats},

@@ -112,7 +112,7 @@ def _cmd_adam(args) -> int:
 
 
 def _cmd_allocator(args) -> int:
-    return _run("allocator.py", _flags(args, ("repeats",)), "rtmem bench allocator")
+    return _run("allocator.py", _flags(args, ("repeats", "out")), "rtmem bench allocator")
 
 
 def register(subparsers) -> None:
@@ -172,4 +172,7 @@ def register(subparsers) -> None:
     q.add_argument("--quick", action="store_true", help="small traces (smoke run)")
     q.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
                    help="timing repeats (median; default 7, 3 with --quick)")
+    q.add_argument("--out", type=output_file(replace=True), default=None,
+                   help="JSON output path (default: allocator.json in bench/results or "
+                        "$RTMEM_BENCH_RESULTS)")
     q.set_defaults(func=_cmd_allocator)

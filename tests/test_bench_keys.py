@@ -3,6 +3,7 @@
 import importlib
 import json
 import pathlib
+import shlex
 import statistics
 
 import pytest
@@ -107,6 +108,9 @@ def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
     ("adam", ["--sizes", "1000", "--repeats", "1", "--budget", "0", "--warm-cache",
               "--out", str(BENCH)], "is a folder"),
     ("remat", ["--out", str(BENCH)], "is a folder"),
+    ("allocator", ["--out", str(BENCH)], "is a folder"),
+    ("simulate", ["--out", str(BENCH)], "is a folder"),
+    ("executor", ["--out", str(BENCH)], "is a folder"),
     # negative values reach the scripts' own checks (the parser is rtmem.cli's):
     # argparse took -inf and -1e3 for options ("expected one argument")
     ("pcie", ["--max-size", "-inf"],
@@ -120,8 +124,8 @@ def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
 ])
 def test_bench_scripts_refuse_bad_arguments_before_any_work(monkeypatch, capsys, tmp_path,
                                                             name, argv, fragment):
-    if name == "train":
-        pytest.importorskip("torch")        # bench/train.py imports it (an extra)
+    if name in ("train", "executor"):
+        pytest.importorskip("torch")        # they import it (an extra)
     monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))   # should one run, not here
     module = bench_module(monkeypatch, name)
     with pytest.raises(SystemExit) as e:
@@ -355,6 +359,7 @@ def _no_work_after_parsing(monkeypatch):
     (["bench", "adam", "--repeats", "0"], "argument --repeats: must be at least 1"),
     (["bench", "adam", "--budget", "-inf"], "argument --budget: must be a finite number"),
     (["bench", "allocator", "--repeats", "0"], "argument --repeats: must be at least 1"),
+    (["bench", "allocator", "--out", str(BENCH)], "argument --out: "),
 ])
 def test_rtmem_bench_counts_are_checked_by_its_own_parser(monkeypatch, capsys, argv,
                                                           fragment):
@@ -651,7 +656,6 @@ def test_bench_results_record_the_command_main_was_given_quoted(monkeypatch, tmp
     # simulate.json had no command; remat, executor and train joined `argv or
     # sys.argv[1:]` unquoted, so main([]) recorded the test runner's arguments and
     # a value with a space could not be typed again
-    import shlex
     if name in ("executor", "train"):
         pytest.importorskip("torch")
     monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
@@ -664,6 +668,40 @@ def test_bench_results_record_the_command_main_was_given_quoted(monkeypatch, tmp
     assert doc["command"] == f"python bench/{name}.py" + "".join(
         " " + shlex.quote(a) for a in argv)
     assert shlex.split(doc["command"])[2:] == argv          # typed again, the same words
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("allocator", ["--quick", "--repeats", "1"]),
+    ("simulate", ["--ops", "60", "--repeats", "1"]),
+    ("executor", ["--depths", "3", "--repeats", "1"]),
+])
+def test_bench_out_writes_the_results_where_it_says(monkeypatch, tmp_path, name, argv):
+    # allocator, simulate and executor took no --out (only RTMEM_BENCH_RESULTS, a
+    # folder), so a second run replaced the first's file or needed its own folder
+    if name == "executor":
+        pytest.importorskip("torch")
+    folder = tmp_path / "folder"
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(folder))
+    module = bench_module(monkeypatch, name)
+    _stub_measurements(monkeypatch, name, module)
+    out = tmp_path / "new" / f"{name} run 2.json"
+    assert module.main([*argv, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] and "partial" not in doc
+    assert shlex.split(doc["command"])[-2:] == ["--out", str(out)]
+    assert not folder.exists()                  # nothing went to the default place
+
+
+def test_rtmem_bench_allocator_passes_out_to_the_script(monkeypatch, tmp_path, capsys):
+    from rtmem.cli import main
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path / "folder"))
+    out = tmp_path / "alloc.json"
+    assert main(["bench", "allocator", "--quick", "--repeats", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"] == f"rtmem bench allocator --quick --repeats=1 --out={out}"
+    assert doc["random"]["rtmem_pairs_per_s"] > 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert not (tmp_path / "folder").exists()
 
 
 def test_bench_command_line_is_quoted_and_names_how_it_ran(monkeypatch):
