@@ -22,6 +22,7 @@ from rtmem.planners import (Chain, Platform, Schedule, min_feasible_memory,  # n
 from rtmem.planners.testing import valid_schedules, wandering_schedules  # noqa: E402
 from rtmem.torch import (ExecutionError, ScheduleExecutor, gpt2_model,  # noqa: E402
                          profile_sequential, resnet_model)
+from rtmem.torch._stages import RAISED_IN  # noqa: E402
 
 MODELS = {
     "gpt2-dropout": lambda: gpt2_model(layers=3, hidden=32, heads=4, seq=16, vocab=64,
@@ -261,6 +262,144 @@ def test_an_error_mid_step_leaves_the_model_whole(setup):
     assert torch.equal(ex.step(x, y), setup[5])
     for p, q in zip(m.parameters(), setup[4].parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Boom(ValueError):
+    """A user's own exception type, which must reach the caller unchanged."""
+
+
+class _Flaky(nn.Module):
+    """A stage that raises ``exc`` in its ``fail_at``-th forward call (1: the first
+    forward, 2: the recomputation) or, with ``fail_at="backward"``, in its backward
+    (a hook on its output)."""
+
+    def __init__(self, width, exc=None, fail_at=None):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.exc, self.fail_at, self.calls = exc, fail_at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.exc is not None and self.fail_at == self.calls:
+            raise self.exc
+        y = torch.tanh(self.lin(x))
+        if self.exc is not None and self.fail_at == "backward" and y.requires_grad:
+            exc = self.exc
+
+            def fail(grad):
+                raise exc
+            y.register_hook(fail)
+        return y
+
+
+# the recomputed schedule of a 4-stage model, stage 0's weights on the host
+# between its two forwards and the gradients of stages 0 and 1 sent there
+_FAILING_SCHEDULE = ("F_ck 0, w_delete 0, F_none 1, F_all 2, F_all 3, L, B 3, B 2, "
+                     "w_prefetch 0, F_all 0, F_all 1, offload abar2, delete abar2, "
+                     "prefetch abar2, B 1, g_offload 1, B 0, g_offload 0")
+
+
+@pytest.mark.parametrize("where", ["forward", "recomputation", "backward", "loss",
+                                   "loss backward", "out of memory", "interrupt"])
+def test_an_error_in_a_stage_or_the_loss_says_where_and_the_executor_trains_on(where,
+                                                                                fresh_seed):
+    # The executor said nothing of where an exception came from: a shape error or
+    # an OOM in stage 12's recomputation showed torch's message and frames only.
+    # It now marks it as the profiler does (the `rtmem: raised in ...` note), keeps
+    # its type (the caller's `except ValueError` / `except torch.OutOfMemoryError`
+    # still catch it).
+    torch.manual_seed(fresh_seed)
+    dtype = torch.float64
+    model = nn.Sequential(nn.Linear(6, 8), _Flaky(8), nn.BatchNorm1d(8),
+                          nn.Linear(8, 3)).to(dtype)
+    x, t = torch.randn(5, 6, dtype=dtype), torch.randn(5, 3, dtype=dtype)
+
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+    exc = {"out of memory": torch.OutOfMemoryError("CUDA out of memory (simulated)"),
+           "interrupt": KeyboardInterrupt()}.get(where, _Boom(f"boom in the {where}"))
+    flaky = model[1]
+    bad_loss = loss_fn
+    if where in ("forward", "recomputation", "backward", "out of memory"):
+        flaky.exc = exc
+        flaky.fail_at = {"forward": 1, "backward": "backward"}.get(where, 2)
+    elif where == "loss":
+        def bad_loss(out, target):
+            raise exc
+    elif where == "loss backward":
+        def bad_loss(out, target):
+            loss = loss_fn(out, target)
+            loss.register_hook(lambda grad: (_ for _ in ()).throw(exc))
+            return loss
+    else:   # Ctrl-C landing in the recomputation of stage 1, from a forward hook
+        calls = []
+
+        def interrupt(module, args, output):
+            calls.append(1)
+            if len(calls) == 2:
+                raise exc
+        hook = flaky.register_forward_hook(interrupt)
+    host = rtmem.HostArena("1MiB")
+    ex = ScheduleExecutor(model, Schedule.from_text(_FAILING_SCHEDULE), bad_loss,
+                          host_arena=host)
+    weights = copy.deepcopy(model.state_dict())
+    with pytest.raises(type(exc)) as raised:
+        ex.step(x, t)
+    e = raised.value
+    assert e is exc                                   # not wrapped, not replaced
+    notes = getattr(e, "__notes__", [])
+    phrase = {"forward": "the forward of stage 1 (_Flaky), operation 2 of the schedule "
+                         "(F_none 1)",
+              "recomputation": "the recomputed forward of stage 1 (_Flaky), operation 10 "
+                               "of the schedule (F_all 1)",
+              "out of memory": "the recomputed forward of stage 1 (_Flaky), operation 10 "
+                               "of the schedule (F_all 1)",
+              "backward": "the backward of stage 1 (_Flaky), operation 14 of the schedule "
+                          "(B 1)",
+              "loss": "the loss function, operation 5 of the schedule (L)",
+              "loss backward": "the backward of the loss, operation 5 of the schedule (L)",
+              "interrupt": None}[where]   # not the user's code failing: not marked
+    assert getattr(e, RAISED_IN, None) == phrase
+    assert [n for n in notes if "raised in" in n] == ([] if phrase is None else
+                                                     [f"rtmem: raised in {phrase}"])
+    # the backward had begun (B 3, B 2 ran): its gradients stay, as after a failed
+    # loss.backward() (or torch.utils.checkpoint's failed recomputation)
+    began = where in ("recomputation", "out of memory", "backward", "interrupt")
+    assert (model[3].weight.grad is not None) == began
+    assert model[0].weight.grad is None and not ex.host_grads()
+    # nothing of the step is left: stored tensors, delta, ledgers, host buffers,
+    # hooks, and stage 0's weights are back on the device
+    assert not ex._plain and not ex._bar and ex._delta is None and not ex._first
+    assert ex._ledger.total == 0 and ex._holding.total == 0
+    assert host.stats().allocator.live_blocks == 0
+    if where == "interrupt":
+        hook.remove()
+    assert not ex._w_hooks
+    for m in model.modules():
+        assert not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                    or m._state_dict_hooks)
+    for name, value in model.state_dict().items():
+        if "running" not in name and "num_batches" not in name:   # updated as in torch
+            assert torch.equal(value, weights[name]), name
+    # and it trains on: the next step gives what plain autograd and a fresh
+    # executor give on the same weights and statistics
+    flaky.exc, ex.loss_fn = None, loss_fn
+    model.zero_grad(set_to_none=True)
+    ref, fresh = copy.deepcopy(model), copy.deepcopy(model)
+    fresh_ex = ScheduleExecutor(fresh, Schedule.from_text(_FAILING_SCHEDULE), loss_fn,
+                                host_arena=rtmem.HostArena("1MiB"))
+    loss = ex.step(x, t)
+    ref_loss = loss_fn(ref(x), t)
+    ref_loss.backward()
+    assert torch.equal(loss, fresh_ex.step(x, t))
+    torch.testing.assert_close(loss, ref_loss.detach())
+    mine, theirs = ex.host_grads(), fresh_ex.host_grads()
+    for p, q, r in zip(model.parameters(), fresh.parameters(), ref.parameters()):
+        g = mine[p] if p in mine else p.grad
+        assert torch.equal(g, theirs[q] if q in theirs else q.grad)
+        torch.testing.assert_close(g, r.grad)
+    for b, c in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c)
 
 
 def test_an_interrupt_in_the_step_clean_up_is_held_until_the_weights_are_back(setup):

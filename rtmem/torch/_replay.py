@@ -22,8 +22,8 @@ from ._offload_hooks import _interrupts_held
 from ._saved import (_SavedHooks, autocast_off, fastpaths_as_trained, own_parametrizations,
                      uncached_casts)
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
-                      check_loss, check_needs_grad, inputs_need_grad, nothing_trains,
-                      trains_beyond)
+                      check_loss, check_needs_grad, inputs_need_grad, mark_raised,
+                      nothing_trains, stage_label, trains_beyond)
 from ._stored import _Stored
 
 
@@ -122,6 +122,21 @@ class _StepReplay:
                 self._release_host()
         return loss
 
+    def _raised_in(self, exc: Exception, what: str, i: int | None = None) -> None:
+        """Mark ``exc``, raised by the user's code in ``what`` (of stage ``i``),
+        as the profiler marks it (:func:`~rtmem.torch._stages.raised_in`: the
+        ``rtmem: raised in ...`` note and the attribute ``rtmem profile``
+        reads), with the schedule's operation running: ``the recomputed
+        forward of stage 2 (Block), operation 12 of the schedule (F_all 2)``.
+        Called from ``except`` clauses only, so a step that raises nothing
+        builds no phrase; the exception goes on unchanged (type, message,
+        traceback), so the caller's ``except torch.OutOfMemoryError`` or
+        ``except ValueError`` still catches it."""
+        where = what if i is None else f"{what} of {stage_label(self.model, i)}"
+        j = self._op_index
+        mark_raised(exc, f"{where}, operation {j} of the schedule "
+                         f"({self._compiled.op_text(j)})")
+
     def _resident(self, k: int, plain_only: bool = False) -> _Stored:
         st = self._plain.get(k)
         if (st is None or not st.resident) and not plain_only:
@@ -183,8 +198,12 @@ class _StepReplay:
             counting = before is not None and self.buffer_copy_bytes is not None
             if counting:
                 self._count_copies(before.nbytes())
-            with own_parametrizations():
-                y = stage(x)
+            try:
+                with own_parametrizations():
+                    y = stage(x)
+            except Exception as e:
+                self._raised_in(e, "the forward", i)
+                raise
             if before is not None:
                 # Values compared at this stage's first step only (a device sync
                 # per buffer on a GPU, once): the slots it changes through .data
@@ -210,7 +229,11 @@ class _StepReplay:
                         torch.set_rng_state(cpu)
                         if cuda is not None:
                             torch.cuda.set_rng_state(cuda, self._device)
-                    y = stage(x)
+                    try:
+                        y = stage(x)
+                    except Exception as e:
+                        self._raised_in(e, "the recomputed forward", i)
+                        raise
             finally:
                 # recomputation must not update running statistics again, also when
                 # the stage raises after updating them (a failed step leaves the
@@ -311,7 +334,11 @@ class _StepReplay:
         src = self._source(k)
         with torch.enable_grad(), own_parametrizations():
             leaf, z = _stage_input(src)
-            loss = self.loss_fn(z, target)
+            try:
+                loss = self.loss_fn(z, target)
+            except Exception as e:
+                self._raised_in(e, "the loss function")
+                raise
         check_loss(loss, z, self._grad_tensors, self._caller_inputs is not None,
                    self.stages)
         # z is a leaf that requires grad whatever a_n needs, so this loss requires
@@ -319,8 +346,12 @@ class _StepReplay:
         # need from here: whether the loss trains something without a_n (a loss
         # module's parameter, a target that requires grad)
         self._trains = trains_beyond(loss, leaf)
-        with autocast_off(self._device):
-            loss.backward()
+        try:
+            with autocast_off(self._device):
+                loss.backward()
+        except Exception as e:
+            self._raised_in(e, "the backward of the loss")
+            raise
         self._delta = leaf.grad
         self._consume_plain(k)
         return loss.detach()
@@ -348,13 +379,21 @@ class _StepReplay:
         bar.storages = []
         with autocast_off(self._device):
             if self._delta is not None and bar.out.requires_grad:
-                torch.autograd.backward(bar.out, self._delta)
+                try:
+                    torch.autograd.backward(bar.out, self._delta)
+                except Exception as e:
+                    self._raised_in(e, "the backward", i)
+                    raise
             # else nothing flows back (NOTE rule 3): a frozen or parameter-free stage
             # on integer inputs, or an output the rest of the model did not use
             self._delta = (bar.inp.grad if bar.inp is not None and bar.inp.requires_grad
                            else None)
             if i == 0 and self._delta is not None and self._caller_inputs is not None:
-                torch.autograd.backward(self._caller_inputs, self._delta)
+                try:   # the caller's graph that made the batch
+                    torch.autograd.backward(self._caller_inputs, self._delta)
+                except Exception as e:
+                    self._raised_in(e, "the backward of the graph that made the batch")
+                    raise
         # An abar_{i+2} recomputed from this one and never consumed holds its
         # output as its leaf input; the simulator frees abar_{i+1} whole here
         self._free_unneeded([bar.out.untyped_storage()])

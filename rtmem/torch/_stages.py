@@ -61,15 +61,26 @@ class raised_in:
         return self
 
     def __exit__(self, kind, exc, tb):
-        if exc is not None and isinstance(exc, Exception) and \
-                getattr(exc, RAISED_IN, None) is None:
-            try:
-                setattr(exc, RAISED_IN, self.where)
-            except (AttributeError, TypeError):     # an exception without __dict__
-                return False
-            if hasattr(exc, "add_note"):            # Python >= 3.11
-                exc.add_note(f"rtmem: raised in {self.where}")
+        if exc is not None:
+            mark_raised(exc, self.where)
         return False
+
+
+def mark_raised(exc: BaseException, where: str) -> None:
+    """Mark ``exc`` as :class:`raised_in` does, for code that cannot afford a
+    ``with`` block per call: the executor calls it from an ``except`` clause
+    (no cost until something raises), with a phrase it builds only then. An
+    exception already marked (by an inner call) and a ``BaseException`` that is
+    not an ``Exception`` (``KeyboardInterrupt``: not the user's code failing)
+    are left as they are."""
+    if not isinstance(exc, Exception) or getattr(exc, RAISED_IN, None) is not None:
+        return
+    try:
+        setattr(exc, RAISED_IN, where)
+    except (AttributeError, TypeError):     # an exception without __dict__
+        return
+    if hasattr(exc, "add_note"):            # Python >= 3.11
+        exc.add_note(f"rtmem: raised in {where}")
 
 
 def as_stages(model, what: str) -> nn.Sequential:

@@ -450,10 +450,20 @@ class ScheduleExecutor(_StepReplay, _Bookkeeping, _HostSide, _ActivationMoves):
         with every stage after it frozen) raises :class:`ExecutionError` before
         any gradient is written, as ``loss.backward()`` raises.
 
-        If the step raises, the weights are all back on the device, but the
-        gradients it produced before the error stay where they went (``.grad``,
-        or the :meth:`host_grads` of ``g_offload``), as after a failed
-        ``loss.backward()``: zero both before retrying the batch."""
+        An exception raised by a stage's forward (the first or a
+        recomputation), its backward, or the loss function reaches the caller
+        unchanged (its type, message and traceback: ``except
+        torch.OutOfMemoryError`` still catches it) with a note naming where, as
+        :func:`~rtmem.torch.profile_sequential` marks it: ``rtmem: raised in the
+        recomputed forward of stage 2 (Block), operation 12 of the schedule
+        (F_all 2)``. If the step raises (a ``KeyboardInterrupt`` too), the
+        executor can step again at once: the weights are all back on the
+        device, and it holds nothing of the step (stored tensors, host buffers,
+        hooks). The gradients the step produced before the error stay where
+        they went (``.grad``, or the :meth:`host_grads` of ``g_offload``), as
+        after a failed ``loss.backward()`` (or a recomputation of
+        ``torch.utils.checkpoint`` failing inside it): zero both before
+        retrying the batch."""
         check_inputs(inputs)
         if self.schedule is not self._compiled:
             # replaced since the last step: checked and compiled as __init__ does
