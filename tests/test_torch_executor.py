@@ -307,7 +307,7 @@ def test_an_error_in_a_stage_or_the_loss_says_where_and_the_executor_trains_on(w
     # an OOM in stage 12's recomputation showed torch's message and frames only.
     # It now marks it as the profiler does (the `rtmem: raised in ...` note), keeps
     # its type (the caller's `except ValueError` / `except torch.OutOfMemoryError`
-    # still catch it).
+    # still catch it) and says when gradients of the half-run backward remain.
     torch.manual_seed(fresh_seed)
     dtype = torch.float64
     model = nn.Sequential(nn.Linear(6, 8), _Flaky(8), nn.BatchNorm1d(8),
@@ -363,8 +363,10 @@ def test_an_error_in_a_stage_or_the_loss_says_where_and_the_executor_trains_on(w
     assert [n for n in notes if "raised in" in n] == ([] if phrase is None else
                                                      [f"rtmem: raised in {phrase}"])
     # the backward had begun (B 3, B 2 ran): its gradients stay, as after a failed
-    # loss.backward() (or torch.utils.checkpoint's failed recomputation)
+    # loss.backward() (or torch.utils.checkpoint's failed recomputation), and the
+    # exception says so; before it, no gradient was written and nothing says one was
     began = where in ("recomputation", "out of memory", "backward", "interrupt")
+    assert any("gradients it had accumulated stay" in n for n in notes) == began
     assert (model[3].weight.grad is not None) == began
     assert model[0].weight.grad is None and not ex.host_grads()
     # nothing of the step is left: stored tensors, delta, ledgers, host buffers,

@@ -27,6 +27,15 @@ from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input
 from ._stored import _Stored
 
 
+#: The note on an exception (or KeyboardInterrupt) that ends a step after its
+#: backward began writing gradients (NOTE [ Executor ] rule 3).
+_GRADIENTS_KEPT = (
+    "rtmem: the step failed after its backward began, so the gradients it had "
+    "accumulated stay in the parameters' .grad (and in host_grads() for stages the "
+    "schedule g_offloads), as after a failed loss.backward(): zero them (with "
+    "zero_host_grads()) before retrying the batch")
+
+
 def _changed(now: list, before: list) -> bool:
     """Whether two lists of tensors differ (by identity)."""
     return len(now) != len(before) or any(a is not b for a, b in zip(now, before))
@@ -96,6 +105,11 @@ class _StepReplay:
                     self._grads_to_host(s)
                 if track:
                     self._account()
+        except BaseException as e:
+            if self._trains:
+                # the backward had begun: what it accumulated stays (NOTE rule 3)
+                e.add_note(_GRADIENTS_KEPT)
+            raise
         finally:   # also after an error: the model keeps all its weights
             # A KeyboardInterrupt (Ctrl-C) landing in here cut the clean-up short:
             # weights the schedule left on the host stayed 0-element placeholders

@@ -462,8 +462,9 @@ class ScheduleExecutor(_StepReplay, _Bookkeeping, _HostSide, _ActivationMoves):
         hooks). The gradients the step produced before the error stay where
         they went (``.grad``, or the :meth:`host_grads` of ``g_offload``), as
         after a failed ``loss.backward()`` (or a recomputation of
-        ``torch.utils.checkpoint`` failing inside it): zero both before
-        retrying the batch."""
+        ``torch.utils.checkpoint`` failing inside it); where the step's
+        backward had begun, a second note on the exception says so: zero both
+        before retrying the batch."""
         check_inputs(inputs)
         if self.schedule is not self._compiled:
             # replaced since the last step: checked and compiled as __init__ does
