@@ -106,7 +106,7 @@ class _StepReplay:
                 if track:
                     self._account()
         except BaseException as e:
-            if self._trains:
+            if self._trains and hasattr(e, "add_note"):    # Python >= 3.11
                 # the backward had begun: what it accumulated stays (NOTE rule 3)
                 e.add_note(_GRADIENTS_KEPT)
             raise
