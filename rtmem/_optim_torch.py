@@ -32,8 +32,8 @@ from .errors import OptimizerError
 from .kernels.adam import prepare_update
 from .optim import (_check_finite_switch, _check_group_hyper, _check_hyper,
                     _check_num_threads, _check_open, _check_state_arena, _check_step_disjoint,
-                    _check_switch_flags, _coefficients, _first_overlap, _host_view, _named,
-                    _run_step, _span)
+                    _check_switch_flags, _first_overlap, _host_view, _named,
+                    _run_step, _span, _StepCoefficients)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
 
@@ -341,6 +341,7 @@ class CPUAdam(torch.optim.Optimizer):
             for gi, group in enumerate(self.param_groups):
                 decoupled = bool(group.get("decoupled_weight_decay",
                                            self.decoupled_weight_decay))
+                coefficients = _StepCoefficients(group, decoupled, grad_scale)
                 for pi, p in enumerate(group["params"]):
                     # a dict may name some parameters only (an executor's
                     # host_grads() has those of the g_offload stages): the
@@ -365,8 +366,7 @@ class CPUAdam(torch.optim.Optimizer):
                     except OptimizerError as exc:
                         raise _named(f"group {gi} param {pi}", exc,
                                      _TORCH_ARGUMENTS) from None
-                    c = _coefficients(group, int(st["step"].item()) + 1, decoupled,
-                                      grad_scale)
+                    c = coefficients(int(st["step"].item()) + 1)
                     items.append((update, c, st))
                     named.append((f"group {gi} param {pi}", update))
                     written.append(p)
