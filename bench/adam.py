@@ -29,6 +29,15 @@ call was 2.5x faster than a cold one here) and small sizes compare cache luck.
 - ``roofline fp32`` / ``roofline bf16``: numba parallel loops with Adam's memory
   access pattern and trivial arithmetic. No Adam can beat them.
 
+The ``gpt2-shaped`` row steps whole optimizers over GPT-2 small's 148 parameter
+tensors, hidden size scaled by ``--gpt2-hidden`` (default 192 when ``--sizes``
+is not given; 768 is the real 124M-parameter model, about 10 GB for all the
+contenders): 98 of them are biases and LayerNorm vectors of a few thousand
+elements, where per-tensor overhead rather than bandwidth decides. Contenders:
+``rtmem CPUAdam`` twice (an A/A pair: their ratio is the noise), ``rtmem
+NumpyAdam``, ``torch fused`` and ``torch foreach``; reported as params/s and as
+speed ratios to torch fused (JSON ``gpt2_shaped``).
+
 Byte accounting (DRAM traffic per parameter, the minimum any one-pass Adam needs):
 fp32 path reads g, p, m, v and writes p, m, v = 7 x 4 B = 28 B. bf16 path reads
 g (2 B) and p, m, v (12 B), writes p, m, v (12 B) and the bf16 copy (2 B) = 28 B
@@ -209,6 +218,31 @@ def _rtmem_contenders(n, rng):
     }
 
 
+def _time_rounds(contenders, repeats, budget_s, evict=None):
+    """Seconds of every call of each contender (name -> (fn, ...)), rounds
+    interleaved: at least ``repeats`` rounds, more (up to 50) while they fit in
+    ``budget_s`` seconds. ``evict`` (untimed) runs before every timed call.
+    Returns (name -> list of seconds, rounds)."""
+    evict = evict or (lambda: None)
+    for fn, *_ in contenders.values():   # warm-up: compile, page in, allocate state
+        fn()
+    round_s = 0.0
+    for fn, *_ in contenders.values():   # second warm-up round estimates a round's time
+        evict()
+        t0 = time.perf_counter()
+        fn()
+        round_s += time.perf_counter() - t0
+    rounds = max(repeats, min(50, int(budget_s / max(round_s, 1e-9))))
+    times = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, (fn, *_) in contenders.items():
+            evict()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times, rounds
+
+
 def bench_size(n, repeats, seed, budget_s, evict=None):
     """Time every contender at ``n`` parameters: at least ``repeats`` interleaved
     rounds, more (up to 50) while the rounds fit in ``budget_s`` seconds of timed
@@ -220,23 +254,7 @@ def bench_size(n, repeats, seed, budget_s, evict=None):
     ds_contenders, ds_notes = _deepspeed_contenders(n, seed)
     contenders.update(ds_contenders)
     notes.update(ds_notes)
-    evict = evict or (lambda: None)
-    for fn, _ in contenders.values():   # warm-up: compile, page in, allocate state
-        fn()
-    round_s = 0.0
-    for fn, _ in contenders.values():   # second warm-up round estimates a round's time
-        evict()
-        t0 = time.perf_counter()
-        fn()
-        round_s += time.perf_counter() - t0
-    rounds = max(repeats, min(50, int(budget_s / max(round_s, 1e-9))))
-    times = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, (fn, _) in contenders.items():
-            evict()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    times, rounds = _time_rounds(contenders, repeats, budget_s, evict)
     rows = []
     for name, (_, nbytes) in contenders.items():
         med = statistics.median(times[name])
@@ -245,6 +263,84 @@ def bench_size(n, repeats, seed, budget_s, evict=None):
                          params_per_s=n / med, bytes_per_param=nbytes,
                          gb_per_s=nbytes * n / med / 1e9))
     return rows, notes
+
+
+def gpt2_shapes(hidden: int) -> list:
+    """Parameter shapes of GPT-2 small (12 blocks, 148 tensors) with the hidden
+    size scaled to ``hidden`` (768 is the real model, 124M parameters) and the
+    vocabulary and position tables scaled by the same factor, so the mix of
+    sizes stays: 98 of the 148 tensors are biases and LayerNorm vectors of
+    ``hidden`` to ``4 * hidden`` elements."""
+    h = hidden
+    scale = h / 768
+    shapes = [(max(1, round(50257 * scale)), h), (max(1, round(1024 * scale)), h)]
+    block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,),     # ln_1, attn, attn proj
+             (h,), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)]  # ln_2, mlp fc, mlp proj
+    return shapes + block * 12 + [(h,), (h,)]                     # ln_f
+
+
+def _gpt2_contenders(shapes, seed):
+    """Whole optimizer steps over one list of ``shapes``: rtmem's CPUAdam (twice,
+    the A/A pair that shows the noise), NumpyAdam, torch.optim.Adam fused and
+    foreach; each on its own copy of the same parameters and gradients."""
+    from rtmem.optim import NumpyAdam
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    grads = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    nps = [p.copy() for p in params]
+    numpy_opt = NumpyAdam(nps, lr=1e-3)
+    contenders = {"rtmem NumpyAdam": (lambda: numpy_opt.step(grads),)}
+    notes = {}
+    try:
+        import torch
+
+        from rtmem.optim import CPUAdam
+    except ImportError as e:
+        return contenders, {"gpt2-shaped torch": f"not importable: {e}"}
+
+    def tensors():
+        ts = [torch.from_numpy(p.copy()).requires_grad_() for p in params]
+        for t, g in zip(ts, grads):
+            t.grad = torch.from_numpy(g.copy())
+        return ts
+    for name, make in (("rtmem CPUAdam", lambda ts: CPUAdam(ts, lr=1e-3)),
+                       ("rtmem CPUAdam (A/A)", lambda ts: CPUAdam(ts, lr=1e-3)),
+                       ("torch fused", lambda ts: torch.optim.Adam(ts, lr=1e-3, fused=True)),
+                       ("torch foreach",
+                        lambda ts: torch.optim.Adam(ts, lr=1e-3, foreach=True))):
+        try:
+            opt = make(tensors())
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - record, e.g. fused=True without a CPU kernel
+            notes[f"gpt2-shaped {name}"] = f"error: {type(e).__name__}: {e}"
+            continue
+        contenders[name] = (opt.step,)
+    return contenders, notes
+
+
+def bench_gpt2(hidden, repeats, seed, budget_s, evict=None):
+    """Time whole optimizer steps over a GPT-2-small-shaped parameter list
+    (:func:`gpt2_shapes`): many small tensors, where per-tensor overhead, not
+    memory bandwidth, decides. Returns (section dict, notes): medians in
+    seconds, params/s over all tensors, and speed ratios (> 1: the first is
+    faster), among them the A/A ratio of two identical CPUAdam contenders."""
+    shapes = gpt2_shapes(hidden)
+    n = sum(int(np.prod(s)) for s in shapes)
+    contenders, notes = _gpt2_contenders(shapes, seed)
+    times, rounds = _time_rounds(contenders, repeats, budget_s, evict)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    results = [dict(impl=name, median_s=med[name], min_s=min(times[name]), rounds=rounds,
+                    times_s=times[name], params_per_s=n / med[name]) for name in contenders]
+
+    def ratio(a, b):
+        return med[b] / med[a] if a in med and b in med else None
+    ratios = {"rtmem_cpuadam_over_torch_fused": ratio("rtmem CPUAdam", "torch fused"),
+              "rtmem_numpyadam_over_torch_fused": ratio("rtmem NumpyAdam", "torch fused"),
+              "rtmem_cpuadam_over_torch_foreach": ratio("rtmem CPUAdam", "torch foreach"),
+              "a_over_a_rtmem_cpuadam": ratio("rtmem CPUAdam", "rtmem CPUAdam (A/A)")}
+    return dict(hidden=hidden, tensors=len(shapes), params=n,
+                small_tensors=sum(int(np.prod(s)) <= 3072 for s in shapes),
+                results=results, ratios=ratios), notes
 
 
 def _size_key(n: int) -> str:
@@ -306,7 +402,7 @@ def _ratios(rows, sizes) -> tuple[dict, dict]:
     return ratios, ratios_min
 
 
-def _document(args, llc, sizes, rows, notes, t_start) -> dict:
+def _document(args, llc, sizes, rows, notes, t_start, gpt2=None) -> dict:
     """The JSON document of the ``sizes`` measured so far (``rows``, ``notes``)."""
     ratios, ratios_min = _ratios(rows, sizes)
     try:
@@ -333,7 +429,8 @@ def _document(args, llc, sizes, rows, notes, t_start) -> dict:
         },
         min_repeats=args.repeats, budget_s_per_size=args.budget, sizes=list(sizes),
         results=list(rows), notes=dict(notes), ratios=ratios,
-        ratios_best_of_rounds=ratios_min, wall_s=time.perf_counter() - t_start)
+        ratios_best_of_rounds=ratios_min, gpt2_shaped=gpt2,
+        wall_s=time.perf_counter() - t_start)
 
 
 def main(argv=None, prog=None) -> int:
@@ -342,13 +439,17 @@ def main(argv=None, prog=None) -> int:
     kept, marked partial: :class:`_common.PartialResults`). ``prog``: the command
     named in usage messages (``rtmem bench adam``; default the script's name)."""
     ap = CommandParser(prog=prog, description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=_sizes, default="1e6,1e7,5e7,1e8",
+    ap.add_argument("--sizes", type=_sizes, default=None,
                     help="comma-separated parameter counts (default 1e6,1e7,5e7,1e8)")
     ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=5,
                     help="minimum timed rounds per size (default 5)")
     ap.add_argument("--budget", type=at_least(0.0, float), default=12.0,
                     help="seconds of timed rounds per size; small sizes get more "
                          "rounds, up to 50 (default 12)")
+    ap.add_argument("--gpt2-hidden", type=at_least(0, int), default=None,
+                    help="hidden size of the GPT-2-shaped row (148 tensors of GPT-2 "
+                         "small, scaled; 768 is the real 124M-parameter model), 0 to "
+                         "skip it (default 192 without --sizes, else 0)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="do not evict caches before each timed call")
     # checked now: a folder was met by open() after the whole benchmark (a traceback,
@@ -359,7 +460,8 @@ def main(argv=None, prog=None) -> int:
     args = ap.parse_args(argv)
     # what ran, to run it again: `rtmem bench adam ...` was recorded as bench/adam.py
     args.command = command_line("adam.py", argv, prog)
-    sizes = args.sizes
+    args.sizes_given = args.sizes is not None
+    sizes = args.sizes if args.sizes_given else _sizes("1e6,1e7,5e7,1e8")
     llc = last_level_cache_bytes()
     evict = None if args.warm_cache else CacheEvictor(2 * llc)
     t_start = time.perf_counter()
@@ -385,6 +487,21 @@ def main(argv=None, prog=None) -> int:
         print(f"size {n:>12,d}: done ({time.perf_counter() - t_start:.0f} s elapsed)",
               file=sys.stderr)
 
+    gpt2_hidden = args.gpt2_hidden
+    if gpt2_hidden is None:
+        gpt2_hidden = 0 if args.sizes_given else 192
+    gpt2 = None
+    if gpt2_hidden:
+        try:
+            gpt2, nt = bench_gpt2(gpt2_hidden, args.repeats, seed=len(sizes),
+                                  budget_s=args.budget, evict=evict)
+            notes.update(nt)
+            partial.save(_document(args, llc, sizes, rows, notes, t_start, gpt2))
+        except KeyboardInterrupt:
+            return partial.interrupted("the gpt2-shaped row")
+        print(f"gpt2-shaped row: done ({time.perf_counter() - t_start:.0f} s elapsed)",
+              file=sys.stderr)
+
     # max/min: the spread of the rounds behind each median (1.00: every round
     # alike; a noisy machine shows here before it shows in the ratios)
     print(f"\n{'params':>12} {'implementation':<22} {'Mparams/s':>10} {'GB/s':>7}"
@@ -398,9 +515,19 @@ def main(argv=None, prog=None) -> int:
     for name, note in notes.items():
         print(f"{name}: {note}")
 
-    result = _document(args, llc, sizes, rows, notes, t_start)
+    if gpt2 is not None:
+        print(f"\ngpt2-shaped: {gpt2['tensors']} tensors ({gpt2['small_tensors']} of <= "
+              f"3072 elements), {gpt2['params']:,} params, hidden {gpt2['hidden']}")
+        print(f"{'':>12} {'implementation':<22} {'Mparams/s':>10} {'vs torch fused':>14}")
+        speed = {r["impl"]: r for r in gpt2["results"]}
+        for name, r in speed.items():
+            vs = (f" {speed['torch fused']['median_s'] / r['median_s']:>14.2f}"
+                  if "torch fused" in speed else "")
+            print(f"{'':>12} {name:<22} {r['params_per_s'] / 1e6:>10.1f}{vs}")
+    result = _document(args, llc, sizes, rows, notes, t_start, gpt2)
     print("\nratios (speed, >1 = first is faster):")
-    for key, rs in result["ratios"].items():
+    for key, rs in [*result["ratios"].items(),
+                    *([("gpt2-shaped", gpt2["ratios"])] if gpt2 else [])]:
         print(f"  {key}: " + ", ".join(f"{k}={v:.2f}" for k, v in rs.items()
                                        if v is not None))
     print(f"\nwrote {write_results('adam', result, path=args.out)}")

@@ -107,7 +107,7 @@ def _cmd_dha(args) -> int:
 
 
 def _cmd_adam(args) -> int:
-    return _run("adam.py", _flags(args, ("sizes", "repeats", "budget", "out"),
+    return _run("adam.py", _flags(args, ("sizes", "repeats", "budget", "gpt2-hidden", "out"),
                                   switches=("warm-cache",)), "rtmem bench adam")
 
 
@@ -160,6 +160,9 @@ def register(subparsers) -> None:
     q.add_argument("--budget", type=at_least(0.0, float), default=None,
                    help="seconds of timed rounds per size; small sizes get more rounds, "
                         "up to 50 (default 12)")
+    q.add_argument("--gpt2-hidden", type=at_least(0), default=None,
+                   help="hidden size of the GPT-2-shaped row (148 tensors, many small; "
+                        "768 is GPT-2 small), 0 to skip it (default 192 without --sizes)")
     q.add_argument("--warm-cache", action="store_true",
                    help="do not evict caches before each timed call")
     q.add_argument("--out", type=output_file(replace=True), default=None,

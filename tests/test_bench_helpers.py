@@ -438,3 +438,29 @@ def test_a_run_replacing_another_runs_result_says_so_once(monkeypatch, tmp_path,
     common.write_results("x", {"command": "python bench/x.py --two"}, path=path)
     assert capsys.readouterr().err == ""               # its own partial document
     assert json.loads(path.read_text())["command"] == "python bench/x.py --two"
+
+
+def test_adam_gpt2_shapes_are_gpt2_smalls_at_hidden_768(monkeypatch):
+    adam = bench_module(monkeypatch, "adam")
+    shapes = adam.gpt2_shapes(768)
+    sizes = [math.prod(s) for s in shapes]
+    # GPT-2 small: 148 tensors, 124,439,808 parameters, 98 biases / norms <= 3072
+    assert (len(shapes), sum(sizes), sum(n <= 3072 for n in sizes)) == (148, 124_439_808, 98)
+    assert len(adam.gpt2_shapes(64)) == 148
+
+
+def test_adam_gpt2_row_steps_every_contender_and_reports_ratios(monkeypatch):
+    pytest.importorskip("torch")
+    adam = bench_module(monkeypatch, "adam")
+    section, notes = adam.bench_gpt2(8, 1, seed=0, budget_s=0.0)
+    impls = [r["impl"] for r in section["results"]]
+    assert impls[0] == "rtmem NumpyAdam" and "rtmem CPUAdam (A/A)" in impls
+    assert section["tensors"] == 148 and section["params"] == sum(
+        math.prod(s) for s in adam.gpt2_shapes(8))
+    for r in section["results"]:
+        assert r["params_per_s"] == section["params"] / r["median_s"]
+    expected = {"rtmem_cpuadam_over_torch_fused", "rtmem_numpyadam_over_torch_fused",
+                "rtmem_cpuadam_over_torch_foreach", "a_over_a_rtmem_cpuadam"}
+    assert set(section["ratios"]) == expected
+    if "torch fused" in impls and "torch foreach" in impls:
+        assert all(v > 0 for v in section["ratios"].values()), notes
