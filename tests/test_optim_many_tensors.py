@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import rtmem.optim as optim
+from rtmem.errors import OptimizerError
 from rtmem.kernels import adam_update
 
 # shapes of one GPT-2 block at hidden 8 (biases, norms, matrices), twice
@@ -85,3 +86,137 @@ def test_cpu_adam_coefficients_once_per_group_and_step_count(monkeypatch):
     ref = _reference(start, history, lr=1e-2)
     for p, r in zip(params, ref):
         assert p.numpy().tobytes() == r.tobytes()
+
+
+# What a test may change between two steps, and the error the second step must
+# raise (each check of the first step runs again at every step: nothing about
+# a tensor is taken as known because it held at the step before).
+def _replace_param(opt, ps, torch):
+    new = opt.param_groups[0]["params"][3] = torch.zeros(24, dtype=torch.float64)
+    return {new: torch.ones(24)}
+
+
+def _change_dtype(opt, ps, torch):
+    ps[5].data = ps[5].data.double()
+
+
+def _grad_wrong_shape(opt, ps, torch):
+    return {ps[1]: torch.zeros(9)}       # p.grad cannot take another shape
+
+
+def _grad_not_contiguous(opt, ps, torch):
+    ps[2].grad = torch.zeros(24, 8).t()
+
+
+def _resized_in_place(opt, ps, torch):
+    ps[4].resize_(4, 4)
+    ps[4].grad = torch.zeros(4, 4)
+
+
+def _moment_replaced(opt, ps, torch):
+    opt.state[ps[6]]["exp_avg_sq"] = torch.zeros(8, dtype=torch.float64)
+
+
+def _views_overlap(opt, ps, torch):
+    view = opt.param_groups[0]["params"][7] = ps[0].view(2, 4)[0]
+    view.grad = torch.zeros(4)
+
+
+_CPU_ADAM_CHANGES = [
+    (_replace_param, r"param 3: param has dtype float64"),
+    (_change_dtype, r"param 5: param has dtype float64"),
+    (_grad_wrong_shape, r"param 1: grad has shape \(9,\) but param has shape \(8,\)"),
+    (_grad_not_contiguous, r"param 2: grad is not contiguous"),
+    (_resized_in_place, r"param 4: exp_avg has shape \(8, 8\) but param has shape \(4, 4\)"),
+    (_moment_replaced, r"param 6: exp_avg_sq has dtype float64"),
+    (_views_overlap, r"param 7 .*overlap in memory"),
+]
+
+
+@pytest.mark.parametrize("change, message", _CPU_ADAM_CHANGES,
+                         ids=[c.__name__.strip("_") for c, _ in _CPU_ADAM_CHANGES])
+def test_cpu_adam_checks_fire_when_a_tensor_changes_between_steps(change, message):
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=gen) for s in _SHAPES]
+    opt = optim.CPUAdam(ps, lr=1e-2)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    grads = change(opt, ps, torch)
+    held = [p.clone() for p in opt.param_groups[0]["params"]]
+    with pytest.raises(OptimizerError, match=message):
+        opt.step(grads=grads)
+    # refused before any write
+    for p, before in zip(opt.param_groups[0]["params"], held):
+        assert torch.equal(p, before)
+
+
+def test_cpu_adam_steps_from_moments_loaded_between_steps():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    start = [rng.standard_normal(s, dtype=np.float32) for s in _SHAPES]
+    ps = [torch.from_numpy(p.copy()) for p in start]
+    opt = optim.CPUAdam(ps, lr=1e-2)
+    grads = [[rng.standard_normal(s, dtype=np.float32) for s in _SHAPES] for _ in range(2)]
+    opt.step(grads=[torch.from_numpy(g) for g in grads[0]])
+    saved = opt.state_dict()
+    moments = [(rng.standard_normal(s, dtype=np.float32),
+                rng.uniform(0, 1, s).astype(np.float32)) for s in _SHAPES]
+    for i, (m, v) in enumerate(moments):
+        saved["state"][i] = {"step": torch.tensor(5.0), "exp_avg": torch.from_numpy(m),
+                             "exp_avg_sq": torch.from_numpy(v)}
+    opt.load_state_dict(saved)
+    before = [p.numpy().copy() for p in ps]
+    opt.step(grads=[torch.from_numpy(g) for g in grads[1]])
+    # the loaded moments and step count, not the ones the first step used
+    for p, b, (m, v), g in zip(ps, before, moments, grads[1]):
+        m, v = m.copy(), v.copy()
+        adam_update(b, g, m, v, lr=1e-2, step=6)
+        assert p.numpy().tobytes() == b.tobytes()
+
+
+def _np_grad_wrong_shape(opt, grads):
+    grads[1] = np.zeros(9, np.float32)
+
+
+def _np_grad_not_contiguous(opt, grads):
+    grads[2] = np.zeros((24, 8), np.float32).T
+
+
+def _np_resized_in_place(opt, grads):
+    opt.params[4].resize(16, refcheck=False)
+    grads[4] = np.zeros(16, np.float32)
+
+
+def _np_moment_replaced(opt, grads):
+    opt.state[6]["exp_avg"] = np.zeros(8, np.float64)
+
+
+def _np_param_replaced(opt, grads):
+    opt.params[3] = np.zeros(24, np.float64)
+
+
+_NUMPY_CHANGES = [
+    (_np_grad_wrong_shape, r"param 1: grad has shape \(9,\) but param has shape \(8,\)"),
+    (_np_grad_not_contiguous, r"param 2: grad is not C-contiguous"),
+    (_np_resized_in_place, r"param 4: exp_avg has shape \(8, 8\) but param has shape \(16,\)"),
+    (_np_moment_replaced, r"param 6: exp_avg has dtype float64"),
+    (_np_param_replaced, r"param 3: param has dtype float64"),
+]
+
+
+@pytest.mark.parametrize("change, message", _NUMPY_CHANGES,
+                         ids=[c.__name__.strip("_") for c, _ in _NUMPY_CHANGES])
+def test_numpy_adam_checks_fire_when_an_array_changes_between_steps(change, message):
+    rng = np.random.default_rng()
+    params = [rng.standard_normal(s, dtype=np.float32) for s in _SHAPES]
+    opt = optim.NumpyAdam(params, lr=1e-2)
+    grads = [rng.standard_normal(s, dtype=np.float32) for s in _SHAPES]
+    opt.step(grads)
+    change(opt, grads)
+    held = [p.copy() for p in opt.params]
+    with pytest.raises(OptimizerError, match=message):
+        opt.step(grads)
+    for p, before in zip(opt.params, held):
+        assert p.tobytes() == before.tobytes()
