@@ -206,6 +206,26 @@ def _nonfinite_kernel(g, gmul, start, stop, block):
     return bad
 
 
+@numba.njit(cache=True)
+def _jit_address(a):
+    return a.ctypes.data
+
+
+def _data_address(a) -> int:
+    """Address of numpy array ``a``'s first element (bytes), as
+    ``a.__array_interface__["data"][0]`` gives it.
+
+    The optimizers' overlap checks take four to six per tensor per step; the
+    array interface builds a dict each time (~3 us), a jitted read of the
+    pointer costs a tenth of that. Arrays numba cannot type (a byte-swapped or
+    ml_dtypes dtype) take the interface.
+    """
+    try:
+        return _jit_address(a)
+    except Exception:   # noqa: BLE001 - numba's TypingError: untyped dtype
+        return a.__array_interface__["data"][0]
+
+
 # --------------------------------------------------------------------------- host side
 
 def adam_coefficients(*, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,

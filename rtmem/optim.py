@@ -48,7 +48,8 @@ from .buffer import Buffer
 from .errors import OptimizerError, ResidencyError
 from .kernels._adam_checks import _check_state
 from .kernels._launch import check_flag
-from .kernels.adam import _check_finite_switch, adam_coefficients, prepare_update, threads
+from .kernels.adam import _check_finite_switch, _data_address, adam_coefficients, \
+    prepare_update, threads
 
 _TORCH_CLASSES = ("CPUAdam", "CPUAdamW")
 # Without torch the torch classes stay out of __all__ (and dir()), so that
@@ -196,7 +197,7 @@ def _named(where, exc, arguments):
 
 def _span(a, *tag) -> tuple:
     """``(first address, end address, *tag)`` of C-contiguous array ``a``."""
-    lo = a.__array_interface__["data"][0]
+    lo = _data_address(a)
     return (lo, lo + a.nbytes, *tag)
 
 

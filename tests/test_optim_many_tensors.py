@@ -220,3 +220,20 @@ def test_numpy_adam_checks_fire_when_an_array_changes_between_steps(change, mess
         opt.step(grads)
     for p, before in zip(opt.params, held):
         assert p.tobytes() == before.tobytes()
+
+
+def test_data_address_is_the_array_interfaces():
+    # the overlap checks' addresses: offset views, 16-bit formats, N-D, and
+    # dtypes numba cannot type (byte-swapped, ml_dtypes' bfloat16) alike
+    from rtmem.kernels.adam import _data_address
+    base = np.zeros(64, np.float32)
+    arrays = [base[3:], base.reshape(8, 8)[1:, 2:], base.view(np.uint16)[5:],
+              base.view(np.int16)[7:], base.view(np.float16)[1:], base.reshape(2, 4, 8).T,
+              np.zeros(5, ">f4")[1:], np.zeros(3, [("a", np.float32), ("b", np.int8)])]
+    try:
+        import ml_dtypes
+        arrays.append(base.view(ml_dtypes.bfloat16)[9:])
+    except ImportError:
+        pass
+    for a in arrays:
+        assert _data_address(a) == a.__array_interface__["data"][0], a.dtype
