@@ -63,13 +63,33 @@ def bench_dir() -> str:
 
 
 def _load(script: str):
+    """bench/SCRIPT as the module its stem names (``adam``), in ``sys.modules``
+    with bench/ on ``sys.path``, as ``python bench/SCRIPT`` and the tests import
+    it; None when the file is missing.
+
+    The name matters to numba's cache: a ``cache=True`` function records its
+    module's name, and a later process loading the cache imports that name. A
+    module outside ``sys.modules`` was recorded as ``<dynamic>``, which no
+    process can import: after one ``rtmem bench adam`` every later run of the
+    benchmark (by rtmem or as a script) failed with ModuleNotFoundError."""
     path = os.path.join(bench_dir(), script)
     if not os.path.isfile(path):
         return None
-    name = f"_rtmem_bench_{os.path.splitext(script)[0]}"
+    name = os.path.splitext(script)[0]
+    here = sys.modules.get(name)
+    if here is not None and os.path.realpath(getattr(here, "__file__", None) or "") == \
+            os.path.realpath(path):
+        return here                      # already imported (a test, another command)
+    if os.path.dirname(path) not in sys.path:
+        sys.path.insert(0, os.path.dirname(path))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     return module
 
 

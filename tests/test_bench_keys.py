@@ -615,6 +615,25 @@ def test_rtmem_bench_adam_and_allocator_run_on_cpu_and_write_the_scripts_json(
     assert "wrote " + str(tmp_path / "allocator.json") in capsys.readouterr().out
 
 
+def test_rtmem_bench_loads_a_script_under_a_name_numbas_cache_can_import(monkeypatch):
+    # Loaded outside sys.modules, bench/adam.py's cache=True roofline kernels were
+    # cached under the module name "<dynamic>": every later run that loaded that
+    # cache (rtmem bench adam again, python bench/adam.py, these tests) failed with
+    # ModuleNotFoundError: No module named '<dynamic>'.
+    import inspect
+    import sys
+
+    from rtmem import cli_bench
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    sys.modules.pop("adam", None)
+    module = cli_bench._load("adam.py")
+    home = inspect.getmodule(module.roofline_fp32.py_func)
+    assert home is module and home.__name__ == "adam"
+    assert importlib.import_module("adam") is module     # what the cache will import
+    assert cli_bench._load("adam.py") is module           # and loaded once
+
+
 def _stub_measurements(monkeypatch, name, module):
     """Replace ``name``'s measuring by constant figures: only its document is
     under test."""
