@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import gc
 import math
+import types
 import warnings
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from _torch_models import SoftmaxRecorded  # noqa: E402
+from _torch_models import Shared, SoftmaxRecorded, bias_model  # noqa: E402
 
 from rtmem.errors import RtmemError  # noqa: E402
 from rtmem.torch import _saved  # noqa: E402
@@ -2959,3 +2960,67 @@ def test_saved_negative_views_keep_their_sign():
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     _assert_same(*_train(model, x, y, mse,
                          _sched("F_all 0, F_all 1, F_all 2, L, B 2, B 1, B 0", 3)))
+
+
+# A rotor-style remat schedule (stage 0 recomputed under no_grad before each
+# reader, its F_all last) and one running stage 0's F_all first
+_ROTOR_3 = "F_ck 0, F_none 1, F_all 2, L, B 2, F_ck 0, F_all 1, B 1, F_all 0, B 0"
+_ZERO_FIRST_3 = "F_all 0, F_ck 1, F_all 2, L, B 2, F_all 1, B 1, B 0"
+
+
+@pytest.mark.parametrize("holder, text, where", [
+    # a submodule of every stage: stage 0's F_all sets it with history
+    (Shared, _ROTOR_3, r"the forward of stage 0 \(BiasFirst\) sets ctx\.bias, a tensor "
+                       r"with autograd history \(ExpandBackward0\), on a module that "
+                       r"stage 1 \(BiasReader\) also holds"),
+    (Shared, _ZERO_FIRST_3, r"the forward of stage 0 \(BiasFirst\) sets ctx\.bias"),
+    # a plain object the module state does not show: seen in stage 2's graph
+    (types.SimpleNamespace, _ZERO_FIRST_3,
+     r"stage 2 \(BiasReader\) reads a tensor with autograd history that the forward of "
+     r"stage 0 \(BiasFirst\) made \(ExpandBackward0\)"),
+])
+def test_the_executor_refuses_a_tensor_with_history_handed_between_stages(holder, text,
+                                                                          where):
+    # A schedule that did not come from profile_sequential (hand-written here)
+    # trained such a model silently wrong: under _ROTOR_3 the readers got the
+    # bias of F_ck 0 (no history) and pos no gradient at all; under
+    # _ZERO_FIRST_3 pos got its gradient through the readers' graphs only
+    # because an expand saves nothing (any saving op raised torch's "backward
+    # through the graph a second time")
+    model = bias_model(True, holder)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    ex = ScheduleExecutor(model, _sched(text, 3), mse)
+    before = [p.detach().clone() for stage in model for p in stage.parameters()]
+    for _ in range(2):   # refused at every step, not only at the first
+        with pytest.raises(ExecutionError, match=where + r"(.|\n)*pack it into the tensor "
+                           r"stage 0 returns"):
+            ex.step(x, y)
+    for stage in model:
+        stage.zero_grad(set_to_none=True)
+    after = [p for stage in model for p in stage.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))   # weights intact
+
+
+@pytest.mark.parametrize("text", [_ROTOR_3, _ZERO_FIRST_3])
+def test_a_mask_without_history_read_by_every_stage_trains_as_plain_torch(text):
+    # what the refusal above lets through, under the same schedules: a mask
+    # stage 0 derives from its input, float64, gradients as plain torch's at
+    # two steps (the second unchecked)
+    model = bias_model(False)
+    ref = copy.deepcopy(model)
+    ex = ScheduleExecutor(model, _sched(text, 3), mse)
+    for _ in range(2):
+        x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+        h = x
+        for stage in ref:
+            h = stage(h)
+        ref_loss = mse(h, y)
+        ref_loss.backward()
+        loss = ex.step(x, y)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12)
+        got = [p.grad for stage in model for p in stage.parameters()]
+        expected = [p.grad for stage in ref for p in stage.parameters()]
+        assert [g is None for g in got] == [e is None for e in expected]
+        for g, e in zip(got, expected):
+            if e is not None:
+                torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)

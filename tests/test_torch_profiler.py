@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from _torch_models import SoftmaxRecorded  # noqa: E402
+from _torch_models import SoftmaxRecorded, bias_model  # noqa: E402
 
 from rtmem.planners import plan_sequential  # noqa: E402
 from rtmem.torch import ExecutionError, ScheduleExecutor, profile_sequential  # noqa: E402
@@ -100,58 +100,22 @@ def test_profiling_frees_the_graphs_of_its_repeated_forwards():
     assert alive == 0, f"{alive} of {len(outputs)} stage outputs outlived the profile"
 
 
-class _Shared(nn.Module):
-    """What the blocks of a model share outside their activations (T5 computes
-    its position bias in the first block and hands it to the others)."""
-
-
-class _BiasFirst(nn.Module):
-    """Makes a learned bias (with autograd history) and hands it on through
-    ``ctx``, or a mask without history (``history=False``)."""
-
-    def __init__(self, ctx, d, history=True):
-        super().__init__()
-        self.ctx, self.history = ctx, history
-        self.pos = nn.Parameter(torch.randn(d, dtype=torch.float64))
-        self.lin = nn.Linear(d, d, dtype=torch.float64)
-
-    def forward(self, h):
-        self.ctx.bias = (self.pos.expand(h.shape[0], -1) if self.history
-                         else (h > 0).to(h.dtype))
-        return self.lin(h)
-
-
-class _BiasReader(nn.Module):
-    def __init__(self, ctx, d):
-        super().__init__()
-        self.ctx = ctx
-        self.lin = nn.Linear(d, d, dtype=torch.float64)
-
-    def forward(self, h):
-        return torch.tanh(self.lin(h) + self.ctx.bias)
-
-
-def _bias_model(history):
-    ctx = _Shared()
-    return [_BiasFirst(ctx, 6, history), _BiasReader(ctx, 6), _BiasReader(ctx, 6)]
-
-
 def test_a_tensor_with_history_handed_between_stages_outside_the_outputs_is_refused():
     # It profiled, and a plan recomputing stage 0 (under no_grad, where the
     # bias has no history) gave pos a wrong gradient, silently; one reading the
     # bias of stage 0's F_all raised torch's "backward through the graph a
     # second time" at B 0
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
-    with pytest.raises(ExecutionError, match=r"stage 1 \(_BiasReader\) reads a tensor with "
-                       r"autograd history that the forward of stage 0 \(_BiasFirst\) made"
+    with pytest.raises(ExecutionError, match=r"stage 1 \(BiasReader\) reads a tensor with "
+                       r"autograd history that the forward of stage 0 \(BiasFirst\) made"
                        r"(.|\n)*pack it into the tensor stage 0 returns"):
-        profile_sequential(_bias_model(True), x, y, nn.functional.mse_loss, repeats=1)
+        profile_sequential(bias_model(True), x, y, nn.functional.mse_loss, repeats=1)
 
 
 def test_a_mask_without_history_shared_by_the_stages_trains_as_plain_torch():
     # what the refusal above must let through: a mask stage 0 derives from its
     # input, read by every block, under a schedule recomputing stage 0
-    model = _bias_model(False)
+    model = bias_model(False)
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
     h = x
     for stage in model:

@@ -13,17 +13,19 @@ below are that note's).
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import torch
 
 from rtmem.planners import Op
 
-from ._module_state import FirstBuffers, KeptBuffers, replayed_generators
+from ._module_state import FirstBuffers, KeptBuffers, replayed_generators, stage_state
 from ._offload_hooks import _interrupts_held
 from ._saved import (_SavedHooks, autocast_off, fastpaths_as_trained, own_parametrizations,
                      uncached_casts)
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
-                      check_loss, check_needs_grad, inputs_need_grad, mark_raised,
-                      nothing_trains, stage_label, trains_beyond)
+                      check_cross_stage, check_loss, check_needs_grad, inputs_need_grad,
+                      mark_raised, node_mark, nothing_trains, stage_label, trains_beyond)
 from ._stored import _Stored
 
 
@@ -88,8 +90,17 @@ class _StepReplay:
         self.buffer_copy_bytes = 0 if track else None
         self._copies_kept = 0
         loss = None
+        # While a stage's first grad-mode forward is still to be checked for a
+        # tensor handed over outside the activations (_check_cross_stage), the
+        # ops are walked with a node_mark() before each; steady-state steps walk
+        # them as they are
+        self._op_marks = None
+        ops = enumerate(self._ops)
+        if self._cross_unchecked:
+            self._op_marks = ([], [])
+            ops = self._marked_ops(self._op_marks)
         try:
-            for j, (op, s, aux) in enumerate(self._ops):
+            for j, (op, s, aux) in ops:
                 self._op_index = j
                 if op in (Op.F_NONE, Op.F_CK, Op.F_ALL):
                     self._forward(op, s)
@@ -124,6 +135,7 @@ class _StepReplay:
                 self._first = {}
                 self._copies_kept = 0
                 self._delta = None
+                self._op_marks = None
                 self._caller_keys = set()
                 self._caller_inputs = None
                 if self._streams is not None:
@@ -135,6 +147,79 @@ class _StepReplay:
                 self._restore_weights()
                 self._release_host()
         return loss
+
+    def _marked_ops(self, marks: tuple):
+        """The schedule's ``(index, operation)`` pairs, as ``enumerate(self._ops)``,
+        appending to ``marks`` (two lists) the :func:`node_mark` taken before each
+        and the stage of each forward (None for the other operations): the autograd
+        nodes numbered from a forward's mark up to the next mark were recorded by
+        that forward."""
+        for j, (op, s, aux) in enumerate(self._ops):
+            with torch.enable_grad():
+                marks[0].append(node_mark())
+            marks[1].append(s if op in (Op.F_NONE, Op.F_CK, Op.F_ALL) else None)
+            yield j, (op, s, aux)
+
+    def _check_cross_stage(self, i: int, y: torch.Tensor, leaf, casts_kept: bool) -> None:
+        """Refuse the output ``y`` of stage ``i``'s first grad-mode forward (an
+        ``F_all``, whose mark is the last one taken) whose graph reaches a node
+        another stage's forward recorded in this step (a tensor with autograd
+        history handed over outside the activations:
+        :func:`~rtmem.torch._stages.check_cross_stage`, the profiler's check,
+        for a plan that did not come from ``profile_sequential``). Checked once
+        per stage and schedule: a stage's F_all reads what the same forwards
+        made before it at every step. A stage first run under ``no_grad``
+        (``F_ck``, ``F_none``) records no graph there, so it is checked at its
+        F_all; a tensor made by another stage's ``no_grad`` forward has no
+        history to see, and the check cannot tell it apart (README)."""
+        marks, stages = self._op_marks
+        begin, end = marks[0], marks[-1]
+
+        def origin(seq: int):
+            if not begin <= seq < end:
+                return None
+            k = stages[bisect_right(marks, seq) - 1]
+            return None if k == i else k
+
+        check_cross_stage(i, y, leaf, origin, self.model, casts_kept)
+        self._check_handed_attribute(i, end)
+        self._cross_unchecked.discard(i)
+
+    def _check_handed_attribute(self, i: int, mark: int) -> None:
+        """Refuse a tensor with autograd history that stage ``i``'s F_all (whose
+        :func:`node_mark` is ``mark``) made and left as a tensor attribute of a
+        module another stage also holds (``self.ctx.bias = self.pos.expand(...)``
+        with ``ctx`` a submodule of every stage): the other stages read it. The
+        graph walk of :func:`check_cross_stage` cannot see it where the
+        schedule runs the readers' F_all after an ``F_ck``/``F_none`` of stage
+        ``i`` (a rotor schedule recomputes stage 0 under no_grad before each
+        reader and runs its F_all last): they read a tensor without history,
+        and its gradient is lost, silently."""
+        fresh = [t for t in self._stage_consts[i]
+                 if t.grad_fn is not None and t.grad_fn._sequence_nr() >= mark]
+        if not fresh:
+            return
+        for j in range(self.n):
+            if j == i:
+                continue
+            held = {id(t) for t in stage_state(self._stage_modules[j])[0]}
+            t = next((t for t in fresh if id(t) in held), None)
+            if t is None:
+                continue
+            name = next((f"{prefix}.{attr}".lstrip(".")
+                         for prefix, m in self.stages[i].named_modules()
+                         for attr, v in vars(m).items() if v is t), "a tensor attribute")
+            raise ExecutionError(
+                f"the forward of {stage_label(self.model, i)} sets {name}, a tensor with "
+                f"autograd history ({type(t.grad_fn).__name__}), on a module that "
+                f"{stage_label(self.model, j)} also holds: a tensor handed between stages "
+                f"outside their outputs (self.ctx.bias = ..., a skip connection kept as an "
+                f"attribute). The executor runs, recomputes (under no_grad) and "
+                f"backpropagates each stage on its own, so the gradient through that "
+                f"tensor would be lost or wrong. Pass it in the activation (pack it into "
+                f"the tensor stage {i} returns, e.g. torch.cat, and unpack it in the next "
+                f"stages), compute it in every stage that reads it, detach it if it should "
+                f"not train (or is not read by other stages), or merge the stages into one")
 
     def _raised_in(self, exc: Exception, what: str, i: int | None = None) -> None:
         """Mark ``exc``, raised by the user's code in ``what`` (of stage ``i``),
@@ -341,6 +426,8 @@ class _StepReplay:
         # a tensor that requires grad read from outside what the executor sees:
         # refused, as stage i+1 gets (or got) its input without gradient
         check_needs_grad(i, self.stages[i], y, self._needs_grad, leaf)
+        if i in self._cross_unchecked:
+            self._check_cross_stage(i, y, leaf, hooks.casts_kept)
         self._bar.store(i + 1, y, inp=leaf, saved=hooks.saved)
 
     def _loss(self, target):

@@ -403,19 +403,20 @@ def _cast_of_leaf(node) -> bool:
         nxt is None or hasattr(nxt, "variable") for nxt, _ in node.next_functions)
 
 
-def check_cross_stage(i: int, y, own, marks: list, model, casts_kept: bool) -> None:
+def check_cross_stage(i: int, y, own, origin, model, casts_kept: bool) -> None:
     """Refuse the output ``y`` of a grad-mode forward of stage ``i`` whose graph
     reaches a node another stage's forward recorded: the stage read a tensor
-    with autograd history that stage k < i made and handed over outside the
+    with autograd history that stage k made and handed over outside the
     activations (a module attribute shared by the stages, ``self.ctx.bias =
     ...`` in the style of T5's position bias, a skip connection kept as an
     attribute, a global). The executor runs and backpropagates each stage on
     its own, and recomputes stage k under ``no_grad``, where that tensor has no
-    history: its gradient would be lost or wrong, silently. ``marks[k]`` is the
-    :func:`node_mark` taken before stage k's first forward (``marks[i]`` too);
-    ``own`` is the input leaf of stage ``i``. Autocast's cached casts of
-    parameters (``casts_kept``) are model state and pass."""
-    begin, start = marks[0], marks[i]
+    history: its gradient would be lost or wrong, silently. ``origin(seq)`` is
+    the stage k whose forward recorded the node numbered ``seq`` (its
+    :func:`node_mark`), or None for a node of no other stage's forward (made
+    before the forwards, by stage ``i`` itself, by the loss); ``own`` is the
+    input leaf of stage ``i``. Autocast's cached casts of parameters
+    (``casts_kept``) are model state and pass."""
     seen, todo = set(), [y.grad_fn] if isinstance(y, torch.Tensor) else []
     while todo:
         node = todo.pop()
@@ -423,9 +424,8 @@ def check_cross_stage(i: int, y, own, marks: list, model, casts_kept: bool) -> N
             continue
         seen.add(node)
         seq = node._sequence_nr()
-        if seq != _NO_SEQUENCE and begin <= seq < start and not (
-                casts_kept and _cast_of_leaf(node)):
-            k = max(j for j in range(i) if marks[j] <= seq)
+        k = None if seq == _NO_SEQUENCE else origin(seq)
+        if k is not None and not (casts_kept and _cast_of_leaf(node)):
             raise ExecutionError(
                 f"{stage_label(model, i)} reads a tensor with autograd history that the "
                 f"forward of {stage_label(model, k)} made ({type(node).__name__}), handed "

@@ -402,6 +402,11 @@ class ScheduleExecutor(_StepReplay, _Bookkeeping, _HostSide, _ActivationMoves):
         # buffers it read and the RNG states, for the recomputations (rule 6)
         forwards = Counter(s for op, s, _ in ops if op in (Op.F_NONE, Op.F_CK, Op.F_ALL))
         self._recomputed = {s for s, count in forwards.items() if count > 1}
+        # Stages whose first grad-mode forward under this schedule is still to be
+        # checked for a tensor with autograd history handed over outside the
+        # activations (_StepReplay._check_cross_stage): what a stage's F_all can
+        # see depends on the forwards the schedule runs before it
+        self._cross_unchecked = set(range(self.n))
 
     # ------------------------------------------------------------ public API
     def host_grads(self) -> dict:
@@ -449,6 +454,15 @@ class ScheduleExecutor(_StepReplay, _Bookkeeping, _HostSide, _ActivationMoves):
         batch that does not require grad, or a stage that detaches its output
         with every stage after it frozen) raises :class:`ExecutionError` before
         any gradient is written, as ``loss.backward()`` raises.
+
+        A stage that reads a tensor with autograd history another stage's
+        forward made, handed over outside the activations (``self.ctx.bias =
+        ...`` on a module the stages share), is refused with
+        :class:`ExecutionError` at the first step under a schedule (at each
+        stage's first ``F_all``; the gradients of that step's earlier ``B``
+        stay, as below), as :func:`~rtmem.torch.profile_sequential` refuses it:
+        its gradient would be lost or wrong under recomputation. Later steps
+        do not check again.
 
         An exception raised by a stage's forward (the first or a
         recomputation), its backward, or the loss function reaches the caller

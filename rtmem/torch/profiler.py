@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 import torch
 from torch import nn
@@ -86,6 +87,16 @@ class _Timer:
         t0 = time.perf_counter()
         out = fn()
         return out, time.perf_counter() - t0
+
+
+def _earlier_stage(marks: list, i: int, seq: int):
+    """The stage k < ``i`` whose forward recorded the autograd node numbered
+    ``seq``, with ``marks[k]`` the :func:`node_mark` taken before stage k's
+    first forward (stages run in order here); None for a node made before stage
+    0's forward or by stage ``i``'s own (:func:`check_cross_stage`)."""
+    if not marks[0] <= seq < marks[i]:
+        return None
+    return max(k for k in range(i) if marks[k] <= seq)
 
 
 def _clear_grads(leaves, grads: dict, held: list) -> None:
@@ -283,7 +294,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 _check_output(i, stage, y)
                 check_needs_grad(i, stage, y, needs_grad, xin)   # as the executor's F_all
                 if r == 0:   # before a backward runs into another stage's graph
-                    check_cross_stage(i, y, xin, marks, model, casts_kept)
+                    check_cross_stage(i, y, xin, partial(_earlier_stage, marks, i), model,
+                                      casts_kept)
                 fwd_times.append(t_f)
                 # the version counter arg shares with x: any in-place op on the input
                 if r == 0 and arg._version != x_version:
