@@ -149,3 +149,12 @@ def test_share_memory_moves_placed_parameters_out_without_losing_data(arena):
     placement.release()
     for p, a in zip(model.parameters(), after):
         assert torch.equal(p, a)
+
+
+def test_execution_error_shows_its_public_path_and_pickles():
+    # help() and tracebacks showed rtmem.torch._stages.ExecutionError, a
+    # private path; pickle must still find the class under the public one
+    from rtmem.torch import ExecutionError
+    assert ExecutionError.__module__ == "rtmem.torch"
+    err = pickle.loads(pickle.dumps(ExecutionError("stage 2 refused")))
+    assert type(err) is ExecutionError and str(err) == "stage 2 refused"

@@ -26,7 +26,21 @@ SUMS_PARTIAL_GRADIENTS = "_rtmem_sums_partial_gradients"
 
 
 class ExecutionError(RtmemError):
-    """A schedule could not be executed on a model (wrong length, bad state)."""
+    """:class:`~rtmem.torch.ScheduleExecutor` or
+    :func:`~rtmem.torch.profile_sequential` refused a model, schedule, batch,
+    loss or argument, before or during a step or profile: bad arguments (a
+    schedule that is not a ``Schedule`` or ``Plan``, ``host_arena="x"``,
+    ``repeats=0``), a schedule planned for another chain length or moving
+    weights it cannot move, a stage that does not return one tensor or hands a
+    tensor with autograd history to another stage outside its output, a loss
+    that is not a 0-d tensor with autograd history, a step in which nothing
+    trains, a stored activation modified in place. The message says what was
+    wrong and what to do; the executor can step again after it."""
+
+
+# Shown, and pickled, under the public path (help(), tracebacks): rtmem.torch
+# re-exports it, so pickle finds it there
+ExecutionError.__module__ = "rtmem.torch"
 
 
 #: The attribute :class:`raised_in` sets on an exception from the user's code:
@@ -436,7 +450,8 @@ def check_cross_stage(i: int, y, own, origin, model, casts_kept: bool) -> None:
                 f"tensor would be lost or wrong. Pass it in the activation (pack it into "
                 f"the tensor stage {k} returns, e.g. torch.cat, and unpack it in the "
                 f"next stages), compute it in every stage that reads it, detach it if it "
-                f"should not train, or merge stages {k} to {i} into one stage")
+                f"should not train, or merge stages {min(i, k)} to {max(i, k)} into one "
+                f"stage")
         todo.extend(nxt for nxt, _ in node.next_functions
                     if nxt is not None and getattr(nxt, "variable", None) is not own)
 
