@@ -336,6 +336,20 @@ def require_plotting(args) -> None:
         _matplotlib()
 
 
+def _peak_of_chain_only(schedule) -> bool:
+    """Whether ``schedule``'s simulated peak depends on the chain alone: no
+    transfer in it. An offload frees its bytes when the copy ends, so with
+    transfers the peak also depends on the link's bandwidth and on whether the
+    memory limit made an operation wait for those frees (NOTE [ Simulator
+    semantics ]): a plan simulated on its own chain with another platform
+    peaks elsewhere."""
+    import numpy as np
+
+    from rtmem.planners.schedule import COMPUTE_OPS, Op
+    at_once = COMPUTE_OPS | {Op.DELETE, Op.W_DELETE}
+    return bool(np.isin(schedule.op, [int(o) for o in at_once]).all())
+
+
 def _cmd_simulate(args) -> int:
     from rtmem.errors import ScheduleError
     from rtmem.planners import simulate
@@ -355,7 +369,7 @@ def _cmd_simulate(args) -> int:
         # still repeat operations until the float64 sum overflows
         raise RtmemError(f"the makespan of this schedule overflows a float64 ({len(schedule)} "
                          "operations); express the chain's times in larger units")
-    if plan is not None and plan.peak != r.peak:
+    if plan is not None and plan.peak != r.peak and _peak_of_chain_only(schedule):
         # A plan for another chain of the same length simulated without a word
         # (plans do not record their chain); its peak, a function of the chain's
         # sizes, tells it. A note, not an error: simulating a plan on a re-profiled

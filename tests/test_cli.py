@@ -294,6 +294,30 @@ def test_simulate_a_plan_for_another_chain_of_the_same_length_notes_it(capsys, t
                    f"was it made for another chain (or another batch size)?\n")
 
 
+def test_simulate_a_plan_with_transfers_on_its_own_chain_gets_no_note(capsys, tmp_path):
+    # A schedule with transfers peaks higher where a slower link frees offloaded
+    # bytes later (and no memory limit makes an operation wait for them): the
+    # plan's recorded peak is then not its chain's alone, and a plan simulated on
+    # its own chain with another link was told it was made for another chain
+    import math
+
+    from rtmem.planners import Platform, Schedule, simulate
+    from rtmem.planners.baselines import simulated_plan
+    chain = load_chain("gpt2:layers=2")
+    assert chain.n == 4
+    schedule = Schedule.from_text(
+        "F_all 0, offload abar1, F_all 1, delete abar1, offload abar2, F_all 2, "
+        "delete abar2, offload abar3, F_all 3, delete abar3, L, prefetch abar3, B 3, "
+        "prefetch abar2, B 2, prefetch abar1, B 1, B 0")
+    plan = simulated_plan(chain, schedule, math.inf, "offload")
+    plan.save(str(tmp_path / "plan.json"))
+    slow = simulate(chain, schedule, Platform(math.inf, bandwidth=1e9)).peak
+    assert slow != plan.peak            # the case: the peak depends on the link
+    code, out, err = run(capsys, "simulate", "gpt2:layers=2", str(tmp_path / "plan.json"),
+                         "--memory", "inf", "--bandwidth", "1 GB/s", "--json")
+    assert code == 0 and json.loads(out)["peak_bytes"] == slow and err == ""
+
+
 def test_simulate_json_is_strict_json(capsys):
     # The default bandwidth is unlimited: it was written as Infinity (not JSON),
     # and unlimited memory as rtmem's internal 2**62.
