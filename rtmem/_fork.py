@@ -15,7 +15,9 @@ first use of that arena hung: a worker that never returned a batch.
    raises :class:`~rtmem.errors.BackendError` saying so, instead of repairing
    state nobody can check. The arena's buffers stay readable (views need no
    lock); ``alloc``, ``free``, ``stats`` and ``close`` raise. The child's
-   memory is its own copy: the parent is untouched either way.
+   memory is its own copy: the parent is untouched either way. The stack is
+   walked through each adaptor's ``upstream``; a user's adaptor that keeps its
+   upstream under another name hides the adaptors below it, never the core.
 2. An arena no thread was using works in the child as in the parent.
 3. The transfer engines' locks, and the backend registry's (``get_backend``),
    each guard one container operation, never a half-done update, so
@@ -89,11 +91,18 @@ def _own(obj) -> dict:
 def _owners_of_locks(arena):
     """The arena and every allocator of its stack (core and adaptors)."""
     yield arena
+    core = _own(arena).get("core")
     allocator = arena.allocator
     while allocator is not None:
         yield allocator
+        if allocator is core:
+            return
         # its own attributes only: an adaptor forwards unknown ones to its upstream
         allocator = _own(allocator).get("upstream")
+    # A user's adaptor that keeps its upstream under another name ends the walk
+    # above: the core, whose lock every alloc and free takes, is checked anyway.
+    if core is not None:
+        yield core
 
 
 def _after_fork_in_child() -> None:

@@ -630,6 +630,18 @@ def test_transfers_and_close_work_in_a_child_forked_after_copies_ran():
     h.close()
 
 
+def _forked_while_held(lock, child, timeout=8):
+    """Exit code of ``child()`` run in a process forked while another thread
+    holds ``lock`` (None: the child hung past ``timeout`` seconds); the thread
+    lets go once the child is done."""
+    release, t = _held_by_a_thread(lock)
+    try:
+        return _in_forked_child(child, timeout=timeout)
+    finally:
+        release.set()
+        t.join()
+
+
 def _held_by_a_thread(lock):
     """Start a thread that holds ``lock`` (as one inside an alloc, a free or a
     poll does) until the returned event is set; returns (release, thread)."""
@@ -669,8 +681,6 @@ def test_a_child_forked_while_a_thread_uses_an_arena_raises_instead_of_hanging(h
     lock = {"allocator": busy.core._lock, "accounting": busy._acct_lock,
             "stats adaptor": busy.allocator._lock, "engine": T.get_engine(be)._lock,
             "backends": rtmem.backends._lock}[held]
-    release, t = _held_by_a_thread(lock)
-
     def child():
         import os
         try:
@@ -698,17 +708,54 @@ def test_a_child_forked_while_a_thread_uses_an_arena_raises_instead_of_hanging(h
         except BaseException:
             os._exit(8)
 
-    try:
-        assert _in_forked_child(child, timeout=8) == 0
-    finally:
-        release.set()
-        t.join()
+    assert _forked_while_held(lock, child) == 0
     for arena in (busy, d, h):          # the parent is unaffected
         arena.alloc(16).free()
     assert (kept.numpy() == 3.0).all()
     kept.free()
     for arena in (busy, d, h):
         arena.close()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
+def test_a_forked_child_refuses_an_arena_whose_core_was_busy_under_a_user_adaptor():
+    # The after-fork check found the core allocator by walking each adaptor's
+    # own `upstream` attribute; a user's adaptor that keeps its upstream under
+    # another name (adaptors= takes any callable returning an allocator) ended
+    # the walk there, so a core lock a thread held at the fork was missed and
+    # the child's first alloc on that arena hung.
+    from rtmem.backends.host import HostBackend
+
+    class Counting:                     # duck-typed: no AllocatorAdaptor, no .upstream
+        def __init__(self, inner):
+            self._inner, self.calls = inner, 0
+
+        def allocate(self, nbytes, stream=None):
+            self.calls += 1
+            return self._inner.allocate(nbytes, stream)
+
+        def deallocate(self, block, **kw):
+            self._inner.deallocate(block, **kw)
+
+        def stats(self):
+            return self._inner.stats()
+
+    busy = HostArena(1 << 16, backend=HostBackend(), adaptors=[Counting])
+    busy.alloc(16).free()
+    assert busy.allocator.calls == 1            # the stack is in use
+    def child():
+        import os
+        try:
+            busy.alloc(16)
+            os._exit(3)
+        except BackendError as e:
+            os._exit(0 if "forked" in str(e) else 4)
+        except BaseException:
+            os._exit(8)
+
+    assert _forked_while_held(busy.core._lock, child) == 0
+    busy.alloc(16).free()                       # the parent is unaffected
+    busy.close()
 
 
 def test_a_record_refused_by_a_closed_stream_leaves_the_event_as_it_was():
