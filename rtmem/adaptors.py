@@ -228,7 +228,11 @@ class LimitAdaptor(AllocatorAdaptor):
         with self._lock:
             old = self._sizes.get(block, 0)
             fits_in_place = getattr(self.upstream, "fits_in_place", None)
-            in_place = fits_in_place is not None and fits_in_place(block, nbytes, stream)
+            # stream only when given: a user's allocator may define the older
+            # fits_in_place(block, nbytes), which a third argument broke
+            in_place = fits_in_place is not None and (
+                fits_in_place(block, nbytes) if stream is None
+                else fits_in_place(block, nbytes, stream))
             extra = size - old if in_place else size
             if self._used + extra > self.budget_bytes:
                 self._refuse(nbytes, extra)

@@ -34,6 +34,22 @@ def test_statistics_adaptor_counts_requested_bytes():
     s._check_invariants()
 
 
+def test_limit_adaptor_resizes_over_an_allocator_with_the_older_fits_in_place():
+    # fits_in_place gained a stream argument (resize into an own-stream pending
+    # neighbour); LimitAdaptor passed it always, so a user's allocator defining
+    # fits_in_place(block, nbytes) failed every resize with a TypeError
+    class OlderCore(BestFitAllocator):
+        def fits_in_place(self, block, nbytes):
+            return super().fits_in_place(block, nbytes)
+
+    lim = LimitAdaptor(OlderCore(1 << 16), budget_bytes=4096)
+    a = lim.allocate(1000)
+    b = lim.resize(a, 2000)
+    assert b is a and lim.used_bytes == 2048                  # in place: the difference
+    lim.deallocate(b)
+    assert lim.used_bytes == 0
+
+
 def test_limit_adaptor_fills_to_budget_then_refuses():
     core = BestFitAllocator(1 << 16)
     lim = LimitAdaptor(core, budget_bytes=4096)
