@@ -222,6 +222,20 @@ def test_numpy_adam_checks_fire_when_an_array_changes_between_steps(change, mess
         assert p.tobytes() == before.tobytes()
 
 
+def test_data_address_tries_numba_once_per_untyped_dtype(monkeypatch):
+    # numba does not remember a failed typing: every call on a byte-swapped array
+    # compiled again (~270 us where the array interface takes ~3 us)
+    from rtmem.kernels import adam
+    monkeypatch.setattr(adam, "_INTERFACE_ONLY", set())
+    a = np.zeros(5, ">f4")[1:]
+    assert adam._data_address(a) == a.__array_interface__["data"][0]
+    tried = []
+    monkeypatch.setattr(adam, "_jit_address", lambda x: tried.append(x) or 0)
+    assert adam._data_address(a) == a.__array_interface__["data"][0] and tried == []
+    native = np.zeros(4, np.float32)
+    assert adam._data_address(native) == 0 and len(tried) == 1   # typed dtypes still jit
+
+
 def test_data_address_is_the_array_interfaces():
     # the overlap checks' addresses: offset views, 16-bit formats, N-D, and
     # dtypes numba cannot type (byte-swapped, ml_dtypes' bfloat16) alike
