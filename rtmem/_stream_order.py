@@ -50,7 +50,8 @@ allocator reuses the stream's own frees at once. The hot paths are unchanged;
 the scan, linear in the stream's pending blocks, runs only on this miss.
 If no run holds the request either, ``_wait_until_fit`` waits for other
 streams' events one at a time: a FIFO head whose blocks, once ready, would lie
-in a usable run big enough (``_head_frees``), else the first stream's head,
+in a usable run big enough (``_head_frees``), else the head of the stream
+indexed first,
 each wait followed by a poll, best fit and the run search again. It used to
 flush, waiting for every pending event of every stream (a host stall as long as
 the slowest stream's queued work) when one event sufficed. The stream's own
@@ -224,7 +225,9 @@ class _StreamOrderedFrees:
                 return block
             # After a poll each FIFO's head is live and not known complete. Wait
             # for a head whose blocks would then hold the request, else for the
-            # first stream's (the stream freed on longest ago).
+            # head of the stream indexed first (dict order: not necessarily the
+            # oldest event; streams keep no common clock). Each wait rescans the
+            # heads: quadratic in the events waited for, on this miss path only.
             fifos = [f for s, f in self._fifo.items() if f and s != stream]
             if not fifos:
                 return None
