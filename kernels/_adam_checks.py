@@ -133,9 +133,12 @@ def _check_no_overlap(named):
     for i, (na, a) in enumerate(named):
         for nb, b in named[i + 1:]:
             if np.may_share_memory(a, b):
-                raise OptimizerError(
-                    f"{na} and {nb} overlap in memory; each array of the update needs "
-                    f"its own buffer.", argument=nb)
+                raise _overlap_error(na, nb)
+
+
+def _overlap_error(na, nb):
+    return OptimizerError(f"{na} and {nb} overlap in memory; each array of the update "
+                          f"needs its own buffer.", argument=nb)
 
 
 def _check_range(start, stop, size):

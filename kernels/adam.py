@@ -50,7 +50,7 @@ from numba.extending import overload
 from rtmem.errors import OptimizerError
 
 from ._adam_checks import (_check_no_overlap, _check_range, _check_real, _check_state,
-                           _flat_operand)
+                           _flat_operand, _overlap_error)
 from ._half import (bf16_bits_to_f32, bits_from_f32, f32_to_bf16_bits, f32_to_fp16_bits,
                     fp16_bits_to_f32)
 from ._launch import check_flag
@@ -502,6 +502,52 @@ def prepare_update(param, grad, exp_avg, exp_avg_sq, *, max_exp_avg_sq=None,
                                               shape, writable=True)
     _check_no_overlap([("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v),
                        ("max_exp_avg_sq", vmax), ("out", o)])
+    return PreparedUpdate(p, g, m, v, vmax, o)
+
+
+def _bounds(a):
+    """``(first, end)`` byte addresses of C-contiguous array ``a``, None if it is
+    empty: what np.may_share_memory compares (it never finds an empty array
+    overlapping)."""
+    if not a.size:
+        return None
+    lo = _data_address(a)
+    return lo, lo + a.nbytes
+
+
+def _state_bounds(prepared):
+    """:func:`_bounds` of the state arrays (param, exp_avg, exp_avg_sq,
+    max_exp_avg_sq or None) of a :class:`PreparedUpdate`, for :func:`_prepare_again`."""
+    return tuple(None if a is None else _bounds(a)
+                 for a in (prepared.p, prepared.m, prepared.v, prepared.vmax))
+
+
+def _prepare_again(state, bounds, shape, grad, *, grad_format=None, out=None,
+                   out_format=None) -> PreparedUpdate:
+    """:func:`prepare_update` with the flat state arrays ``(p, m, v, vmax)`` of
+    an earlier :class:`PreparedUpdate` of a parameter of ``shape`` (and their
+    :func:`_state_bounds`), and a new ``grad`` and ``out``: the caller vouches
+    that those arrays have not changed since (same memory, shape and dtype), so
+    their own checks, and the overlaps among them, are not repeated. The
+    gradient and copy are checked in full, their overlaps by the bounds
+    np.may_share_memory compares: the same errors as prepare_update's, in
+    the same order."""
+    g = _flat_operand(grad, "grad", grad_format, "grad_format", shape)
+    o = None if out is None else _flat_operand(out, "out", out_format, "out_format",
+                                              shape, writable=True)
+    gb = _bounds(g)
+    ob = None if o is None else _bounds(o)
+    if gb is not None or ob is not None:
+        pb, mb, vb, vmaxb = bounds
+        # prepare_update's pair order, less the pairs of two state arrays
+        for na, a, nb, b in (("param", pb, "grad", gb), ("param", pb, "out", ob),
+                             ("grad", gb, "exp_avg", mb), ("grad", gb, "exp_avg_sq", vb),
+                             ("grad", gb, "max_exp_avg_sq", vmaxb), ("grad", gb, "out", ob),
+                             ("exp_avg", mb, "out", ob), ("exp_avg_sq", vb, "out", ob),
+                             ("max_exp_avg_sq", vmaxb, "out", ob)):
+            if a is not None and b is not None and a[0] < b[1] and b[0] < a[1]:
+                raise _overlap_error(na, nb)
+    p, m, v, vmax = state
     return PreparedUpdate(p, g, m, v, vmax, o)
 
 

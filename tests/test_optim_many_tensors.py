@@ -251,3 +251,155 @@ def test_data_address_is_the_array_interfaces():
         pass
     for a in arrays:
         assert _data_address(a) == a.__array_interface__["data"][0], a.dtype
+
+
+# CPUAdam keeps the checked views of each parameter and its moments from one
+# step to the next (NOTE [ Held views ] in rtmem/_optim_torch.py): each change
+# below must make it take new ones, the updates landing in the tensors' memory
+# as it is now, or the step refused as a fresh optimizer's would be.
+def _param_data_replaced(opt, ps, torch):
+    ps[2].data = torch.randn(ps[2].shape, dtype=torch.float32)
+
+
+def _param_set_to_other_memory(opt, ps, torch):
+    ps[4].set_(torch.randn(ps[4].shape, dtype=torch.float32))
+
+
+def _moment_set_to_other_memory(opt, ps, torch):
+    opt.state[ps[6]]["exp_avg"].set_(torch.randn(8, dtype=torch.float32))
+
+
+def _moment_data_replaced(opt, ps, torch):
+    opt.state[ps[3]]["exp_avg_sq"].data = torch.rand(24, dtype=torch.float32)
+
+
+def _moment_swapped(opt, ps, torch):
+    opt.state[ps[1]]["exp_avg"] = torch.randn(8, dtype=torch.float32)
+
+
+def _amsgrad_turned_on(opt, ps, torch):
+    opt.param_groups[0]["amsgrad"] = True
+
+
+_CPU_ADAM_MOVES = [_param_data_replaced, _param_set_to_other_memory,
+                   _moment_set_to_other_memory, _moment_data_replaced, _moment_swapped,
+                   _amsgrad_turned_on]
+
+
+@pytest.mark.parametrize("change", _CPU_ADAM_MOVES,
+                         ids=[c.__name__.strip("_") for c in _CPU_ADAM_MOVES])
+def test_cpu_adam_steps_the_memory_a_tensor_has_after_a_change(change):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    ps = [torch.from_numpy(rng.standard_normal(s, dtype=np.float32)) for s in _SHAPES]
+    opt = optim.CPUAdam(ps, lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        opt.step(grads=[torch.from_numpy(rng.standard_normal(s, dtype=np.float32))
+                        for s in _SHAPES])
+    change(opt, ps, torch)
+    amsgrad = opt.param_groups[0]["amsgrad"]
+    grads = [rng.standard_normal(s, dtype=np.float32) for s in _SHAPES]
+    expected = []
+    for p, g in zip(ps, grads):
+        st = opt.state[p]
+        e, m, v = (t.numpy().copy() for t in (p, st["exp_avg"], st["exp_avg_sq"]))
+        vmax = np.zeros_like(e) if amsgrad else None
+        adam_update(e, g, m, v, lr=1e-2, weight_decay=0.1, step=3, max_exp_avg_sq=vmax)
+        expected.append((e, m, v, vmax))
+    opt.step(grads=[torch.from_numpy(g) for g in grads])
+    for p, (e, m, v, vmax) in zip(ps, expected):
+        st = opt.state[p]
+        assert p.numpy().tobytes() == e.tobytes()
+        assert st["exp_avg"].numpy().tobytes() == m.tobytes()
+        assert st["exp_avg_sq"].numpy().tobytes() == v.tobytes()
+        if amsgrad:     # made at this step (its first update equals Adam's)
+            assert st["max_exp_avg_sq"].numpy().tobytes() == vmax.tobytes()
+
+
+def _param_dtype_view(opt, ps, grads, torch):
+    ps[5].data = ps[5].data.view(torch.int32)        # same memory, another dtype
+
+
+def _param_strided_in_place(opt, ps, grads, torch):
+    ps[2].as_strided_((8, 24), (1, 8))              # same memory, transposed walk
+
+
+def _param_reshaped_in_place(opt, ps, grads, torch):
+    ps[2].resize_(24, 8)                            # same memory and element count
+    grads[2] = torch.zeros(24, 8)
+
+
+def _moment_dtype_view(opt, ps, grads, torch):
+    opt.state[ps[6]]["exp_avg_sq"].data = opt.state[ps[6]]["exp_avg_sq"].data.view(
+        torch.int32)
+
+
+# the gradient and copy are new at every step: checked against the held views
+def _grad_is_a_moment(opt, ps, grads, torch):
+    grads[9] = opt.state[ps[9]]["exp_avg"]
+
+
+def _copy_is_a_moment(opt, ps, grads, torch):
+    # float16 copy over the first half of the moment's bytes
+    half = opt.state[ps[10]]["exp_avg_sq"].view(-1).view(torch.float16)[:256]
+    return {ps[10]: half.view(32, 8)}
+
+
+def _copy_is_the_param(opt, ps, grads, torch):
+    return {ps[11]: ps[11]}
+
+
+_CPU_ADAM_RELAYOUTS = [
+    (_param_dtype_view, r"param 5: param has dtype int32"),
+    (_param_strided_in_place, r"param 2: param is not C-contiguous"),
+    (_param_reshaped_in_place, r"param 2: exp_avg has shape \(8, 24\) but param has "
+                               r"shape \(24, 8\)"),
+    (_moment_dtype_view, r"param 6: exp_avg_sq has dtype int32"),
+    (_grad_is_a_moment, r"param 9: grad and exp_avg overlap in memory"),
+    # (the kernel's name "out" left in the text: _named renames "out has/is")
+    (_copy_is_a_moment, r"param 10: exp_avg_sq and out overlap in memory"),
+    (_copy_is_the_param, r"param 11: param and out overlap in memory"),
+]
+
+
+@pytest.mark.parametrize("change, message", _CPU_ADAM_RELAYOUTS,
+                         ids=[c.__name__.strip("_") for c, _ in _CPU_ADAM_RELAYOUTS])
+def test_cpu_adam_checks_fire_when_a_tensor_is_seen_anew(change, message):
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=gen) for s in _SHAPES]
+    opt = optim.CPUAdam(ps, lr=1e-2)
+    grads = [torch.randn(s, generator=gen) for s in _SHAPES]
+    opt.step(grads=grads)
+    copies = change(opt, ps, grads, torch)
+    held = [p.clone() for p in ps]
+    with pytest.raises(OptimizerError, match=message):
+        opt.step(grads=grads, copies=copies)
+    for p, before in zip(ps, held):
+        assert torch.equal(p, before)
+
+
+def test_cpu_adam_half_grads_amsgrad_and_decay_over_steps():
+    # the held views' steps against one adam_update per tensor per step, with
+    # bfloat16 gradients, amsgrad, weight decay and float16 copies
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    start = [rng.standard_normal(s, dtype=np.float32) for s in _SHAPES]
+    ps = [torch.from_numpy(p.copy()) for p in start]
+    opt = optim.CPUAdam(ps, lr=1e-2, weight_decay=0.05, amsgrad=True)
+    ref = [p.copy() for p in start]
+    ms, vs, vmaxs = ([np.zeros_like(p) for p in start] for _ in range(3))
+    for step in range(1, 5):
+        grads = [torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).bfloat16()
+                 for s in _SHAPES]
+        copies = [torch.empty(s, dtype=torch.float16) for s in _SHAPES]
+        opt.step(grads=grads, copies=copies)
+        for i, g in enumerate(grads):
+            out = np.empty(_SHAPES[i], np.float16)
+            adam_update(ref[i], g.view(torch.int16).numpy().view(np.uint16), ms[i], vs[i],
+                        lr=1e-2, weight_decay=0.05, step=step, max_exp_avg_sq=vmaxs[i],
+                        grad_format="bfloat16", out=out)
+            assert copies[i].numpy().tobytes() == out.tobytes()
+    for p, r, vmax in zip(ps, ref, vmaxs):
+        assert p.numpy().tobytes() == r.tobytes()
+        assert opt.state[p]["max_exp_avg_sq"].numpy().tobytes() == vmax.tobytes()
