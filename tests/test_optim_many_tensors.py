@@ -137,18 +137,34 @@ _CPU_ADAM_CHANGES = [
                          ids=[c.__name__.strip("_") for c, _ in _CPU_ADAM_CHANGES])
 def test_cpu_adam_checks_fire_when_a_tensor_changes_between_steps(change, message):
     torch = pytest.importorskip("torch")
+    opt, ps, _ = _stepped_cpu_adam(torch, as_dot_grad=True)
+    _assert_step_refused(torch, opt, message, grads=change(opt, ps, torch))
+
+
+def _stepped_cpu_adam(torch, as_dot_grad=False):
+    """A CPUAdam over tensors of _SHAPES after one step (gradients in ``.grad``
+    or passed as ``grads=``): ``(opt, params, grads)``."""
     gen = torch.Generator().manual_seed(0)
     ps = [torch.randn(s, generator=gen) for s in _SHAPES]
     opt = optim.CPUAdam(ps, lr=1e-2)
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=gen)
-    opt.step()
-    grads = change(opt, ps, torch)
-    held = [p.clone() for p in opt.param_groups[0]["params"]]
-    with pytest.raises(OptimizerError, match=message):
+    grads = [torch.randn(s, generator=gen) for s in _SHAPES]
+    if as_dot_grad:
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt.step()
+    else:
         opt.step(grads=grads)
-    # refused before any write
-    for p, before in zip(opt.param_groups[0]["params"], held):
+    return opt, ps, grads
+
+
+def _assert_step_refused(torch, opt, message, **step_args):
+    """``opt.step(**step_args)`` raises OptimizerError matching ``message``
+    before writing any parameter."""
+    params = opt.param_groups[0]["params"]
+    held = [p.clone() for p in params]
+    with pytest.raises(OptimizerError, match=message):
+        opt.step(**step_args)
+    for p, before in zip(params, held):
         assert torch.equal(p, before)
 
 
@@ -366,17 +382,9 @@ _CPU_ADAM_RELAYOUTS = [
                          ids=[c.__name__.strip("_") for c, _ in _CPU_ADAM_RELAYOUTS])
 def test_cpu_adam_checks_fire_when_a_tensor_is_seen_anew(change, message):
     torch = pytest.importorskip("torch")
-    gen = torch.Generator().manual_seed(0)
-    ps = [torch.randn(s, generator=gen) for s in _SHAPES]
-    opt = optim.CPUAdam(ps, lr=1e-2)
-    grads = [torch.randn(s, generator=gen) for s in _SHAPES]
-    opt.step(grads=grads)
-    copies = change(opt, ps, grads, torch)
-    held = [p.clone() for p in ps]
-    with pytest.raises(OptimizerError, match=message):
-        opt.step(grads=grads, copies=copies)
-    for p, before in zip(ps, held):
-        assert torch.equal(p, before)
+    opt, ps, grads = _stepped_cpu_adam(torch)
+    _assert_step_refused(torch, opt, message, grads=grads,
+                         copies=change(opt, ps, grads, torch))
 
 
 def test_cpu_adam_half_grads_amsgrad_and_decay_over_steps():
