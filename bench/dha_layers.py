@@ -25,7 +25,8 @@ the kernels are rtmem's numba kernels (not cuBLAS), so absolute on-GPU GEMM
 times are slower than PyTorch's and only the ratios between modes carry over.
 
 Output: ``bench/results/dha_layers.json`` (or ``$RTMEM_BENCH_RESULTS``), format
-``rtmem.dha_layers/1``: top level ``device``, ``model``, ``hidden``, ``tokens``,
+``rtmem.dha_layers/1``: top level ``device``, ``command`` (what ran, to run it
+again), ``model``, ``hidden``, ``tokens``,
 ``dtype`` ("float32"), ``modes`` (the table above) and ``layers``, a list in
 forward order of::
 
@@ -88,8 +89,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (MAX_REPEATS, CommandParser, PartialResults, count,  # noqa: E402
-                     write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults, command_line,  # noqa: E402
+                     count, write_results)
 from pcie import Timer, find_gpu, l2_flusher, no_gpu_exit  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
@@ -516,7 +517,8 @@ def main(argv=None, prog=None) -> int:
           f"median of {repeats}, times in ms")
     # Everything known before measuring goes in now, so that a partial document
     # is the final one cut short (one "format", one shape)
-    doc = {"format": "rtmem.dha_layers/1", "device": device, "model": args.model,
+    doc = {"format": "rtmem.dha_layers/1", "device": device,
+           "command": command_line("dha_layers.py", argv, prog), "model": args.model,
            "hidden": h, "tokens": tokens, "dtype": "float32", "repeats": repeats,
            "modes": MODE_DESCRIPTIONS}
     specs = layer_specs(h)

@@ -36,8 +36,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (MAX_REPEATS, CommandParser, PartialResults, count,  # noqa: E402
-                     gpu_required, median_time, write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults, command_line,  # noqa: E402
+                     count, gpu_required, median_time, write_results)
 
 from rtmem._files import replace_with  # noqa: E402
 from rtmem._table import format_table  # noqa: E402
@@ -510,8 +510,8 @@ def main(argv=None, prog=None) -> int:
         return no_gpu_exit("bench pcie", why)
     print(f"PCIe/DHA microbenchmarks on {device}: 4 KiB..{format_bytes(max_size)}, "
           f"median of {repeats}, GB/s = 1e9 bytes/s")
-    head = {"device": device, "repeats": repeats, "units": {"bytes": "B", "seconds": "s",
-            "bytes_per_s": "B/s"}}
+    head = {"device": device, "command": command_line("pcie.py", argv, prog),
+            "repeats": repeats, "units": {"bytes": "B", "seconds": "s", "bytes_per_s": "B/s"}}
     partial = PartialResults("pcie")
     try:
         doc = measure(max_size, MIN_SIZE, 4 if args.quick else 2, repeats,

@@ -261,6 +261,9 @@ def test_pcie_gpu_path(bench, capsys):
     out = capsys.readouterr().out
     doc = bench.json("pcie")
     assert doc["benchmark"] == "pcie" and doc["device"] == "Fake H200"
+    # what ran, to run it again on another machine (it recorded no command)
+    assert doc["command"] == (f"python bench/pcie.py --quick --max-size 16KiB --repeats 1 "
+                              f"--plot {plot}")
     assert doc["sizes_bytes"] == [4096, 16384] and doc["repeats"] == 1
     assert set(doc["curves"]) == set(pcie.PATHS)
     for path, points in doc["curves"].items():
@@ -426,6 +429,9 @@ def test_dha_layers_reports_a_kernel_failure_with_what_it_measured(bench, capsys
     doc = bench.json("dha_layers")
     assert doc["partial"] is True and [layer["name"] for layer in doc["layers"]] == ["wte"]
     assert doc["error"] == "ln: RuntimeError: libNVVM cannot be found"
+    # what ran, also in a partial document (it recorded no command)
+    assert doc["command"] == ("python bench/dha_layers.py --quick --model tiny --tokens 40 "
+                              "--repeats 1 --sweep none")
     assert "rtmem doctor" in capsys.readouterr().err
 
 
