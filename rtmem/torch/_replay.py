@@ -24,8 +24,9 @@ from ._offload_hooks import _interrupts_held
 from ._saved import (_SavedHooks, autocast_off, fastpaths_as_trained, own_parametrizations,
                      uncached_casts)
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
-                      check_cross_stage, check_loss, check_needs_grad, inputs_need_grad,
-                      mark_raised, node_mark, nothing_trains, stage_label, trains_beyond)
+                      check_cross_stage, check_loss, check_needs_grad, handed_over_advice,
+                      inputs_need_grad, mark_raised, node_mark, nothing_trains, stage_label,
+                      trains_beyond)
 from ._stored import _Stored
 
 
@@ -160,7 +161,7 @@ class _StepReplay:
             marks[1].append(s if op in (Op.F_NONE, Op.F_CK, Op.F_ALL) else None)
             yield j, (op, s, aux)
 
-    def _check_cross_stage(self, i: int, y: torch.Tensor, leaf, casts_kept: bool) -> None:
+    def _check_cross_stage(self, i: int, y: torch.Tensor, casts_kept: bool) -> None:
         """Refuse the output ``y`` of stage ``i``'s first grad-mode forward (an
         ``F_all``, whose mark is the last one taken) whose graph reaches a node
         another stage's forward recorded in this step (a tensor with autograd
@@ -181,7 +182,7 @@ class _StepReplay:
             k = stages[bisect_right(marks, seq) - 1]
             return None if k == i else k
 
-        check_cross_stage(i, y, leaf, origin, self.model, casts_kept)
+        check_cross_stage(i, y, origin, self.model, casts_kept)
         self._check_handed_attribute(i, end)
         self._cross_unchecked.discard(i)
 
@@ -214,12 +215,8 @@ class _StepReplay:
                 f"autograd history ({type(t.grad_fn).__name__}), on a module that "
                 f"{stage_label(self.model, j)} also holds: a tensor handed between stages "
                 f"outside their outputs (self.ctx.bias = ..., a skip connection kept as an "
-                f"attribute). The executor runs, recomputes (under no_grad) and "
-                f"backpropagates each stage on its own, so the gradient through that "
-                f"tensor would be lost or wrong. Pass it in the activation (pack it into "
-                f"the tensor stage {i} returns, e.g. torch.cat, and unpack it in the next "
-                f"stages), compute it in every stage that reads it, detach it if it should "
-                f"not train (or is not read by other stages), or merge the stages into one")
+                f"attribute). " + handed_over_advice(i, " (or is not read by other stages)",
+                                                     "the stages into one"))
 
     def _raised_in(self, exc: Exception, what: str, i: int | None = None) -> None:
         """Mark ``exc``, raised by the user's code in ``what`` (of stage ``i``),
@@ -427,7 +424,7 @@ class _StepReplay:
         # refused, as stage i+1 gets (or got) its input without gradient
         check_needs_grad(i, self.stages[i], y, self._needs_grad, leaf)
         if i in self._cross_unchecked:
-            self._check_cross_stage(i, y, leaf, hooks.casts_kept)
+            self._check_cross_stage(i, y, hooks.casts_kept)
         self._bar.store(i + 1, y, inp=leaf, saved=hooks.saved)
 
     def _loss(self, target):

@@ -373,19 +373,26 @@ def _stage_input(x: torch.Tensor, needs_grad: bool = True):
     return _grad_input(x) if needs_grad and differentiable(x) else (x, x)
 
 
-def _iter_graph_leaves(t, own):
-    """:func:`_graph_leaves`, one at a time, found as the walk of the graph
-    reaches them."""
+def _graph_nodes(t):
+    """Each autograd node of the graph behind ``t`` once, as a depth-first walk
+    from ``t.grad_fn`` reaches it (none for a tensor without history)."""
     seen, todo = set(), [t.grad_fn] if isinstance(t, torch.Tensor) else []
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
+        yield node
+        todo.extend(nxt for nxt, _ in node.next_functions)
+
+
+def _iter_graph_leaves(t, own):
+    """:func:`_graph_leaves`, one at a time, found as the walk of the graph
+    reaches them."""
+    for node in _graph_nodes(t):
         leaf = getattr(node, "variable", None)   # an AccumulateGrad node
         if leaf is not None and leaf is not own:
             yield leaf
-        todo.extend(nxt for nxt, _ in node.next_functions)
 
 
 def _graph_leaves(t, own) -> list:
@@ -417,7 +424,7 @@ def _cast_of_leaf(node) -> bool:
         nxt is None or hasattr(nxt, "variable") for nxt, _ in node.next_functions)
 
 
-def check_cross_stage(i: int, y, own, origin, model, casts_kept: bool) -> None:
+def check_cross_stage(i: int, y, origin, model, casts_kept: bool) -> None:
     """Refuse the output ``y`` of a grad-mode forward of stage ``i`` whose graph
     reaches a node another stage's forward recorded: the stage read a tensor
     with autograd history that stage k made and handed over outside the
@@ -428,15 +435,10 @@ def check_cross_stage(i: int, y, own, origin, model, casts_kept: bool) -> None:
     history: its gradient would be lost or wrong, silently. ``origin(seq)`` is
     the stage k whose forward recorded the node numbered ``seq`` (its
     :func:`node_mark`), or None for a node of no other stage's forward (made
-    before the forwards, by stage ``i`` itself, by the loss); ``own`` is the
-    input leaf of stage ``i``. Autocast's cached casts of parameters
-    (``casts_kept``) are model state and pass."""
-    seen, todo = set(), [y.grad_fn] if isinstance(y, torch.Tensor) else []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    before the forwards, by stage ``i`` itself, by the loss). Leaves (the
+    stage's input leaf, parameters) carry no op's number and pass, as do
+    autocast's cached casts of parameters (``casts_kept``), model state."""
+    for node in _graph_nodes(y):
         seq = node._sequence_nr()
         k = None if seq == _NO_SEQUENCE else origin(seq)
         if k is not None and not (casts_kept and _cast_of_leaf(node)):
@@ -445,15 +447,21 @@ def check_cross_stage(i: int, y, own, origin, model, casts_kept: bool) -> None:
                 f"forward of {stage_label(model, k)} made ({type(node).__name__}), handed "
                 f"over outside the stages' outputs (a module attribute the stages share, "
                 f"e.g. self.ctx.bias = ... or a skip connection kept as an attribute, or "
-                f"a global). The executor runs, recomputes (under no_grad) and "
-                f"backpropagates each stage on its own, so the gradient through that "
-                f"tensor would be lost or wrong. Pass it in the activation (pack it into "
-                f"the tensor stage {k} returns, e.g. torch.cat, and unpack it in the "
-                f"next stages), compute it in every stage that reads it, detach it if it "
-                f"should not train, or merge stages {min(i, k)} to {max(i, k)} into one "
-                f"stage")
-        todo.extend(nxt for nxt, _ in node.next_functions
-                    if nxt is not None and getattr(nxt, "variable", None) is not own)
+                f"a global). " + handed_over_advice(k, "", f"stages {min(i, k)} to "
+                                                           f"{max(i, k)} into one stage"))
+
+
+def handed_over_advice(maker: int, detach_when: str, merge: str) -> str:
+    """The end of the errors for a tensor with autograd history that stage
+    ``maker`` hands to other stages outside the activations (the profiler's and
+    the executor's checks): why it is refused and the fixes, ``detach_when``
+    added to when detaching is right and ``merge`` naming what to merge."""
+    return (f"The executor runs, recomputes (under no_grad) and backpropagates each "
+            f"stage on its own, so the gradient through that tensor would be lost or "
+            f"wrong. Pass it in the activation (pack it into the tensor stage {maker} "
+            f"returns, e.g. torch.cat, and unpack it in the next stages), compute it in "
+            f"every stage that reads it, detach it if it should not train{detach_when}, "
+            f"or merge {merge}")
 
 
 def trains_beyond(t, own) -> bool:

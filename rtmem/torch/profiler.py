@@ -294,7 +294,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 _check_output(i, stage, y)
                 check_needs_grad(i, stage, y, needs_grad, xin)   # as the executor's F_all
                 if r == 0:   # before a backward runs into another stage's graph
-                    check_cross_stage(i, y, xin, partial(_earlier_stage, marks, i), model,
+                    check_cross_stage(i, y, partial(_earlier_stage, marks, i), model,
                                       casts_kept)
                 fwd_times.append(t_f)
                 # the version counter arg shares with x: any in-place op on the input
