@@ -379,13 +379,7 @@ def test_remat_bench_stopped_by_ctrl_c_keeps_the_cases_it_finished(monkeypatch, 
     # written once, at the end, after minutes of solving)
     monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
     remat = bench_module(monkeypatch, "remat")
-
-    class Plan:
-        info = {"method": "dp"}
-    monkeypatch.setattr(remat, "persistent_table", lambda *a: None)
-    monkeypatch.setattr(remat, "discretized", lambda *a: (None, 1))
-    monkeypatch.setattr(remat, "budget_for", lambda *a: 1)
-    monkeypatch.setattr(remat, "plan_remat", lambda *a: Plan())
+    _stub_remat_planning(monkeypatch, remat)
     done = []
 
     def run_case(chain, slots, fraction, repeats, python_budget):
@@ -634,6 +628,16 @@ def test_rtmem_bench_loads_a_script_under_a_name_numbas_cache_can_import(monkeyp
     assert cli_bench._load("adam.py") is module           # and loaded once
 
 
+def _stub_remat_planning(monkeypatch, remat):
+    """bench/remat.py's planning calls made instant (a plan of method "dp")."""
+    class Plan:
+        info = {"method": "dp"}
+    monkeypatch.setattr(remat, "persistent_table", lambda *a: None)
+    monkeypatch.setattr(remat, "discretized", lambda *a: (None, 1))
+    monkeypatch.setattr(remat, "budget_for", lambda *a: 1)
+    monkeypatch.setattr(remat, "plan_remat", lambda *a: Plan())
+
+
 def _stub_measurements(monkeypatch, name, module):
     """Replace ``name``'s measuring by constant figures: only its document is
     under test."""
@@ -643,12 +647,7 @@ def _stub_measurements(monkeypatch, name, module):
                             lambda c, s, p: type("R", (), {"peak": 1, "makespan": 1.0})())
         monkeypatch.setattr(module, "reference_simulate", lambda c, s, p: {"peak": 1})
     elif name == "remat":
-        class Plan:
-            info = {"method": "dp"}
-        monkeypatch.setattr(module, "persistent_table", lambda *a: None)
-        monkeypatch.setattr(module, "discretized", lambda *a: (None, 1))
-        monkeypatch.setattr(module, "budget_for", lambda *a: 1)
-        monkeypatch.setattr(module, "plan_remat", lambda *a: Plan())
+        _stub_remat_planning(monkeypatch, module)
         monkeypatch.setattr(module, "run_case", lambda chain, slots, *a: {
             "chain": chain.name, "L": chain.n, "S": slots, "M": slots,
             "fill_s_median": 1.0, "plan_remat_s": 1.0, "python_s": None,
