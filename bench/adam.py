@@ -257,12 +257,18 @@ def bench_size(n, repeats, seed, budget_s, evict=None):
     times, rounds = _time_rounds(contenders, repeats, budget_s, evict)
     rows = []
     for name, (_, nbytes) in contenders.items():
-        med = statistics.median(times[name])
-        rows.append(dict(size=n, impl=name, median_s=med, min_s=min(times[name]),
-                         rounds=rounds, times_s=times[name],
-                         params_per_s=n / med, bytes_per_param=nbytes,
-                         gb_per_s=nbytes * n / med / 1e9))
+        row = _timed_row(name, times[name], rounds, n)
+        rows.append(dict(size=n, **row, bytes_per_param=nbytes,
+                         gb_per_s=nbytes * n / row["median_s"] / 1e9))
     return rows, notes
+
+
+def _timed_row(name, times, rounds, n) -> dict:
+    """A contender's result from its ``times`` (s, one per round) stepping ``n``
+    parameters: median, best, every round, and params/s at the median."""
+    med = statistics.median(times)
+    return dict(impl=name, median_s=med, min_s=min(times), rounds=rounds, times_s=times,
+                params_per_s=n / med)
 
 
 def gpt2_shapes(hidden: int) -> list:
@@ -328,9 +334,8 @@ def bench_gpt2(hidden, repeats, seed, budget_s, evict=None):
     n = sum(int(np.prod(s)) for s in shapes)
     contenders, notes = _gpt2_contenders(shapes, seed)
     times, rounds = _time_rounds(contenders, repeats, budget_s, evict)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    results = [dict(impl=name, median_s=med[name], min_s=min(times[name]), rounds=rounds,
-                    times_s=times[name], params_per_s=n / med[name]) for name in contenders]
+    results = [_timed_row(name, times[name], rounds, n) for name in contenders]
+    med = {r["impl"]: r["median_s"] for r in results}
 
     def ratio(a, b):
         return med[b] / med[a] if a in med and b in med else None
