@@ -500,8 +500,7 @@ def prepare_update(param, grad, exp_avg, exp_avg_sq, *, max_exp_avg_sq=None,
                                                             max_exp_avg_sq, shape)
     o = None if out is None else _flat_operand(out, "out", out_format, "out_format",
                                               shape, writable=True)
-    _check_no_overlap([("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v),
-                       ("max_exp_avg_sq", vmax), ("out", o)])
+    _check_no_overlap(list(zip(_OPERANDS, (p, g, m, v, vmax, o))))
     return PreparedUpdate(p, g, m, v, vmax, o)
 
 
@@ -539,16 +538,21 @@ def _prepare_again(state, bounds, shape, grad, *, grad_format=None, out=None,
     ob = None if o is None else _bounds(o)
     if gb is not None or ob is not None:
         pb, mb, vb, vmaxb = bounds
-        # prepare_update's pair order, less the pairs of two state arrays
-        for na, a, nb, b in (("param", pb, "grad", gb), ("param", pb, "out", ob),
-                             ("grad", gb, "exp_avg", mb), ("grad", gb, "exp_avg_sq", vb),
-                             ("grad", gb, "max_exp_avg_sq", vmaxb), ("grad", gb, "out", ob),
-                             ("exp_avg", mb, "out", ob), ("exp_avg_sq", vb, "out", ob),
-                             ("max_exp_avg_sq", vmaxb, "out", ob)):
+        spans = (pb, gb, mb, vb, vmaxb, ob)
+        for i, j in _FRESH_PAIRS:
+            a, b = spans[i], spans[j]
             if a is not None and b is not None and a[0] < b[1] and b[0] < a[1]:
-                raise _overlap_error(na, nb)
+                raise _overlap_error(_OPERANDS[i], _OPERANDS[j])
     p, m, v, vmax = state
     return PreparedUpdate(p, g, m, v, vmax, o)
+
+
+#: prepare_update's operands in its overlap-check order, and the pairs of them
+#: :func:`_prepare_again` checks (those with the grad or the copy: the state
+#: arrays' pairs were checked when their views were made), in that order.
+_OPERANDS = ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "out")
+_FRESH_PAIRS = tuple((i, j) for i in range(len(_OPERANDS)) for j in range(i + 1, len(_OPERANDS))
+                     if {_OPERANDS[i], _OPERANDS[j]} & {"grad", "out"})
 
 
 def grads_finite(grad, *, grad_scale=None, grad_format=None, start=0, stop=None,
