@@ -12,6 +12,8 @@ arguments) is in :mod:`rtmem._optim_tensors`, the arena state in
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 try:
@@ -115,6 +117,15 @@ def _layout(p, st, amsgrad):
 
 def _facts(t):
     return id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+class _Held(NamedTuple):
+    """One parameter's views kept between steps (NOTE [ Held views ])."""
+    layout: tuple        # _layout of the tensors the views were made from
+    arrays: tuple        # flat (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None)
+    bounds: tuple        # their _state_bounds
+    shape: tuple         # the parameter's shape (for the grad's and copy's checks)
+    tensors: tuple       # the moments: alive, so that the layout's ids stay theirs
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -402,8 +413,8 @@ class CPUAdam(torch.optim.Optimizer):
                         st = self.state.get(p)
                         held = views.get(p)
                         if (held is not None
-                                and _layout(p, st, group["amsgrad"]) == held[0]):
-                            update = _prepare_again(held[1], held[2], held[3], g_np,
+                                and _layout(p, st, group["amsgrad"]) == held.layout):
+                            update = _prepare_again(held.arrays, held.bounds, held.shape, g_np,
                                                     grad_format=g_fmt, out=o_np,
                                                     out_format=o_fmt)
                         else:
@@ -415,13 +426,12 @@ class CPUAdam(torch.optim.Optimizer):
                                                 if group["amsgrad"] else None),
                                 grad_format=g_fmt, out=o_np, out_format=o_fmt)
                             # not the gradient's or copy's views (they would
-                            # pin those tensors); the tensors too, whose ids
-                            # the layout holds
-                            held = (_layout(p, st, group["amsgrad"]),
-                                    (update.p, update.m, update.v, update.vmax),
-                                    _state_bounds(update), tuple(p.shape),
-                                    (st["exp_avg"], st["exp_avg_sq"],
-                                     st.get("max_exp_avg_sq")))
+                            # pin those tensors)
+                            held = _Held(_layout(p, st, group["amsgrad"]),
+                                         (update.p, update.m, update.v, update.vmax),
+                                         _state_bounds(update), tuple(p.shape),
+                                         (st["exp_avg"], st["exp_avg_sq"],
+                                          st.get("max_exp_avg_sq")))
                         seen[p] = held
                     except OptimizerError as exc:
                         raise _named(f"group {gi} param {pi}", exc,
