@@ -76,7 +76,7 @@ if sys.argv and sys.argv[0] and \
 # the scripts' argparse types and parser, one implementation with the CLI's: -1MiB
 # and -inf are values, usage errors are rtmem's
 from rtmem.cli import (MAX_REPEATS, MAX_THREADS, CommandParser, at_least,  # noqa: E402,F401
-                       count)
+                       count, output_file)
 # a benchmark stopped by SIGINT exits as the CLI does (130)
 from rtmem.cli import INTERRUPTED_EXIT  # noqa: E402
 from rtmem._files import write_text  # noqa: E402  (replaced whole: beside, renamed over)
@@ -280,6 +280,15 @@ def command_line(script: str, argv=None, prog=None) -> str:
     (``argv``; None: this process's ``sys.argv[1:]``), quoted for a shell."""
     words = sys.argv[1:] if argv is None else list(argv)
     return " ".join([prog or f"python bench/{script}", *map(shlex.quote, words)])
+
+
+def add_out_option(parser, name: str) -> None:
+    """``--out PATH`` on a benchmark's ``parser``: where ``name``.json goes
+    instead of bench/results or $RTMEM_BENCH_RESULTS. Checked when parsed: a
+    folder or an unwritable path met the final write, after the whole run."""
+    parser.add_argument("--out", type=output_file(replace=True), default=None,
+                        help=f"JSON output path (default: {name}.json in bench/results or "
+                             f"$RTMEM_BENCH_RESULTS)")
 
 
 def write_results(name: str, doc: dict, path=None) -> str:

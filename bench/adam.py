@@ -71,13 +71,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # _common first: a stop while numba loads is one line, not a traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MAX_REPEATS, CommandParser, PartialResults, at_least,  # noqa: E402
-                     command_line, count, write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults,  # noqa: E402
+                     add_out_option, at_least, command_line, count, write_results)
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rtmem.cli import output_file  # noqa: E402
 from rtmem.kernels import adam_update, encode_half  # noqa: E402
 
 BYTES_FP32 = 28
@@ -457,11 +456,7 @@ def main(argv=None, prog=None) -> int:
                          "skip it (default 192 without --sizes, else 0)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="do not evict caches before each timed call")
-    # checked now: a folder was met by open() after the whole benchmark (a traceback,
-    # the results lost)
-    ap.add_argument("--out", type=output_file(replace=True), default=None,
-                    help="JSON output path (default: adam.json in bench/results or "
-                         "$RTMEM_BENCH_RESULTS)")
+    add_out_option(ap, "adam")
     args = ap.parse_args(argv)
     # what ran, to run it again: `rtmem bench adam ...` was recorded as bench/adam.py
     args.command = command_line("adam.py", argv, prog)

@@ -46,8 +46,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MAX_REPEATS, CommandParser, PartialResults, command_line,  # noqa: E402
-                     count, gpu_required, not_measured, write_results)
+from _common import (MAX_REPEATS, CommandParser, PartialResults,  # noqa: E402
+                     add_out_option, command_line, count, gpu_required, not_measured,
+                     write_results)
 
 import numpy as np  # noqa: E402
 
@@ -55,7 +56,6 @@ from rtmem._table import format_table  # noqa: E402
 from rtmem.adaptors import replay
 from rtmem.allocator import BestFitAllocator, align_up
 from rtmem.backends import cuda_available
-from rtmem.cli import output_file
 from rtmem.errors import OutOfMemoryError
 from rtmem.layout import plan_layout
 from rtmem.planners import builtin, sequential_schedule
@@ -515,10 +515,7 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=None,
                     help="timing repeats (median; default 7, 3 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small traces (smoke run)")
-    # checked now: a folder or an unwritable path met the final write after the run
-    ap.add_argument("--out", type=output_file(replace=True), default=None,
-                    help="JSON output path (default: allocator.json in bench/results or "
-                         "$RTMEM_BENCH_RESULTS)")
+    add_out_option(ap, "allocator")
     args = ap.parse_args(argv)
     # --quick gives the default only: it replaced an explicit --repeats silently
     repeats = args.repeats if args.repeats is not None else 3 if args.quick else 7

@@ -52,16 +52,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
-                     command_line, count, gc_cost, offload_everything, round_robin,
-                     write_results)
+from _common import (MAX_REPEATS, MAX_THREADS, CommandParser,  # noqa: E402
+                     PartialResults, add_out_option, command_line, count, gc_cost,
+                     offload_everything, round_robin, write_results)
 
 # (a stop while torch loads, seconds, is one line: _common's excepthook)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from rtmem._table import format_table  # noqa: E402
-from rtmem.cli import output_file  # noqa: E402
 from rtmem.planners import sequential_schedule, store_all_schedule  # noqa: E402
 from rtmem.torch import ScheduleExecutor  # noqa: E402
 
@@ -127,10 +126,7 @@ def main(argv=None) -> int:
                     help="timed rounds (default 7)")
     ap.add_argument("--threads", type=count(high=MAX_THREADS), default=1,
                     help="torch intra-op threads")
-    # checked now: a folder or an unwritable path met the final write after the run
-    ap.add_argument("--out", type=output_file(replace=True), default=None,
-                    help="JSON output path (default: executor.json in bench/results or "
-                         "$RTMEM_BENCH_RESULTS)")
+    add_out_option(ap, "executor")
     args = ap.parse_args(argv)
     try:
         depths = [int(d) for d in args.depths.split(",")]

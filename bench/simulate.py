@@ -22,10 +22,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (MAX_REPEATS, CommandParser, PartialResults,  # noqa: E402
-                     command_line, count, median_time, offload_everything, write_results)
+                     add_out_option, command_line, count, median_time, offload_everything,
+                     write_results)
 
 from rtmem._table import format_table  # noqa: E402
-from rtmem.cli import output_file  # noqa: E402
 from rtmem.planners import Chain, Platform, simulate  # noqa: E402
 from rtmem.planners.testing import reference_simulate  # noqa: E402
 
@@ -34,10 +34,7 @@ def main(argv=None) -> int:
     ap = CommandParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=count(), default=100_000)
     ap.add_argument("--repeats", type=count(high=MAX_REPEATS), default=5)
-    # checked now: a folder or an unwritable path met the final write after the run
-    ap.add_argument("--out", type=output_file(replace=True), default=None,
-                    help="JSON output path (default: simulate.json in bench/results or "
-                         "$RTMEM_BENCH_RESULTS)")
+    add_out_option(ap, "simulate")
     args = ap.parse_args(argv)
     n = max(2, args.ops // 6)
     chain = Chain.homogeneous(n, u_f=1e-3, u_b=2e-3, x=2**20, xbar=3 * 2**20, w=2**16,
