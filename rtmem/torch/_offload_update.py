@@ -19,6 +19,7 @@ from rtmem.optim import _check_finite_switch, _coefficients
 
 from ._offload_checks import _check_group
 from ._offload_hooks import _interrupts_held
+from ._stages import add_note
 
 
 class _ChunkedUpdate:
@@ -219,8 +220,7 @@ class _ChunkedUpdate:
             note = ("OffloadedAdam: the interrupted step had reached every parameter "
                     "and counts as done (no gradient is left); call scaler.update() "
                     "without calling scaler.step(optimizer) again.")
-        if hasattr(exc, "add_note"):     # Python >= 3.11
-            exc.add_note(note)
+        add_note(exc, note)
 
     def _step(self, closure, grad_scale, check_finite):
         """:meth:`step` once GradScaler's arguments are read."""

@@ -24,9 +24,9 @@ from ._offload_hooks import _interrupts_held
 from ._saved import (_SavedHooks, autocast_off, fastpaths_as_trained, own_parametrizations,
                      uncached_casts)
 from ._stages import (_WEIGHT_MOVES, ExecutionError, _check_output, _stage_input, _storage_ptrs,
-                      check_cross_stage, check_loss, check_needs_grad, handed_over_advice,
-                      inputs_need_grad, mark_raised, node_mark, nothing_trains, stage_label,
-                      trains_beyond)
+                      add_note, check_cross_stage, check_loss, check_needs_grad,
+                      handed_over_advice, inputs_need_grad, mark_raised, node_mark,
+                      nothing_trains, stage_label, trains_beyond)
 from ._stored import _Stored
 
 
@@ -118,9 +118,9 @@ class _StepReplay:
                 if track:
                     self._account()
         except BaseException as e:
-            if self._trains and hasattr(e, "add_note"):    # Python >= 3.11
+            if self._trains:
                 # the backward had begun: what it accumulated stays (NOTE rule 3)
-                e.add_note(_GRADIENTS_KEPT)
+                add_note(e, _GRADIENTS_KEPT)
             raise
         finally:   # also after an error: the model keeps all its weights
             # A KeyboardInterrupt (Ctrl-C) landing in here cut the clean-up short:

@@ -93,8 +93,15 @@ def mark_raised(exc: BaseException, where: str) -> None:
         setattr(exc, RAISED_IN, where)
     except (AttributeError, TypeError):     # an exception without __dict__
         return
-    if hasattr(exc, "add_note"):            # Python >= 3.11
-        exc.add_note(f"rtmem: raised in {where}")
+    add_note(exc, f"rtmem: raised in {where}")
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where exceptions take notes (Python >= 3.11); on
+    3.10 the note is dropped rather than the exception replaced by an
+    AttributeError."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
 
 
 def as_stages(model, what: str) -> nn.Sequential:
