@@ -758,6 +758,35 @@ def test_a_forked_child_refuses_an_arena_whose_core_was_busy_under_a_user_adapto
     busy.close()
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
+def test_a_forked_child_refuses_an_arena_whose_middle_adaptor_was_busy():
+    # The after-fork check walks the whole stack through each adaptor's
+    # upstream, not the top adaptor and the core only: a lock held at the fork
+    # in an adaptor between them (a statistics adaptor under a budget) made
+    # the child's first alloc on that arena hang.
+    from rtmem.adaptors import LimitAdaptor, StatisticsAdaptor
+    from rtmem.backends.host import HostBackend
+    busy = HostArena(1 << 16, backend=HostBackend(),
+                     adaptors=[StatisticsAdaptor, lambda up: LimitAdaptor(up, 1 << 15)])
+    middle = busy.allocator.upstream
+    assert isinstance(middle, StatisticsAdaptor) and middle is not busy.core
+    busy.alloc(16).free()
+
+    def child():
+        import os
+        try:
+            busy.alloc(16)
+            os._exit(3)
+        except BackendError as e:
+            os._exit(0 if "forked" in str(e) else 4)
+        except BaseException:
+            os._exit(8)
+
+    assert _forked_while_held(middle._lock, child) == 0
+    busy.alloc(16).free()                       # the parent is unaffected
+    busy.close()
+
+
 def test_a_record_refused_by_a_closed_stream_leaves_the_event_as_it_was():
     # The event switched to the new recording before the stream refused it: it
     # stayed pending forever, and its synchronize() hung.
