@@ -50,11 +50,16 @@ allocator reuses the stream's own frees at once. The hot paths are unchanged;
 the scan, linear in the stream's pending blocks, runs only on this miss.
 If no run holds the request either, ``_wait_until_fit`` waits for other
 streams' events one at a time: a FIFO head whose blocks, once ready, would lie
-in a usable run big enough (``_head_frees``), else the head of the stream
-indexed first,
-each wait followed by a poll, best fit and the run search again. It used to
-flush, waiting for every pending event of every stream (a host stall as long as
-the slowest stream's queued work) when one event sufficed. The stream's own
+in a usable run big enough, else the head of the stream indexed first, each
+wait followed by a poll. Best fit and the run search run again only once a
+retired block makes a run big enough: a ``_RunView`` keeps the runs by address
+and which heads would fit, and updates both as blocks retire (only retirements
+change anything under the lock), where rescanning every head and run after
+each wait was quadratic in the events waited for (1000 streams: ~0.9 s). The
+poll's query per stream with a pending head stays: it is how a wait notices
+events that completed meanwhile. The loop used to flush, waiting for every
+pending event of every stream (a host stall as long as the slowest stream's
+queued work) when one event sufficed. The stream's own
 events are never waited for (they make nothing fit that stream order does not
 already allow), so a request nothing holds grows a slab at once and leaves the
 stream's own frees pending. ``flush()`` and ``trim()`` still wait for all.
@@ -165,9 +170,11 @@ class _StreamOrderedFrees:
         self._stamp()
         self._drain(wait=True)
 
-    def _drain(self, wait: bool) -> None:
+    def _drain(self, wait: bool, on_ready=None) -> None:
         """Move pending blocks into ``_ready`` as their events complete, waiting
-        for each event when ``wait`` (then every block gets there).
+        for each event when ``wait`` (then every block gets there);
+        ``on_ready(block)``, if given, sees each block just before it is made
+        ready (still pending, out of its index).
 
         Events on one stream complete in order, so without waiting only each
         FIFO's head is queried (once per event: a stamp is shared by many
@@ -185,6 +192,8 @@ class _StreamOrderedFrees:
                             break
                         done = event
                     self._remove_pending(block)
+                    if on_ready is not None:
+                        on_ready(block)
                     self._make_ready(block)
                 fifo.popleft()
         if not self._pending_bytes:
@@ -214,24 +223,14 @@ class _StreamOrderedFrees:
         ``stream``'s own events are never waited for: stream order already lets
         it reuse those blocks, so their events would not make anything fit.
         """
+        block = self._fit_now(size, stream)
+        if block is not None:
+            return block
+        view = _RunView(self, size, stream)
         while True:
-            block = self._best_fit(size, stream)
-            if block is not None:
-                (self._remove_ready if block.state == _READY else
-                 self._remove_pending)(block)
-                return block
-            block = self._take_own_run(size, stream)
-            if block is not None:
-                return block
-            # After a poll each FIFO's head is live and not known complete. Wait
-            # for a head whose blocks would then hold the request, else for the
-            # head of the stream indexed first (dict order: not necessarily the
-            # oldest event; streams keep no common clock). Each wait rescans the
-            # heads: quadratic in the events waited for, on this miss path only.
-            fifos = [f for s, f in self._fifo.items() if f and s != stream]
-            if not fifos:
+            fifo = view.choose()
+            if fifo is None:
                 return None
-            fifo = next((f for f in fifos if self._head_frees(f, size, stream)), fifos[0])
             event = fifo[0][0]
             event.synchronize()
             # Retired by hand, not by the poll's query: progress even from an
@@ -240,34 +239,25 @@ class _StreamOrderedFrees:
                 _, block = fifo.popleft()
                 if block.state == _PENDING and block.event is event:
                     self._remove_pending(block)
+                    view.retire(block)
                     self._make_ready(block)
-            self._poll_pending()
+            view.dirty.add(view.stream_of[id(fifo)])     # its head moved on
+            self._drain(False, view.retire)
+            if view.fits:
+                # Only a retired block can make a run reach ``size`` (nothing else
+                # changes under the lock), so the searches run only then.
+                view.fits = False
+                block = self._fit_now(size, stream)
+                if block is not None:
+                    return block
 
-    def _head_frees(self, fifo, size: int, stream) -> bool:
-        """True if the blocks behind the event at ``fifo``'s head, once ready,
-        would lie in a run of free blocks usable on ``stream`` (ready, behind
-        that event, or pending on ``stream``) of at least ``size`` bytes."""
-        event, seen = fifo[0][0], set()
-
-        def usable(b):
-            return b is not None and (b.state == _READY or b.state == _PENDING and (
-                b.event is event or b.stream == stream))
-
-        for ev, block in fifo:
-            if ev is not event:
-                break       # a stamp's entries are appended together
-            if block.state != _PENDING or block.event is not event or block.addr in seen:
-                continue
-            while usable(block.prev):
-                block = block.prev
-            total = 0
-            while usable(block):
-                seen.add(block.addr)
-                total += block.size
-                block = block.next
-            if total >= size:
-                return True
-        return False
+    def _fit_now(self, size: int, stream):
+        """Best fit, else :meth:`_take_own_run`; the block removed from its index."""
+        block = self._best_fit(size, stream)
+        if block is None:
+            return self._take_own_run(size, stream)
+        (self._remove_ready if block.state == _READY else self._remove_pending)(block)
+        return block
 
     def _take_own_run(self, size: int, stream):
         """``size`` bytes (aligned) made of free blocks next to one another, at
@@ -410,3 +400,155 @@ class _StreamOrderedFrees:
             self._unstamped.setdefault(stream, []).append(block)
         else:
             self._fifo.setdefault(stream, deque()).append((event, block))
+
+
+class _RunView:
+    """What a miss waiting for other streams' events (``_wait_until_fit``) knows
+    of the free space, kept current as blocks retire instead of rescanned after
+    each wait (which was quadratic in the events waited for).
+
+    A *run* is a maximal range of adjacent free blocks usable on ``stream``
+    (ready, or pending on ``stream``); runs only grow while the allocator's
+    lock is held, and only by a pending block of another stream retiring
+    (:meth:`retire`). Runs are found by walking the block list once, when first
+    needed, then kept by address: ``ends[addr]`` is ``(start, left blocker)``
+    for the run ending at ``addr``, ``starts[addr]`` ``(end, right blocker)``
+    for the run starting there; a blocker is the block beyond the run (live,
+    pending on another stream, or None at a slab's end). Addresses are
+    ``Block.addr`` values, so a run's bytes are ``end - start``.
+
+    ``_fits`` caches, per other stream, whether the blocks behind the head of
+    its FIFO would lie in a run of ``size`` bytes once ready (the head's blocks
+    bridging runs); it is recomputed only for streams in ``dirty``: one whose
+    head moved on, or whose pending block borders a run that just grew.
+    """
+
+    __slots__ = ("alloc", "size", "stream", "starts", "ends", "dirty", "fits",
+                 "_fits", "_order", "_next", "stream_of")
+
+    def __init__(self, alloc, size: int, stream):
+        self.alloc, self.size, self.stream = alloc, size, stream
+        self.starts, self.ends = {}, {}
+        self.fits = False           # a retirement made a run of >= size bytes
+        self._fits = {}             # other stream -> its head would make it fit
+        # The other streams' FIFOs in index order: the order in which a head
+        # that fits is chosen, and the fallback when none does. No FIFO is
+        # added while the lock is held; a FIFO dropped from the index is empty.
+        self._order = [(s, f) for s, f in alloc._fifo.items() if s != stream]
+        self.stream_of = {id(f): s for s, f in self._order}
+        self.dirty = {s for s, _ in self._order}
+        self._next = 0              # _order before it holds only empty FIFOs
+
+    def _usable(self, block) -> bool:
+        return block is not None and (block.state == _READY or block.state == _PENDING
+                                      and block.stream == self.stream)
+
+    def _left(self, block):
+        """``(start, blocker)`` of the run ending where ``block`` (not usable)
+        starts: ``(block.addr, block.prev)`` when there is none."""
+        key = block.addr
+        hit = self.ends.get(key)
+        if hit is None:
+            x = block.prev
+            if not self._usable(x):
+                return key, x
+            while self._usable(x.prev):
+                x = x.prev
+            hit = self.ends[key] = (x.addr, x.prev)
+            self.starts[x.addr] = (key, block)
+        return hit
+
+    def _right(self, block):
+        """``(end, blocker)`` of the run starting where ``block`` (not usable)
+        ends: ``(end of block, block.next)`` when there is none."""
+        key = block.addr + block.size
+        hit = self.starts.get(key)
+        if hit is None:
+            x = block.next
+            if not self._usable(x):
+                return key, x
+            while self._usable(x.next):
+                x = x.next
+            hit = self.starts[key] = (x.addr + x.size, x.next)
+            self.ends[hit[0]] = (key, block)
+        return hit
+
+    def retire(self, block) -> None:
+        """Account for pending ``block`` about to be made ready (out of its
+        index, state and stream not yet changed): it joins the runs beside it."""
+        if block.stream == self.stream:
+            return      # already usable on stream: no run changes
+        start, left = self._left(block)
+        end, right = self._right(block)
+        lo, hi = block.addr, block.addr + block.size
+        self.ends.pop(lo, None)
+        self.starts.pop(start, None)
+        self.starts.pop(hi, None)
+        self.ends.pop(end, None)
+        self.starts[start] = (end, right)
+        self.ends[end] = (start, left)
+        if end - start >= self.size:
+            self.fits = True
+        dirty = self.dirty
+        dirty.add(block.stream)
+        for x in (left, right):
+            if x is not None and x.state == _PENDING:
+                dirty.add(x.stream)
+
+    def _head_fits(self, fifo) -> bool:
+        """True if the blocks behind the event at ``fifo``'s head, once ready,
+        would lie in a run of at least ``size`` bytes (runs joined by them)."""
+        event, seen = fifo[0][0], set()
+
+        def gated(b):       # a pending block behind the head's event
+            return b is not None and b.state == _PENDING and b.event is event
+
+        for ev, block in fifo:
+            if ev is not event:
+                break       # a stamp's entries are appended together
+            if not gated(block) or block.addr in seen:
+                continue
+            total, x = 0, block
+            while True:     # leftwards over runs and the event's blocks
+                seen.add(x.addr)
+                start, left = self._left(x)
+                total += x.size + x.addr - start
+                if not gated(left) or left.addr in seen:
+                    break
+                x = left
+            x = block
+            while True:
+                end, right = self._right(x)
+                total += end - x.addr - x.size
+                if not gated(right) or right.addr in seen:
+                    break
+                x = right
+                seen.add(x.addr)
+                total += x.size
+            if total >= self.size:
+                return True
+        return False
+
+    def choose(self):
+        """The FIFO whose head to wait for next, or None when no other stream
+        has anything pending: the first, in index order, whose head would make
+        the request fit, else the first non-empty one."""
+        fifos, fits = self.alloc._fifo, self._fits
+        for s in self.dirty:
+            fifo = fifos.get(s)
+            if fifo and self._head_fits(fifo):     # s is never ``stream``
+                fits[s] = True
+            else:
+                fits.pop(s, None)
+        self.dirty.clear()
+        order = self._order
+        if fits:
+            rank = {id(s): i for i, (s, _) in enumerate(order)} if len(fits) > 1 else None
+            s = next(iter(fits)) if rank is None else min(fits, key=lambda s: rank[id(s)])
+            return fifos[s]
+        while self._next < len(order):
+            s, fifo = order[self._next]
+            if fifo and fifos.get(s) is fifo:
+                return fifo
+            self._next += 1
+        return None

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import hypothesis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
@@ -1227,3 +1228,156 @@ def test_a_stream_with_nothing_pending_is_not_kept_by_a_stale_unstamped_entry():
     assert ref() is None
     assert a.stats().pending_bytes == 4096
     a._check_invariants()
+
+
+class CountingStream:
+    """A stream that counts how often it is compared (``==``): a measure of the
+    blocks and FIFOs the miss path walks, which compares each one's stream."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def __eq__(self, other):
+        self.counter[0] += 1
+        return self is other
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("shape", ["a-stream-per-block", "own-blocks-between"])
+def test_a_miss_that_waits_for_many_events_walks_each_block_a_bounded_number_of_times(shape):
+    # _wait_until_fit rescanned every FIFO head, the stream's own run search
+    # included, after each event it waited for: quadratic in the events waited
+    # (n = 1000 took ~1 s). Now it keeps a running view of the runs that the
+    # waits make free. The waits are the same: one per event, in the order the
+    # streams were indexed (a stream's own FIFO in order).
+    rng = np.random.default_rng()
+    n, unit = 150, 256
+    counter = [0]
+    me = CountingStream(counter)
+    sizes = [int(k) * unit for k in rng.integers(1, 4, 2 * n)]
+    a = BestFitAllocator(sum(sizes))
+    blocks = [a.allocate(s) for s in sizes]
+    waited, events = [], []
+
+    class Logged(FakeEvent):
+        def synchronize(self):
+            waited.append(self)
+            super().synchronize()
+
+    if shape == "a-stream-per-block":           # freed in a random order
+        order = [(int(i), CountingStream(counter)) for i in rng.permutation(2 * n)]
+    else:                                       # one other stream splits me's blocks
+        other = CountingStream(counter)
+        order = [(i, other if i % 2 else me) for i in range(2 * n)]
+    for i, stream in order:
+        ev = Logged() if stream is not me else FakeEvent()
+        if stream is not me:
+            events.append(ev)
+        a.deallocate(blocks[i], stream=stream, event=ev)
+    counter[0] = 0
+    got = a.allocate(sum(sizes), me)
+    assert (got.offset, got.size) == (0, sum(sizes))
+    assert [id(e) for e in waited] == [id(e) for e in events]
+    assert counter[0] <= 40 * n, f"{counter[0]} stream comparisons for {n} events"
+    a._check_invariants()
+
+
+def _rescanning_wait_until_fit(a, size, stream):
+    """The oracle for _wait_until_fit's choice of waits: the plain loop that
+    rescans everything after each wait (what it did before its running view)."""
+    from rtmem._blocks import _PENDING, _READY
+
+    def head_frees(fifo):
+        event, seen = fifo[0][0], set()
+
+        def usable(b):
+            return b is not None and (b.state == _READY or b.state == _PENDING and (
+                b.event is event or b.stream == stream))
+
+        for ev, block in fifo:
+            if ev is not event:
+                break
+            if block.state != _PENDING or block.event is not event or block.addr in seen:
+                continue
+            while usable(block.prev):
+                block = block.prev
+            total = 0
+            while usable(block):
+                seen.add(block.addr)
+                total += block.size
+                block = block.next
+            if total >= size:
+                return True
+        return False
+
+    while True:
+        block = a._best_fit(size, stream)
+        if block is not None:
+            (a._remove_ready if block.state == _READY else a._remove_pending)(block)
+            return block
+        block = a._take_own_run(size, stream)
+        if block is not None:
+            return block
+        fifos = [f for s, f in a._fifo.items() if f and s != stream]
+        if not fifos:
+            return None
+        fifo = next((f for f in fifos if head_frees(f)), fifos[0])
+        event = fifo[0][0]
+        event.synchronize()
+        while fifo and fifo[0][0] is event:
+            _, block = fifo.popleft()
+            if block.state == _PENDING and block.event is event:
+                a._remove_pending(block)
+                a._make_ready(block)
+        a._poll_pending()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@hypothesis.given(st.randoms(use_true_random=False))
+def test_a_miss_waits_for_the_events_the_rescanning_loop_waits_for(rnd):
+    # The running view of _wait_until_fit must choose the waits, and the block,
+    # that rescanning everything after each wait chooses: two allocators get the
+    # same random frees (ready, event-gated and ordered, on four streams, some
+    # events already complete) and the same request; one uses the oracle.
+    unit, n = 256, rnd.randrange(4, 24)
+    sizes = [rnd.randrange(1, 4) * unit for _ in range(n)]
+    fates = [rnd.choice("live ready event event ordered ordered".split()) for _ in range(n)]
+    streams = [rnd.randrange(4) for _ in range(n)]
+    done = [rnd.random() < 0.2 for _ in range(n)]
+    want, on = rnd.randrange(1, sum(sizes) // unit + 2) * unit, rnd.randrange(4)
+    grow = rnd.random() < 0.5
+
+    def world(oracle):
+        log, waits = [], []
+
+        class Ev(StreamEvent):
+            def synchronize(self):
+                waits.append(log.index(self))
+                super().synchronize()
+
+        names = [object() for _ in range(4)]
+        a = BestFitAllocator(sum(sizes), max_bytes=2 * sum(sizes) if grow else None,
+                             event_source=lambda s: Ev(log, s))
+        if oracle:
+            a._wait_until_fit = lambda size, stream: _rescanning_wait_until_fit(
+                a, size, stream)
+        blocks = [a.allocate(s, names[k]) for s, k in zip(sizes, streams)]
+        for b, fate, k, d in zip(blocks, fates, streams, done):
+            if fate == "ready":
+                a.deallocate(b)
+            elif fate == "event":
+                ev = Ev(log, names[k])
+                ev.done = d
+                a.deallocate(b, stream=names[k], event=ev)
+            elif fate == "ordered":
+                a.deallocate(b, stream=names[k], ordered=True)
+        try:
+            got = a.allocate(want, names[on])
+            result = (got.slab, got.offset, got.size)
+        except OutOfMemoryError:
+            result = "oom"
+        a._check_invariants()
+        return waits, result, a.stats()
+
+    assert world(False) == world(True)
