@@ -63,9 +63,14 @@ queued work) when one event sufficed. The stream's own
 events are never waited for (they make nothing fit that stream order does not
 already allow), so a request nothing holds grows a slab at once and leaves the
 stream's own frees pending. ``flush()`` and ``trim()`` still wait for all.
-``resize(block, n, stream)`` grows in place into the next block when it is
-ready or pending on ``stream`` (the same stream-order argument); the part it
-does not take keeps its stream and event.
+``resize(block, n, stream)`` grows in place across the free blocks after it,
+each ready or pending on ``stream`` (the same stream-order argument; an
+ordered free leaves its ready neighbours apart, so a pending block followed by
+a ready one is common); the part of the last one it does not take keeps its
+stream and event. It never grows backwards into a free predecessor: that
+moves the block's start, and the core cannot move bytes (it has no access to
+them) nor the views users hold at the old offset; a move is ``resize``'s
+allocate-and-free path, after which the caller copies.
 
 An ordered free merges the block with neighbours pending on the same stream
 (their events are superseded by the next stamp, which is later on that

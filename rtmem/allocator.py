@@ -520,32 +520,35 @@ class BestFitAllocator(_StreamOrderedFrees):
     def resize(self, block: Block, nbytes: int, stream=None) -> Block:
         """Resize a live block to ``nbytes`` bytes; return the (possibly new) block.
 
-        Shrinking and growing into the free neighbour after it happen in place
-        (the same Block is returned, its bytes kept) when that neighbour is ready
-        or pending on ``stream`` (freed there in stream order or behind an event:
-        stream order lets ``stream`` reuse it at once; the part not taken stays
-        pending as it was); otherwise a new block is
-        allocated and the old one freed at once (``result is not block``). The
-        old bytes are then free memory: another thread or stream may be handed
-        them before the caller reads them, so a caller that needs the data in a
-        shared allocator allocates, copies and frees itself, in that order.
+        Shrinking, and growing into the free blocks after it, happen in place
+        (the same Block is returned, its offset and bytes kept) when each block
+        it grows across is ready or pending on ``stream`` (freed there in stream
+        order or behind an event: stream order lets ``stream`` reuse it at once;
+        the part of the last one not taken stays ready, or pending as it was);
+        otherwise a new block is allocated and the old one freed at once
+        (``result is not block``). The old bytes are then free memory: another
+        thread or stream may be handed them before the caller reads them, so a
+        caller that needs the data in a shared allocator allocates, copies and
+        frees itself, in that order. A free block *before* ``block`` is never
+        grown into: that moves the start, and the core has no access to the
+        bytes to move them (nor to the views users hold at the old offset).
         Raises :class:`~rtmem.errors.OutOfMemoryError` with ``block`` still live.
         """
         nbytes = _request(nbytes, "resize to")
         size = align_up(max(nbytes, 1), self.alignment)
         with self._lock:
             self._check_owned_live(block)
-            nxt = block.next
             if self._fits_in_place(block, size, stream):
-                if size > block.size and nxt.state == _PENDING:
-                    if block.size + nxt.size > size:
-                        # The rest keeps its stream and event (still gated for others)
-                        self._split_free(nxt, size - block.size)
-                    self._remove_pending(nxt)
-                    self._allocated += nxt.size
-                    self._absorb(block, nxt)
-                elif size > block.size:
-                    self._remove_ready(nxt)
+                while block.size < size:
+                    # _fits_in_place vouched for each next block up to ``size``
+                    nxt = block.next
+                    if nxt.state == _PENDING:
+                        if block.size + nxt.size > size:
+                            # The rest keeps its stream and event (gated for others)
+                            self._split_free(nxt, size - block.size)
+                        self._remove_pending(nxt)
+                    else:
+                        self._remove_ready(nxt)
                     self._allocated += nxt.size
                     self._absorb(block, nxt)
                 if block.size > size:
@@ -569,15 +572,20 @@ class BestFitAllocator(_StreamOrderedFrees):
 
     @staticmethod
     def _fits_in_place(block: Block, size: int, stream) -> bool:
-        nxt = block.next
-        return size <= block.size or (nxt is not None and (
-            nxt.state == _READY or nxt.state == _PENDING and stream is not None
-            and nxt.stream == stream) and block.size + nxt.size >= size)
+        """True if ``block`` and the free blocks after it, each ready or pending
+        on ``stream``, hold ``size`` bytes (a shrink always does)."""
+        total, nxt = block.size, block.next
+        while total < size and nxt is not None and (
+                nxt.state == _READY or nxt.state == _PENDING and stream is not None
+                and nxt.stream == stream):
+            total += nxt.size
+            nxt = nxt.next
+        return total >= size
 
     def fits_in_place(self, block: Block, nbytes: int, stream=None) -> bool:
         """True if :meth:`resize` of live ``block`` to ``nbytes`` bytes on
-        ``stream`` would keep it in place now (a shrink, or growth into a free
-        neighbour that is ready or pending on ``stream``)."""
+        ``stream`` would keep it in place now (a shrink, or growth across the
+        free blocks after it, each ready or pending on ``stream``)."""
         # Checked as resize checks it: int() took True, 2.5 and "7", and told a
         # negative size it fits (resize refuses all of these).
         size = align_up(max(_request(nbytes, "resize to"), 1), self.alignment)

@@ -1381,3 +1381,50 @@ def test_a_miss_waits_for_the_events_the_rescanning_loop_waits_for(rnd):
         return waits, result, a.stats()
 
     assert world(False) == world(True)
+
+
+@pytest.mark.parametrize("order", ["pending-then-ready", "ready-then-pending"])
+@pytest.mark.parametrize("how", ["ordered", "event"])
+def test_resize_grows_across_a_run_of_ready_and_own_pending_blocks(order, how):
+    # resize grew in place into the next block only: a block pending on the
+    # stream followed by a ready one (an ordered free never absorbs ready
+    # neighbours), or the reverse, made it move although the bytes were there.
+    # Now it grows across the whole run; a ready rest stays ready, a pending
+    # rest stays pending on its stream behind its event, and nothing waits.
+    rng = np.random.default_rng()
+    unit = 256
+    held, first, second = (int(k) * unit for k in rng.integers(1, 8, 3))
+    rec = Recorder()
+    a = BestFitAllocator(held + first + second + unit, event_source=rec)
+    s1, s2 = object(), object()
+    x, p, r, wall = (a.allocate(n, s1) for n in (held, first, second, unit))
+    if order == "ready-then-pending":
+        p, r = r, p
+    ev = FakeEvent()
+    a.deallocate(r)
+    if how == "ordered":
+        a.deallocate(p, stream=s1, ordered=True)
+    else:
+        a.deallocate(p, stream=s1, event=ev)
+    whole = held + first + second
+    grow = held + first + int(rng.integers(1, second // unit + 1)) * unit
+    nbytes = grow - int(rng.integers(0, unit))
+    assert a.fits_in_place(x, nbytes, s1) and a.fits_in_place(x, whole, s1)
+    assert not a.fits_in_place(x, nbytes, s2) and not a.fits_in_place(x, whole + 1, s1)
+    assert a.resize(x, nbytes, s1) is x
+    assert (x.size, x.requested, x.offset) == (grow, nbytes, 0)
+    assert ev.syncs == 0 and all(e.syncs == 0 for _, e in rec.events), "waited"
+    st = a.stats()
+    assert st.allocated_bytes == grow + unit and st.free_bytes == whole - grow
+    # The rest is what is left of the last block: ready for all, or pending
+    assert st.pending_bytes == (whole - grow if order == "ready-then-pending" else 0)
+    a._check_invariants()
+    if whole > grow:
+        rest = a.allocate(whole - grow, s1 if st.pending_bytes else s2)
+        assert rest.offset == grow and ev.syncs == 0
+        a.deallocate(rest)
+    a.deallocate(wall)
+    a.deallocate(x)
+    a.flush()
+    assert a.stats().largest_free_bytes == whole + unit
+    a._check_invariants()
