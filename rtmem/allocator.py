@@ -46,7 +46,9 @@ until the request fits) while holding the lock (numba's flush-and-retry): an
 event must never depend on another allocation from the same allocator.
 
 Frees behind a stream or an event: NOTE [ Stream-ordered frees ] in
-_stream_order.py (a mixin of the allocator).
+_stream_order.py (a mixin of the allocator); the miss path (``_find_slow``:
+stamp, poll, the stream's own runs, waits, growth, OutOfMemoryError) in
+_miss.py (another).
 """
 
 from __future__ import annotations
@@ -57,14 +59,14 @@ from bisect import bisect_left, insort
 from ._blocks import (_ADDR_MASK, _DEAD, _LIVE, _MAX_SLAB_BYTES, _OFFSET_BITS, _PENDING,
                       _READY, _SIZE_SHIFT, _SLAB_BITS, DEFAULT_ALIGNMENT, AllocatorStats,
                       Block, _byte_count, _request, align_up)
+from ._miss import _MissPath
 from ._stream_order import _MAINTAIN_EVERY, _StreamOrderedFrees
-from .errors import DoubleFreeError, InvalidPointerError, OutOfMemoryError
-from .units import format_bytes
+from .errors import DoubleFreeError, InvalidPointerError
 
 __all__ = ["AllocatorStats", "Block", "BestFitAllocator", "align_up", "DEFAULT_ALIGNMENT"]
 
 
-class BestFitAllocator(_StreamOrderedFrees):
+class BestFitAllocator(_MissPath, _StreamOrderedFrees):
     """Best-fit offset allocator with splitting, coalescing and stream-ordered reuse.
 
     Parameters
@@ -239,51 +241,6 @@ class BestFitAllocator(_StreamOrderedFrees):
             if i < len(keys) and (best is None or keys[i] < best):
                 best = keys[i]
         return None if best is None else self._free_map[best & _ADDR_MASK]
-
-    def _find_slow(self, size: int, nbytes: int, stream) -> Block:
-        """After a miss among ready and same-stream pending blocks: stamp and
-        poll, then merge a run of the stream's own pending and ready blocks, or
-        wait for other streams' events until the request fits, then grow or
-        raise OutOfMemoryError. Returns the block removed from its index."""
-        self._stamp()
-        self._poll_pending()
-        # The stream's own pending runs first, then the other streams' events one
-        # at a time, each until the request fits (NOTE [ Stream-ordered frees ]).
-        block = self._wait_until_fit(size, stream)
-        if block is not None:
-            return block
-        # At most what max_bytes leaves: a last, smaller slab (max_bytes need
-        # not be initial + k * growth), when it still holds the request.
-        grow = min(max(self.growth_bytes, size), self.max_bytes - self._reserved)
-        # Out of slab ids is out of memory too (it raised a bare ValueError
-        # from _add_slab, which callers that catch OutOfMemoryError missed).
-        no_ids = grow >= size and not self._free_ids \
-            and self._next_slab >= (1 << _SLAB_BITS)
-        if grow >= size and size < _MAX_SLAB_BYTES and not no_ids:   # < 1 TiB slabs
-            try:
-                self._add_slab(grow)
-            except OutOfMemoryError as exc:   # the backend has no memory left
-                stats = self._stats_locked()
-                raise OutOfMemoryError(
-                    f"out of memory: cannot allocate {nbytes:,} bytes: growing by a "
-                    f"{grow:,}-byte slab failed ({exc}); {stats.describe()}. Free "
-                    f"buffers first or plan with a smaller memory budget.",
-                    requested=nbytes, stats=stats) from exc
-            block = self._best_fit(size, stream)
-        if block is None:
-            stats = self._stats_locked()
-            raise OutOfMemoryError(
-                f"out of memory: cannot allocate {nbytes:,} bytes "
-                f"({format_bytes(size)} aligned to {self.alignment} B); "
-                f"{stats.describe()}; growth limit max_bytes={self.max_bytes:,} B. "
-                + ("No slab holds 1 TiB or more: split the allocation."
-                   if size >= _MAX_SLAB_BYTES else
-                   f"All {1 << _SLAB_BITS} slab ids are in use: free buffers and "
-                   f"trim(), or grow by larger slabs (growth_bytes=)." if no_ids else
-                   "Free buffers first, raise the arena size or max_bytes, or plan "
-                   "with a smaller memory budget."), requested=nbytes, stats=stats)
-        (self._remove_ready if block.state == _READY else self._remove_pending)(block)
-        return block
 
     # ------------------------------------------------------------- public API
     def allocate(self, nbytes: int, stream=None) -> Block:
