@@ -22,6 +22,10 @@ first use of that arena hung: a worker that never returned a batch.
 3. The transfer engines' locks, and the backend registry's (``get_backend``),
    each guard one container operation, never a half-done update, so
    rtmem.transfers and rtmem.backends give the child fresh ones.
+4. A plain Lock (the arenas' and allocators') does not say who holds it: one
+   held by the thread that forked (a fork from inside an ``alloc``, e.g. from
+   an adaptor) is refused like one held by another thread; the message says
+   either may have held it.
 
 Only registration (a WeakSet add per arena) costs anything before a fork.
 """
@@ -45,8 +49,8 @@ def register_arena(arena) -> None:
 
 
 class HeldAtFork:
-    """Stands, in a forked child, for an arena lock another thread held at the
-    fork (Rule 1 of NOTE [ Arenas after fork ]): every acquire raises."""
+    """Stands, in a forked child, for an arena lock held at the fork (Rules 1
+    and 4 of NOTE [ Arenas after fork ]): every acquire raises."""
 
     __slots__ = ("_arena",)
 
@@ -55,8 +59,9 @@ class HeldAtFork:
 
     def acquire(self, blocking=True, timeout=-1):
         raise BackendError(
-            f"{self._arena} was in use by another thread (an alloc, free or transfer "
-            f"under way) when this process was forked, so its state in this child is "
+            f"{self._arena} was in use when this process was forked (by another "
+            f"thread, an alloc, free or transfer under way, or by the thread that "
+            f"forked, if it forked from inside one), so its state in this child is "
             f"unknown and it cannot be used here (its buffers' data can still be "
             f"read). Make the arenas a forked child allocates from in the child, or "
             f"fork while no other thread uses this arena (e.g. start DataLoader "
@@ -76,7 +81,8 @@ class HeldAtFork:
 
 
 def _held(lock) -> bool:
-    """Whether ``lock`` (a Lock or RLock) was held by another thread at the fork."""
+    """Whether ``lock`` (a Lock or RLock) was held at the fork by another thread
+    (a Lock: or by the thread that forked, Rule 4)."""
     if lock.acquire(blocking=False):
         lock.release()
         return False

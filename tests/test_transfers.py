@@ -787,6 +787,30 @@ def test_a_forked_child_refuses_an_arena_whose_middle_adaptor_was_busy():
     busy.close()
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
+def test_a_child_forked_inside_an_alloc_is_told_the_forking_thread_may_hold_the_lock():
+    # A plain Lock does not say who holds it: an arena whose lock the thread
+    # that forked held (a fork from inside an adaptor's allocate) is refused in
+    # the child, whose message blamed "another thread" that never existed.
+    from rtmem.backends.host import HostBackend
+    busy = HostArena(1 << 16, backend=HostBackend())
+
+    def child():
+        import os
+        try:
+            busy.alloc(16)
+            os._exit(3)
+        except BackendError as e:
+            os._exit(0 if "the thread that forked" in str(e) else 4)
+        except BaseException:
+            os._exit(8)
+
+    with busy.core._lock:
+        assert _in_forked_child(child, timeout=8) == 0
+    busy.alloc(16).free()                       # the parent is unaffected
+    busy.close()
+
+
 def test_a_record_refused_by_a_closed_stream_leaves_the_event_as_it_was():
     # The event switched to the new recording before the stream refused it: it
     # stayed pending forever, and its synchronize() hung.
