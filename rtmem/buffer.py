@@ -68,6 +68,7 @@ import threading
 
 import numpy as np
 
+from . import _fork
 from ._deferred import run_or_defer, track
 from .errors import BackendError, DoubleFreeError, ResidencyError, UseAfterFreeError
 
@@ -204,7 +205,7 @@ class Buffer:
 
     __slots__ = ("_nbytes", "_dtype", "_shape", "_kind", "_device", "_host", "_pending",
                  "_failed", "_freed", "_lock", "device_arena", "host_arena",
-                 "_free_requested", "__weakref__")
+                 "_free_requested", "_fork_stamp", "__weakref__")
 
     def __init__(self, placement: Placement, nbytes: int, dtype: np.dtype, shape: tuple,
                  kind: str):
@@ -745,6 +746,9 @@ class Buffer:
             "pass the Buffer itself, or copy its data with buf.to_numpy()")
 
     def __repr__(self) -> str:
+        if isinstance(self._lock, _fork.HeldAtFork):    # no state to read
+            return (f"<Buffer {self.kind} {self.shape} {self.dtype} {self.nbytes:,} B, "
+                    f"unusable in this forked child>")
         state = self.residency
         # No liveness check: repr must work in error messages about freed buffers
         # and buffers of closed arenas.
@@ -752,6 +756,13 @@ class Buffer:
         where = "" if self._freed or p is None else f" offset={p.block.offset}"
         return (f"<Buffer {self.kind} {self.shape} {self.dtype} {self.nbytes:,} B "
                 f"{state}{where}>")
+
+
+# ``_fork_stamp``: unset until a forked child checks the lock (NOTE [ Arenas
+# after fork ] in _fork.py, Rule 5); nothing happens here before a fork.
+_fork.check_lock_slot_after_fork(
+    Buffer, "_lock", "_fork_stamp",
+    lambda buf: _fork.buffer_busy(f"this {buf.kind} buffer ({buf.nbytes:,} bytes)"))
 
 
 class _CudaView:

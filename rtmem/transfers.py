@@ -55,6 +55,7 @@ import weakref
 from collections import deque
 
 from . import _deferred
+from ._fork import HeldAtFork
 from .arena import is_arena
 from .backends import Backend, get_backend
 from .buffer import Buffer, _Move
@@ -145,11 +146,18 @@ class TransferEngine:
     def _report_failed_move(self) -> None:
         """Settle the buffers moved here (NOTE [ Copy failures at synchronize ])
         and raise the first failed move's BackendError; the others stay
-        watched, for the next synchronize() or their buffer's next use."""
+        watched, for the next synchronize() or their buffer's next use. In a
+        forked child, a buffer refused there (NOTE [ Arenas after fork ] in
+        _fork.py, Rule 5) is raised instead when no move failed, and forgotten."""
         with self._lock:        # never held while taking a buffer's lock
             bufs = list(self._moved)
-        settled, failed = [], None
+        settled, failed, refused = [], None, None
         for buf in bufs:
+            if isinstance(buf._lock, HeldAtFork):
+                # in a forked child, in use by another thread at the fork: never
+                # settled here (NOTE [ Arenas after fork ] in _fork.py, Rule 5)
+                refused = refused or buf
+                continue
             with buf._lock:
                 if buf._freed or buf._free_requested:
                     settled.append(buf)     # its free discarded the data
@@ -162,8 +170,14 @@ class TransferEngine:
         with self._lock:
             for buf in settled:
                 self._moved.discard(buf)
+            if failed is None and refused is not None:
+                # raised once, as a failed move is: else every later
+                # synchronize() raised for a buffer it can never settle
+                self._moved.discard(refused)
         if failed is not None:
             failed._settle()    # raises it, once: the buffer no longer holds it
+        if refused is not None:
+            raise refused._lock.error()
 
 
 # backend -> its engine, for as long as the backend lives (a backend made per

@@ -811,6 +811,74 @@ def test_a_child_forked_inside_an_alloc_is_told_the_forking_thread_may_hold_the_
     busy.close()
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="no fork")
+def test_a_child_forked_while_a_thread_holds_a_buffer_lock_raises_instead_of_hanging():
+    # A thread inside a move, a view or a free of one buffer holds that buffer's
+    # lock at the fork; the thread does not exist in the child, so the child's
+    # free of that buffer, and transfers.synchronize() (which settles every
+    # buffer moved since), waited forever. The buffer may be half-updated: the
+    # child refuses it with a BackendError naming the remedy. Buffers whose
+    # locks were free or held by the forking thread, and new ones, work as in
+    # the parent.
+    from rtmem.backends.host import HostBackend
+    be = HostBackend()
+    d, h = DeviceArena(1 << 16, backend=be), HostArena(1 << 16, backend=be)
+    busy = d.alloc(shape=(32,), dtype=np.float32, kind="weight")
+    idle = d.alloc(shape=(64,), dtype=np.float32)
+    rng = np.random.default_rng()
+    data = rng.standard_normal(64).astype(np.float32)
+    busy.numpy()[:] = 2.0
+    idle.numpy()[:] = data
+    for b in (busy, idle):          # watched by the engine's synchronize()
+        T.synchronize(T.offload(b, arena=h))
+    sync = T.get_engine(be).synchronize     # transfers.synchronize() of this backend
+
+    def child():
+        import os
+        try:
+            try:
+                sync()
+                os._exit(3)
+            except BackendError as e:
+                if "forked" not in str(e) or "spawn" not in str(e):
+                    os._exit(4)
+            sync()                          # raised once, as a failed copy is
+            for use in (busy.free, lambda: busy.numpy(), lambda: T.evict(busy),
+                        lambda: T.synchronize(busy)):
+                try:
+                    use()
+                    os._exit(5)
+                except BackendError as e:
+                    if "forked" not in str(e) or "weight buffer" not in str(e):
+                        os._exit(6)
+            if "unusable in this forked child" not in repr(busy):
+                os._exit(7)
+            if idle.residency != "both" or not (idle.to_numpy() == data).all():
+                os._exit(9)
+            T.evict(idle)
+            T.synchronize(T.prefetch(idle))
+            ok = (idle.numpy() == data).all()
+            fresh = d.alloc(shape=(16,), dtype=np.float32)
+            fresh.numpy()[:] = 5.0
+            T.synchronize(T.offload(fresh, arena=h))
+            ok = ok and (fresh.to_numpy() == 5.0).all()
+            fresh.free()
+            idle.free()
+            sync()
+            os._exit(0 if ok else 10)
+        except BaseException:
+            os._exit(8)
+
+    with idle._lock:    # held by the thread that forks: it owns it in the child too
+        assert _forked_while_held(busy._lock, child) == 0
+    assert busy.residency == "both" and (busy.to_numpy() == 2.0).all()
+    for b in (busy, idle):          # the parent is unaffected
+        b.free()
+    sync()
+    d.close()
+    h.close()
+
+
 def test_a_record_refused_by_a_closed_stream_leaves_the_event_as_it_was():
     # The event switched to the new recording before the stream refused it: it
     # stayed pending forever, and its synchronize() hung.
