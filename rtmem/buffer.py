@@ -70,9 +70,12 @@ import numpy as np
 
 from . import _fork
 from ._deferred import run_or_defer, track
+from ._placement import Placement, _in_closed, _in_open, _Move, _poll_transfers
 from .errors import BackendError, DoubleFreeError, ResidencyError, UseAfterFreeError
 
 __all__ = ["Buffer", "KINDS", "RESIDENCIES"]
+# Placement and _Move (rtmem._placement) stay importable from here: the arena,
+# the transfers and tests take them from this module.
 
 #: What a buffer holds; arenas account bytes per kind.
 KINDS = ("activation", "weight", "gradient", "optimizer-state", "workspace")
@@ -88,63 +91,6 @@ def bad_kind(kind) -> ValueError:
 RESIDENCIES = ("device", "host", "both", "in-flight", "freed")
 
 _KDL_CPU, _KDL_CUDA = 1, 2
-
-
-class Placement:
-    """A block of one arena holding a buffer's bytes.
-
-    ``event``/``stream``: the last transfer that read or wrote the block, so that
-    freeing it is stream-ordered (the block is not reused before that copy ends).
-    ``pins``: pinned views of this block (NOTE [ Pinned views ]).
-    """
-
-    __slots__ = ("arena", "block", "event", "stream", "pins")
-
-    def __init__(self, arena, block):
-        self.arena = arena
-        self.block = block
-        self.event = None
-        self.stream = None
-        self.pins = 0
-
-    @property
-    def slab(self):
-        """The backend slab holding the block."""
-        return self.arena._slab_of(self.block)
-
-    @property
-    def offset(self) -> int:
-        """Offset of the block in its slab, bytes."""
-        return self.block.offset
-
-
-def _in_open(p: Placement | None) -> bool:
-    """Whether ``p`` is a copy: a placement in an open arena (a closed arena's
-    counts as no copy, NOTE [ Residency state machine ])."""
-    return p is not None and not p.arena._closed
-
-
-def _in_closed(p: Placement | None) -> bool:
-    """Whether ``p`` is a placement left in a closed arena."""
-    return p is not None and p.arena._closed
-
-
-def _poll_transfers(backend) -> None:
-    from .transfers import _poll_engine     # transfers imports this module
-    _poll_engine(backend)
-
-
-class _Move:
-    """A buffer's pending copy: its ``event``, the ``side`` it writes
-    (``"device"`` for H2D, ``"host"`` for D2H) and the ``prior`` move it was
-    chained on (its copy waits for that one's event)."""
-
-    __slots__ = ("event", "side", "prior")
-
-    def __init__(self, event, side: str, prior=None):
-        self.event = event
-        self.side = side
-        self.prior = prior
 
 
 class PinnedExport:
