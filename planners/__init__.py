@@ -24,7 +24,7 @@ from .floating import plan_floating
 from .multichain import (MultiOp, multichain_opt, multichain_schedule, multichain_table,
                          simulate_multichain)
 from .multichain import min_slots as multichain_min_slots
-from .plan import Plan
+from .plan import ChainMismatchWarning, Plan
 from .platform import CHANNELS, Platform
 from .profiles import builtin, builtin_names, from_spec
 from .remat import SlowSolveWarning, compare_remat, min_feasible_memory, plan_remat
@@ -35,6 +35,7 @@ from .simulator import SimResult, simulate
 __all__ = [
     "CHANNELS",
     "Chain",
+    "ChainMismatchWarning",
     "InfeasibleError",
     "MultiOp",
     "Op",

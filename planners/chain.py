@@ -26,6 +26,7 @@ and writes activation ``i+1``; activation 0 is the chain input.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field, fields, replace
 
@@ -253,6 +254,18 @@ class Chain(JsonFile):
     def to_json(self, indent: int | None = None) -> str:
         """Serialize to a JSON string; :meth:`from_json` reads it back exactly."""
         return json.dumps(self.to_dict(), indent=indent)
+
+    def digest(self) -> str:
+        """SHA-256 (64 hex digits) of this chain's numbers: of :meth:`to_json`'s
+        document (no indent) with ``name`` left empty, so that two chains have the
+        same digest exactly when they are equal but for their labels. Every
+        planner records it in ``Plan.info["chain_sha256"]``, which
+        :meth:`Plan.check_chain <rtmem.planners.Plan.check_chain>` compares: a
+        chain edited or profiled again (its times or sizes changed) has another
+        one."""
+        d = self.to_dict()
+        d["name"] = ""      # a label: renaming a chain leaves its plans valid
+        return hashlib.sha256(json.dumps(d).encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, d) -> "Chain":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
 
 from rtmem.errors import ScheduleError
@@ -20,18 +21,32 @@ from ._documents import JsonFile, check_document, is_json_number, parse_document
 from ._validation import MAX_BYTES, is_int
 from .schedule import Schedule
 
-__all__ = ["Plan", "as_budget"]
+__all__ = ["ChainMismatchWarning", "Plan", "as_budget"]
 
 _FORMAT = "rtmem.plan"
 _VERSION = 1
 _REQUIRED = ("schedule", "makespan", "peak", "budget", "algorithm")
 
 
+#: The ``Plan.info`` key of the digest of the chain a plan was made for
+#: (:meth:`Chain.digest <rtmem.planners.Chain.digest>`, 64 hex digits).
+CHAIN_DIGEST_KEY = "chain_sha256"
+
+
+class ChainMismatchWarning(RuntimeWarning):
+    """Warned by :meth:`Plan.check_chain` for a chain other than the one the plan
+    was made for (a ``RuntimeWarning``: turn it into an error with
+    ``warnings.simplefilter("error", ChainMismatchWarning)``)."""
+
+
 def planned_info(chain, info: dict) -> dict:
-    """``info`` plus ``"input_bytes"`` (``chain.x0``, bytes) when the chain gives
-    its input's size: what every planner's :class:`Plan` carries, so that the
+    """``info`` plus what every planner's :class:`Plan` carries about its chain:
+    ``"chain_sha256"`` (:meth:`Chain.digest <rtmem.planners.Chain.digest>`), so
+    that :meth:`Plan.check_chain` tells another chain, and ``"input_bytes"``
+    (``chain.x0``, bytes) when the chain gives its input's size, so that the
     executor can tell a batch larger than the one the sizes were profiled for."""
     info = dict(info)
+    info.setdefault(CHAIN_DIGEST_KEY, chain.digest())
     if chain.x0 > 0:
         info.setdefault("input_bytes", int(chain.x0))
     return info
@@ -58,10 +73,13 @@ class Plan(JsonFile):
     info:
         Planner-specific extras (JSON-serializable, numbers finite: ``None``
         for an infinite DP prediction): DP prediction, slot size, number of
-        segments, ... Every planner also records ``"input_bytes"``, the chain
-        input's bytes (``Chain.x0``, the profiled batch) when the chain gives
-        it (> 0): the plan's memory holds for that batch, and
-        :class:`~rtmem.torch.ScheduleExecutor` warns at a larger one.
+        segments, ... Every planner also records ``"chain_sha256"``, the
+        digest of the chain it planned (:meth:`Chain.digest
+        <rtmem.planners.Chain.digest>`; :meth:`check_chain` compares it), and
+        ``"input_bytes"``, the chain input's bytes (``Chain.x0``, the profiled
+        batch) when the chain gives it (> 0): the plan's memory holds for that
+        batch, and :class:`~rtmem.torch.ScheduleExecutor` warns at a larger one.
+        Plans saved before ``"chain_sha256"`` existed load without it.
 
     Non-finite numbers (a NaN or infinite makespan or peak, NaN anywhere,
     infinity in ``info``) raise :class:`~rtmem.errors.ScheduleError` naming the
@@ -135,6 +153,33 @@ class Plan(JsonFile):
         if reference_makespan <= 0:
             return 0.0 if self.makespan <= 0 else math.inf
         return self.makespan / reference_makespan - 1.0
+
+    def check_chain(self, chain) -> bool | None:
+        """Whether ``chain`` is the :class:`~rtmem.planners.Chain` this plan was
+        made for: True when its :meth:`~rtmem.planners.Chain.digest` is the one
+        in ``info["chain_sha256"]``, None when the plan records none (a file
+        saved by an older rtmem, a Plan built by hand), and False otherwise,
+        after a :class:`ChainMismatchWarning`. A warning, not an error: the
+        schedule may still be valid for an edited or re-profiled chain (simulate
+        it there to know), but ``makespan`` and ``peak`` were simulated on the
+        other chain and do not hold for this one."""
+        from .chain import Chain
+        if not isinstance(chain, Chain):
+            raise TypeError(f"chain must be a Chain, got {type(chain).__name__}")
+        recorded = self.info.get(CHAIN_DIGEST_KEY)
+        if not isinstance(recorded, str):
+            return None
+        digest = chain.digest()
+        if digest == recorded:
+            return True
+        label = f"{chain.name!r} ({chain.n} stages)" if chain.name else f"({chain.n} stages)"
+        warnings.warn(
+            f"this {self.algorithm} plan was made for another chain (chain_sha256 "
+            f"{recorded[:12]}..., the chain {label} has {digest[:12]}...): its makespan "
+            f"{self.makespan:.6g} s and peak {self.peak:,} bytes were simulated on that "
+            f"chain and do not hold for this one; simulate the plan on this chain "
+            f"(rtmem simulate) or plan again", ChainMismatchWarning, stacklevel=2)
+        return False
 
     def __repr__(self) -> str:
         return (f"Plan({self.algorithm}: makespan {self.makespan:.6g} s, peak {self.peak:,} B, "

@@ -381,7 +381,8 @@ def plan_remat(chain: Chain, memory, slots: int = DEFAULT_SLOTS, *,
         faster than the best so far, so it cannot win),
         ``dp_makespan`` (s, the DP's prediction; ``None`` when the DP found no
         schedule at any slot size tried; the no-recomputation makespan for
-        ``"store-all"``), ``solve_seconds`` and, when the chain gives its input's
+        ``"store-all"``), ``solve_seconds``, ``chain_sha256`` (the chain's
+        digest, see :meth:`Plan.check_chain`) and, when the chain gives its input's
         size (``x0`` > 0), ``input_bytes`` (the batch the plan holds for, see
         :class:`Plan`). Only when the DP ran (``method``
         other than ``"store-all"``) does it also hold ``slot_bytes`` and

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import sys
+import warnings
 
 from rtmem._table import format_table
 from rtmem.demo import MODEL_OPTIONS, missing_folders, remove_empty_folders
@@ -350,6 +351,30 @@ def _peak_of_chain_only(schedule) -> bool:
     return bool(np.isin(schedule.op, [int(o) for o in at_once]).all())
 
 
+def _plan_chain_told(plan, chain, schedule, result) -> bool | None:
+    """Print a note on stderr when ``plan`` (None: a plain schedule) was made for
+    another chain than ``chain``; return :meth:`Plan.check_chain
+    <rtmem.planners.Plan.check_chain>`'s answer (None also without a plan). A
+    note, not an error: simulating a plan on a re-profiled or edited chain is a
+    fair question, and the numbers printed are this chain's."""
+    if plan is None:
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matches = plan.check_chain(chain)
+    if matches is False:
+        print(f"note: {caught[-1].message}; the numbers below are this chain's",
+              file=sys.stderr)
+    elif matches is None and plan.peak != result.peak and _peak_of_chain_only(schedule):
+        # A plan saved before plans recorded their chain: its peak, a function of
+        # the chain's sizes, tells another chain of the same length. Exact bytes:
+        # format_bytes may round two different peaks to the same text.
+        print(f"note: the plan records a peak of {plan.peak:,} B; on {chain.name} it "
+              f"peaks at {result.peak:,} B: was it made for another chain (or another "
+              f"batch size)?", file=sys.stderr)
+    return matches
+
+
 def _cmd_simulate(args) -> int:
     from rtmem.errors import ScheduleError
     from rtmem.planners import simulate
@@ -369,15 +394,7 @@ def _cmd_simulate(args) -> int:
         # still repeat operations until the float64 sum overflows
         raise RtmemError(f"the makespan of this schedule overflows a float64 ({len(schedule)} "
                          "operations); express the chain's times in larger units")
-    if plan is not None and plan.peak != r.peak and _peak_of_chain_only(schedule):
-        # A plan for another chain of the same length simulated without a word
-        # (plans do not record their chain); its peak, a function of the chain's
-        # sizes, tells it. A note, not an error: simulating a plan on a re-profiled
-        # or edited chain is a fair question. Exact bytes: format_bytes may round
-        # two different peaks to the same text.
-        print(f"note: the plan records a peak of {plan.peak:,} B; on {chain.name} it "
-              f"peaks at {r.peak:,} B: was it made for another chain (or another batch "
-              f"size)?", file=sys.stderr)
+    matches = _plan_chain_told(plan, chain, schedule, r)
     doc = {"chain": chain.name, "ops": len(schedule), "makespan_s": r.makespan,
            "peak_bytes": r.peak, "compute_s": r.compute_time, "idle_s": r.idle_time,
            "h2d_bytes": r.h2d_bytes, "d2h_bytes": r.d2h_bytes,
@@ -385,7 +402,10 @@ def _cmd_simulate(args) -> int:
            # memory_limit's 2**62 stands for unlimited only inside rtmem
            "memory_bytes": None if math.isinf(platform.memory) else platform.memory_limit,
            "bandwidth_Bps": None if math.isinf(platform.bandwidth) else platform.bandwidth,
-           "channel": platform.channel}
+           "channel": platform.channel,
+           # whether the plan was made for this chain: null for a schedule that is
+           # not a plan, or a plan saved before plans recorded their chain
+           "chain_matches_plan": matches}
     if args.json:
         print(json.dumps(doc, indent=1, allow_nan=False))
     else:

@@ -274,14 +274,19 @@ def test_simulate_a_plan_for_another_chain_says_so(capsys, tmp_path):
     assert code == 1 and "memory" in err and "another chain" not in err
 
 
-def test_simulate_a_plan_for_another_chain_of_the_same_length_notes_it(capsys, tmp_path):
+def test_simulate_an_old_plan_for_another_chain_of_the_same_length_notes_it(capsys,
+                                                                           tmp_path):
     # Same number of stages, other sizes: the schedule simulates, and the plan's
-    # recorded peak (which the simulator gave on its own chain) differed silently
+    # recorded peak (which the simulator gave on its own chain) differed silently.
+    # A plan saved before plans recorded their chain's digest is told by its peak.
     plan = tmp_path / "plan.json"
     code, _, _ = run(capsys, "plan", "remat", "gpt2:layers=6", "--memory", "64GiB",
                      "--save", str(plan), "--quiet")
     assert code == 0
-    recorded = json.loads(plan.read_text())["peak"]
+    doc = json.loads(plan.read_text())
+    del doc["info"]["chain_sha256"]
+    plan.write_text(json.dumps(doc))
+    recorded = doc["peak"]
     code, out, err = run(capsys, "simulate", "gpt2:layers=6", str(plan), "--memory", "inf",
                          "--json")
     assert code == 0 and json.loads(out)["peak_bytes"] == recorded and err == ""
@@ -292,6 +297,40 @@ def test_simulate_a_plan_for_another_chain_of_the_same_length_notes_it(capsys, t
     assert err == (f"note: the plan records a peak of {recorded:,} B; on "
                    f"{load_chain('gpt2:layers=6,batch=16').name} it peaks at {peak:,} B: "
                    f"was it made for another chain (or another batch size)?\n")
+
+
+def test_simulate_a_plan_on_an_edited_chain_notes_it(capsys, tmp_path):
+    # The user saved chain.json and plan.json, then edited the chain's times (or
+    # profiled the model again): the peak is the same, so nothing said that the
+    # plan's numbers were another chain's
+    import numpy as np
+
+    from rtmem.planners import Plan
+    chain = load_chain("gpt2:layers=4")
+    chain.save(tmp_path / "chain.json")
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "remat", str(tmp_path / "chain.json"), "--memory",
+                     "64GiB", "--save", str(plan), "--quiet")
+    assert code == 0
+    code, out, err = run(capsys, "simulate", str(tmp_path / "chain.json"), str(plan),
+                         "--memory", "inf", "--json")
+    assert code == 0 and json.loads(out)["chain_matches_plan"] is True and err == ""
+    doc = json.loads((tmp_path / "chain.json").read_text())
+    rng = np.random.default_rng()
+    doc["u_f"][int(rng.integers(0, chain.n))] *= float(rng.uniform(1.5, 3))
+    (tmp_path / "chain.json").write_text(json.dumps(doc))
+    code, out, err = run(capsys, "simulate", str(tmp_path / "chain.json"), str(plan),
+                         "--memory", "inf", "--json")
+    report = json.loads(out)
+    recorded = Plan.load(plan)
+    assert code == 0 and report["chain_matches_plan"] is False
+    assert report["peak_bytes"] == recorded.peak and report["makespan_s"] != recorded.makespan
+    assert err.startswith("note: this rotor plan was made for another chain")
+    assert err.count("\n") == 1 and err.rstrip().endswith("the numbers below are this chain's")
+    # a schedule that is not a plan records no chain
+    code, out, _ = run(capsys, "simulate", str(tmp_path / "chain.json"), "store-all",
+                       "--memory", "inf", "--json")
+    assert code == 0 and json.loads(out)["chain_matches_plan"] is None
 
 
 def test_simulate_a_plan_with_transfers_on_its_own_chain_gets_no_note(capsys, tmp_path):

@@ -743,10 +743,12 @@ def test_info_keys_are_those_documented_for_each_path():
     # plan, but the store-all shortcut (no DP run) has none of them: a KeyError
     chain = Chain(u_f=[1., 2., 3.], u_b=[1., 2., 3.], x=[10, 20, 30], xbar=[15, 25, 35],
                   x0=5)
-    always = {"method", "candidates", "dp_makespan", "solve_seconds", "input_bytes"}
+    always = {"method", "candidates", "dp_makespan", "solve_seconds", "chain_sha256",
+              "input_bytes"}
     dp_only = {"min_feasible", "slot_bytes", "slots", "refined"}
     doc = " ".join(plan_remat.__doc__.split())
     assert "always holds ``method``" in doc and "``input_bytes``" in doc
+    assert "``chain_sha256``" in doc[:doc.index("Only when the DP ran")]
     dp_sentence = doc[doc.index("Only when the DP ran"):]
     dp_sentence = dp_sentence[:dp_sentence.index("(bytes)")]
     assert all(f"``{key}``" in dp_sentence for key in dp_only)
