@@ -152,11 +152,27 @@ def gc_cost(fn, calls: int, before=lambda: None) -> dict:
             "collections_per_call": [c / calls for c in counts]}
 
 
-def median_time(fn, repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs (:func:`timed`), seconds."""
+def repeat_times(fn, repeats: int, warmup: int = 1) -> list:
+    """Wall seconds of each of ``repeats`` runs of ``fn()`` (:func:`timed`), after
+    ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
-    return statistics.median(timed(fn) for _ in range(repeats))
+    return [timed(fn) for _ in range(repeats)]
+
+
+def median_time(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs (:func:`timed`), seconds."""
+    return statistics.median(repeat_times(fn, repeats, warmup))
+
+
+def time_spread(times) -> dict:
+    """``{"median_s", "min_s", "max_s", "times_s"}`` of a list of run times
+    (seconds): the median a table quotes, with every run beside it (as adam.json's
+    rows and allocator.json's ``*_all`` keys keep them), so that two results can be
+    compared with their spread, not by medians alone."""
+    times = [float(t) for t in times]
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "times_s": times}
 
 
 def round_robin(runs: dict, repeats: int, before=lambda: None) -> dict:

@@ -37,7 +37,9 @@ full collections amortized over ``max(10, 20000 // depth)`` untimed steps in
 a row, as a training loop runs them) and collections per step by generation;
 ``with_gc_over_torch`` adds ``gc_s`` to both sides of the ratio.
 
-Ratios are over ``torch plain`` at the same depth. Writes a table to stdout and
+Ratios are over ``torch plain`` at the same depth; ``times_s`` keeps every
+round's seconds of each contender beside its median (``median_s``), so two runs
+can be compared with their spread. Writes a table to stdout and
 JSON to ``bench/results/executor.json`` or ``--out`` (times in seconds; quote
 the ratios), also after each depth, marked ``"partial": true``, so that a run stopped by
 Ctrl-C (SIGINT) keeps the depths it finished; it then exits with code 130.
@@ -80,7 +82,8 @@ def _recounting(ex: ScheduleExecutor) -> ScheduleExecutor:
 
 
 def measure(depth: int, repeats: int) -> dict:
-    """Median step seconds of every contender at ``depth`` stages."""
+    """Median step seconds of every contender at ``depth`` stages (``median_s``),
+    every round's (``times_s``), and the ratios and GC costs built on them."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())
                             for _ in range(depth)])
@@ -106,7 +109,7 @@ def measure(depth: int, repeats: int) -> dict:
     gc_by = {name: gc_cost(fn, calls, before=zero) for name, fn in steps.items()
              if name == "torch plain" or not name.endswith(("untracked", "recount"))}
     base_gc = base + gc_by["torch plain"]["gc_s_per_call"]
-    return {"depth": depth, "median_s": med,
+    return {"depth": depth, "median_s": med, "times_s": times,
             "over_torch": {name: t / base for name, t in med.items()},
             "gc": {name: {"gc_s": g["gc_s_per_call"],
                           "collections_per_step": g["collections_per_call"]}

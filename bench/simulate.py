@@ -4,7 +4,8 @@ Both run the same ~100k-operation schedule (full activation offload with
 prefetches, gradient flushes) in the same process; the figure of merit is the
 ratio of their operations per second: medians over ``--repeats`` runs of the
 jitted simulator and over half as many (at least one) of the much slower
-reference; the JSON gives each median's run count as ``"repeats"``. Target: the
+reference; the JSON gives each median's run count as ``"repeats"`` and every
+run's seconds (``"times_s"``, with ``"min_s"`` and ``"max_s"``). Target: the
 jitted simulator at >= 1 million ops/s. The results are written at the end: a
 run stopped by Ctrl-C (SIGINT) writes nothing, says so in one line and exits
 with code 130.
@@ -22,8 +23,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (MAX_REPEATS, CommandParser, PartialResults,  # noqa: E402
-                     add_out_option, command_line, count, median_time, offload_everything,
-                     write_results)
+                     add_out_option, command_line, count, offload_everything, repeat_times,
+                     time_spread, write_results)
 
 from rtmem._table import format_table  # noqa: E402
 from rtmem.planners import Chain, Platform, simulate  # noqa: E402
@@ -46,11 +47,13 @@ def main(argv=None) -> int:
         jit_r = simulate(chain, sched, platform)           # compiles (or loads the cache)
         ref_r = reference_simulate(chain, sched, platform)
         assert jit_r.peak == ref_r["peak"], "the two simulators disagree"
-        t_jit = median_time(lambda: simulate(chain, sched, platform), args.repeats)
+        jit = time_spread(repeat_times(lambda: simulate(chain, sched, platform),
+                                       args.repeats))
         # the reference is ~100x slower: half the runs (no warm-up: nothing to compile)
         ref_repeats = max(1, args.repeats // 2)
-        t_ref = median_time(lambda: reference_simulate(chain, sched, platform), ref_repeats,
-                            warmup=0)
+        ref = time_spread(repeat_times(lambda: reference_simulate(chain, sched, platform),
+                                       ref_repeats, warmup=0))
+        t_jit, t_ref = jit["median_s"], ref["median_s"]
     except KeyboardInterrupt:
         return PartialResults("simulate", args.out).interrupted("the measurements")
     ops = len(sched)
@@ -64,8 +67,8 @@ def main(argv=None) -> int:
     path = write_results("simulate", path=args.out, doc={
         "command": command_line("simulate.py", argv),
         "ops": ops, "stages": n, "repeats": args.repeats,
-        "jitted": {"median_s": t_jit, "ops_per_s": ops / t_jit, "repeats": args.repeats},
-        "pure_python": {"median_s": t_ref, "ops_per_s": ops / t_ref, "repeats": ref_repeats},
+        "jitted": {**jit, "ops_per_s": ops / t_jit, "repeats": args.repeats},
+        "pure_python": {**ref, "ops_per_s": ops / t_ref, "repeats": ref_repeats},
         "ratio_jitted_over_python": t_ref / t_jit,
         "target_ops_per_s": 1e6, "target_met": ops / t_jit >= 1e6})
     print(f"wrote {path}")

@@ -60,7 +60,9 @@ Threads: the CPU section runs torch (and OffloadedAdam's kernel) with
 bursts of 10x slower steps (spin-waiting on a descheduled peer; the process's CPU
 time inflates too) while 1 thread stayed within +-10%; ratios are what count.
 
-Writes a table to stdout and JSON to ``bench/results/train.json``. Times are
+Writes a table to stdout and JSON to ``bench/results/train.json`` (or ``--out``:
+a file path, ending in ``.json`` or with a folder, or a bare result name, written
+as NAME.json there). Times are
 seconds, sizes bytes; quote the ratios, absolute times are noisy on shared CPUs.
 The JSON is also written after the CPU section (when a GPU section follows), after
 each GPU depth search and after each GPU throughput size, marked ``"partial":
@@ -85,8 +87,8 @@ import traceback
 # _common first: a stop while torch loads (seconds) is one line, not a traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (MAX_REPEATS, MAX_THREADS, CommandParser, PartialResults,  # noqa: E402
-                     at_least, command_line, count, gpu_required, not_measured, round_robin,
-                     write_results)
+                     at_least, command_line, count, gpu_required, not_measured, output_file,
+                     round_robin, write_results)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -514,13 +516,35 @@ def cpu_report(args) -> dict:
     }
 
 
-def _result_name(name: str) -> str:
-    """An argparse ``type=`` for ``--out``, a result name (write_results adds
-    .json: ``--out x.json`` wrote x.json.json, ``--out ''`` wrote .json)."""
-    if not name.strip() or name.lower().endswith(".json"):
+def _is_out_path(value: str) -> bool:
+    """Whether ``--out VALUE`` is a file path (it ends in ``.json`` or names a
+    folder) rather than the older form, a bare result name (``train_gpu``)."""
+    return value.lower().endswith(".json") or os.sep in value or "/" in value \
+        or os.path.isdir(value)
+
+
+def _out_value(value: str) -> str:
+    """An argparse ``type=`` for ``--out``: a file path (it ends in ``.json`` or
+    names a folder: the file written, as the other scripts' ``--out`` takes it,
+    checked as they check it), or the older form, a bare result name
+    (``train_gpu``: NAME.json under bench/results or $RTMEM_BENCH_RESULTS).
+    ``--out x.json`` was refused and ``--out results/x`` wrote
+    bench/results/results/x.json, where every other script's --out wrote the
+    path given."""
+    if _is_out_path(value):
+        return output_file(replace=True)(value)
+    if not value.strip():
         raise argparse.ArgumentTypeError(
-            f"{name!r}: give a result name such as train_gpu (written as NAME.json)")
-    return name
+            f"{value!r}: give a file path such as out/train.json, or a result name such "
+            f"as train_gpu (written as NAME.json under bench/results)")
+    return value
+
+
+def _out_target(out: str) -> tuple:
+    """``(name, path)`` for :func:`write_results` and :class:`PartialResults`
+    from ``--out`` (:func:`_out_value`): a path keeps the benchmark's name,
+    ``train``; a result name is the name, with the default folder."""
+    return ("train", out) if _is_out_path(out) else (out, None)
 
 
 def main(argv=None):
@@ -567,8 +591,9 @@ def main(argv=None):
                          "(default: --gpu-time-s + 240)")
     ap.add_argument("--gpu-matmul-precision", default="high",
                     choices=["highest", "high", "medium"])
-    ap.add_argument("--out", type=_result_name, default="train",
-                    help="result name: writes NAME.json under bench/results or "
+    ap.add_argument("--out", type=_out_value, default="train",
+                    help="JSON output path (ending in .json or with a folder), or a bare "
+                         "result name: NAME.json under bench/results or "
                          "$RTMEM_BENCH_RESULTS (default train)")
     args = ap.parse_args(argv)
     if args.gpu_deadline_s is None:
@@ -579,7 +604,8 @@ def main(argv=None):
            "torch": torch.__version__}
     # a time limit must not take what was measured with it: the GPU section's
     # parts are written as they finish (marked partial)
-    partial, during = PartialResults(args.out), "the CPU section"
+    name, path = _out_target(args.out)
+    partial, during = PartialResults(name, path), "the CPU section"
     try:
         if args.skip_cpu:
             doc["cpu"] = not_measured("skipped (--skip-cpu)")
@@ -607,7 +633,7 @@ def main(argv=None):
         # with the error, and the traceback in the log
         traceback.print_exc()
         path = partial.save(partial.doc, error=f"{during}: {type(e).__name__}: {e}")
-        print(f"{args.out}: {during} failed ({type(e).__name__}: {e}); what was "
+        print(f"{name}: {during} failed ({type(e).__name__}: {e}); what was "
               f"measured before is in {path} (marked partial)", file=sys.stderr)
         return 1
     if not gpu["measured"]:
@@ -621,7 +647,7 @@ def main(argv=None):
     doc["gpu"] = gpu
     doc["load_average_at_end"] = list(os.getloadavg())
     doc["total_seconds"] = time.perf_counter() - t0
-    path = write_results(args.out, _jsonable(doc))
+    path = write_results(name, _jsonable(doc), path)
     print(f"wrote {path} ({doc['total_seconds']:.0f} s)")
     return 0
 

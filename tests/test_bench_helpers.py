@@ -40,6 +40,18 @@ def test_median_time_warms_up_then_takes_the_median(monkeypatch):
     assert len(calls) == 5                       # 2 untimed warm-up calls, 3 timed
 
 
+def test_repeat_times_keeps_every_run_and_time_spread_summarises_them(monkeypatch):
+    common = bench_module(monkeypatch, "_common")
+    durations = np.random.default_rng().uniform(0.1, 5.0, 6).tolist()
+    monkeypatch.setattr(common, "time", _clock(durations[1:]))
+    calls = []
+    times = common.repeat_times(lambda: calls.append(1), repeats=5, warmup=1)
+    assert times == pytest.approx(durations[1:]) and len(calls) == 6
+    spread = common.time_spread(times)
+    assert spread == {"median_s": sorted(times)[2], "min_s": min(times),
+                      "max_s": max(times), "times_s": times}
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_timed_runs_without_the_collector_and_restores_its_state(monkeypatch, enabled):
     common = bench_module(monkeypatch, "_common")

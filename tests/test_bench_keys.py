@@ -6,6 +6,7 @@ import pathlib
 import shlex
 import statistics
 
+import numpy as np
 import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
@@ -101,7 +102,9 @@ def test_dha_crossover_by_kind_agrees_or_says_mixed(monkeypatch):
     ("allocator", ["--repeats", "0"], "--repeats: must be at least 1"),
     ("train", ["--layers", "0", "--skip-gpu"], "--layers: must be at least 1"),
     ("train", ["--repeats", "0", "--skip-gpu"], "--repeats: must be at least 1"),
-    ("train", ["--out", "x.json"], "give a result name"),
+    ("train", ["--out", "", "--skip-cpu", "--skip-gpu"],
+     "give a file path such as out/train.json, or a result name"),
+    ("train", ["--out", str(BENCH), "--skip-cpu", "--skip-gpu"], "is a folder"),
     ("pcie", ["--max-size", "lots"], "--max-size: cannot read 'lots'"),
     ("pcie", ["--plot", "x.txt"], "must end in .png"),
     # --out a folder: open() raised IsADirectoryError after the whole run
@@ -436,10 +439,10 @@ def test_simulate_bench_records_how_many_runs_each_median_took(monkeypatch, tmp_
     simulate = bench_module(monkeypatch, "simulate")
     calls = []
 
-    def median_time(fn, repeats, warmup=1):
+    def repeat_times(fn, repeats, warmup=1):
         calls.append(repeats)
-        return 1e-3 * len(calls)
-    monkeypatch.setattr(simulate, "median_time", median_time)
+        return [1e-3 * len(calls)] * repeats
+    monkeypatch.setattr(simulate, "repeat_times", repeat_times)
     monkeypatch.setattr(simulate, "simulate",
                         lambda c, s, p: type("R", (), {"peak": 1, "makespan": 1.0})())
     monkeypatch.setattr(simulate, "reference_simulate", lambda c, s, p: {"peak": 1})
@@ -642,7 +645,8 @@ def _stub_measurements(monkeypatch, name, module):
     """Replace ``name``'s measuring by constant figures: only its document is
     under test."""
     if name == "simulate":
-        monkeypatch.setattr(module, "median_time", lambda fn, repeats, warmup=1: 1e-3)
+        monkeypatch.setattr(module, "repeat_times",
+                            lambda fn, repeats, warmup=1: [1e-3] * repeats)
         monkeypatch.setattr(module, "simulate",
                             lambda c, s, p: type("R", (), {"peak": 1, "makespan": 1.0})())
         monkeypatch.setattr(module, "reference_simulate", lambda c, s, p: {"peak": 1})
@@ -657,6 +661,74 @@ def _stub_measurements(monkeypatch, name, module):
             "depth": depth, "median_s": {"torch plain": 1.0},
             "over_torch": {"torch plain": 1.0}, "gc": {}, "with_gc_over_torch": {},
             "recount_over_ledger": {}})
+
+
+def test_simulate_bench_records_every_runs_time_beside_the_median(monkeypatch, tmp_path):
+    # simulate.json held medians only: two runs could not be compared with their spread
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    simulate = bench_module(monkeypatch, "simulate")
+    rng = np.random.default_rng()
+    drawn = []
+
+    def repeat_times(fn, repeats, warmup=1):
+        drawn.append(rng.uniform(1e-4, 1e-2, repeats).tolist())
+        return drawn[-1]
+    monkeypatch.setattr(simulate, "repeat_times", repeat_times)
+    monkeypatch.setattr(simulate, "simulate",
+                        lambda c, s, p: type("R", (), {"peak": 1, "makespan": 1.0})())
+    monkeypatch.setattr(simulate, "reference_simulate", lambda c, s, p: {"peak": 1})
+    assert simulate.main(["--ops", "60", "--repeats", str(int(rng.integers(2, 9)))]) == 0
+    doc = json.loads((tmp_path / "simulate.json").read_text())
+    for key, times in zip(("jitted", "pure_python"), drawn):
+        part = doc[key]
+        assert part["times_s"] == times and len(times) == part["repeats"]
+        assert part["median_s"] == statistics.median(times)
+        assert (part["min_s"], part["max_s"]) == (min(times), max(times))
+        assert part["ops_per_s"] == doc["ops"] / part["median_s"]
+
+
+def test_executor_bench_records_every_rounds_time_beside_the_median(monkeypatch, tmp_path):
+    # executor.json held each contender's median only
+    pytest.importorskip("torch")
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(tmp_path))
+    executor = bench_module(monkeypatch, "executor")
+    rng = np.random.default_rng()
+    drawn = {}
+
+    def round_robin(runs, repeats, before=lambda: None):
+        drawn.update({name: rng.uniform(1e-4, 1e-2, repeats).tolist() for name in runs})
+        return drawn
+    monkeypatch.setattr(executor, "round_robin", round_robin)
+    monkeypatch.setattr(executor, "gc_cost", lambda fn, calls, before=None: {
+        "gc_s_per_call": 0.0, "collections_per_call": [0, 0, 0]})
+    assert executor.main(["--depths", "3", "--repeats", "3"]) == 0
+    result, = json.loads((tmp_path / "executor.json").read_text())["results"]
+    assert result["times_s"] == drawn and "exec store-all" in drawn
+    assert result["median_s"] == {name: statistics.median(t) for name, t in drawn.items()}
+
+
+def test_train_bench_out_takes_a_json_path_or_a_result_name(monkeypatch, tmp_path, capsys):
+    # train's --out took a result name only (x.json was refused, a/b went under
+    # bench/results as a/b.json), where every other script's --out is the file written
+    pytest.importorskip("torch")
+    folder = tmp_path / "folder"
+    monkeypatch.setenv("RTMEM_BENCH_RESULTS", str(folder))
+    train = bench_module(monkeypatch, "train")
+    out = tmp_path / "new" / "train run 2.json"
+    assert train.main(["--skip-cpu", "--skip-gpu", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "train" and shlex.split(doc["command"])[-1] == str(out)
+    assert not folder.exists()
+    assert train.main(["--skip-cpu", "--skip-gpu", "--out", str(tmp_path / "a" / "b")]) == 0
+    assert json.loads((tmp_path / "a" / "b").read_text())["benchmark"] == "train"
+    # the documented older form: a result name, NAME.json in the results folder
+    assert train.main(["--skip-cpu", "--skip-gpu", "--out", "train_gpu"]) == 0
+    assert json.loads((folder / "train_gpu.json").read_text())["benchmark"] == "train_gpu"
+    # a path that cannot be written is bad usage before any work
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--skip-cpu", "--skip-gpu", "--out", str(tmp_path / "dir.json")])
+    assert e.value.code == 2 and "folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, argv, written", [
