@@ -1,7 +1,9 @@
-"""The ``rtmem`` command line: chains, simulate, demo (and plan, profile, doctor, bench).
+"""The ``rtmem`` command line: chains, demo (and simulate, plan, profile, doctor, bench).
 
 Subcommands owned by other modules register themselves through a
-``register(subparsers)`` function (see ``_PLUGINS``), so this file stays small.
+``register(subparsers)`` function (see ``_PLUGINS``; ``simulate``, first in
+``--help``, through :func:`rtmem.cli_simulate.add_parser`), so this file stays
+small. The parser class and the failure JSON live in :mod:`rtmem.cli_parser`.
 Every subcommand returns an exit code: 0 success, 1 an rtmem error (message on
 stderr), 2 bad usage (argparse), 130 stopped by Ctrl-C (files it was writing are
 left as they were: see :mod:`rtmem._files`). A subcommand run with ``--json`` that fails
@@ -19,14 +21,16 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
-import warnings
 
 from rtmem._table import format_table
+# what moved out of this file, re-exported: its users import it from here
+from rtmem.cli_parser import USAGE_ERROR, CommandParser, error_document  # noqa: F401
+from rtmem.cli_simulate import add_parser as add_simulate_parser
+from rtmem.cli_simulate import load_schedule, load_schedule_and_plan
 from rtmem.demo import MODEL_OPTIONS, missing_folders, remove_empty_folders
 from rtmem.errors import RtmemError
-from rtmem.units import format_bandwidth, format_bytes, format_seconds
+from rtmem.units import format_bytes, format_seconds
 
 __all__ = ["main", "CommandParser", "add_model_size_args", "at_least", "count", "error_document",
            "load_chain", "load_schedule", "load_schedule_and_plan", "model_sizes_problem",
@@ -59,74 +63,6 @@ def load_chain(spec: str):
         raise ChainError(f"no chain file {spec!r}; give an existing chain JSON file, a "
                          f"built-in name (rtmem chains) or a spec like gpt2:layers=6")
     return from_spec(spec)
-
-
-def load_schedule(spec: str, chain):
-    """A schedule from a file (text or JSON), ``store-all``, ``sequential:K`` (K
-    segments) or literal schedule text."""
-    return load_schedule_and_plan(spec, chain)[0]
-
-
-def load_schedule_and_plan(spec: str, chain):
-    """:func:`load_schedule`, and the :class:`~rtmem.planners.Plan` when ``spec``
-    is a plan document (else None): its recorded peak tells a plan made for
-    another chain of the same length."""
-    from rtmem.errors import ScheduleError
-    from rtmem.planners import Schedule, sequential_schedule, store_all_schedule
-    from rtmem.planners._documents import naming_file, read_text
-    from rtmem.planners.schedule import _DIGITS, OP_WORDS
-    # a folder named "store-all" or "sequential:2" must not hide the keyword
-    keyword = spec == "store-all" or spec.startswith("sequential:")
-    if os.path.exists(spec) and not (keyword and os.path.isdir(spec)):
-        text = read_text(spec, kind="schedule", error=ScheduleError, reason="parse")
-        with naming_file(spec, ScheduleError):
-            return _schedule_in_file(text)
-    if not spec.strip():
-        raise ScheduleError("the schedule is empty; give a path, 'store-all', "
-                            "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
-    if spec == "store-all":
-        return store_all_schedule(chain.n), None
-    if spec.startswith("sequential:"):
-        k = spec.partition(":")[2]
-        # ASCII digits only: str.isdigit also accepts "²" (int() then raises a raw
-        # ValueError) and "٣" (read as 3)
-        if not _DIGITS.fullmatch(k):
-            raise ScheduleError(f"sequential:K needs an integer K written in digits 0-9, "
-                                f"got {spec!r}")
-        return sequential_schedule(chain.n, int(k)), None
-    if "," in spec or "\n" in spec or spec.split()[0].lower() in OP_WORDS:
-        return Schedule.from_text(spec), None
-    raise ScheduleError(f"no schedule file {spec!r}; give a path, 'store-all', "
-                        "'sequential:K' or schedule text such as 'F_all 0, L, B 0'")
-
-
-def _schedule_in_file(text: str):
-    """The schedule in a file's ``text`` and the plan when it is a plan document
-    (else None): a plan document, a schedule document or schedule text."""
-    from rtmem.errors import ScheduleError
-    from rtmem.planners import Plan, Schedule
-    if not text.strip():
-        # read as a schedule of no operations: "the schedule ends before the
-        # backward pass is complete"
-        raise ScheduleError("the file is empty; give a file written by `rtmem plan remat "
-                            "--save` or Schedule.save", reason="parse")
-    if text.lstrip().startswith("{"):
-        try:
-            doc = json.loads(text)
-        except (ValueError, RecursionError):
-            doc = None                           # Schedule.parse reports it
-        if isinstance(doc, dict) and doc.get("format") == "rtmem.plan":
-            plan = Plan.from_dict(doc)           # a plan saved by `rtmem plan`
-            return plan.schedule, plan
-        if isinstance(doc, dict) and doc.get("format") != "rtmem.schedule":
-            # "expected 'rtmem.schedule'" sent a user holding `plan remat --json`'s
-            # report (no schedule in it) looking for a schedule converter
-            raise ScheduleError(
-                f"the file is neither a schedule nor a plan document (its format is "
-                f"{doc.get('format')!r}); give a file written by `rtmem plan remat "
-                f"--save` or Schedule.save (the --json report holds no schedule)",
-                reason="parse")
-    return Schedule.parse(text), None
 
 
 def writable(path: str, replace: bool = False) -> str | None:
@@ -299,25 +235,6 @@ def _cmd_chains(args) -> int:
     return 0
 
 
-def _for_another_chain(error, schedule, chain):
-    """``error`` (a ScheduleError of simulating ``schedule`` on ``chain``) with the
-    executor's hint added when the schedule's forward and backward steps cover
-    another number of stages than the chain has: a plan for a shorter chain
-    fails at its loss, which "needs a26 ... compute it again or prefetch it
-    first", with nothing pointing at the chain. Otherwise ``error`` itself."""
-    from rtmem.errors import ScheduleError
-    from rtmem.planners import Op
-    steps = [stage for op, stage, _ in schedule
-             if op in (Op.F_NONE, Op.F_CK, Op.F_ALL, Op.B)]
-    stages = max(steps) + 1 if steps else 0
-    if stages in (0, chain.n):
-        return error
-    return ScheduleError(f"{error} (was the plan made for another chain? its forward and "
-                         f"backward steps cover {stages} stages, this chain has {chain.n})",
-                         op_index=error.op_index, reason=error.reason,
-                         over_bytes=error.over_bytes)
-
-
 def stdout_table(headers, rows, align=None) -> str:
     """:func:`~rtmem._table.format_table` for printing on stdout: its columns
     measured on the text stdout's encoding writes (:func:`_escaping_stdout`
@@ -335,96 +252,6 @@ def require_plotting(args) -> None:
     if args.plot:
         from rtmem.plot import _matplotlib
         _matplotlib()
-
-
-def _peak_of_chain_only(schedule) -> bool:
-    """Whether ``schedule``'s simulated peak depends on the chain alone: no
-    transfer in it. An offload frees its bytes when the copy ends, so with
-    transfers the peak also depends on the link's bandwidth and on whether the
-    memory limit made an operation wait for those frees (NOTE [ Simulator
-    semantics ]): a plan simulated on its own chain with another platform
-    peaks elsewhere."""
-    import numpy as np
-
-    from rtmem.planners.schedule import COMPUTE_OPS, Op
-    at_once = COMPUTE_OPS | {Op.DELETE, Op.W_DELETE}
-    return bool(np.isin(schedule.op, [int(o) for o in at_once]).all())
-
-
-def _plan_chain_told(plan, chain, schedule, result) -> bool | None:
-    """Print a note on stderr when ``plan`` (None: a plain schedule) was made for
-    another chain than ``chain``; return :meth:`Plan.check_chain
-    <rtmem.planners.Plan.check_chain>`'s answer (None also without a plan). A
-    note, not an error: simulating a plan on a re-profiled or edited chain is a
-    fair question, and the numbers printed are this chain's."""
-    if plan is None:
-        return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        matches = plan.check_chain(chain)
-    if matches is False:
-        print(f"note: {caught[-1].message}; the numbers below are this chain's",
-              file=sys.stderr)
-    elif matches is None and plan.peak != result.peak and _peak_of_chain_only(schedule):
-        # A plan saved before plans recorded their chain: its peak, a function of
-        # the chain's sizes, tells another chain of the same length. Exact bytes:
-        # format_bytes may round two different peaks to the same text.
-        print(f"note: the plan records a peak of {plan.peak:,} B; on {chain.name} it "
-              f"peaks at {result.peak:,} B: was it made for another chain (or another "
-              f"batch size)?", file=sys.stderr)
-    return matches
-
-
-def _cmd_simulate(args) -> int:
-    from rtmem.errors import ScheduleError
-    from rtmem.planners import simulate
-    require_plotting(args)
-    chain = load_chain(args.chain)
-    schedule, plan = load_schedule_and_plan(args.schedule, chain)
-    platform = _platform(args)
-    try:
-        r = simulate(chain, schedule, platform)
-    except ScheduleError as e:
-        hinted = _for_another_chain(e, schedule, chain)
-        if hinted is e:
-            raise
-        raise hinted from e
-    if not math.isfinite(r.makespan):
-        # Chain bounds the times of planners' schedules; a hand-written one can
-        # still repeat operations until the float64 sum overflows
-        raise RtmemError(f"the makespan of this schedule overflows a float64 ({len(schedule)} "
-                         "operations); express the chain's times in larger units")
-    matches = _plan_chain_told(plan, chain, schedule, r)
-    doc = {"chain": chain.name, "ops": len(schedule), "makespan_s": r.makespan,
-           "peak_bytes": r.peak, "compute_s": r.compute_time, "idle_s": r.idle_time,
-           "h2d_bytes": r.h2d_bytes, "d2h_bytes": r.d2h_bytes,
-           # null for unlimited, as `plan --json` writes: JSON has no Infinity, and
-           # memory_limit's 2**62 stands for unlimited only inside rtmem
-           "memory_bytes": None if math.isinf(platform.memory) else platform.memory_limit,
-           "bandwidth_Bps": None if math.isinf(platform.bandwidth) else platform.bandwidth,
-           "channel": platform.channel,
-           # whether the plan was made for this chain: null for a schedule that is
-           # not a plan, or a plan saved before plans recorded their chain
-           "chain_matches_plan": matches}
-    if args.json:
-        print(json.dumps(doc, indent=1, allow_nan=False))
-    else:
-        print(stdout_table(["quantity", "value"], [
-            ["chain", f"{chain.name} ({chain.n} stages)"], ["operations", len(schedule)],
-            ["makespan", format_seconds(r.makespan)], ["peak memory", format_bytes(r.peak)],
-            ["memory limit", format_bytes(platform.memory)],
-            ["compute time", format_seconds(r.compute_time)],
-            ["idle time", format_seconds(r.idle_time)],
-            ["host->device", format_bytes(r.h2d_bytes)],
-            ["device->host", format_bytes(r.d2h_bytes)],
-            ["link", f"{format_bandwidth(platform.bandwidth)} {platform.channel}"]],
-            # measured as printed: the chain's name may hold what stdout escapes
-            align="lr"))
-    if args.plot:
-        from rtmem.plot import plot_schedule
-        plot_schedule(chain, schedule, platform, args.plot, result=r)
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
 
 
 def _blocks(value: str) -> tuple:
@@ -573,92 +400,6 @@ def add_model_size_args(p) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
 
 
-#: What argparse must read as a (negative) value rather than as an option: a
-#: minus before a digit or ".digit" (``-1MiB``, ``-.5GB/s``), or before inf,
-#: infinity or nan, alone (``-inf``; ``-info`` stays an unknown option).
-_NEGATIVE_VALUE = re.compile(r"^-(\.?\d|(inf|infinity|nan)$)", re.IGNORECASE)
-
-
-class _UsageError(SystemExit):
-    """argparse's exit on bad usage (an unknown option, a missing argument, a bad
-    choice or value): ``code`` is argparse's (2) and ``message`` its message,
-    which :meth:`CommandParser.parse_args` also prints as :func:`error_document`
-    when ``--json`` was given. A SystemExit, so a caller of ``parse_args`` sees
-    what argparse raises."""
-
-    def __init__(self, code, message: str):
-        super().__init__(code)
-        self.message = message
-
-
-class CommandParser(argparse.ArgumentParser):
-    """The ArgumentParser of ``rtmem`` and of the ``bench/`` scripts (one
-    implementation, so both read arguments alike).
-
-    Negative values: a word such as ``-1MiB``, ``-5GB/s`` or ``-inf`` is a value,
-    not an option. argparse before Python 3.13 reads only plain negative numbers
-    (``-1``, ``-.5``) as values, so ``--memory -1MiB`` failed with "expected one
-    argument" instead of rtmem's own "must be > 0 bytes"; :data:`_NEGATIVE_VALUE`
-    is the test Python 3.13 uses, plus the words float() reads as a negative
-    infinity or a NaN, which Python 3.13 still takes for options (none of the
-    options looks like a negative value, which would turn this off; an option of
-    that spelling, such as ``-i``, would still win over it).
-
-    Usage errors raise :class:`_UsageError` (a SystemExit with code 2, as
-    argparse's), after argparse's usage and message on stderr. When the command
-    line asks for ``--json`` and this parser or one of its subcommands has that
-    option, :meth:`parse_args` also prints ``{"error": MESSAGE, "kind":
-    "UsageError"}`` (:func:`error_document`) on stdout, as every other failure of a ``--json``
-    command does: a script reading stdout got nothing to parse. Subcommands'
-    parsers are of this class too (``add_subparsers`` makes its parsers of the
-    parent's class)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._negative_number_matcher = _NEGATIVE_VALUE
-
-    def error(self, message):
-        try:
-            super().error(message)      # usage and "PROG: error: MESSAGE" on stderr
-        except SystemExit as e:
-            raise _UsageError(e.code, message) from None
-
-    def parse_args(self, args=None, namespace=None):
-        # (subcommands' parsers are run by parse_known_args: this prints once)
-        argv = sys.argv[1:] if args is None else list(args)
-        try:
-            return super().parse_args(argv, namespace)
-        except _UsageError as e:
-            if _wants_json(argv) and self._has_json_option():
-                print(json.dumps(error_document(e.message), indent=1, allow_nan=False))
-            raise
-
-    def _has_json_option(self) -> bool:
-        """Whether this parser or a subcommand's takes ``--json`` (a script without
-        it names ``--json`` as an unrecognized argument, in words only)."""
-        for action in self._actions:
-            if "--json" in action.option_strings:
-                return True
-            if isinstance(action, argparse._SubParsersAction) and any(
-                    isinstance(p, CommandParser) and p._has_json_option()
-                    for p in action.choices.values()):
-                return True
-        return False
-
-
-def _wants_json(argv) -> bool:
-    """Whether the command line gives ``--json`` (or an abbreviation argparse
-    takes for it, or ``--json=...``) before any ``--``: usage errors are reported
-    before the arguments are parsed, so ``args.json`` is not there to ask."""
-    for word in argv:
-        if word == "--":
-            return False
-        option = word.partition("=")[0]
-        if len(option) > 2 and "--json".startswith(option):
-            return True
-    return False
-
-
 def build_parser() -> argparse.ArgumentParser:
     from rtmem import __version__
     parser = CommandParser(
@@ -669,14 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chains", help="list the built-in chains")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_chains)
-    p = sub.add_parser("simulate", help="simulate a schedule: makespan, peak, plots")
-    p.add_argument("chain", help="built-in name, generator spec or chain JSON file")
-    p.add_argument("schedule", help="schedule file, 'store-all', 'sequential:K' or text")
-    _add_platform_args(p)
-    p.add_argument("--plot", type=output_file(*PLOT_SUFFIXES),
-                   help="write a Gantt chart + memory plot to this file (.png, .pdf, .svg)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_cmd_simulate)
+    add_simulate_parser(sub)
     p = sub.add_parser("demo", help="the README's main job: profile, plan and train a "
                        "small GPT-2 (or ResNet) under a memory budget, with and without "
                        "rtmem")
@@ -709,37 +443,6 @@ def _prog(args) -> str:
     words = [args.command] + [w for w in (getattr(args, "planner", None),
                                           getattr(args, "bench", None)) if w]
     return "rtmem " + " ".join(words)
-
-
-#: The ``"kind"`` of :func:`error_document` for bad usage (argparse's errors and
-#: a subcommand's own checks of its arguments, exit 2), which raise nothing.
-USAGE_ERROR = "UsageError"
-
-
-def error_document(message: str, error: BaseException | None = None) -> dict:
-    """The JSON object a ``--json`` subcommand prints on stdout when it fails:
-    ``{"error": message, "kind": KIND}``, KIND the class name of ``error``
-    (``"InfeasibleError"``, ``"ScheduleError"``, ``"ChainError"``,
-    ``"FileNotFoundError"``, ...), or :data:`USAGE_ERROR` without one (bad
-    usage), so a script can tell a budget no plan fits from a mistyped argument
-    without matching the message's words; for an :class:`~rtmem.errors.InfeasibleError` also
-    ``"infeasible": true``, ``"budget_bytes"`` and ``"min_feasible_bytes"`` (bytes;
-    null when unknown or unlimited), the keys of an infeasible plan in ``rtmem
-    plan remat --json``'s ``"plans"``; for a :class:`~rtmem.errors.ScheduleError`
-    ``"op_index"``, ``"reason"`` and ``"over_bytes"``, as the exception has them."""
-    from rtmem.errors import InfeasibleError, ScheduleError
-
-    def finite(value):
-        # JSON has no Infinity: an unlimited budget is null, as in `plan --json`
-        return None if value is None or not math.isfinite(value) else value
-    doc = {"error": message,
-           "kind": USAGE_ERROR if error is None else type(error).__name__}
-    if isinstance(error, InfeasibleError):
-        doc.update(infeasible=True, budget_bytes=finite(error.budget),
-                   min_feasible_bytes=finite(error.min_feasible))
-    elif isinstance(error, ScheduleError):
-        doc.update(op_index=error.op_index, reason=error.reason, over_bytes=error.over_bytes)
-    return doc
 
 
 def report_error(args, message: str, error: BaseException | None = None) -> None:
