@@ -15,6 +15,11 @@ aligned size / requested bytes / number of this arena's live placements of kind
 for, under ``self._acct_lock``, which ``stats()`` also takes: a snapshot's per-kind
 totals always equal its ``allocated_bytes``. ``self._lock`` guards the slab list
 (the allocator calls ``add_slab`` with its own lock held, so it must be another).
+
+The arena's slab side (the slab and event source of its allocator core) is in
+rtmem/_arena_slabs.py, the stream-ordered free of its buffers in
+rtmem/_arena_free.py: mixins of ``_Arena``, which keeps construction, ``alloc``,
+accounting, stats and ``close``.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _deferred, _fork
+from ._arena_free import ArenaFree
+from ._arena_slabs import SlabSource
 from .adaptors import PoisonAdaptor, TracingAdaptor
 from .allocator import DEFAULT_ALIGNMENT, AllocatorStats, BestFitAllocator
 from .backends import Backend, get_backend
 from .buffer import KINDS, Buffer, Placement, bad_kind
-from .errors import DoubleFreeError, InvalidPointerError
+from .errors import InvalidPointerError
 from .units import parse_bytes
 
 __all__ = ["ArenaStats", "DeviceArena", "HostArena", "UNORDERED"]
@@ -137,33 +144,7 @@ def _check_flag(name: str, flag) -> bool:
     return bool(flag)
 
 
-def _misaligned(slab, align: int) -> bool:
-    return any(p is not None and p % align for p in (slab.ptr, slab.device_ptr))
-
-
-def _sub_slab(slab, shift: int, nbytes: int):
-    """The ``nbytes`` bytes of ``slab`` from ``shift`` on, as a slab of their own
-    (the same owner keeps the memory alive, and releasing either frees it)."""
-    from .backends import Slab
-    return Slab(slab.backend, nbytes, slab.ptr + shift, location=slab.location,
-                device_ptr=None if slab.device_ptr is None else slab.device_ptr + shift,
-                host_array=None if slab.host_array is None else
-                slab.host_array[shift:shift + nbytes],
-                pinned=slab.pinned, mapped=slab.mapped, owner=slab.owner)
-
-
-def _retired(stream) -> bool:
-    """True for a closed host stream, after waiting out the work queued on it
-    before it closed: nothing can be enqueued on it any more, so a block it
-    used is free for everyone now (freeing behind an event recorded there
-    raised, and the block could never be freed)."""
-    if getattr(stream, "closed", False):
-        stream.join()
-        return True
-    return False
-
-
-class _Arena:
+class _Arena(SlabSource, ArenaFree):
     """Common machinery of device and host arenas (see the subclasses)."""
 
     location = "?"
@@ -206,71 +187,6 @@ class _Arena:
         #: Top of the allocator stack (adaptors included); ``.upstream`` walks down.
         self.allocator = allocator
         _fork.register_arena(self)      # NOTE [ Arenas after fork ] in _fork.py
-
-    # ------------------------------------------------------ slab source API
-    def _new_slab(self, nbytes):
-        raise NotImplementedError
-
-    def add_slab(self, nbytes: int):
-        """Slab-source hook of the allocator core: a new backend slab."""
-        slab = self._new_slab(nbytes)
-        align = self._slab_alignment
-        if _misaligned(slab, align):
-            # Offsets are multiples of the alignment relative to the slab, and the
-            # backend aligns slabs less than an alignment may ask (host slabs to a
-            # page, cudaMalloc to 256 B): buffers came out misaligned. Take one
-            # alignment more and use the aligned part (those bytes are not in
-            # reserved_bytes).
-            self.backend.release(slab)
-            wide = self._new_slab(nbytes + align)
-            slab = _sub_slab(wide, (-wide.ptr) % align, nbytes)
-            if _misaligned(slab, align):    # a mapped alias aligned unlike its host side
-                self.backend.release(wide)
-                raise ValueError(f"alignment={align} B: the {self.backend.name} backend's "
-                                 f"device alias 0x{wide.device_ptr:x} of host memory "
-                                 f"0x{wide.ptr:x} is aligned differently; use an "
-                                 f"alignment <= 256 B")
-        if self.debug:
-            self.backend.fill(slab, 0, nbytes, PoisonAdaptor.POISON)
-        with self._lock:
-            self._slabs.append(slab)
-        return slab
-
-    def release_slab(self, slab) -> None:
-        """Slab-source hook: give a fully free slab back to the backend."""
-        with self._lock:
-            if self._closed:    # close() gave every slab back already
-                return
-            self._slabs.remove(slab)
-        self.backend.release(slab)
-
-    def _record_event(self, stream):
-        """Event-source hook of the allocator core: an event recorded on ``stream``
-        (a marker: it must not take a failure that the stream's user is to see)."""
-        return self.backend.marker(stream)
-
-    def _slab_of(self, block):
-        return self.core.slab_handle(block.slab)
-
-    def _fill_block(self, block, value):
-        # After close() the slabs are released: a free (legal then) has nothing
-        # to poison, and filling wrote into a released slab (a TypeError on the
-        # host backend, a memset of freed device memory on cuda). Called under
-        # _acct_lock (frees, allocations), which close() marks closed under.
-        if self._closed:
-            return
-        self.backend.fill(self._slab_of(block), block.offset, block.size, value)
-
-    def _check_block(self, block, value) -> int:
-        data = self.backend.read(self._slab_of(block), block.offset, block.size)
-        bad = np.flatnonzero(data != value)
-        return int(bad[0]) if bad.size else -1
-
-    @property
-    def slabs(self) -> tuple:
-        """The backend slabs this arena owns."""
-        with self._lock:
-            return tuple(self._slabs)
 
     @property
     def alignment(self) -> int:
@@ -364,88 +280,11 @@ class _Arena:
         if self._closed:
             raise InvalidPointerError(f"{self!r} is closed; create a new arena")
 
-    # The two halves of an arena's reuse policy (see the subclasses).
+    # The two halves of an arena's reuse policy (see the subclasses): this one,
+    # and ArenaFree._free_after (rtmem/_arena_free.py).
     def _default_stream(self):
         """The allocation key when ``alloc`` gets no stream."""
         raise NotImplementedError
-
-    def _free_after(self, block, stream) -> None:
-        """Free ``block`` behind the work enqueued so far on ``stream``: behind
-        an event recorded now (a DeviceArena usually defers it to a stamp)."""
-        self.allocator.deallocate(block, stream=stream, event=self._record_event(stream))
-
-    def _release(self, placement: Placement, kind: str) -> None:
-        """Free one placement, ordered after its last transfer and compute use
-        (on the compute stream: :meth:`_free_after`)."""
-        block = placement.block
-        size, requested = block.size, block.requested
-        compute = self.backend.current_stream()
-        # Streams whose queued work may still touch the block: the last
-        # transfer's while it runs (rare: a free racing its own copy), and the
-        # stream the block was allocated for when that is not the compute stream.
-        # Such a block may come from that stream's pending frees, whose earlier
-        # use it took over on the strength of stream order alone (NOTE
-        # [ Stream-ordered frees ] in _stream_order.py); freeing it for everyone now
-        # would let the CPU or another stream overwrite bytes a queued copy reads.
-        last_copy, home = placement.event, block.stream
-        copying = last_copy is not None and not last_copy.query() \
-            and not _retired(placement.stream)
-        # equality, not identity: a CUDA stream may have several wrappers
-        elsewhere = home is not None and home != compute and not _retired(home)
-        stream = event = None
-        if copying or elsewhere:
-            # Free on the copy's stream (else the home one) behind an event
-            # recorded now, after the home stream and the compute work enqueued
-            # so far.
-            stream = placement.stream if copying else home
-            if copying and elsewhere and home != stream:
-                stream.wait_event(self._record_event(home))
-            stream.wait_event(self._record_event(compute))
-            event = self._record_event(stream)
-        with self._acct_lock:
-            if event is not None:
-                self.allocator.deallocate(block, stream=stream, event=event)
-            elif compute.synchronous:
-                # Host compute has finished with the block: reusable by all at once.
-                self.allocator.deallocate(block)
-            else:
-                self._free_after(block, compute)
-            self._bytes_by_kind[kind] -= size
-            self._requested_by_kind[kind] -= requested
-            self._count_by_kind[kind] -= 1
-
-    def free(self, buf: Buffer) -> None:
-        """Free ``buf``: all its placements (in whichever arenas), stream-ordered.
-
-        Raises :class:`~rtmem.errors.DoubleFreeError` if already freed and
-        :class:`~rtmem.errors.InvalidPointerError` if ``buf`` has no placement here.
-        """
-        if not isinstance(buf, Buffer):
-            raise InvalidPointerError(f"{buf!r} is not an rtmem Buffer; free it with "
-                                      f"the library that allocated it")
-        with buf._lock:
-            if buf._freed or buf._free_requested:
-                raise DoubleFreeError(f"{buf!r} was already freed; free each buffer once")
-            device, host = buf._device, buf._host
-            if (device is None or device.arena is not self) and \
-                    (host is None or host.arena is not self):
-                raise InvalidPointerError(
-                    f"{buf!r} does not live in {self!r} (foreign pointer); free it with "
-                    f"buf.free() or the arena that allocated it")
-            if buf._pins:   # NOTE [ Pinned views ] in buffer.py: release on last view
-                buf._free_requested = True
-                return
-            if buf._pending is not None:
-                buf._settle(report=False)    # a failed move is undone; free what remains
-            # Detach each placement once its block is freed (Buffer._drop): if a
-            # release raises, the buffer stays live with the placements it still
-            # owns (never with a block the allocator may hand to someone else).
-            if buf._device is not None:
-                buf._drop("device")
-            if buf._host is not None:
-                buf._drop("host")
-            buf._pending = None
-            buf._freed = True
 
     def trim(self) -> int:
         """Give back every growth slab that is entirely free (waiting for pending
@@ -676,6 +515,6 @@ class HostArena(_Arena):
         # The CPU, which is not ordered with any stream: a block freed on a stream
         # comes back only once its event completed (torch's pinned-memory
         # allocator is as strict), so a new buffer can be written at once. Its
-        # frees take _Arena._free_after's event recorded now, not a later stamp,
+        # frees take ArenaFree._free_after's event recorded now, not a later stamp,
         # so the CPU gets the bytes back as soon as the GPU is past the free.
         return None

@@ -42,9 +42,10 @@ NOTE [ Keeping memory alive during copies ]
 A slab read or written by an in-flight copy must outlive it, and its block must
 not be reused before it ends. The block side is stream-ordered freeing: each
 placement remembers the last copy's event and stream, and freeing it gates the
-block on that event (:meth:`rtmem.arena._Arena._release`). The slab side is
-``TransferEngine._inflight``: (event, slabs) pairs held until the event
-completes (CuPy's ``_EventWatcher`` idea), guarded by ``TransferEngine._lock``.
+block on that event (:meth:`rtmem._arena_free.ArenaFree._release`, which arenas
+inherit). The slab side is ``TransferEngine._inflight``: (event, slabs) pairs
+held until the event completes (CuPy's ``_EventWatcher`` idea), guarded by
+``TransferEngine._lock``.
 """
 
 from __future__ import annotations
