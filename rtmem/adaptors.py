@@ -10,7 +10,7 @@ forwarded. Features are added by stacking, e.g.::
 The core never branches on a feature (RMM's style: adaptors, not flags).
 
 A :class:`TracingAdaptor`'s trace is read back by :func:`load_trace` and run
-against any allocator by :func:`replay` (defined in :mod:`rtmem._replay`,
+against any allocator by :func:`replay` (defined in :mod:`rtmem._trace_replay`,
 public here).
 """
 
@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 
 from ._blocks import _request   # the core's check, before size arithmetic here
-from ._replay import ReplayResult, load_trace, replay
+from ._trace_replay import ReplayResult, load_trace, replay
 from .allocator import BestFitAllocator, align_up
 from .errors import BackendError, OutOfMemoryError, UseAfterFreeError
 from .units import format_bytes, parse_bytes
@@ -501,6 +501,6 @@ class TracingAdaptor(AllocatorAdaptor):
                 self._file.close()
 
 
-# Trace reading and replay live in _replay.py; their public home is here (pickles,
+# Trace reading and replay live in _trace_replay.py; their public home is here (pickles,
 # reprs and help() name rtmem.adaptors, as before the split).
 ReplayResult.__module__ = load_trace.__module__ = replay.__module__ = __name__
