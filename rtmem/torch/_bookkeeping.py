@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ._stages import _Ledger, _storage_bytes, _storages
+from ._stages import _described, _Ledger, _storage_bytes, _storages
 from ._stored import _Entries
 
 #: Set by the test suite (tests/conftest.py): every operation's ledger total is
@@ -49,12 +49,13 @@ class _Bookkeeping:
     def _delta(self, t):
         # its bytes are resident, and no move frees it
         counted, held = self._delta_keys
-        storage = () if t is None else (t.untyped_storage(),)   # looked up once for both
+        # looked up and described once for both ledgers
+        described = () if t is None else _described((t.untyped_storage(),))
         self._holding.remove(held)
-        held = self._holding.add_storages(storage)
+        held = self._holding.add_described(described)
         if self._delta_counted:
             self._ledger.remove(counted)
-            counted = self._ledger.add_storages(storage)
+            counted = self._ledger.add_described(described)
         self._delta_t, self._delta_keys = t, (counted, held)
 
     def _account(self):

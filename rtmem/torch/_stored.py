@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._stages import _keyed
+from ._stages import _described
 
 
 def _copy_matches(st, host) -> bool:
@@ -81,13 +81,17 @@ class _Entries(dict):
         ledgers: that was three lookups per tensor, ~1/3 of the ledgers' cost."""
         saved = list(saved)
         needed = [t.untyped_storage() for t in (out, *saved)]   # as _Stored.needed()
-        st = _Stored(out=out, inp=inp, saved=saved, storages=list(_keyed(needed).values()),
+        # each storage described once, for the ledgers and for _keyed's keys
+        described = _described(needed)
+        unique = {ptr if nbytes else id(s): s for s, (_, ptr, nbytes) in zip(needed, described)}
+        st = _Stored(out=out, inp=inp, saved=saved, storages=list(unique.values()),
                      version=out._version)
         self.pop(k, None)
         # in the order of _Stored.all_tensors(), as __setitem__ counts them
-        every = needed if inp is None else [needed[0], inp.untyped_storage(), *needed[1:]]
-        st.ledger_keys = self._ledger.add_storages(every)
-        st.holding_keys = self._holding.add_storages(needed)
+        every = described if inp is None else \
+            [described[0], *_described([inp.untyped_storage()]), *described[1:]]
+        st.ledger_keys = self._ledger.add_described(every)
+        st.holding_keys = self._holding.add_described(described)
         super().__setitem__(k, st)
 
     def set_resident(self, st: _Stored, resident: bool) -> None:
