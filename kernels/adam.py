@@ -444,10 +444,20 @@ class PreparedUpdate:
     of them, then run the finite check and the update per tensor or per chunk.
     """
 
-    __slots__ = ("p", "g", "m", "v", "vmax", "out")
+    __slots__ = ("p", "g", "m", "v", "vmax", "out", "_known_spans")
 
-    def __init__(self, p, g, m, v, vmax, out):
+    def __init__(self, p, g, m, v, vmax, out, spans=None):
         self.p, self.g, self.m, self.v, self.vmax, self.out = p, g, m, v, vmax, out
+        self._known_spans = spans
+
+    def _spans(self) -> tuple:
+        """:func:`_bounds` of ``(p, g, m, v, vmax, out)``, None for an absent or
+        empty array: made once (a caller that knows them passes them in), for
+        the step's cross-tensor overlap check and the many-tensor kernel."""
+        if self._known_spans is None:
+            self._known_spans = tuple(None if a is None else _bounds(a) for a in (
+                self.p, self.g, self.m, self.v, self.vmax, self.out))
+        return self._known_spans
 
     @property
     def size(self) -> int:
@@ -536,15 +546,15 @@ def _prepare_again(state, bounds, shape, grad, *, grad_format=None, out=None,
                                               shape, writable=True)
     gb = _bounds(g)
     ob = None if o is None else _bounds(o)
+    pb, mb, vb, vmaxb = bounds
+    spans = (pb, gb, mb, vb, vmaxb, ob)
     if gb is not None or ob is not None:
-        pb, mb, vb, vmaxb = bounds
-        spans = (pb, gb, mb, vb, vmaxb, ob)
         for i, j in _FRESH_PAIRS:
             a, b = spans[i], spans[j]
             if a is not None and b is not None and a[0] < b[1] and b[0] < a[1]:
                 raise _overlap_error(_OPERANDS[i], _OPERANDS[j])
     p, m, v, vmax = state
-    return PreparedUpdate(p, g, m, v, vmax, o)
+    return PreparedUpdate(p, g, m, v, vmax, o, spans)
 
 
 #: prepare_update's operands in its overlap-check order, and the pairs of them

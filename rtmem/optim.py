@@ -47,8 +47,9 @@ from .arena import is_arena
 from .buffer import Buffer
 from .errors import OptimizerError, ResidencyError
 from .kernels._adam_checks import _check_state
+from .kernels._adam_many import ManyUpdates
 from .kernels._launch import check_flag
-from .kernels.adam import _check_finite_switch, _data_address, adam_coefficients, \
+from .kernels.adam import _OPERANDS, _check_finite_switch, _data_address, adam_coefficients, \
     prepare_update, threads
 
 _TORCH_CLASSES = ("CPUAdam", "CPUAdamW")
@@ -236,11 +237,10 @@ def _check_step_disjoint(named, arguments) -> None:
     """
     writes, reads = [], []
     for where, u in named:
-        for name, a, written in (("param", u.p, True), ("grad", u.g, False),
-                                 ("exp_avg", u.m, True), ("exp_avg_sq", u.v, True),
-                                 ("max_exp_avg_sq", u.vmax, True), ("out", u.out, True)):
-            if a is not None and a.nbytes:
-                (writes if written else reads).append(_span(a, where, name))
+        # the update's own spans: its arrays' addresses are looked up once a step
+        for name, span in zip(_OPERANDS, u._spans()):
+            if span is not None:
+                (reads if name == "grad" else writes).append((*span, where, name))
     pair = _first_overlap(writes)
     if pair is None:
         starts = [span[0] for span in writes]
@@ -278,12 +278,13 @@ def _run_step(opt, items, *, grad_scale, check_finite) -> bool:
     applied = True
     # The unchecked halves: c comes from adam_coefficients and the range is the
     # whole tensor, so re-checking both per tensor per step would only cost time.
+    # NOTE [ Many tensors, one launch ]: a call per kind of tensor, not per tensor
+    batch = ManyUpdates([(update, c) for update, c, _ in items])
     with threads(opt.num_threads):
         if check_finite:
-            applied = all(update._grads_finite(c, 0, update.size) for update, c, _ in items)
+            applied = not batch.count_nonfinite()
         if applied:
-            for update, c, _ in items:
-                update._apply(c, 0, update.size)
+            batch.apply()
     if applied:
         for _, _, st in items:
             st["step"] += 1

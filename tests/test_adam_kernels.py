@@ -432,12 +432,15 @@ def test_finite_check_reads_exactly_the_range_it_is_given(fresh_seed):
         assert np.array_equal(got[stop:], old[stop:])
 
 
-def _record_threads(monkeypatch):
-    """Replace the two parallel kernels by wrappers that note numba's thread count
-    at each call (what the kernel's parallel loop runs on)."""
-    from rtmem.kernels import adam
+def _record_threads(monkeypatch, module="adam",
+                    names=("_adam_kernel", "_nonfinite_kernel")):
+    """Replace the parallel kernels ``names`` of ``rtmem.kernels.<module>`` by
+    wrappers that note numba's thread count at each call (what the kernel's
+    parallel loop runs on)."""
+    import importlib
+    adam = importlib.import_module(f"rtmem.kernels.{module}")
     seen = []
-    for name in ("_adam_kernel", "_nonfinite_kernel"):
+    for name in names:
         real = getattr(adam, name)
 
         def wrapper(*args, _real=real, _name=name):

@@ -433,13 +433,15 @@ def test_cpu_adam_steps_run_on_num_threads(monkeypatch):
     limit = numba.config.NUMBA_NUM_THREADS
     if limit < 2:
         pytest.skip("one numba thread: a thread count cannot be told from the default")
-    seen = _record_threads(monkeypatch)
+    # a step's kernels: NOTE [ Many tensors, one launch ]
+    seen = _record_threads(monkeypatch, "_adam_many",
+                           ("_adam_many_kernel", "_nonfinite_many_kernel"))
     from rtmem.kernels import BLOCK_ELEMENTS
     big = torch.nn.Parameter(torch.randn(3 * BLOCK_ELEMENTS))   # big enough for the pool
     big.grad = torch.randn_like(big)
     numba.set_num_threads(limit)
     optim.CPUAdam([big], lr=1e-2, num_threads=1).step(grad_scale=4.0)
-    assert seen == [("_nonfinite_kernel", 1), ("_adam_kernel", 1)]
+    assert seen == [("_nonfinite_many_kernel", 1), ("_adam_many_kernel", 1)]
     assert numba.get_num_threads() == limit
 
 
