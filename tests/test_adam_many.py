@@ -176,3 +176,47 @@ def test_nan_in_one_small_tensor_skips_every_tensor():
     assert all(not c.any() for c in copies)
     assert all(opt.state[p]["step"].item() == 1 for p in params)
 
+
+# What may happen to a step count between two steps: each must be counted on
+# from its value (the batched count writes float32 counts in place, by address).
+def _step_replaced(st, torch):
+    st["step"] = torch.tensor(5.0)
+
+
+def _step_float64(st, torch):
+    st["step"] = torch.tensor(5.0, dtype=torch.float64)
+
+
+def _step_data_replaced(st, torch):
+    st["step"].data = torch.tensor(5.0)
+
+
+def _step_set_to_other_memory(st, torch):
+    st["step"].set_(torch.tensor([5.0]).view(()))
+
+
+def _step_edited_in_place(st, torch):
+    st["step"].fill_(5.0)
+
+
+@pytest.mark.parametrize("change", [_step_replaced, _step_float64, _step_data_replaced,
+                                    _step_set_to_other_memory, _step_edited_in_place])
+def test_step_counts_advance_from_what_the_state_holds(change):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    sizes = _random_sizes(rng, 8)
+    params = [torch.from_numpy(rng.standard_normal(n, dtype=np.float32)) for n in sizes]
+    opt = optim.CPUAdam(params, lr=1e-3)
+    for _ in range(2):
+        opt.step(grads=[torch.randn(n) for n in sizes])
+    k = int(rng.integers(len(params)))
+    change(opt.state[params[k]], torch)
+    before = opt.state[params[k]]["step"]
+    version = before._version
+    opt.step(grads=[torch.randn(n) for n in sizes])
+    steps = [opt.state[p]["step"] for p in params]
+    assert [s.item() for s in steps] == [6.0 if i == k else 3.0 for i in range(len(params))]
+    assert steps[k].dtype == before.dtype
+    assert all(s.dtype == torch.float32 for i, s in enumerate(steps) if i != k)
+    assert before._version > version      # an in-place change autograd can see
+
