@@ -89,23 +89,41 @@ def _schedule_in_file(text: str):
     return Schedule.parse(text), None
 
 
-def _for_another_chain(error, schedule, chain):
-    """``error`` (a ScheduleError of simulating ``schedule`` on ``chain``) with the
-    executor's hint added when the schedule's forward and backward steps cover
-    another number of stages than the chain has: a plan for a shorter chain
-    fails at its loss, which "needs a26 ... compute it again or prefetch it
-    first", with nothing pointing at the chain. Otherwise ``error`` itself."""
+def _for_another_chain(error, schedule, chain, plan=None):
+    """``error`` (a ScheduleError of simulating ``schedule``, from ``plan`` when
+    it is a plan document, on ``chain``) with a hint added when the schedule
+    was made for another chain: its forward and backward steps cover another
+    number of stages than the chain has (a plan for a shorter chain fails at its
+    loss, which "needs a26 ... compute it again or prefetch it first", with
+    nothing pointing at the chain), or ``plan`` records the digest of another
+    chain of as many stages (an edited or re-profiled one: "exceeds the limit"
+    said nothing of it, the note came only after a simulation that succeeds).
+    Otherwise ``error`` itself."""
     from rtmem.errors import ScheduleError
     from rtmem.planners import Op
     steps = [stage for op, stage, _ in schedule
              if op in (Op.F_NONE, Op.F_CK, Op.F_ALL, Op.B)]
     stages = max(steps) + 1 if steps else 0
-    if stages in (0, chain.n):
+    if stages not in (0, chain.n):
+        hint = (f"was the plan made for another chain? its forward and backward steps "
+                f"cover {stages} stages, this chain has {chain.n}")
+    elif plan is not None and _check_chain_quietly(plan, chain)[0] is False:
+        hint = (f"the plan was made for another chain of {chain.n} stages (its "
+                f"chain_sha256 is not this chain's): plan again for this chain")
+    else:
         return error
-    return ScheduleError(f"{error} (was the plan made for another chain? its forward and "
-                         f"backward steps cover {stages} stages, this chain has {chain.n})",
-                         op_index=error.op_index, reason=error.reason,
+    return ScheduleError(f"{error} ({hint})", op_index=error.op_index, reason=error.reason,
                          over_bytes=error.over_bytes)
+
+
+def _check_chain_quietly(plan, chain):
+    """``(answer, message)``: :meth:`Plan.check_chain
+    <rtmem.planners.Plan.check_chain>`'s answer and the message of its warning
+    (None when it warned nothing), caught: the command reports them itself."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matches = plan.check_chain(chain)
+    return matches, (caught[-1].message if caught else None)
 
 
 def _peak_of_chain_only(schedule) -> bool:
@@ -130,11 +148,9 @@ def _plan_chain_told(plan, chain, schedule, result) -> bool | None:
     fair question, and the numbers printed are this chain's."""
     if plan is None:
         return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        matches = plan.check_chain(chain)
+    matches, warning = _check_chain_quietly(plan, chain)
     if matches is False:
-        print(f"note: {caught[-1].message}; the numbers below are this chain's",
+        print(f"note: {warning}; the numbers below are this chain's",
               file=sys.stderr)
     elif matches is None and plan.peak != result.peak and _peak_of_chain_only(schedule):
         # A plan saved before plans recorded their chain: its peak, a function of
@@ -157,7 +173,7 @@ def _cmd_simulate(args) -> int:
     try:
         r = simulate(chain, schedule, platform)
     except ScheduleError as e:
-        hinted = _for_another_chain(e, schedule, chain)
+        hinted = _for_another_chain(e, schedule, chain, plan)
         if hinted is e:
             raise
         raise hinted from e

@@ -334,6 +334,39 @@ def test_simulate_a_plan_on_an_edited_chain_notes_it(capsys, tmp_path):
     assert code == 0 and json.loads(out)["chain_matches_plan"] is None
 
 
+def test_simulate_a_plan_refused_on_an_edited_chain_says_the_chain_is_another(capsys,
+                                                                               tmp_path):
+    # A plan replayed on its chain re-profiled at a larger batch (same stages,
+    # larger activations) at the plan's budget fails with "exceeds the memory";
+    # the note that the plan was made for another chain came only after a
+    # successful simulation, so the error did not say what the digest knew.
+    import numpy as np
+    chain = load_chain("gpt2:layers=4")
+    chain.save(tmp_path / "chain.json")
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "remat", str(tmp_path / "chain.json"), "--memory",
+                     "64GiB", "--save", str(plan), "--quiet")
+    assert code == 0
+    budget = str(json.loads(plan.read_text())["peak"])     # the plan's own peak, bytes
+    code, out, _ = run(capsys, "simulate", str(tmp_path / "chain.json"), str(plan),
+                       "--memory", budget, "--json")
+    assert code == 0 and json.loads(out)["chain_matches_plan"] is True
+    doc = json.loads((tmp_path / "chain.json").read_text())
+    scale = int(np.random.default_rng().integers(2, 5))
+    for key in ("x", "xbar"):
+        doc[key] = [v * scale for v in doc[key]]
+    (tmp_path / "chain.json").write_text(json.dumps(doc))
+    code, out, err = run(capsys, "simulate", str(tmp_path / "chain.json"), str(plan),
+                         "--memory", budget, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["kind"] == "ScheduleError" and "memory" in report["error"]
+    assert "the plan was made for another chain" in report["error"], report["error"]
+    assert "op_index" in report                 # still the simulator's error
+    code, _, err = run(capsys, "simulate", str(tmp_path / "chain.json"), str(plan),
+                       "--memory", budget)
+    assert code == 1 and err.count("\n") == 1 and "made for another chain" in err
+
+
 def test_simulate_a_plan_with_transfers_on_its_own_chain_gets_no_note(capsys, tmp_path):
     # A schedule with transfers peaks higher where a slower link frees offloaded
     # bytes later (and no memory limit makes an operation wait for them): the
