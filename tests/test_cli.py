@@ -300,6 +300,18 @@ def test_simulate_an_old_plan_for_another_chain_of_the_same_length_notes_it(caps
                    f"was it made for another chain (or another batch size)?\n")
 
 
+def _saved_chain_and_plan(capsys, tmp_path):
+    """gpt2:layers=4 saved as tmp_path/chain.json and its rotor plan under 64 GiB
+    saved by `rtmem plan remat` as tmp_path/plan.json: (chain, plan's path)."""
+    chain = load_chain("gpt2:layers=4")
+    chain.save(tmp_path / "chain.json")
+    plan = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "remat", str(tmp_path / "chain.json"), "--memory",
+                     "64GiB", "--save", str(plan), "--quiet")
+    assert code == 0
+    return chain, plan
+
+
 def test_simulate_a_plan_on_an_edited_chain_notes_it(capsys, tmp_path):
     # The user saved chain.json and plan.json, then edited the chain's times (or
     # profiled the model again): the peak is the same, so nothing said that the
@@ -307,12 +319,7 @@ def test_simulate_a_plan_on_an_edited_chain_notes_it(capsys, tmp_path):
     import numpy as np
 
     from rtmem.planners import Plan
-    chain = load_chain("gpt2:layers=4")
-    chain.save(tmp_path / "chain.json")
-    plan = tmp_path / "plan.json"
-    code, _, _ = run(capsys, "plan", "remat", str(tmp_path / "chain.json"), "--memory",
-                     "64GiB", "--save", str(plan), "--quiet")
-    assert code == 0
+    chain, plan = _saved_chain_and_plan(capsys, tmp_path)
     code, out, err = run(capsys, "simulate", str(tmp_path / "chain.json"), str(plan),
                          "--memory", "inf", "--json")
     assert code == 0 and json.loads(out)["chain_matches_plan"] is True and err == ""
@@ -341,12 +348,7 @@ def test_simulate_a_plan_refused_on_an_edited_chain_says_the_chain_is_another(ca
     # the note that the plan was made for another chain came only after a
     # successful simulation, so the error did not say what the digest knew.
     import numpy as np
-    chain = load_chain("gpt2:layers=4")
-    chain.save(tmp_path / "chain.json")
-    plan = tmp_path / "plan.json"
-    code, _, _ = run(capsys, "plan", "remat", str(tmp_path / "chain.json"), "--memory",
-                     "64GiB", "--save", str(plan), "--quiet")
-    assert code == 0
+    chain, plan = _saved_chain_and_plan(capsys, tmp_path)
     budget = str(json.loads(plan.read_text())["peak"])     # the plan's own peak, bytes
     code, out, _ = run(capsys, "simulate", str(tmp_path / "chain.json"), str(plan),
                        "--memory", budget, "--json")

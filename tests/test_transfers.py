@@ -630,6 +630,22 @@ def test_transfers_and_close_work_in_a_child_forked_after_copies_ran():
     h.close()
 
 
+def _alloc_refused(arena, words):
+    """A forked child's body: exit 0 if ``arena.alloc`` raises a BackendError
+    whose message has ``words``; 3 if it succeeds, 4 for another message, 8 for
+    another exception."""
+    def child():
+        import os
+        try:
+            arena.alloc(16)
+            os._exit(3)
+        except BackendError as e:
+            os._exit(0 if words in str(e) else 4)
+        except BaseException:
+            os._exit(8)
+    return child
+
+
 def _forked_while_held(lock, child, timeout=8):
     """Exit code of ``child()`` run in a process forked while another thread
     holds ``lock`` (None: the child hung past ``timeout`` seconds); the thread
@@ -743,15 +759,7 @@ def test_a_forked_child_refuses_an_arena_whose_core_was_busy_under_a_user_adapto
     busy = HostArena(1 << 16, backend=HostBackend(), adaptors=[Counting])
     busy.alloc(16).free()
     assert busy.allocator.calls == 1            # the stack is in use
-    def child():
-        import os
-        try:
-            busy.alloc(16)
-            os._exit(3)
-        except BackendError as e:
-            os._exit(0 if "forked" in str(e) else 4)
-        except BaseException:
-            os._exit(8)
+    child = _alloc_refused(busy, "forked")
 
     assert _forked_while_held(busy.core._lock, child) == 0
     busy.alloc(16).free()                       # the parent is unaffected
@@ -772,15 +780,7 @@ def test_a_forked_child_refuses_an_arena_whose_middle_adaptor_was_busy():
     assert isinstance(middle, StatisticsAdaptor) and middle is not busy.core
     busy.alloc(16).free()
 
-    def child():
-        import os
-        try:
-            busy.alloc(16)
-            os._exit(3)
-        except BackendError as e:
-            os._exit(0 if "forked" in str(e) else 4)
-        except BaseException:
-            os._exit(8)
+    child = _alloc_refused(busy, "forked")
 
     assert _forked_while_held(middle._lock, child) == 0
     busy.alloc(16).free()                       # the parent is unaffected
@@ -795,15 +795,7 @@ def test_a_child_forked_inside_an_alloc_is_told_the_forking_thread_may_hold_the_
     from rtmem.backends.host import HostBackend
     busy = HostArena(1 << 16, backend=HostBackend())
 
-    def child():
-        import os
-        try:
-            busy.alloc(16)
-            os._exit(3)
-        except BackendError as e:
-            os._exit(0 if "the thread that forked" in str(e) else 4)
-        except BaseException:
-            os._exit(8)
+    child = _alloc_refused(busy, "the thread that forked")
 
     with busy.core._lock:
         assert _in_forked_child(child, timeout=8) == 0
