@@ -145,12 +145,13 @@ def _storages(tensors):
     return _keyed(t.untyped_storage() for t in tensors if t is not None)
 
 
-def _keyed(storages) -> dict:
-    """:func:`_storages` of the tensors whose storages are ``storages``."""
-    out = {}
-    for s in storages:
-        out[id(s) if s.nbytes() == 0 else s.data_ptr()] = s
-    return out
+def _keyed(storages, described=None) -> dict:
+    """:func:`_storages` of the tensors whose storages are ``storages``;
+    ``described``: their :func:`_described` triples, when the caller has them
+    (then torch is not asked again)."""
+    if described is None:
+        return {id(s) if s.nbytes() == 0 else s.data_ptr(): s for s in storages}
+    return {ptr if nbytes else id(s): s for s, (_, ptr, nbytes) in zip(storages, described)}
 
 
 class _Ledger:
@@ -218,20 +219,12 @@ class _Ledger:
         stored tensor in two ledgers and asks torch once for both (three calls
         into C++ per storage and ledger were ~1/4 of a store's cost)."""
         keys = []
-        refs, ptr_of, bytes_of, at_ptr = self._refs, self._ptr_of, self._bytes_of, self._at_ptr
+        refs, ptr_of, bytes_of = self._refs, self._ptr_of, self._bytes_of
         for key, ptr, nbytes in described:
             n = refs.get(key)
             if n is None:
                 ptr_of[key], bytes_of[key] = ptr, nbytes
-                if nbytes:
-                    # _count(ptr, nbytes, 1), inlined: it runs for every storage of
-                    # every stored tensor, and a call was a third of its cost
-                    at = at_ptr.get(ptr, 0)
-                    at_ptr[ptr] = at + 1
-                    if not at:
-                        self._bytes_at[ptr] = nbytes
-                        if ptr not in self._excluded:
-                            self.total += nbytes
+                self._count(ptr, nbytes, 1)
                 n = 0
             refs[key] = n + 1
             keys.append(key)
@@ -239,23 +232,14 @@ class _Ledger:
 
     def remove(self, keys) -> None:
         """Stop counting what :meth:`add` returned ``keys`` for."""
-        refs, ptr_of, bytes_of, at_ptr = self._refs, self._ptr_of, self._bytes_of, self._at_ptr
+        refs = self._refs
         for key in keys:
             n = refs[key] - 1
             if n:
                 refs[key] = n
-                continue
-            del refs[key]
-            ptr, nbytes = ptr_of.pop(key), bytes_of.pop(key)
-            if nbytes:   # _count(ptr, nbytes, -1), inlined as in add_described
-                at = at_ptr[ptr] - 1
-                if at:
-                    at_ptr[ptr] = at
-                else:
-                    del at_ptr[ptr]
-                    first = self._bytes_at.pop(ptr)
-                    if ptr not in self._excluded:
-                        self.total -= first
+            else:
+                del refs[key]
+                self._count(self._ptr_of.pop(key), self._bytes_of.pop(key), -1)
 
     def resized(self, storage) -> None:
         """Call after ``storage.resize_``: its bytes (and address) changed."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._stages import _described
+from ._stages import _described, _keyed
 
 
 def _copy_matches(st, host) -> bool:
@@ -83,8 +83,8 @@ class _Entries(dict):
         needed = [t.untyped_storage() for t in (out, *saved)]   # as _Stored.needed()
         # each storage described once, for the ledgers and for _keyed's keys
         described = _described(needed)
-        unique = {ptr if nbytes else id(s): s for s, (_, ptr, nbytes) in zip(needed, described)}
-        st = _Stored(out=out, inp=inp, saved=saved, storages=list(unique.values()),
+        st = _Stored(out=out, inp=inp, saved=saved,
+                     storages=list(_keyed(needed, described).values()),
                      version=out._version)
         self.pop(k, None)
         # in the order of _Stored.all_tensors(), as __setitem__ counts them
