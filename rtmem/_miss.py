@@ -138,12 +138,10 @@ class _MissPath:
             if block.addr in seen:
                 continue
             # Stretch to the run's ends over ready and same-stream pending blocks.
-            while block.prev is not None and (block.prev.state == _READY or (
-                    block.prev.state == _PENDING and block.prev.stream == stream)):
+            while _usable(block.prev, stream):
                 block = block.prev
             run, total = [], 0
-            while block is not None and (block.state == _READY or (
-                    block.state == _PENDING and block.stream == stream)):
+            while _usable(block, stream):
                 seen.add(block.addr)
                 run.append(block)
                 total += block.size
@@ -198,6 +196,13 @@ class _MissPath:
         return first
 
 
+def _usable(block, stream) -> bool:
+    """Whether ``block`` (None: past a slab's end) is free for ``stream``: ready,
+    or pending on ``stream`` (stream order lets it reuse those at once)."""
+    return block is not None and (block.state == _READY or block.state == _PENDING
+                                  and block.stream == stream)
+
+
 class _RunView:
     """What a miss waiting for other streams' events (``_wait_until_fit``) knows
     of the free space, kept current as blocks retire instead of rescanned after
@@ -220,7 +225,7 @@ class _RunView:
     """
 
     __slots__ = ("alloc", "size", "stream", "starts", "ends", "dirty", "fits",
-                 "_fits", "_order", "_next", "stream_of")
+                 "_fits", "_order", "_rank", "_next", "stream_of")
 
     def __init__(self, alloc, size: int, stream):
         self.alloc, self.size, self.stream = alloc, size, stream
@@ -231,13 +236,10 @@ class _RunView:
         # that fits is chosen, and the fallback when none does. No FIFO is
         # added while the lock is held; a FIFO dropped from the index is empty.
         self._order = [(s, f) for s, f in alloc._fifo.items() if s != stream]
+        self._rank = {id(s): i for i, (s, _) in enumerate(self._order)}
         self.stream_of = {id(f): s for s, f in self._order}
         self.dirty = {s for s, _ in self._order}
         self._next = 0              # _order before it holds only empty FIFOs
-
-    def _usable(self, block) -> bool:
-        return block is not None and (block.state == _READY or block.state == _PENDING
-                                      and block.stream == self.stream)
 
     def _left(self, block):
         """``(start, blocker)`` of the run ending where ``block`` (not usable)
@@ -246,9 +248,9 @@ class _RunView:
         hit = self.ends.get(key)
         if hit is None:
             x = block.prev
-            if not self._usable(x):
+            if not _usable(x, self.stream):
                 return key, x
-            while self._usable(x.prev):
+            while _usable(x.prev, self.stream):
                 x = x.prev
             hit = self.ends[key] = (x.addr, x.prev)
             self.starts[x.addr] = (key, block)
@@ -261,9 +263,9 @@ class _RunView:
         hit = self.starts.get(key)
         if hit is None:
             x = block.next
-            if not self._usable(x):
+            if not _usable(x, self.stream):
                 return key, x
-            while self._usable(x.next):
+            while _usable(x.next, self.stream):
                 x = x.next
             hit = self.starts[key] = (x.addr + x.size, x.next)
             self.ends[hit[0]] = (key, block)
@@ -339,9 +341,8 @@ class _RunView:
         self.dirty.clear()
         order = self._order
         if fits:
-            rank = {id(s): i for i, (s, _) in enumerate(order)} if len(fits) > 1 else None
-            s = next(iter(fits)) if rank is None else min(fits, key=lambda s: rank[id(s)])
-            return fifos[s]
+            rank = self._rank
+            return fifos[min(fits, key=lambda s: rank[id(s)])]
         while self._next < len(order):
             s, fifo = order[self._next]
             if fifo and fifos.get(s) is fifo:
