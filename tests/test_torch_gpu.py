@@ -448,6 +448,40 @@ def test_profile_command_on_cuda_measures_temporaries(cuda, tmp_path):
                  "8", "--device", DEV, "--repeats", "2", "--save", str(path)]) == 0
     chain = Chain.load(str(path))
     assert chain.n == 4 and (chain.o_f > 0).any() and (chain.o_b > 0).any()
+    assert chain.o_loss > 0
     assert (chain.u_f > 0).all() and (chain.u_b > 0).all()
     peak = plan_store_all(chain, math.inf).peak
     assert main(["plan", "remat", str(path), "--memory", str(peak), "--json", "--quiet"]) == 0
+
+
+def test_profiled_loss_temporaries_count_what_cross_entropy_keeps(cuda):
+    # log_softmax saves its output (logits-sized) for backward and the backward
+    # makes logits-sized intermediates: left at 0, a GPT-2 plan's peak was 6.2 GB
+    # under the measured one on an H200 (bench/train.py). The store-all plan's
+    # peak must now cover what the run allocates beyond the weights and batch.
+    from rtmem.planners import plan_store_all
+    from rtmem.torch import profile_sequential
+    torch.manual_seed(0)
+    vocab, hidden, tokens = 8192, 256, 4096
+    model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+                                torch.nn.Linear(hidden, vocab)).to(DEV)
+    x = torch.randn(tokens, hidden, device=DEV)
+    y = torch.randint(0, vocab, (tokens,), device=DEV)
+    loss_fn = torch.nn.functional.cross_entropy
+    chain = profile_sequential(model, x, y, loss_fn, repeats=2)
+    logits = tokens * vocab * 4
+    assert chain.x[-1] == logits
+    assert chain.o_loss >= logits
+    plan = plan_store_all(chain, math.inf)
+    ex = ScheduleExecutor(model, plan, loss_fn, track_memory=False)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()       # weights and the batch
+    torch.cuda.reset_peak_memory_stats()
+    ex.step(x, y)
+    torch.cuda.synchronize()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the plan's peak counts the weights, their gradients and the input, of which
+    # base holds the weights and the input; slack: cuBLAS's workspace (32 MiB on
+    # Hopper), under the 2 x 128 MiB of logits that o_loss = 0 left out
+    assert torch.cuda.max_memory_allocated() - base <= plan.peak - weights - x.nbytes \
+        + (64 << 20)

@@ -32,6 +32,9 @@ output's shape, and:
 - ``x0``: bytes of the input, numel x element size (the executor works on a
   compact copy when the batch views a larger storage);
 - ``u_loss``: loss forward + backward seconds;
+- ``o_loss``: the loss's temporary bytes (forward and backward: what a
+  cross-entropy saves, the gradient's intermediates), measured as ``o_b`` is on
+  a GPU (peak minus what is live before and the gradient left after); 0 on the CPU;
 - ``no_recompute``: True for a stage that modifies its input in place (its
   first op is ``x.mul_(2)``, ``nn.ReLU(inplace=True)``, ...): a recomputation
   would read the modified input, which the executor refuses (NOTE [ Executor ]
@@ -356,7 +359,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             x = y.detach()
             if progress is not None:
                 progress(i + 1, len(model) + 1)
-        loss_times = []
+        loss_times, o_loss = [], 0
         for r in range(repeats):
             with torch.enable_grad(), own_parametrizations():
                 leaf, z = _stage_input(x)   # as the executor's L hands it to loss_fn
@@ -367,6 +370,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     # from it raises torch's error (or trains nothing)
                     check_loss(loss, z, stage_tensors, inputs.requires_grad, model)
                     _clear_grads(_graph_leaves(loss, leaf), grads, held)
+                    # its graph holds what the loss saved: not alive under o_loss's base
+                    loss = None
 
             def run():
                 with torch.enable_grad(), own_parametrizations(), \
@@ -374,7 +379,22 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                     loss = loss_fn(z, target)
                 with autocast_off(device), raised_in("the backward of the loss"):
                     loss.backward()
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
             loss_times.append(timer(run)[1])
+            if cuda:
+                # as o_b: the peak over what was live (a_L among it) and the
+                # gradient left behind (delta_L, in a_L's slot in the chain's
+                # model). For a cross-entropy over logits: log_softmax's saved
+                # output and the gradient's intermediates. Left at 0, a GPT-2
+                # plan undercounted its measured peak by 6.2 GB (bench/train.py,
+                # batch 16 x 1024 tokens, 3.3 GB of logits) on an H200.
+                d_loss = leaf.grad
+                o_loss = max(o_loss, torch.cuda.max_memory_allocated(device) - base
+                             - (_storage_bytes([d_loss]) if d_loss is not None else 0))
+            leaf.grad = None
         if progress is not None:
             progress(len(model) + 1, len(model) + 1)
     finally:
@@ -391,4 +411,4 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 g.set_state(g_state)
     flags = [i in in_place for i in range(len(model))]
     return Chain(**cols, x0=inputs.numel() * inputs.element_size(), no_recompute=flags,
-                 u_loss=statistics.median(loss_times), name=name or f"profiled-{len(model)}-stages")
+                 u_loss=statistics.median(loss_times), o_loss=o_loss, name=name or f"profiled-{len(model)}-stages")
