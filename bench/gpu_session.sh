@@ -156,7 +156,8 @@ step gpu-tests 240 python3 -m pytest -q -rs -m gpu tests
 step pcie 120 python3 bench/pcie.py $q
 step dha-layers 150 python3 bench/dha_layers.py $q
 step allocator 90 python3 bench/allocator.py
-step train 540 python3 bench/train.py --skip-cpu --gpu-time-s 240 --gpu-deadline-s 420
+step train 540 python3 bench/train.py --skip-cpu --gpu-start-layers 32 --gpu-time-s 240 \
+    --gpu-deadline-s 420
 step adam 300 python3 bench/adam.py --sizes 1e7,5e7,1e8 --budget 6
 pack
 exit $status
