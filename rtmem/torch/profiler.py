@@ -411,4 +411,5 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 g.set_state(g_state)
     flags = [i in in_place for i in range(len(model))]
     return Chain(**cols, x0=inputs.numel() * inputs.element_size(), no_recompute=flags,
-                 u_loss=statistics.median(loss_times), o_loss=o_loss, name=name or f"profiled-{len(model)}-stages")
+                 u_loss=statistics.median(loss_times), o_loss=o_loss,
+                 name=name or f"profiled-{len(model)}-stages")
