@@ -92,6 +92,21 @@ class _Timer:
         return out, time.perf_counter() - t0
 
 
+def _peak_start(device) -> int:
+    """Open a window for :func:`_peak_above` on CUDA ``device``: wait for the
+    queued work, reset the peak and return the bytes allocated now."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _peak_above(device, base: int, kept: int) -> int:
+    """Temporary bytes of the work since :func:`_peak_start` returned ``base``:
+    the peak over ``base`` less the ``kept`` bytes the work left allocated (its
+    output, the gradient it made), at least 0."""
+    return max(0, torch.cuda.max_memory_allocated(device) - base - kept)
+
+
 def _earlier_stage(marks: list, i: int, seq: int):
     """The stage k < ``i`` whose forward recorded the autograd node numbered
     ``seq``, with ``marks[k]`` the :func:`node_mark` taken before stage k's
@@ -283,9 +298,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             for r in range(repeats):
                 saved.clear()
                 if cuda:
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
+                    base = _peak_start(device)
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                         pack, lambda t: t):
                     # as the executor's F_all hands it: as it is to a stage whose
@@ -324,7 +337,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                                   exclude=exclude)
             o_f = 0
             if cuda:
-                o_f = max(0, torch.cuda.max_memory_allocated(device) - base - xbar)
+                o_f = _peak_above(device, base, xbar)
             # complex outputs get a complex delta (randn_like draws one); a delta
             # of None for them made backward fail ("implicitly created only for
             # scalar outputs")
@@ -334,9 +347,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
             bwd_times = [] if y.requires_grad else [0.0]
             for r in range(repeats if y.requires_grad else 0):
                 if cuda:
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
+                    base = _peak_start(device)
                 # outside the caller's autocast, as the executor runs its Bs
                 with autocast_off(device), raised_in(f"the backward of {label}"):
                     _, t_b = timer(lambda: torch.autograd.backward(
@@ -345,8 +356,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 xin.grad = None
             o_b = 0
             if cuda and y.requires_grad:
-                o_b = max(0, torch.cuda.max_memory_allocated(device) - base
-                          - _storage_bytes([xin]))
+                o_b = _peak_above(device, base, _storage_bytes([xin]))
             cols["u_f"].append(statistics.median(fwd_times))
             cols["u_b"].append(statistics.median(bwd_times))
             cols["x"].append(_storage_bytes([y]))
@@ -380,9 +390,7 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 with autocast_off(device), raised_in("the backward of the loss"):
                     loss.backward()
             if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
+                base = _peak_start(device)
             loss_times.append(timer(run)[1])
             if cuda:
                 # as o_b: the peak over what was live (a_L among it) and the
@@ -392,9 +400,8 @@ def profile_sequential(model: nn.Sequential, inputs: torch.Tensor, target, loss_
                 # plan undercounted its measured peak by 6.2 GB (bench/train.py,
                 # batch 16 x 1024 tokens, 3.3 GB of logits) on an H200.
                 d_loss = leaf.grad
-                o_loss = max(o_loss, torch.cuda.max_memory_allocated(device) - base
-                             - (_storage_bytes([d_loss]) if d_loss is not None else 0))
-            leaf.grad = None
+                o_loss = max(o_loss, _peak_above(
+                    device, base, _storage_bytes([d_loss]) if d_loss is not None else 0))
         if progress is not None:
             progress(len(model) + 1, len(model) + 1)
     finally:
