@@ -8,6 +8,10 @@ Runs, side by side in one process:
     ``sequential_schedule(n, 4)`` (rtmem.planners.lifetimes), replayed as
     allocations in op order; plus the static layout of the same lifetimes.
 
+Each section also times rtmem's compiled core
+(:class:`~rtmem.jit_allocator.JitBestFitAllocator`: the same placements, numba)
+against the Python core and the naive floor, and on a GPU against the pools.
+
 On the host backend the baseline is a plain Python best-fit (a linear scan of an
 address-ordered free list): the floor every allocator must beat. On a GPU the
 same traces also run against CuPy's MemoryPool and torch's caching allocator
@@ -57,6 +61,7 @@ from rtmem.adaptors import replay
 from rtmem.allocator import BestFitAllocator, align_up
 from rtmem.backends import cuda_available
 from rtmem.errors import OutOfMemoryError
+from rtmem.jit_allocator import JitBestFitAllocator
 from rtmem.layout import plan_layout
 from rtmem.planners import builtin, sequential_schedule
 from rtmem.planners.lifetimes import lifetimes
@@ -251,7 +256,8 @@ class ArenaPath:
 
 
 #: rtmem's contenders on the GPU, from the bare core to the whole arena path.
-_RTMEM_GPU = ("rtmem_core", "rtmem_core_stream_ordered", "rtmem_device_arena")
+_RTMEM_GPU = ("rtmem_jit_core", "rtmem_core", "rtmem_core_stream_ordered",
+              "rtmem_device_arena")
 
 
 class OrderedCore:
@@ -274,8 +280,8 @@ class OrderedCore:
 
 
 def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
-    """Pairs/s on the GPU of rtmem's core (virtual slabs, as on the host), rtmem's
-    DeviceArena path, CuPy's MemoryPool and torch's caching allocator, timed
+    """Pairs/s on the GPU of rtmem's compiled and Python cores (virtual slabs, as
+    on the host), rtmem's DeviceArena path, CuPy's MemoryPool and torch's caching allocator, timed
     round-robin in one process; ratios rtmem / CuPy (goal: >= 1/1.5).
 
     Each contender is one long-lived allocator warmed by an untimed replay, as in
@@ -296,7 +302,8 @@ def gpu_baselines(trace, repeats, loops, slab_bytes, peak_live):
         def deallocate(self, mem, stream=None, event=None):
             del mem     # the pool takes the block back when the last reference goes
 
-    contenders = {"rtmem_core": BestFitAllocator(slab_bytes),
+    contenders = {"rtmem_jit_core": JitBestFitAllocator(slab_bytes),
+                  "rtmem_core": BestFitAllocator(slab_bytes),
                   "rtmem_core_stream_ordered": OrderedCore(slab_bytes),
                   "rtmem_device_arena": ArenaPath(slab_bytes),
                   "cupy_memorypool": CupyPool()}
@@ -445,7 +452,23 @@ def random_section(trace, repeats) -> dict:
     out.update(**spread("host_arena_pairs_per_s", ar),
                **spread("core_pairs_per_s_same_run", co),
                **spread("host_arena_over_core", ratio))
+    out.update(jit_section(trace, slab, repeats, 1))
     return out
+
+
+def jit_section(trace, slab, repeats, loops) -> dict:
+    """The compiled core (:class:`~rtmem.jit_allocator.JitBestFitAllocator`)
+    against the Python core and against the naive floor, each pair timed in
+    the same repeats; the same placements, so the same fragmentation."""
+    jit, core, over_core = time_pair(lambda: JitBestFitAllocator(slab),
+                                     lambda: BestFitAllocator(slab), trace, repeats, loops)
+    jit2, naive, over_naive = time_pair(lambda: JitBestFitAllocator(slab),
+                                        lambda: NaiveBestFit(slab), trace, repeats, loops)
+    return {**spread("jit_pairs_per_s", jit), **spread("core_pairs_per_s_vs_jit", core),
+            **spread("jit_over_core", over_core),
+            **spread("jit_pairs_per_s_vs_naive", jit2),
+            **spread("naive_pairs_per_s_vs_jit", naive),
+            **spread("jit_over_naive", over_naive)}
 
 
 def gpt2_section(trace, lt, repeats, loops) -> dict:
@@ -457,7 +480,8 @@ def gpt2_section(trace, lt, repeats, loops) -> dict:
     peak = peak_live_aligned(trace)
     lay = plan_layout(lt.alloc, lt.free, lt.nbytes)
     lay.verify()
-    return {
+    jit = jit_section(trace, 64 * GIB, repeats, loops)
+    return {**jit,
         "chain": "gpt2-small", "schedule": "sequential_schedule(n, 4)",
         "buffers": len(lt), "ops": len(trace),
         **spread("rtmem_pairs_per_s", rt), **spread("naive_pairs_per_s", nv),
@@ -558,10 +582,18 @@ def main(argv=None, prog=None) -> int:
         ("random: reserved / peak live", f"{r['reserved_over_peak_live']:.3f}"),
         ("random: host DeviceArena path pairs/s", f"{r['host_arena_pairs_per_s']:,.0f} "
          f"({r['host_arena_over_core']:.2f}x the core's)"),
+        ("random: jit core pairs/s", f"{r['jit_pairs_per_s']:,.0f}"),
+        ("random: jit core / Python core", f"{r['jit_over_core']:.2f}x "
+                                           f"({_range(r, 'jit_over_core')})"),
         ("gpt2: rtmem pairs/s", f"{g['rtmem_pairs_per_s']:,.0f}"),
         ("gpt2: naive best-fit pairs/s", f"{g['naive_pairs_per_s']:,.0f}"),
         ("gpt2: speedup vs naive", f"{g['speedup_vs_naive']:.2f}x ({_range(g)}; "
                                    f"naive scans up to {g['naive_max_holes']} holes)"),
+        ("gpt2: jit core pairs/s", f"{g['jit_pairs_per_s']:,.0f}"),
+        ("gpt2: jit core / Python core", f"{g['jit_over_core']:.2f}x "
+                                         f"({_range(g, 'jit_over_core')})"),
+        ("gpt2: jit core / naive", f"{g['jit_over_naive']:.2f}x "
+                                   f"({_range(g, 'jit_over_naive')})"),
         ("gpt2: best-fit reserved / peak live (goal <= 1.05)",
          f"{g['best_fit_reserved_over_peak_live']:.4f}"),
         ("gpt2: static layout reserved / peak live (goal <= 1.01)",

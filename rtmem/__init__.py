@@ -23,6 +23,7 @@ from .errors import (BackendError, ChainError, DoubleFreeError, InfeasibleError,
                      NonFiniteGradientError, OptimizerError, OutOfMemoryError, PlatformError,
                      ResidencyError, RtmemError, ScheduleError, TraceError, UnitError,
                      UseAfterFreeError)
+from .jit_allocator import JitBestFitAllocator, JitBlock
 from .loss_scale import LossScaler
 from .transfers import drop_host, evict, offload, prefetch, synchronize, wait
 
@@ -41,7 +42,8 @@ __all__ = [
     "__version__",
     # runtime
     "AllocatorStats", "ArenaStats", "BestFitAllocator", "Buffer", "DeviceArena",
-    "HostArena", "KINDS", "LossScaler", "UNORDERED", "get_backend",
+    "HostArena", "JitBestFitAllocator", "JitBlock", "KINDS", "LossScaler", "UNORDERED",
+    "get_backend",
     "drop_host", "evict", "offload", "prefetch", "synchronize", "wait",
     "adaptors", "errors", "layout", "transfers",
     # errors

@@ -53,6 +53,44 @@ def align_up(nbytes: int, alignment: int) -> int:
     return -(-int(nbytes) // alignment) * alignment
 
 
+def _slab_geometry(initial_bytes, alignment, max_bytes, growth_bytes, size_name: str):
+    """Validated ``(alignment, initial, max_bytes, growth_bytes)`` of an
+    allocator, all bytes, sizes rounded up to ``alignment`` (both allocator
+    cores take the same arguments). ``size_name`` is what the caller calls
+    ``initial_bytes``, for the messages (an arena's ``nbytes``: its users were
+    told to lower an argument it lacks)."""
+    alignment = _byte_count(alignment, "alignment")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment}")
+    initial_bytes = _byte_count(initial_bytes, size_name)
+    if initial_bytes <= 0:
+        raise ValueError(f"{size_name} must be > 0 bytes, got {initial_bytes}; "
+                         f"pass the slab size in bytes (e.g. 1 << 30)")
+    initial = align_up(initial_bytes, alignment)
+    if initial >= _MAX_SLAB_BYTES:
+        # Checked before growth_bytes, which defaults to it: the message named
+        # growth_bytes to users who never passed it.
+        raise ValueError(f"{size_name}={initial_bytes:,} B: a slab must be smaller "
+                         f"than 1 TiB; give a smaller {size_name} and let it grow "
+                         f"by slabs (max_bytes=, growth_bytes=)")
+    for name, value in (("max_bytes", max_bytes), ("growth_bytes", growth_bytes)):
+        # align_up(-1) is 0: a negative size was taken as 0 (growth_bytes=-1
+        # silently meant exactly-sized slabs), or named as below initial_bytes.
+        if value is not None and _byte_count(value, name) < 0:
+            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+    max_bytes = initial if max_bytes is None else \
+        align_up(_byte_count(max_bytes, "max_bytes"), alignment)
+    if max_bytes < initial:
+        raise ValueError(f"max_bytes ({max_bytes} B) is below {size_name} "
+                         f"({initial} B); raise max_bytes or lower {size_name}")
+    growth_bytes = initial if growth_bytes is None else \
+        align_up(_byte_count(growth_bytes, "growth_bytes"), alignment)
+    if growth_bytes >= _MAX_SLAB_BYTES:
+        raise ValueError(f"growth_bytes={growth_bytes:,} B: slabs must be smaller "
+                         f"than 1 TiB; grow by smaller slabs")
+    return alignment, initial, max_bytes, growth_bytes
+
+
 class Block:
     """A contiguous range ``[offset, offset + size)`` of slab ``slab``, bytes.
 

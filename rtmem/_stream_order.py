@@ -104,6 +104,25 @@ from ._blocks import _PENDING, _READY, Block
 _MAINTAIN_EVERY = 256
 
 
+def check_free_args(event_source, stream, event, ordered) -> None:
+    """Refuse the free arguments no allocator core accepts (both cores share
+    the rules): an ordered free needs an event source, a stream and no event;
+    an event-gated free needs the stream its event was recorded on."""
+    if ordered:
+        if event_source is None:
+            raise ValueError("this allocator has no event_source, so it cannot order "
+                             "a free on a stream; construct it with event_source=, "
+                             "or free with event=")
+        if stream is None or event is not None:
+            raise ValueError("an ordered free needs a stream and no event; pass "
+                             "stream=, or drop ordered= and free with event=")
+    elif event is not None and stream is None:
+        # Stream None is also the key of allocations that name no stream, which
+        # would reuse the block before the event (the CPU is ordered with none).
+        raise ValueError("an event-gated free needs the stream the event was "
+                         "recorded on; pass stream=")
+
+
 class _StreamOrderedFrees:
     """Mixin of :class:`~rtmem.allocator.BestFitAllocator`, which provides the
     indexes (``_pending``, ``_fifo``, ``_unstamped``, ``_free_map``,
@@ -240,19 +259,7 @@ class _StreamOrderedFrees:
         return tail
 
     def _check_free_args(self, stream, event, ordered) -> None:
-        if ordered:
-            if self.event_source is None:
-                raise ValueError("this allocator has no event_source, so it cannot order "
-                                 "a free on a stream; construct it with event_source=, "
-                                 "or free with event=")
-            if stream is None or event is not None:
-                raise ValueError("an ordered free needs a stream and no event; pass "
-                                 "stream=, or drop ordered= and free with event=")
-        elif event is not None and stream is None:
-            # Stream None is also the key of allocations that name no stream, which
-            # would reuse the block before the event (the CPU is ordered with none).
-            raise ValueError("an event-gated free needs the stream the event was "
-                             "recorded on; pass stream=")
+        check_free_args(self.event_source, stream, event, ordered)
 
     def _free_ordered(self, block: Block, stream) -> None:
         """Index a live block freed in stream order on ``stream`` as unstamped

@@ -59,7 +59,7 @@ from bisect import bisect_left, insort
 
 from ._blocks import (_ADDR_MASK, _DEAD, _LIVE, _MAX_SLAB_BYTES, _PENDING, _READY,
                       _SIZE_SHIFT, _SLAB_BITS, DEFAULT_ALIGNMENT, AllocatorStats, Block,
-                      _byte_count, _request, align_up)
+                      _request, _slab_geometry, align_up)
 from ._invariants import _InvariantChecks
 from ._miss import _MissPath
 from ._resize import _InPlaceResize
@@ -102,36 +102,8 @@ class BestFitAllocator(_InPlaceResize, _MissPath, _StreamOrderedFrees, _Invarian
                  slab_source=None, event_source=None, _size_name: str = "initial_bytes"):
         # _size_name: what the caller calls initial_bytes, for the messages (an
         # arena's nbytes: its users were told to lower an argument it lacks)
-        alignment = _byte_count(alignment, "alignment")
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two >= 1 byte, got {alignment}")
-        initial_bytes = _byte_count(initial_bytes, _size_name)
-        if initial_bytes <= 0:
-            raise ValueError(f"{_size_name} must be > 0 bytes, got {initial_bytes}; "
-                             f"pass the slab size in bytes (e.g. 1 << 30)")
-        self.alignment = alignment
-        initial = align_up(initial_bytes, alignment)
-        if initial >= _MAX_SLAB_BYTES:
-            # Checked before growth_bytes, which defaults to it: the message named
-            # growth_bytes to users who never passed it.
-            raise ValueError(f"{_size_name}={initial_bytes:,} B: a slab must be smaller "
-                             f"than 1 TiB; give a smaller {_size_name} and let it grow "
-                             f"by slabs (max_bytes=, growth_bytes=)")
-        for name, value in (("max_bytes", max_bytes), ("growth_bytes", growth_bytes)):
-            # align_up(-1) is 0: a negative size was taken as 0 (growth_bytes=-1
-            # silently meant exactly-sized slabs), or named as below initial_bytes.
-            if value is not None and _byte_count(value, name) < 0:
-                raise ValueError(f"{name} must be >= 0 bytes, got {value}")
-        self.max_bytes = initial if max_bytes is None else \
-            align_up(_byte_count(max_bytes, "max_bytes"), alignment)
-        if self.max_bytes < initial:
-            raise ValueError(f"max_bytes ({self.max_bytes} B) is below {_size_name} "
-                             f"({initial} B); raise max_bytes or lower {_size_name}")
-        self.growth_bytes = initial if growth_bytes is None else \
-            align_up(_byte_count(growth_bytes, "growth_bytes"), alignment)
-        if self.growth_bytes >= _MAX_SLAB_BYTES:
-            raise ValueError(f"growth_bytes={self.growth_bytes:,} B: slabs must be smaller "
-                             f"than 1 TiB; grow by smaller slabs")
+        self.alignment, initial, self.max_bytes, self.growth_bytes = _slab_geometry(
+            initial_bytes, alignment, max_bytes, growth_bytes, _size_name)
         self.slab_source = slab_source
         self.event_source = event_source
         self._lock = threading.Lock()

@@ -647,7 +647,8 @@ def test_allocator_gpu_section_reports_allocations_refused_while_timed(bench, mo
     assert al.main(["--quick", "--repeats", "2"]) == 0
     d = bench.json("allocator")["gpu"]["random"]
     assert d["warmup_ooms"]["rtmem_core_stream_ordered"] == 0
-    assert d["timed_ooms"] == {"rtmem_core": 0, "rtmem_core_stream_ordered": 6,
+    assert d["timed_ooms"] == {"rtmem_jit_core": 0, "rtmem_core": 0,
+                               "rtmem_core_stream_ordered": 6,
                                "rtmem_device_arena": 0, "cupy_memorypool": 0}
     out = capsys.readouterr().out
     assert ("GPU random: rtmem_core_stream_ordered refused allocations (OOM, timed): "
