@@ -91,6 +91,25 @@ def _slab_geometry(initial_bytes, alignment, max_bytes, growth_bytes, size_name:
     return alignment, initial, max_bytes, growth_bytes
 
 
+def _trim_slabs(allocator, drop) -> int:
+    """Release every slab but the first that ``drop(first, nbytes)`` finds
+    entirely free (and takes out of the allocator's index); return the bytes
+    released. Both cores keep their slabs alike: ``_slabs`` (id -> (handle,
+    nbytes, first block)), ``_free_ids`` (ids for reuse), ``_reserved`` and
+    ``slab_source``."""
+    released = 0
+    for sid in list(allocator._slabs):
+        handle, nbytes, first = allocator._slabs[sid]
+        if sid and drop(first, nbytes):
+            del allocator._slabs[sid]
+            allocator._free_ids.append(sid)
+            allocator._reserved -= nbytes
+            released += nbytes
+            if allocator.slab_source is not None:
+                allocator.slab_source.release_slab(handle)
+    return released
+
+
 class Block:
     """A contiguous range ``[offset, offset + size)`` of slab ``slab``, bytes.
 

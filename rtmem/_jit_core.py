@@ -137,6 +137,17 @@ def _kill(S, idx):
 
 
 @njit(cache=True)
+def _drop_next(S, idx, nx):
+    """Unlink ``nx``, the block after ``idx`` (in no index), and kill it:
+    ``idx`` now reaches to where ``nx`` ended (the caller sets its size)."""
+    after = S[HDR + nx * W + F_NEXT]
+    S[HDR + idx * W + F_NEXT] = after
+    if after >= 0:
+        S[HDR + after * W + F_PREV] = idx
+    _kill(S, nx)
+
+
+@njit(cache=True)
 def has_room(S):
     """Whether a new block fits in the table without :func:`grow`."""
     return S[SPARE] >= 0 or S[HIWATER] < S[BCAP]
@@ -181,25 +192,16 @@ def _make_ready(S, idx):
     nx = S[j + F_NEXT]
     if p >= 0 and S[HDR + p * W + F_STATE] == READY:
         _remove_key(S, p)
-        pj = HDR + p * W
-        size += S[pj + F_SIZE]
-        S[pj + F_NEXT] = nx
-        if nx >= 0:
-            S[HDR + nx * W + F_PREV] = p
-        _kill(S, idx)
+        size += S[HDR + p * W + F_SIZE]
+        _drop_next(S, p, idx)
         idx = p
-        j = pj
+        j = HDR + p * W
     else:
         S[j + F_STATE] = READY
     if nx >= 0 and S[HDR + nx * W + F_STATE] == READY:
         _remove_key(S, nx)
-        nj = HDR + nx * W
-        size += S[nj + F_SIZE]
-        after = S[nj + F_NEXT]
-        S[j + F_NEXT] = after
-        if after >= 0:
-            S[HDR + after * W + F_PREV] = idx
-        _kill(S, nx)
+        size += S[HDR + nx * W + F_SIZE]
+        _drop_next(S, idx, nx)
     S[j + F_SIZE] = size
     _insert_key(S, idx)
 
@@ -254,22 +256,27 @@ def alloc(S, nbytes):
 
 
 @njit(cache=True)
-def _unlive(S, idx):
-    j = HDR + idx * W
-    S[ALLOCATED] -= S[j + F_SIZE]
-    S[REQUESTED] -= S[j + F_REQ]
-    S[NFREE] += 1
-
-
-@njit(cache=True)
-def free(S, ticket):
-    """Free a live block at once: 0, or NOT_LIVE / IS_STALE (untouched)."""
+def _unlive(S, ticket):
+    """Count live ``ticket``'s block free (it is left in no index): its
+    index, or IS_STALE / NOT_LIVE with nothing changed."""
     if S[STALE]:
         return IS_STALE
     idx = live_index(S, ticket)
     if idx < 0:
         return idx
-    _unlive(S, idx)
+    j = HDR + idx * W
+    S[ALLOCATED] -= S[j + F_SIZE]
+    S[REQUESTED] -= S[j + F_REQ]
+    S[NFREE] += 1
+    return idx
+
+
+@njit(cache=True)
+def free(S, ticket):
+    """Free a live block at once: 0, or NOT_LIVE / IS_STALE (untouched)."""
+    idx = _unlive(S, ticket)
+    if idx < 0:
+        return idx
     _make_ready(S, idx)
     return 0
 
@@ -278,12 +285,9 @@ def free(S, ticket):
 def defer(S, ticket):
     """Free a live block behind an event: it becomes pending (counted free, in
     no index, merging with nothing) until :func:`retire`. 0 or a code."""
-    if S[STALE]:
-        return IS_STALE
-    idx = live_index(S, ticket)
+    idx = _unlive(S, ticket)
     if idx < 0:
         return idx
-    _unlive(S, idx)
     j = HDR + idx * W
     S[j + F_STATE] = PENDING_STATE
     S[PENDING] += S[j + F_SIZE]
@@ -369,11 +373,7 @@ def resize(S, ticket, nbytes):
             S[nj + F_SIZE] = left
             _insert_key(S, nx)
         else:
-            after = S[nj + F_NEXT]
-            S[j + F_NEXT] = after
-            if after >= 0:
-                S[HDR + after * W + F_PREV] = idx
-            _kill(S, nx)
+            _drop_next(S, idx, nx)
         S[j + F_SIZE] = size
     S[ALLOCATED] += size - have
     S[REQUESTED] += nbytes - S[j + F_REQ]

@@ -59,7 +59,7 @@ from bisect import bisect_left, insort
 
 from ._blocks import (_ADDR_MASK, _DEAD, _LIVE, _MAX_SLAB_BYTES, _PENDING, _READY,
                       _SIZE_SHIFT, _SLAB_BITS, DEFAULT_ALIGNMENT, AllocatorStats, Block,
-                      _request, _slab_geometry, align_up)
+                      _request, _slab_geometry, _trim_slabs, align_up)
 from ._invariants import _InvariantChecks
 from ._miss import _MissPath
 from ._resize import _InPlaceResize
@@ -160,19 +160,13 @@ class BestFitAllocator(_InPlaceResize, _MissPath, _StreamOrderedFrees, _Invarian
         with self._lock:
             self._flush_pending()
             self._spare.clear()
-            released = 0
-            for sid in list(self._slabs):
-                handle, nbytes, first = self._slabs[sid]
-                if sid == 0 or first.state != _READY or first.size != nbytes:
-                    continue
-                self._remove_ready(first)
-                del self._slabs[sid]
-                self._free_ids.append(sid)
-                self._reserved -= nbytes
-                released += nbytes
-                if self.slab_source is not None:
-                    self.slab_source.release_slab(handle)
-            return released
+            return _trim_slabs(self, self._drop_if_free)
+
+    def _drop_if_free(self, first: Block, nbytes: int) -> bool:
+        if first.state != _READY or first.size != nbytes:
+            return False
+        self._remove_ready(first)
+        return True
 
     # ---------------------------------------------------------------- indexes
     def _remove_ready(self, block: Block) -> None:

@@ -37,7 +37,8 @@ from collections import deque
 from itertools import count
 
 from ._blocks import (_LIVE, _MAX_SLAB_BYTES, _OFFSET_BITS, _PENDING, _READY, _SLAB_BITS,
-                      DEFAULT_ALIGNMENT, AllocatorStats, _request, _slab_geometry, align_up)
+                      DEFAULT_ALIGNMENT, AllocatorStats, _request, _slab_geometry, _trim_slabs,
+                      align_up)
 from ._stream_order import check_free_args
 from .errors import DoubleFreeError, InvalidPointerError, OutOfMemoryError
 from .units import format_bytes
@@ -175,17 +176,8 @@ class JitBestFitAllocator:
         released."""
         with self._lock:
             self._flush_locked()
-            released = 0
-            for sid in list(self._slabs):
-                handle, nbytes, first = self._slabs[sid]
-                if sid and _core.drop_slab(self._S, first, nbytes):
-                    del self._slabs[sid]
-                    self._free_ids.append(sid)
-                    self._reserved -= nbytes
-                    released += nbytes
-                    if self.slab_source is not None:
-                        self.slab_source.release_slab(handle)
-            return released
+            return _trim_slabs(self, lambda first, nbytes: _core.drop_slab(self._S, first,
+                                                                           nbytes))
 
     # ------------------------------------------------------------ public API
     def allocate(self, nbytes: int, stream=None) -> JitBlock:

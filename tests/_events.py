@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hypothesis import strategies as st
+
 
 class FakeEvent:
     """An event the test completes by hand; ``synchronize`` completes it (as a
@@ -41,3 +43,11 @@ class StreamEvent(FakeEvent):
 
 def overlaps(a, b):
     return a.slab == b.slab and a.offset < b.end and b.offset < a.end
+
+
+def complete_one(events, data) -> None:
+    """Complete one of ``events`` not yet done, drawn by hypothesis's ``data``
+    (a stateful machine's rule; nothing when all are done)."""
+    pending = [e for e in events if not e.done]
+    if pending:
+        data.draw(st.sampled_from(pending)).complete()

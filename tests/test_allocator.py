@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
                                  invariant, rule)
 
-from _events import FakeEvent, StreamEvent, overlaps
+from _events import FakeEvent, StreamEvent, complete_one, overlaps
 from _threads import run_on_threads
 from rtmem.allocator import AllocatorStats, BestFitAllocator, align_up
 from rtmem.errors import DoubleFreeError, InvalidPointerError, OutOfMemoryError
+from rtmem.jit_allocator import JitBestFitAllocator
 
 
 # ---------------------------------------------------------------- unit tests
@@ -378,8 +379,12 @@ def test_sizes_must_be_integer_byte_counts():
     assert info.value.requested == 1 << 40 and a.stats() == before
 
 
-def test_concurrent_threads_no_corruption():
-    a = BestFitAllocator(4 << 20, alignment=256)
+@pytest.mark.parametrize("make", [
+    lambda: BestFitAllocator(4 << 20, alignment=256),
+    # capacity=8: the block table grows while other threads allocate and free
+    lambda: JitBestFitAllocator(4 << 20, capacity=8)], ids=["python", "jit"])
+def test_concurrent_threads_no_corruption(make):
+    a = make()
     owner = {}                                     # addr -> thread id, under lock
     lock = threading.Lock()
 
@@ -398,7 +403,9 @@ def test_concurrent_threads_no_corruption():
                 except OutOfMemoryError:
                     continue
                 with lock:
-                    assert b.addr not in owner, "block handed out twice"
+                    for addr, (_, size) in owner.items():
+                        assert addr + size <= b.addr or b.addr + b.size <= addr, \
+                            "bytes handed out twice"
                     owner[b.addr] = (tid, b.size)
                 mine.append(b)
         for b in mine:
@@ -643,9 +650,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def complete_event(self, data):
-        pending = [e for e in self.events if not e.done]
-        if pending:
-            data.draw(st.sampled_from(pending)).complete()
+        complete_one(self.events, data)
 
     @invariant()
     def consistent(self):
