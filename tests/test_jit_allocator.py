@@ -342,3 +342,15 @@ def test_handles_describe_themselves():
     assert "live" in repr(b) and a.owns(b) and a.slab_handle(0) is None
     a.deallocate(b)
     assert "freed" in repr(b) and not a.owns(b)
+
+
+def test_the_hot_calls_skip_numbas_dispatcher_where_it_can_and_fall_back_where_not():
+    import rtmem.jit_allocator as ja
+    JitBestFitAllocator(1024)
+    # numba 0.68 gives the machine code's entry point: no type resolution per call
+    assert ja._alloc is not _jit_core.alloc and ja._free is not _jit_core.free
+
+    class NoOverloads:
+        overloads = {}
+    d = NoOverloads()
+    assert ja._entry(d) is d                    # a numba without entry points
