@@ -176,13 +176,20 @@ class JitBestFitAllocator:
         if not self._free_ids and self._next_slab >= (1 << _SLAB_BITS):
             raise ValueError("more than 65536 slabs; use a larger growth_bytes")
         if not _core.has_room(self._S):
-            # before the slab source: nothing can fail once it gave memory
-            self._grow_table()
+            self._grow_table()      # before the slab source, which may be slow
         handle = self.slab_source.add_slab(nbytes) if self.slab_source is not None else None
-        sid = self._free_ids.pop() if self._free_ids else self._next_slab
-        if sid == self._next_slab:
+        sid = self._free_ids[-1] if self._free_ids else self._next_slab
+        try:
+            # grows the table again if a lock-free allocation took the slot
+            first = self._call(_core.add_slab, sid, nbytes)
+        except BaseException:       # no memory for the table: give the slab back
+            if handle is not None:
+                self.slab_source.release_slab(handle)
+            raise
+        if self._free_ids:
+            self._free_ids.pop()
+        else:
             self._next_slab += 1
-        first = self._call(_core.add_slab, sid, nbytes)
         self._slabs[sid] = (handle, nbytes, first)
         self._reserved += nbytes
 

@@ -354,3 +354,39 @@ def test_the_hot_calls_skip_numbas_dispatcher_where_it_can_and_fall_back_where_n
         overloads = {}
     d = NoOverloads()
     assert ja._entry(d) is d                    # a numba without entry points
+
+
+def test_a_slab_whose_table_growth_fails_goes_back_to_its_source(monkeypatch):
+    class Source:
+        def __init__(self):
+            self.live = set()
+
+        def add_slab(self, nbytes):
+            self.live.add(nbytes)
+            return nbytes
+
+        def release_slab(self, handle):
+            self.live.remove(handle)
+
+    src = Source()
+    a = JitBestFitAllocator(1024, max_bytes=4096, growth_bytes=2048, capacity=2,
+                            slab_source=src)
+    b = a.allocate(512)                         # the table's two slots: b, the rest
+    before = a.stats()
+
+    def no_memory(S, capacity):
+        raise MemoryError("no memory for a bigger table")
+    monkeypatch.setattr(_jit_core, "grow", no_memory)
+    with pytest.raises(MemoryError):            # grows the table before the slab
+        a.allocate(1024)
+    assert src.live == {1024} and a.stats() == before
+    # a lock-free allocation on another thread took the slot after the check
+    monkeypatch.setattr(_jit_core, "has_room", lambda S: True)
+    with pytest.raises(MemoryError):
+        a.allocate(1024)
+    assert src.live == {1024} and a.stats() == before
+    monkeypatch.undo()
+    c = a.allocate(1024)                        # slab id 1, as if never tried
+    assert c.slab == 1 and src.live == {1024, 2048}
+    a.deallocate(b), a.deallocate(c)
+    a._check_invariants()
