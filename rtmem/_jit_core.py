@@ -46,6 +46,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ._blocks import _DEAD, _LIVE, _OFFSET_BITS, _PENDING, _READY
+
 # header slots
 NKEYS, SPARE, HIWATER, KBASE, BCAP, ALIGN, STALE = 0, 1, 2, 3, 4, 5, 6
 ALLOCATED, REQUESTED, PEAK, NALLOC, NFREE, PENDING = 7, 8, 9, 10, 11, 12
@@ -53,11 +55,11 @@ HDR = 16
 # block fields
 W = 8
 F_ADDR, F_SIZE, F_PREV, F_NEXT, F_STATE, F_GEN, F_REQ = 0, 1, 2, 3, 4, 5, 6
-# block states: the values of rtmem._blocks (_LIVE, _READY, _PENDING, _DEAD)
-LIVE, READY, PENDING_STATE, DEAD = 0, 1, 2, 3
+# block states: those of BestFitAllocator's blocks
+LIVE, READY, PENDING_STATE, DEAD = _LIVE, _READY, _PENDING, _DEAD
 # return codes (tickets and indices are >= 0)
 NO_FIT, NO_ROOM, IS_STALE, NOT_LIVE = -1, -2, -3, -4
-OFFSET_BITS = 40
+OFFSET_BITS = _OFFSET_BITS
 IDX_MASK = 0xFFFFFFFF
 
 
@@ -384,6 +386,17 @@ def resize(S, ticket, nbytes):
 
 
 @njit(cache=True)
+def snapshot(S):
+    """The header, then the largest ready block's size (0 if none), copied in
+    one call: a consistent view for the statistics (the GIL is held)."""
+    out = np.empty(HDR + 1, np.int64)
+    out[:HDR] = S[:HDR]
+    n = S[NKEYS]
+    out[HDR] = S[HDR + S[S[KBASE] + n - 1] * W + F_SIZE] if n else 0
+    return out
+
+
+@njit(cache=True)
 def reset_peak(S):
     """Set the peak to what is allocated now."""
     S[PEAK] = S[ALLOCATED]
@@ -417,6 +430,7 @@ def warm_up() -> None:
     retire(S, t & IDX_MASK)
     free(S, alloc(S, 1))
     has_room(S)
+    snapshot(S)
     reset_peak(S)
     live_index(S, 0)
     T = grow(S, 8)

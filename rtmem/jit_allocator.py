@@ -47,17 +47,16 @@ __all__ = ["JitBestFitAllocator", "JitBlock"]
 
 _core = None            # rtmem._jit_core, imported by the first allocator (numba)
 _alloc = _free = None   # its two hot functions, as globals for the hot paths
-_HDR, _W, _IDX_MASK = 16, 8, 0xFFFFFFFF     # _jit_core's layout (checked in _load)
+_HDR = _W = _IDX_MASK = None    # _jit_core's layout, bound with it by _load
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 
 
 def _load():
-    global _core, _alloc, _free
+    global _core, _alloc, _free, _HDR, _W, _IDX_MASK
     if _core is None:
         from . import _jit_core
-        assert (_jit_core.HDR, _jit_core.W, _jit_core.IDX_MASK) == (_HDR, _W, _IDX_MASK)
-        assert _jit_core.OFFSET_BITS == _OFFSET_BITS
         _jit_core.warm_up()
+        _HDR, _W, _IDX_MASK = _jit_core.HDR, _jit_core.W, _jit_core.IDX_MASK
         _alloc, _free = _entry(_jit_core.alloc), _entry(_jit_core.free)
         _core = _jit_core
     return _core
@@ -69,17 +68,11 @@ def _entry(dispatcher):
     Safe because the hot paths pass only the state array (always int64, 1-D,
     C-contiguous) and a checked Python int below 2**63. The dispatcher itself
     where numba offers no entry point (an internal of numba's compile results)."""
-    import numba
-    key = (numba.typeof(_core_state_example()), numba.typeof(1))
+    from numba import types
     try:
-        return dispatcher.overloads[key].entry_point
+        return dispatcher.overloads[types.Array(types.int64, 1, "C"), types.int64].entry_point
     except (AttributeError, KeyError):
         return dispatcher
-
-
-def _core_state_example():
-    from ._jit_core import new_state
-    return new_state(1, 1)
 
 
 class JitBlock:
@@ -156,7 +149,6 @@ class JitBestFitAllocator:
         self._fifo = {}         # stream -> deque of (sequence, event, block index)
         self._seq = count()     # order of deferred frees, to wait for the oldest
         self._deferred = 0      # deferred frees since the last poll
-        self._waiting = False   # any deferred free not retired: allocations poll
         self._add_slab(initial)
 
     # ------------------------------------------------------------- the table
@@ -218,7 +210,7 @@ class JitBestFitAllocator:
         if nbytes.__class__ is not int or nbytes < 0 or nbytes >= _MAX_SLAB_BYTES:
             nbytes = _request(nbytes)
             t = self._allocate_slow(nbytes)
-        elif self._waiting:
+        elif self._fifo:        # deferred frees to retire first
             t = self._allocate_slow(nbytes)
         else:
             t = _alloc(self._S, nbytes)
@@ -321,7 +313,6 @@ class JitBestFitAllocator:
             if fifo is None:
                 fifo = self._fifo[stream] = deque()
             fifo.append((next(self._seq), event, block.ticket & _IDX_MASK))
-            self._waiting = True
             self._deferred += 1
             if self._deferred >= 256:
                 self._poll()    # bound the pending bytes of a stream nobody allocates on
@@ -336,7 +327,6 @@ class JitBestFitAllocator:
                 _core.retire(self._S, fifo.popleft()[2])
             if not fifo:
                 del self._fifo[stream]
-        self._waiting = bool(self._fifo)
 
     def _wait_oldest(self) -> bool:
         """Wait for the oldest deferred free's event and retire it; False when
@@ -351,7 +341,6 @@ class JitBestFitAllocator:
         _core.retire(self._S, idx)
         if not fifo:
             del self._fifo[stream]
-        self._waiting = bool(self._fifo)
         return True
 
     def flush(self) -> None:
@@ -412,19 +401,20 @@ class JitBestFitAllocator:
 
     def _stats_locked(self) -> AllocatorStats:
         c = _core
-        S = self._S.copy()      # one C call: a consistent snapshot (GIL held)
-        largest = int(S[_HDR + S[S[c.KBASE] + S[c.NKEYS] - 1] * _W + 1]) \
-            if S[c.NKEYS] else 0
+        S = _core.snapshot(self._S).tolist()
+        largest = S[_HDR]
+        # pending blocks change only under the lock, which is held
+        mv = self._mv
         for fifo in self._fifo.values():
             for _, _, idx in fifo:
-                largest = max(largest, int(S[_HDR + idx * _W + 1]))
-        allocated = int(S[c.ALLOCATED])
+                largest = max(largest, mv[_HDR + idx * _W + 1])
+        allocated = S[c.ALLOCATED]
         free = self._reserved - allocated
-        n_alloc, n_free = int(S[c.NALLOC]), int(S[c.NFREE])
+        n_alloc, n_free = S[c.NALLOC], S[c.NFREE]
         return AllocatorStats(
-            allocated_bytes=allocated, requested_bytes=int(S[c.REQUESTED]),
-            reserved_bytes=self._reserved, peak_bytes=int(S[c.PEAK]), free_bytes=free,
-            pending_bytes=int(S[c.PENDING]), largest_free_bytes=largest,
+            allocated_bytes=allocated, requested_bytes=S[c.REQUESTED],
+            reserved_bytes=self._reserved, peak_bytes=S[c.PEAK], free_bytes=free,
+            pending_bytes=S[c.PENDING], largest_free_bytes=largest,
             fragmentation=(1.0 - largest / free) if free else 0.0,
             alloc_count=n_alloc, free_count=n_free, live_blocks=n_alloc - n_free,
             slabs=len(self._slabs))
@@ -434,22 +424,24 @@ class JitBestFitAllocator:
         with self._lock:
             self._call(_core.reset_peak)
 
-    def _rows(self, S):
-        """``(slab, index, row)`` of every block in address order, ``row`` the
-        block's fields (from a snapshot ``S``)."""
-        for sid, (_, _, first) in self._slabs.items():
-            idx = first
-            while idx >= 0:
-                row = S[_HDR + idx * _W:_HDR + (idx + 1) * _W].tolist()
-                yield sid, idx, row
-                idx = row[_core.F_NEXT]
+    @staticmethod
+    def _rows(S, first: int):
+        """``(index, row)`` of a slab's blocks in address order from its first
+        block's index, ``row`` a block's fields (from a snapshot ``S``)."""
+        idx = first
+        while idx >= 0:
+            row = S[_HDR + idx * _W:_HDR + (idx + 1) * _W].tolist()
+            yield idx, row
+            idx = row[_core.F_NEXT]
 
     def live_blocks(self) -> list[JitBlock]:
         """New handles to the live blocks, in address order (``stream`` None)."""
         with self._lock:
-            out = []
-            for _, idx, row in self._rows(self._S.copy()):
-                if row[_core.F_STATE] == _LIVE:
+            out, S = [], self._S.copy()
+            for _, _, first in self._slabs.values():
+                for idx, row in self._rows(S, first):
+                    if row[_core.F_STATE] != _LIVE:
+                        continue
                     block = _new_handle(JitBlock)
                     block.owner, block.ticket = self, row[_core.F_GEN] << 32 | idx
                     block.addr, block.size = row[_core.F_ADDR], row[_core.F_SIZE]
@@ -470,9 +462,7 @@ class JitBestFitAllocator:
             for sid, (_, nbytes, first) in self._slabs.items():
                 reserved += nbytes
                 prev, end, prev_state = -1, 0, None
-                idx = first
-                while idx >= 0:
-                    row = S[_HDR + idx * _W:_HDR + (idx + 1) * _W].tolist()
+                for idx, row in self._rows(S, first):
                     assert idx not in seen, f"block {idx} linked twice"
                     seen.add(idx)
                     addr, size, state = row[c.F_ADDR], row[c.F_SIZE], row[c.F_STATE]
@@ -496,7 +486,6 @@ class JitBestFitAllocator:
                         pending.add(idx)
                         pending_bytes += size
                     prev, end, prev_state = idx, end + size, state
-                    idx = row[c.F_NEXT]
                 assert end == nbytes, f"slab {sid} tiled to {end} of {nbytes} B"
             keys = S[S[c.KBASE]:S[c.KBASE] + S[c.NKEYS]].tolist()
             order = [(int(S[_HDR + i * _W + 1]), int(S[_HDR + i * _W])) for i in keys]
