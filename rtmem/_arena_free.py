@@ -54,7 +54,10 @@ class ArenaFree:
         copying = last_copy is not None and not last_copy.query() \
             and not _retired(placement.stream)
         # equality, not identity: a CUDA stream may have several wrappers
-        elsewhere = home is not None and home != compute and not _retired(home)
+        # (identity first: backends reuse one wrapper per stream, and ``!=`` on a
+        # CudaStream is a Python call on every free)
+        elsewhere = home is not None and home is not compute and home != compute \
+            and not _retired(home)
         stream = event = None
         if copying or elsewhere:
             # Free on the copy's stream (else the home one) behind an event
@@ -65,7 +68,9 @@ class ArenaFree:
                 stream.wait_event(self._record_event(home))
             stream.wait_event(self._record_event(compute))
             event = self._record_event(stream)
-        with self._acct_lock:
+        lock = self._acct_lock      # acquire/release: cheaper than ``with`` here
+        lock.acquire()
+        try:
             if event is not None:
                 self.allocator.deallocate(block, stream=stream, event=event)
             elif compute.synchronous:
@@ -73,9 +78,12 @@ class ArenaFree:
                 self.allocator.deallocate(block)
             else:
                 self._free_after(block, compute)
-            self._bytes_by_kind[kind] -= size
-            self._requested_by_kind[kind] -= requested
-            self._count_by_kind[kind] -= 1
+            acct = self._acct[kind]
+            acct[0] -= size
+            acct[1] -= requested
+            acct[2] -= 1
+        finally:
+            lock.release()
 
     def free(self, buf: Buffer) -> None:
         """Free ``buf``: all its placements (in whichever arenas), stream-ordered.
@@ -95,7 +103,9 @@ class ArenaFree:
                 raise InvalidPointerError(
                     f"{buf!r} does not live in {self!r} (foreign pointer); free it with "
                     f"buf.free() or the arena that allocated it")
-            if buf._pins:   # NOTE [ Pinned views ] in buffer.py: release on last view
+            # buf._pins inlined (NOTE [ Pinned views ] in buffer.py: release on the
+            # last view)
+            if (device is not None and device.pins) or (host is not None and host.pins):
                 buf._free_requested = True
                 return
             if buf._pending is not None:

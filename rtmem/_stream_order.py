@@ -264,12 +264,16 @@ class _StreamOrderedFrees:
     def _free_ordered(self, block: Block, stream) -> None:
         """Index a live block freed in stream order on ``stream`` as unstamped
         pending, merged with neighbours pending on the same stream."""
+        # ``is`` before ``==``: a CudaStream's ``__eq__`` is a Python call, and the
+        # backends hand out one wrapper per stream, so identity usually decides
         prev, nxt = block.prev, block.next
-        if prev is not None and prev.state == _PENDING and prev.stream == stream:
+        if prev is not None and prev.state == _PENDING \
+                and (prev.stream is stream or prev.stream == stream):
             self._remove_pending(prev)
             self._absorb(prev, block)
             block = prev
-        if nxt is not None and nxt.state == _PENDING and nxt.stream == stream:
+        if nxt is not None and nxt.state == _PENDING \
+                and (nxt.stream is stream or nxt.stream == stream):
             self._remove_pending(nxt)
             self._absorb(block, nxt)
         self._defer(block, stream, None)

@@ -8,13 +8,15 @@ through its device alias). Both sub-allocate with
 flag only builds the stack, the core never checks it).
 
 NOTE [ Arena accounting ]
-``_bytes_by_kind[k]`` / ``_requested_by_kind[k]`` / ``_count_by_kind[k]`` sum the
-aligned size / requested bytes / number of this arena's live placements of kind
-``k``; their total equals the allocator's ``allocated_bytes`` (Rule checked by
-``_check_invariants``). Updated together with the allocator call they account
-for, under ``self._acct_lock``, which ``stats()`` also takes: a snapshot's per-kind
-totals always equal its ``allocated_bytes``. ``self._lock`` guards the slab list
-(the allocator calls ``add_slab`` with its own lock held, so it must be another).
+``_acct[k]`` is ``[bytes, requested, count]``: the aligned size, the requested
+bytes and the number of this arena's live placements of kind ``k`` (one list
+per kind: an allocation or a free updates it with one lookup). Their totals
+equal the allocator's ``allocated_bytes``, ``requested_bytes`` and
+``live_blocks`` (checked by ``_check_invariants``). Updated together with the
+allocator call they account for, under ``self._acct_lock``, which ``stats()``
+also takes: a snapshot's per-kind totals always equal its totals.
+``self._lock`` guards the slab list (the allocator calls ``add_slab`` with its
+own lock held, so it must be another).
 
 The arena's slab side (the slab and event source of its allocator core) is in
 rtmem/_arena_slabs.py, the stream-ordered free of its buffers in
@@ -156,9 +158,7 @@ class _Arena(SlabSource, ArenaFree):
         self._lock = threading.Lock()
         self._acct_lock = threading.Lock()     # NOTE [ Arena accounting ]
         self._slabs = []
-        self._bytes_by_kind = dict.fromkeys(KINDS, 0)
-        self._requested_by_kind = dict.fromkeys(KINDS, 0)
-        self._count_by_kind = dict.fromkeys(KINDS, 0)
+        self._acct = {kind: [0, 0, 0] for kind in KINDS}    # NOTE [ Arena accounting ]
         self._closed = False
         nbytes = parse_bytes(nbytes)
         try:
@@ -263,17 +263,26 @@ class _Arena(SlabSource, ArenaFree):
         return Buffer(placement, nbytes, dtype, shape, kind)
 
     def _allocate(self, nbytes: int, kind: str, stream=None) -> Placement:
-        self._check_open()
+        if self._closed:
+            self._check_open()
         if _deferred.queue:     # frees a garbage collection postponed (outside locks)
             _deferred.flush()
-        with self._acct_lock:
+        # acquire/release in try/finally, as in the core: cheaper than ``with``
+        # on a path every allocation takes
+        lock = self._acct_lock
+        lock.acquire()
+        try:
             # again under the lock close() marks it closed under: an allocation
             # racing close() must not take a block of (or grow) released slabs
-            self._check_open()
+            if self._closed:
+                self._check_open()
             block = self.allocator.allocate(nbytes, stream)
-            self._bytes_by_kind[kind] += block.size
-            self._requested_by_kind[kind] += block.requested
-            self._count_by_kind[kind] += 1
+            acct = self._acct[kind]
+            acct[0] += block.size
+            acct[1] += block.requested
+            acct[2] += 1
+        finally:
+            lock.release()
         return Placement(self, block)
 
     def _check_open(self) -> None:
@@ -313,17 +322,16 @@ class _Arena(SlabSource, ArenaFree):
         with self._acct_lock:
             st = self.allocator.stats()
             # Copies: the snapshot never changes with the arena.
-            return ArenaStats(st, dict(self._bytes_by_kind),
-                              dict(self._requested_by_kind), dict(self._count_by_kind))
+            return ArenaStats(st, *({k: a[i] for k, a in self._acct.items()}
+                                    for i in range(3)))
 
     def _check_invariants(self) -> None:
         """Check the allocator core and NOTE [ Arena accounting ]."""
         self.core._check_invariants()
         with self._acct_lock:
             st = self.core.stats()
-            assert sum(self._bytes_by_kind.values()) == st.allocated_bytes
-            assert sum(self._requested_by_kind.values()) == st.requested_bytes
-            assert sum(self._count_by_kind.values()) == st.live_blocks
+            totals = [sum(column) for column in zip(*self._acct.values())]
+            assert totals == [st.allocated_bytes, st.requested_bytes, st.live_blocks]
             assert len(self._slabs) == st.slabs
 
     def close(self) -> None:
