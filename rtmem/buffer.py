@@ -63,7 +63,7 @@ Fields are guarded by the buffer's ``_lock``; arenas guard their own accounting.
 
 from __future__ import annotations
 
-import threading
+import _thread
 
 import numpy as np
 
@@ -120,7 +120,9 @@ class Buffer(BufferViews):
         self._pending = None        # the _Move in flight (or completed, not yet settled)
         self._failed = None         # a failed move's BackendError not yet raised
         self._freed = False
-        self._lock = threading.RLock()
+        # _thread's RLock: threading.RLock is a Python function returning it,
+        # a frame per allocation
+        self._lock = _thread.RLock()
         # device_arena / host_arena: where prefetch / offload put it by default.
         arena = placement.arena
         if arena.location == "device":

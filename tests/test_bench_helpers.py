@@ -194,6 +194,27 @@ def test_adam_ratios_are_speed_ratios_of_medians_and_of_best_rounds(monkeypatch)
     assert best["1e1"]["rtmem_fp32_over_roofline"] == 0.8
 
 
+def test_adam_goals_at_50m_say_met_and_whether_the_roofline_allows_them(monkeypatch):
+    adam = bench_module(monkeypatch, "adam")
+    n = adam.GOAL_SIZE
+    rows = [{"size": n, "impl": "rtmem fp32", "median_s": 1.0, "min_s": 1.0},
+            {"size": n, "impl": "torch fused", "median_s": 1.2, "min_s": 1.2},  # 1.2x
+            {"size": n, "impl": "roofline fp32", "median_s": 0.95, "min_s": 0.95}]
+    ratios, _ = adam._ratios(rows, [n])
+    goals = adam._goals(ratios)
+    fused = goals["rtmem_fp32_over_torch_fused"]
+    assert fused["measured"] == pytest.approx(1.2) and fused["met"] is False
+    # the roofline is 1.2 / 0.95 = 1.26x torch fused: 1.3x is out of reach
+    assert fused["ceiling"] == pytest.approx(1.2 / 0.95) and fused["reachable"] is False
+    roof = goals["rtmem_fp32_over_roofline"]
+    assert roof["measured"] == pytest.approx(0.95) and roof["met"] is True
+    assert roof["ceiling"] == 1.0 and roof["reachable"] is True
+    # DeepSpeed did not run: nothing to decide
+    assert goals["rtmem_fp32_over_deepspeed"] == dict(
+        goal=1.1, measured=None, met=None, ceiling=None, reachable=None)
+    assert adam._goals(adam._ratios(rows, [10])[0]) is None    # 50M not measured
+
+
 def test_adam_rows_report_medians_params_per_s_and_gb_per_s(monkeypatch):
     adam = bench_module(monkeypatch, "adam")
     monkeypatch.setattr(adam, "_rtmem_contenders",
