@@ -53,9 +53,9 @@ class ArenaFree:
         last_copy, home = placement.event, block.stream
         copying = last_copy is not None and not last_copy.query() \
             and not _retired(placement.stream)
-        # equality, not identity: a CUDA stream may have several wrappers
-        # (identity first: backends reuse one wrapper per stream, and ``!=`` on a
-        # CudaStream is a Python call on every free)
+        # Equality, as a CUDA stream may have several wrappers; identity first, as
+        # backends reuse one wrapper per stream and a CudaStream's ``!=`` is a
+        # Python call on every free.
         elsewhere = home is not None and home is not compute and home != compute \
             and not _retired(home)
         stream = event = None
@@ -103,9 +103,7 @@ class ArenaFree:
                 raise InvalidPointerError(
                     f"{buf!r} does not live in {self!r} (foreign pointer); free it with "
                     f"buf.free() or the arena that allocated it")
-            # buf._pins inlined (NOTE [ Pinned views ] in buffer.py: release on the
-            # last view)
-            if (device is not None and device.pins) or (host is not None and host.pins):
+            if buf._pins:   # NOTE [ Pinned views ] in buffer.py: release on last view
                 buf._free_requested = True
                 return
             if buf._pending is not None:

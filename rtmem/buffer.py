@@ -367,9 +367,7 @@ class Buffer(BufferViews):
         """
         if self._freed or self._free_requested:
             raise DoubleFreeError(f"{self!r} was already freed; free each buffer once")
-        # _home_arena inlined (every free takes this path)
-        p = self._device
-        (p if p is not None else self._host).arena.free(self)
+        self._home_arena.free(self)
 
     @property
     def _home_arena(self):
